@@ -1,0 +1,235 @@
+"""Training options: one dataclass, its CLI, its YAML recipe, its checks.
+
+Order of precedence (timm's): dataclass defaults < ``--config recipe.yaml`` < CLI flags.
+This module imports no torch so that ``--help`` and bad-input errors are instant.
+
+    >>> cfg = TrainConfig(dataset="digits", epochs=2)
+    >>> cfg = parse_args(["--dataset", "digits", "--lr", "0.01"])
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """Bad user input. ``main()`` prints it as one line and exits with code 2."""
+
+
+def _opt(default: Any, help: str) -> Any:
+    return field(default=default, metadata={"help": help})
+
+
+LR_SCHEDULES = ("constant", "linear", "cosine")
+OPTIMIZERS = ("sgd", "adamw")
+TRACKERS = ("none", "tensorboard", "csv", "all")
+
+
+@dataclass
+class TrainConfig:
+    """Every option of a training run. Field names are the CLI flags (``--global_batch_size``)."""
+
+    # --- data ---
+    dataset: str = _opt("digits", "dataset name (digits, mnist, synthetic) or 'pkg.module:function'")
+    data_dir: str = _opt("data", "folder holding (or receiving, with --download) the dataset files")
+    download: bool = _opt(False, "download the dataset into --data_dir if missing (main process only)")
+    num_workers: int = _opt(0, "DataLoader worker processes per rank; 0 loads in the training process")
+    synthetic_samples: int = _opt(2048, "synthetic dataset: number of training samples (eval gets a quarter)")
+    synthetic_shape: tuple[int, ...] = _opt((1, 28, 28), "synthetic dataset: shape of one input, e.g. 1 28 28")
+    synthetic_classes: int = _opt(10, "synthetic dataset: number of classes")
+
+    # --- model ---
+    model: str = _opt("mlp", "model name (mlp, mnist_cnn) or 'pkg.module:function'")
+    hidden_size: int = _opt(256, "mlp: width of its two hidden layers")
+
+    # --- optimisation (units: optimizer steps, samples) ---
+    epochs: int = _opt(15, "passes over the training set; ignored when --max_steps is set")
+    max_steps: int | None = _opt(None, "stop after this many optimizer steps (overrides --epochs)")
+    global_batch_size: int = _opt(64, "samples per optimizer step summed over all ranks; fixed whatever the world size")
+    per_device_batch_size: int | None = _opt(
+        None, "samples per forward pass on one rank; default global/world (no accumulation)"
+    )
+    lr: float = _opt(3e-3, "peak learning rate, reached after --warmup_steps")
+    optimizer: str = _opt("adamw", "optimizer: sgd (momentum 0.9, nesterov) or adamw")
+    weight_decay: float = _opt(0.0, "decoupled weight decay (adamw) or L2 penalty (sgd)")
+    warmup_steps: int = _opt(0, "optimizer steps of linear warmup from 0 to --lr")
+    lr_schedule: str = _opt("cosine", "decay after warmup: constant, linear or cosine (to 0 at the last step)")
+    max_grad_norm: float = _opt(1.0, "clip the global gradient L2 norm to this; 0 disables clipping")
+    seed: int = _opt(0, "seed for model init, data order and every rank's RNG")
+
+    # --- evaluation, logging, outputs ---
+    eval_every: int = _opt(0, "evaluate every N optimizer steps; 0 = at the end of each epoch")
+    eval_batch_size: int | None = _opt(None, "per-device eval batch; default 2 x per-device train batch")
+    log_every: int = _opt(10, "write a metrics line every N optimizer steps")
+    output_dir: str = _opt("outputs/run", "where config.yaml, metrics.jsonl, summary.json and weights go")
+    checkpointing_steps: str | None = _opt(None, "save full state every N optimizer steps, or 'epoch'")
+    keep_last: int = _opt(3, "keep this many newest complete checkpoints")
+    resume_from_checkpoint: str | None = _opt(None, "checkpoint folder to resume from, or 'auto' for the newest")
+    with_tracking: str = _opt("none", "extra trackers through Accelerate: none, tensorboard, csv or all")
+    debug: bool = _opt(False, "debug mode: anomaly detection, deterministic kernels, few steps, small data")
+
+    def __post_init__(self) -> None:
+        self.synthetic_shape = tuple(int(d) for d in self.synthetic_shape)
+        _check_positive(self, "global_batch_size", "synthetic_samples", "synthetic_classes", "hidden_size",
+                        "log_every", "keep_last")
+        _check_positive(self, "per_device_batch_size", "max_steps", "eval_batch_size", allow_none=True)
+        _check_non_negative(self, "epochs", "weight_decay", "warmup_steps", "max_grad_norm", "eval_every",
+                            "num_workers")
+        if not self.lr > 0:
+            raise ConfigError(f"--lr must be > 0, got {self.lr}; try --lr 3e-3")
+        if self.epochs == 0 and self.max_steps is None:
+            raise ConfigError("--epochs is 0 and --max_steps is not set: nothing to train; set one of them")
+        if any(d <= 0 for d in self.synthetic_shape):
+            raise ConfigError(f"--synthetic_shape must be positive sizes, got {self.synthetic_shape}")
+        _check_choice(self, "optimizer", OPTIMIZERS)
+        _check_choice(self, "lr_schedule", LR_SCHEDULES)
+        _check_choice(self, "with_tracking", TRACKERS)
+        if self.checkpointing_steps is not None:
+            value = str(self.checkpointing_steps)
+            if value != "epoch" and not (value.isdigit() and int(value) > 0):
+                raise ConfigError(
+                    f"--checkpointing_steps must be a positive step count or 'epoch', got {value!r}"
+                )
+            self.checkpointing_steps = value
+
+    def batch_layout(self, world_size: int) -> tuple[int, int]:
+        """(per-device batch, gradient accumulation steps) for ``world_size`` ranks.
+
+        The global batch is the unit: ``global = world_size * per_device * accumulation``.
+
+            >>> TrainConfig(global_batch_size=64, per_device_batch_size=16).batch_layout(2)
+            (16, 2)
+        """
+        per_device = self.per_device_batch_size or self.global_batch_size // world_size
+        if per_device == 0 or self.global_batch_size % (world_size * per_device) != 0:
+            raise ConfigError(
+                f"--global_batch_size {self.global_batch_size} is not divisible by world size {world_size} "
+                f"x --per_device_batch_size {per_device}; pick a global batch that is a multiple of "
+                f"{world_size * max(per_device, 1)}"
+            )
+        return per_device, self.global_batch_size // (world_size * per_device)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["synthetic_shape"] = list(self.synthetic_shape)
+        return out
+
+
+def _check_positive(cfg: TrainConfig, *names: str, allow_none: bool = False) -> None:
+    for name in names:
+        value = getattr(cfg, name)
+        if value is None and allow_none:
+            continue
+        if value is None or value <= 0:
+            raise ConfigError(f"--{name} must be > 0, got {value}")
+
+
+def _check_non_negative(cfg: TrainConfig, *names: str) -> None:
+    for name in names:
+        if getattr(cfg, name) < 0:
+            raise ConfigError(f"--{name} must be >= 0, got {getattr(cfg, name)}")
+
+
+def _check_choice(cfg: TrainConfig, name: str, choices: tuple[str, ...]) -> None:
+    if getattr(cfg, name) not in choices:
+        raise ConfigError(f"--{name} {getattr(cfg, name)!r} is unknown; choose one of {', '.join(choices)}")
+
+
+# ----------------------------------------------------------------------------- CLI and YAML
+
+
+def _field_types() -> dict[str, Any]:
+    return typing.get_type_hints(TrainConfig)
+
+
+def _scalar_type(annotation: Any) -> tuple[Any, bool]:
+    """(element type, is_tuple) for ``int``, ``int | None``, ``tuple[int, ...]``."""
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        inner = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return _scalar_type(inner[0])
+    if origin is tuple:
+        return typing.get_args(annotation)[0], True
+    return annotation, False
+
+
+def _parse_bool(text: str) -> bool:
+    lowered = str(text).lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse prints usage plus the error; we want one line and exit code 2 via ConfigError."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        raise ConfigError(f"{message}; see --help")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _OneLineParser(
+        prog="train.py",
+        description="Data-parallel training with Accelerate. Flags override --config recipe.yaml.",
+        argument_default=argparse.SUPPRESS,  # so we know which flags the user really gave
+    )
+    parser.add_argument("--config", help="YAML recipe with any of the flags below as keys")
+    hints = _field_types()
+    for f in dataclasses.fields(TrainConfig):
+        kind, is_tuple = _scalar_type(hints[f.name])
+        help_text = f"{f.metadata['help']} (default: {f.default})"
+        if kind is bool:
+            parser.add_argument(f"--{f.name}", type=_parse_bool, nargs="?", const=True, help=help_text)
+        elif is_tuple:
+            parser.add_argument(f"--{f.name}", type=kind, nargs="+", help=help_text)
+        else:
+            parser.add_argument(f"--{f.name}", type=kind, help=help_text)
+    return parser
+
+
+def load_recipe(path: str) -> dict[str, Any]:
+    """Read a YAML recipe whose keys are TrainConfig fields."""
+    import yaml
+
+    if not os.path.isfile(path):
+        raise ConfigError(f"--config {path}: no such file; give the path of a YAML recipe")
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = yaml.safe_load(fh)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"--config {path}: not valid YAML{where}; fix the file's syntax") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"--config {path}: cannot read it ({err.__class__.__name__}); check the file") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config {path}: expected a mapping of option: value, got {type(data).__name__}")
+    known = {f.name for f in dataclasses.fields(TrainConfig)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ConfigError(
+            f"--config {path}: unknown key(s) {', '.join(unknown)}; valid keys are the flags of train.py --help"
+        )
+    return data
+
+
+def parse_args(argv: list[str] | None = None) -> TrainConfig:
+    """Defaults, then the ``--config`` recipe, then CLI flags."""
+    args = vars(build_parser().parse_args(sys.argv[1:] if argv is None else argv))
+    values = load_recipe(args.pop("config")) if "config" in args else {}
+    values.update(args)
+    try:
+        return TrainConfig(**values)
+    except TypeError as err:  # a YAML value of the wrong type, e.g. a list for --lr
+        raise ConfigError(f"bad value in the config: {err}") from None
