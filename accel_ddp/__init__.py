@@ -2,14 +2,9 @@
 
 from accel_ddp.config import ConfigError, TrainConfig
 
+# Imported eagerly on purpose: the submodule accel_ddp.train shares the function's name, and a lazy
+# lookup would hand callers the module once anything had imported it.
+from accel_ddp.train import train
+
 __all__ = ["ConfigError", "TrainConfig", "train"]
 __version__ = "0.1.0"
-
-
-def __getattr__(name: str):
-    # `train` pulls in torch and accelerate; importing it lazily keeps `--help` and config checks fast.
-    if name == "train":
-        from accel_ddp.train import train
-
-        return train
-    raise AttributeError(f"module 'accel_ddp' has no attribute {name!r}")

@@ -1,0 +1,11 @@
+"""A script that builds Accelerate's state without asking for CPU before calling accel_ddp: on a machine
+without GPUs the ranks then do not form one group, and accel_ddp must refuse to train."""
+import sys
+
+from accelerate import PartialState
+
+PartialState()  # no cpu=True: each torchrun process becomes a lone world of 1
+
+from accel_ddp.train import main  # noqa: E402
+
+sys.exit(main(sys.argv[1:]))

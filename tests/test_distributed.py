@@ -1,0 +1,188 @@
+"""The DDP semantics of DESIGN.md, proven with real 2-process gloo launches."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+
+from tests.conftest import REPO, check, launch, load_weights, read_summary, run_single
+
+pytestmark = pytest.mark.slow
+SCRIPTS = REPO / "tests" / "scripts"
+
+# 320 samples / global batch 32 = 10 optimizer steps per epoch, 3 epochs = 30 steps.
+EQUIV_ARGS = ["--dataset", "synthetic", "--synthetic_samples", "320", "--synthetic_shape", "12",
+              "--model", "mlp", "--hidden_size", "16", "--global_batch_size", "32", "--epochs", "3",
+              "--optimizer", "sgd", "--lr", "0.05", "--warmup_steps", "3", "--log_every", "5"]
+
+
+@pytest.fixture(scope="module")
+def layouts(tmp_path_factory):
+    """The same training run under four (world size, per-device batch, accumulation) layouts."""
+    root = tmp_path_factory.mktemp("layouts")
+    runs = {
+        "2x16": (2, 16),   # 2 ranks, no accumulation
+        "1x32": (1, 32),   # 1 process, the whole global batch at once
+        "1x16": (1, 16),   # 1 process, 2 accumulation micro-steps
+        "2x8": (2, 8),     # 2 ranks with 2 accumulation micro-steps each
+    }
+    out = {}
+    for name, (world, per_device) in runs.items():
+        args = [*EQUIV_ARGS, "--per_device_batch_size", str(per_device), "--output_dir", str(root / name)]
+        check(launch(args) if world == 2 else run_single(args))
+        out[name] = root / name
+    return out
+
+
+def test_same_weights_whatever_the_world_size_and_accumulation(layouts):
+    reference = load_weights(layouts["1x32"])
+    for name in ("2x16", "1x16", "2x8"):
+        weights = load_weights(layouts[name])
+        assert weights.keys() == reference.keys()
+        for key in reference:
+            assert torch.allclose(weights[key], reference[key], atol=1e-5), f"{name}: {key} differs"
+    initial = torch.nn.Linear(12, 16)  # sanity: training moved the weights far beyond the tolerance
+    assert not torch.allclose(reference["1.weight"], initial.weight, atol=1e-2)
+
+
+def test_layouts_report_their_world_and_accumulation(layouts):
+    expected = {"2x16": (2, 16, 1), "1x32": (1, 32, 1), "1x16": (1, 16, 2), "2x8": (2, 8, 2)}
+    for name, (world, per_device, accumulation) in expected.items():
+        summary = read_summary(layouts[name])
+        assert (summary["world_size"], summary["per_device_batch_size"], summary["grad_accum_steps"]) == (
+            world, per_device, accumulation)
+        assert summary["global_batch_size"] == 32
+
+
+def test_lr_schedule_steps_once_per_optimizer_step(layouts):
+    for name, run in layouts.items():
+        summary = read_summary(run)
+        assert summary["optimizer_steps"] == 30, name
+        assert summary["lr_scheduler_steps"] == summary["optimizer_steps"], name
+        lrs = {r["step"]: r["lr"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+               if "lr" in r}
+        assert lrs[5] == pytest.approx(layouts_lr(5)), name  # logged after step 5: schedule index 5
+        assert lrs[30] == pytest.approx(0.0, abs=1e-12), name  # cosine reaches 0 at the last step
+
+
+def layouts_lr(step: int) -> float:
+    from accel_ddp.models import lr_multiplier
+
+    return 0.05 * lr_multiplier(step, "cosine", warmup_steps=3, total_steps=30)
+
+
+def test_multiprocess_cpu_run_through_the_real_cli(layouts):
+    summary = read_summary(layouts["2x16"])
+    assert summary["world_size"] == 2
+    assert summary["distributed_type"] == "MULTI_CPU"
+    assert summary["device"] == "cpu"
+
+
+def _record(tmp_path, world: int, per_device: int, seed: int = 3) -> list[list[int]]:
+    """Per optimizer step, the sorted sample indices all ranks trained on (global batch 8, 3 epochs)."""
+    prefix = str(tmp_path / f"w{world}b{per_device}s{seed}")
+    args = [prefix, "8", str(per_device), "3", str(seed)]
+    script = SCRIPTS / "record_indices.py"
+    check(launch(args, script=script) if world == 2 else run_single(args, script=script))
+    per_rank = [json.loads(open(f"{prefix}_rank{r}.json").read())["seen"] for r in range(world)]
+    micro_per_step = 8 // (world * per_device)
+    steps = []
+    for step in range(len(per_rank[0]) // micro_per_step):
+        chunk = slice(step * micro_per_step, (step + 1) * micro_per_step)
+        steps.append(sorted(i for rank in per_rank for batch in rank[chunk] for i in batch))
+    return steps
+
+
+def test_sharding_covers_each_sample_once_per_epoch_in_a_new_order(tmp_path):
+    steps = _record(tmp_path, world=2, per_device=4)
+    steps_per_epoch = 100 // 8  # 12 steps: 96 samples, the last 4 are dropped each epoch
+    assert len(steps) == 3 * steps_per_epoch
+    epochs = [steps[e * steps_per_epoch:(e + 1) * steps_per_epoch] for e in range(3)]
+    for epoch in epochs:
+        seen = [i for step in epoch for i in step]
+        assert len(seen) == 96 and len(set(seen)) == 96, "a sample was repeated or lost within an epoch"
+    assert epochs[0] != epochs[1] and epochs[1] != epochs[2], "the order did not change between epochs"
+
+
+def test_same_samples_per_step_for_any_world_size_and_accumulation(tmp_path):
+    two_ranks = _record(tmp_path, world=2, per_device=4)
+    assert _record(tmp_path, world=1, per_device=8) == two_ranks
+    assert _record(tmp_path, world=1, per_device=2) == two_ranks  # accumulation 4
+    assert _record(tmp_path, world=2, per_device=4, seed=4) != two_ranks  # the seed does matter
+
+
+def test_every_rank_starts_from_rank0_weights(tmp_path):
+    check(launch([str(tmp_path / "sync")], script=SCRIPTS / "prepare_sync.py"))
+    for rank in (0, 1):
+        result = json.loads((tmp_path / f"sync_rank{rank}.json").read_text())
+        assert result["world"] == 2
+        assert result["differed_before"], "the ranks' own inits should differ for this test to mean anything"
+        assert result["identical_after"] and result["matches_rank0_init"]
+
+
+def test_eval_counts_each_sample_once_with_an_odd_eval_set(tmp_path):
+    check(launch(["--dataset", "tests.helpers_data:odd_eval", "--model", "tests.helpers_data:tiny_linear",
+                  "--global_batch_size", "16", "--eval_batch_size", "4", "--epochs", "2",
+                  "--output_dir", str(tmp_path)]))
+    summary = read_summary(tmp_path)
+    assert summary["world_size"] == 2
+    assert summary["eval_samples"] == 37  # 2 ranks x 4-sample batches would pad to 40 without gather_for_metrics
+
+
+def test_only_the_main_process_writes(tmp_path):
+    out = tmp_path / "run"
+    check(launch([str(tmp_path / "audit"), "--", "--dataset", "synthetic", "--synthetic_samples", "128",
+                  "--synthetic_shape", "6", "--hidden_size", "8", "--global_batch_size", "16", "--epochs", "2",
+                  "--log_every", "4", "--output_dir", str(out)], script=SCRIPTS / "audit_writes.py"))
+    assert sorted(p.name for p in out.iterdir()) == ["config.yaml", "metrics.jsonl", "model.safetensors",
+                                                     "summary.json"]
+    rank0 = (tmp_path / "audit_rank0.log").read_text().splitlines()
+    rank1 = (tmp_path / "audit_rank1.log").read_text().splitlines()
+    assert not [line for line in rank1 if str(out) in line], f"rank 1 wrote: {rank1}"
+    for name in ("config.yaml", "summary.json", "model.safetensors"):
+        assert sum(line == f"rename\t{out / name}" for line in rank0) == 1, name
+    assert sum(line == f"open\t{out / 'metrics.jsonl'}" for line in rank0) == 1
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    train_steps = [r["step"] for r in records if "loss" in r]
+    assert train_steps == [4, 8, 12, 16], "each logged step appears exactly once"
+    assert len([r for r in records if "eval_accuracy" in r]) == 2  # one eval per epoch
+
+
+def test_failure_on_one_rank_stops_both_promptly(tmp_path):
+    started = time.monotonic()
+    result = launch(["--dataset", "synthetic", "--synthetic_samples", "4096", "--synthetic_shape", "6",
+                     "--global_batch_size", "16", "--epochs", "50", "--output_dir", str(tmp_path)],
+                    env={"ACCEL_DDP_FAIL_AT_STEP": "3:1"}, timeout=120)
+    elapsed = time.monotonic() - started
+    assert result.returncode != 0
+    assert elapsed < 60, f"the job took {elapsed:.0f}s to stop after rank 1 failed"
+    assert "injected failure on rank 1 at step 3" in result.stderr
+    assert not (tmp_path / "summary.json").exists()
+
+
+def test_lone_processes_are_refused(tmp_path):
+    """A script that made Accelerate's state without CPU/gloo: the 2 launched ranks never met."""
+    result = launch(["--dataset", "synthetic", "--output_dir", str(tmp_path)], script=SCRIPTS / "premade_state.py")
+    assert result.returncode != 0
+    assert result.stderr.count("launcher started 2 processes but they formed a group of 1") == 1
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_default_run_trains_digits_to_95_percent(tmp_path):
+    """The README's main run: no flags but the output folder."""
+    result = check(launch(["--output_dir", str(tmp_path)]))
+    summary = read_summary(tmp_path)
+    assert summary["world_size"] == 2 and summary["eval_samples"] == 360
+    assert summary["eval_accuracy"] >= 0.95, result.stdout[-2000:]
+
+
+def test_module_launch_and_plain_python(tmp_path):
+    args = ["--dataset", "synthetic", "--synthetic_samples", "64", "--synthetic_shape", "4",
+            "--global_batch_size", "16", "--epochs", "1"]
+    check(launch([*args, "--output_dir", str(tmp_path / "m")], script="accel_ddp.train", launch_args=["-m"]))
+    assert read_summary(tmp_path / "m")["world_size"] == 2
+    check(run_single([*args, "--output_dir", str(tmp_path / "p")]))
+    assert read_summary(tmp_path / "p")["world_size"] == 1
