@@ -1,28 +1,44 @@
-"""Datasets and DataLoaders.
+"""Datasets and loaders.
 
 Every builder returns a :class:`DatasetBundle`: train and eval datasets of ``(input, label)``
-pairs plus what a model needs to know about them. Accelerate shards the plain DataLoaders built
-here; the train loader's sampler fixes the epoch to a whole number of global batches so that
-every world size runs the same optimizer steps on the same samples.
+pairs plus what a model needs to know about them. Sources that fit in memory (digits, MNIST,
+FashionMNIST, CIFAR-10, Hugging Face datasets) are decoded once into an :class:`InMemoryDataset`
+(uint8 where the source is uint8) that both loaders serve: the in-memory :class:`DeviceLoader`
+(fast path) and a plain DataLoader that Accelerate shards. Both give every optimizer step the
+same samples for the same seed, whatever the world size.
 
 Your own dataset: ``--dataset my_pkg.my_data:build`` where
 
     def build(data_dir: str, download: bool) -> DatasetBundle: ...
 
-(a plain ``(train, eval, num_classes, input_shape)`` tuple works too).
+(a plain ``(train, eval, num_classes, input_shape)`` tuple works too). Return an
+``InMemoryDataset`` or a ``TensorDataset`` to get the fast path; any map-style Dataset works on
+the DataLoader path.
 """
 
 from __future__ import annotations
 
+import functools
+import gzip
 import os
+import pickle
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
+import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, RandomSampler, TensorDataset
+from torch.utils.data import DataLoader, Dataset, RandomSampler, Subset, TensorDataset
 
 from accel_ddp.config import ConfigError
+from accel_ddp.fast_loader import DeviceLoader, InMemoryDataset, as_in_memory, is_in_memory
+from accel_ddp.hf_data import HFSource, build_hf
 from accel_ddp.registry import resolve
+
+__all__ = [
+    "DATASETS", "DatasetBundle", "DeviceLoader", "HFSource", "InMemoryDataset", "Loaders", "build_datasets",
+    "build_eval_loader", "build_loaders", "build_train_loader", "choose_loader", "default_num_workers",
+    "skip_first_batches", "steps_per_epoch",
+]
 
 
 class DatasetBundle(NamedTuple):
@@ -33,6 +49,8 @@ class DatasetBundle(NamedTuple):
 
 
 MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
+FASHION_MNIST_MEAN, FASHION_MNIST_STD = 0.2860, 0.3530
+CIFAR10_MEAN, CIFAR10_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
 
 
 def build_digits(data_dir: str, download: bool) -> DatasetBundle:
@@ -40,38 +58,227 @@ def build_digits(data_dir: str, download: bool) -> DatasetBundle:
     from sklearn.datasets import load_digits
 
     digits = load_digits()
-    images = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0  # pixel range 0..16
-    images = (images - 0.5) / 0.5
+    images = torch.tensor(digits.images, dtype=torch.uint8).unsqueeze(1)  # pixel range 0..16
     labels = torch.tensor(digits.target, dtype=torch.long)
     order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(0))
     n_train = int(0.8 * len(labels))
     train_idx, eval_idx = order[:n_train], order[n_train:]
+    pixels = {"scale": 16.0, "mean": (0.5,), "std": (0.5,)}
     return DatasetBundle(
-        TensorDataset(images[train_idx], labels[train_idx]),
-        TensorDataset(images[eval_idx], labels[eval_idx]),
+        InMemoryDataset(images[train_idx], labels[train_idx], **pixels),
+        InMemoryDataset(images[eval_idx], labels[eval_idx], **pixels),
         num_classes=10,
         input_shape=(1, 8, 8),
     )
 
 
-def build_mnist(data_dir: str, download: bool) -> DatasetBundle:
-    """torchvision MNIST, decoded once into normalised tensors (no per-sample PIL work)."""
-    from torchvision.datasets import MNIST
+# ----------------------------------------------------------------------------- MNIST-format (IDX) files
 
-    splits = []
-    for train in (True, False):
+
+def read_idx(path: str) -> torch.Tensor:
+    """A uint8 IDX file (the MNIST format), plain or gzipped, as a tensor of the shape it declares."""
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rb") as fh:
+        raw = fh.read()
+    if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] != 0x08:
+        raise ConfigError(f"{path}: not a uint8 IDX file (bad header); re-download it with --download")
+    ndim = raw[3]
+    dims = [int.from_bytes(raw[4 + 4 * i:8 + 4 * i], "big") for i in range(ndim)]
+    count = int(np.prod(dims))
+    offset = 4 + 4 * ndim
+    if len(raw) - offset != count:
+        raise ConfigError(f"{path}: holds {len(raw) - offset} bytes of data, its header says {count}; re-download it")
+    return torch.from_numpy(np.frombuffer(raw, dtype=np.uint8, offset=offset).copy()).view(*dims)
+
+
+def _find_file(name: str, folders: list[str]) -> str | None:
+    for folder in folders:
+        for candidate in (name, name + ".gz"):
+            path = os.path.join(folder, candidate)
+            if os.path.isfile(path):
+                return path
+    return None
+
+
+def _download_error(dataset: str, err: Exception, where: str) -> ConfigError:
+    return ConfigError(
+        f"{dataset}: download failed ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); "
+        f"check the network, or copy the files into {where} and drop --download"
+    )
+
+
+def _build_idx_dataset(name: str, folder: str, data_dir: str, download: bool, mean: float, std: float) -> DatasetBundle:
+    """MNIST or FashionMNIST from IDX files in DATA_DIR/FOLDER/raw (torchvision's layout) or DATA_DIR itself."""
+    raw_dir = os.path.join(data_dir, folder, "raw")
+    folders = [raw_dir, os.path.join(data_dir, folder), data_dir]
+    files = ["train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"]
+    if any(_find_file(f, folders) is None for f in files) and download:
+        import torchvision.datasets
+
         try:
-            raw = MNIST(root=data_dir, train=train, download=download)
-        except RuntimeError as err:
-            if "not found" not in str(err).lower():
-                raise
-            raise ConfigError(
-                f"mnist: no MNIST files under {os.path.abspath(os.path.join(data_dir, 'MNIST', 'raw'))}; "
-                "pass --download to fetch them, or --data_dir pointing at the folder that holds MNIST/raw"
-            ) from None
-        images = (raw.data.unsqueeze(1).float() / 255.0 - MNIST_MEAN) / MNIST_STD
-        splits.append(TensorDataset(images, raw.targets.long()))
-    return DatasetBundle(splits[0], splits[1], num_classes=10, input_shape=(1, 28, 28))
+            getattr(torchvision.datasets, folder)(root=data_dir, train=True, download=True)
+        except Exception as err:  # urllib, http and checksum errors all mean the same to the user
+            raise _download_error(name, err, os.path.abspath(raw_dir)) from None
+    paths = [_find_file(f, folders) for f in files]
+    missing = [f for f, p in zip(files, paths, strict=True) if p is None]
+    if missing:
+        raise ConfigError(
+            f"{name}: {', '.join(missing)} (or .gz) not found in {os.path.abspath(raw_dir)} or "
+            f"{os.path.abspath(data_dir)}; pass --download to fetch them (needs internet), or copy the IDX files there"
+        )
+    train_x, train_y, eval_x, eval_y = (read_idx(p) for p in paths)
+    pixels = {"scale": 255.0, "mean": (mean,), "std": (std,)}
+    return DatasetBundle(
+        InMemoryDataset(train_x.unsqueeze(1), train_y.long(), **pixels),
+        InMemoryDataset(eval_x.unsqueeze(1), eval_y.long(), **pixels),
+        num_classes=10,
+        input_shape=(1, *train_x.shape[1:]),
+    )
+
+
+def build_mnist(data_dir: str, download: bool) -> DatasetBundle:
+    """MNIST (60,000 + 10,000 28x28 digits), decoded once into uint8 tensors."""
+    return _build_idx_dataset("mnist", "MNIST", data_dir, download, MNIST_MEAN, MNIST_STD)
+
+
+def build_fashion_mnist(data_dir: str, download: bool) -> DatasetBundle:
+    """Zalando's FashionMNIST (same format and size as MNIST, ten kinds of clothing)."""
+    return _build_idx_dataset(
+        "fashion_mnist", "FashionMNIST", data_dir, download, FASHION_MNIST_MEAN, FASHION_MNIST_STD
+    )
+
+
+# ----------------------------------------------------------------------------- CIFAR-10 (python pickle batches)
+
+
+class _ArraysOnlyUnpickler(pickle.Unpickler):
+    """CIFAR's batches are pickles; allow the numpy array reconstructors and nothing else that could run code."""
+
+    ALLOWED = {
+        ("numpy", "ndarray"), ("numpy", "dtype"),
+        ("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
+        ("numpy.core.multiarray", "scalar"), ("numpy._core.multiarray", "scalar"),
+        ("numpy.core.numeric", "_frombuffer"), ("numpy._core.numeric", "_frombuffer"),
+        ("_codecs", "encode"),
+    }
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) not in self.ALLOWED:
+            raise pickle.UnpicklingError(f"refusing to load {module}.{name}")
+        if module.startswith("numpy.core"):  # numpy 2 moved numpy.core to numpy._core
+            module = module.replace("numpy.core", "numpy._core", 1)
+        return super().find_class(module, name)
+
+
+def _read_cifar_batch(path: str) -> tuple[torch.Tensor, torch.Tensor]:
+    try:
+        with open(path, "rb") as fh:
+            entry = _ArraysOnlyUnpickler(fh, encoding="latin1").load()
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError) as err:
+        raise ConfigError(f"cifar10: {path} is not a CIFAR-10 python batch ({err}); re-download it") from None
+    entry = {k.decode() if isinstance(k, bytes) else k: v for k, v in entry.items()}
+    images = torch.from_numpy(np.asarray(entry["data"], dtype=np.uint8).copy()).view(-1, 3, 32, 32)
+    return images, torch.tensor(entry["labels"], dtype=torch.long)
+
+
+def build_cifar10(data_dir: str, download: bool) -> DatasetBundle:
+    """CIFAR-10 (50,000 + 10,000 32x32 colour images) from DATA_DIR/cifar-10-batches-py; training reads get
+    a random crop (4-pixel zero padding) and horizontal flip."""
+    folder = os.path.join(data_dir, "cifar-10-batches-py")
+    names = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]
+    if not all(os.path.isfile(os.path.join(folder, n)) for n in names) and download:
+        from torchvision.datasets import CIFAR10
+
+        try:  # torchvision checks the archive's md5 before extracting it
+            CIFAR10(root=data_dir, train=True, download=True)
+        except Exception as err:
+            raise _download_error("cifar10", err, os.path.abspath(folder)) from None
+    missing = [n for n in names if not os.path.isfile(os.path.join(folder, n))]
+    if missing:
+        raise ConfigError(
+            f"cifar10: {', '.join(missing)} not found in {os.path.abspath(folder)}; pass --download to fetch "
+            "them (needs internet), or extract cifar-10-python.tar.gz into --data_dir"
+        )
+    batches = [_read_cifar_batch(os.path.join(folder, n)) for n in names]
+    train_x = torch.cat([b[0] for b in batches[:5]])
+    train_y = torch.cat([b[1] for b in batches[:5]])
+    pixels = {"scale": 255.0, "mean": CIFAR10_MEAN, "std": CIFAR10_STD}
+    return DatasetBundle(
+        InMemoryDataset(train_x, train_y, augment="crop_flip", **pixels),
+        InMemoryDataset(*batches[5], **pixels),
+        num_classes=10,
+        input_shape=(3, 32, 32),
+    )
+
+
+# ----------------------------------------------------------------------------- image folders
+
+
+def _open_image(path: str, mode: str):
+    from PIL import Image
+
+    with open(path, "rb") as fh:
+        return Image.open(fh).convert(mode)
+
+
+EVAL_FOLDERS = ("val", "validation", "test", "eval")
+
+
+def build_imagefolder(data_dir: str, download: bool, image_size: int | None = None) -> DatasetBundle:
+    """Images in one subfolder per class: DATA_DIR/train/<class>/* and DATA_DIR/val/<class>/* (or test, eval),
+    or DATA_DIR/<class>/* with a fixed 10% held out. Decoded per sample on the DataLoader path (workers)."""
+    from PIL import Image
+    from torchvision import transforms
+    from torchvision.datasets import ImageFolder
+
+    train_dir = os.path.join(data_dir, "train")
+    root = train_dir if os.path.isdir(train_dir) else data_dir
+    eval_dirs = [os.path.join(data_dir, d) for d in EVAL_FOLDERS if os.path.isdir(os.path.join(data_dir, d))]
+    try:
+        train = ImageFolder(root)
+    except (FileNotFoundError, OSError) as err:
+        raise ConfigError(
+            f"imagefolder: {os.path.abspath(root)}: {err}; expected {data_dir}/<class>/<image> "
+            f"or {data_dir}/train/<class>/<image> and {data_dir}/val/<class>/<image>"
+        ) from None
+    with Image.open(train.samples[0][0]) as first:  # the first image fixes the mode and, by default, the size
+        mode = "L" if first.mode in ("1", "L", "I", "I;16", "F") else "RGB"
+        width, height = (image_size, image_size) if image_size else first.size
+    channels = 1 if mode == "L" else 3
+    train.transform = transforms.Compose([
+        transforms.Resize((height, width)),  # images of another size would break the batch
+        transforms.ToTensor(),
+        transforms.Normalize([0.5] * channels, [0.5] * channels),
+    ])
+    train.loader = functools.partial(_open_image, mode=mode)
+    if root == train_dir and eval_dirs:
+        eval_ = ImageFolder(eval_dirs[0], transform=train.transform, loader=train.loader, allow_empty=True)
+        _use_classes_of(eval_, train)
+    else:  # no separate eval folder: hold out a fixed 10% (seed 0), the same on every rank
+        order = torch.randperm(len(train), generator=torch.Generator().manual_seed(0)).tolist()
+        n_eval = max(len(train) // 10, 1)
+        train, eval_ = Subset(train, order[n_eval:]), Subset(train, order[:n_eval])
+    return DatasetBundle(train, eval_, num_classes=_num_classes(train), input_shape=(channels, height, width))
+
+
+def _num_classes(dataset: Dataset) -> int:
+    while isinstance(dataset, Subset):
+        dataset = dataset.dataset
+    return len(dataset.classes)
+
+
+def _use_classes_of(eval_folder, train_folder) -> None:
+    """Index an eval folder's samples by the training folder's classes (the eval folder may lack some)."""
+    extra = sorted(set(eval_folder.classes) - set(train_folder.classes))
+    if extra:
+        raise ConfigError(f"imagefolder: {eval_folder.root} has classes {extra} that the training folder lacks")
+    eval_folder.samples = [(path, train_folder.class_to_idx[eval_folder.classes[t]]) for path, t in eval_folder.samples]
+    eval_folder.imgs = eval_folder.samples
+    eval_folder.targets = [t for _, t in eval_folder.samples]
+    eval_folder.classes, eval_folder.class_to_idx = train_folder.classes, train_folder.class_to_idx
+
+
+# ----------------------------------------------------------------------------- synthetic
 
 
 def build_synthetic(
@@ -94,12 +301,30 @@ def build_synthetic(
 DATASETS: dict[str, Callable[..., DatasetBundle]] = {
     "digits": build_digits,
     "mnist": build_mnist,
+    "fashion_mnist": build_fashion_mnist,
+    "cifar10": build_cifar10,
+    "imagefolder": build_imagefolder,
+    "hf": build_hf,
     "synthetic": build_synthetic,
 }
 
 
-def build_datasets(name: str, data_dir: str, download: bool, **synthetic) -> DatasetBundle:
+def build_datasets(
+    name: str,
+    data_dir: str,
+    download: bool,
+    *,
+    samples: int = 2048,
+    shape: tuple[int, ...] = (1, 28, 28),
+    classes: int = 10,
+    hf: HFSource | None = None,
+    image_size: int | None = None,
+) -> DatasetBundle:
     """Build a registered dataset or a user's ``pkg.module:function``.
+
+    ``samples``, ``shape`` and ``classes`` size ``synthetic``; ``hf`` says where ``hf`` loads from;
+    ``image_size`` resizes ``imagefolder`` and ``hf`` images. Call it under
+    ``accelerator.main_process_first()``: downloads then happen once per machine.
 
         >>> bundle = build_datasets("digits", data_dir="data", download=False)
         >>> bundle.num_classes, bundle.input_shape
@@ -107,8 +332,13 @@ def build_datasets(name: str, data_dir: str, download: bool, **synthetic) -> Dat
     """
     builder = resolve(name, DATASETS, kind="dataset")
     if builder is build_synthetic:
-        return build_synthetic(data_dir, download, **synthetic)
-    result = builder(data_dir=data_dir, download=download)
+        return build_synthetic(data_dir, download, samples, shape, classes)
+    if builder is build_hf:
+        result = build_hf(data_dir, download, source=hf or HFSource(), image_size=image_size)
+    elif builder is build_imagefolder:
+        result = build_imagefolder(data_dir, download, image_size=image_size)
+    else:
+        result = builder(data_dir=data_dir, download=download)
     if not isinstance(result, tuple) or len(result) != 4:
         raise ConfigError(
             f"--dataset {name} returned {type(result).__name__}; it must return "
@@ -118,20 +348,33 @@ def build_datasets(name: str, data_dir: str, download: bool, **synthetic) -> Dat
     return DatasetBundle(train, eval_, int(num_classes), tuple(int(d) for d in input_shape))
 
 
+# ----------------------------------------------------------------------------- loaders
+
+
 def steps_per_epoch(num_train_samples: int, global_batch_size: int) -> int:
     """Optimizer steps in one epoch: the trailing partial global batch is dropped."""
     return num_train_samples // global_batch_size
 
 
+def default_num_workers(dataset: Dataset) -> int:
+    """0 for tensors in memory (workers would only add copies); else up to 8, sharing the CPUs among local ranks."""
+    if is_in_memory(dataset):
+        return 0
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return max(1, min(8, cpus // local_ranks - 1))
+
+
 def build_train_loader(
-    dataset: Dataset, per_device_batch_size: int, global_batch_size: int, num_workers: int
+    dataset: Dataset, per_device_batch_size: int, global_batch_size: int, num_workers: int | None = None
 ) -> DataLoader:
     """Shuffling DataLoader whose epoch is exactly ``steps_per_epoch * global_batch_size`` samples.
 
     The sampler draws a fresh permutation of the whole dataset and keeps its first whole global
     batches. Accelerate swaps it for its seedable twin (seed + epoch) and hands rank ``r`` the
     per-device batches ``r, r + world, ...``, so each optimizer step covers the same contiguous
-    chunk of the permutation whatever the world size and accumulation.
+    chunk of the permutation whatever the world size and accumulation. ``num_workers=None``
+    picks :func:`default_num_workers`.
     """
     n_steps = steps_per_epoch(len(dataset), global_batch_size)
     if n_steps == 0:
@@ -139,24 +382,112 @@ def build_train_loader(
             f"the training set has {len(dataset)} samples, fewer than one global batch "
             f"({global_batch_size}); lower --global_batch_size"
         )
+    workers = default_num_workers(dataset) if num_workers is None else num_workers
     sampler = RandomSampler(dataset, num_samples=n_steps * global_batch_size)
     return DataLoader(
         dataset,
         batch_size=per_device_batch_size,
         sampler=sampler,
         drop_last=True,
-        num_workers=num_workers,
-        persistent_workers=num_workers > 0,
-        pin_memory=torch.cuda.is_available(),
+        num_workers=workers,
+        persistent_workers=workers > 0,  # no worker start-up cost at every epoch
+        pin_memory=torch.cuda.is_available(),  # with Accelerate's non_blocking copies, overlaps H2D with compute
     )
 
 
-def build_eval_loader(dataset: Dataset, batch_size: int, num_workers: int) -> DataLoader:
+def build_eval_loader(dataset: Dataset, batch_size: int, num_workers: int | None = None) -> DataLoader:
     """Ordered DataLoader; ``gather_for_metrics`` later drops the padding of the last batch."""
+    workers = default_num_workers(dataset) if num_workers is None else num_workers
     return DataLoader(
         dataset,
         batch_size=batch_size,
         shuffle=False,
-        num_workers=num_workers,
+        num_workers=workers,
+        persistent_workers=workers > 0,
         pin_memory=torch.cuda.is_available(),
     )
+
+
+def choose_loader(loader: str, dataset: Dataset, fast_loader_max_mb: float) -> str:
+    """``"fast"`` or ``"dataloader"`` for ``--loader`` auto/fast/dataloader and this training set.
+
+    ``auto`` takes the fast path for tensors in memory up to ``fast_loader_max_mb`` MiB as stored;
+    ``fast`` insists on it (a clear error when the dataset is not tensors in memory).
+    """
+    if loader not in ("auto", "fast", "dataloader"):
+        raise ConfigError(f"--loader {loader!r} is unknown; choose one of auto, fast, dataloader")
+    if loader == "dataloader":
+        return "dataloader"
+    if not is_in_memory(dataset):
+        if loader == "fast":
+            raise ConfigError(
+                f"--loader fast: the training set is a {type(dataset).__name__}, not tensors in memory; use "
+                "--loader dataloader, or return an accel_ddp.data.InMemoryDataset or TensorDataset from --dataset"
+            )
+        return "dataloader"
+    if loader == "auto" and as_in_memory(dataset).nbytes > fast_loader_max_mb * 2**20:
+        return "dataloader"
+    return "fast"
+
+
+class Loaders(NamedTuple):
+    train: Any  # a prepared DataLoader, or a DeviceLoader: both yield (inputs, labels) on the device
+    eval: Any  # a prepared DataLoader (gather_for_metrics counts each sample once), or None
+    kind: str  # "fast" or "dataloader"
+
+
+def build_loaders(
+    accelerator,
+    train_dataset: Dataset,
+    eval_dataset: Dataset | None,
+    *,
+    per_device_batch_size: int,
+    global_batch_size: int,
+    eval_batch_size: int | None = None,
+    loader: str = "auto",
+    num_workers: int | None = None,
+    fast_loader_max_mb: float = 4096,
+) -> Loaders:
+    """Train and eval loaders, ready to iterate: prepared by ``accelerator`` or on its device already.
+
+    The training loader is the in-memory :class:`DeviceLoader` where :func:`choose_loader` says so,
+    else a prepared DataLoader; both draw the permutation from the accelerator's ``data_seed``
+    and give each optimizer step the same samples. Evaluation always runs on a prepared
+    DataLoader, so ``gather_for_metrics`` counts each eval sample exactly once.
+
+        train_loader, eval_loader, kind = build_loaders(
+            accelerator, train_ds, eval_ds, per_device_batch_size=32, global_batch_size=64)
+        model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    """
+    kind = choose_loader(loader, train_dataset, fast_loader_max_mb)
+    if kind == "fast":
+        train_loader = DeviceLoader(
+            train_dataset, per_device_batch_size, global_batch_size, seed=data_seed(accelerator),
+            rank=accelerator.process_index, world_size=accelerator.num_processes, device=accelerator.device,
+        )
+    else:
+        train_loader = accelerator.prepare(
+            build_train_loader(train_dataset, per_device_batch_size, global_batch_size, num_workers)
+        )
+    eval_loader = None
+    if eval_dataset is not None:
+        eval_loader = accelerator.prepare(
+            build_eval_loader(eval_dataset, eval_batch_size or 2 * per_device_batch_size, num_workers)
+        )
+    return Loaders(train_loader, eval_loader, kind)
+
+
+def data_seed(accelerator) -> int:
+    """The seed Accelerate's seedable sampler starts from: ``data_seed``, else torch's initial seed."""
+    seed = getattr(getattr(accelerator, "dataloader_config", None), "data_seed", None)
+    return int(seed) if seed is not None else torch.random.initial_seed()
+
+
+def skip_first_batches(accelerator, loader, num_batches: int):
+    """The rest of the current epoch after its first ``num_batches`` micro-batches, for either loader.
+
+    Call ``loader.set_epoch(epoch)`` first; iterate the result for that epoch only.
+    """
+    if isinstance(loader, DeviceLoader):
+        return loader.skip_first_batches(num_batches)
+    return accelerator.skip_first_batches(loader, num_batches)

@@ -4,7 +4,8 @@ Your own model: ``--model my_pkg.my_models:build`` where
 
     def build(num_classes: int, input_shape: tuple[int, ...]) -> torch.nn.Module: ...
 
-``input_shape`` is one sample's shape without the batch dimension, e.g. ``(1, 28, 28)``.
+``input_shape`` is one sample's shape without the batch dimension, e.g. ``(1, 28, 28)``; the
+model maps a float batch ``(B, *input_shape)`` to logits ``(B, num_classes)``.
 """
 
 from __future__ import annotations
@@ -55,11 +56,76 @@ class MnistCNN(nn.Module):
         return self.classifier(self.features(x))
 
 
-MODELS: dict[str, Callable[..., nn.Module]] = {"mlp": build_mlp, "mnist_cnn": MnistCNN}
+class ResNet18(nn.Module):
+    """torchvision's ResNet-18 for small images: a 3x3 stride-1 stem and no max-pool (the CIFAR recipe).
+
+    Any channel count and image size of at least 8x8 (the four stages halve it three times, the
+    head pools globally). ``width`` sets the first stage's channels (then x2, x4, x8); 64 gives
+    torchvision's layer shapes and parameter names. BatchNorm statistics are per device batch, so
+    unlike ``mlp`` runs of different world sizes agree closely but not bit for bit.
+
+        >>> ResNet18(10, (3, 32, 32), width=16).fc
+        Linear(in_features=128, out_features=10, bias=True)
+    """
+
+    def __init__(self, num_classes: int, input_shape: tuple[int, ...], width: int = 64):
+        super().__init__()
+        if len(input_shape) != 3:
+            raise ConfigError(
+                f"--model resnet18 needs image inputs (C, H, W), got shape {input_shape}; try --model mlp"
+            )
+        channels, height, width_px = input_shape
+        if height < 8 or width_px < 8:
+            raise ConfigError(f"--model resnet18 needs images of at least 8x8 pixels, got {height}x{width_px}")
+        self.conv1 = nn.Conv2d(channels, width, kernel_size=3, stride=1, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(width)
+        self.relu = nn.ReLU(inplace=True)
+        self._planes = width
+        self.layer1 = self._stage(width, stride=1)
+        self.layer2 = self._stage(2 * width, stride=2)
+        self.layer3 = self._stage(4 * width, stride=2)
+        self.layer4 = self._stage(8 * width, stride=2)
+        self.avgpool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(8 * width, num_classes)
+        for module in self.modules():  # torchvision's initialisation
+            if isinstance(module, nn.Conv2d):
+                nn.init.kaiming_normal_(module.weight, mode="fan_out", nonlinearity="relu")
+            elif isinstance(module, nn.BatchNorm2d):
+                nn.init.ones_(module.weight)
+                nn.init.zeros_(module.bias)
+
+    def _stage(self, planes: int, stride: int) -> nn.Sequential:
+        from torchvision.models.resnet import BasicBlock
+
+        downsample = None
+        if stride != 1 or self._planes != planes:
+            downsample = nn.Sequential(
+                nn.Conv2d(self._planes, planes, kernel_size=1, stride=stride, bias=False), nn.BatchNorm2d(planes)
+            )
+        first = BasicBlock(self._planes, planes, stride, downsample)
+        self._planes = planes
+        return nn.Sequential(first, BasicBlock(planes, planes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.relu(self.bn1(self.conv1(x)))
+        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
+        return self.fc(torch.flatten(self.avgpool(x), 1))
 
 
-def build_model(name: str, num_classes: int, input_shape: tuple[int, ...], hidden_size: int = 256) -> nn.Module:
+def build_resnet18(num_classes: int, input_shape: tuple[int, ...], width: int = 64) -> nn.Module:
+    """:class:`ResNet18` (``--model resnet18 --width W``)."""
+    return ResNet18(num_classes, input_shape, width)
+
+
+MODELS: dict[str, Callable[..., nn.Module]] = {"mlp": build_mlp, "mnist_cnn": MnistCNN, "resnet18": build_resnet18}
+
+
+def build_model(
+    name: str, num_classes: int, input_shape: tuple[int, ...], hidden_size: int = 256, width: int = 64
+) -> nn.Module:
     """Build a registered model or a user's ``pkg.module:function``.
+
+    ``hidden_size`` sizes ``mlp``; ``width`` sizes ``resnet18``.
 
         >>> build_model("mlp", num_classes=10, input_shape=(1, 8, 8))[1]
         Linear(in_features=64, out_features=256, bias=True)
@@ -69,6 +135,8 @@ def build_model(name: str, num_classes: int, input_shape: tuple[int, ...], hidde
         raise ConfigError(f"--model mnist_cnn needs image inputs (C, H, W), got shape {input_shape}; try --model mlp")
     if builder is build_mlp:
         model = build_mlp(num_classes, input_shape, hidden_size)
+    elif builder is build_resnet18:
+        model = build_resnet18(num_classes, input_shape, width)
     else:
         model = builder(num_classes=num_classes, input_shape=input_shape)
     if not isinstance(model, nn.Module):

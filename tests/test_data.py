@@ -1,0 +1,635 @@
+"""Datasets built from files made here, the fast loader against the DataLoader path, and offline errors.
+
+Nothing is downloaded: every source (IDX files, CIFAR pickle batches, class folders of PNGs,
+parquet, CSV, ``save_to_disk``) is written into a temporary folder first.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import pickle
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import Subset, TensorDataset
+
+from accel_ddp.config import ConfigError
+from accel_ddp.data import (
+    CIFAR10_MEAN,
+    CIFAR10_STD,
+    MNIST_MEAN,
+    MNIST_STD,
+    DeviceLoader,
+    HFSource,
+    InMemoryDataset,
+    build_datasets,
+    build_eval_loader,
+    build_train_loader,
+    choose_loader,
+    default_num_workers,
+    read_idx,
+)
+from accel_ddp.fast_loader import CROP_PADDING, crop_flip, epoch_order
+from tests.conftest import REPO, check, launch, load_weights, read_summary, run_single
+
+TRAIN_SRC = (REPO / "accel_ddp" / "train.py").read_text()
+wired = pytest.mark.skipif(
+    "build_loaders" not in TRAIN_SRC, reason="accel_ddp/train.py does not use data.build_loaders yet"
+)
+
+
+# ----------------------------------------------------------------------------- file writers
+
+
+def write_idx(path: Path, array: np.ndarray, gz: bool = False) -> None:
+    header = bytes([0, 0, 0x08, array.ndim]) + b"".join(int(d).to_bytes(4, "big") for d in array.shape)
+    payload = header + np.ascontiguousarray(array, dtype=np.uint8).tobytes()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if gz:
+        with gzip.open(str(path) + ".gz", "wb") as fh:
+            fh.write(payload)
+    else:
+        path.write_bytes(payload)
+
+
+def write_mnist(root: Path, folder: str = "MNIST", n_train: int = 64, n_eval: int = 20, gz: bool = False):
+    rng = np.random.default_rng(0)
+    arrays = {
+        "train-images-idx3-ubyte": rng.integers(0, 256, (n_train, 28, 28), dtype=np.uint8),
+        "train-labels-idx1-ubyte": rng.integers(0, 10, n_train, dtype=np.uint8),
+        "t10k-images-idx3-ubyte": rng.integers(0, 256, (n_eval, 28, 28), dtype=np.uint8),
+        "t10k-labels-idx1-ubyte": rng.integers(0, 10, n_eval, dtype=np.uint8),
+    }
+    for name, array in arrays.items():
+        write_idx(root / folder / "raw" / name, array, gz=gz)
+    return arrays
+
+
+def write_cifar(root: Path, per_batch: int = 12, protocol: int = 2) -> dict:
+    rng = np.random.default_rng(1)
+    folder = root / "cifar-10-batches-py"
+    folder.mkdir(parents=True)
+    batches = {}
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        entry = {
+            "batch_label": name,
+            "labels": rng.integers(0, 10, per_batch).tolist(),
+            "data": rng.integers(0, 256, (per_batch, 3072), dtype=np.uint8),
+            "filenames": [f"{name}_{i}.png" for i in range(per_batch)],
+        }
+        (folder / name).write_bytes(pickle.dumps(entry, protocol=protocol))
+        batches[name] = entry
+    (folder / "batches.meta").write_bytes(pickle.dumps({"label_names": [str(i) for i in range(10)]}, protocol=2))
+    return batches
+
+
+def write_png_classes(root: Path, classes: list[str], per_class: int, mode: str = "RGB", size=(12, 10)) -> None:
+    from PIL import Image
+
+    rng = np.random.default_rng(2)
+    for c in classes:
+        (root / c).mkdir(parents=True, exist_ok=True)
+        for i in range(per_class):
+            shape = (size[1], size[0], 3) if mode == "RGB" else (size[1], size[0])
+            Image.fromarray(rng.integers(0, 256, shape, dtype=np.uint8), mode=mode).save(root / c / f"{i}.png")
+
+
+def hf_image_dataset(n: int, seed: int, size: int = 10, mode: str = "L"):
+    import datasets
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    shape = (size, size) if mode == "L" else (size, size, 3)
+    images = [Image.fromarray(rng.integers(0, 256, shape, dtype=np.uint8), mode=mode) for _ in range(n)]
+    features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(num_classes=4)})
+    return datasets.Dataset.from_dict({"image": images, "label": [i % 4 for i in range(n)]}, features=features)
+
+
+def index_dataset(n: int = 103, shape=(1, 3, 3)) -> InMemoryDataset:
+    """uint8 inputs, normalised like MNIST; the label of sample i is i, so a batch says which samples it holds."""
+    inputs = torch.randint(0, 256, (n, *shape), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+    return InMemoryDataset(inputs, torch.arange(n), mean=(MNIST_MEAN,), std=(MNIST_STD,), scale=255.0)
+
+
+@pytest.fixture
+def accelerate_state():
+    """prepare_data_loader reads Accelerate's process state; leave none behind for other tests."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+def classic_batches(dataset, per_device: int, global_batch: int, world: int, rank: int, seed: int, epoch: int):
+    """What rank `rank` of `world` gets from the DataLoader path, sharded by Accelerate itself."""
+    from accelerate.data_loader import prepare_data_loader
+
+    loader = prepare_data_loader(
+        build_train_loader(dataset, per_device, global_batch, num_workers=0),
+        num_processes=world, process_index=rank, use_seedable_sampler=True, data_seed=seed,
+    )
+    loader.set_epoch(epoch)
+    return list(loader)
+
+
+LAYOUTS = [  # (world size, per-device batch, global batch): accumulation = global / (world * per-device)
+    (1, 32, 32), (2, 16, 32), (2, 8, 32), (4, 4, 32), (3, 4, 24),
+]
+
+
+# ----------------------------------------------------------------------------- fast path == DataLoader path
+
+
+@pytest.mark.parametrize("world,per_device,global_batch", LAYOUTS)
+def test_fast_loader_serves_the_dataloader_paths_samples_bit_for_bit(world, per_device, global_batch,
+                                                                     accelerate_state):
+    dataset = index_dataset()
+    for rank in range(world):
+        fast = DeviceLoader(dataset, per_device, global_batch, seed=11, rank=rank, world_size=world)
+        for epoch in (0, 1):
+            fast.set_epoch(epoch)
+            fast_batches = list(fast)
+            classic = classic_batches(dataset, per_device, global_batch, world, rank, seed=11, epoch=epoch)
+            assert len(fast_batches) == len(classic) == len(fast)
+            for (fx, fy), (cx, cy) in zip(fast_batches, classic, strict=True):
+                assert torch.equal(fy, cy)  # the same samples in the same micro-step
+                assert torch.equal(fx, cx)  # normalised to the same bits
+                assert fx.dtype == torch.float32
+
+
+def test_each_epoch_serves_every_sample_once_in_a_new_order_the_same_for_any_world_size():
+    dataset = index_dataset(n=100)  # 100 // 24 = 4 optimizer steps, the last 4 samples dropped
+    global_batch = 24
+
+    def per_step_samples(world: int, per_device: int, epoch: int) -> list[list[int]]:
+        loaders = [DeviceLoader(dataset, per_device, global_batch, seed=5, rank=r, world_size=world)
+                   for r in range(world)]
+        for loader in loaders:
+            loader.set_epoch(epoch)
+        ranks = [[y.tolist() for _, y in loader] for loader in loaders]
+        accumulation = len(ranks[0]) // loaders[0].steps_per_epoch
+        steps = []
+        for step in range(loaders[0].steps_per_epoch):
+            micro = range(step * accumulation, (step + 1) * accumulation)
+            steps.append(sorted(i for r in ranks for m in micro for i in r[m]))
+        return steps
+
+    reference = per_step_samples(1, 24, epoch=0)
+    flat = [i for step in reference for i in step]
+    assert len(flat) == len(set(flat)) == 96  # each sample at most once, all whole global batches
+    order = epoch_order(100, 96, seed=5, epoch=0).tolist()
+    assert [sorted(order[s * 24:(s + 1) * 24]) for s in range(4)] == reference
+    for world, per_device in [(2, 12), (2, 4), (3, 8), (4, 2), (6, 4)]:
+        assert per_step_samples(world, per_device, epoch=0) == reference, (world, per_device)
+    assert per_step_samples(1, 24, epoch=1) != reference  # a new order each epoch
+    assert per_step_samples(2, 6, epoch=1) == per_step_samples(1, 24, epoch=1)
+
+
+def test_epochs_advance_after_a_full_pass_and_set_epoch_replays_one():
+    loader = DeviceLoader(index_dataset(), 8, 16, seed=0)
+    first = [y.tolist() for _, y in loader]
+    second = [y.tolist() for _, y in loader]  # the loader moved on to epoch 1 by itself, as a DataLoaderShard does
+    assert first != second
+    loader.set_epoch(0)
+    assert [y.tolist() for _, y in loader] == first
+
+
+def test_skip_first_batches_resumes_mid_epoch_like_accelerate(accelerate_state):
+    from accelerate.data_loader import prepare_data_loader, skip_first_batches
+
+    dataset = index_dataset()
+    fast = DeviceLoader(dataset, 8, 32, seed=4, rank=1, world_size=2)
+    fast.set_epoch(1)
+    full = [y.tolist() for _, y in fast]
+    fast.set_epoch(1)
+    resumed = fast.skip_first_batches(4)  # after optimizer step 2 of this epoch (accumulation 2)
+    assert len(resumed) == len(full) - 4
+    assert [y.tolist() for _, y in resumed] == full[4:]
+
+    classic = prepare_data_loader(build_train_loader(dataset, 8, 32, 0), num_processes=2, process_index=1,
+                                  use_seedable_sampler=True, data_seed=4)
+    classic.set_epoch(1)
+    assert [y.tolist() for _, y in skip_first_batches(classic, 4)] == full[4:]
+    with pytest.raises(ValueError):
+        fast.skip_first_batches(len(full) + 1)
+
+
+def test_crop_flip_augmentation_is_per_sample_correct_and_the_same_for_any_world_size():
+    images = torch.randint(0, 256, (40, 3, 6, 5), dtype=torch.uint8, generator=torch.Generator().manual_seed(8))
+    params = torch.tensor([[0, 0, 0], [8, 8, 1], [4, 4, 0], [3, 5, 1]])
+    out = crop_flip(images[:4], params)
+    padded = torch.nn.functional.pad(images[:4], (CROP_PADDING,) * 4)
+    for i, (dy, dx, flip) in enumerate(params.tolist()):
+        expected = padded[i, :, dy:dy + 6, dx:dx + 5]
+        assert torch.equal(out[i], expected.flip(-1) if flip else expected)
+    assert torch.equal(out[2], images[2])  # centred, not flipped: the image itself
+
+    data = InMemoryDataset(images, torch.arange(40), mean=CIFAR10_MEAN, std=CIFAR10_STD, scale=255.0,
+                           augment="crop_flip")
+    one = DeviceLoader(data, 8, 8, seed=1)
+    two = [DeviceLoader(data, 4, 8, seed=1, rank=r, world_size=2) for r in range(2)]
+    one_rank = [x for x, _ in one]
+    two_ranks = list(zip(*[[x for x, _ in loader] for loader in two], strict=True))
+    for step, (x, (x0, x1)) in enumerate(zip(one_rank, two_ranks, strict=True)):
+        assert torch.equal(x, torch.cat([x0, x1])), step  # same crops and flips, whatever the world size
+    plain = DeviceLoader(InMemoryDataset(images, torch.arange(40), mean=CIFAR10_MEAN, std=CIFAR10_STD,
+                                         scale=255.0), 8, 8, seed=1)
+    assert not all(torch.equal(a, b) for (a, _), (b, _) in zip(one, plain, strict=True))
+    sample, _ = data[0]  # the DataLoader path augments per read with the global generator
+    assert sample.shape == (3, 6, 5) and sample.dtype == torch.float32
+
+
+def test_the_global_generator_advances_as_on_the_dataloader_path(accelerate_state):
+    """One draw per pass, as torch's DataLoader draws a base seed: dropout masks then match between paths."""
+    dataset = index_dataset()
+    torch.manual_seed(0)
+    classic_batches(dataset, 8, 32, world=2, rank=0, seed=0, epoch=0)
+    after_dataloader = torch.rand(1)
+    torch.manual_seed(0)
+    list(DeviceLoader(dataset, 8, 32, seed=0))
+    assert torch.equal(torch.rand(1), after_dataloader)
+
+
+def test_loader_choice_threshold_and_worker_defaults(tmp_path):
+    mnist_like = index_dataset(n=64)
+    assert choose_loader("auto", mnist_like, fast_loader_max_mb=1) == "fast"
+    assert choose_loader("auto", Subset(mnist_like, range(10)), fast_loader_max_mb=1) == "fast"
+    assert choose_loader("auto", mnist_like, fast_loader_max_mb=0) == "dataloader"  # over the threshold
+    assert choose_loader("dataloader", mnist_like, fast_loader_max_mb=1) == "dataloader"
+    assert choose_loader("fast", mnist_like, fast_loader_max_mb=0) == "fast"  # asked for explicitly
+    write_png_classes(tmp_path / "imgs", ["a", "b"], per_class=5)
+    folder = build_datasets("imagefolder", str(tmp_path / "imgs"), download=False).train
+    assert choose_loader("auto", folder, fast_loader_max_mb=4096) == "dataloader"
+    with pytest.raises(ConfigError, match="--loader dataloader"):
+        choose_loader("fast", folder, fast_loader_max_mb=4096)
+    assert default_num_workers(mnist_like) == 0  # tensors in memory: workers would only copy
+    assert default_num_workers(folder) >= 1  # per-sample decoding: worker processes
+    loader = build_train_loader(folder, 4, 8)
+    assert loader.num_workers >= 1 and loader.persistent_workers
+    assert build_eval_loader(mnist_like, 16).num_workers == 0
+
+
+def test_fast_loader_accepts_tensor_datasets_and_subsets_as_stored():
+    x, y = torch.randn(50, 3), torch.arange(50)
+    for dataset, expected in [(TensorDataset(x, y), x), (Subset(TensorDataset(x, y), range(10, 50)), x[10:])]:
+        loader = DeviceLoader(dataset, 5, 10, seed=2)
+        for inputs, labels in loader:
+            assert torch.equal(inputs, expected[labels - (10 if len(dataset) == 40 else 0)])
+    with pytest.raises(ConfigError, match="fewer than one global batch"):
+        DeviceLoader(TensorDataset(x, y), 32, 64, seed=0)
+
+
+# ----------------------------------------------------------------------------- datasets from files
+
+
+@pytest.mark.parametrize("gz", [False, True])
+@pytest.mark.parametrize("name,folder,mean,std", [
+    ("mnist", "MNIST", MNIST_MEAN, MNIST_STD), ("fashion_mnist", "FashionMNIST", 0.2860, 0.3530),
+])
+def test_mnist_format_datasets_from_idx_files(tmp_path, gz, name, folder, mean, std):
+    arrays = write_mnist(tmp_path, folder, gz=gz)
+    bundle = build_datasets(name, str(tmp_path), download=False)
+    assert (len(bundle.train), len(bundle.eval), bundle.num_classes, bundle.input_shape) == (64, 20, 10, (1, 28, 28))
+    assert bundle.train.inputs.dtype == torch.uint8  # compact storage: 1 byte per pixel
+    x, y = bundle.train[5]
+    raw = torch.from_numpy(arrays["train-images-idx3-ubyte"][5]).float().unsqueeze(0)
+    assert torch.equal(x, (raw / 255.0 - mean) / std)  # the textbook normalisation, bit for bit
+    assert int(y) == arrays["train-labels-idx1-ubyte"][5]
+    assert torch.equal(read_idx(str(next((tmp_path / folder / "raw").glob("t10k-labels*")))),
+                       torch.from_numpy(arrays["t10k-labels-idx1-ubyte"]))
+
+
+def test_corrupt_idx_file_is_a_clear_error(tmp_path):
+    write_mnist(tmp_path)
+    (tmp_path / "MNIST" / "raw" / "train-images-idx3-ubyte").write_bytes(b"\x00\x00\x08\x03" + b"\x00" * 20)
+    with pytest.raises(ConfigError, match="re-download"):
+        build_datasets("mnist", str(tmp_path), download=False)
+
+
+@pytest.mark.parametrize("protocol", [2, pickle.HIGHEST_PROTOCOL])
+def test_cifar10_from_pickle_batches(tmp_path, protocol):
+    batches = write_cifar(tmp_path, protocol=protocol)
+    bundle = build_datasets("cifar10", str(tmp_path), download=False)
+    assert (len(bundle.train), len(bundle.eval), bundle.num_classes, bundle.input_shape) == (60, 12, 10, (3, 32, 32))
+    assert bundle.train.augment == "crop_flip" and bundle.eval.augment is None
+    pixels = torch.from_numpy(batches["test_batch"]["data"][3]).view(3, 32, 32).float()
+    mean, std = torch.tensor(CIFAR10_MEAN).view(3, 1, 1), torch.tensor(CIFAR10_STD).view(3, 1, 1)
+    x, y = bundle.eval[3]
+    assert torch.allclose(x, (pixels / 255.0 - mean) / std, atol=1e-6)
+    assert int(y) == batches["test_batch"]["labels"][3]
+    assert int(bundle.train.labels[12]) == batches["data_batch_2"]["labels"][0]
+
+
+def test_cifar10_refuses_a_pickle_that_would_run_code(tmp_path):
+    write_cifar(tmp_path)
+    marker = tmp_path / "pwned"
+
+    class Exploit:
+        def __reduce__(self):
+            return (Path.touch, (marker,))
+
+    (tmp_path / "cifar-10-batches-py" / "data_batch_3").write_bytes(pickle.dumps({"data": Exploit()}))
+    with pytest.raises(ConfigError, match="not a CIFAR-10 python batch"):
+        build_datasets("cifar10", str(tmp_path), download=False)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("layout", ["train_val", "flat"])
+def test_imagefolder_from_class_folders_of_pngs(tmp_path, layout):
+    if layout == "train_val":
+        write_png_classes(tmp_path / "train", ["cat", "dog", "eel"], per_class=6)
+        write_png_classes(tmp_path / "val", ["cat", "eel"], per_class=2)  # an eval folder may lack a class
+    else:
+        write_png_classes(tmp_path, ["cat", "dog", "eel"], per_class=10, mode="L")
+    bundle = build_datasets("imagefolder", str(tmp_path), download=False)
+    channels = 3 if layout == "train_val" else 1
+    assert bundle.num_classes == 3 and bundle.input_shape == (channels, 10, 12)
+    assert (len(bundle.train), len(bundle.eval)) == ((18, 4) if layout == "train_val" else (27, 3))
+    if layout == "train_val":  # eval labels use the training folder's class indices
+        assert sorted({int(y) for _, y in bundle.eval}) == [0, 2]
+    x, _ = bundle.train[0]
+    assert x.shape == (channels, 10, 12) and -1.0 <= float(x.min()) and float(x.max()) <= 1.0
+    resized = build_datasets("imagefolder", str(tmp_path), download=False, image_size=8)
+    assert resized.input_shape == (channels, 8, 8) and resized.train[0][0].shape == (channels, 8, 8)
+    batch, labels = next(iter(build_train_loader(bundle.train, 4, 8, num_workers=0)))
+    assert batch.shape == (4, channels, 10, 12) and labels.dtype == torch.long
+
+
+def test_hf_from_save_to_disk_with_images_and_class_labels(tmp_path):
+    import datasets
+
+    datasets.DatasetDict(train=hf_image_dataset(40, 0), test=hf_image_dataset(12, 1)).save_to_disk(tmp_path / "d")
+    bundle = build_datasets("hf", str(tmp_path / "d"), download=False)
+    assert (len(bundle.train), len(bundle.eval), bundle.num_classes, bundle.input_shape) == (40, 12, 4, (1, 10, 10))
+    assert bundle.train.inputs.dtype == torch.uint8
+    source = hf_image_dataset(40, 0)
+    assert torch.equal(bundle.train.inputs[7, 0], torch.from_numpy(np.array(source[7]["image"])))
+    assert bundle.train.labels.tolist() == [i % 4 for i in range(40)]
+    x = torch.stack([bundle.train[i][0] for i in range(40)])
+    assert abs(float(x.mean())) < 1e-3 and abs(float(x.std()) - 1) < 1e-2  # normalised by its own statistics
+    assert choose_loader("auto", bundle.train, 4096) == "fast"
+    assert int(bundle.train.tensors[1].max()) + 1 == bundle.num_classes  # what train() infers classes from
+
+
+def test_hf_from_parquet_files_with_rgb_images_and_a_held_out_split(tmp_path):
+    hf_image_dataset(30, 0, size=8, mode="RGB").to_parquet(str(tmp_path / "train.parquet"))
+    bundle = build_datasets("hf", str(tmp_path), download=False)
+    assert bundle.input_shape == (3, 8, 8) and bundle.num_classes == 4
+    assert (len(bundle.train), len(bundle.eval)) == (27, 3)  # no eval split: a fixed 10% held out
+    source = HFSource(eval_split="nope")
+    with pytest.raises(ConfigError, match="--hf_eval_split"):
+        build_datasets("hf", str(tmp_path), download=False, hf=source)
+
+
+def test_hf_from_a_csv_of_pixels_with_string_labels(tmp_path):
+    rng = np.random.default_rng(4)
+    names = ["cat", "dog", "ant"]
+    pixels = rng.integers(0, 256, (30, 6))
+    rows = ["animal," + ",".join(f"p{i}" for i in range(6))]
+    rows += [names[i % 3] + "," + ",".join(str(v) for v in pixels[i]) for i in range(30)]
+    (tmp_path / "pixels.csv").write_text("\n".join(rows) + "\n")
+    bundle = build_datasets("hf", str(tmp_path / "pixels.csv"), download=False, hf=HFSource(label_column="animal"))
+    assert bundle.input_shape == (6,) and bundle.num_classes == 3
+    assert bundle.train.inputs.dtype == torch.uint8
+    assert (len(bundle.train), len(bundle.eval)) == (27, 3)
+    served = torch.cat([bundle.train.inputs, bundle.eval.inputs]).numpy()
+    labels = torch.cat([bundle.train.labels, bundle.eval.labels]).tolist()
+    for row, label in zip(served, labels, strict=True):
+        i = int(np.flatnonzero((pixels == row).all(axis=1))[0])
+        assert label == sorted(names).index(names[i % 3])  # ant, cat, dog: classes in sorted order
+
+
+def test_hf_float_array_column_is_served_as_stored(tmp_path):
+    import datasets
+
+    arrays = np.random.default_rng(5).normal(size=(20, 4, 4)).astype(np.float32)
+    features = datasets.Features({"x": datasets.Array2D((4, 4), "float32"), "label": datasets.Value("int64")})
+    ds = datasets.Dataset.from_dict({"x": arrays, "label": list(range(20))}, features=features)
+    datasets.DatasetDict(train=ds, validation=ds.select(range(5))).save_to_disk(tmp_path / "d")
+    bundle = build_datasets("hf", str(tmp_path / "d"), download=False)
+    assert bundle.input_shape == (1, 4, 4) and bundle.num_classes == 20 and len(bundle.eval) == 5
+    assert torch.equal(bundle.train[3][0], torch.from_numpy(arrays[3]).unsqueeze(0))
+
+
+# ------------------------------------------------------------------- offline: what is missing and how to get it
+
+
+@pytest.mark.parametrize("name,expected", [
+    ("mnist", "train-images-idx3-ubyte.*--download"),
+    ("fashion_mnist", "FashionMNIST.*--download"),
+    ("cifar10", "cifar-10-batches-py.*--download"),
+    ("imagefolder", "expected .*<class>/<image>"),
+    ("hf", "does not exist.*save_to_disk"),
+])
+def test_missing_data_names_what_is_missing_and_how_to_get_it(tmp_path, name, expected):
+    (tmp_path / "empty").mkdir()
+    data_dir = tmp_path / ("nothing_here" if name == "hf" else "empty")
+    with pytest.raises(ConfigError, match=expected):
+        build_datasets(name, str(data_dir), download=False)
+
+
+@pytest.mark.parametrize("name,cls", [("mnist", "MNIST"), ("fashion_mnist", "FashionMNIST"), ("cifar10", "CIFAR10")])
+def test_download_without_network_says_where_to_put_the_files(tmp_path, monkeypatch, name, cls):
+    from urllib.error import URLError
+
+    import torchvision.datasets
+
+    def offline(self, *args, **kwargs):
+        raise URLError("[Errno -3] Temporary failure in name resolution")
+
+    monkeypatch.setattr(getattr(torchvision.datasets, cls), "download", offline)
+    with pytest.raises(ConfigError, match=r"download failed \(URLError.*check the network, or copy the files into"):
+        build_datasets(name, str(tmp_path), download=True)
+
+
+def test_hf_hub_name_offline_says_how_to_get_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
+    script = ("from accel_ddp.data import build_datasets, HFSource\n"
+              "build_datasets('hf', 'data', False, hf=HFSource(name='someone/not-cached-anywhere'))\n")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert result.returncode != 0
+    assert "ConfigError" in result.stderr and "network access" in result.stderr and "save_to_disk" in result.stderr
+
+
+def test_cli_reports_missing_mnist_in_one_line_with_exit_code_2(tmp_path):
+    result = run_single(["--dataset", "mnist", "--data_dir", str(tmp_path), "--output_dir", str(tmp_path / "o")])
+    assert result.returncode == 2, result.stderr[-3000:]
+    lines = [line for line in result.stderr.splitlines() if line.startswith("accel_ddp: error:")]
+    assert len(lines) == 1 and "--download" in lines[0] and str(tmp_path) in lines[0]
+
+
+# ----------------------------------------------------------------------------- real processes
+
+LOOP_SCRIPT = textwrap.dedent("""
+    import json, sys
+    import torch, torch.nn.functional as F
+    from accelerate import Accelerator, DataLoaderConfiguration, PartialState
+    from accelerate.utils import set_seed
+    from sklearn.datasets import load_digits
+    from torch.utils.data import TensorDataset
+    from accel_ddp.data import build_loaders, skip_first_batches
+    from accel_ddp.evaluate import evaluate
+
+    out, global_batch, per_device = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    world = PartialState(cpu=True).num_processes
+    accumulation = global_batch // (world * per_device)
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=accumulation,
+                              dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=7))
+    digits = load_digits()
+    x = torch.tensor(digits.data, dtype=torch.float32) / 16.0
+    x = torch.cat([x, torch.arange(len(x), dtype=torch.float32)[:, None]], 1)  # column 64: the sample's index
+    y = torch.tensor(digits.target)
+    train_ds, eval_ds = TensorDataset(x[:1400], y[:1400]), TensorDataset(x[1400:], y[1400:])  # 397: odd
+
+    class Net(torch.nn.Module):  # ignores the index column
+        def __init__(self):
+            super().__init__()
+            self.body = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Dropout(0.3),
+                                            torch.nn.Linear(32, 10))
+
+        def forward(self, x):
+            return self.body(x[:, :64])
+
+    results = {}
+    for kind in ("dataloader", "fast"):
+        set_seed(0)
+        model = Net()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        loaders = build_loaders(accelerator, train_ds, eval_ds, per_device_batch_size=per_device,
+                                global_batch_size=global_batch, loader=kind)
+        model, optimizer = accelerator.prepare(model, optimizer)
+        seen, syncs, evals = [], [], []
+        for epoch in range(2):
+            loaders.train.set_epoch(epoch)
+            for micro_step, (inputs, labels) in enumerate(loaders.train):
+                with accelerator.accumulate(model):
+                    loss = F.cross_entropy(model(inputs), labels)
+                    accelerator.backward(loss)
+                    optimizer.step()
+                    optimizer.zero_grad()
+                seen.append(inputs[:, 64].long().tolist())
+                syncs.append(accelerator.sync_gradients)
+                if epoch == 0 and micro_step == 2 * accumulation - 1:  # evaluate mid-epoch, after step 2
+                    evals.append(evaluate(accelerator, model, loaders.eval)["eval_samples"])
+            evals.append(evaluate(accelerator, model, loaders.eval)["eval_samples"])
+        loaders.train.set_epoch(1)
+        resumed = [i[:, 64].long().tolist() for i, _ in skip_first_batches(accelerator, loaders.train, accumulation)]
+        weights = torch.cat([p.detach().flatten() for p in accelerator.unwrap_model(model).parameters()])
+        results[kind] = {"kind": loaders.kind, "seen": seen, "syncs": syncs, "evals": evals, "resumed": resumed,
+                         "weights": weights.tolist(), "micro_steps": len(loaders.train),
+                         "accumulation": accumulation}
+    with open(f"{out}_rank{accelerator.process_index}.json", "w") as fh:
+        json.dump(results, fh)
+    accelerator.end_training()
+""")
+
+
+def run_loop(tmp_path: Path, world: int, global_batch: int, per_device: int) -> list[dict]:
+    script = tmp_path / "loop.py"
+    script.write_text(LOOP_SCRIPT)
+    prefix = tmp_path / f"w{world}"
+    args = [str(prefix), str(global_batch), str(per_device)]
+    check(launch(args, script=script) if world == 2 else run_single(args, script=script))
+    return [json.loads((tmp_path / f"w{world}_rank{r}.json").read_text()) for r in range(world)]
+
+
+@pytest.mark.slow
+def test_both_loaders_train_identically_under_two_processes(tmp_path):
+    """Same samples per micro-step, sync only on optimizer steps, exact eval counts, bit-identical weights."""
+    two = run_loop(tmp_path, world=2, global_batch=32, per_device=8)  # accumulation 2
+    one = run_loop(tmp_path, world=1, global_batch=32, per_device=16)  # accumulation 2
+    for ranks in (one, two):
+        for rank in ranks:
+            fast, classic = rank["fast"], rank["dataloader"]
+            assert (fast["kind"], classic["kind"]) == ("fast", "dataloader")
+            assert fast["seen"] == classic["seen"]
+            a = fast["accumulation"]
+            assert fast["resumed"] == classic["resumed"] == fast["seen"][fast["micro_steps"] + a:]
+            for run in (fast, classic):
+                assert run["syncs"] == [(i + 1) % a == 0 for i in range(len(run["syncs"]))]
+                assert run["evals"] == [397, 397, 397]
+            assert fast["weights"] == classic["weights"]  # dropout included: the RNG streams match too
+    for kind in ("fast", "dataloader"):  # each optimizer step holds the same samples for 1 and 2 processes
+        a = 2  # both layouts accumulate 2 micro-steps
+        per_step_two = [sorted(two[0][kind]["seen"][i] + two[0][kind]["seen"][i + 1] + two[1][kind]["seen"][i]
+                               + two[1][kind]["seen"][i + 1]) for i in range(0, len(two[0][kind]["seen"]), a)]
+        per_step_one = [sorted(one[0][kind]["seen"][i] + one[0][kind]["seen"][i + 1])
+                        for i in range(0, len(one[0][kind]["seen"]), a)]
+        assert per_step_two == per_step_one
+        epoch0 = [i for step in per_step_one[:len(per_step_one) // 2] for i in step]
+        assert len(epoch0) == len(set(epoch0)) == 1376  # 1400 // 32 steps of 32 samples, each once
+
+
+@pytest.mark.slow
+def test_own_model_and_dataset_through_import_strings_under_two_processes(tmp_path):
+    out = tmp_path / "run"
+    check(launch(["--dataset", "examples.custom_model_and_data:build_dataset",
+                  "--model", "examples.custom_model_and_data:build_model",
+                  "--epochs", "3", "--global_batch_size", "64", "--output_dir", str(out)]))
+    summary = read_summary(out)
+    assert summary["world_size"] == 2 and summary["eval_samples"] == 600
+    assert summary["eval_accuracy"] > 0.9
+    assert any(k.startswith("blocks.") for k in load_weights(out))  # the example's own ResidualMLP
+
+
+@pytest.mark.slow
+def test_own_model_and_dataset_through_the_python_api_under_two_processes(tmp_path):
+    out = tmp_path / "api"
+    result = check(launch(["--output_dir", str(out), "--epochs", "3"],
+                          script=REPO / "examples" / "custom_model_and_data.py"))
+    summary = read_summary(out)
+    assert summary["world_size"] == 2 and summary["eval_samples"] == 600 and summary["eval_accuracy"] > 0.9
+    assert result.stdout.count("eval accuracy") == 1  # printed by the main process only
+
+
+@pytest.mark.slow
+@wired
+def test_train_py_fast_and_dataloader_paths_end_with_the_same_weights(tmp_path):
+    common = ["--dataset", "digits", "--model", "mnist_cnn", "--epochs", "1", "--global_batch_size", "64",
+              "--per_device_batch_size", "16", "--optimizer", "sgd", "--lr", "0.05"]
+    for kind in ("fast", "dataloader"):
+        check(launch([*common, "--loader", kind, "--output_dir", str(tmp_path / kind)]))
+    fast, classic = load_weights(tmp_path / "fast"), load_weights(tmp_path / "dataloader")
+    assert all(torch.equal(fast[k], classic[k]) for k in classic)  # mnist_cnn has dropout: RNG streams match
+    for kind in ("fast", "dataloader"):
+        summary = read_summary(tmp_path / kind)
+        assert summary["eval_samples"] == 360 and summary["grad_accum_steps"] == 2
+        assert summary.get("loader", kind) == kind
+
+
+@pytest.mark.slow
+@wired
+def test_train_py_cifar10_files_on_the_fast_path_with_resnet18(tmp_path):
+    write_cifar(tmp_path / "data", per_batch=16)
+    out = tmp_path / "run"
+    check(launch(["--dataset", "cifar10", "--data_dir", str(tmp_path / "data"), "--model", "resnet18",
+                  "--width", "4", "--epochs", "2", "--global_batch_size", "16", "--loader", "fast",
+                  "--output_dir", str(out)]))
+    summary = read_summary(out)
+    assert summary["optimizer_steps"] == 10 and summary["eval_samples"] == 16
+    assert load_weights(out)["conv1.weight"].shape == (4, 3, 3, 3)
+
+
+@pytest.mark.slow
+@wired
+def test_train_py_fast_path_resumes_mid_epoch_to_the_same_weights(tmp_path):
+    """A rank fails in epoch 1; the resumed run skips what the checkpoint holds and ends where the whole run ends."""
+    common = ["--dataset", "digits", "--model", "mnist_cnn", "--epochs", "2", "--global_batch_size", "64",
+              "--per_device_batch_size", "16", "--loader", "fast", "--checkpointing_steps", "5"]
+    check(launch([*common, "--output_dir", str(tmp_path / "whole")]))
+    broken = launch([*common, "--output_dir", str(tmp_path / "resumed")], env={"ACCEL_DDP_FAIL_AT_STEP": "27:1"})
+    assert broken.returncode != 0  # 22 steps per epoch: it died in epoch 1, after the step-25 checkpoint
+    check(launch([*common, "--output_dir", str(tmp_path / "resumed"), "--resume_from_checkpoint", "auto"]))
+    summary = read_summary(tmp_path / "resumed")
+    assert summary["resumed_from_step"] == 25 and summary["optimizer_steps"] == 44
+    whole, resumed = load_weights(tmp_path / "whole"), load_weights(tmp_path / "resumed")
+    assert all(torch.equal(whole[k], resumed[k]) for k in whole)
