@@ -1,34 +1,66 @@
 """``accel-ddp``: the commands around training (training itself goes through ``accelerate launch``).
 
-    accel-ddp summary OUTPUT_DIR     print a finished run's summary as a table
+    accel-ddp doctor --config_file FILE   check a launch config against this machine, print the launch command
+    accel-ddp plot OUTPUT_DIR             write OUTPUT_DIR/curves.png from metrics.jsonl
+    accel-ddp summary OUTPUT_DIR          print a finished run's summary as a table
+
+Also ``python -m accel_ddp COMMAND ...``. Heavy imports (torch, accelerate, matplotlib) happen
+inside each command so that ``--help`` is instant.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 
 
 def _summary(args: argparse.Namespace) -> int:
-    path = os.path.join(args.output_dir, "summary.json")
-    if not os.path.isfile(path):
-        print(f"accel-ddp: error: no summary.json in {args.output_dir}; point at a finished run's --output_dir",
-              file=sys.stderr)
+    from accel_ddp.tracking import format_summary
+
+    try:
+        print(format_summary(args.output_dir))
+    except FileNotFoundError as err:
+        print(f"accel-ddp: error: {err}", file=sys.stderr)
         return 2
-    with open(path, encoding="utf-8") as fh:
-        summary = json.load(fh)
-    width = max(len(k) for k in summary)
-    for key, value in summary.items():
-        shown = f"{value:.4f}" if isinstance(value, float) else str(value)
-        print(f"{key:<{width}}  {shown}")
     return 0
+
+
+def _plot(args: argparse.Namespace) -> int:
+    from accel_ddp.tracking import plot_run
+
+    try:
+        path = plot_run(args.output_dir, args.out)
+    except (FileNotFoundError, ValueError) as err:
+        print(f"accel-ddp: error: {err}", file=sys.stderr)
+        return 2
+    print(path)
+    return 0
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    from accel_ddp import doctor
+
+    return doctor.run(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="accel-ddp", description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
+
+    doctor = commands.add_parser(
+        "doctor", help="check an accelerate config file against this machine (exit 0 ready, 1 not, 2 unreadable)",
+        description="Check an accelerate config file against this machine. Launch flags given here override the "
+                    "file as they do on the `accelerate launch` line.")
+    from accel_ddp.doctor import build_parser as build_doctor_parser
+
+    build_doctor_parser(doctor)
+    doctor.set_defaults(func=_doctor)
+
+    plot = commands.add_parser("plot", help="write curves.png (loss, eval accuracy, LR, samples/s against step)")
+    plot.add_argument("output_dir")
+    plot.add_argument("--out", default=None, help="where to write the PNG (default: OUTPUT_DIR/curves.png)")
+    plot.set_defaults(func=_plot)
+
     summary = commands.add_parser("summary", help="print a run's summary.json as a table")
     summary.add_argument("output_dir")
     summary.set_defaults(func=_summary)

@@ -1,17 +1,34 @@
-"""What a run leaves behind: resolved config, metrics lines, summary, progress bar.
+"""What a run leaves behind: resolved config, metrics lines, summary, trackers, curves, progress bar.
 
 Every writer here is a no-op off the main process, so the loop can call them on all ranks.
+
+    OUTPUT_DIR/metrics.jsonl   always (RunRecorder)
+    OUTPUT_DIR/metrics.csv     --with_tracking csv|all (CSVTracker, through Accelerate's tracker API)
+    OUTPUT_DIR/tensorboard/    --with_tracking tensorboard|all (Accelerate's TensorBoardTracker)
+    OUTPUT_DIR/curves.png      plot_run(): loss, eval accuracy, LR and samples/s against step
 """
 
 from __future__ import annotations
 
+import csv
+import io
 import json
+import math
 import os
+import sys
 import time
 from typing import Any
 
 import yaml
+from accelerate.tracking import GeneralTracker, on_main_process
 from tqdm.auto import tqdm
+
+from accel_ddp.config import ConfigError
+
+METRICS_NAME = "metrics.jsonl"
+CSV_NAME = "metrics.csv"
+CURVES_NAME = "curves.png"
+TENSORBOARD_SUBDIR = "tensorboard"  # Accelerate's TensorBoardTracker writes to project_dir/<project name>
 
 
 def _atomic_write_text(path: str, text: str) -> None:
@@ -22,25 +39,51 @@ def _atomic_write_text(path: str, text: str) -> None:
 
 
 class RunRecorder:
-    """Writes ``config.yaml``, ``metrics.jsonl`` and ``summary.json`` under ``output_dir``."""
+    """Writes ``config.yaml``, ``metrics.jsonl`` and ``summary.json`` under ``output_dir``.
 
-    def __init__(self, output_dir: str, is_main_process: bool):
+    Given the ``accelerator``, it also feeds Accelerate's trackers (``Accelerator(log_with=...)``,
+    see ``tracking_kwargs``): ``write_config`` starts them with the config as hyperparameters and
+    every ``log`` record goes to them too, keyed by its ``step``.
+    """
+
+    def __init__(self, output_dir: str, is_main_process: bool, accelerator: Any = None):
         self.output_dir = output_dir
         self.enabled = is_main_process
+        self._accelerator = accelerator if accelerator is not None and accelerator.log_with else None
+        self._trackers_started = False
         self._metrics = None
         if self.enabled:
             os.makedirs(output_dir, exist_ok=True)
             # Appending lets a resumed run extend the curve instead of erasing it.
-            self._metrics = open(os.path.join(output_dir, "metrics.jsonl"), "a", encoding="utf-8")
+            self._metrics = open(os.path.join(output_dir, METRICS_NAME), "a", encoding="utf-8")
 
     def write_config(self, resolved: dict[str, Any]) -> None:
         if self.enabled:
             _atomic_write_text(os.path.join(self.output_dir, "config.yaml"), yaml.safe_dump(resolved, sort_keys=False))
+        if self._accelerator is not None and not self._trackers_started:
+            # init_trackers and log run on the main process only (Accelerate's @on_main_process).
+            self._accelerator.init_trackers(TENSORBOARD_SUBDIR, config=flat_hparams(resolved))
+            self._trackers_started = True
 
     def log(self, record: dict[str, Any]) -> None:
         if self.enabled:
             self._metrics.write(json.dumps({"time": round(time.time(), 3), **record}) + "\n")
             self._metrics.flush()
+        if self._trackers_started:
+            values = {k: v for k, v in record.items() if k != "step"}
+            self._accelerator.log(values, step=record.get("step"))
+
+    def plot(self) -> str | None:
+        """Write ``curves.png`` (main process). A failed plot warns: the finished run's files stay valid."""
+        if not self.enabled:
+            return None
+        self._metrics.flush()
+        try:
+            return plot_run(self.output_dir)
+        except (OSError, ValueError) as err:
+            print(f"accel_ddp: warning: could not write {CURVES_NAME}: {err}; rerun `accel-ddp plot "
+                  f"{self.output_dir}`", file=sys.stderr)
+            return None
 
     def write_summary(self, summary: dict[str, Any]) -> None:
         if self.enabled:
@@ -55,3 +98,293 @@ class RunRecorder:
 def progress_bar(total: int, initial: int, enabled: bool) -> tqdm:
     """One bar per machine's first process; other ranks get a disabled bar with the same API."""
     return tqdm(total=total, initial=initial, disable=not enabled, unit="step", dynamic_ncols=True)
+
+
+class ThroughputMeter:
+    """Training samples per second between two log lines, evaluation time left out.
+
+        meter = ThroughputMeter(global_batch_size=64)
+        ...  # at a log line:        record["samples_per_sec"] = meter.rate(step)
+        ...  # after an evaluation:  meter.reset(step)
+    """
+
+    def __init__(self, global_batch_size: int, step: int = 0):
+        self.global_batch_size = global_batch_size
+        self.reset(step)
+
+    def reset(self, step: int) -> None:
+        self._step, self._time = step, time.perf_counter()
+
+    def rate(self, step: int) -> float:
+        now = time.perf_counter()
+        samples = (step - self._step) * self.global_batch_size
+        rate = samples / max(now - self._time, 1e-9)
+        self._step, self._time = step, now
+        return rate
+
+
+# ----------------------------------------------------------------------------- Accelerate trackers
+
+
+class CSVTracker(GeneralTracker):
+    """``OUTPUT_DIR/metrics.csv``, one row per logged step: Accelerate 1.x has no CSV tracker.
+
+    Passed to ``Accelerator(log_with=[CSVTracker(dir)])`` as an instance, so nothing is registered
+    globally. Columns grow as new keys appear (eval metrics arrive after the first loss lines):
+    the file is then rewritten with the wider header. A resumed run appends to the existing file.
+    """
+
+    name = "csv"
+    requires_logging_directory = False
+    main_process_only = True
+
+    def __init__(self, output_dir: str):
+        super().__init__()
+        self.path = os.path.join(output_dir, CSV_NAME)
+        self.columns: list[str] = ["step"]
+        self.rows: list[dict[str, Any]] = []
+
+    @on_main_process
+    def start(self) -> None:
+        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+        if os.path.isfile(self.path):
+            with open(self.path, newline="", encoding="utf-8") as fh:
+                reader = csv.DictReader(fh)
+                self.columns = list(reader.fieldnames or ["step"])
+                self.rows = list(reader)
+
+    @property
+    def tracker(self) -> str:
+        return self.path
+
+    @on_main_process
+    def store_init_configuration(self, values: dict) -> None:
+        """The config lives in config.yaml already; a CSV of metrics has no place for it."""
+
+    @on_main_process
+    def log(self, values: dict, step: int | None = None, **kwargs) -> None:
+        row = {"step": "" if step is None else step}
+        for key, value in values.items():
+            if isinstance(value, dict):  # TensorBoard-style grouped scalars
+                row.update({f"{key}/{sub}": v for sub, v in value.items()})
+            else:
+                row[key] = value.item() if hasattr(value, "item") else value
+        new = [k for k in row if k not in self.columns]
+        self.rows.append(row)
+        if new or not os.path.isfile(self.path):
+            self.columns += new
+            _atomic_write_text(self.path, self._render(self.rows, header=True))
+        else:
+            with open(self.path, "a", newline="", encoding="utf-8") as fh:
+                fh.write(self._render([row], header=False))
+
+    def _render(self, rows: list[dict[str, Any]], header: bool) -> str:
+        out = io.StringIO()
+        writer = csv.DictWriter(out, fieldnames=self.columns, restval="", lineterminator="\n")
+        if header:
+            writer.writeheader()
+        writer.writerows(rows)
+        return out.getvalue()
+
+
+def build_trackers(with_tracking: str, output_dir: str) -> list[Any]:
+    """``log_with`` for ``--with_tracking none|tensorboard|csv|all``.
+
+    ``all`` means TensorBoard and CSV, not Accelerate's ``"all"`` (every tracker package that
+    happens to be installed, wandb included).
+    """
+    if with_tracking == "none":
+        return []
+    wanted = ("tensorboard", "csv") if with_tracking == "all" else (with_tracking,)
+    trackers: list[Any] = []
+    if "tensorboard" in wanted:
+        from accelerate.utils import is_tensorboard_available
+
+        if not is_tensorboard_available():  # Accelerate would silently drop it
+            raise ConfigError(f"--with_tracking {with_tracking} needs the tensorboard package: "
+                              "pip install tensorboard (or pip install 'accel_ddp[tracking]')")
+        trackers.append("tensorboard")
+    if "csv" in wanted:
+        trackers.append(CSVTracker(output_dir))
+    return trackers
+
+
+def tracking_kwargs(with_tracking: str, output_dir: str) -> dict[str, Any]:
+    """Keyword arguments for ``Accelerator(...)``: ``log_with`` and ``project_dir`` (TensorBoard's root).
+
+        >>> Accelerator(**tracking_kwargs("all", "outputs/run"))  # -> outputs/run/tensorboard, outputs/run/metrics.csv
+    """
+    trackers = build_trackers(with_tracking, output_dir)
+    return {"log_with": trackers, "project_dir": output_dir} if trackers else {}
+
+
+def flat_hparams(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested config -> the flat ``{name: bool|int|float|str}`` TensorBoard's hparams accept."""
+    flat: dict[str, Any] = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(flat_hparams(value, f"{name}/"))
+        elif value is None:
+            flat[name] = "none"
+        elif isinstance(value, (bool, int, float, str)):
+            flat[name] = value
+        else:
+            flat[name] = str(list(value) if isinstance(value, tuple) else value)
+    return flat
+
+
+# ----------------------------------------------------------------------------- curves.png
+
+# (metrics.jsonl key, panel title, y label)
+CURVES = (
+    ("loss", "training loss", "cross-entropy"),
+    ("eval_accuracy", "eval accuracy", "accuracy"),
+    ("lr", "learning rate", "lr"),
+    ("samples_per_sec", "throughput", "samples/s"),
+)
+
+
+def read_metrics(output_dir: str) -> list[dict[str, Any]]:
+    """The records of ``metrics.jsonl``; a line cut short by a crash is skipped."""
+    path = os.path.join(output_dir, METRICS_NAME)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no {METRICS_NAME} in {output_dir}; point at a run's --output_dir")
+    records = []
+    with open(path, encoding="utf-8") as fh:
+        for line in fh:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(record, dict):
+                records.append(record)
+    return records
+
+
+def read_curves(output_dir: str) -> dict[str, tuple[list[int], list[float]]]:
+    """``{key: (steps, values)}`` for each of ``CURVES``, sorted by step.
+
+    A resumed run may log a step twice (once before the interruption, once after); the later
+    line wins, which is the curve of the run that finished.
+    """
+    by_step: dict[str, dict[int, float]] = {key: {} for key, _, _ in CURVES}
+    for record in read_metrics(output_dir):
+        if "step" not in record:
+            continue
+        for key in by_step:
+            value = record.get(key)
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+                by_step[key][int(record["step"])] = float(value)
+    return {key: (sorted(points), [points[s] for s in sorted(points)]) for key, points in by_step.items()}
+
+
+def build_curves_figure(curves: dict[str, tuple[list[int], list[float]]], title: str = ""):
+    """A 2x2 matplotlib Figure (Agg canvas, no pyplot, no global backend switch)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(11, 7), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(2, 2).ravel()
+    for ax, (key, panel, ylabel) in zip(axes, CURVES, strict=True):
+        steps, values = curves.get(key, ([], []))
+        ax.set_title(panel)
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        if steps:
+            ax.plot(steps, values, marker="o" if len(steps) <= 30 else None, markersize=3, linewidth=1.2)
+        else:
+            ax.text(0.5, 0.5, f"no '{key}' in {METRICS_NAME}", ha="center", va="center", transform=ax.transAxes)
+    if title:
+        fig.suptitle(title)
+    return fig
+
+
+def plot_run(output_dir: str, path: str | None = None) -> str:
+    """Write ``curves.png`` (loss, eval accuracy, LR, samples/s against step) from ``metrics.jsonl``."""
+    curves = read_curves(output_dir)
+    if not any(steps for steps, _ in curves.values()):
+        raise ValueError(f"{os.path.join(output_dir, METRICS_NAME)} has no step records yet; nothing to plot")
+    path = path or os.path.join(output_dir, CURVES_NAME)
+    fig = build_curves_figure(curves, title=_run_title(output_dir))
+    tmp = f"{path}.tmp"
+    fig.savefig(tmp, format="png", dpi=100)
+    os.replace(tmp, path)
+    return path
+
+
+def _run_title(output_dir: str) -> str:
+    summary = _read_json(os.path.join(output_dir, "summary.json")) or {}
+    facts = [os.path.basename(os.path.normpath(output_dir))]
+    if "world_size" in summary:
+        facts.append(f"{summary['world_size']} process(es)")
+    if "global_batch_size" in summary:
+        facts.append(f"global batch {summary['global_batch_size']}")
+    return ", ".join(facts)
+
+
+# ----------------------------------------------------------------------------- accel-ddp summary
+
+# (summary.json key, label, formatter)
+_SUMMARY_ROWS = (
+    ("world_size", "processes (world size)", str),
+    ("num_machines", "machines", str),
+    ("distributed_type", "distributed type", str),
+    ("device", "device", str),
+    ("mixed_precision", "mixed precision", str),
+    ("global_batch_size", "global batch (samples/step)", str),
+    ("per_device_batch_size", "per-device batch", str),
+    ("grad_accum_steps", "gradient accumulation", str),
+    ("optimizer_steps", "optimizer steps", str),
+    ("epochs", "epochs", str),
+    ("eval_accuracy", "eval accuracy", lambda v: f"{100 * v:.2f} %"),
+    ("eval_loss", "eval loss", lambda v: f"{v:.4f}"),
+    ("eval_samples", "eval samples", str),
+    ("train_samples_per_sec", "training throughput", lambda v: f"{v:,.1f} samples/s"),
+    ("train_seconds", "training time", lambda v: f"{v:.2f} s"),
+    ("elapsed_sec", "wall time", lambda v: f"{v:.2f} s"),
+)
+_CONFIG_ROWS = ("dataset", "model", "optimizer", "lr", "lr_schedule", "seed")
+
+
+def _read_json(path: str) -> Any:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return json.load(fh)
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def _format_value(value: Any, formatter=str) -> str:
+    if value is None:
+        return "-"
+    if formatter is str and isinstance(value, float):
+        return f"{value:.4g}"
+    return formatter(value)
+
+
+def format_summary(output_dir: str) -> str:
+    """A finished run as a two-column table: what ran, how it was batched, how it ended."""
+    summary = _read_json(os.path.join(output_dir, "summary.json"))
+    if not isinstance(summary, dict):
+        raise FileNotFoundError(f"no readable summary.json in {output_dir}; point at a finished run's --output_dir")
+    config = {}
+    config_path = os.path.join(output_dir, "config.yaml")
+    if os.path.isfile(config_path):
+        with open(config_path, encoding="utf-8") as fh:
+            config = yaml.safe_load(fh) or {}
+    rows = [(name, _format_value(config[name])) for name in _CONFIG_ROWS if name in config]
+    rows += [(label, _format_value(summary[key], fmt)) for key, label, fmt in _SUMMARY_ROWS if key in summary]
+    known = {key for key, _, _ in _SUMMARY_ROWS}
+    rows += [(key, _format_value(value)) for key, value in summary.items() if key not in known]
+    files = [name for name in ("model.safetensors", CURVES_NAME, CSV_NAME, TENSORBOARD_SUBDIR, "checkpoints")
+             if os.path.exists(os.path.join(output_dir, name))]
+    rows.append(("files", ", ".join(files) or "-"))
+    width = max(len(label) for label, _ in rows)
+    rule = "-" * (width + 2 + max(len(value) for _, value in rows))
+    lines = [f"run {output_dir}", rule]
+    lines += [f"{label:<{width}}  {value}" for label, value in rows]
+    lines.append(rule)
+    return "\n".join(lines)

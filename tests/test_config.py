@@ -90,10 +90,10 @@ def test_launch_configs_load_with_accelerates_loader(name, distributed_type, pro
     assert config.num_processes == processes
     assert str(config.mixed_precision) == mixed_precision
     assert config.debug is debug
-    assert config.use_cpu is False  # use_cpu: true would silently start a single process
+    assert config.use_cpu is False  # the script, not the config, decides CPU vs GPU
     # every key carries a comment saying what it does, on its line or just above it
     lines = path.read_text().splitlines()
-    for previous, line in zip([""] + lines, lines):
+    for previous, line in zip([""] + lines, lines, strict=False):
         if line and not line.startswith("#"):
             key = line.split(":")[0]
             assert "#" in line or previous.startswith("#"), f"{name}.yaml: key {key!r} has no comment"

@@ -1,0 +1,371 @@
+"""`accel-ddp doctor`: one config file per finding, checked against simulated machines.
+
+Machine facts (GPUs, NCCL, bf16) are injected, so a 4-GPU box or eight V100s are simulated on a
+CPU-only runner; the port check uses a real listening socket. The slow test at the end launches
+the "silent single-process traps" for real, to prove the doctor's claims about them.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from accel_ddp import cli, doctor
+from accel_ddp.doctor import ERROR, NOTE, WARNING, MachineFacts, diagnose
+from tests.conftest import CPU_2PROC, REPO, launch
+
+CONFIGS = REPO / "accelerate_configs"
+CPU_ONLY = MachineFacts(gpu_count=0, nccl_available=False, cpu_count=2)
+ONE_GPU = MachineFacts(gpu_count=1, nccl_available=True, cpu_count=8, gpu_name="NVIDIA A10")
+FOUR_GPUS = MachineFacts(gpu_count=4, nccl_available=True, cpu_count=32, gpu_name="NVIDIA A100")
+EIGHT_GPUS = MachineFacts(gpu_count=8, nccl_available=True, cpu_count=64, gpu_name="NVIDIA H100")
+EIGHT_V100 = MachineFacts(gpu_count=8, nccl_available=True, bf16_supported=False, cpu_count=64,
+                          gpu_name="Tesla V100")
+
+
+def never_in_use(port: int) -> bool:
+    return False
+
+
+def make_config(tmp_path, base: str = "cpu_2proc.yaml", **changes) -> str:
+    """A copy of a shipped config with some keys changed (None deletes the key)."""
+    config = yaml.safe_load((CONFIGS / base).read_text())
+    for key, value in changes.items():
+        if value is None:
+            config.pop(key, None)
+        else:
+            config[key] = value
+    path = tmp_path / f"{len(list(tmp_path.iterdir()))}_{base}"
+    path.write_text(yaml.safe_dump(config))
+    return str(path)
+
+
+def check_file(path, facts, **kwargs) -> doctor.Report:
+    kwargs.setdefault("is_port_in_use", never_in_use)
+    return diagnose(str(path), facts, **kwargs)
+
+
+def only(report: doctor.Report, level: str, *words: str) -> doctor.Finding:
+    """The single finding of ``level`` whose line mentions every word."""
+    hits = [f for f in report.findings if f.level == level and all(w in f.line() for w in words)]
+    assert len(hits) == 1, f"expected one {level} with {words}, got:\n{report.render()}"
+    assert " -> " in hits[0].line() and hits[0].fix  # every finding says how to fix it
+    return hits[0]
+
+
+def levels(report: doctor.Report) -> list[str]:
+    return [f.level for f in report.findings]
+
+
+# ----------------------------------------------------------------------------- the shipped configs
+
+
+def test_cpu_2proc_is_ready_on_a_machine_without_gpus():
+    report = check_file(CPU_2PROC, CPU_ONLY)
+    assert report.ok
+    assert levels(report) == [NOTE]
+    only(report, NOTE, "no GPU here", "2 process(es)", "CPU over gloo")
+    assert report.commands == [f"accelerate launch --config_file {CPU_2PROC} train.py"]
+
+
+@pytest.mark.parametrize(("name", "facts", "overrides"), [
+    ("4gpu.yaml", FOUR_GPUS, {}),
+    ("fsdp_4gpu.yaml", FOUR_GPUS, {}),
+    ("1gpu_debug.yaml", ONE_GPU, {}),
+    ("2node_8gpu.yaml", FOUR_GPUS, {"machine_rank": 0}),
+    ("2node_8gpu.yaml", FOUR_GPUS, {"machine_rank": 1}),
+])
+def test_shipped_configs_are_clean_on_the_machines_they_are_for(name, facts, overrides):
+    report = check_file(CONFIGS / name, facts, overrides=overrides)
+    assert report.findings == [], report.render()
+
+
+def test_multi_node_config_prints_one_launch_command_per_machine():
+    report = check_file(CONFIGS / "2node_8gpu.yaml", FOUR_GPUS)
+    assert report.commands == [
+        f"accelerate launch --config_file {CONFIGS / '2node_8gpu.yaml'} --machine_rank {rank} train.py"
+        f"   # on machine {rank}" for rank in (0, 1)]
+
+
+def test_gpu_configs_on_this_cpu_machine_say_so():
+    report = check_file(CONFIGS / "4gpu.yaml", CPU_ONLY)
+    only(report, WARNING, "no GPU here", "4 process(es)", "2 core(s)")  # more processes than cores
+    only(report, WARNING, "bf16 on CPU")
+    report = check_file(CONFIGS / "fsdp_4gpu.yaml", CPU_ONLY)
+    assert not report.ok
+    only(report, ERROR, "FSDP needs GPUs", "MULTI_CPU")
+
+
+# ----------------------------------------------------------------------------- GPUs against num_processes and gpu_ids
+
+
+def test_more_processes_than_gpus(tmp_path):
+    report = check_file(CONFIGS / "4gpu.yaml", MachineFacts(gpu_count=2, nccl_available=True, cpu_count=16))
+    assert not report.ok
+    finding = only(report, ERROR, "4 process(es)", "only 2 GPU(s)")
+    assert "num_processes: 2" in finding.fix
+
+
+def test_fewer_processes_than_gpus_leaves_gpus_idle(tmp_path):
+    report = check_file(make_config(tmp_path, "4gpu.yaml", num_processes=2), FOUR_GPUS)
+    assert report.ok
+    only(report, WARNING, "2 process(es) for 4 GPU(s)", "2 stay idle")
+
+
+def test_gpu_ids_naming_a_missing_device(tmp_path):
+    report = check_file(make_config(tmp_path, "4gpu.yaml", gpu_ids="2,3,4,5"), FOUR_GPUS)
+    assert not report.ok
+    only(report, ERROR, "'2,3,4,5'", "lacks")
+
+
+def test_gpu_ids_fewer_than_processes(tmp_path):
+    report = check_file(make_config(tmp_path, "4gpu.yaml", gpu_ids="0,1"), FOUR_GPUS)
+    only(report, ERROR, "4 process(es)", "only 2 GPU(s)")
+
+
+def test_one_gpu_id_for_a_multi_gpu_launch(tmp_path):
+    report = check_file(make_config(tmp_path, "4gpu.yaml", gpu_ids="0", num_processes=1), FOUR_GPUS)
+    only(report, ERROR, "fewer than two GPUs", "refuses")
+
+
+def test_gpu_ids_written_as_a_yaml_number(tmp_path):
+    report = check_file(make_config(tmp_path, "1gpu_debug.yaml", gpu_ids=0), ONE_GPU)
+    finding = only(report, ERROR, "gpu_ids", "YAML number")
+    assert "gpu_ids: '0'" in finding.fix
+
+
+def test_gpu_ids_on_a_machine_without_gpus(tmp_path):
+    report = check_file(make_config(tmp_path, gpu_ids="0,1"), CPU_ONLY)
+    assert not report.ok
+    only(report, ERROR, "'0,1'", "has none")
+
+
+# ----------------------------------------------------------------------------- NCCL and precision
+
+
+def test_nccl_missing_with_several_gpu_processes():
+    facts = MachineFacts(gpu_count=4, nccl_available=False, cpu_count=32)
+    report = check_file(CONFIGS / "4gpu.yaml", facts)
+    assert not report.ok
+    only(report, ERROR, "no NCCL")
+    assert check_file(CONFIGS / "1gpu_debug.yaml", facts).ok  # one process needs no all-reduce
+
+
+def test_bf16_on_gpus_without_bf16(tmp_path):
+    report = check_file(make_config(tmp_path, "4gpu.yaml", num_processes=8), EIGHT_V100)
+    assert not report.ok
+    finding = only(report, ERROR, "bf16", "Tesla V100")
+    assert "fp16" in finding.fix
+    assert check_file(make_config(tmp_path, "4gpu.yaml", num_processes=8, mixed_precision="fp16"), EIGHT_V100).ok
+
+
+def test_fp16_on_cpu_would_silently_train_in_fp32(tmp_path):
+    report = check_file(make_config(tmp_path, mixed_precision="fp16"), CPU_ONLY)
+    assert not report.ok
+    only(report, ERROR, "fp16 on CPU", "fp32")
+
+
+def test_bf16_on_cpu_is_only_a_warning(tmp_path):
+    report = check_file(make_config(tmp_path, mixed_precision="bf16"), CPU_ONLY)
+    assert report.ok
+    only(report, WARNING, "bf16 on CPU")
+
+
+def test_unknown_mixed_precision(tmp_path):
+    only(check_file(make_config(tmp_path, mixed_precision="fp32"), CPU_ONLY), ERROR, "'fp32' is unknown")
+
+
+# ----------------------------------------------------------------------------- the silent single-process traps
+
+
+def test_multi_cpu_without_mpirun(tmp_path):
+    report = check_file(make_config(tmp_path, distributed_type="MULTI_CPU"), CPU_ONLY)
+    assert not report.ok
+    finding = only(report, ERROR, "MULTI_CPU without mpirun", "1 process, not 2")
+    assert "MULTI_GPU" in finding.fix
+
+
+def test_cpu_flag_with_several_processes():
+    report = check_file(CPU_2PROC, CPU_ONLY, cpu=True)
+    assert not report.ok
+    only(report, ERROR, "--cpu", "1 process, not 2")
+    assert report.commands == [f"accelerate launch --config_file {CPU_2PROC} train.py"]  # the fixed command
+
+
+def test_distributed_type_no_with_several_processes(tmp_path):
+    report = check_file(make_config(tmp_path, distributed_type="NO"), CPU_ONLY)
+    only(report, ERROR, "distributed_type NO", "1 process, not 2")
+
+
+def test_multi_gpu_without_gpus_is_a_note_not_a_failure():
+    report = check_file(CPU_2PROC, CPU_ONLY)
+    assert report.ok and levels(report) == [NOTE]
+
+
+def test_use_cpu_is_ignored_by_multi_gpu_launches(tmp_path):
+    report = check_file(make_config(tmp_path, "4gpu.yaml", use_cpu=True), FOUR_GPUS)
+    assert report.ok
+    only(report, WARNING, "use_cpu: true is ignored")
+
+
+def test_missing_num_processes(tmp_path):
+    path = make_config(tmp_path, num_processes=None)
+    only(check_file(path, CPU_ONLY), ERROR, "num_processes is not set")
+    assert check_file(path, CPU_ONLY, overrides={"num_processes": 2}).ok
+
+
+# ----------------------------------------------------------------------------- several machines
+
+
+def test_num_processes_given_per_machine_instead_of_in_total(tmp_path):
+    report = check_file(CONFIGS / "2node_8gpu.yaml", EIGHT_GPUS)  # 8 in total = 4 per 8-GPU machine
+    assert not report.ok
+    finding = only(report, ERROR, "4 per machine", "8 GPUs")
+    assert "total over all machines" in finding.fix and "16" in finding.fix
+
+
+def test_num_processes_not_divisible_by_machines(tmp_path):
+    report = check_file(make_config(tmp_path, "2node_8gpu.yaml", num_processes=7), FOUR_GPUS)
+    only(report, ERROR, "does not split evenly")
+
+
+def test_machine_rank_out_of_range():
+    report = check_file(CONFIGS / "2node_8gpu.yaml", FOUR_GPUS, overrides={"machine_rank": 2})
+    only(report, ERROR, "machine_rank 2", "0..1")
+
+
+def test_loopback_address_for_two_machines_warns():
+    report = check_file(CONFIGS / "2node_8gpu.yaml", FOUR_GPUS, overrides={"main_process_ip": "127.0.0.1"})
+    assert report.ok
+    only(report, WARNING, "loopback")
+
+
+@pytest.mark.parametrize("address", ["10.0.0.256", "192.168.1", "http://10.0.0.1", "10.0.0.1:29500",
+                                     "node 001", "-node", "10.0.0.1/24"])
+def test_malformed_main_process_ip(tmp_path, address):
+    report = check_file(make_config(tmp_path, "2node_8gpu.yaml", main_process_ip=address), FOUR_GPUS)
+    assert not report.ok
+    only(report, ERROR, "main_process_ip", "malformed")
+
+
+@pytest.mark.parametrize("address", ["10.0.0.1", "node001", "gpu-07.cluster.example.org", "fd00::1"])
+def test_well_formed_main_process_ip(tmp_path, address):
+    report = check_file(make_config(tmp_path, "2node_8gpu.yaml", main_process_ip=address), FOUR_GPUS)
+    assert report.findings == [], report.render()
+
+
+def test_multi_node_without_main_process_ip(tmp_path):
+    report = check_file(make_config(tmp_path, "2node_8gpu.yaml", main_process_ip=None), FOUR_GPUS)
+    only(report, ERROR, "main_process_ip is not set")
+
+
+# ----------------------------------------------------------------------------- the port (a real listening socket)
+
+
+@pytest.fixture
+def busy_port():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(1)
+        yield sock.getsockname()[1]
+
+
+def test_port_in_use_on_one_machine_is_a_warning(tmp_path, busy_port):
+    report = diagnose(make_config(tmp_path, main_process_port=busy_port), CPU_ONLY)
+    assert report.ok
+    only(report, WARNING, f"port {busy_port} is already in use")
+
+
+def test_port_in_use_on_machine_0_of_several_is_an_error(tmp_path, busy_port):
+    path = make_config(tmp_path, "2node_8gpu.yaml", main_process_port=busy_port)
+    report = diagnose(path, FOUR_GPUS, overrides={"machine_rank": 0})
+    assert not report.ok
+    only(report, ERROR, f"port {busy_port}", "machine 0 must listen")
+    # machine 1 only connects to machine 0's port: nothing to check locally
+    assert diagnose(path, FOUR_GPUS, overrides={"machine_rank": 1}).findings == []
+
+
+def test_port_zero_over_several_machines(tmp_path):
+    report = check_file(make_config(tmp_path, "2node_8gpu.yaml", main_process_port=0), FOUR_GPUS)
+    only(report, ERROR, "main_process_port 0")
+
+
+# ----------------------------------------------------------------------------- CLI and exit codes
+
+
+def test_cli_exit_codes_and_output(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(MachineFacts, "detect", classmethod(lambda cls: CPU_ONLY))
+    assert cli.main(["doctor", "--config_file", str(CPU_2PROC)]) == 0
+    out = capsys.readouterr().out
+    assert "ready: 0 error(s), 0 warning(s), 1 note(s)" in out
+    assert f"accelerate launch --config_file {CPU_2PROC} train.py" in out
+
+    broken = make_config(tmp_path, distributed_type="MULTI_CPU")
+    assert cli.main(["doctor", "--config_file", broken, "--main_process_port", "29999"]) == 1
+    out = capsys.readouterr().out
+    assert "will not run as intended: 1 error(s)" in out
+    assert f"accelerate launch --config_file {broken} --main_process_port 29999 train.py" in out
+
+
+@pytest.mark.parametrize(("content", "message"), [
+    (None, "no such file"),
+    ("distributed_type: [unclosed\n", "not valid YAML"),
+    ("distributed_type: MULTI_GPU\nnum_gpus: 4\n", "Accelerate cannot load it"),
+    ("distributed_type: MULTI_GUP\n", "Accelerate cannot load it"),
+])
+def test_unreadable_config_exits_2_with_one_line(tmp_path, capsys, content, message):
+    path = tmp_path / "bad.yaml"
+    if content is not None:
+        path.write_text(content)
+    assert doctor.run(doctor.build_parser().parse_args(["--config_file", str(path)]), facts=CPU_ONLY) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
+
+
+def test_python_m_accel_ddp_doctor_on_this_machine():
+    import torch
+
+    result = subprocess.run([sys.executable, "-m", "accel_ddp", "doctor", "--config_file", str(CPU_2PROC)],
+                            capture_output=True, text=True, cwd=REPO, timeout=120,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    gpus = torch.cuda.device_count()
+    assert result.returncode == (1 if gpus == 1 else 0), result.stdout + result.stderr  # 1 GPU < 2 processes
+    assert f"machine: {gpus} GPU(s)" in result.stdout
+    assert f"accelerate launch --config_file {CPU_2PROC} train.py" in result.stdout
+
+
+# ----------------------------------------------------------------------------- the traps are real
+
+
+PROBE = """
+import os, torch
+from accelerate import PartialState
+state = PartialState(cpu=not torch.cuda.is_available())
+print(f"PROBE world={state.num_processes} rank={state.process_index}", flush=True)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(sys.platform != "linux", reason="launch behaviour checked on Linux")
+def test_the_traps_the_doctor_flags_really_start_one_process(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text(PROBE)
+    cases = {
+        "ok": ([], make_config(tmp_path)),
+        "MULTI_CPU": ([], make_config(tmp_path, distributed_type="MULTI_CPU")),
+        "NO": ([], make_config(tmp_path, distributed_type="NO")),
+        "--cpu": (["--cpu"], make_config(tmp_path)),
+    }
+    for name, (flags, path) in cases.items():
+        result = launch([], script=probe, launch_args=["--config_file", path, *flags], timeout=180)
+        assert result.returncode == 0, result.stderr[-3000:]
+        worlds = [line for line in result.stdout.splitlines() if line.startswith("PROBE")]
+        expected = 2 if name == "ok" else 1
+        assert len(worlds) == expected and all(f"world={expected}" in w for w in worlds), (name, result.stdout)
+        report = diagnose(path, CPU_ONLY, cpu=bool(flags), is_port_in_use=never_in_use)
+        assert report.ok == (name == "ok"), report.render()

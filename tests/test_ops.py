@@ -1,0 +1,447 @@
+"""Operations: multi-node on loopback, SLURM script, trackers, curves.png, summary table, FSDP."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from accel_ddp.config import ConfigError
+from accel_ddp.tracking import CURVES, build_curves_figure, build_trackers, read_curves
+from tests.conftest import REPO, TRAIN_SCRIPT, _env, check, free_port, launch, load_weights, read_summary, run_single
+
+CONFIGS = REPO / "accelerate_configs"
+TWO_NODE = CONFIGS / "2node_8gpu.yaml"
+FSDP = CONFIGS / "fsdp_4gpu.yaml"
+SBATCH = CONFIGS / "slurm" / "train.sbatch"
+
+
+def jsonl(output_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
+    points = [(r["step"], r[key]) for r in records if key in r]
+    return [s for s, _ in points], [v for _, v in points]
+
+
+def decode_png(path: Path) -> tuple[int, int]:
+    from PIL import Image
+
+    with Image.open(path) as image:
+        image.load()  # a truncated or corrupt PNG raises here
+        assert image.format == "PNG"
+        extrema = image.convert("L").getextrema()
+        assert extrema[0] < extrema[1], "the image is blank"
+        return image.size
+
+
+# ----------------------------------------------------------------------------- the new launch configs
+
+
+@pytest.mark.parametrize(("path", "distributed_type", "processes", "machines"), [
+    (TWO_NODE, "MULTI_GPU", 8, 2), (FSDP, "FSDP", 4, 1)])
+def test_new_launch_configs_load_and_comment_every_key(path, distributed_type, processes, machines):
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    config = load_config_from_file(str(path))
+    assert (config.distributed_type.value, config.num_processes, config.num_machines) == (
+        distributed_type, processes, machines)
+    if distributed_type == "FSDP":
+        assert config.fsdp_config["fsdp_version"] == 2
+        assert config.fsdp_config["fsdp_cpu_ram_efficient_loading"] is False  # else launch demands sync_module_states
+    lines = path.read_text().splitlines()
+    for previous, line in zip(["", *lines], lines, strict=False):
+        if line.strip() and not line.lstrip().startswith("#"):
+            assert "#" in line or previous.lstrip().startswith("#"), f"{path.name}: {line!r} has no comment"
+
+
+# ----------------------------------------------------------------------------- multi-node on loopback
+
+
+def launch_machine(rank: int, port: int, args: list[str], log: Path) -> subprocess.Popen:
+    """One machine's `accelerate launch` with the 2-node config, on loopback: 2 of the 4 processes."""
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(TWO_NODE),
+           "--num_machines", "2", "--machine_rank", str(rank), "--num_processes", "4",
+           "--main_process_ip", "127.0.0.1", "--main_process_port", str(port), "--mixed_precision", "no",
+           str(TRAIN_SCRIPT), *args]
+    with open(log, "w") as out:  # files, not pipes: a full pipe would block a rank mid-collective
+        return subprocess.Popen(cmd, env=_env(), stdout=out, stderr=subprocess.STDOUT, text=True, cwd=REPO)
+
+
+@pytest.mark.slow
+def test_two_machines_on_loopback_form_one_world_and_match_one_process(tmp_path, tiny_args):
+    port = free_port()
+    multi = tmp_path / "two_machines"
+    args = [*tiny_args, "--output_dir", str(multi)]
+    machines = [launch_machine(rank, port, args, tmp_path / f"machine{rank}.log") for rank in (1, 0)]
+    try:
+        codes = [proc.wait(timeout=300) for proc in machines]
+    finally:
+        for proc in machines:
+            if proc.poll() is None:
+                proc.kill()
+    logs = "\n".join((tmp_path / f"machine{rank}.log").read_text()[-3000:] for rank in (0, 1))
+    assert codes == [0, 0], logs
+
+    single = tmp_path / "one_process"
+    check(run_single([*tiny_args, "--output_dir", str(single)]))
+
+    summary = read_summary(multi)
+    assert (summary["world_size"], summary["num_machines"]) == (4, 2)
+    assert (summary["per_device_batch_size"], summary["grad_accum_steps"], summary["global_batch_size"]) == (8, 1, 32)
+    assert summary["optimizer_steps"] == read_summary(single)["optimizer_steps"] == 16
+    reference, weights = load_weights(single), load_weights(multi)
+    assert weights.keys() == reference.keys()
+    for key in reference:
+        assert torch.allclose(weights[key], reference[key], atol=1e-5), key
+
+
+# ----------------------------------------------------------------------------- signals through the launcher
+
+
+SIGNAL_PROBE = """
+import os, signal, sys, time
+received = []
+signal.signal(signal.SIGUSR1, lambda signum, frame: received.append(signum))
+print(f"READY {os.environ['RANK']}", flush=True)
+deadline = time.time() + 60
+while not received and time.time() < deadline:
+    time.sleep(0.05)
+time.sleep(1)  # "save a checkpoint": the launcher must wait for it
+with open(os.path.join(sys.argv[1], f"rank{os.environ['RANK']}"), "w") as fh:
+    fh.write(str(received))
+sys.exit(3 if received else 0)
+"""
+
+
+@pytest.mark.slow
+def test_usr1_to_accelerate_launch_reaches_every_rank(tmp_path):
+    """What train.sbatch relies on: with PET_SIGNALS_TO_HANDLE, torchrun forwards USR1 to the workers
+    and waits for them (without it the launcher dies on USR1 and orphans them)."""
+    probe = tmp_path / "probe.py"
+    probe.write_text(SIGNAL_PROBE)
+    env = _env({"PET_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"})
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / "cpu_2proc.yaml"),
+           "--main_process_port", str(free_port()), str(probe), str(tmp_path)]
+    log = tmp_path / "launch.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
+    try:
+        deadline = time.time() + 120
+        while log.read_text().count("READY") < 2 and time.time() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGUSR1)
+        code = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert code != 0, log.read_text()[-3000:]  # non-zero: the sbatch script requeues on it
+    for rank in (0, 1):
+        assert (tmp_path / f"rank{rank}").read_text() == f"[{int(signal.SIGUSR1)}]", log.read_text()[-3000:]
+
+
+# ----------------------------------------------------------------------------- the SLURM script, with fake srun
+
+
+FAKE_SRUN = r"""#!/bin/bash
+# srun stand-in: the task once per node with SLURM_NODEID set; signals forwarded to the tasks.
+pids=()
+trap 'kill -USR1 "${pids[@]}" 2>/dev/null' USR1
+trap 'kill -TERM "${pids[@]}" 2>/dev/null' TERM
+while [[ "$1" == --* ]]; do echo "$1" >> "$FAKE_LOG/srun_flags"; shift; done
+for ((i = 0; i < SLURM_NNODES; i++)); do SLURM_NODEID=$i "$@" & pids+=($!); done
+status=0
+for pid in "${pids[@]}"; do
+  while :; do wait "$pid"; rc=$?; kill -0 "$pid" 2>/dev/null || break; done
+  if [[ $rc -ne 0 ]]; then status=$rc; fi
+done
+exit $status
+"""
+FAKE_ACCELERATE = r"""#!/bin/bash
+# accelerate stand-in: records its arguments; like train.py, exits 3 after a signal ("checkpoint saved").
+log="$FAKE_LOG/node$SLURM_NODEID"
+printf '%s\n' "$@" > "$log.args"
+env | grep -E '^(PET_SIGNALS_TO_HANDLE|TORCH_ELASTIC_SHUTDOWN_TIMEOUT)=' | sort > "$log.env"
+got=""
+trap 'got=USR1' USR1
+trap 'got=TERM' TERM
+touch "$log.ready"
+for ((i = 0; i < 600; i++)); do
+  if [[ -n "$got" || "$FAKE_MODE" == finish ]]; then break; fi
+  sleep 0.05
+done
+echo "$got" > "$log.signal"
+if [[ -n "$got" ]]; then exit 3; fi
+"""
+FAKE_SCONTROL = r"""#!/bin/bash
+case "$1" in
+  show) printf 'node-a\nnode-b\n' ;;
+  requeue) echo "$2" >> "$FAKE_LOG/requeued" ;;
+esac
+"""
+
+
+@pytest.fixture
+def fake_slurm(tmp_path):
+    bin_dir, log_dir = tmp_path / "bin", tmp_path / "log"
+    bin_dir.mkdir()
+    log_dir.mkdir()
+    for name, text in (("srun", FAKE_SRUN), ("accelerate", FAKE_ACCELERATE), ("scontrol", FAKE_SCONTROL)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "FAKE_LOG": str(log_dir),
+           "FAKE_MODE": "wait", "SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "demo", "SLURM_NNODES": "2",
+           "SLURM_JOB_NODELIST": "node-[a-b]", "SLURM_GPUS_ON_NODE": "4", "SLURM_CPUS_PER_TASK": "16"}
+    return env, log_dir
+
+
+def run_sbatch(env: dict, log_dir: Path, cwd: Path, send: signal.Signals | None) -> subprocess.CompletedProcess:
+    proc = subprocess.Popen(["bash", str(SBATCH), "--dataset", "mnist", "--epochs", "3"], env=env, cwd=cwd,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if send is not None:
+        deadline = time.time() + 30
+        while (not all((log_dir / f"node{n}.ready").exists() for n in (0, 1)) and time.time() < deadline
+               and proc.poll() is None):
+            time.sleep(0.05)
+        proc.send_signal(send)
+    out, _ = proc.communicate(timeout=60)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, "")
+
+
+def test_sbatch_script_is_valid_bash():
+    subprocess.run(["bash", "-n", str(SBATCH)], check=True)
+    if shutil.which("shellcheck") is None:
+        pytest.skip("shellcheck is not installed; `bash -n` passed")
+    result = subprocess.run(["shellcheck", "-s", "bash", str(SBATCH)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout
+
+
+def test_sbatch_starts_one_launcher_per_node_with_rank_address_and_port(fake_slurm, tmp_path):
+    env, log_dir = fake_slurm
+    result = run_sbatch({**env, "FAKE_MODE": "finish"}, log_dir, tmp_path, send=None)
+    assert result.returncode == 0, result.stdout
+    for node in (0, 1):
+        args = (log_dir / f"node{node}.args").read_text().splitlines()
+        expected = ["launch", "--config_file", "accelerate_configs/2node_8gpu.yaml", "--num_machines", "2",
+                    "--num_processes", "8", "--machine_rank", str(node), "--main_process_ip", "node-a",
+                    "--main_process_port", str(20000 + 4242), "train.py", "--output_dir", "outputs/demo-4242",
+                    "--checkpointing_steps", "500", "--resume_from_checkpoint", "auto",
+                    "--dataset", "mnist", "--epochs", "3"]
+        assert args == expected
+        assert (log_dir / f"node{node}.env").read_text().splitlines() == [
+            "PET_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT=110"]
+    assert "--kill-on-bad-exit=1" in (log_dir / "srun_flags").read_text()
+    assert not (log_dir / "requeued").exists()
+
+
+def test_sbatch_forwards_usr1_to_every_node_and_requeues(fake_slurm, tmp_path):
+    env, log_dir = fake_slurm
+    result = run_sbatch(env, log_dir, tmp_path, send=signal.SIGUSR1)
+    assert result.returncode == 0, result.stdout
+    assert [(log_dir / f"node{n}.signal").read_text().strip() for n in (0, 1)] == ["USR1", "USR1"]
+    assert (log_dir / "requeued").read_text().split() == ["4242"]
+    assert "requeueing job 4242" in result.stdout
+
+
+def test_sbatch_term_checkpoints_but_does_not_requeue_unless_asked(fake_slurm, tmp_path):
+    env, log_dir = fake_slurm
+    result = run_sbatch(env, log_dir, tmp_path, send=signal.SIGTERM)
+    assert result.returncode == 3, result.stdout  # scancel: stop for good, with the ranks' exit code
+    assert [(log_dir / f"node{n}.signal").read_text().strip() for n in (0, 1)] == ["TERM", "TERM"]
+    assert not (log_dir / "requeued").exists()
+
+    for name in os.listdir(log_dir):
+        os.remove(log_dir / name)
+    result = run_sbatch({**env, "REQUEUE_ON_TERM": "1"}, log_dir, tmp_path, send=signal.SIGTERM)
+    assert result.returncode == 0, result.stdout
+    assert (log_dir / "requeued").read_text().split() == ["4242"]
+
+
+# ----------------------------------------------------------------------------- curves.png and summary
+
+
+def test_plotted_values_are_the_metrics_jsonl_values(tmp_path):
+    records = [
+        {"step": 1, "epoch": 0, "loss": 2.3, "lr": 0.1, "samples_per_sec": 900.0},
+        {"step": 2, "epoch": 0, "loss": 2.0, "lr": 0.09, "samples_per_sec": 1000.0},
+        {"step": 2, "epoch": 0, "eval_loss": 1.9, "eval_accuracy": 0.40, "eval_samples": 64},
+        {"step": 3, "epoch": 1, "loss": 1.7, "lr": 0.07, "samples_per_sec": 1100.0},
+        # resumed from the step-2 checkpoint: step 3 is logged again, the later line is the real run
+        {"step": 3, "epoch": 1, "loss": 1.6, "lr": 0.07, "samples_per_sec": 950.0},
+        {"step": 4, "epoch": 1, "loss": 1.2, "lr": 0.0, "samples_per_sec": 1200.0},
+        {"step": 4, "epoch": 1, "eval_loss": 1.1, "eval_accuracy": 0.75, "eval_samples": 64},
+    ]
+    lines = [json.dumps({"time": 1.0 + i, **r}) for i, r in enumerate(records)]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + '\n{"step": 5, "lo')  # cut short by a crash
+    expected = {
+        "loss": ([1, 2, 3, 4], [2.3, 2.0, 1.6, 1.2]),
+        "eval_accuracy": ([2, 4], [0.40, 0.75]),
+        "lr": ([1, 2, 3, 4], [0.1, 0.09, 0.07, 0.0]),
+        "samples_per_sec": ([1, 2, 3, 4], [900.0, 1000.0, 950.0, 1200.0]),
+    }
+    curves = read_curves(str(tmp_path))
+    assert curves == expected
+    figure = build_curves_figure(curves)
+    for ax, (key, _, _) in zip(figure.axes, CURVES, strict=True):
+        (line,) = ax.lines
+        assert np.asarray(line.get_xdata()).tolist() == expected[key][0]
+        assert np.asarray(line.get_ydata()).tolist() == expected[key][1]
+
+    result = subprocess.run([sys.executable, "-m", "accel_ddp", "plot", str(tmp_path)], capture_output=True,
+                            text=True, env=_env(), cwd=REPO, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == str(tmp_path / "curves.png")
+    assert decode_png(tmp_path / "curves.png") == (1100, 700)
+
+
+def test_plot_and_summary_of_a_real_run(tmp_path, tiny_args):
+    out = tmp_path / "run"
+    check(run_single([*tiny_args, "--log_every", "1", "--eval_every", "4", "--output_dir", str(out)]))
+    (out / "curves.png").unlink(missing_ok=True)  # written at the end of training too; rebuild it here
+
+    result = subprocess.run([sys.executable, "-m", "accel_ddp", "plot", str(out)], capture_output=True, text=True,
+                            env=_env(), cwd=REPO, timeout=120)
+    assert result.returncode == 0, result.stderr
+    decode_png(out / "curves.png")
+    records = jsonl(out)
+    curves = read_curves(str(out))
+    for key in ("loss", "eval_accuracy", "lr"):
+        assert curves[key] == series(records, key), key
+    assert curves["loss"][0] == list(range(1, 17)) and curves["eval_accuracy"][0] == [4, 8, 12, 16]
+
+    result = subprocess.run([sys.executable, "-m", "accel_ddp", "summary", str(out)], capture_output=True,
+                            text=True, env=_env(), cwd=REPO, timeout=120)
+    assert result.returncode == 0, result.stderr
+    rows = dict(line.split("  ", 1) for line in result.stdout.splitlines()[2:-1])
+    rows = {label.strip(): value.strip() for label, value in rows.items()}
+    summary = read_summary(out)
+    assert rows["processes (world size)"] == str(summary["world_size"]) == "1"
+    assert rows["optimizer steps"] == str(summary["optimizer_steps"]) == "16"
+    assert rows["global batch (samples/step)"] == "32"
+    assert rows["eval accuracy"] == f"{100 * summary['eval_accuracy']:.2f} %"
+    assert rows["dataset"] == "synthetic" and rows["model"] == "mlp"
+    assert "model.safetensors" in rows["files"] and "curves.png" in rows["files"]
+
+
+@pytest.mark.parametrize("command", ["plot", "summary"])
+def test_plot_and_summary_of_a_missing_run_exit_2(tmp_path, command):
+    result = subprocess.run([sys.executable, "-m", "accel_ddp", command, str(tmp_path / "nowhere")],
+                            capture_output=True, text=True, env=_env(), cwd=REPO, timeout=120)
+    assert result.returncode == 2
+    assert len(result.stderr.strip().splitlines()) == 1 and "--output_dir" in result.stderr
+
+
+# ----------------------------------------------------------------------------- trackers
+
+
+CSV_SCRIPT = """
+import sys
+from accelerate import Accelerator
+from accel_ddp.tracking import RunRecorder, tracking_kwargs
+
+out = sys.argv[1]
+accelerator = Accelerator(cpu=True, **tracking_kwargs("csv", out))
+recorder = RunRecorder(out, accelerator.is_main_process, accelerator=accelerator)
+recorder.write_config({"lr": 0.1, "resolved": {"world_size": accelerator.num_processes}})
+for step in (1, 2):
+    recorder.log({"step": step, "loss": 1.0 / step, "lr": 0.1})
+recorder.log({"step": 2, "eval_accuracy": 0.5})  # a new column: the header widens
+recorder.log({"step": 3, "loss": 0.25, "lr": 0.05})
+recorder.close()
+accelerator.end_training()
+"""
+
+
+@pytest.mark.slow
+def test_csv_tracker_writes_each_row_once_from_two_ranks_and_appends_on_resume(tmp_path):
+    script = tmp_path / "log_csv.py"
+    script.write_text(CSV_SCRIPT)
+    out = tmp_path / "run"
+    check(launch([str(out)], script=script))
+    expected = ["step,loss,lr,eval_accuracy", "1,1.0,0.1,", "2,0.5,0.1,", "2,,,0.5", "3,0.25,0.05,"]
+    assert (out / "metrics.csv").read_text().splitlines() == expected
+    check(launch([str(out)], script=script))  # a resumed run extends the file
+    assert (out / "metrics.csv").read_text().splitlines() == expected + expected[1:]
+
+
+def test_tensorboard_missing_is_one_clear_error(monkeypatch, tmp_path):
+    import accelerate.utils
+
+    monkeypatch.setattr(accelerate.utils, "is_tensorboard_available", lambda: False)
+    with pytest.raises(ConfigError, match="pip install tensorboard"):
+        build_trackers("all", str(tmp_path))
+    assert [t.name for t in build_trackers("csv", str(tmp_path))] == ["csv"]
+    assert build_trackers("none", str(tmp_path)) == []
+
+
+@pytest.mark.slow
+def test_training_with_tracking_all_writes_csv_tensorboard_and_curves(tmp_path, tiny_args):
+    pytest.importorskip("tensorboard", reason="--with_tracking tensorboard needs the tensorboard package")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "run"
+    check(launch([*tiny_args, "--log_every", "2", "--eval_every", "8", "--with_tracking", "all",
+                  "--output_dir", str(out)]))
+    records = jsonl(out)
+    steps, losses = series(records, "loss")
+    assert steps == [2, 4, 6, 8, 10, 12, 14, 16]
+    assert all(r["samples_per_sec"] > 0 for r in records if "loss" in r)
+
+    import csv
+
+    with open(out / "metrics.csv", newline="") as fh:
+        rows = list(csv.DictReader(fh))
+    csv_loss = [(int(r["step"]), float(r["loss"])) for r in rows if r["loss"]]
+    assert csv_loss == list(zip(steps, losses, strict=True))  # one row per step: the main process only
+    assert [(int(r["step"]), float(r["eval_accuracy"])) for r in rows if r["eval_accuracy"]] == [
+        (s, v) for s, v in zip(*series(records, "eval_accuracy"), strict=True)]
+
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    scalars = events.Scalars("loss")
+    assert [e.step for e in scalars] == steps
+    assert [e.value for e in scalars] == pytest.approx(losses, rel=1e-6)
+
+    decode_png(out / "curves.png")  # plotted at the end of training
+
+
+# ----------------------------------------------------------------------------- FSDP
+
+FSDP_ON_CPU = ("Accelerate 1.15 applies FSDP only with GPU backends: on CPU, where accel_ddp asks for "
+               "Accelerator(cpu=True), the processes form a MULTI_CPU gloo group and train plain DDP "
+               "replicas, so there is no FSDP to smoke-test without a GPU")
+
+
+@pytest.mark.slow
+def test_fsdp_config_on_cpu_trains_ddp_replicas_as_documented(tmp_path, tiny_args):
+    """The reason the FSDP smoke test needs GPUs, checked rather than assumed."""
+    out = tmp_path / "run"
+    check(launch([*tiny_args, "--output_dir", str(out)],
+                 launch_args=["--config_file", str(FSDP), "--mixed_precision", "no"]))
+    summary = read_summary(out)
+    assert (summary["distributed_type"], summary["world_size"]) == ("MULTI_CPU", 2)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.cuda.is_available(), reason=FSDP_ON_CPU)
+def test_fsdp_smoke_on_gpus(tmp_path, tiny_args):
+    gpus = torch.cuda.device_count()
+    nproc = 4 if gpus >= 4 else 2 if gpus >= 2 else 1
+    out = tmp_path / "run"
+    check(launch([*tiny_args, "--output_dir", str(out)], nproc=nproc, launch_args=["--config_file", str(FSDP)]))
+    summary = read_summary(out)
+    assert (summary["distributed_type"], summary["world_size"]) == ("FSDP", nproc)
+    losses = series(jsonl(out), "loss")[1]
+    assert losses[-1] < losses[0]
+    weights = load_weights(out)  # gathered into full, unsharded tensors
+    assert weights["1.weight"].shape == (32, 64)
