@@ -1,14 +1,140 @@
-"""Saving what training produced: the final weights (checkpoints and resume build on this)."""
+"""Checkpoints: atomic saves, keep-last-N, exact resume, initial and final weights.
+
+Layout under ``OUTPUT_DIR/checkpoints/``:
+
+    step_00000120/                 one complete checkpoint (a folder only gets this name once complete)
+        model.safetensors          unwrapped weights, the same keys as OUTPUT_DIR/model.safetensors
+        optimizer.bin              \\
+        scheduler.bin               } accelerator.save_state (scaler.pt too under fp16)
+        random_states_<rank>.pkl   /  one per rank: Python, NumPy, torch and CUDA RNG states
+        checkpoint.json            the completion marker, written last: step, epoch, run facts, and the
+                                   size and sha256 of every other file
+    .tmp-step_00000140/            a save in progress, or one a crash interrupted: never loaded
+
+Saving (``CheckpointManager.save``, collective): every rank writes into the ``.tmp-`` folder; a
+barrier; the main process hashes and fsyncs every file, writes ``checkpoint.json``, renames the
+folder into place (atomic on POSIX) and only then prunes checkpoints beyond ``--keep_last``, never
+the one just written. A crash at any point leaves every earlier checkpoint as it was.
+Accelerate's own ``total_limit`` rotation is not used: it deletes the oldest checkpoint before the
+new one is written, and writes in place.
+
+Resuming (``CheckpointManager.resume``): ``auto`` takes the newest folder whose files match
+``checkpoint.json``; a damaged one is skipped with a warning. The training position is the
+optimizer step alone: epochs have a fixed number of steps, so the loop recomputes the epoch and
+fast-forwards the loader. Accelerate's ``load_state`` reads optimizer, scheduler, scaler and RNG
+files through ``accelerate.utils.load``, i.e. ``torch.load(weights_only=True)`` with NumPy's RNG
+types allow-listed; we never register custom objects (Accelerate unpickles those with
+``weights_only=False``): the position lives in JSON. Signals and exit codes: ``preemption.py``.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import re
+import shutil
+import signal
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from accelerate import Accelerator
-from safetensors.torch import save_file
+from accelerate.utils import RNG_STATE_NAME, broadcast_object_list
+from safetensors.torch import load_file, save_file
+
+from accel_ddp.config import ConfigError
 
 WEIGHTS_NAME = "model.safetensors"
+CHECKPOINTS_DIR = "checkpoints"
+MARKER_NAME = "checkpoint.json"
+FORMAT_VERSION = 1
+# Run facts that decide what an optimizer step means; a checkpoint made with other values cannot continue.
+MUST_MATCH = ("global_batch_size", "steps_per_epoch", "optimizer")
+_STEP_DIR = re.compile(r"^step_(\d{8,})$")
+
+
+class CorruptCheckpoint(ConfigError):
+    """A file of a checkpoint is missing, truncated or altered since it was saved."""
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def list_checkpoints(root: str) -> list[tuple[int, str]]:
+    """``(step, folder)`` of every complete checkpoint (one with its marker) under ``root``, oldest first."""
+    if not os.path.isdir(root):
+        return []
+    found = []
+    for name in os.listdir(root):
+        match = _STEP_DIR.match(name)
+        if match and os.path.isfile(os.path.join(root, name, MARKER_NAME)):
+            found.append((int(match.group(1)), os.path.join(root, name)))
+    return sorted(found)
+
+
+def read_checkpoint(folder: str) -> dict[str, Any]:
+    """The checkpoint's ``checkpoint.json`` once every file it lists has its recorded size and sha256.
+
+    Raises ``CorruptCheckpoint`` naming the first bad file.
+    """
+    marker = os.path.join(folder, MARKER_NAME)
+    if not os.path.isfile(marker):
+        raise CorruptCheckpoint(f"{folder} is incomplete: it has no {MARKER_NAME}, so its save never finished")
+    try:
+        with open(marker, encoding="utf-8") as fh:
+            meta = json.load(fh)
+        files = {name: (int(f["bytes"]), str(f["sha256"])) for name, f in meta["files"].items()}
+        meta["step"] = int(meta["step"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        raise CorruptCheckpoint(f"{marker} is unreadable or malformed") from None
+    for name, (size, digest) in sorted(files.items()):
+        path = os.path.join(folder, name)
+        if not os.path.isfile(path):
+            raise CorruptCheckpoint(f"{path} is missing")
+        if os.path.getsize(path) != size:
+            raise CorruptCheckpoint(f"{path} is truncated or altered ({os.path.getsize(path)} bytes, {size} saved)")
+        if _sha256(path) != digest:
+            raise CorruptCheckpoint(f"{path} is corrupt (its sha256 differs from the one recorded when it was saved)")
+    return meta
+
+
+def load_weights(model: torch.nn.Module, path: str, source: str = "--init_from") -> None:
+    """Copy a safetensors file into ``model`` (unwrapped); every key and shape must match.
+
+    A file written by a DDP-wrapped model (keys ``module.*``) is accepted too.
+
+        >>> load_weights(model, "outputs/pretrain/model.safetensors")
+    """
+    if not os.path.isfile(path):
+        raise ConfigError(f"{source} {path}: no such file; give a .safetensors weights file such as "
+                          "OUTPUT_DIR/model.safetensors")
+    try:
+        state = load_file(path)
+    except Exception as err:  # safetensors raises its own error types for truncated or foreign files
+        raise ConfigError(f"{source} {path}: not a readable safetensors file ({_first_line(err)}); "
+                          "the file is damaged or of another format") from None
+    expected = model.state_dict()
+    if state and all(k.startswith("module.") for k in state) and not any(k.startswith("module.") for k in expected):
+        state = {k.removeprefix("module."): v for k, v in state.items()}
+    missing = sorted(expected.keys() - state.keys())
+    unexpected = sorted(state.keys() - expected.keys())
+    reshaped = sorted(k for k in expected.keys() & state.keys() if expected[k].shape != state[k].shape)
+    if missing or unexpected or reshaped:
+        problems = []
+        if missing:
+            problems.append(f"missing keys {_few(missing)}")
+        if unexpected:
+            problems.append(f"unexpected keys {_few(unexpected)}")
+        if reshaped:
+            problems.append("shape mismatch " + ", ".join(
+                f"{k} {tuple(state[k].shape)} vs model {tuple(expected[k].shape)}" for k in reshaped[:3]))
+        raise ConfigError(f"{source} {path} holds the weights of a different model: {'; '.join(problems)}; "
+                          "use the --model and sizes (e.g. --hidden_size) of the run that wrote it")
+    model.load_state_dict(state)
 
 
 def export_weights(accelerator: Accelerator, model: torch.nn.Module, output_dir: str) -> str:
@@ -28,3 +154,242 @@ def export_weights(accelerator: Accelerator, model: torch.nn.Module, output_dir:
         os.replace(tmp, path)
     accelerator.wait_for_everyone()
     return path
+
+
+class CheckpointManager:
+    """Saves and restores the full training state of one run under ``OUTPUT_DIR/checkpoints``.
+
+    ``save``, ``resume`` and ``check_fresh_start`` are collective: every rank calls them at the same
+    point. ``run_facts`` (world size, global batch, steps per epoch, ...) go into every
+    ``checkpoint.json`` and are compared on resume.
+
+        >>> checkpoints = CheckpointManager(accelerator, "outputs/run", keep_last=3, run_facts=facts)
+        >>> step = checkpoints.resume("auto")           # 0 when there is nothing to resume
+        >>> checkpoints.save(step)                       # -> "outputs/run/checkpoints/step_00000100"
+    """
+
+    def __init__(self, accelerator: Accelerator, output_dir: str, keep_last: int, run_facts: dict[str, Any],
+                 crash_in_save_at: int | None = None):
+        self.accelerator = accelerator
+        self.root = os.path.join(output_dir, CHECKPOINTS_DIR)
+        self.keep_last = keep_last
+        self.run_facts = dict(run_facts)
+        self.last_saved_step: int | None = None
+        self._crash_in_save_at = crash_in_save_at  # test hook: the main process dies mid-save at this step
+        # We write and read the weights ourselves, without DDP's "module." prefix, so that a checkpoint
+        # loads at any world size and a mismatch is reported key by key.
+        accelerator.register_save_state_pre_hook(self._unwrapped_weights_hook)
+        accelerator.register_load_state_pre_hook(self._load_weights_hook)
+
+    # ---- saving
+
+    def save(self, step: int) -> str:
+        """Save the full training state after optimizer ``step``; returns the checkpoint folder."""
+        final = os.path.join(self.root, checkpoint_name(step))
+        if step == self.last_saved_step:  # e.g. preempted right after a scheduled save, or right after resuming
+            return final
+        acc = self.accelerator
+        tmp = os.path.join(self.root, f".tmp-{checkpoint_name(step)}")
+        if acc.is_main_process:
+            os.makedirs(self.root, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)  # left by a crashed save of this same step
+            os.makedirs(tmp)
+        acc.wait_for_everyone()
+        acc.save_state(tmp)  # each rank writes its RNG state; the main process everything else
+        if step == self._crash_in_save_at and acc.is_main_process:
+            os.kill(os.getpid(), signal.SIGKILL)
+        acc.wait_for_everyone()  # every rank has finished writing
+        if acc.is_main_process:
+            self._seal(tmp, final, step)
+            self._prune(keep=final)
+        acc.wait_for_everyone()  # nobody goes on (or exits) before the checkpoint is in place
+        self.last_saved_step = step
+        return final
+
+    def _seal(self, tmp: str, final: str, step: int) -> None:
+        files = {name: _fingerprint(os.path.join(tmp, name)) for name in _relative_files(tmp)}
+        steps_per_epoch = self.run_facts["steps_per_epoch"]
+        meta = {"format": FORMAT_VERSION, "step": step, "epoch": step // steps_per_epoch,
+                "step_in_epoch": step % steps_per_epoch, **self.run_facts,
+                "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "files": files}
+        marker = os.path.join(tmp, MARKER_NAME)
+        with open(marker, "w", encoding="utf-8") as fh:
+            json.dump(meta, fh, indent=2)
+            fh.flush()
+            os.fsync(fh.fileno())
+        if os.path.exists(final):  # the same step, saved by an earlier attempt of this run
+            _remove_dir(final)
+        os.rename(tmp, final)
+        _fsync_dir(self.root)
+
+    def _prune(self, keep: str) -> None:
+        complete = [path for _, path in list_checkpoints(self.root)]
+        for path in complete[: max(len(complete) - self.keep_last, 0)]:
+            if path != keep:
+                _remove_dir(path)
+        for name in os.listdir(self.root):  # debris of saves or deletions a crash interrupted
+            if name.startswith((".tmp-", ".trash-")):
+                shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
+
+    def _unwrapped_weights_hook(self, models, weights, output_dir) -> None:
+        for i, model in enumerate(models[: len(weights)]):
+            weights[i] = self.accelerator.unwrap_model(model).state_dict()
+
+    # ---- resuming
+
+    def check_fresh_start(self) -> None:
+        """Refuse to start from scratch over the checkpoints of an earlier run in the same folder."""
+        def refuse_existing() -> None:
+            existing = list_checkpoints(self.root)
+            if existing:
+                raise ConfigError(
+                    f"{self.root} already holds checkpoints (newest {os.path.basename(existing[-1][1])}); "
+                    "continue that run with --resume_from_checkpoint auto, or pick another --output_dir")
+        self._on_main_then_all(refuse_existing)
+
+    def resume(self, spec: str) -> int:
+        """Restore the state named by ``spec`` (``auto`` or a checkpoint folder) on every rank.
+
+        Returns the optimizer step to continue after; 0 when ``auto`` found no checkpoint.
+        """
+        choice = self._on_main_then_all(lambda: self._choose(spec))
+        if choice is None:
+            return 0
+        folder, meta = choice
+        self._check_compatible(folder, meta)
+        acc = self.accelerator
+        rng_file = os.path.join(folder, f"{RNG_STATE_NAME}_{acc.process_index}.pkl")
+        has_rng = os.path.isfile(rng_file)
+        try:
+            acc.load_state(folder)
+        except (ConfigError, torch.OutOfMemoryError):
+            raise
+        except Exception as err:  # torch.load or load_state_dict refused a file the manifest vouched for
+            raise ConfigError(f"--resume_from_checkpoint {folder}: cannot load it ({type(err).__name__}: "
+                              f"{_first_line(err)}); resume from another checkpoint") from err
+        acc.step = 0  # checkpoints sit on optimizer-step boundaries: the accumulation counter restarts there
+        missing_rng = int(acc.reduce(torch.tensor(0 if has_rng else 1, device=acc.device), "sum").item())
+        if missing_rng and acc.is_main_process:
+            _warn(f"{folder} holds no RNG state for {missing_rng} of this run's {acc.num_processes} ranks "
+                  f"(it was saved by {meta.get('world_size')}); those ranks keep their seeded RNG, so random "
+                  "layers such as dropout will not replay the original run exactly")
+        if acc.is_main_process:
+            epoch = meta["step"] // self.run_facts["steps_per_epoch"]
+            print(f"accel_ddp: resumed from {folder} (optimizer step {meta['step']}, epoch {epoch})", flush=True)
+        self.last_saved_step = meta["step"]
+        return meta["step"]
+
+    def _choose(self, spec: str) -> tuple[str, dict[str, Any]] | None:
+        if spec == "auto":
+            candidates = list_checkpoints(self.root)
+            if not candidates:
+                print(f"accel_ddp: no checkpoint in {self.root}; starting from scratch", flush=True)
+                return None
+            for _, folder in reversed(candidates):
+                try:
+                    return folder, read_checkpoint(folder)
+                except CorruptCheckpoint as err:
+                    _warn(f"skipping a damaged checkpoint: {err}; falling back to the previous one")
+            raise ConfigError(f"--resume_from_checkpoint auto: all {len(candidates)} checkpoints in {self.root} "
+                              "are damaged (see the warnings above); move them away to start from scratch")
+        if not os.path.isdir(spec):
+            raise ConfigError(f"--resume_from_checkpoint {spec}: no such folder; give a checkpoint folder "
+                              f"(e.g. {os.path.join(self.root, checkpoint_name(100))}) or auto")
+        if not os.path.isfile(os.path.join(spec, MARKER_NAME)) and os.path.isdir(os.path.join(spec, CHECKPOINTS_DIR)):
+            raise ConfigError(f"--resume_from_checkpoint {spec} is a run folder; give one of its "
+                              f"{CHECKPOINTS_DIR}/step_* folders, or --output_dir {spec} with auto")
+        try:
+            return spec, read_checkpoint(spec)
+        except CorruptCheckpoint as err:
+            raise ConfigError(f"--resume_from_checkpoint {spec}: {err}; resume from an older checkpoint, or use "
+                              "auto, which skips damaged ones") from None
+
+    def _check_compatible(self, folder: str, meta: dict[str, Any]) -> None:
+        for key in MUST_MATCH:
+            if key in meta and meta[key] != self.run_facts.get(key):
+                raise ConfigError(f"--resume_from_checkpoint {folder}: it was made with {key} {meta[key]}, this run "
+                                  f"has {self.run_facts.get(key)}; resume with the options of the run that saved it")
+        if not self.accelerator.is_main_process:
+            return
+        if meta.get("world_size") != self.run_facts.get("world_size"):
+            _warn(f"{folder} was saved by {meta.get('world_size')} ranks, this run has "
+                  f"{self.run_facts.get('world_size')}: the global batch keeps each step's samples, so training "
+                  "continues equivalently (equal within float tolerance, not bitwise)")
+        for key, why in (("seed", "the data order"), ("total_steps", "the learning-rate schedule")):
+            if key in meta and meta[key] != self.run_facts.get(key):
+                _warn(f"{folder} was saved with {key} {meta[key]}, this run has {self.run_facts.get(key)}: "
+                      f"{why} after the resume differs from the original run's")
+
+    def _load_weights_hook(self, models, input_dir) -> None:
+        for i, model in enumerate(models):
+            name = WEIGHTS_NAME if i == 0 else WEIGHTS_NAME.replace(".", f"_{i}.")
+            load_weights(self.accelerator.unwrap_model(model), os.path.join(input_dir, name),
+                         source="--resume_from_checkpoint")
+        models.clear()  # loaded: Accelerate would expect DDP's "module." keys
+
+    def _on_main_then_all(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` on the main process only (one reader of the file system); every rank gets its result
+        or raises its ConfigError, so all ranks take the same decision."""
+        outcome: list[Any] = [None, None]
+        if self.accelerator.is_main_process:
+            try:
+                outcome[0] = fn()
+            except ConfigError as err:
+                outcome[1] = str(err)
+        broadcast_object_list(outcome)
+        if outcome[1] is not None:
+            raise ConfigError(outcome[1])
+        return outcome[0]
+
+
+# ----------------------------------------------------------------------------- file helpers
+
+
+def _sha256(path: str) -> str:
+    with open(path, "rb") as fh:
+        return hashlib.file_digest(fh, "sha256").hexdigest()
+
+
+def _fingerprint(path: str) -> dict[str, Any]:
+    """Size and sha256 of a file, after forcing it to disk (the marker must not outlive its files)."""
+    with open(path, "rb") as fh:
+        os.fsync(fh.fileno())
+        digest = hashlib.file_digest(fh, "sha256").hexdigest()
+    return {"bytes": os.path.getsize(path), "sha256": digest}
+
+
+def _relative_files(folder: str) -> list[str]:
+    """Every file under ``folder`` (sharded strategies write sub-folders), as sorted relative paths."""
+    found = []
+    for parent, _, names in os.walk(folder):
+        found += [os.path.relpath(os.path.join(parent, name), folder) for name in names]
+    return sorted(found)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _remove_dir(path: str) -> None:
+    """Rename first (atomic), then delete: a crash mid-delete leaves debris, never a gutted checkpoint."""
+    trash = os.path.join(os.path.dirname(path), f".trash-{os.path.basename(path)}")
+    shutil.rmtree(trash, ignore_errors=True)
+    os.rename(path, trash)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def _few(keys: list[str], limit: int = 5) -> str:
+    shown = ", ".join(keys[:limit])
+    return f"{shown} (+{len(keys) - limit} more)" if len(keys) > limit else shown
+
+
+def _first_line(err: BaseException) -> str:
+    return (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
+
+
+def _warn(message: str) -> None:
+    print(f"accel_ddp: warning: {message}", file=sys.stderr, flush=True)

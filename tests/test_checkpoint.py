@@ -1,0 +1,420 @@
+"""Checkpoints, exact resume, preemption and elastic restarts, with real 2-process gloo launches.
+
+Every multi-process test compares final weights with one uninterrupted run (the ``reference``
+fixture). The model is ``mnist_cnn``, whose dropout makes the RNG state part of what a resume
+must restore: a resume that loses it, or re-draws a seed, ends with different weights.
+Test hooks (environment variables read once by accel_ddp/train.py):
+
+    ACCEL_DDP_STEP_DELAY=0.15            sleep after each optimizer step, so a test can signal a live run
+    ACCEL_DDP_CRASH_IN_CHECKPOINT=12     the main process SIGKILLs itself halfway through saving step 12
+    ACCEL_DDP_FAIL_AT_STEP=10:1          rank 1 raises after step 10 ...
+    ACCEL_DDP_FAIL_ONCE=PATH             ... only while PATH does not exist (it creates it): one crash
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from accel_ddp.checkpoint import (
+    MARKER_NAME,
+    CheckpointManager,
+    CorruptCheckpoint,
+    list_checkpoints,
+    read_checkpoint,
+)
+from accel_ddp.preemption import PreemptionWatcher
+from tests.conftest import (
+    CPU_2PROC,
+    REPO,
+    TRAIN_SCRIPT,
+    _env,
+    check,
+    free_port,
+    launch,
+    load_weights,
+    read_summary,
+    run_single,
+)
+
+# 256 samples / global batch 32 = 8 optimizer steps per epoch; 4 epochs = 32 steps (about 1 s of compute).
+ARGS = ["--dataset", "synthetic", "--synthetic_samples", "256", "--synthetic_shape", "1", "8", "8",
+        "--model", "mnist_cnn", "--global_batch_size", "32", "--epochs", "4", "--num_workers", "0",
+        "--log_every", "4"]
+STEPS, STEPS_PER_EPOCH = 32, 8
+LIVE = {"ACCEL_DDP_STEP_DELAY": "0.15"}  # ~5 s of training: time to signal it after its first checkpoint
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    """The uninterrupted run, checkpointing every 4 steps and keeping the last 3."""
+    out = tmp_path_factory.mktemp("reference")
+    check(launch([*ARGS, "--checkpointing_steps", "4", "--keep_last", "3", "--output_dir", str(out)]))
+    return out
+
+
+def assert_same_weights(output_dir: Path, reference: Path) -> None:
+    got, expected = load_weights(output_dir), load_weights(reference)
+    assert got.keys() == expected.keys()
+    for key in expected:
+        assert torch.equal(got[key], expected[key]), f"{key} differs from the uninterrupted run's"
+
+
+def steps_of(output_dir: Path) -> list[int]:
+    return [step for step, _ in list_checkpoints(str(output_dir / "checkpoints"))]
+
+
+@contextlib.contextmanager
+def running(args: list[str], out_dir: Path, env: dict[str, str] | None = None) -> Iterator[subprocess.Popen]:
+    """Like conftest.launch, but yields the running launcher so the test can signal the job.
+
+    Whatever happens in the test, no process of the job outlives it.
+    """
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CPU_2PROC),
+           "--num_processes", "2", "--main_process_port", str(free_port()), str(TRAIN_SCRIPT), *args]
+    with open(out_dir.parent / f"{out_dir.name}.log", "w") as log:
+        proc = subprocess.Popen(cmd, env=_env(env), cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            kill_job(proc)
+
+
+def log_of(out_dir: Path) -> str:
+    return (out_dir.parent / f"{out_dir.name}.log").read_text().replace("\r", "\n")
+
+
+def wait_for_checkpoint(proc: subprocess.Popen, out_dir: Path, step: int, timeout: float = 180) -> None:
+    marker = out_dir / "checkpoints" / f"step_{step:08d}" / MARKER_NAME
+    deadline = time.monotonic() + timeout
+    while not marker.exists():
+        assert proc.poll() is None, f"the job ended (exit {proc.returncode}) early:\n{log_of(out_dir)[-3000:]}"
+        assert time.monotonic() < deadline, f"no checkpoint of step {step} after {timeout} s"
+        time.sleep(0.02)
+
+
+def workers_of(proc: subprocess.Popen) -> dict[int, int]:
+    """{rank: pid} of the training processes under the launcher (they run in their own sessions)."""
+    found = {}
+    for child in psutil.Process(proc.pid).children(recursive=True):
+        try:
+            rank = child.environ().get("RANK")
+            if rank is not None and "train.py" in " ".join(child.cmdline()):
+                found[int(rank)] = child.pid
+        except psutil.NoSuchProcess:
+            pass
+    return found
+
+
+def kill_job(proc: subprocess.Popen) -> None:
+    """SIGKILL the launcher and every worker at once, as a node failure would."""
+    for pid in [*workers_of(proc).values(), proc.pid]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait(timeout=30)
+
+
+# ----------------------------------------------------------------------------- without launches
+
+
+class _StubAccelerator:
+    num_processes = 1
+
+    def register_save_state_pre_hook(self, hook):
+        pass
+
+    def register_load_state_pre_hook(self, hook):
+        pass
+
+
+def _fake_checkpoint(root: Path, step: int, complete: bool = True) -> Path:
+    folder = root / f"step_{step:08d}"
+    folder.mkdir(parents=True)
+    (folder / "optimizer.bin").write_bytes(b"x" * 10)
+    if complete:
+        digest = hashlib.sha256(b"x" * 10).hexdigest()
+        (folder / MARKER_NAME).write_text(json.dumps(
+            {"step": step, "files": {"optimizer.bin": {"bytes": 10, "sha256": digest}}}))
+    return folder
+
+
+def test_prune_keeps_the_newest_k_and_never_the_one_just_written(tmp_path):
+    root = tmp_path / "checkpoints"
+    for step in (10, 20, 30, 40):
+        _fake_checkpoint(root, step)
+    _fake_checkpoint(root, 50, complete=False)  # not a checkpoint: never counted, never loaded
+    (root / ".tmp-step_00000060").mkdir()       # debris of a crashed save
+    manager = CheckpointManager(_StubAccelerator(), str(tmp_path), keep_last=2, run_facts={})
+    manager._prune(keep=str(root / "step_00000040"))
+    assert [s for s, _ in list_checkpoints(str(root))] == [30, 40]
+    assert not (root / ".tmp-step_00000060").exists()
+    # A resumed run that saves an older step than some left-overs keeps what it just wrote.
+    manager.keep_last = 1
+    manager._prune(keep=str(root / "step_00000030"))
+    assert [s for s, _ in list_checkpoints(str(root))] == [30, 40]
+
+
+def test_read_checkpoint_names_the_damaged_file(tmp_path):
+    folder = _fake_checkpoint(tmp_path, 10)
+    assert read_checkpoint(str(folder))["step"] == 10
+    (folder / "optimizer.bin").write_bytes(b"y" * 10)  # same size, other bytes
+    with pytest.raises(CorruptCheckpoint, match=r"optimizer\.bin is corrupt"):
+        read_checkpoint(str(folder))
+    (folder / "optimizer.bin").write_bytes(b"x" * 4)
+    with pytest.raises(CorruptCheckpoint, match=r"optimizer\.bin is truncated"):
+        read_checkpoint(str(folder))
+    (folder / MARKER_NAME).unlink()
+    with pytest.raises(CorruptCheckpoint, match="incomplete"):
+        read_checkpoint(str(folder))
+
+
+def test_preemption_watcher_records_the_signal_and_keeps_recording_after_it():
+    before = signal.getsignal(signal.SIGUSR1), signal.getsignal(signal.SIGTERM)
+    quiet = PreemptionWatcher(_StubAccelerator()).install()
+    assert not quiet.stop_requested()
+    quiet.uninstall()
+    assert (signal.getsignal(signal.SIGUSR1), signal.getsignal(signal.SIGTERM)) == before  # no signal: restored
+    watcher = PreemptionWatcher(_StubAccelerator()).install()
+    try:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(0.01)
+        assert watcher.stop_requested() and watcher.signal_name == "SIGUSR1"
+        watcher.uninstall()  # preempted: a follow-up SIGTERM from the launcher must not kill a rank still exiting
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.01)
+        assert watcher.signal_name == "SIGUSR1"
+    finally:
+        signal.signal(signal.SIGUSR1, before[0])
+        signal.signal(signal.SIGTERM, before[1])
+
+
+# ----------------------------------------------------------------------------- 2-process runs
+
+
+@pytest.mark.slow
+def test_keep_last_keeps_exactly_k_complete_checkpoints(reference):
+    assert steps_of(reference) == [24, 28, 32]  # every 4 steps, the last 3
+    assert sorted(os.listdir(reference / "checkpoints")) == ["step_00000024", "step_00000028", "step_00000032"]
+    meta = read_checkpoint(str(reference / "checkpoints" / "step_00000028"))  # every file as recorded
+    assert (meta["step"], meta["epoch"], meta["step_in_epoch"], meta["world_size"]) == (28, 3, 4, 2)
+    assert {"model.safetensors", "optimizer.bin", "scheduler.bin", "random_states_0.pkl",
+            "random_states_1.pkl"} <= set(meta["files"])
+
+
+@pytest.mark.slow
+def test_sigkill_at_a_random_step_then_resume_gives_bitwise_equal_weights(reference, tmp_path):
+    seed = int(os.environ.get("ACCEL_DDP_TEST_SEED", random.randrange(1_000_000)))
+    delay = random.Random(seed).uniform(0.0, 1.5)
+    print(f"ACCEL_DDP_TEST_SEED={seed}: SIGKILL {delay:.2f} s after the first checkpoint")
+    out = tmp_path / "run"
+    args = [*ARGS, "--checkpointing_steps", "4", "--keep_last", "2", "--output_dir", str(out)]
+    with running(args, out, env=LIVE) as proc:
+        wait_for_checkpoint(proc, out, 4)
+        time.sleep(delay)
+        kill_job(proc)
+    assert not (out / "summary.json").exists(), "the run finished before the kill: nothing was tested"
+    killed_after = steps_of(out)
+    print(f"complete checkpoints after the kill: {killed_after}")
+    assert killed_after and killed_after[-1] >= 4
+
+    result = check(launch([*args, "--resume_from_checkpoint", "auto"]))
+    assert f"resumed from {out / 'checkpoints' / f'step_{killed_after[-1]:08d}'}" in result.stdout
+    assert_same_weights(out, reference)
+    assert read_summary(out)["optimizer_steps"] == STEPS
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_launcher_saves_exits_75_and_resumes_bitwise(reference, tmp_path):
+    out = tmp_path / "run"
+    args = [*ARGS, "--checkpointing_steps", "6", "--output_dir", str(out)]
+    with running(args, out, env=LIVE) as proc:
+        wait_for_checkpoint(proc, out, 6)
+        proc.send_signal(signal.SIGTERM)  # as `scancel`, Kubernetes or a batch script's trap would
+        assert proc.wait(timeout=120) == 1  # accelerate launch exits 1 when signalled; the workers exit 75
+    log = log_of(out)
+    stopped = re.search(r"accel_ddp: preempted: SIGTERM received: stopped after optimizer step (\d+) and saved "
+                        r"(\S+); relaunch .* \(exit code 75\)", log)
+    assert stopped, log[-3000:]
+    step = int(stopped.group(1))
+    assert step % STEPS_PER_EPOCH != 0, "stopped at an epoch boundary: the test meant mid-epoch"
+    assert steps_of(out)[-1] == step and stopped.group(2) == str(out / "checkpoints" / f"step_{step:08d}")
+
+    check(launch([*args, "--resume_from_checkpoint", "auto"]))
+    assert_same_weights(out, reference)
+    assert read_summary(out)["resumed_from_step"] == step
+
+
+@pytest.mark.slow
+def test_sigusr1_to_one_worker_stops_every_rank_after_the_same_step(reference, tmp_path):
+    out = tmp_path / "run"
+    args = [*ARGS, "--checkpointing_steps", "epoch", "--output_dir", str(out)]
+    with running(args, out, env=LIVE) as proc:
+        wait_for_checkpoint(proc, out, STEPS_PER_EPOCH)
+        os.kill(workers_of(proc)[1], signal.SIGUSR1)  # only rank 1 hears it: rank 0 learns it from the all-reduce
+        assert proc.wait(timeout=120) == 1
+    log = log_of(out)
+    assert log.count("exitcode  : 75") == 2, log[-3000:]  # torchrun's report: both ranks exited 75
+    step = int(re.search(r"SIGUSR1 received: stopped after optimizer step (\d+)", log).group(1))
+    assert steps_of(out)[-1] == step
+
+    check(launch([*args, "--resume_from_checkpoint", "auto"]))
+    assert_same_weights(out, reference)
+
+
+@pytest.mark.slow
+def test_crash_while_writing_a_checkpoint_leaves_the_previous_one_for_auto(reference, tmp_path):
+    out = tmp_path / "run"
+    args = [*ARGS, "--checkpointing_steps", "6", "--keep_last", "1", "--output_dir", str(out)]
+    crashed = launch(args, env={"ACCEL_DDP_CRASH_IN_CHECKPOINT": "12"})
+    assert crashed.returncode != 0
+    root = out / "checkpoints"
+    assert sorted(os.listdir(root)) == [".tmp-step_00000012", "step_00000006"]  # keep_last 1 pruned nothing
+    assert not (root / ".tmp-step_00000012" / MARKER_NAME).exists()
+    read_checkpoint(str(root / "step_00000006"))  # intact
+
+    result = check(launch([*args, "--resume_from_checkpoint", "auto"]))
+    assert f"resumed from {root / 'step_00000006'}" in result.stdout
+    assert_same_weights(out, reference)
+    assert sorted(os.listdir(root)) == ["step_00000030"]  # the debris went with the next save
+
+
+@pytest.mark.slow
+def test_elastic_restart_after_a_rank_crash_finishes_with_the_same_weights(reference, tmp_path):
+    out = tmp_path / "run"
+    once = tmp_path / "crashed-once"
+    result = check(launch(
+        [*ARGS, "--checkpointing_steps", "6", "--output_dir", str(out), "--resume_from_checkpoint", "auto"],
+        launch_args=["--max_restarts", "2", "--rdzv_backend", "c10d"],
+        # Without it a restarted group may read the failed attempt's addresses and hang (pytorch#135712).
+        env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+             "ACCEL_DDP_FAIL_AT_STEP": "10:1", "ACCEL_DDP_FAIL_ONCE": str(once)},
+    ))
+    assert once.exists() and "injected failure on rank 1 at step 10" in result.stderr
+    assert "no checkpoint in" in result.stdout  # the first attempt started fresh under `auto`
+    assert f"resumed from {out / 'checkpoints' / 'step_00000006'}" in result.stdout
+    assert_same_weights(out, reference)
+
+
+@pytest.mark.slow
+def test_damaged_checkpoints_are_named_and_auto_falls_back(reference, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(reference / "checkpoints", out / "checkpoints")
+    root = out / "checkpoints"
+    optimizer = root / "step_00000032" / "optimizer.bin"
+    data = bytearray(optimizer.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one flipped byte, same size
+    optimizer.write_bytes(bytes(data))
+    weights = root / "step_00000028" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])  # truncated
+    args = [*ARGS, "--output_dir", str(out)]
+
+    explicit = run_single([*args, "--resume_from_checkpoint", str(root / "step_00000032")])
+    assert explicit.returncode == 2
+    assert f"{optimizer} is corrupt" in explicit.stderr and explicit.stderr.count("accel_ddp: error") == 1
+    fresh = run_single(args)  # no --resume_from_checkpoint over an earlier run's checkpoints
+    assert fresh.returncode == 2 and "already holds checkpoints" in fresh.stderr
+
+    result = check(launch([*args, "--resume_from_checkpoint", "auto"]))
+    assert f"{optimizer} is corrupt" in result.stderr and f"{weights} is truncated" in result.stderr
+    assert f"resumed from {root / 'step_00000024'}" in result.stdout
+    assert_same_weights(out, reference)
+
+
+@pytest.mark.slow
+def test_checkpoint_of_another_model_names_the_mismatched_keys(reference, tmp_path):
+    result = run_single([*ARGS, "--model", "mlp", "--output_dir", str(tmp_path / "run"),
+                         "--resume_from_checkpoint", str(reference / "checkpoints" / "step_00000024")])
+    assert result.returncode == 2
+    error = [line for line in result.stderr.splitlines() if line.startswith("accel_ddp: error")]
+    assert len(error) == 1 and "holds the weights of a different model" in error[0]
+    assert "missing keys 1.bias, 1.weight" in error[0] and "unexpected keys classifier.0.bias" in error[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("saved_by, resumed_by", [(2, 1), (1, 2)])
+def test_resume_with_another_world_size_continues_under_the_global_batch(saved_by, resumed_by, tmp_path):
+    # mlp: no dropout, so 1 and 2 ranks compute the same steps up to float summation order. Per-device
+    # batch 16: 2 ranks take one micro-batch per step, 1 rank two, so the resume skips 2 vs 4 micro-batches.
+    args = [*ARGS, "--model", "mlp", "--hidden_size", "32", "--epochs", "3", "--per_device_batch_size", "16",
+            "--checkpointing_steps", "10"]
+    original = tmp_path / "original"
+    run = launch if saved_by == 2 else run_single
+    check(run([*args, "--output_dir", str(original)]))
+    assert steps_of(original) == [10, 20]
+
+    resumed = tmp_path / "resumed"
+    run = launch if resumed_by == 2 else run_single
+    result = check(run([*args, "--output_dir", str(resumed),
+                        "--resume_from_checkpoint", str(original / "checkpoints" / "step_00000010")]))
+    assert f"was saved by {saved_by} ranks, this run has {resumed_by}" in result.stderr
+    summary = read_summary(resumed)
+    assert (summary["world_size"], summary["resumed_from_step"], summary["optimizer_steps"]) == (resumed_by, 10, 24)
+    got, expected = load_weights(resumed), load_weights(original)
+    for key in expected:
+        assert torch.allclose(got[key], expected[key], atol=1e-5), key
+    assert not torch.allclose(expected["1.weight"], torch.nn.Linear(64, 32).weight, atol=1e-2)
+
+
+INIT_SCRIPT = '''
+import sys
+import torch
+from safetensors.torch import save_file
+from accel_ddp import TrainConfig, train
+from accel_ddp.models import build_model
+
+rank = int(__import__("os").environ["RANK"])
+torch.manual_seed(100 + rank)  # a different random model on each rank: only --init_from can make them agree
+model = build_model("mnist_cnn", 10, (1, 8, 8))
+cfg = TrainConfig(dataset="synthetic", synthetic_samples=256, synthetic_shape=(1, 8, 8), model="mnist_cnn",
+                  global_batch_size=32, max_steps=3, lr=1e-9, num_workers=0, output_dir=sys.argv[1],
+                  init_from=sys.argv[2])
+train(cfg, model=model)
+save_file({k: v.contiguous() for k, v in model.state_dict().items()}, f"{sys.argv[1]}/rank{rank}.safetensors")
+'''
+
+
+@pytest.mark.slow
+def test_init_from_gives_every_rank_the_same_loaded_weights(reference, tmp_path):
+    script = tmp_path / "init_from.py"
+    script.write_text(INIT_SCRIPT)
+    out = tmp_path / "run"
+    check(launch([str(out), str(reference / "model.safetensors")], script=script))
+    from safetensors.torch import load_file
+
+    rank0, rank1 = load_file(str(out / "rank0.safetensors")), load_file(str(out / "rank1.safetensors"))
+    start_weights = load_weights(reference)
+    for key in start_weights:
+        assert torch.equal(rank0[key], rank1[key]), key
+        assert torch.allclose(rank0[key], start_weights[key], atol=1e-6), key  # lr 1e-9: still the loaded weights
+
+
+@pytest.mark.slow
+def test_init_from_bad_files_name_the_file_and_keys(reference, tmp_path):
+    other = run_single([*ARGS, "--model", "mlp", "--output_dir", str(tmp_path / "a"),
+                        "--init_from", str(reference / "model.safetensors")])
+    assert other.returncode == 2
+    assert f"--init_from {reference / 'model.safetensors'} holds the weights of a different model" in other.stderr
+    truncated = tmp_path / "truncated.safetensors"
+    save_file({"w": torch.zeros(1000)}, str(truncated))
+    truncated.write_bytes(truncated.read_bytes()[:500])
+    bad = run_single([*ARGS, "--output_dir", str(tmp_path / "b"), "--init_from", str(truncated)])
+    assert bad.returncode == 2 and f"--init_from {truncated}: not a readable safetensors file" in bad.stderr
