@@ -30,6 +30,8 @@ def _opt(default: Any, help: str) -> Any:
 LR_SCHEDULES = ("constant", "linear", "cosine")
 OPTIMIZERS = ("sgd", "adamw")
 TRACKERS = ("none", "tensorboard", "csv", "all")
+COMM_HOOKS = ("none", "fp16", "bf16")
+LOADERS = ("auto", "fast", "dataloader")
 
 
 @dataclass
@@ -37,17 +39,34 @@ class TrainConfig:
     """Every option of a training run. Field names are the CLI flags (``--global_batch_size``)."""
 
     # --- data ---
-    dataset: str = _opt("digits", "dataset name (digits, mnist, synthetic) or 'pkg.module:function'")
+    dataset: str = _opt(
+        "digits",
+        "dataset: digits, mnist, fashion_mnist, cifar10, imagefolder, hf, synthetic or 'pkg.module:function'",
+    )
     data_dir: str = _opt("data", "folder holding (or receiving, with --download) the dataset files")
     download: bool = _opt(False, "download the dataset into --data_dir if missing (main process only)")
-    num_workers: int = _opt(0, "DataLoader worker processes per rank; 0 loads in the training process")
+    loader: str = _opt(
+        "auto", "auto (in-memory device loader where the dataset fits, else DataLoader), fast or dataloader"
+    )
+    fast_loader_max_mb: int = _opt(4096, "auto: largest training set (MiB as stored) kept on the device")
+    num_workers: int | None = _opt(
+        None, "DataLoader workers per rank; default 0 for in-memory data, else up to 8 (CPUs / local ranks)"
+    )
+    image_size: int | None = _opt(None, "imagefolder, hf: resize images to this square size; default: keep")
+    hf_name: str | None = _opt(None, "hf: Hub dataset name (online or cached); unset: load --data_dir")
+    hf_config: str | None = _opt(None, "hf: dataset configuration name on the Hub, if it has several")
+    hf_train_split: str = _opt("train", "hf: split to train on")
+    hf_eval_split: str | None = _opt(None, "hf: eval split; default test or validation, else a tenth of train held out")
+    image_column: str | None = _opt(None, "hf: input column; default the first Image column, else all numbers")
+    label_column: str | None = _opt(None, "hf: label column; default the ClassLabel column, else 'label'")
     synthetic_samples: int = _opt(2048, "synthetic dataset: number of training samples (eval gets a quarter)")
     synthetic_shape: tuple[int, ...] = _opt((1, 28, 28), "synthetic dataset: shape of one input, e.g. 1 28 28")
     synthetic_classes: int = _opt(10, "synthetic dataset: number of classes")
 
     # --- model ---
-    model: str = _opt("mlp", "model name (mlp, mnist_cnn) or 'pkg.module:function'")
+    model: str = _opt("mlp", "model name (mlp, mnist_cnn, resnet18) or 'pkg.module:function'")
     hidden_size: int = _opt(256, "mlp: width of its two hidden layers")
+    width: int = _opt(64, "resnet18: channels of its first stage (64 as torchvision; 16 trains fast on CPU)")
 
     # --- optimisation (units: optimizer steps, samples) ---
     epochs: int = _opt(15, "passes over the training set; ignored when --max_steps is set")
@@ -71,9 +90,30 @@ class TrainConfig:
     output_dir: str = _opt("outputs/run", "where config.yaml, metrics.jsonl, summary.json and weights go")
     checkpointing_steps: str | None = _opt(None, "save full state every N optimizer steps, or 'epoch'")
     keep_last: int = _opt(3, "keep this many newest complete checkpoints")
-    resume_from_checkpoint: str | None = _opt(None, "checkpoint folder to resume from, or 'auto' for the newest")
+    resume_from_checkpoint: str | None = _opt(
+        None, "checkpoint folder to resume from, or 'auto' for the newest complete one in --output_dir (or start fresh)"
+    )
+    init_from: str | None = _opt(
+        None, "start from these weights (a .safetensors file, e.g. a run's model.safetensors) to fine-tune"
+    )
     with_tracking: str = _opt("none", "extra trackers through Accelerate: none, tensorboard, csv or all")
     debug: bool = _opt(False, "debug mode: anomaly detection, deterministic kernels, few steps, small data")
+
+    # --- performance and distributed knobs (DDP ones follow the Hugging Face Trainer's names) ---
+    ddp_bucket_cap_mb: int = _opt(25, "DDP gradient bucket size in MiB: larger = fewer, bigger all-reduces")
+    ddp_gradient_as_bucket_view: bool = _opt(
+        True, "DDP: gradients are views into the all-reduce buckets (saves one gradient-sized copy)"
+    )
+    ddp_static_graph: bool = _opt(False, "DDP: the graph never changes between steps (enables more overlap)")
+    ddp_find_unused_parameters: bool = _opt(
+        False, "DDP: tolerate parameters that get no gradient in a step (costs a graph walk per step)"
+    )
+    ddp_comm_hook: str = _opt("none", "compress gradients for the all-reduce: none, fp16 or bf16")
+    ddp_timeout: int = _opt(1800, "seconds a collective may wait for a missing rank before the job fails")
+    compile: bool = _opt(False, "torch.compile the model (first steps are slower while it compiles)")
+    channels_last: bool = _opt(False, "store image models and batches channels-last (faster convs on GPUs)")
+    tf32: bool = _opt(True, "CUDA only: TF32 tensor cores for fp32 matmuls and convolutions")
+    profile: bool = _opt(False, "record a torch.profiler trace of a few steps into OUTPUT_DIR/profile")
 
     def __post_init__(self) -> None:
         self.synthetic_shape = tuple(int(d) for d in self.synthetic_shape)
@@ -81,7 +121,12 @@ class TrainConfig:
                         "log_every", "keep_last")
         _check_positive(self, "per_device_batch_size", "max_steps", "eval_batch_size", allow_none=True)
         _check_non_negative(self, "epochs", "weight_decay", "warmup_steps", "max_grad_norm", "eval_every",
-                            "num_workers")
+                            "fast_loader_max_mb")
+        if self.num_workers is not None:
+            _check_non_negative(self, "num_workers")
+        _check_positive(self, "width")
+        _check_positive(self, "image_size", allow_none=True)
+        _check_choice(self, "loader", LOADERS)
         if not self.lr > 0:
             raise ConfigError(f"--lr must be > 0, got {self.lr}; try --lr 3e-3")
         if self.epochs == 0 and self.max_steps is None:
@@ -91,6 +136,8 @@ class TrainConfig:
         _check_choice(self, "optimizer", OPTIMIZERS)
         _check_choice(self, "lr_schedule", LR_SCHEDULES)
         _check_choice(self, "with_tracking", TRACKERS)
+        _check_choice(self, "ddp_comm_hook", COMM_HOOKS)
+        _check_positive(self, "ddp_bucket_cap_mb", "ddp_timeout")
         if self.checkpointing_steps is not None:
             value = str(self.checkpointing_steps)
             if value != "epoch" and not (value.isdigit() and int(value) > 0):
@@ -98,6 +145,10 @@ class TrainConfig:
                     f"--checkpointing_steps must be a positive step count or 'epoch', got {value!r}"
                 )
             self.checkpointing_steps = value
+        if self.init_from is not None and not str(self.init_from).endswith(".safetensors"):
+            raise ConfigError(
+                f"--init_from {self.init_from}: expected a .safetensors weights file, e.g. OUTPUT_DIR/model.safetensors"
+            )
 
     def batch_layout(self, world_size: int) -> tuple[int, int]:
         """(per-device batch, gradient accumulation steps) for ``world_size`` ranks.

@@ -147,14 +147,19 @@ def build_model(
 def build_optimizer(
     name: str, model: nn.Module, lr: float, weight_decay: float, fused: bool = False
 ) -> torch.optim.Optimizer:
-    """``sgd`` (momentum 0.9, Nesterov) or ``adamw``; biases and norms get no weight decay."""
+    """``sgd`` (momentum 0.9, Nesterov) or ``adamw``; biases and norms get no weight decay.
+
+    ``fused`` (the loop sets it on CUDA) updates all parameters in one kernel instead of a
+    launch per tensor.
+    """
+    extra = {"fused": True} if fused else {}
     decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     if name == "sgd":
-        return torch.optim.SGD(groups, lr=lr, momentum=0.9, nesterov=True)
+        return torch.optim.SGD(groups, lr=lr, momentum=0.9, nesterov=True, **extra)
     if name == "adamw":
-        return torch.optim.AdamW(groups, lr=lr, **({"fused": True} if fused else {}))
+        return torch.optim.AdamW(groups, lr=lr, **extra)
     raise ConfigError(f"unknown optimizer {name!r}; choose sgd or adamw")
 
 

@@ -57,6 +57,18 @@ class RunRecorder:
             # Appending lets a resumed run extend the curve instead of erasing it.
             self._metrics = open(os.path.join(output_dir, METRICS_NAME), "a", encoding="utf-8")
 
+    def rewind(self, step: int) -> None:
+        """Drop metric records after ``step``: a fresh run (0) starts an empty file, a resumed one
+        forgets the steps logged after its checkpoint, which the resumed run will log again."""
+        if not self.enabled:
+            return
+        path = os.path.join(self.output_dir, METRICS_NAME)
+        self._metrics.close()
+        with open(path, encoding="utf-8") as fh:
+            kept = [line for line in fh if line.strip() and json.loads(line).get("step", 0) <= step] if step else []
+        _atomic_write_text(path, "".join(kept))
+        self._metrics = open(path, "a", encoding="utf-8")
+
     def write_config(self, resolved: dict[str, Any]) -> None:
         if self.enabled:
             _atomic_write_text(os.path.join(self.output_dir, "config.yaml"), yaml.safe_dump(resolved, sort_keys=False))
@@ -121,6 +133,114 @@ class ThroughputMeter:
         rate = samples / max(now - self._time, 1e-9)
         self._step, self._time = step, now
         return rate
+
+
+class EpochTimer:
+    """Per-epoch step-time percentiles, samples/s and the share of step time spent waiting for data.
+
+    Host clock only, no device synchronisation: on a GPU the interval between two optimizer steps
+    equals the device's step time once the launch queue is full, so percentiles stay honest
+    without stalling the pipeline. Evaluation and checkpoint time is excluded (``pause``).
+
+        timer.start_epoch()
+        for batch in timed(loader, timer): ...; timer.step_done()
+        record = timer.end_epoch()   # {"samples_per_sec", "step_time_p50_ms", "step_time_p90_ms", "data_wait_share"}
+    """
+
+    def __init__(self, global_batch_size: int):
+        self.global_batch_size = global_batch_size
+        self.all_steps: list[float] = []
+        self.all_wait = 0.0
+        self.start_epoch()
+
+    def start_epoch(self) -> None:
+        self._steps: list[float] = []
+        self._wait = 0.0
+        self._last = time.perf_counter()
+
+    def waited(self, seconds: float) -> None:
+        self._wait += seconds
+
+    def step_done(self) -> None:
+        now = time.perf_counter()
+        self._steps.append(now - self._last)
+        self._last = now
+
+    def pause(self) -> None:
+        """Call after work that is not training (eval, checkpoint): the next interval starts now."""
+        self._last = time.perf_counter()
+
+    def end_epoch(self) -> dict[str, float]:
+        self.all_steps.extend(self._steps)
+        self.all_wait += self._wait
+        return _step_stats(self._steps, self._wait, self.global_batch_size)
+
+    def totals(self) -> dict[str, float]:
+        return _step_stats(self.all_steps, self.all_wait, self.global_batch_size)
+
+
+def _step_stats(steps: list[float], wait: float, global_batch_size: int) -> dict[str, float]:
+    if not steps:
+        return {}
+    ordered = sorted(steps)
+    total = sum(steps)
+    return {
+        "samples_per_sec": len(steps) * global_batch_size / max(total, 1e-9),
+        "step_time_p50_ms": 1e3 * ordered[len(ordered) // 2],
+        "step_time_p90_ms": 1e3 * ordered[min(int(0.9 * len(ordered)), len(ordered) - 1)],
+        "data_wait_share": min(wait / max(total, 1e-9), 1.0),
+    }
+
+
+def timed(batches, timer: EpochTimer):
+    """Yield from ``batches``, adding the time spent blocked on each one to ``timer``."""
+    iterator = iter(batches)
+    while True:
+        started = time.perf_counter()
+        try:
+            batch = next(iterator)
+        except StopIteration:
+            return
+        timer.waited(time.perf_counter() - started)
+        yield batch
+
+
+class StepProfiler:
+    """``--profile``: a torch.profiler trace of a few optimizer steps, one Chrome trace per rank.
+
+    Each rank writes ``OUTPUT_DIR/profile/rank<R>.json`` (open it in Perfetto or chrome://tracing):
+    like the per-rank RNG files of a checkpoint, a deliberate exception to "only rank 0 writes".
+    Steps 1-2 are skipped (start-up), 3-4 warm up, 5-9 are recorded.
+    """
+
+    def __init__(self, enabled: bool, output_dir: str, rank: int):
+        self._profiler = None
+        if not enabled:
+            return
+        import torch
+
+        folder = os.path.join(output_dir, "profile")
+        os.makedirs(folder, exist_ok=True)
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if torch.cuda.is_available():
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        self.path = os.path.join(folder, f"rank{rank}.json")
+        self._profiler = torch.profiler.profile(
+            activities=activities,
+            schedule=torch.profiler.schedule(wait=2, warmup=2, active=5, repeat=1),
+            on_trace_ready=lambda prof: prof.export_chrome_trace(self.path),
+            record_shapes=True,
+        )
+        self._profiler.start()
+
+    def step(self) -> None:
+        if self._profiler is not None:
+            self._profiler.step()
+
+    def stop(self) -> None:
+        if self._profiler is not None:
+            self._profiler.stop()
+            self._profiler = None
 
 
 # ----------------------------------------------------------------------------- Accelerate trackers

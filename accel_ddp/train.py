@@ -12,25 +12,49 @@ import math
 import os
 import sys
 import time
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, TypeVar
 
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator, DataLoaderConfiguration, PartialState
-from accelerate.utils import set_seed
+from accelerate.utils import DDPCommunicationHookType, DistributedDataParallelKwargs, set_seed
 from torch.utils.data import Dataset, Subset
 from tqdm.auto import tqdm
 
-from accel_ddp.checkpoint import export_weights
+from accel_ddp.checkpoint import CheckpointManager, export_weights, load_weights
 from accel_ddp.config import ConfigError, TrainConfig, parse_args
-from accel_ddp.data import build_datasets, build_eval_loader, build_train_loader, steps_per_epoch
+from accel_ddp.data import HFSource, build_datasets, build_loaders, skip_first_batches, steps_per_epoch
 from accel_ddp.evaluate import evaluate
 from accel_ddp.models import build_lr_scheduler, build_model, build_optimizer
-from accel_ddp.tracking import RunRecorder, progress_bar
+from accel_ddp.preemption import (
+    EXIT_PREEMPTED,
+    Preempted,
+    PreemptionWatcher,
+    ignore_preemption_signals,
+    restart_hazard,
+)
+from accel_ddp.tracking import (
+    EpochTimer,
+    RunRecorder,
+    StepProfiler,
+    ThroughputMeter,
+    progress_bar,
+    timed,
+    tracking_kwargs,
+)
 
-# Test hook: "STEP:RANK" makes that rank raise right after optimizer step STEP.
-FAIL_ENV = "ACCEL_DDP_FAIL_AT_STEP"
+# Test hooks, read once from the environment (tests/test_checkpoint.py uses them):
+FAIL_ENV = "ACCEL_DDP_FAIL_AT_STEP"  # "STEP:RANK": that rank raises right after optimizer step STEP
+FAIL_ONCE_ENV = "ACCEL_DDP_FAIL_ONCE"  # a file: fail only while it is absent (created on failing): restarts pass
+CRASH_IN_SAVE_ENV = "ACCEL_DDP_CRASH_IN_CHECKPOINT"  # "STEP": the main process SIGKILLs itself mid-save of STEP
+STEP_DELAY_ENV = "ACCEL_DDP_STEP_DELAY"  # seconds of sleep after each optimizer step: lets a test signal a live run
 DEBUG_MAX_STEPS = 10  # --debug: a handful of optimizer steps is enough to surface shape or sync bugs
+
+
+T = TypeVar("T")
 
 
 class LaunchError(RuntimeError):
@@ -46,7 +70,10 @@ def build_accelerator(cfg: TrainConfig) -> tuple[Accelerator, int, int]:
     if cfg.debug:
         os.environ["ACCELERATE_DEBUG_MODE"] = "1"  # cross-rank shape checks on every collective
     cpu = not torch.cuda.is_available()
-    state = PartialState(cpu=cpu)
+    if not cpu and cfg.tf32:  # TF32 tensor cores for fp32 matmuls/convs: ~8x on Ampere+, 10-bit mantissa
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    state = PartialState(cpu=cpu, timeout=timedelta(seconds=cfg.ddp_timeout))
     launched_world = int(os.environ.get("WORLD_SIZE", "1"))
     if state.num_processes != launched_world:
         raise LaunchError(
@@ -61,16 +88,51 @@ def build_accelerator(cfg: TrainConfig) -> tuple[Accelerator, int, int]:
         # Accelerate would otherwise step the schedule num_processes times per optimizer step.
         step_scheduler_with_optimizer=False,
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=cfg.seed, non_blocking=not cpu),
+        kwargs_handlers=[ddp_kwargs(cfg)],
+        dynamo_backend="inductor" if cfg.compile else None,
+        **tracking_kwargs(cfg.with_tracking, cfg.output_dir),  # --with_tracking: log_with + project_dir
     )
     return accelerator, per_device, accumulation
 
 
-def _parse_fail_hook() -> tuple[int, int] | None:
-    value = os.environ.get(FAIL_ENV)
-    if not value:
-        return None
-    step, _, rank = value.partition(":")
-    return int(step), int(rank or 0)
+def ddp_kwargs(cfg: TrainConfig) -> DistributedDataParallelKwargs:
+    """The DistributedDataParallel options from the config (Accelerate applies them in ``prepare``)."""
+    return DistributedDataParallelKwargs(
+        bucket_cap_mb=cfg.ddp_bucket_cap_mb,
+        gradient_as_bucket_view=cfg.ddp_gradient_as_bucket_view,
+        static_graph=cfg.ddp_static_graph,
+        find_unused_parameters=cfg.ddp_find_unused_parameters,
+        comm_hook=DDPCommunicationHookType("no" if cfg.ddp_comm_hook == "none" else cfg.ddp_comm_hook),
+    )
+
+
+@dataclass(frozen=True)
+class _TestHooks:
+    fail_at: tuple[int, int] | None = None
+    fail_once_file: str | None = None
+    crash_in_checkpoint: int | None = None
+    step_delay: float = 0.0
+
+    @classmethod
+    def from_env(cls) -> _TestHooks:
+        fail_at = None
+        if os.environ.get(FAIL_ENV):
+            step, _, rank = os.environ[FAIL_ENV].partition(":")
+            fail_at = int(step), int(rank or 0)
+        crash = os.environ.get(CRASH_IN_SAVE_ENV)
+        return cls(fail_at, os.environ.get(FAIL_ONCE_ENV) or None, int(crash) if crash else None,
+                   float(os.environ.get(STEP_DELAY_ENV) or 0.0))
+
+    def after_step(self, step: int, rank: int) -> None:
+        if self.step_delay:
+            time.sleep(self.step_delay)
+        if self.fail_at != (step, rank):
+            return
+        if self.fail_once_file is not None:
+            if os.path.exists(self.fail_once_file):
+                return
+            open(self.fail_once_file, "w").close()
+        raise RuntimeError(f"{FAIL_ENV}: injected failure on rank {rank} at step {step}")
 
 
 def _infer_num_classes(dataset: Dataset) -> int:
@@ -82,14 +144,31 @@ def _infer_num_classes(dataset: Dataset) -> int:
     raise ConfigError("cannot tell the number of classes of train_dataset; pass model= built for it")
 
 
+def local_main_first(accelerator: Accelerator, build: Callable[[], T]) -> T:
+    """Run ``build`` on each machine's first process, then on the others (they reuse its download).
+
+    Unlike ``accelerator.local_main_process_first()``, an error on the first process still lets
+    the others pass the barrier: they run ``build`` themselves and hit the same error, so every
+    rank reports bad input and exits, instead of one rank dying inside a barrier.
+    """
+    if not accelerator.is_local_main_process:
+        accelerator.wait_for_everyone()
+        return build()
+    try:
+        return build()
+    finally:
+        accelerator.wait_for_everyone()
+
+
 def _resolve_data(cfg: TrainConfig, accelerator: Accelerator, train_dataset, eval_dataset):
     """(train, eval or None, num_classes, input_shape) from the config or the caller's datasets."""
     if train_dataset is None:
-        with accelerator.main_process_first():  # one download per machine
-            bundle = build_datasets(
-                cfg.dataset, cfg.data_dir, cfg.download, samples=cfg.synthetic_samples,
-                shape=cfg.synthetic_shape, classes=cfg.synthetic_classes,
-            )
+        bundle = local_main_first(accelerator, lambda: build_datasets(  # one download per machine
+            cfg.dataset, cfg.data_dir, cfg.download, samples=cfg.synthetic_samples,
+            shape=cfg.synthetic_shape, classes=cfg.synthetic_classes, image_size=cfg.image_size,
+            hf=HFSource(cfg.hf_name, cfg.hf_config, cfg.hf_train_split, cfg.hf_eval_split, cfg.image_column,
+                        cfg.label_column),
+        ))
         train_dataset, eval_dataset = bundle.train, bundle.eval
         num_classes, input_shape = bundle.num_classes, bundle.input_shape
     else:
@@ -110,24 +189,32 @@ def train(
     """Train on every rank of the current launch; return the summary (the same on every rank).
 
     ``model`` and the datasets default to those named in ``cfg``. Datasets yield ``(input,
-    label)`` pairs; without ``eval_dataset`` no evaluation runs.
+    label)`` pairs; without ``eval_dataset`` no evaluation runs. On SIGTERM or SIGUSR1 every rank
+    finishes the current optimizer step, saves a checkpoint and raises ``Preempted``.
     """
     accelerator = None
     recorder = None
+    preemption = None
     try:
         accelerator, per_device_batch, accumulation = build_accelerator(cfg)
-        recorder = RunRecorder(cfg.output_dir, accelerator.is_main_process)
-        summary = _train_loop(cfg, accelerator, recorder, per_device_batch, accumulation,
+        preemption = PreemptionWatcher(accelerator).install()  # from now on a SIGTERM means "save, then stop"
+        if accelerator.is_main_process and (hazard := restart_hazard()):
+            print(f"accel_ddp: warning: {hazard}", file=sys.stderr, flush=True)
+        recorder = RunRecorder(cfg.output_dir, accelerator.is_main_process, accelerator=accelerator)
+        summary = _train_loop(cfg, accelerator, recorder, preemption, per_device_batch, accumulation,
                               model, train_dataset, eval_dataset)
         return summary
     finally:
+        if preemption is not None:
+            preemption.uninstall()
         if recorder is not None:
             recorder.close()
         if accelerator is not None:
             accelerator.end_training()
 
 
-def _train_loop(cfg, accelerator, recorder, per_device_batch, accumulation, model, train_dataset, eval_dataset):
+def _train_loop(cfg, accelerator, recorder, preemption, per_device_batch, accumulation, model, train_dataset,
+                eval_dataset):
     started = time.perf_counter()
     if cfg.debug:
         torch.autograd.set_detect_anomaly(True)
@@ -135,13 +222,20 @@ def _train_loop(cfg, accelerator, recorder, per_device_batch, accumulation, mode
     set_seed(cfg.seed)  # same model init on every rank; DDP also broadcasts rank 0's weights
     train_dataset, eval_dataset, num_classes, input_shape = _resolve_data(cfg, accelerator, train_dataset, eval_dataset)
     if model is None:
-        model = build_model(cfg.model, num_classes or _infer_num_classes(train_dataset), input_shape, cfg.hidden_size)
+        model = build_model(cfg.model, num_classes or _infer_num_classes(train_dataset), input_shape, cfg.hidden_size,
+                            width=cfg.width)
+    if cfg.init_from:
+        load_weights(model, cfg.init_from)  # every rank reads the same file before DDP wraps the model
+    memory_format = torch.channels_last if cfg.channels_last else torch.contiguous_format
+    model = model.to(memory_format=memory_format)  # NHWC convolutions: faster on tensor cores
 
     num_workers = 0 if cfg.debug else cfg.num_workers
-    train_loader = build_train_loader(train_dataset, per_device_batch, cfg.global_batch_size, num_workers)
-    eval_loader = None
-    if eval_dataset is not None:
-        eval_loader = build_eval_loader(eval_dataset, cfg.eval_batch_size or 2 * per_device_batch, num_workers)
+    # The in-memory device loader where the data fits (--loader), else a prepared DataLoader; eval is always prepared.
+    train_loader, eval_loader, loader_kind = build_loaders(
+        accelerator, train_dataset, eval_dataset, per_device_batch_size=per_device_batch,
+        global_batch_size=cfg.global_batch_size, eval_batch_size=cfg.eval_batch_size, loader=cfg.loader,
+        num_workers=num_workers, fast_loader_max_mb=cfg.fast_loader_max_mb,
+    )
 
     steps_in_epoch = steps_per_epoch(len(train_dataset), cfg.global_batch_size)
     total_steps = cfg.max_steps or cfg.epochs * steps_in_epoch
@@ -152,9 +246,7 @@ def _train_loop(cfg, accelerator, recorder, per_device_batch, accumulation, mode
     optimizer = build_optimizer(cfg.optimizer, model, cfg.lr, cfg.weight_decay,
                                 fused=accelerator.device.type == "cuda")
     scheduler = build_lr_scheduler(optimizer, cfg.lr_schedule, cfg.warmup_steps, total_steps)
-    model, optimizer, train_loader, scheduler = accelerator.prepare(model, optimizer, train_loader, scheduler)
-    if eval_loader is not None:
-        eval_loader = accelerator.prepare(eval_loader)
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
 
     world = accelerator.num_processes
     run_facts = {
@@ -166,23 +258,43 @@ def _train_loop(cfg, accelerator, recorder, per_device_batch, accumulation, mode
         "total_steps": total_steps,
         "distributed_type": str(accelerator.distributed_type.value),
         "mixed_precision": accelerator.mixed_precision,
+        "loader": loader_kind,
         "device": str(accelerator.device.type),
         "num_machines": int(os.environ.get("ACCELERATE_NUM_MACHINES", os.environ.get("GROUP_WORLD_SIZE", "1"))),
     }
+    hooks = _TestHooks.from_env()
+
+    checkpoints = CheckpointManager(accelerator, cfg.output_dir, cfg.keep_last,
+                                    {**run_facts, "seed": cfg.seed, "optimizer": cfg.optimizer, "model": cfg.model},
+                                    crash_in_save_at=hooks.crash_in_checkpoint)
+    if cfg.resume_from_checkpoint:  # weights, optimizer, schedule, scaler and every rank's RNG
+        resumed_step = checkpoints.resume(cfg.resume_from_checkpoint)
+    else:
+        checkpoints.check_fresh_start()
+        resumed_step = 0
+    save_every = 0 if cfg.checkpointing_steps in (None, "epoch") else int(cfg.checkpointing_steps)
+    # Only now, with the input checked and the start point agreed, touch what earlier runs left.
+    recorder.rewind(resumed_step)  # metrics past the checkpoint belong to the lost steps
     recorder.write_config({**cfg.to_dict(), "resolved": run_facts})
-    fail_hook = _parse_fail_hook()
 
     # ---- the loop: micro_step = one forward/backward per rank; step = one optimizer step ----
-    step = 0
+    step = resumed_step  # epochs have a fixed number of steps, so the step alone says where we are
     eval_metrics: dict[str, Any] = {}
-    train_seconds = 0.0
     running_loss = torch.zeros((), device=accelerator.device)
+    steps_since_log = 0
     bar = progress_bar(total_steps, step, accelerator.is_local_main_process)
-    for epoch in range(num_epochs):
+    meter = ThroughputMeter(cfg.global_batch_size, step)  # samples/s between log lines
+    timer = EpochTimer(cfg.global_batch_size)  # per-epoch step-time percentiles and data-wait share
+    profiler = StepProfiler(cfg.profile, cfg.output_dir, accelerator.process_index)
+    for epoch in range(step // steps_in_epoch, num_epochs):
+        if step >= total_steps:  # resumed from the last step's checkpoint
+            break
         model.train()
-        train_loader.set_epoch(epoch)  # new permutation each epoch, identical on every rank
-        epoch_start = time.perf_counter()
-        for inputs, labels in train_loader:
+        # A new permutation each epoch, identical on every rank; a resumed epoch skips what was trained on.
+        batches = _epoch_batches(accelerator, train_loader, epoch, (step - epoch * steps_in_epoch) * accumulation)
+        timer.start_epoch()
+        for inputs, labels in timed(batches, timer):
+            inputs = inputs.contiguous(memory_format=memory_format) if inputs.ndim == 4 else inputs
             with accelerator.accumulate(model):
                 loss = F.cross_entropy(model(inputs).float(), labels)
                 accelerator.backward(loss)
@@ -195,27 +307,44 @@ def _train_loop(cfg, accelerator, recorder, per_device_batch, accumulation, mode
                 continue
             scheduler.step()  # exactly once per optimizer step
             step += 1
+            steps_since_log += 1
+            timer.step_done()
+            profiler.step()
             bar.update(1)
-            if fail_hook is not None and fail_hook == (step, accelerator.process_index):
-                raise RuntimeError(f"{FAIL_ENV}: injected failure on rank {accelerator.process_index} at step {step}")
+            hooks.after_step(step, accelerator.process_index)
             if step % cfg.log_every == 0 or step == total_steps:
                 # Only here do we sync with the host: per-step .item() would stall the GPU.
-                mean_loss = accelerator.reduce(running_loss, "mean").item() / _steps_since_log(step, cfg.log_every)
+                mean_loss = accelerator.reduce(running_loss, "mean").item() / steps_since_log
                 running_loss.zero_()
-                recorder.log({"step": step, "epoch": epoch, "loss": mean_loss, "lr": scheduler.get_last_lr()[0]})
+                steps_since_log = 0
+                recorder.log({"step": step, "epoch": epoch, "loss": mean_loss, "lr": scheduler.get_last_lr()[0],
+                              "samples_per_sec": meter.rate(step)})
                 bar.set_postfix(loss=f"{mean_loss:.4f}")
+            if preemption.stop_requested():  # a CPU all-reduce of a flag: every rank stops after the same step
+                bar.close()
+                raise Preempted(preemption.signal_name, step, checkpoints.save(step))
             if eval_loader is not None and cfg.eval_every and step % cfg.eval_every == 0:
                 eval_metrics = _evaluate_and_log(accelerator, model, eval_loader, recorder, step, epoch)
+                meter.reset(step)  # evaluation time is not training throughput
+                timer.pause()
+            if save_every and step % save_every == 0:
+                checkpoints.save(step)
+                meter.reset(step)  # nor is checkpointing time
+                timer.pause()
             if step >= total_steps:
                 break
-        train_seconds += time.perf_counter() - epoch_start
+        recorder.log({"step": step, "epoch": epoch, **timer.end_epoch()})
         if eval_loader is not None and not cfg.eval_every:
             eval_metrics = _evaluate_and_log(accelerator, model, eval_loader, recorder, step, epoch)
+        if cfg.checkpointing_steps == "epoch" and step == (epoch + 1) * steps_in_epoch:
+            checkpoints.save(step)
     bar.close()
+    profiler.stop()
     if eval_loader is not None and cfg.eval_every and step % cfg.eval_every != 0:
         eval_metrics = _evaluate_and_log(accelerator, model, eval_loader, recorder, step, num_epochs - 1)
 
     export_weights(accelerator, model, cfg.output_dir)
+    timing = timer.totals()
     summary = {
         **run_facts,
         "optimizer_steps": step,
@@ -223,21 +352,49 @@ def _train_loop(cfg, accelerator, recorder, per_device_batch, accumulation, mode
         "eval_accuracy": eval_metrics.get("eval_accuracy"),
         "eval_loss": eval_metrics.get("eval_loss"),
         "eval_samples": eval_metrics.get("eval_samples", 0),
-        "train_samples_per_sec": step * cfg.global_batch_size / max(train_seconds, 1e-9),
-        "train_seconds": train_seconds,
+        "train_samples_per_sec": timing.pop("samples_per_sec", 0.0),
+        **timing,  # step_time_p50_ms, step_time_p90_ms, data_wait_share over the whole run
+        "train_seconds": sum(timer.all_steps),
         "elapsed_sec": time.perf_counter() - started,
         "lr_scheduler_steps": scheduler.scheduler.last_epoch,
+        "resumed_from_step": resumed_step,
     }
     recorder.write_summary(summary)
+    recorder.plot()  # OUTPUT_DIR/curves.png
     return summary
 
 
-def _steps_since_log(step: int, log_every: int) -> int:
-    return step % log_every or log_every
+def _epoch_batches(accelerator: Accelerator, loader, epoch: int, skip: int) -> Iterable:
+    """The batches of ``epoch`` on this rank, without its first ``skip`` (those a checkpoint already holds).
+
+    The one place that fast-forwards a loader: a loader with its own skip support plugs in here.
+    """
+    loader.set_epoch(epoch)  # also reaches the shared sampler, which a skipping wrapper would not
+    if skip == 0:
+        return loader
+    return _without_seed_draw(skip_first_batches(accelerator, loader, skip))
+
+
+def _without_seed_draw(loader) -> Iterator:
+    """Iterate ``loader`` but undo the global-RNG draw a DataLoader makes when its iterator starts.
+
+    The uninterrupted run made that draw at the start of the epoch, before the checkpoint saved
+    the RNG state; drawing again on resume would shift every later dropout mask.
+    """
+    batches = iter(loader)
+    with torch.random.fork_rng(devices=[]):
+        first = next(batches, None)
+    if first is None:
+        return
+    yield first
+    yield from batches
 
 
 def _evaluate_and_log(accelerator, model, eval_loader, recorder, step, epoch) -> dict[str, Any]:
-    metrics = evaluate(accelerator, model, eval_loader)
+    # Evaluation must not move the training RNG stream (its loader draws a seed): a resumed run skips
+    # the evaluations that came before its checkpoint and must still replay the same dropout masks.
+    with torch.random.fork_rng(devices=[]):
+        metrics = evaluate(accelerator, model, eval_loader)
     recorder.log({"step": step, "epoch": epoch, **metrics})
     if accelerator.is_main_process:
         tqdm.write(f"step {step} epoch {epoch}: eval_loss {metrics['eval_loss']:.4f} "
@@ -250,13 +407,22 @@ def _is_main_rank() -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """CLI entry point: bad input is one line on stderr (from rank 0 only) and exit code 2."""
+    """CLI entry point: bad input is one line on stderr (from rank 0 only) and exit code 2.
+
+    Preemption (SIGTERM or SIGUSR1) saves a checkpoint and exits with ``EXIT_PREEMPTED`` (75); the
+    exit codes are listed in ``accel_ddp/preemption.py``.
+    """
     try:
         train(parse_args(argv))
     except (ConfigError, LaunchError) as err:
         if _is_main_rank():
             print(f"accel_ddp: error: {err}", file=sys.stderr, flush=True)
         return 2
+    except Preempted as stop:
+        ignore_preemption_signals()  # exiting with 75: the launcher's follow-up SIGTERM must not make it a kill
+        if _is_main_rank():
+            print(f"accel_ddp: preempted: {stop} (exit code {EXIT_PREEMPTED})", file=sys.stderr, flush=True)
+        return EXIT_PREEMPTED
     return 0
 
 
