@@ -54,20 +54,20 @@ class RunRecorder:
         self._metrics = None
         if self.enabled:
             os.makedirs(output_dir, exist_ok=True)
-            # Appending lets a resumed run extend the curve instead of erasing it.
-            self._metrics = open(os.path.join(output_dir, METRICS_NAME), "a", encoding="utf-8")
 
     def rewind(self, step: int) -> None:
         """Drop metric records after ``step``: a fresh run (0) starts an empty file, a resumed one
         forgets the steps logged after its checkpoint, which the resumed run will log again."""
         if not self.enabled:
             return
+        self.close()
         path = os.path.join(self.output_dir, METRICS_NAME)
-        self._metrics.close()
-        with open(path, encoding="utf-8") as fh:
-            kept = [line for line in fh if line.strip() and json.loads(line).get("step", 0) <= step] if step else []
-        _atomic_write_text(path, "".join(kept))
-        self._metrics = open(path, "a", encoding="utf-8")
+        if step and os.path.exists(path):
+            with open(path, encoding="utf-8") as fh:
+                kept = [line for line in fh if line.strip() and json.loads(line).get("step", 0) <= step]
+            _atomic_write_text(path, "".join(kept))
+        # Appending lets a resumed run extend the curve; a fresh run starts the file anew.
+        self._metrics = open(path, "a" if step else "w", encoding="utf-8")
 
     def write_config(self, resolved: dict[str, Any]) -> None:
         if self.enabled:
@@ -79,6 +79,8 @@ class RunRecorder:
 
     def log(self, record: dict[str, Any]) -> None:
         if self.enabled:
+            if self._metrics is None:  # used without rewind(): extend whatever is there
+                self._metrics = open(os.path.join(self.output_dir, METRICS_NAME), "a", encoding="utf-8")
             self._metrics.write(json.dumps({"time": round(time.time(), 3), **record}) + "\n")
             self._metrics.flush()
         if self._trackers_started:
@@ -89,7 +91,8 @@ class RunRecorder:
         """Write ``curves.png`` (main process). A failed plot warns: the finished run's files stay valid."""
         if not self.enabled:
             return None
-        self._metrics.flush()
+        if self._metrics is not None:
+            self._metrics.flush()
         try:
             return plot_run(self.output_dir)
         except (OSError, ValueError) as err:

@@ -240,6 +240,16 @@ def test_sigkill_at_a_random_step_then_resume_gives_bitwise_equal_weights(refere
     assert f"resumed from {out / 'checkpoints' / f'step_{killed_after[-1]:08d}'}" in result.stdout
     assert_same_weights(out, reference)
     assert read_summary(out)["optimizer_steps"] == STEPS
+    # The steps logged between the checkpoint and the kill were dropped and logged again: the curve
+    # holds each step once, with the uninterrupted run's losses.
+    assert logged_losses(out) == pytest.approx(logged_losses(reference), rel=1e-6)
+
+
+def logged_losses(output_dir: Path) -> dict[int, float]:
+    records = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in records if "loss" in r]
+    assert len(steps) == len(set(steps)), f"a step was logged twice: {steps}"
+    return {r["step"]: r["loss"] for r in records if "loss" in r}
 
 
 @pytest.mark.slow
