@@ -15,7 +15,7 @@ import sys
 
 
 def _summary(args: argparse.Namespace) -> int:
-    from accel_ddp.tracking import format_summary
+    from accel_ddp.report import format_summary
 
     try:
         print(format_summary(args.output_dir))
@@ -26,7 +26,7 @@ def _summary(args: argparse.Namespace) -> int:
 
 
 def _plot(args: argparse.Namespace) -> int:
-    from accel_ddp.tracking import plot_run
+    from accel_ddp.report import plot_run
 
     try:
         path = plot_run(args.output_dir, args.out)

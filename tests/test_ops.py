@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from accel_ddp.config import ConfigError
-from accel_ddp.tracking import CURVES, build_curves_figure, build_trackers, read_curves
+from accel_ddp.report import CURVES, build_curves_figure, read_curves
+from accel_ddp.tracking import build_trackers
 from tests.conftest import REPO, TRAIN_SCRIPT, _env, check, free_port, launch, load_weights, read_summary, run_single
 
 CONFIGS = REPO / "accelerate_configs"
