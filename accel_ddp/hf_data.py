@@ -130,13 +130,17 @@ def _load_local(path: str):
     )
 
 
+def _existing_column(ds, name: str) -> str:
+    if name not in ds.column_names:
+        raise ConfigError(f"hf: no column {name!r}; columns are {', '.join(ds.column_names)}")
+    return name
+
+
 def _label_column(ds, requested: str | None) -> str:
     import datasets
 
     if requested is not None:
-        if requested not in ds.column_names:
-            raise ConfigError(f"hf: no column {requested!r}; columns are {', '.join(ds.column_names)}")
-        return requested
+        return _existing_column(ds, requested)
     for name, feature in ds.features.items():
         if isinstance(feature, datasets.ClassLabel):
             return name
@@ -151,9 +155,7 @@ def _input_column(ds, requested: str | None, label_col: str) -> str | None:
     import datasets
 
     if requested is not None:
-        if requested not in ds.column_names:
-            raise ConfigError(f"hf: no column {requested!r}; columns are {', '.join(ds.column_names)}")
-        return requested
+        return _existing_column(ds, requested)
     for name, feature in ds.features.items():
         if isinstance(feature, datasets.Image):
             return name
