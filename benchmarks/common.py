@@ -1,0 +1,390 @@
+"""Shared pieces of the benchmarks: the MNIST split, launching, timing, statistics.
+
+Data comes from ``$ACCEL_DDP_BENCH_MNIST`` (default ``../shared/data/mnist`` next to the
+repository), IDX files as distributed (``.gz`` or not):
+
+* only the test set there (``t10k-*``, 10,000 images; this machine): the first 8,000 images train,
+  the last 2,000 evaluate;
+* the training set too (``train-*``, 60,000 images): the standard split, 60,000 / 10,000;
+* neither: MNIST-shaped synthetic digits stand in (8,000 / 2,000), and every benchmark says so
+  in its output (``data_source()``).
+
+Datasets for accel_ddp (``--dataset benchmarks.common:NAME``, run from the repository root):
+
+* ``mnist_split``: decoded once into memory, in the form accel_ddp's own ``mnist`` builder returns
+  (uint8 ``InMemoryDataset``), so ``--loader auto`` serves it with the fast in-memory loader;
+* ``mnist_split_pil``: torchvision ``MNIST`` with ``ToTensor()`` + ``Normalize`` per sample, the
+  textbook pipeline of ``textbook_ddp.py``, so that accel_ddp runs on exactly that pipeline too.
+
+Models (``--model benchmarks.common:NAME``): ``cnn_narrow`` and ``cnn_wide``, the examples/mnist
+CNN with 16/32 and 64/128 conv channels (accel_ddp's ``mnist_cnn`` has 32/64); ``cnn_pool``, 16/32
+channels with a pool after each conv (LeNet's order).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+DATA_ENV = "ACCEL_DDP_BENCH_MNIST"
+DEFAULT_MNIST_DIR = REPO.parent / "shared" / "data" / "mnist"
+CPU_2PROC = REPO / "accelerate_configs" / "cpu_2proc.yaml"
+N_TRAIN, N_EVAL = 8000, 2000  # the split of the 10,000 test images when the training files are absent
+MNIST_MEAN, MNIST_STD = 0.1307, 0.3081  # examples/mnist's Normalize((0.1307,), (0.3081,))
+TV_NAMES = {"train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
+            "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")}
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def mnist_dir() -> Path:
+    return Path(os.environ.get(DATA_ENV, str(DEFAULT_MNIST_DIR)))
+
+
+def write_idx(path: str | os.PathLike, array: np.ndarray) -> None:
+    """Write a uint8 array as a plain IDX file (what torchvision's MNIST reads from MNIST/raw)."""
+    header = bytes([0, 0, 0x08, array.ndim]) + b"".join(int(d).to_bytes(4, "big") for d in array.shape)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "wb") as fh:
+        fh.write(header + np.ascontiguousarray(array, dtype=np.uint8).tobytes())
+    os.replace(tmp, path)
+
+
+def synthetic_digits(n: int = N_TRAIN + N_EVAL, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """MNIST-shaped stand-in: one blurry stroke template per class, shifted and noised; learnable."""
+    rng = np.random.default_rng(seed)
+    templates = np.zeros((10, 28, 28), np.float32)
+    for c in range(10):
+        for _ in range(3):  # three random strokes per class
+            r0, c0, r1, c1 = rng.integers(6, 22, size=4)
+            for t in np.linspace(0, 1, 40):
+                r, q = int(r0 + t * (r1 - r0)), int(c0 + t * (c1 - c0))
+                templates[c, r - 1:r + 2, q - 1:q + 2] = 1.0
+    labels = rng.integers(0, 10, size=n)
+    shifts = rng.integers(-2, 3, size=(n, 2))
+    images = np.stack([np.roll(templates[y], tuple(s), axis=(0, 1)) for y, s in zip(labels, shifts, strict=True)])
+    images = np.clip(images * 220 + rng.normal(0, 30, images.shape), 0, 255)
+    return images.astype(np.uint8), labels.astype(np.int64)
+
+
+def _idx_path(name: str) -> Path | None:
+    for candidate in (mnist_dir() / f"{name}.gz", mnist_dir() / name):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def _available() -> set[str]:
+    """Which of "train" and "test" have both their IDX files in the data folder."""
+    return {part for part, names in TV_NAMES.items() if all(_idx_path(n) for n in names)}
+
+
+def data_source() -> str:
+    found = _available()
+    if found == {"train", "test"}:
+        return f"real MNIST, standard split: train-* files train, t10k-* files evaluate ({mnist_dir()})"
+    if "test" in found:
+        return f"real MNIST test set, first {N_TRAIN:,} train / last {N_EVAL:,} eval ({mnist_dir()})"
+    return f"SYNTHETIC MNIST-shaped digits, {N_TRAIN:,} / {N_EVAL:,} ({mnist_dir()} has no MNIST; set ${DATA_ENV})"
+
+
+def load_split() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(train images uint8 (N, 28, 28), train labels int64, eval images, eval labels), as data_source() says."""
+    found = _available()
+    if not found & {"test"}:
+        images, labels = synthetic_digits()
+        return images[:N_TRAIN], labels[:N_TRAIN], images[N_TRAIN:], labels[N_TRAIN:]
+
+    from accel_ddp.data import read_idx  # accel_ddp's own IDX reader
+
+    def read(part: str) -> tuple[np.ndarray, np.ndarray]:
+        images, labels = (read_idx(str(_idx_path(n))).numpy() for n in TV_NAMES[part])
+        return images, labels.astype(np.int64)
+
+    test_x, test_y = read("test")
+    if "train" in found:
+        return (*read("train"), test_x, test_y)
+    return test_x[:N_TRAIN], test_y[:N_TRAIN], test_x[N_TRAIN:N_TRAIN + N_EVAL], test_y[N_TRAIN:N_TRAIN + N_EVAL]
+
+
+def prepare_torchvision_root(root: str | os.PathLike) -> Path:
+    """Lay out ``root/MNIST/raw`` so that ``torchvision.datasets.MNIST(root, train=...)`` reads the split.
+
+    ``train=True`` reads the training part of the split and ``train=False`` its evaluation part
+    (written under torchvision's file names), so the textbook scripts need no ``Subset``.
+    """
+    raw = Path(root) / "MNIST" / "raw"
+    if all((raw / n).is_file() for names in TV_NAMES.values() for n in names):
+        return Path(root)
+    raw.mkdir(parents=True, exist_ok=True)
+    train_x, train_y, eval_x, eval_y = load_split()
+    for (images_name, labels_name), (x, y) in zip(TV_NAMES.values(), ((train_x, train_y), (eval_x, eval_y)),
+                                                  strict=True):
+        write_idx(raw / images_name, x)
+        write_idx(raw / labels_name, y.astype(np.uint8))
+    return Path(root)
+
+
+def mnist_split(data_dir: str, download: bool):
+    """accel_ddp dataset: the benchmark split, decoded once (``data_dir`` unused; see ``$ACCEL_DDP_BENCH_MNIST``).
+
+    The same form as ``accel_ddp.data.build_mnist`` returns: uint8 ``InMemoryDataset`` normalised
+    on read (normalised float TensorDatasets with an accel_ddp that has no InMemoryDataset).
+    """
+    import torch
+    from torch.utils.data import TensorDataset
+
+    import accel_ddp.data as ad
+
+    sets = []
+    train_x, train_y, eval_x, eval_y = load_split()
+    for images, labels in ((train_x, train_y), (eval_x, eval_y)):
+        x, y = torch.from_numpy(images.copy()).unsqueeze(1), torch.from_numpy(labels.copy())
+        if hasattr(ad, "InMemoryDataset"):
+            sets.append(ad.InMemoryDataset(x, y, scale=255.0, mean=(MNIST_MEAN,), std=(MNIST_STD,)))
+        else:
+            sets.append(TensorDataset((x.float() / 255.0 - MNIST_MEAN) / MNIST_STD, y))
+    return ad.DatasetBundle(sets[0], sets[1], num_classes=10, input_shape=(1, 28, 28))
+
+
+def textbook_datasets(root: str | os.PathLike):
+    """(train, eval) torchvision MNIST with ToTensor + Normalize per sample: the textbook pipeline."""
+    from torchvision import datasets, transforms
+
+    transform = transforms.Compose([transforms.ToTensor(), transforms.Normalize((MNIST_MEAN,), (MNIST_STD,))])
+    return (datasets.MNIST(str(root), train=True, download=False, transform=transform),
+            datasets.MNIST(str(root), train=False, download=False, transform=transform))
+
+
+def mnist_split_pil(data_dir: str, download: bool):
+    """accel_ddp dataset: the split through torchvision MNIST + ToTensor/Normalize per sample (PIL).
+
+    ``data_dir`` is the torchvision root; its ``MNIST/raw`` is written from the IDX files if missing.
+    """
+    from accel_ddp.data import DatasetBundle
+
+    train, eval_ = textbook_datasets(prepare_torchvision_root(data_dir))
+    return DatasetBundle(train, eval_, num_classes=10, input_shape=(1, 28, 28))
+
+
+def _cnn(channels: tuple[int, int], num_classes: int, input_shape: tuple[int, ...], hidden: int = 128):
+    from torch import nn
+
+    c, h, w = input_shape
+    return nn.Sequential(
+        nn.Conv2d(c, channels[0], 3), nn.ReLU(),
+        nn.Conv2d(channels[0], channels[1], 3), nn.ReLU(),
+        nn.MaxPool2d(2), nn.Dropout(0.25), nn.Flatten(),
+        nn.Linear(channels[1] * ((h - 4) // 2) * ((w - 4) // 2), hidden), nn.ReLU(), nn.Dropout(0.5),
+        nn.Linear(hidden, num_classes),
+    )
+
+
+def cnn_narrow(num_classes: int, input_shape: tuple[int, ...]):
+    """examples/mnist CNN at half width (16/32 conv channels): about 1/3 of the FLOPs."""
+    return _cnn((16, 32), num_classes, input_shape)
+
+
+def cnn_wide(num_classes: int, input_shape: tuple[int, ...]):
+    """examples/mnist CNN at double width (64/128 conv channels)."""
+    return _cnn((64, 128), num_classes, input_shape)
+
+
+def cnn_pool(num_classes: int, input_shape: tuple[int, ...]):
+    """LeNet order (conv, pool, conv, pool) at 16/32 channels: about 1/10 of examples/mnist's multiply-adds."""
+    from torch import nn
+
+    c, h, w = input_shape
+    return nn.Sequential(
+        nn.Conv2d(c, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Flatten(), nn.Dropout(0.25),
+        nn.Linear(32 * (h // 4) * (w // 4), 128), nn.ReLU(), nn.Dropout(0.5), nn.Linear(128, num_classes),
+    )
+
+
+# ----------------------------------------------------------------------------- launching
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def bench_env(threads: int, extra: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment of every launched run: pinned thread count, repo on PYTHONPATH, offline, quiet."""
+    env = dict(os.environ)
+    env.update({
+        "OMP_NUM_THREADS": str(threads),
+        "MKL_NUM_THREADS": str(threads),
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])),
+        "HF_DATASETS_OFFLINE": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TQDM_DISABLE": "1",
+        "PYTHONUNBUFFERED": "1",
+        "PYTHONWARNINGS": "ignore",
+    })
+    env.pop("ACCELERATE_USE_CPU", None)
+    env.update(extra or {})
+    return env
+
+
+def launch_cmd(script: str | os.PathLike, args: list[str], nproc: int) -> list[str]:
+    """``accelerate launch --config_file cpu_2proc.yaml --num_processes N SCRIPT ARGS``: torchrun underneath.
+
+    All variants start the same way, so launcher cost is the same for each.
+    """
+    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CPU_2PROC),
+            "--num_processes", str(nproc), "--main_process_port", str(free_port()), str(script), *args]
+
+
+def run_launch(cmd: list[str], env: dict[str, str], log_path: Path, timeout: float,
+               stop_when=None, poll_s: float = 0.2) -> dict:
+    """Run a launch in its own process group; return wall seconds, exit code and launch time.
+
+    ``stop_when()`` is polled; when it returns True the whole group gets SIGTERM (time-to-accuracy
+    runs stop at the target). A timeout also ends the group.
+    """
+    launched = time.time()
+    t0 = time.perf_counter()
+    cpu0 = _children_cpu()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
+        stopped = False
+        try:
+            while proc.poll() is None:
+                if time.perf_counter() - t0 > timeout:
+                    raise subprocess.TimeoutExpired(cmd, timeout)
+                if stop_when is not None and stop_when():
+                    stopped = True
+                    _end_group(proc)
+                    break
+                time.sleep(poll_s)
+        except BaseException:
+            _end_group(proc)
+            raise
+    return {"rc": proc.returncode, "wall_sec": time.perf_counter() - t0, "launched_at": launched, "stopped": stopped,
+            "cpu_sec": _children_cpu() - cpu0}
+
+
+def _children_cpu() -> float:
+    """User + system CPU seconds of finished child processes (the launcher and its ranks, once waited for)."""
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _end_group(proc: subprocess.Popen) -> None:
+    """SIGTERM, then SIGKILL, to the process group this module started (the launch and its ranks)."""
+    for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
+        if proc.poll() is not None:
+            return
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(wait)
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def tail(path: Path, n: int = 30) -> str:
+    """The first Python traceback in a log (the root cause of a failed launch), else its last ``n`` lines."""
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    start = next((i for i, line in enumerate(lines) if "Traceback (most recent call last)" in line), None)
+    if start is not None:
+        end = next((j for j in range(start + 1, len(lines)) if lines[j] and not lines[j].startswith((" ", "\t"))),
+                   len(lines) - 1)
+        return "\n".join(lines[start:end + 1][-n:])
+    return "\n".join(lines[-n:])
+
+
+def exit_on_sigterm() -> None:
+    """Turn SIGTERM into SystemExit so that ``run_launch`` ends the launch it started before exiting."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:  # a line being written right now
+            break
+    return rows
+
+
+# ----------------------------------------------------------------------------- statistics
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear-interpolated percentile, q in [0, 100]; nan for no values."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def median(values: list[float]) -> float:
+    values = [v for v in values if v is not None and not math.isnan(v)]
+    return statistics.median(values) if values else math.nan
+
+
+def machine_info() -> dict:
+    import platform
+
+    import torch
+
+    cpu = platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    try:
+        import accelerate
+
+        accel_version = accelerate.__version__
+    except ImportError:
+        accel_version = None
+    return {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "host": platform.node(),
+        "cpu": cpu,
+        "cpus": os.cpu_count(),
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "accelerate": accel_version,
+        "load_avg_at_start": os.getloadavg(),
+    }
+
+
+def fmt(value, spec: str = ".0f") -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return format(value, spec)

@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# One GPU, one command: MNIST time to 98% and 99% eval accuracy, and throughput, for (a) the textbook
+# DDP script and (c) accel_ddp; tables printed at the end. Budget: under 5 minutes (each stage is
+# time-limited: 150 s + 200 s at most, typically far less).
+#
+#   bash benchmarks/gpu.sh                  # from anywhere; results under outputs/benchmarks/gpu/
+#   OUT=/tmp/gpu TARGET=0.99 bash benchmarks/gpu.sh
+#
+# Data as in the CPU benchmarks (benchmarks/common.py): $ACCEL_DDP_BENCH_MNIST or ../shared/data/mnist;
+# with the train-* files there, the standard 60,000/10,000 split, else the test set split 8,000 /
+# 2,000 (synthetic stand-in if absent; the output says which). On the 8,000/2,000 split the textbook
+# recipe tops out near 98.9% (measured on CPU, 14 epochs), so the default targets are 0.98 and 0.99:
+# both reach the first; the second says whether each gets there at all.
+#
+# Both variants start the same way: accelerate launch --config_file accelerate_configs/cpu_2proc.yaml
+# --num_processes 1, i.e. torchrun; with a GPU visible, (a) forms an NCCL group and accel_ddp trains
+# on cuda:0 (its default --loader auto keeps the data on the GPU). (a) uses num_workers 1 and
+# pin_memory, as examples/mnist does on CUDA.
+#
+# Status: written on a machine without a GPU and not run on one yet; its plumbing was checked on
+# CPU with BENCH_ALLOW_CPU=1 (see benchmarks/README.md).
+#
+# Knobs (environment): STEPS (throughput steps per run, 300), REPEATS (2), TARGET (0.98,0.99),
+# EPOCHS (accel_ddp recipe epochs, 12), MAX_EPOCHS ((a) at most, 14), OUT, PYTHON,
+# BENCH_ALLOW_CPU=1 (skip the GPU check: a plumbing test only, figures meaningless).
+set -euo pipefail
+
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$REPO"
+PY="${PYTHON:-python}"
+STEPS="${STEPS:-300}"
+REPEATS="${REPEATS:-2}"
+TARGET="${TARGET:-0.98,0.99}"
+EPOCHS="${EPOCHS:-12}"
+MAX_EPOCHS="${MAX_EPOCHS:-14}"
+OUT="${OUT:-$REPO/outputs/benchmarks/gpu}"
+
+if [[ "${BENCH_ALLOW_CPU:-0}" != "1" ]] && ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; then
+    echo "gpu.sh: torch sees no CUDA GPU; on CPU run benchmarks/compare.py and benchmarks/tta.py instead" >&2
+    exit 2
+fi
+export CUDA_VISIBLE_DEVICES="${CUDA_VISIBLE_DEVICES:-0}"  # exactly one GPU, whatever the machine has
+
+# accel_ddp's GPU recipe for 99%: the full-width CNN (on a GPU width costs little), AdamW with a cosine
+# schedule planned for EPOCHS epochs, global batch 128.
+RECIPE="--model mnist_cnn --optimizer adamw --lr 3e-3 --lr_schedule cosine --warmup_steps 20 \
+--global_batch_size 128 --epochs $EPOCHS"
+
+mkdir -p "$OUT"
+start=$(date +%s)
+echo "== throughput: (a) vs (c), 1 GPU, $STEPS steps x batch 64, $REPEATS alternated repeats"
+timeout 150 "$PY" benchmarks/compare.py --procs 1 --variants a,c --steps "$STEPS" --repeats "$REPEATS" \
+    --global_batch_size 64 --num_workers 1 --timeout 60 --out "$OUT/compare" | tee "$OUT/compare.log" \
+    || echo "gpu.sh: compare.py failed or timed out (see $OUT/compare.log)"
+echo
+echo "== time to eval accuracy $TARGET: (a) textbook settings vs accel_ddp recipe, 1 GPU"
+timeout 200 "$PY" benchmarks/tta.py --nproc 1 --target "$TARGET" --repeats 1 --max_epochs "$MAX_EPOCHS" \
+    --num_workers 1 --recipe "$RECIPE" --timeout 110 --out "$OUT/tta" | tee "$OUT/tta.log" \
+    || echo "gpu.sh: tta.py failed or timed out (see $OUT/tta.log)"
+echo
+echo "gpu.sh: done in $(( $(date +%s) - start ))s; JSON and PNG under $OUT"
