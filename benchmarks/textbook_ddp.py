@@ -17,7 +17,8 @@ Adadelta lr 1.0 with ``StepLR(step_size=1, gamma=0.7)``, batch 64, test batch 10
 Benchmark instrumentation, not part of the recipe, is kept apart: per-step wall times and the
 time spent waiting for the DataLoader (``perf_counter`` around each iteration, no extra syncs on
 CPU), an eval-accuracy stream (``--metrics_jsonl``), a results file (``--results_json``),
-``--max_steps``, ``--train_limit``/``--eval_from`` for the 8,000/2,000 split and
+``--max_steps``, ``--train_limit``/``--eval_from`` (subsets of a full torchvision root; the benchmarks
+write their split as the root itself and do not need them) and
 ``--stop_at_accuracy`` (stop after the first epoch whose eval reaches it; time to accuracy).
 """
 
