@@ -1,4 +1,4 @@
-"""Preemption: SIGTERM or SIGUSR1 on any rank -> every rank saves one checkpoint and stops.
+"""How a worker ends: preemption (SIGTERM or SIGUSR1 -> every rank saves and stops), exit codes, exit.
 
 The signal handler only records the signal. Once per optimizer step the loop asks
 ``PreemptionWatcher.stop_requested()`` on every rank, which all-reduces the recorded signal (MAX)
@@ -24,10 +24,12 @@ workers orphaned, unless it runs with ``PET_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIG
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
+import sys
 import threading
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -124,3 +126,26 @@ def restart_hazard() -> str | None:
         return ("--max_restarts with a shared rendezvous store: a restarted group can hang connecting to the "
                 "failed attempt's addresses; launch with --rdzv_backend c10d and TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1")
     return None
+
+
+def exit_process(code: int) -> NoReturn:
+    """End this process with ``code``: atexit handlers run and stdio is flushed, then ``os._exit``.
+
+    Why not a plain ``sys.exit``: a gloo worker thread can still be releasing the tensors of the
+    last collective when the interpreter starts finalizing. That thread then needs the GIL, and on
+    the Python versions we support a thread that asks for it during finalization is unwound, which
+    aborts the process ("terminate called without an active exception", SIGABRT) after a run that
+    succeeded. ``destroy_process_group()`` does not help: the DDP module keeps the gloo group, and
+    with it the worker threads, alive until the very end. Skipping finalization skips the race;
+    everything it would have done for us that matters (atexit handlers such as logging's, stdio
+    buffers) is done here first. Files must be closed before this, as ``train()`` does.
+    """
+    try:
+        atexit._run_exitfuncs()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):  # closed or broken pipe: nothing more to save
+                pass
+        os._exit(code)

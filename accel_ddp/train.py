@@ -12,10 +12,11 @@ import math
 import os
 import sys
 import time
+import traceback
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +34,7 @@ from accel_ddp.preemption import (
     EXIT_PREEMPTED,
     Preempted,
     PreemptionWatcher,
+    exit_process,
     ignore_preemption_signals,
     restart_hazard,
 )
@@ -426,5 +428,19 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def run(argv: list[str] | None = None) -> NoReturn:
+    """The script entry point (``python train.py``, ``python -m accel_ddp.train``): ``main()``, then exit.
+
+    An unexpected exception is printed as Python would and exits 1. The exit goes through
+    ``exit_process`` so that a successful run cannot abort during interpreter teardown.
+    """
+    try:
+        code = main(argv)
+    except Exception:  # noqa: BLE001 - reported like an uncaught exception, then the same safe exit
+        traceback.print_exc()
+        code = 1
+    exit_process(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

@@ -31,7 +31,7 @@ from accelerate import PartialState
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from accel_ddp import TrainConfig, train
+from accel_ddp import TrainConfig, exit_process, train
 from accel_ddp.data import DatasetBundle
 
 RINGS = 3  # classes
@@ -93,3 +93,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_process(0)  # rather than falling off the end: a gloo thread may still hold tensors (see its docstring)

@@ -14,6 +14,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 CPU_2PROC = REPO / "accelerate_configs" / "cpu_2proc.yaml"
 TRAIN_SCRIPT = REPO / "train.py"
+SCRIPTS = REPO / "tests" / "scripts"
 
 
 def free_port() -> int:

@@ -8,10 +8,9 @@ import time
 import pytest
 import torch
 
-from tests.conftest import REPO, check, launch, load_weights, read_summary, run_single
+from tests.conftest import SCRIPTS, check, launch, load_weights, read_summary, run_single
 
 pytestmark = pytest.mark.slow
-SCRIPTS = REPO / "tests" / "scripts"
 
 # 320 samples / global batch 32 = 10 optimizer steps per epoch, 3 epochs = 30 steps.
 EQUIV_ARGS = ["--dataset", "synthetic", "--synthetic_samples", "320", "--synthetic_shape", "12",

@@ -12,9 +12,7 @@ from torch.utils.data import TensorDataset
 
 from accel_ddp import TrainConfig, train
 from accel_ddp.models import build_model, build_optimizer
-from tests.conftest import REPO, check, launch, read_summary
-
-SCRIPTS = REPO / "tests" / "scripts"
+from tests.conftest import SCRIPTS, check, launch, read_summary
 
 
 def _inspect(tmp_path, *flags: str) -> dict:

@@ -18,6 +18,6 @@ def audit(event: str, args: tuple) -> None:
 
 
 sys.addaudithook(audit)
-from accel_ddp.train import main  # noqa: E402
+from accel_ddp.train import run  # noqa: E402
 
-sys.exit(main(train_args))
+run(train_args)

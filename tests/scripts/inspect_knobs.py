@@ -5,6 +5,7 @@ usage: inspect_knobs.py OUT_JSON [train.py flags...]
 import json
 import sys
 
+from accel_ddp import exit_process
 from accel_ddp.config import parse_args
 from accel_ddp.models import build_model
 from accel_ddp.train import build_accelerator
@@ -26,3 +27,4 @@ if accelerator.is_main_process:
             "comm_hook": facts.get("comm_hook"),
         }, fh)
 accelerator.end_training()
+exit_process(0)  # not sys.exit: see exit_process

@@ -6,6 +6,6 @@ from accelerate import PartialState
 
 PartialState()  # no cpu=True: each torchrun process becomes a lone world of 1
 
-from accel_ddp.train import main  # noqa: E402
+from accel_ddp.train import run  # noqa: E402
 
-sys.exit(main(sys.argv[1:]))
+run(sys.argv[1:])

@@ -7,7 +7,7 @@ import sys
 
 import torch
 
-from accel_ddp import TrainConfig
+from accel_ddp import TrainConfig, exit_process
 from accel_ddp.models import build_model
 from accel_ddp.train import build_accelerator
 
@@ -28,3 +28,4 @@ with open(f"{sys.argv[1]}_rank{rank}.json", "w") as fh:
         "matches_rank0_init": torch.equal(after, everyone_before[0]),
     }, fh)
 accelerator.end_training()
+exit_process(0)  # not sys.exit: see exit_process

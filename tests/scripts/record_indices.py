@@ -7,7 +7,7 @@ import sys
 
 from accelerate import PartialState
 
-from accel_ddp import TrainConfig, train
+from accel_ddp import TrainConfig, exit_process, train
 from tests.helpers_data import IndexDataset, IndexRecorder
 
 out, global_batch, per_device, epochs, seed = sys.argv[1], *map(int, sys.argv[2:6])
@@ -18,3 +18,4 @@ summary = train(cfg, model=model, train_dataset=IndexDataset(100))
 rank = PartialState().process_index
 with open(f"{out}_rank{rank}.json", "w") as fh:
     json.dump({"seen": model.seen, "summary": summary}, fh)
+exit_process(0)

@@ -5,6 +5,7 @@ usage: timeout_probe.py [train.py flags...]
 import sys
 import time
 
+from accel_ddp import exit_process
 from accel_ddp.config import parse_args
 from accel_ddp.train import build_accelerator
 
@@ -13,3 +14,4 @@ if accelerator.process_index == 1:
     time.sleep(60)
 accelerator.wait_for_everyone()
 print("barrier passed", flush=True)
+exit_process(0)
