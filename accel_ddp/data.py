@@ -30,7 +30,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, RandomSampler, Subset, TensorDataset
 
 from accel_ddp.config import ConfigError
-from accel_ddp.fast_loader import DeviceLoader, InMemoryDataset, as_in_memory, is_in_memory
+from accel_ddp.fast_loader import DeviceEvalLoader, DeviceLoader, InMemoryDataset, as_in_memory, is_in_memory
 from accel_ddp.hf_data import HFSource, build_hf
 from accel_ddp.registry import resolve
 
@@ -432,7 +432,7 @@ def choose_loader(loader: str, dataset: Dataset, fast_loader_max_mb: float) -> s
 
 class Loaders(NamedTuple):
     train: Any  # a prepared DataLoader, or a DeviceLoader: both yield (inputs, labels) on the device
-    eval: Any  # a prepared DataLoader (gather_for_metrics counts each sample once), or None
+    eval: Any  # a prepared DataLoader (gather_for_metrics counts each sample once), a DeviceEvalLoader, or None
     kind: str  # "fast" or "dataloader"
 
 
@@ -452,8 +452,10 @@ def build_loaders(
 
     The training loader is the in-memory :class:`DeviceLoader` where :func:`choose_loader` says so,
     else a prepared DataLoader; both draw the permutation from the accelerator's ``data_seed``
-    and give each optimizer step the same samples. Evaluation always runs on a prepared
-    DataLoader, so ``gather_for_metrics`` counts each eval sample exactly once.
+    and give each optimizer step the same samples. Evaluation runs on a prepared
+    DataLoader (``gather_for_metrics`` counts each eval sample exactly once), except next to the
+    fast training loader, where an in-memory eval set is sliced per rank on the device
+    (:class:`DeviceEvalLoader`, summed over ranks).
 
         train_loader, eval_loader, kind = build_loaders(
             accelerator, train_ds, eval_ds, per_device_batch_size=32, global_batch_size=64)
@@ -470,10 +472,13 @@ def build_loaders(
             build_train_loader(train_dataset, per_device_batch_size, global_batch_size, num_workers)
         )
     eval_loader = None
-    if eval_dataset is not None:
-        eval_loader = accelerator.prepare(
-            build_eval_loader(eval_dataset, eval_batch_size or 2 * per_device_batch_size, num_workers)
-        )
+    eval_batch_size = eval_batch_size or 2 * per_device_batch_size
+    if (eval_dataset is not None and kind == "fast" and is_in_memory(eval_dataset)
+            and DeviceEvalLoader.can_shard(len(eval_dataset), eval_batch_size, accelerator.num_processes)):
+        eval_loader = DeviceEvalLoader(eval_dataset, eval_batch_size, rank=accelerator.process_index,
+                                       world_size=accelerator.num_processes, device=accelerator.device)
+    elif eval_dataset is not None:
+        eval_loader = accelerator.prepare(build_eval_loader(eval_dataset, eval_batch_size, num_workers))
     return Loaders(train_loader, eval_loader, kind)
 
 

@@ -301,3 +301,45 @@ class DeviceLoader:
             batch = torch.index_select(inputs, 0, index)
             yield self.data.transform(batch, batch_params), torch.index_select(labels, 0, index)
         self.epoch = epoch + 1
+
+
+class DeviceEvalLoader:
+    """This rank's contiguous share of an in-memory eval set, in batches on ``device``.
+
+    Rank ``r`` of ``w`` gets samples ``[r * N // w, (r + 1) * N // w)``: every sample lands on
+    exactly one rank and nothing is padded, so :func:`accel_ddp.evaluate.evaluate` sums its
+    counts over the ranks (``sums_across_ranks``) instead of gathering per-sample results. No
+    DataLoader, no sampler, one view per batch, and no ``accelerator.prepare`` (which imports the
+    ``datasets`` package, a second of start-up on every rank, for any multi-process loader).
+
+    Every rank yields the same number of non-empty batches (the largest share's count; each share
+    is split into that many near-equal batches), because a wrapped model may communicate in any
+    forward: DDP syncs buffers in the first one after training, FSDP gathers parameters in each.
+    """
+
+    sums_across_ranks = True
+
+    @staticmethod
+    def can_shard(num_samples: int, batch_size: int, world_size: int) -> bool:
+        """Whether equal batch counts leave no rank an empty batch: true from 2 samples per rank and per batch."""
+        return batch_size >= 2 and num_samples >= 2 * world_size
+
+    def __init__(self, dataset: Dataset, batch_size: int, *, rank: int = 0, world_size: int = 1,
+                 device: torch.device | str = "cpu"):
+        data = as_in_memory(dataset)
+        if data is None or not self.can_shard(len(data), batch_size, world_size):
+            raise ConfigError(f"cannot shard this eval set ({type(dataset).__name__}, batch {batch_size}, "
+                              f"{world_size} ranks) in memory; evaluate through a DataLoader")
+        largest_share = -(-len(data) // world_size)
+        self.num_batches = -(-largest_share // batch_size)
+        start, stop = rank * len(data) // world_size, (rank + 1) * len(data) // world_size
+        self.data = data.subset(range(start, stop)).to(device)
+
+    def __len__(self) -> int:
+        return self.num_batches
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        inputs = self.data.inputs.tensor_split(self.num_batches)
+        labels = self.data.labels.tensor_split(self.num_batches)
+        for batch, batch_labels in zip(inputs, labels, strict=True):
+            yield self.data.transform(batch), batch_labels

@@ -35,7 +35,7 @@ from accel_ddp.data import (
     default_num_workers,
     read_idx,
 )
-from accel_ddp.fast_loader import CROP_PADDING, crop_flip, epoch_order
+from accel_ddp.fast_loader import CROP_PADDING, DeviceEvalLoader, crop_flip, epoch_order
 from tests.conftest import REPO, check, launch, load_weights, read_summary, run_single
 
 TRAIN_SRC = (REPO / "accel_ddp" / "train.py").read_text()
@@ -284,6 +284,30 @@ def test_fast_loader_accepts_tensor_datasets_and_subsets_as_stored():
             assert torch.equal(inputs, expected[labels - (10 if len(dataset) == 40 else 0)])
     with pytest.raises(ConfigError, match="fewer than one global batch"):
         DeviceLoader(TensorDataset(x, y), 32, 64, seed=0)
+
+
+@pytest.mark.parametrize("num, batch, world", [(37, 4, 1), (37, 4, 2), (37, 4, 3), (37, 4, 5), (11, 5, 2), (8, 2, 4)])
+def test_eval_shards_cover_every_sample_once_in_equal_batch_counts(num, batch, world):
+    images, labels = torch.randint(0, 256, (num, 1, 4, 4), dtype=torch.uint8), torch.arange(num)
+    data = InMemoryDataset(images, labels, scale=255.0, mean=(0.5,), std=(0.25,))
+    seen, counts = [], set()
+    for rank in range(world):
+        shard = DeviceEvalLoader(data, batch, rank=rank, world_size=world)
+        batches = list(shard)
+        counts.add(len(batches))
+        assert len(batches) == len(shard) and all(1 <= len(y) <= batch for _, y in batches)
+        for inputs, y in batches:
+            assert torch.allclose(inputs, (images[y].float() / 255.0 - 0.5) / 0.25)
+            seen += y.tolist()
+    assert sorted(seen) == list(range(num))  # each sample on exactly one rank, none repeated to pad
+    assert len(counts) == 1  # the same number of forwards on every rank (DDP and FSDP communicate in them)
+
+
+def test_eval_sets_too_small_to_shard_go_through_a_dataloader():
+    data = TensorDataset(torch.randn(3, 2), torch.arange(3))
+    assert not DeviceEvalLoader.can_shard(3, 4, world_size=2) and not DeviceEvalLoader.can_shard(40, 1, 2)
+    with pytest.raises(ConfigError, match="evaluate through a DataLoader"):
+        DeviceEvalLoader(data, 4, rank=0, world_size=2)
 
 
 # ----------------------------------------------------------------------------- datasets from files

@@ -123,12 +123,19 @@ def test_every_rank_starts_from_rank0_weights(tmp_path):
 
 
 def test_eval_counts_each_sample_once_with_an_odd_eval_set(tmp_path):
-    check(launch(["--dataset", "tests.helpers_data:odd_eval", "--model", "tests.helpers_data:tiny_linear",
-                  "--global_batch_size", "16", "--eval_batch_size", "4", "--epochs", "2",
-                  "--output_dir", str(tmp_path)]))
-    summary = read_summary(tmp_path)
-    assert summary["world_size"] == 2
-    assert summary["eval_samples"] == 37  # 2 ranks x 4-sample batches would pad to 40 without gather_for_metrics
+    """Both eval paths: a sliced in-memory shard per rank (fast) and a padded DataLoader (gather_for_metrics)."""
+    summaries = {}
+    for loader in ("fast", "dataloader"):
+        check(launch(["--dataset", "tests.helpers_data:odd_eval", "--model", "tests.helpers_data:tiny_linear",
+                      "--global_batch_size", "16", "--eval_batch_size", "4", "--epochs", "2", "--loader", loader,
+                      "--output_dir", str(tmp_path / loader)]))
+        summaries[loader] = read_summary(tmp_path / loader)
+        assert summaries[loader]["world_size"] == 2 and summaries[loader]["loader"] == loader
+        assert summaries[loader]["eval_samples"] == 37  # 2 ranks x 4-sample batches would pad the DataLoader to 40
+    # Both loaders train the same weights, so the two evaluations must agree on every sample.
+    fast, dataloader = summaries["fast"], summaries["dataloader"]
+    assert fast["eval_accuracy"] == dataloader["eval_accuracy"]
+    assert abs(fast["eval_loss"] - dataloader["eval_loss"]) < 1e-6
 
 
 def test_only_the_main_process_writes(tmp_path):
