@@ -93,7 +93,8 @@ def test_channels_last_reaches_model_and_batches(tmp_path, channels_last):
 def test_fused_optimizer_is_requested():
     model = build_model("mlp", num_classes=3, input_shape=(4,), hidden_size=8)
     assert build_optimizer("adamw", model, lr=1e-3, weight_decay=0.0, fused=True).defaults["fused"] is True
-    assert not build_optimizer("adamw", model, lr=1e-3, weight_decay=0.0, fused=False).defaults.get("fused")
+    unfused = build_optimizer("adamw", model, lr=1e-3, weight_decay=0.0, fused=False)
+    assert not unfused.defaults.get("fused") and unfused.defaults["foreach"] is True  # multi-tensor on the CPU
     assert build_optimizer("sgd", model, lr=1e-3, weight_decay=0.0, fused=True).defaults["fused"] is True
 
 
