@@ -339,6 +339,7 @@ class DeviceEvalLoader:
         return self.num_batches
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        torch.empty((), dtype=torch.int64).random_()  # the seed draw of a DataLoader pass, as DeviceLoader makes
         inputs = self.data.inputs.tensor_split(self.num_batches)
         labels = self.data.labels.tensor_split(self.num_batches)
         for batch, batch_labels in zip(inputs, labels, strict=True):
