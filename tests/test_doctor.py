@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from accel_ddp import cli, doctor
-from accel_ddp.doctor import ERROR, NOTE, WARNING, MachineFacts, diagnose
+from accel_ddp.doctor import ERROR, NOTE, WARNING, MachineFacts, cpu_has_bf16_units, diagnose
 from tests.conftest import CPU_2PROC, REPO, launch
 
 CONFIGS = REPO / "accelerate_configs"
@@ -174,7 +174,23 @@ def test_fp16_on_cpu_would_silently_train_in_fp32(tmp_path):
 def test_bf16_on_cpu_is_only_a_warning(tmp_path):
     report = check_file(make_config(tmp_path, mixed_precision="bf16"), CPU_ONLY)
     assert report.ok
-    only(report, WARNING, "bf16 on CPU")
+    only(report, WARNING, "bf16 on CPU", "without bf16 units")
+
+
+def test_bf16_on_a_cpu_with_bf16_units_is_a_note(tmp_path):
+    amx = MachineFacts(gpu_count=0, nccl_available=False, cpu_count=2, cpu_bf16=True)
+    report = check_file(make_config(tmp_path, mixed_precision="bf16"), amx)
+    assert report.ok and WARNING not in levels(report)
+    only(report, NOTE, "bf16 on CPU", "AMX")
+
+
+@pytest.mark.parametrize("flags, expected", [
+    ("fpu sse2 avx2 avx512f avx512_bf16 amx_tile", True), ("fpu avx512f amx_bf16 amx_tile", True),
+    ("fpu sse2 avx2 avx512f avx512_vnni", False)])
+def test_cpu_bf16_units_are_read_from_the_cpu_flags(flags, expected):
+    cpuinfo = f"processor\t: 0\nmodel name\t: Some CPU\nflags\t\t: {flags}\nbugs\t\t: spectre_v1\n"
+    assert cpu_has_bf16_units(cpuinfo) is expected
+    assert cpu_has_bf16_units("") is False  # no /proc/cpuinfo: the cautious answer
 
 
 def test_unknown_mixed_precision(tmp_path):
