@@ -16,7 +16,7 @@ Variants (``--variants``, comma separated):
     c_pil  accel_ddp on (a)'s exact input pipeline (torchvision MNIST + per-sample PIL transforms)
     c_dl   accel_ddp, in-memory tensors, --loader dataloader
     c_fast accel_ddp, in-memory tensors, --loader fast
-    c_narrow accel_ddp defaults with the half-width CNN of tta.py's recipe (benchmarks.common:cnn_narrow)
+    c_narrow accel_ddp defaults with the half-width CNN (benchmarks.common:cnn_narrow)
     c_cl   accel_ddp defaults with --channels_last
 
     python benchmarks/compare.py                       # a,b,c,c_pil; 1 and 2 processes; 3 repeats

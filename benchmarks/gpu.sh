@@ -42,7 +42,8 @@ fi
 export CUDA_VISIBLE_DEVICES="${CUDA_VISIBLE_DEVICES:-0}"  # exactly one GPU, whatever the machine has
 
 # accel_ddp's GPU recipe for 99%: the full-width CNN (on a GPU width costs little), AdamW with a cosine
-# schedule planned for EPOCHS epochs, global batch 128.
+# schedule planned for EPOCHS epochs, global batch 128; tta.py launches it with bf16 autocast on a
+# bf16-capable GPU (its --mixed_precision auto) while (a) stays fp32.
 RECIPE="--model mnist_cnn --optimizer adamw --lr 3e-3 --lr_schedule cosine --warmup_steps 20 \
 --global_batch_size 128 --epochs $EPOCHS"
 
