@@ -388,7 +388,7 @@ INIT_SCRIPT = '''
 import sys
 import torch
 from safetensors.torch import save_file
-from accel_ddp import TrainConfig, train
+from accel_ddp import TrainConfig, exit_process, train
 from accel_ddp.models import build_model
 
 rank = int(__import__("os").environ["RANK"])
@@ -399,6 +399,7 @@ cfg = TrainConfig(dataset="synthetic", synthetic_samples=256, synthetic_shape=(1
                   init_from=sys.argv[2])
 train(cfg, model=model)
 save_file({k: v.contiguous() for k, v in model.state_dict().items()}, f"{sys.argv[1]}/rank{rank}.safetensors")
+exit_process(0)  # not a plain exit: a gloo thread may still hold the last collective's tensors
 '''
 
 

@@ -502,6 +502,7 @@ LOOP_SCRIPT = textwrap.dedent("""
     from torch.utils.data import TensorDataset
     from accel_ddp.data import build_loaders, skip_first_batches
     from accel_ddp.evaluate import evaluate
+    from accel_ddp import exit_process
 
     out, global_batch, per_device = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     world = PartialState(cpu=True).num_processes
@@ -554,6 +555,7 @@ LOOP_SCRIPT = textwrap.dedent("""
     with open(f"{out}_rank{accelerator.process_index}.json", "w") as fh:
         json.dump(results, fh)
     accelerator.end_training()
+    exit_process(0)  # not a plain exit: a gloo thread may still hold the last collective's tensors
 """)
 
 

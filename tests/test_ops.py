@@ -348,6 +348,7 @@ def test_plot_and_summary_of_a_missing_run_exit_2(tmp_path, command):
 CSV_SCRIPT = """
 import sys
 from accelerate import Accelerator
+from accel_ddp import exit_process
 from accel_ddp.tracking import RunRecorder, tracking_kwargs
 
 out = sys.argv[1]
@@ -360,6 +361,7 @@ recorder.log({"step": 2, "eval_accuracy": 0.5})  # a new column: the header wide
 recorder.log({"step": 3, "loss": 0.25, "lr": 0.05})
 recorder.close()
 accelerator.end_training()
+exit_process(0)  # not a plain exit: a gloo thread may still hold the last collective's tensors
 """
 
 
