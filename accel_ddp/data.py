@@ -30,7 +30,14 @@ import torch
 from torch.utils.data import DataLoader, Dataset, RandomSampler, Subset, TensorDataset
 
 from accel_ddp.config import ConfigError
-from accel_ddp.fast_loader import DeviceEvalLoader, DeviceLoader, InMemoryDataset, as_in_memory, is_in_memory
+from accel_ddp.fast_loader import (
+    DeviceEvalLoader,
+    DeviceLoader,
+    InMemoryDataset,
+    as_in_memory,
+    is_in_memory,
+    steps_per_epoch,
+)
 from accel_ddp.hf_data import HFSource, build_hf
 from accel_ddp.registry import resolve
 
@@ -351,11 +358,6 @@ def build_datasets(
 # ----------------------------------------------------------------------------- loaders
 
 
-def steps_per_epoch(num_train_samples: int, global_batch_size: int) -> int:
-    """Optimizer steps in one epoch: the trailing partial global batch is dropped."""
-    return num_train_samples // global_batch_size
-
-
 def default_num_workers(dataset: Dataset) -> int:
     """0 for tensors in memory (workers would only add copies); else up to 8, sharing the CPUs among local ranks."""
     if is_in_memory(dataset):
@@ -377,11 +379,6 @@ def build_train_loader(
     picks :func:`default_num_workers`.
     """
     n_steps = steps_per_epoch(len(dataset), global_batch_size)
-    if n_steps == 0:
-        raise ConfigError(
-            f"the training set has {len(dataset)} samples, fewer than one global batch "
-            f"({global_batch_size}); lower --global_batch_size"
-        )
     workers = default_num_workers(dataset) if num_workers is None else num_workers
     sampler = RandomSampler(dataset, num_samples=n_steps * global_batch_size)
     return DataLoader(

@@ -176,6 +176,17 @@ def is_in_memory(dataset: Dataset) -> bool:
     )
 
 
+def steps_per_epoch(num_train_samples: int, global_batch_size: int) -> int:
+    """Optimizer steps in one epoch: the trailing partial global batch is dropped; none at all is an error."""
+    steps = num_train_samples // global_batch_size
+    if steps == 0:
+        raise ConfigError(
+            f"the training set has {num_train_samples} samples, fewer than one global batch "
+            f"({global_batch_size}); lower --global_batch_size"
+        )
+    return steps
+
+
 def epoch_order(num_samples: int, num_used: int, seed: int, epoch: int) -> torch.Tensor:
     """The first ``num_used`` indices of epoch ``epoch``'s permutation, drawn exactly as the DataLoader path draws them.
 
@@ -232,12 +243,7 @@ class DeviceLoader:
                 f"--global_batch_size {global_batch_size} is not divisible by world size {world_size} "
                 f"x --per_device_batch_size {per_device_batch_size}"
             )
-        self.steps_per_epoch = len(data) // global_batch_size
-        if self.steps_per_epoch == 0:
-            raise ConfigError(
-                f"the training set has {len(data)} samples, fewer than one global batch "
-                f"({global_batch_size}); lower --global_batch_size"
-            )
+        self.steps_per_epoch = steps_per_epoch(len(data), global_batch_size)
         self.per_device_batch_size, self.global_batch_size = per_device_batch_size, global_batch_size
         self.accumulation = global_batch_size // (world_size * per_device_batch_size)
         self.seed, self.rank, self.world_size = seed, rank, world_size

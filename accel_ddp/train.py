@@ -232,7 +232,7 @@ def _train_loop(cfg, accelerator, recorder, preemption, per_device_batch, accumu
     model = model.to(memory_format=memory_format)  # NHWC convolutions: faster on tensor cores
 
     num_workers = 0 if cfg.debug else cfg.num_workers
-    # The in-memory device loader where the data fits (--loader), else a prepared DataLoader; eval is always prepared.
+    # The in-memory device loader where the data fits (--loader), else a prepared DataLoader; eval alike.
     train_loader, eval_loader, loader_kind = build_loaders(
         accelerator, train_dataset, eval_dataset, per_device_batch_size=per_device_batch,
         global_batch_size=cfg.global_batch_size, eval_batch_size=cfg.eval_batch_size, loader=cfg.loader,
