@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
 from accelerate.utils import set_seed
-from textbook_ddp import Net  # same folder: the launcher puts it on sys.path
+from textbook_ddp import Net, StepClock  # same folder: the launcher puts it on sys.path
 from torch.optim.lr_scheduler import StepLR
 from torch.utils.data import DataLoader, Subset
 from torchvision import datasets, transforms
@@ -65,31 +65,24 @@ def training_function(config, args):
         model, optimizer, train_dataloader, eval_dataloader, lr_scheduler
     )
 
-    overall_step, train_seconds, data_wait = 0, 0.0, 0.0
-    step_times: list[float] = []
+    clock = StepClock()  # benchmark instrumentation, not part of the example
     evals: list[dict] = []
     done = False
     for epoch in range(num_epochs):
         model.train()
-        epoch_start = tick = time.perf_counter()
+        clock.start_epoch()
         for inputs, labels in train_dataloader:
-            got = time.perf_counter()
+            clock.got_batch()
             outputs = model(inputs)
             loss = F.nll_loss(outputs, labels)
             accelerator.backward(loss)
             optimizer.step()
             optimizer.zero_grad()
-            overall_step += 1
-            now = time.perf_counter()
-            step_times.append(now - tick)
-            data_wait += got - tick
-            tick = now
-            if args.max_steps is not None and overall_step >= args.max_steps:
+            clock.step_done()
+            if args.max_steps is not None and clock.steps >= args.max_steps:
                 done = True
                 break
-        if accelerator.device.type == "cuda":
-            torch.cuda.synchronize()
-        train_seconds += time.perf_counter() - epoch_start
+        clock.end_epoch(accelerator.device.type == "cuda")
         lr_scheduler.step()
 
         model.eval()
@@ -103,8 +96,8 @@ def training_function(config, args):
             num_elems += accurate_preds.shape[0]
             accurate += accurate_preds.long().sum()
         eval_metric = accurate.item() / num_elems
-        evals.append({"time": time.time(), "epoch": epoch, "step": overall_step, "eval_accuracy": eval_metric,
-                      "train_seconds": train_seconds})
+        evals.append({"time": time.time(), "epoch": epoch, "step": clock.steps, "eval_accuracy": eval_metric,
+                      "train_seconds": clock.train_seconds})
         accelerator.print(f"epoch {epoch}: {100 * eval_metric:.2f}")
         if done:
             break
@@ -113,17 +106,8 @@ def training_function(config, args):
     unwrapped_model = accelerator.unwrap_model(model)
     accelerator.save(unwrapped_model.state_dict(), args.save_path)
     if accelerator.is_main_process and args.results_json:
-        global_batch = batch_size * accelerator.num_processes
         with open(args.results_json, "w") as fh:
-            json.dump({
-                "world_size": accelerator.num_processes, "global_batch_size": global_batch,
-                "optimizer_steps": overall_step, "train_seconds": train_seconds,
-                "train_samples_per_sec": overall_step * global_batch / train_seconds,
-                "data_wait_share": data_wait / max(sum(step_times), 1e-9),
-                "step_times_ms": [round(1000 * t, 3) for t in step_times],
-                "evals": evals,
-                "eval_accuracy": evals[-1]["eval_accuracy"] if evals else None,
-            }, fh)
+            json.dump(clock.results(accelerator.num_processes, batch_size * accelerator.num_processes, evals), fh)
     accelerator.end_training()
 
 

@@ -67,6 +67,51 @@ class Net(nn.Module):
         return F.log_softmax(x, dim=1)
 
 
+class StepClock:
+    """Benchmark instrumentation (not part of the recipe), shared with accelerate_example.py.
+
+    Per-step wall times, the time blocked on the loader's next batch, and training-loop seconds
+    per epoch; ``perf_counter`` only, plus one device sync per epoch on CUDA.
+
+        clock.start_epoch(); for batch in loader: clock.got_batch(); ...train...; clock.step_done()
+        clock.end_epoch(cuda)
+    """
+
+    def __init__(self):
+        self.steps, self.train_seconds, self.data_wait = 0, 0.0, 0.0
+        self.step_times: list[float] = []
+
+    def start_epoch(self) -> None:
+        self._epoch_start = self._tick = time.perf_counter()
+
+    def got_batch(self) -> None:
+        self._got = time.perf_counter()
+
+    def step_done(self) -> None:
+        now = time.perf_counter()
+        self.steps += 1
+        self.step_times.append(now - self._tick)
+        self.data_wait += self._got - self._tick
+        self._tick = now
+
+    def end_epoch(self, cuda: bool) -> None:
+        if cuda:
+            torch.cuda.synchronize()
+        self.train_seconds += time.perf_counter() - self._epoch_start
+
+    def results(self, world_size: int, global_batch: int, evals: list[dict]) -> dict:
+        """What --results_json holds: throughput, data-wait share, every step time, the evaluations."""
+        return {
+            "world_size": world_size, "global_batch_size": global_batch, "optimizer_steps": self.steps,
+            "train_seconds": self.train_seconds,
+            "train_samples_per_sec": self.steps * global_batch / self.train_seconds,
+            "data_wait_share": self.data_wait / max(sum(self.step_times), 1e-9),
+            "step_times_ms": [round(1000 * t, 3) for t in self.step_times],
+            "evals": evals,
+            "eval_accuracy": evals[-1]["eval_accuracy"] if evals else None,
+        }
+
+
 def test(model, device, test_loader):
     """examples/mnist's test(), with the per-rank counts summed over ranks (DistributedSampler shards)."""
     model.eval()
@@ -130,17 +175,16 @@ def main():
     optimizer = torch.optim.Adadelta(model.parameters(), lr=args.lr)
     scheduler = StepLR(optimizer, step_size=1, gamma=args.gamma)
 
-    step, train_seconds, data_wait = 0, 0.0, 0.0
-    step_times: list[float] = []
+    clock = StepClock()
     evals: list[dict] = []
     metrics = open(args.metrics_jsonl, "a") if (args.metrics_jsonl and rank == 0) else None
     done = False
     for epoch in range(1, args.epochs + 1):
         train_sampler.set_epoch(epoch)
         model.train()
-        epoch_start = tick = time.perf_counter()
+        clock.start_epoch()
         for batch_idx, (data, target) in enumerate(train_loader):
-            got = time.perf_counter()
+            clock.got_batch()
             data, target = data.to(device), target.to(device)
             optimizer.zero_grad()
             output = model(data)
@@ -150,21 +194,15 @@ def main():
             if batch_idx % args.log_interval == 0 and rank == 0:
                 print(f"Train Epoch: {epoch} [{batch_idx * len(data) * world_size}/{len(train_sampler) * world_size}]"
                       f"\tLoss: {loss.item():.6f}", flush=True)
-            step += 1
-            now = time.perf_counter()
-            step_times.append(now - tick)
-            data_wait += got - tick
-            tick = now
-            if args.max_steps is not None and step >= args.max_steps:
+            clock.step_done()
+            if args.max_steps is not None and clock.steps >= args.max_steps:
                 done = True
                 break
-        if use_cuda:
-            torch.cuda.synchronize()
-        train_seconds += time.perf_counter() - epoch_start
+        clock.end_epoch(use_cuda)
         scheduler.step()
         test_loss, accuracy = test(model, device, test_loader)
-        record = {"time": time.time(), "epoch": epoch, "step": step, "eval_loss": test_loss,
-                  "eval_accuracy": accuracy, "train_seconds": train_seconds}
+        record = {"time": time.time(), "epoch": epoch, "step": clock.steps, "eval_loss": test_loss,
+                  "eval_accuracy": accuracy, "train_seconds": clock.train_seconds}
         evals.append(record)
         if rank == 0:
             print(f"Test set (epoch {epoch}): Average loss: {test_loss:.4f}, Accuracy: {100 * accuracy:.2f}%",
@@ -178,16 +216,8 @@ def main():
     if rank == 0:
         torch.save(model.module.state_dict(), args.save_path)
         if args.results_json:
-            global_batch = args.batch_size * world_size
             with open(args.results_json, "w") as fh:
-                json.dump({
-                    "world_size": world_size, "global_batch_size": global_batch, "optimizer_steps": step,
-                    "train_seconds": train_seconds, "train_samples_per_sec": step * global_batch / train_seconds,
-                    "data_wait_share": data_wait / max(sum(step_times), 1e-9),
-                    "step_times_ms": [round(1000 * t, 3) for t in step_times],
-                    "evals": evals,
-                    "eval_accuracy": evals[-1]["eval_accuracy"] if evals else None,
-                }, fh)
+                json.dump(clock.results(world_size, args.batch_size * world_size, evals), fh)
     if metrics is not None:
         metrics.close()
     dist.destroy_process_group()
