@@ -358,11 +358,16 @@ def build_datasets(
 # ----------------------------------------------------------------------------- loaders
 
 
+def usable_cpus() -> int:
+    """CPU cores this process may run on (its affinity mask where the OS has one)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def default_num_workers(dataset: Dataset) -> int:
     """0 for tensors in memory (workers would only add copies); else up to 8, sharing the CPUs among local ranks."""
     if is_in_memory(dataset):
         return 0
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cpus = usable_cpus()
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     return max(1, min(8, cpus // local_ranks - 1))
 

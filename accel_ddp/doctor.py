@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import ipaddress
-import os
 import re
 import shlex
 import shutil
@@ -62,15 +61,16 @@ class MachineFacts:
     def detect(cls) -> MachineFacts:
         import torch
 
+        from accel_ddp.data import usable_cpus
+
         gpu_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         capabilities = [torch.cuda.get_device_capability(i) for i in range(gpu_count)]
         nccl = torch.distributed.is_available() and torch.distributed.is_nccl_available()
-        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         return cls(
             gpu_count=gpu_count,
             nccl_available=bool(nccl),
             bf16_supported=all(cap >= (8, 0) for cap in capabilities),
-            cpu_count=cpus,
+            cpu_count=usable_cpus(),
             mpirun_available=shutil.which("mpirun") is not None or shutil.which("mpiexec") is not None,
             gpu_name=torch.cuda.get_device_name(0) if gpu_count else "",
             cpu_bf16=cpu_has_bf16_units(_read_cpuinfo()),
