@@ -59,6 +59,12 @@ def read_summary(output_dir: str | os.PathLike) -> dict:
     return json.loads((Path(output_dir) / "summary.json").read_text())
 
 
+def read_metrics(output_dir: str | os.PathLike) -> list[dict]:
+    """Every record of OUTPUT_DIR/metrics.jsonl, in order."""
+    text = (Path(output_dir) / "metrics.jsonl").read_text()
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
 def load_weights(output_dir: str | os.PathLike) -> dict:
     from safetensors.torch import load_file
 

@@ -49,6 +49,7 @@ from tests.conftest import (
     free_port,
     launch,
     load_weights,
+    read_metrics,
     read_summary,
     run_single,
 )
@@ -246,7 +247,7 @@ def test_sigkill_at_a_random_step_then_resume_gives_bitwise_equal_weights(refere
 
 
 def logged_losses(output_dir: Path) -> dict[int, float]:
-    records = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+    records = read_metrics(output_dir)
     steps = [r["step"] for r in records if "loss" in r]
     assert len(steps) == len(set(steps)), f"a step was logged twice: {steps}"
     return {r["step"]: r["loss"] for r in records if "loss" in r}

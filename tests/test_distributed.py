@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from tests.conftest import SCRIPTS, check, launch, load_weights, read_summary, run_single
+from tests.conftest import SCRIPTS, check, launch, load_weights, read_metrics, read_summary, run_single
 
 pytestmark = pytest.mark.slow
 
@@ -61,8 +61,7 @@ def test_lr_schedule_steps_once_per_optimizer_step(layouts):
         summary = read_summary(run)
         assert summary["optimizer_steps"] == 30, name
         assert summary["lr_scheduler_steps"] == summary["optimizer_steps"], name
-        lrs = {r["step"]: r["lr"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
-               if "lr" in r}
+        lrs = {r["step"]: r["lr"] for r in read_metrics(run) if "lr" in r}
         assert lrs[5] == pytest.approx(layouts_lr(5)), name  # logged after step 5: schedule index 5
         assert lrs[30] == pytest.approx(0.0, abs=1e-12), name  # cosine reaches 0 at the last step
 
@@ -151,7 +150,7 @@ def test_only_the_main_process_writes(tmp_path):
     for name in ("config.yaml", "summary.json", "model.safetensors", "curves.png"):
         assert sum(line == f"rename\t{out / name}" for line in rank0) == 1, name
     assert sum(line == f"open\t{out / 'metrics.jsonl'}" for line in rank0) == 1
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    records = read_metrics(out)
     train_steps = [r["step"] for r in records if "loss" in r]
     assert train_steps == [4, 8, 12, 16], "each logged step appears exactly once"
     assert len([r for r in records if "eval_accuracy" in r]) == 2  # one eval per epoch

@@ -18,16 +18,24 @@ import torch
 from accel_ddp.config import ConfigError
 from accel_ddp.report import CURVES, build_curves_figure, read_curves
 from accel_ddp.tracking import build_trackers
-from tests.conftest import REPO, TRAIN_SCRIPT, _env, check, free_port, launch, load_weights, read_summary, run_single
+from tests.conftest import (
+    REPO,
+    TRAIN_SCRIPT,
+    _env,
+    check,
+    free_port,
+    launch,
+    load_weights,
+    read_metrics,
+    read_summary,
+    run_single,
+)
 
 CONFIGS = REPO / "accelerate_configs"
 TWO_NODE = CONFIGS / "2node_8gpu.yaml"
 FSDP = CONFIGS / "fsdp_4gpu.yaml"
 SBATCH = CONFIGS / "slurm" / "train.sbatch"
 
-
-def jsonl(output_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
 def series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
@@ -314,7 +322,7 @@ def test_plot_and_summary_of_a_real_run(tmp_path, tiny_args):
                             env=_env(), cwd=REPO, timeout=120)
     assert result.returncode == 0, result.stderr
     decode_png(out / "curves.png")
-    records = jsonl(out)
+    records = read_metrics(out)
     curves = read_curves(str(out))
     for key in ("loss", "eval_accuracy", "lr"):
         assert curves[key] == series(records, key), key
@@ -395,7 +403,7 @@ def test_training_with_tracking_all_writes_csv_tensorboard_and_curves(tmp_path, 
     out = tmp_path / "run"
     check(launch([*tiny_args, "--log_every", "2", "--eval_every", "8", "--with_tracking", "all",
                   "--output_dir", str(out)]))
-    records = jsonl(out)
+    records = read_metrics(out)
     steps, losses = series(records, "loss")
     assert steps == [2, 4, 6, 8, 10, 12, 14, 16]
     assert all(r["samples_per_sec"] > 0 for r in records if "loss" in r)
@@ -444,7 +452,7 @@ def test_fsdp_smoke_on_gpus(tmp_path, tiny_args):
     check(launch([*tiny_args, "--output_dir", str(out)], nproc=nproc, launch_args=["--config_file", str(FSDP)]))
     summary = read_summary(out)
     assert (summary["distributed_type"], summary["world_size"]) == ("FSDP", nproc)
-    losses = series(jsonl(out), "loss")[1]
+    losses = series(read_metrics(out), "loss")[1]
     assert losses[-1] < losses[0]
     weights = load_weights(out)  # gathered into full, unsharded tensors
     assert weights["1.weight"].shape == (32, 64)

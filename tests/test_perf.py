@@ -12,7 +12,7 @@ from torch.utils.data import TensorDataset
 
 from accel_ddp import TrainConfig, train
 from accel_ddp.models import build_model, build_optimizer
-from tests.conftest import SCRIPTS, check, launch, read_summary
+from tests.conftest import SCRIPTS, check, launch, read_metrics, read_summary
 
 
 def _inspect(tmp_path, *flags: str) -> dict:
@@ -110,7 +110,7 @@ def test_timing_figures_are_logged_per_epoch_and_in_the_summary(tmp_path):
     data = TensorDataset(torch.randn(128, 6), torch.randint(0, 3, (128,)))
     cfg = TrainConfig(global_batch_size=16, epochs=2, output_dir=str(tmp_path), profile=True)
     summary = train(cfg, model=build_model("mlp", 3, (6,), 8), train_dataset=data)
-    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    records = read_metrics(tmp_path)
     epochs = [r for r in records if "step_time_p50_ms" in r]
     assert [r["epoch"] for r in epochs] == [0, 1] and [r["step"] for r in epochs] == [8, 16]
     for record in [*epochs, summary]:
