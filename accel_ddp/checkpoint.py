@@ -34,7 +34,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import sys
 import time
 from collections.abc import Callable
@@ -46,10 +45,8 @@ from accelerate.utils import RNG_STATE_NAME, broadcast_object_list
 from safetensors.torch import load_file, save_file
 
 from accel_ddp.config import ConfigError
+from accel_ddp.outputs import CHECKPOINTS_DIR, MARKER_NAME, WEIGHTS_NAME
 
-WEIGHTS_NAME = "model.safetensors"
-CHECKPOINTS_DIR = "checkpoints"
-MARKER_NAME = "checkpoint.json"
 FORMAT_VERSION = 1
 # Run facts that decide what an optimizer step means; a checkpoint made with other values cannot continue.
 MUST_MATCH = ("global_batch_size", "steps_per_epoch", "optimizer")
@@ -168,14 +165,12 @@ class CheckpointManager:
         >>> checkpoints.save(step)                       # -> "outputs/run/checkpoints/step_00000100"
     """
 
-    def __init__(self, accelerator: Accelerator, output_dir: str, keep_last: int, run_facts: dict[str, Any],
-                 crash_in_save_at: int | None = None):
+    def __init__(self, accelerator: Accelerator, output_dir: str, keep_last: int, run_facts: dict[str, Any]):
         self.accelerator = accelerator
         self.root = os.path.join(output_dir, CHECKPOINTS_DIR)
         self.keep_last = keep_last
         self.run_facts = dict(run_facts)
         self.last_saved_step: int | None = None
-        self._crash_in_save_at = crash_in_save_at  # test hook: the main process dies mid-save at this step
         # We write and read the weights ourselves, without DDP's "module." prefix, so that a checkpoint
         # loads at any world size and a mismatch is reported key by key.
         accelerator.register_save_state_pre_hook(self._unwrapped_weights_hook)
@@ -196,8 +191,6 @@ class CheckpointManager:
             os.makedirs(tmp)
         acc.wait_for_everyone()
         acc.save_state(tmp)  # each rank writes its RNG state; the main process everything else
-        if step == self._crash_in_save_at and acc.is_main_process:
-            os.kill(os.getpid(), signal.SIGKILL)
         acc.wait_for_everyone()  # every rank has finished writing
         if acc.is_main_process:
             self._seal(tmp, final, step)

@@ -1,5 +1,6 @@
-"""``accel-ddp``: the commands around training (training itself goes through ``accelerate launch``).
+"""``accel-ddp``: training and the commands around it.
 
+    accelerate launch --config_file FILE -m accel_ddp train [FLAGS]   train (what train.py runs)
     accel-ddp doctor --config_file FILE   check a launch config against this machine, print the launch command
     accel-ddp plot OUTPUT_DIR             write OUTPUT_DIR/curves.png from metrics.jsonl
     accel-ddp summary OUTPUT_DIR          print a finished run's summary as a table
@@ -46,6 +47,8 @@ def _doctor(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="accel-ddp", description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser("train", help="train (under `accelerate launch ... -m accel_ddp train`); see train --help",
+                        add_help=False)
 
     doctor = commands.add_parser(
         "doctor", help="check an accelerate config file against this machine (exit 0 ready, 1 not, 2 unreadable)",
@@ -68,6 +71,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["train"]:  # the training flags are TrainConfig's own parser's business
+        from accel_ddp.loop import run
+
+        run(argv[1:])
     args = build_parser().parse_args(argv)
     return args.func(args)
 

@@ -31,7 +31,10 @@ LR_SCHEDULES = ("constant", "linear", "cosine")
 OPTIMIZERS = ("sgd", "adamw")
 TRACKERS = ("none", "tensorboard", "csv", "all")
 COMM_HOOKS = ("none", "fp16", "bf16")
-LOADERS = ("auto", "fast", "dataloader")
+LOADERS = ("auto", "device", "dataloader")
+# Old spellings that keep working for one release, each with a warning naming the new one.
+RENAMED_FLAGS = {"fast_loader_max_mb": "device_loader_max_mb"}
+RENAMED_VALUES = {("loader", "fast"): "device"}
 
 
 @dataclass
@@ -46,9 +49,12 @@ class TrainConfig:
     data_dir: str = _opt("data", "folder holding (or receiving, with --download) the dataset files")
     download: bool = _opt(False, "download the dataset into --data_dir if missing (main process only)")
     loader: str = _opt(
-        "auto", "auto (in-memory device loader where the dataset fits, else DataLoader), fast or dataloader"
+        "auto", "auto (the device loader where the training set is tensors in memory and fits, else a DataLoader), "
+        "device or dataloader"
     )
-    fast_loader_max_mb: int = _opt(4096, "auto: largest training set (MiB as stored) kept on the device")
+    device_loader_max_mb: int = _opt(
+        4096, "--loader auto: largest in-memory training set (MiB as stored) kept on the device"
+    )
     num_workers: int | None = _opt(
         None, "DataLoader workers per rank; default 0 for in-memory data, else up to 8 (CPUs / local ranks)"
     )
@@ -116,12 +122,16 @@ class TrainConfig:
     profile: bool = _opt(False, "record a torch.profiler trace of a few steps into OUTPUT_DIR/profile")
 
     def __post_init__(self) -> None:
+        for (name, old), new in RENAMED_VALUES.items():
+            if getattr(self, name) == old:
+                warn_deprecated(f"--{name} {old}", f"--{name} {new}")
+                setattr(self, name, new)
         self.synthetic_shape = tuple(int(d) for d in self.synthetic_shape)
         _check_positive(self, "global_batch_size", "synthetic_samples", "synthetic_classes", "hidden_size",
                         "log_every", "keep_last")
         _check_positive(self, "per_device_batch_size", "max_steps", "eval_batch_size", allow_none=True)
         _check_non_negative(self, "epochs", "weight_decay", "warmup_steps", "max_grad_norm", "eval_every",
-                            "fast_loader_max_mb")
+                            "device_loader_max_mb")
         if self.num_workers is not None:
             _check_non_negative(self, "num_workers")
         _check_positive(self, "width")
@@ -171,6 +181,13 @@ class TrainConfig:
         out = dataclasses.asdict(self)
         out["synthetic_shape"] = list(self.synthetic_shape)
         return out
+
+
+def warn_deprecated(old: str, new: str) -> None:
+    """One line on stderr, from the first rank only (every rank parses the same command line)."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"accel_ddp: warning: {old} is deprecated and will be removed in the next release; use {new}",
+              file=sys.stderr, flush=True)
 
 
 def _check_positive(cfg: TrainConfig, *names: str, allow_none: bool = False) -> None:
@@ -244,6 +261,8 @@ def build_parser() -> argparse.ArgumentParser:
             parser.add_argument(f"--{f.name}", type=kind, nargs="+", help=help_text)
         else:
             parser.add_argument(f"--{f.name}", type=kind, help=help_text)
+    for old, new in RENAMED_FLAGS.items():
+        parser.add_argument(f"--{old}", type=_scalar_type(hints[new])[0], help=argparse.SUPPRESS)
     return parser
 
 
@@ -266,7 +285,7 @@ def load_recipe(path: str) -> dict[str, Any]:
         return {}
     if not isinstance(data, dict):
         raise ConfigError(f"--config {path}: expected a mapping of option: value, got {type(data).__name__}")
-    known = {f.name for f in dataclasses.fields(TrainConfig)}
+    known = {f.name for f in dataclasses.fields(TrainConfig)} | set(RENAMED_FLAGS)
     unknown = sorted(set(data) - known)
     if unknown:
         raise ConfigError(
@@ -275,11 +294,21 @@ def load_recipe(path: str) -> dict[str, Any]:
     return data
 
 
+def _renamed(values: dict[str, Any]) -> dict[str, Any]:
+    """Old option names replaced by their new ones (the new name wins if both are given)."""
+    for old, new in RENAMED_FLAGS.items():
+        if old in values:
+            warn_deprecated(f"--{old}", f"--{new}")
+            value = values.pop(old)
+            values.setdefault(new, value)
+    return values
+
+
 def parse_args(argv: list[str] | None = None) -> TrainConfig:
     """Defaults, then the ``--config`` recipe, then CLI flags."""
     args = vars(build_parser().parse_args(sys.argv[1:] if argv is None else argv))
-    values = load_recipe(args.pop("config")) if "config" in args else {}
-    values.update(args)
+    values = _renamed(load_recipe(args.pop("config"))) if "config" in args else {}
+    values.update(_renamed(args))
     try:
         return TrainConfig(**values)
     except TypeError as err:  # a YAML value of the wrong type, e.g. a list for --lr

@@ -14,7 +14,7 @@ def evaluate(accelerator: Accelerator, model: torch.nn.Module, loader) -> dict[s
     A prepared DataLoader repeats samples to give every rank an equal last batch;
     ``gather_for_metrics`` drops them, so ``eval_samples`` equals ``len(eval_dataset)`` for any
     world size. A loader that shards without padding (``sums_across_ranks``, the in-memory
-    :class:`~accel_ddp.fast_loader.DeviceEvalLoader`) needs no per-sample gather: each rank sums
+    :class:`~accel_ddp.data.device_loader.DeviceEvalLoader`) needs no per-sample gather: each rank sums
     its own share and one all-reduce adds the sums. Either way the sums stay on the device until
     the end: one host sync per evaluation, not per batch.
     """

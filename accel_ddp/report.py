@@ -12,11 +12,16 @@ from typing import Any
 
 import yaml
 
-METRICS_NAME = "metrics.jsonl"
-CURVES_NAME = "curves.png"
-CSV_NAME = "metrics.csv"
-TENSORBOARD_SUBDIR = "tensorboard"  # Accelerate's TensorBoardTracker writes to project_dir/<project name>
-
+from accel_ddp.outputs import (
+    CHECKPOINTS_DIR,
+    CONFIG_NAME,
+    CSV_NAME,
+    CURVES_NAME,
+    METRICS_NAME,
+    SUMMARY_NAME,
+    TENSORBOARD_SUBDIR,
+    WEIGHTS_NAME,
+)
 
 # ----------------------------------------------------------------------------- curves.png
 
@@ -100,7 +105,7 @@ def plot_run(output_dir: str, path: str | None = None) -> str:
 
 
 def _run_title(output_dir: str) -> str:
-    summary = _read_json(os.path.join(output_dir, "summary.json")) or {}
+    summary = _read_json(os.path.join(output_dir, SUMMARY_NAME)) or {}
     facts = [os.path.basename(os.path.normpath(output_dir))]
     if "world_size" in summary:
         facts.append(f"{summary['world_size']} process(es)")
@@ -151,11 +156,11 @@ def _format_value(value: Any, formatter=str) -> str:
 
 def format_summary(output_dir: str) -> str:
     """A finished run as a two-column table: what ran, how it was batched, how it ended."""
-    summary = _read_json(os.path.join(output_dir, "summary.json"))
+    summary = _read_json(os.path.join(output_dir, SUMMARY_NAME))
     if not isinstance(summary, dict):
-        raise FileNotFoundError(f"no readable summary.json in {output_dir}; point at a finished run's --output_dir")
+        raise FileNotFoundError(f"no readable {SUMMARY_NAME} in {output_dir}; point at a finished run's --output_dir")
     config = {}
-    config_path = os.path.join(output_dir, "config.yaml")
+    config_path = os.path.join(output_dir, CONFIG_NAME)
     if os.path.isfile(config_path):
         with open(config_path, encoding="utf-8") as fh:
             config = yaml.safe_load(fh) or {}
@@ -163,7 +168,7 @@ def format_summary(output_dir: str) -> str:
     rows += [(label, _format_value(summary[key], fmt)) for key, label, fmt in _SUMMARY_ROWS if key in summary]
     known = {key for key, _, _ in _SUMMARY_ROWS}
     rows += [(key, _format_value(value)) for key, value in summary.items() if key not in known]
-    files = [name for name in ("model.safetensors", CURVES_NAME, CSV_NAME, TENSORBOARD_SUBDIR, "checkpoints")
+    files = [name for name in (WEIGHTS_NAME, CURVES_NAME, CSV_NAME, TENSORBOARD_SUBDIR, CHECKPOINTS_DIR)
              if os.path.exists(os.path.join(output_dir, name))]
     rows.append(("files", ", ".join(files) or "-"))
     width = max(len(label) for label, _ in rows)

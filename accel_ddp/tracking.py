@@ -23,7 +23,16 @@ from accelerate.tracking import GeneralTracker, on_main_process
 from tqdm.auto import tqdm
 
 from accel_ddp.config import ConfigError
-from accel_ddp.report import CSV_NAME, CURVES_NAME, METRICS_NAME, TENSORBOARD_SUBDIR, plot_run
+from accel_ddp.outputs import (
+    CONFIG_NAME,
+    CSV_NAME,
+    CURVES_NAME,
+    METRICS_NAME,
+    PROFILE_SUBDIR,
+    SUMMARY_NAME,
+    TENSORBOARD_SUBDIR,
+)
+from accel_ddp.report import plot_run
 
 
 def _atomic_write_text(path: str, text: str) -> None:
@@ -66,7 +75,7 @@ class RunRecorder:
 
     def write_config(self, resolved: dict[str, Any]) -> None:
         if self.enabled:
-            _atomic_write_text(os.path.join(self.output_dir, "config.yaml"), yaml.safe_dump(resolved, sort_keys=False))
+            _atomic_write_text(os.path.join(self.output_dir, CONFIG_NAME), yaml.safe_dump(resolved, sort_keys=False))
         if self._accelerator is not None and not self._trackers_started:
             # init_trackers and log run on the main process only (Accelerate's @on_main_process).
             self._accelerator.init_trackers(TENSORBOARD_SUBDIR, config=flat_hparams(resolved))
@@ -97,7 +106,7 @@ class RunRecorder:
 
     def write_summary(self, summary: dict[str, Any]) -> None:
         if self.enabled:
-            _atomic_write_text(os.path.join(self.output_dir, "summary.json"), json.dumps(summary, indent=2) + "\n")
+            _atomic_write_text(os.path.join(self.output_dir, SUMMARY_NAME), json.dumps(summary, indent=2) + "\n")
 
     def close(self) -> None:
         if self._metrics is not None:
@@ -217,7 +226,7 @@ class StepProfiler:
             return
         import torch
 
-        folder = os.path.join(output_dir, "profile")
+        folder = os.path.join(output_dir, PROFILE_SUBDIR)
         os.makedirs(folder, exist_ok=True)
         activities = [torch.profiler.ProfilerActivity.CPU]
         if torch.cuda.is_available():

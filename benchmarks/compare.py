@@ -15,7 +15,7 @@ Variants (``--variants``, comma separated):
     c      accel_ddp defaults (train.py --model mnist_cnn, in-memory tensors, --loader auto)
     c_pil  accel_ddp on (a)'s exact input pipeline (torchvision MNIST + per-sample PIL transforms)
     c_dl   accel_ddp, in-memory tensors, --loader dataloader
-    c_fast accel_ddp, in-memory tensors, --loader fast
+    c_fast accel_ddp, in-memory tensors, --loader device
     c_narrow accel_ddp defaults with the half-width CNN (benchmarks.common:cnn_narrow)
     c_cl   accel_ddp defaults with --channels_last
 
@@ -63,7 +63,7 @@ LABELS = {
     "c": "(c) accel_ddp defaults",
     "c_pil": "(c) accel_ddp, (a)'s PIL pipeline",
     "c_dl": "(c) accel_ddp --loader dataloader",
-    "c_fast": "(c) accel_ddp --loader fast",
+    "c_fast": "(c) accel_ddp --loader device",
     "c_narrow": "(c) accel_ddp, half-width CNN",
     "c_cl": "(c) accel_ddp --channels_last",
 }
@@ -91,7 +91,7 @@ def variant_cmd(variant: str, nproc: int, args, run_dir: Path, tv_root: Path) ->
     if variant == "c_dl":
         flags += ["--loader", "dataloader"]
     if variant == "c_fast":
-        flags += ["--loader", "fast"]
+        flags += ["--loader", "device"]
     if variant == "c_cl":
         flags += ["--channels_last"]
     return launch_cmd(REPO / "train.py", flags, nproc)

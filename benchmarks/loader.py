@@ -123,7 +123,7 @@ def run_worker(args: argparse.Namespace) -> None:
     def loader_for(mode):
         if mode == "fast":
             return build_loaders(accelerator, dataset, None, per_device_batch_size=per_device,
-                                 global_batch_size=args.global_batch_size, loader="fast").train
+                                 global_batch_size=args.global_batch_size, loader="device").train
         if mode == "dataloader":
             return build_loaders(accelerator, dataset, None, per_device_batch_size=per_device,
                                  global_batch_size=args.global_batch_size, loader="dataloader").train

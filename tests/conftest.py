@@ -1,26 +1,36 @@
-"""Shared helpers: real multi-process launches over gloo on loopback, one free port per launch."""
+"""Shared helpers: forked ranks (tests/multiproc.py) and real launches over gloo on loopback.
+
+The test process imports torch, Accelerate and accel_ddp once, here, so that the ranks forked by
+``tests.multiproc.run_ranks`` start with everything loaded.
+"""
 
 from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
-import pytest
+# Before torch loads: two ranks on two cores, no thread oversubscription; nothing reaches the network.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+for _name, _value in {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1",
+                      "TOKENIZERS_PARALLELISM": "false"}.items():
+    os.environ[_name] = _value
+
+import datasets  # noqa: E402,F401 - Accelerate imports it to prepare any DataLoader: 1.6 s per rank otherwise
+import matplotlib.figure  # noqa: E402,F401 - curves.png on every main process
+import pytest  # noqa: E402
+import torch._dynamo  # noqa: E402,F401 - torch.optim imports it on first use: ~2 s once here, not per rank
+
+import accel_ddp.loop  # noqa: E402,F401 - torch, Accelerate and the package, for every forked rank
+from tests.multiproc import free_port, run_ranks  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 CPU_2PROC = REPO / "accelerate_configs" / "cpu_2proc.yaml"
 TRAIN_SCRIPT = REPO / "train.py"
 SCRIPTS = REPO / "tests" / "scripts"
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+FAULTY_TRAIN = SCRIPTS / "faulty_train.py"  # train.py plus the FAULT_* injections of tests/faults.py
 
 
 def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -38,10 +48,20 @@ def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+def _faulty_if_asked(script, env):
+    if script == TRAIN_SCRIPT and any(name.startswith("FAULT_") for name in env or {}):
+        return FAULTY_TRAIN
+    return script
+
+
 def launch(script_args: list[str], nproc: int = 2, env: dict[str, str] | None = None, timeout: float = 240,
            script: str | os.PathLike = TRAIN_SCRIPT, launch_args: list[str] | None = None,
            cwd: str | os.PathLike | None = None) -> subprocess.CompletedProcess:
-    """`accelerate launch --config_file cpu_2proc.yaml SCRIPT ARGS` as a user would type it."""
+    """`accelerate launch --config_file cpu_2proc.yaml SCRIPT ARGS` as a user would type it.
+
+    With FAULT_* variables in ``env`` the default script is tests/scripts/faulty_train.py, which reads them.
+    """
+    script = _faulty_if_asked(script, env)
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CPU_2PROC),
            "--num_processes", str(nproc), "--main_process_port", str(free_port()), *(launch_args or []),
            str(script), *script_args]
@@ -50,9 +70,27 @@ def launch(script_args: list[str], nproc: int = 2, env: dict[str, str] | None = 
 
 def run_single(script_args: list[str], env: dict[str, str] | None = None, timeout: float = 240,
                script: str | os.PathLike = TRAIN_SCRIPT) -> subprocess.CompletedProcess:
-    """`python train.py ARGS`: one process, no launcher."""
+    """`python train.py ARGS`: one process, no launcher (faults as in ``launch``)."""
+    script = _faulty_if_asked(script, env)
     return subprocess.run([sys.executable, str(script), *script_args], env=_env(env), capture_output=True,
                           text=True, timeout=timeout, cwd=REPO)
+
+
+def train_ranks(args: list[str], world_size: int = 2, env: dict[str, str] | None = None,
+                timeout: float = 120) -> list[dict]:
+    """``train(parse_args(args))`` on forked ranks of a gloo group (or one plain process); summaries by rank."""
+    from accel_ddp.config import parse_args
+    from accel_ddp.loop import train
+
+    return run_ranks(lambda: train(parse_args(args)), world_size, timeout=timeout, env=env)
+
+
+def main_ranks(args: list[str], world_size: int = 2, env: dict[str, str] | None = None,
+               timeout: float = 120) -> list[int]:
+    """The CLI's ``main(args)`` on forked ranks: each rank's exit code (2 for bad input, 75 preempted, ...)."""
+    from accel_ddp.loop import main
+
+    return run_ranks(lambda: main(args), world_size, timeout=timeout, env=env)
 
 
 def read_summary(output_dir: str | os.PathLike) -> dict:

@@ -3,12 +3,12 @@
 Every multi-process test compares final weights with one uninterrupted run (the ``reference``
 fixture). The model is ``mnist_cnn``, whose dropout makes the RNG state part of what a resume
 must restore: a resume that loses it, or re-draws a seed, ends with different weights.
-Test hooks (environment variables read once by accel_ddp/train.py):
+Faults come from tests/faults.py (FAULT_* variables, read by tests/scripts/faulty_train.py):
 
-    ACCEL_DDP_STEP_DELAY=0.15            sleep after each optimizer step, so a test can signal a live run
-    ACCEL_DDP_CRASH_IN_CHECKPOINT=12     the main process SIGKILLs itself halfway through saving step 12
-    ACCEL_DDP_FAIL_AT_STEP=10:1          rank 1 raises after step 10 ...
-    ACCEL_DDP_FAIL_ONCE=PATH             ... only while PATH does not exist (it creates it): one crash
+    FAULT_STEP_DELAY=0.15            sleep after each optimizer step, so a test can signal a live run
+    FAULT_CRASH_IN_CHECKPOINT=12     the main process SIGKILLs itself halfway through saving step 12
+    FAULT_FAIL_AT_STEP=10:1          rank 1 raises after step 10 ...
+    FAULT_FAIL_ONCE=PATH             ... only while PATH does not exist (it creates it): one crash
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ from tests.conftest import (
     REPO,
     TRAIN_SCRIPT,
     _env,
+    _faulty_if_asked,
     check,
     free_port,
     launch,
@@ -59,7 +60,7 @@ ARGS = ["--dataset", "synthetic", "--synthetic_samples", "256", "--synthetic_sha
         "--model", "mnist_cnn", "--global_batch_size", "32", "--epochs", "4", "--num_workers", "0",
         "--log_every", "4"]
 STEPS, STEPS_PER_EPOCH = 32, 8
-LIVE = {"ACCEL_DDP_STEP_DELAY": "0.15"}  # ~5 s of training: time to signal it after its first checkpoint
+LIVE = {"FAULT_STEP_DELAY": "0.15"}  # ~5 s of training: time to signal it after its first checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +89,8 @@ def running(args: list[str], out_dir: Path, env: dict[str, str] | None = None) -
     Whatever happens in the test, no process of the job outlives it.
     """
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CPU_2PROC),
-           "--num_processes", "2", "--main_process_port", str(free_port()), str(TRAIN_SCRIPT), *args]
+           "--num_processes", "2", "--main_process_port", str(free_port()), str(_faulty_if_asked(TRAIN_SCRIPT, env)),
+           *args]
     with open(out_dir.parent / f"{out_dir.name}.log", "w") as log:
         proc = subprocess.Popen(cmd, env=_env(env), cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
     try:
@@ -295,7 +297,7 @@ def test_sigusr1_to_one_worker_stops_every_rank_after_the_same_step(reference, t
 def test_crash_while_writing_a_checkpoint_leaves_the_previous_one_for_auto(reference, tmp_path):
     out = tmp_path / "run"
     args = [*ARGS, "--checkpointing_steps", "6", "--keep_last", "1", "--output_dir", str(out)]
-    crashed = launch(args, env={"ACCEL_DDP_CRASH_IN_CHECKPOINT": "12"})
+    crashed = launch(args, env={"FAULT_CRASH_IN_CHECKPOINT": "12"})
     assert crashed.returncode != 0
     root = out / "checkpoints"
     assert sorted(os.listdir(root)) == [".tmp-step_00000012", "step_00000006"]  # keep_last 1 pruned nothing
@@ -317,7 +319,7 @@ def test_elastic_restart_after_a_rank_crash_finishes_with_the_same_weights(refer
         launch_args=["--max_restarts", "2", "--rdzv_backend", "c10d"],
         # Without it a restarted group may read the failed attempt's addresses and hang (pytorch#135712).
         env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
-             "ACCEL_DDP_FAIL_AT_STEP": "10:1", "ACCEL_DDP_FAIL_ONCE": str(once)},
+             "FAULT_FAIL_AT_STEP": "10:1", "FAULT_FAIL_ONCE": str(once)},
     ))
     assert once.exists() and "injected failure on rank 1 at step 10" in result.stderr
     assert "no checkpoint in" in result.stdout  # the first attempt started fresh under `auto`

@@ -35,12 +35,14 @@ from accel_ddp.data import (
     default_num_workers,
     read_idx,
 )
-from accel_ddp.fast_loader import CROP_PADDING, DeviceEvalLoader, crop_flip, epoch_order
+from accel_ddp.data.device_loader import DeviceEvalLoader
+from accel_ddp.data.in_memory import CROP_PADDING, crop_flip
+from accel_ddp.data.sampler import epoch_order
 from tests.conftest import REPO, check, launch, load_weights, read_summary, run_single
 
-TRAIN_SRC = (REPO / "accel_ddp" / "train.py").read_text()
+TRAIN_SRC = (REPO / "accel_ddp" / "loop.py").read_text()
 wired = pytest.mark.skipif(
-    "build_loaders" not in TRAIN_SRC, reason="accel_ddp/train.py does not use data.build_loaders yet"
+    "build_loaders" not in TRAIN_SRC, reason="accel_ddp/loop.py does not use data.build_loaders yet"
 )
 
 
@@ -259,16 +261,16 @@ def test_the_global_generator_advances_as_on_the_dataloader_path(accelerate_stat
 
 def test_loader_choice_threshold_and_worker_defaults(tmp_path):
     mnist_like = index_dataset(n=64)
-    assert choose_loader("auto", mnist_like, fast_loader_max_mb=1) == "fast"
-    assert choose_loader("auto", Subset(mnist_like, range(10)), fast_loader_max_mb=1) == "fast"
-    assert choose_loader("auto", mnist_like, fast_loader_max_mb=0) == "dataloader"  # over the threshold
-    assert choose_loader("dataloader", mnist_like, fast_loader_max_mb=1) == "dataloader"
-    assert choose_loader("fast", mnist_like, fast_loader_max_mb=0) == "fast"  # asked for explicitly
+    assert choose_loader("auto", mnist_like, device_loader_max_mb=1) == "device"
+    assert choose_loader("auto", Subset(mnist_like, range(10)), device_loader_max_mb=1) == "device"
+    assert choose_loader("auto", mnist_like, device_loader_max_mb=0) == "dataloader"  # over the threshold
+    assert choose_loader("dataloader", mnist_like, device_loader_max_mb=1) == "dataloader"
+    assert choose_loader("device", mnist_like, device_loader_max_mb=0) == "device"  # asked for explicitly
     write_png_classes(tmp_path / "imgs", ["a", "b"], per_class=5)
     folder = build_datasets("imagefolder", str(tmp_path / "imgs"), download=False).train
-    assert choose_loader("auto", folder, fast_loader_max_mb=4096) == "dataloader"
+    assert choose_loader("auto", folder, device_loader_max_mb=4096) == "dataloader"
     with pytest.raises(ConfigError, match="--loader dataloader"):
-        choose_loader("fast", folder, fast_loader_max_mb=4096)
+        choose_loader("device", folder, device_loader_max_mb=4096)
     assert default_num_workers(mnist_like) == 0  # tensors in memory: workers would only copy
     assert default_num_workers(folder) >= 1  # per-sample decoding: worker processes
     loader = build_train_loader(folder, 4, 8)
@@ -398,7 +400,7 @@ def test_hf_from_save_to_disk_with_images_and_class_labels(tmp_path):
     assert bundle.train.labels.tolist() == [i % 4 for i in range(40)]
     x = torch.stack([bundle.train[i][0] for i in range(40)])
     assert abs(float(x.mean())) < 1e-3 and abs(float(x.std()) - 1) < 1e-2  # normalised by its own statistics
-    assert choose_loader("auto", bundle.train, 4096) == "fast"
+    assert choose_loader("auto", bundle.train, 4096) == "device"
     assert int(bundle.train.tensors[1].max()) + 1 == bundle.num_classes  # what train() infers classes from
 
 
@@ -525,7 +527,7 @@ LOOP_SCRIPT = textwrap.dedent("""
             return self.body(x[:, :64])
 
     results = {}
-    for kind in ("dataloader", "fast"):
+    for kind in ("dataloader", "device"):
         set_seed(0)
         model = Net()
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -575,8 +577,8 @@ def test_both_loaders_train_identically_under_two_processes(tmp_path):
     one = run_loop(tmp_path, world=1, global_batch=32, per_device=16)  # accumulation 2
     for ranks in (one, two):
         for rank in ranks:
-            fast, classic = rank["fast"], rank["dataloader"]
-            assert (fast["kind"], classic["kind"]) == ("fast", "dataloader")
+            fast, classic = rank["device"], rank["dataloader"]
+            assert (fast["kind"], classic["kind"]) == ("device", "dataloader")
             assert fast["seen"] == classic["seen"]
             a = fast["accumulation"]
             assert fast["resumed"] == classic["resumed"] == fast["seen"][fast["micro_steps"] + a:]
@@ -584,7 +586,7 @@ def test_both_loaders_train_identically_under_two_processes(tmp_path):
                 assert run["syncs"] == [(i + 1) % a == 0 for i in range(len(run["syncs"]))]
                 assert run["evals"] == [397, 397, 397]
             assert fast["weights"] == classic["weights"]  # dropout included: the RNG streams match too
-    for kind in ("fast", "dataloader"):  # each optimizer step holds the same samples for 1 and 2 processes
+    for kind in ("device", "dataloader"):  # each optimizer step holds the same samples for 1 and 2 processes
         a = 2  # both layouts accumulate 2 micro-steps
         per_step_two = [sorted(two[0][kind]["seen"][i] + two[0][kind]["seen"][i + 1] + two[1][kind]["seen"][i]
                                + two[1][kind]["seen"][i + 1]) for i in range(0, len(two[0][kind]["seen"]), a)]
@@ -622,11 +624,11 @@ def test_own_model_and_dataset_through_the_python_api_under_two_processes(tmp_pa
 def test_train_py_fast_and_dataloader_paths_end_with_the_same_weights(tmp_path):
     common = ["--dataset", "digits", "--model", "mnist_cnn", "--epochs", "1", "--global_batch_size", "64",
               "--per_device_batch_size", "16", "--optimizer", "sgd", "--lr", "0.05"]
-    for kind in ("fast", "dataloader"):
+    for kind in ("device", "dataloader"):
         check(launch([*common, "--loader", kind, "--output_dir", str(tmp_path / kind)]))
-    fast, classic = load_weights(tmp_path / "fast"), load_weights(tmp_path / "dataloader")
+    fast, classic = load_weights(tmp_path / "device"), load_weights(tmp_path / "dataloader")
     assert all(torch.equal(fast[k], classic[k]) for k in classic)  # mnist_cnn has dropout: RNG streams match
-    for kind in ("fast", "dataloader"):
+    for kind in ("device", "dataloader"):
         summary = read_summary(tmp_path / kind)
         assert summary["eval_samples"] == 360 and summary["grad_accum_steps"] == 2
         assert summary.get("loader", kind) == kind
@@ -638,7 +640,7 @@ def test_train_py_cifar10_files_on_the_fast_path_with_resnet18(tmp_path):
     write_cifar(tmp_path / "data", per_batch=16)
     out = tmp_path / "run"
     check(launch(["--dataset", "cifar10", "--data_dir", str(tmp_path / "data"), "--model", "resnet18",
-                  "--width", "4", "--epochs", "2", "--global_batch_size", "16", "--loader", "fast",
+                  "--width", "4", "--epochs", "2", "--global_batch_size", "16", "--loader", "device",
                   "--output_dir", str(out)]))
     summary = read_summary(out)
     assert summary["optimizer_steps"] == 10 and summary["eval_samples"] == 16
@@ -650,9 +652,9 @@ def test_train_py_cifar10_files_on_the_fast_path_with_resnet18(tmp_path):
 def test_train_py_fast_path_resumes_mid_epoch_to_the_same_weights(tmp_path):
     """A rank fails in epoch 1; the resumed run skips what the checkpoint holds and ends where the whole run ends."""
     common = ["--dataset", "digits", "--model", "mnist_cnn", "--epochs", "2", "--global_batch_size", "64",
-              "--per_device_batch_size", "16", "--loader", "fast", "--checkpointing_steps", "5"]
+              "--per_device_batch_size", "16", "--loader", "device", "--checkpointing_steps", "5"]
     check(launch([*common, "--output_dir", str(tmp_path / "whole")]))
-    broken = launch([*common, "--output_dir", str(tmp_path / "resumed")], env={"ACCEL_DDP_FAIL_AT_STEP": "27:1"})
+    broken = launch([*common, "--output_dir", str(tmp_path / "resumed")], env={"FAULT_FAIL_AT_STEP": "27:1"})
     assert broken.returncode != 0  # 22 steps per epoch: it died in epoch 1, after the step-25 checkpoint
     check(launch([*common, "--output_dir", str(tmp_path / "resumed"), "--resume_from_checkpoint", "auto"]))
     summary = read_summary(tmp_path / "resumed")

@@ -1,16 +1,27 @@
-"""The DDP semantics of DESIGN.md, proven with real 2-process gloo launches."""
+"""The DDP semantics of DESIGN.md, proven on real 2-rank gloo groups (forked ranks; a few real launches)."""
 
 from __future__ import annotations
 
-import json
+import os
+import sys
 import time
 
 import pytest
 import torch
 
-from tests.conftest import SCRIPTS, check, launch, load_weights, read_metrics, read_summary, run_single
-
-pytestmark = pytest.mark.slow
+from accel_ddp import TrainConfig, train
+from tests.conftest import (
+    SCRIPTS,
+    check,
+    launch,
+    load_weights,
+    read_metrics,
+    read_summary,
+    run_ranks,
+    run_single,
+    train_ranks,
+)
+from tests.helpers_data import IndexDataset, IndexRecorder
 
 # 320 samples / global batch 32 = 10 optimizer steps per epoch, 3 epochs = 30 steps.
 EQUIV_ARGS = ["--dataset", "synthetic", "--synthetic_samples", "320", "--synthetic_shape", "12",
@@ -30,8 +41,8 @@ def layouts(tmp_path_factory):
     }
     out = {}
     for name, (world, per_device) in runs.items():
-        args = [*EQUIV_ARGS, "--per_device_batch_size", str(per_device), "--output_dir", str(root / name)]
-        check(launch(args) if world == 2 else run_single(args))
+        train_ranks([*EQUIV_ARGS, "--per_device_batch_size", str(per_device), "--output_dir", str(root / name)],
+                    world_size=world)
         out[name] = root / name
     return out
 
@@ -72,7 +83,7 @@ def layouts_lr(step: int) -> float:
     return 0.05 * lr_multiplier(step, "cosine", warmup_steps=3, total_steps=30)
 
 
-def test_multiprocess_cpu_run_through_the_real_cli(layouts):
+def test_two_ranks_form_one_cpu_group(layouts):
     summary = read_summary(layouts["2x16"])
     assert summary["world_size"] == 2
     assert summary["distributed_type"] == "MULTI_CPU"
@@ -81,11 +92,14 @@ def test_multiprocess_cpu_run_through_the_real_cli(layouts):
 
 def _record(tmp_path, world: int, per_device: int, seed: int = 3) -> list[list[int]]:
     """Per optimizer step, the sorted sample indices all ranks trained on (global batch 8, 3 epochs)."""
-    prefix = str(tmp_path / f"w{world}b{per_device}s{seed}")
-    args = [prefix, "8", str(per_device), "3", str(seed)]
-    script = SCRIPTS / "record_indices.py"
-    check(launch(args, script=script) if world == 2 else run_single(args, script=script))
-    per_rank = [json.loads(open(f"{prefix}_rank{r}.json").read())["seen"] for r in range(world)]
+    def served() -> list[list[int]]:
+        model = IndexRecorder()
+        cfg = TrainConfig(global_batch_size=8, per_device_batch_size=per_device, epochs=3, seed=seed,
+                          optimizer="sgd", lr=0.1, output_dir=str(tmp_path / f"w{world}b{per_device}s{seed}"))
+        train(cfg, model=model, train_dataset=IndexDataset(100))
+        return model.seen
+
+    per_rank = run_ranks(served, world_size=world)
     micro_per_step = 8 // (world * per_device)
     steps = []
     for step in range(len(per_rank[0]) // micro_per_step):
@@ -112,36 +126,72 @@ def test_same_samples_per_step_for_any_world_size_and_accumulation(tmp_path):
     assert _record(tmp_path, world=2, per_device=4, seed=4) != two_ranks  # the seed does matter
 
 
-def test_every_rank_starts_from_rank0_weights(tmp_path):
-    check(launch([str(tmp_path / "sync")], script=SCRIPTS / "prepare_sync.py"))
-    for rank in (0, 1):
-        result = json.loads((tmp_path / f"sync_rank{rank}.json").read_text())
+def _prepare_from_a_rank_seeded_init() -> dict:
+    """Each rank builds its model from a different seed; what prepare leaves on every rank."""
+    from accel_ddp.loop import build_accelerator
+    from accel_ddp.models import build_model
+
+    accelerator, _, _ = build_accelerator(TrainConfig(global_batch_size=8))
+    torch.manual_seed(100 + accelerator.process_index)
+    model = build_model("mlp", num_classes=3, input_shape=(5,), hidden_size=16)
+    before = torch.cat([p.detach().flatten() for p in model.parameters()])
+    model = accelerator.prepare(model)
+    after = torch.cat([p.detach().flatten() for p in model.parameters()])
+    everyone_before = accelerator.gather(before.unsqueeze(0))
+    everyone_after = accelerator.gather(after.unsqueeze(0))
+    return {
+        "world": accelerator.num_processes,
+        "differed_before": not torch.equal(everyone_before[0], everyone_before[1]),
+        "identical_after": all(torch.equal(everyone_after[0], row) for row in everyone_after),
+        "matches_rank0_init": torch.equal(after, everyone_before[0]),
+    }
+
+
+def test_every_rank_starts_from_rank0_weights():
+    for result in run_ranks(_prepare_from_a_rank_seeded_init):
         assert result["world"] == 2
         assert result["differed_before"], "the ranks' own inits should differ for this test to mean anything"
         assert result["identical_after"] and result["matches_rank0_init"]
 
 
 def test_eval_counts_each_sample_once_with_an_odd_eval_set(tmp_path):
-    """Both eval paths: a sliced in-memory shard per rank (fast) and a padded DataLoader (gather_for_metrics)."""
+    """Both eval paths: an in-memory shard per rank (device loader) and a padded DataLoader (gather_for_metrics)."""
     summaries = {}
-    for loader in ("fast", "dataloader"):
-        check(launch(["--dataset", "tests.helpers_data:odd_eval", "--model", "tests.helpers_data:tiny_linear",
-                      "--global_batch_size", "16", "--eval_batch_size", "4", "--epochs", "2", "--loader", loader,
-                      "--output_dir", str(tmp_path / loader)]))
+    for loader in ("device", "dataloader"):
+        train_ranks(["--dataset", "tests.helpers_data:odd_eval", "--model", "tests.helpers_data:tiny_linear",
+                     "--global_batch_size", "16", "--eval_batch_size", "4", "--epochs", "2", "--loader", loader,
+                     "--output_dir", str(tmp_path / loader)])
         summaries[loader] = read_summary(tmp_path / loader)
         assert summaries[loader]["world_size"] == 2 and summaries[loader]["loader"] == loader
         assert summaries[loader]["eval_samples"] == 37  # 2 ranks x 4-sample batches would pad the DataLoader to 40
     # Both loaders train the same weights, so the two evaluations must agree on every sample.
-    fast, dataloader = summaries["fast"], summaries["dataloader"]
-    assert fast["eval_accuracy"] == dataloader["eval_accuracy"]
-    assert abs(fast["eval_loss"] - dataloader["eval_loss"]) < 1e-6
+    device, dataloader = summaries["device"], summaries["dataloader"]
+    assert device["eval_accuracy"] == dataloader["eval_accuracy"]
+    assert abs(device["eval_loss"] - dataloader["eval_loss"]) < 1e-6
+
+
+def _train_with_audited_writes(log_prefix: str, args: list[str]) -> int:
+    """main(args) while logging every file this rank opens for writing or renames into LOG_PREFIX_rank<R>.log."""
+    from accel_ddp.loop import main
+
+    log = open(f"{log_prefix}_rank{os.environ.get('RANK', '0')}.log", "w", buffering=1)
+
+    def audit(event: str, event_args: tuple) -> None:
+        if event == "open" and isinstance(event_args[0], str) and event_args[1] and \
+                any(m in event_args[1] for m in "wax+"):
+            log.write(f"open\t{os.path.abspath(event_args[0])}\n")
+        elif event in ("os.rename", "os.replace"):
+            log.write(f"rename\t{os.path.abspath(event_args[1])}\n")
+
+    sys.addaudithook(audit)  # only in this forked rank: the hook dies with it
+    return main(args)
 
 
 def test_only_the_main_process_writes(tmp_path):
     out = tmp_path / "run"
-    check(launch([str(tmp_path / "audit"), "--", "--dataset", "synthetic", "--synthetic_samples", "128",
-                  "--synthetic_shape", "6", "--hidden_size", "8", "--global_batch_size", "16", "--epochs", "2",
-                  "--log_every", "4", "--output_dir", str(out)], script=SCRIPTS / "audit_writes.py"))
+    args = ["--dataset", "synthetic", "--synthetic_samples", "128", "--synthetic_shape", "6", "--hidden_size", "8",
+            "--global_batch_size", "16", "--epochs", "2", "--log_every", "4", "--output_dir", str(out)]
+    assert run_ranks(lambda: _train_with_audited_writes(str(tmp_path / "audit"), args)) == [0, 0]
     assert sorted(p.name for p in out.iterdir()) == ["config.yaml", "curves.png", "metrics.jsonl",
                                                      "model.safetensors", "summary.json"]
     rank0 = (tmp_path / "audit_rank0.log").read_text().splitlines()
@@ -156,11 +206,13 @@ def test_only_the_main_process_writes(tmp_path):
     assert len([r for r in records if "eval_accuracy" in r]) == 2  # one eval per epoch
 
 
+@pytest.mark.slow
 def test_failure_on_one_rank_stops_both_promptly(tmp_path):
+    """Only a launch shows it: torchrun must end rank 0, blocked in a collective, once rank 1 dies."""
     started = time.monotonic()
     result = launch(["--dataset", "synthetic", "--synthetic_samples", "4096", "--synthetic_shape", "6",
                      "--global_batch_size", "16", "--epochs", "50", "--output_dir", str(tmp_path)],
-                    env={"ACCEL_DDP_FAIL_AT_STEP": "3:1"}, timeout=120)
+                    env={"FAULT_FAIL_AT_STEP": "3:1"}, timeout=120, script=SCRIPTS / "faulty_train.py")
     elapsed = time.monotonic() - started
     assert result.returncode != 0
     assert elapsed < 60, f"the job took {elapsed:.0f}s to stop after rank 1 failed"
@@ -168,6 +220,7 @@ def test_failure_on_one_rank_stops_both_promptly(tmp_path):
     assert not (tmp_path / "summary.json").exists()
 
 
+@pytest.mark.slow
 def test_lone_processes_are_refused(tmp_path):
     """A script that made Accelerate's state without CPU/gloo: the 2 launched ranks never met."""
     result = launch(["--dataset", "synthetic", "--output_dir", str(tmp_path)], script=SCRIPTS / "premade_state.py")
@@ -176,6 +229,7 @@ def test_lone_processes_are_refused(tmp_path):
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
+@pytest.mark.slow
 def test_default_run_trains_digits_to_95_percent(tmp_path):
     """The README's main run: no flags but the output folder."""
     result = check(launch(["--output_dir", str(tmp_path)]))
@@ -184,10 +238,11 @@ def test_default_run_trains_digits_to_95_percent(tmp_path):
     assert summary["eval_accuracy"] >= 0.95, result.stdout[-2000:]
 
 
+@pytest.mark.slow
 def test_module_launch_and_plain_python(tmp_path):
     args = ["--dataset", "synthetic", "--synthetic_samples", "64", "--synthetic_shape", "4",
             "--global_batch_size", "16", "--epochs", "1"]
-    check(launch([*args, "--output_dir", str(tmp_path / "m")], script="accel_ddp.train", launch_args=["-m"]))
+    check(launch(["train", *args, "--output_dir", str(tmp_path / "m")], script="accel_ddp", launch_args=["-m"]))
     assert read_summary(tmp_path / "m")["world_size"] == 2
     check(run_single([*args, "--output_dir", str(tmp_path / "p")]))
     assert read_summary(tmp_path / "p")["world_size"] == 1

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from accel_ddp.train import main
+from accel_ddp.loop import main
 from tests.conftest import SCRIPTS, free_port, launch, run_single
 
 BASE = ["--dataset", "synthetic", "--synthetic_samples", "64", "--synthetic_shape", "4", "--epochs", "1",
@@ -83,10 +83,10 @@ def test_two_ranks_report_bad_input_once_without_rank_tracebacks(tmp_path):
 
 
 def test_unexpected_error_exits_1_with_its_traceback(tmp_path):
-    result = run_single([*BASE, "--output_dir", str(tmp_path)], env={"ACCEL_DDP_FAIL_AT_STEP": "2:0"})
+    result = run_single([*BASE, "--output_dir", str(tmp_path)], env={"FAULT_FAIL_AT_STEP": "2:0"})
     assert result.returncode == 1
     assert "Traceback (most recent call last)" in result.stderr
-    assert "RuntimeError: ACCEL_DDP_FAIL_AT_STEP: injected failure on rank 0 at step 2" in result.stderr
+    assert "InjectedFailure: injected failure on rank 0 at step 2" in result.stderr
     assert not (tmp_path / "summary.json").exists()
 
 

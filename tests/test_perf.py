@@ -100,7 +100,7 @@ def test_fused_optimizer_is_requested():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="TF32 is a CUDA setting; this machine has no GPU")
 def test_tf32_switches_on_with_cuda():
-    from accel_ddp.train import build_accelerator
+    from accel_ddp.loop import build_accelerator
 
     build_accelerator(TrainConfig(tf32=True))
     assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32

@@ -7,8 +7,8 @@ import sys
 
 from accel_ddp import exit_process
 from accel_ddp.config import parse_args
+from accel_ddp.loop import build_accelerator
 from accel_ddp.models import build_model
-from accel_ddp.train import build_accelerator
 
 out, argv = sys.argv[1], sys.argv[2:]
 accelerator, _, _ = build_accelerator(parse_args(argv))

@@ -6,6 +6,6 @@ from accelerate import PartialState
 
 PartialState()  # no cpu=True: each torchrun process becomes a lone world of 1
 
-from accel_ddp.train import run  # noqa: E402
+from accel_ddp.loop import run  # noqa: E402
 
 run(sys.argv[1:])

@@ -7,7 +7,7 @@ import time
 
 from accel_ddp import exit_process
 from accel_ddp.config import parse_args
-from accel_ddp.train import build_accelerator
+from accel_ddp.loop import build_accelerator
 
 accelerator, _, _ = build_accelerator(parse_args(sys.argv[1:]))
 if accelerator.process_index == 1:

@@ -1,18 +1,16 @@
-"""Datasets and loaders.
+"""The built-in datasets: digits, MNIST, FashionMNIST, CIFAR-10, image folders, synthetic; and the registry.
 
-Every builder returns a :class:`DatasetBundle`: train and eval datasets of ``(input, label)``
-pairs plus what a model needs to know about them. Sources that fit in memory (digits, MNIST,
-FashionMNIST, CIFAR-10, Hugging Face datasets) are decoded once into an :class:`InMemoryDataset`
-(uint8 where the source is uint8) that both loaders serve: the in-memory :class:`DeviceLoader`
-(fast path) and a plain DataLoader that Accelerate shards. Both give every optimizer step the
-same samples for the same seed, whatever the world size.
+Every builder returns a :class:`~accel_ddp.data.bundle.DatasetBundle`: train and eval datasets
+of ``(input, label)`` pairs plus what a model needs to know about them. Sources that fit in
+memory are decoded once into an :class:`~accel_ddp.data.in_memory.InMemoryDataset` (uint8 where
+the source is uint8), which the device loader serves.
 
 Your own dataset: ``--dataset my_pkg.my_data:build`` where
 
     def build(data_dir: str, download: bool) -> DatasetBundle: ...
 
 (a plain ``(train, eval, num_classes, input_shape)`` tuple works too). Return an
-``InMemoryDataset`` or a ``TensorDataset`` to get the fast path; any map-style Dataset works on
+``InMemoryDataset`` or a ``TensorDataset`` to get the device loader; any map-style Dataset works on
 the DataLoader path.
 """
 
@@ -23,37 +21,17 @@ import gzip
 import os
 import pickle
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, RandomSampler, Subset, TensorDataset
+from torch.utils.data import Dataset, Subset, TensorDataset
 
 from accel_ddp.config import ConfigError
-from accel_ddp.fast_loader import (
-    DeviceEvalLoader,
-    DeviceLoader,
-    InMemoryDataset,
-    as_in_memory,
-    is_in_memory,
-    steps_per_epoch,
-)
-from accel_ddp.hf_data import HFSource, build_hf
+from accel_ddp.data.bundle import DatasetBundle
+from accel_ddp.data.hf import HFSource, build_hf
+from accel_ddp.data.in_memory import InMemoryDataset
 from accel_ddp.registry import resolve
-
-__all__ = [
-    "DATASETS", "DatasetBundle", "DeviceLoader", "HFSource", "InMemoryDataset", "Loaders", "build_datasets",
-    "build_eval_loader", "build_loaders", "build_train_loader", "choose_loader", "default_num_workers",
-    "skip_first_batches", "steps_per_epoch",
-]
-
-
-class DatasetBundle(NamedTuple):
-    train: Dataset
-    eval: Dataset
-    num_classes: int
-    input_shape: tuple[int, ...]
-
 
 MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
 FASHION_MNIST_MEAN, FASHION_MNIST_STD = 0.2860, 0.3530
@@ -353,148 +331,3 @@ def build_datasets(
         )
     train, eval_, num_classes, input_shape = result
     return DatasetBundle(train, eval_, int(num_classes), tuple(int(d) for d in input_shape))
-
-
-# ----------------------------------------------------------------------------- loaders
-
-
-def usable_cpus() -> int:
-    """CPU cores this process may run on (its affinity mask where the OS has one)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-
-
-def default_num_workers(dataset: Dataset) -> int:
-    """0 for tensors in memory (workers would only add copies); else up to 8, sharing the CPUs among local ranks."""
-    if is_in_memory(dataset):
-        return 0
-    cpus = usable_cpus()
-    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    return max(1, min(8, cpus // local_ranks - 1))
-
-
-def build_train_loader(
-    dataset: Dataset, per_device_batch_size: int, global_batch_size: int, num_workers: int | None = None
-) -> DataLoader:
-    """Shuffling DataLoader whose epoch is exactly ``steps_per_epoch * global_batch_size`` samples.
-
-    The sampler draws a fresh permutation of the whole dataset and keeps its first whole global
-    batches. Accelerate swaps it for its seedable twin (seed + epoch) and hands rank ``r`` the
-    per-device batches ``r, r + world, ...``, so each optimizer step covers the same contiguous
-    chunk of the permutation whatever the world size and accumulation. ``num_workers=None``
-    picks :func:`default_num_workers`.
-    """
-    n_steps = steps_per_epoch(len(dataset), global_batch_size)
-    workers = default_num_workers(dataset) if num_workers is None else num_workers
-    sampler = RandomSampler(dataset, num_samples=n_steps * global_batch_size)
-    return DataLoader(
-        dataset,
-        batch_size=per_device_batch_size,
-        sampler=sampler,
-        drop_last=True,
-        num_workers=workers,
-        persistent_workers=workers > 0,  # no worker start-up cost at every epoch
-        pin_memory=torch.cuda.is_available(),  # with Accelerate's non_blocking copies, overlaps H2D with compute
-    )
-
-
-def build_eval_loader(dataset: Dataset, batch_size: int, num_workers: int | None = None) -> DataLoader:
-    """Ordered DataLoader; ``gather_for_metrics`` later drops the padding of the last batch."""
-    workers = default_num_workers(dataset) if num_workers is None else num_workers
-    return DataLoader(
-        dataset,
-        batch_size=batch_size,
-        shuffle=False,
-        num_workers=workers,
-        persistent_workers=workers > 0,
-        pin_memory=torch.cuda.is_available(),
-    )
-
-
-def choose_loader(loader: str, dataset: Dataset, fast_loader_max_mb: float) -> str:
-    """``"fast"`` or ``"dataloader"`` for ``--loader`` auto/fast/dataloader and this training set.
-
-    ``auto`` takes the fast path for tensors in memory up to ``fast_loader_max_mb`` MiB as stored;
-    ``fast`` insists on it (a clear error when the dataset is not tensors in memory).
-    """
-    if loader not in ("auto", "fast", "dataloader"):
-        raise ConfigError(f"--loader {loader!r} is unknown; choose one of auto, fast, dataloader")
-    if loader == "dataloader":
-        return "dataloader"
-    if not is_in_memory(dataset):
-        if loader == "fast":
-            raise ConfigError(
-                f"--loader fast: the training set is a {type(dataset).__name__}, not tensors in memory; use "
-                "--loader dataloader, or return an accel_ddp.data.InMemoryDataset or TensorDataset from --dataset"
-            )
-        return "dataloader"
-    if loader == "auto" and as_in_memory(dataset).nbytes > fast_loader_max_mb * 2**20:
-        return "dataloader"
-    return "fast"
-
-
-class Loaders(NamedTuple):
-    train: Any  # a prepared DataLoader, or a DeviceLoader: both yield (inputs, labels) on the device
-    eval: Any  # a prepared DataLoader (gather_for_metrics counts each sample once), a DeviceEvalLoader, or None
-    kind: str  # "fast" or "dataloader"
-
-
-def build_loaders(
-    accelerator,
-    train_dataset: Dataset,
-    eval_dataset: Dataset | None,
-    *,
-    per_device_batch_size: int,
-    global_batch_size: int,
-    eval_batch_size: int | None = None,
-    loader: str = "auto",
-    num_workers: int | None = None,
-    fast_loader_max_mb: float = 4096,
-) -> Loaders:
-    """Train and eval loaders, ready to iterate: prepared by ``accelerator`` or on its device already.
-
-    The training loader is the in-memory :class:`DeviceLoader` where :func:`choose_loader` says so,
-    else a prepared DataLoader; both draw the permutation from the accelerator's ``data_seed``
-    and give each optimizer step the same samples. Evaluation runs on a prepared
-    DataLoader (``gather_for_metrics`` counts each eval sample exactly once), except next to the
-    fast training loader, where an in-memory eval set is sliced per rank on the device
-    (:class:`DeviceEvalLoader`, summed over ranks).
-
-        train_loader, eval_loader, kind = build_loaders(
-            accelerator, train_ds, eval_ds, per_device_batch_size=32, global_batch_size=64)
-        model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
-    """
-    kind = choose_loader(loader, train_dataset, fast_loader_max_mb)
-    if kind == "fast":
-        train_loader = DeviceLoader(
-            train_dataset, per_device_batch_size, global_batch_size, seed=data_seed(accelerator),
-            rank=accelerator.process_index, world_size=accelerator.num_processes, device=accelerator.device,
-        )
-    else:
-        train_loader = accelerator.prepare(
-            build_train_loader(train_dataset, per_device_batch_size, global_batch_size, num_workers)
-        )
-    eval_loader = None
-    eval_batch_size = eval_batch_size or 2 * per_device_batch_size
-    if (eval_dataset is not None and kind == "fast" and is_in_memory(eval_dataset)
-            and DeviceEvalLoader.can_shard(len(eval_dataset), eval_batch_size, accelerator.num_processes)):
-        eval_loader = DeviceEvalLoader(eval_dataset, eval_batch_size, rank=accelerator.process_index,
-                                       world_size=accelerator.num_processes, device=accelerator.device)
-    elif eval_dataset is not None:
-        eval_loader = accelerator.prepare(build_eval_loader(eval_dataset, eval_batch_size, num_workers))
-    return Loaders(train_loader, eval_loader, kind)
-
-
-def data_seed(accelerator) -> int:
-    """The seed Accelerate's seedable sampler starts from: ``data_seed``, else torch's initial seed."""
-    seed = getattr(getattr(accelerator, "dataloader_config", None), "data_seed", None)
-    return int(seed) if seed is not None else torch.random.initial_seed()
-
-
-def skip_first_batches(accelerator, loader, num_batches: int):
-    """The rest of the current epoch after its first ``num_batches`` micro-batches, for either loader.
-
-    Call ``loader.set_epoch(epoch)`` first; iterate the result for that epoch only.
-    """
-    if isinstance(loader, DeviceLoader):
-        return loader.skip_first_batches(num_batches)
-    return accelerator.skip_first_batches(loader, num_batches)

@@ -1,4 +1,7 @@
-"""The training entry point: ``main()`` for the CLI, ``train()`` for Python.
+"""The training run, read top to bottom: ``setup`` -> ``fit`` -> ``evaluate_and_log`` -> ``finish``.
+
+``train()`` is the Python API; ``main()`` the CLI (returns an exit code); ``run()`` the script
+entry point (``train.py``, ``accel-ddp train``), which exits the process safely.
 
     accelerate launch --config_file accelerate_configs/cpu_2proc.yaml train.py --dataset digits
 
@@ -14,6 +17,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import ExitStack
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, NoReturn, TypeVar
@@ -48,11 +52,6 @@ from accel_ddp.tracking import (
     tracking_kwargs,
 )
 
-# Test hooks, read once from the environment (tests/test_checkpoint.py uses them):
-FAIL_ENV = "ACCEL_DDP_FAIL_AT_STEP"  # "STEP:RANK": that rank raises right after optimizer step STEP
-FAIL_ONCE_ENV = "ACCEL_DDP_FAIL_ONCE"  # a file: fail only while it is absent (created on failing): restarts pass
-CRASH_IN_SAVE_ENV = "ACCEL_DDP_CRASH_IN_CHECKPOINT"  # "STEP": the main process SIGKILLs itself mid-save of STEP
-STEP_DELAY_ENV = "ACCEL_DDP_STEP_DELAY"  # seconds of sleep after each optimizer step: lets a test signal a live run
 DEBUG_MAX_STEPS = 10  # --debug: a handful of optimizer steps is enough to surface shape or sync bugs
 
 
@@ -108,35 +107,6 @@ def ddp_kwargs(cfg: TrainConfig) -> DistributedDataParallelKwargs:
     )
 
 
-@dataclass(frozen=True)
-class _TestHooks:
-    fail_at: tuple[int, int] | None = None
-    fail_once_file: str | None = None
-    crash_in_checkpoint: int | None = None
-    step_delay: float = 0.0
-
-    @classmethod
-    def from_env(cls) -> _TestHooks:
-        fail_at = None
-        if os.environ.get(FAIL_ENV):
-            step, _, rank = os.environ[FAIL_ENV].partition(":")
-            fail_at = int(step), int(rank or 0)
-        crash = os.environ.get(CRASH_IN_SAVE_ENV)
-        return cls(fail_at, os.environ.get(FAIL_ONCE_ENV) or None, int(crash) if crash else None,
-                   float(os.environ.get(STEP_DELAY_ENV) or 0.0))
-
-    def after_step(self, step: int, rank: int) -> None:
-        if self.step_delay:
-            time.sleep(self.step_delay)
-        if self.fail_at != (step, rank):
-            return
-        if self.fail_once_file is not None:
-            if os.path.exists(self.fail_once_file):
-                return
-            open(self.fail_once_file, "w").close()
-        raise RuntimeError(f"{FAIL_ENV}: injected failure on rank {rank} at step {step}")
-
-
 def _infer_num_classes(dataset: Dataset) -> int:
     if hasattr(dataset, "classes"):
         return len(dataset.classes)
@@ -182,6 +152,38 @@ def _resolve_data(cfg: TrainConfig, accelerator: Accelerator, train_dataset, eva
     return train_dataset, eval_dataset, num_classes, input_shape
 
 
+@dataclass
+class Plan:
+    """What an optimizer step means for this run, derived once from the config and the world size."""
+
+    per_device_batch: int  # samples per forward pass on one rank
+    accumulation: int  # micro-steps per optimizer step
+    steps_per_epoch: int  # optimizer steps; the trailing partial global batch is dropped
+    total_steps: int  # optimizer steps of the whole run
+    num_epochs: int
+
+
+@dataclass
+class Run:
+    """Everything ``fit`` and ``finish`` need, built by ``setup``. Collective objects are on every rank."""
+
+    cfg: TrainConfig
+    accelerator: Accelerator
+    model: torch.nn.Module  # wrapped by accelerator.prepare (DDP, FSDP or as is)
+    optimizer: Any
+    scheduler: Any
+    train_loader: Any  # a DeviceLoader or a prepared DataLoader: (inputs, labels) on the device
+    eval_loader: Any  # None when there is no eval set
+    plan: Plan
+    facts: dict[str, Any]  # world size, batch layout, loader... : config.yaml, checkpoints and summary.json
+    recorder: RunRecorder
+    checkpoints: CheckpointManager
+    preemption: PreemptionWatcher
+    start_step: int  # 0, or the optimizer step of the checkpoint resumed from
+    memory_format: torch.memory_format
+    started: float  # time.perf_counter() when train() began
+
+
 def train(
     cfg: TrainConfig,
     model: torch.nn.Module | None = None,
@@ -194,30 +196,23 @@ def train(
     label)`` pairs; without ``eval_dataset`` no evaluation runs. On SIGTERM or SIGUSR1 every rank
     finishes the current optimizer step, saves a checkpoint and raises ``Preempted``.
     """
-    accelerator = None
-    recorder = None
-    preemption = None
-    try:
-        accelerator, per_device_batch, accumulation = build_accelerator(cfg)
-        preemption = PreemptionWatcher(accelerator).install()  # from now on a SIGTERM means "save, then stop"
-        if accelerator.is_main_process and (hazard := restart_hazard()):
-            print(f"accel_ddp: warning: {hazard}", file=sys.stderr, flush=True)
-        recorder = RunRecorder(cfg.output_dir, accelerator.is_main_process, accelerator=accelerator)
-        summary = _train_loop(cfg, accelerator, recorder, preemption, per_device_batch, accumulation,
-                              model, train_dataset, eval_dataset)
-        return summary
-    finally:
-        if preemption is not None:
-            preemption.uninstall()
-        if recorder is not None:
-            recorder.close()
-        if accelerator is not None:
-            accelerator.end_training()
+    with ExitStack() as teardown:  # on any exit: signal handlers back, files closed, process group gone
+        run = setup(cfg, teardown, model, train_dataset, eval_dataset)
+        return finish(run, fit(run))
 
 
-def _train_loop(cfg, accelerator, recorder, preemption, per_device_batch, accumulation, model, train_dataset,
-                eval_dataset):
+def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None, eval_dataset=None) -> Run:
+    """Join the process group, build data, model, optimizer and schedule, and agree on where to start."""
     started = time.perf_counter()
+    accelerator, per_device_batch, accumulation = build_accelerator(cfg)
+    teardown.callback(accelerator.end_training)
+    preemption = PreemptionWatcher(accelerator).install()  # from now on a SIGTERM means "save, then stop"
+    teardown.callback(preemption.uninstall)
+    if accelerator.is_main_process and (hazard := restart_hazard()):
+        print(f"accel_ddp: warning: {hazard}", file=sys.stderr, flush=True)
+    recorder = RunRecorder(cfg.output_dir, accelerator.is_main_process, accelerator=accelerator)
+    teardown.callback(recorder.close)
+
     if cfg.debug:
         torch.autograd.set_detect_anomaly(True)
         torch.use_deterministic_algorithms(True, warn_only=True)
@@ -231,72 +226,90 @@ def _train_loop(cfg, accelerator, recorder, preemption, per_device_batch, accumu
     memory_format = torch.channels_last if cfg.channels_last else torch.contiguous_format
     model = model.to(memory_format=memory_format)  # NHWC convolutions: faster on tensor cores
 
-    num_workers = 0 if cfg.debug else cfg.num_workers
-    # The in-memory device loader where the data fits (--loader), else a prepared DataLoader; eval alike.
+    # The device loader where the data fits (--loader), else a prepared DataLoader; eval alike.
     train_loader, eval_loader, loader_kind = build_loaders(
         accelerator, train_dataset, eval_dataset, per_device_batch_size=per_device_batch,
         global_batch_size=cfg.global_batch_size, eval_batch_size=cfg.eval_batch_size, loader=cfg.loader,
-        num_workers=num_workers, fast_loader_max_mb=cfg.fast_loader_max_mb,
+        num_workers=0 if cfg.debug else cfg.num_workers, device_loader_max_mb=cfg.device_loader_max_mb,
     )
-
-    steps_in_epoch = steps_per_epoch(len(train_dataset), cfg.global_batch_size)
-    total_steps = cfg.max_steps or cfg.epochs * steps_in_epoch
-    if cfg.debug:
-        total_steps = min(total_steps, DEBUG_MAX_STEPS)
-    num_epochs = math.ceil(total_steps / steps_in_epoch)
+    plan = _plan(cfg, len(train_dataset), per_device_batch, accumulation)
 
     optimizer = build_optimizer(cfg.optimizer, model, cfg.lr, cfg.weight_decay,
                                 fused=accelerator.device.type == "cuda")
-    scheduler = build_lr_scheduler(optimizer, cfg.lr_schedule, cfg.warmup_steps, total_steps)
+    scheduler = build_lr_scheduler(optimizer, cfg.lr_schedule, cfg.warmup_steps, plan.total_steps)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
 
-    world = accelerator.num_processes
-    run_facts = {
-        "world_size": world,
+    facts = _run_facts(cfg, accelerator, plan, loader_kind)
+    checkpoints = CheckpointManager(accelerator, cfg.output_dir, cfg.keep_last,
+                                    {**facts, "seed": cfg.seed, "optimizer": cfg.optimizer, "model": cfg.model})
+    if cfg.resume_from_checkpoint:  # weights, optimizer, schedule, scaler and every rank's RNG
+        start_step = checkpoints.resume(cfg.resume_from_checkpoint)
+    else:
+        checkpoints.check_fresh_start()
+        start_step = 0
+    # Only now, with the input checked and the start point agreed, touch what earlier runs left.
+    recorder.rewind(start_step)  # metrics past the checkpoint belong to the lost steps
+    recorder.write_config({**cfg.to_dict(), "resolved": facts})
+    return Run(cfg, accelerator, model, optimizer, scheduler, train_loader, eval_loader, plan, facts, recorder,
+               checkpoints, preemption, start_step, memory_format, started)
+
+
+def _plan(cfg: TrainConfig, num_train_samples: int, per_device_batch: int, accumulation: int) -> Plan:
+    steps_in_epoch = steps_per_epoch(num_train_samples, cfg.global_batch_size)
+    total_steps = cfg.max_steps or cfg.epochs * steps_in_epoch
+    if cfg.debug:
+        total_steps = min(total_steps, DEBUG_MAX_STEPS)
+    return Plan(per_device_batch, accumulation, steps_in_epoch, total_steps, math.ceil(total_steps / steps_in_epoch))
+
+
+def _run_facts(cfg: TrainConfig, accelerator: Accelerator, plan: Plan, loader_kind: str) -> dict[str, Any]:
+    return {
+        "world_size": accelerator.num_processes,
         "global_batch_size": cfg.global_batch_size,
-        "per_device_batch_size": per_device_batch,
-        "grad_accum_steps": accumulation,
-        "steps_per_epoch": steps_in_epoch,
-        "total_steps": total_steps,
+        "per_device_batch_size": plan.per_device_batch,
+        "grad_accum_steps": plan.accumulation,
+        "steps_per_epoch": plan.steps_per_epoch,
+        "total_steps": plan.total_steps,
         "distributed_type": str(accelerator.distributed_type.value),
         "mixed_precision": accelerator.mixed_precision,
         "loader": loader_kind,
         "device": str(accelerator.device.type),
         "num_machines": int(os.environ.get("ACCELERATE_NUM_MACHINES", os.environ.get("GROUP_WORLD_SIZE", "1"))),
     }
-    hooks = _TestHooks.from_env()
 
-    checkpoints = CheckpointManager(accelerator, cfg.output_dir, cfg.keep_last,
-                                    {**run_facts, "seed": cfg.seed, "optimizer": cfg.optimizer, "model": cfg.model},
-                                    crash_in_save_at=hooks.crash_in_checkpoint)
-    if cfg.resume_from_checkpoint:  # weights, optimizer, schedule, scaler and every rank's RNG
-        resumed_step = checkpoints.resume(cfg.resume_from_checkpoint)
-    else:
-        checkpoints.check_fresh_start()
-        resumed_step = 0
+
+@dataclass
+class FitResult:
+    step: int  # optimizer steps done
+    eval_metrics: dict[str, Any]  # the last evaluation's, empty without an eval set
+    timer: EpochTimer  # step times and data-wait share over the run
+
+
+def fit(run: Run) -> FitResult:
+    """The training loop, from ``run.start_step`` to the last optimizer step.
+
+    ``micro_step`` = one forward/backward per rank; ``step`` = one optimizer step over the global batch.
+    """
+    cfg, accelerator, model, optimizer, scheduler = run.cfg, run.accelerator, run.model, run.optimizer, run.scheduler
+    plan, recorder = run.plan, run.recorder
     save_every = 0 if cfg.checkpointing_steps in (None, "epoch") else int(cfg.checkpointing_steps)
-    # Only now, with the input checked and the start point agreed, touch what earlier runs left.
-    recorder.rewind(resumed_step)  # metrics past the checkpoint belong to the lost steps
-    recorder.write_config({**cfg.to_dict(), "resolved": run_facts})
-
-    # ---- the loop: micro_step = one forward/backward per rank; step = one optimizer step ----
-    step = resumed_step  # epochs have a fixed number of steps, so the step alone says where we are
+    step = run.start_step  # epochs have a fixed number of steps, so the step alone says where we are
     eval_metrics: dict[str, Any] = {}
     running_loss = torch.zeros((), device=accelerator.device)
     steps_since_log = 0
-    bar = progress_bar(total_steps, step, accelerator.is_local_main_process)
+    bar = progress_bar(plan.total_steps, step, accelerator.is_local_main_process)
     meter = ThroughputMeter(cfg.global_batch_size, step)  # samples/s between log lines
     timer = EpochTimer(cfg.global_batch_size)  # per-epoch step-time percentiles and data-wait share
     profiler = StepProfiler(cfg.profile, cfg.output_dir, accelerator.process_index)
-    for epoch in range(step // steps_in_epoch, num_epochs):
-        if step >= total_steps:  # resumed from the last step's checkpoint
+    for epoch in range(step // plan.steps_per_epoch, plan.num_epochs):
+        if step >= plan.total_steps:  # resumed from the last step's checkpoint
             break
         model.train()
         # A new permutation each epoch, identical on every rank; a resumed epoch skips what was trained on.
-        batches = _epoch_batches(accelerator, train_loader, epoch, (step - epoch * steps_in_epoch) * accumulation)
+        skip = (step - epoch * plan.steps_per_epoch) * plan.accumulation
         timer.start_epoch()
-        for inputs, labels in timed(batches, timer):
-            inputs = inputs.contiguous(memory_format=memory_format) if inputs.ndim == 4 else inputs
+        for inputs, labels in timed(_epoch_batches(accelerator, run.train_loader, epoch, skip), timer):
+            inputs = inputs.contiguous(memory_format=run.memory_format) if inputs.ndim == 4 else inputs
             with accelerator.accumulate(model):
                 loss = F.cross_entropy(model(inputs).float(), labels)
                 accelerator.backward(loss)
@@ -304,7 +317,7 @@ def _train_loop(cfg, accelerator, recorder, preemption, per_device_batch, accumu
                     accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
                 optimizer.step()  # no-op on accumulation micro-steps
                 optimizer.zero_grad(set_to_none=True)
-            running_loss += loss.detach() / accumulation
+            running_loss += loss.detach() / plan.accumulation
             if not accelerator.sync_gradients:
                 continue
             scheduler.step()  # exactly once per optimizer step
@@ -313,8 +326,7 @@ def _train_loop(cfg, accelerator, recorder, preemption, per_device_batch, accumu
             timer.step_done()
             profiler.step()
             bar.update(1)
-            hooks.after_step(step, accelerator.process_index)
-            if step % cfg.log_every == 0 or step == total_steps:
+            if step % cfg.log_every == 0 or step == plan.total_steps:
                 # Only here do we sync with the host: per-step .item() would stall the GPU.
                 mean_loss = accelerator.reduce(running_loss, "mean").item() / steps_since_log
                 running_loss.zero_()
@@ -322,47 +334,51 @@ def _train_loop(cfg, accelerator, recorder, preemption, per_device_batch, accumu
                 recorder.log({"step": step, "epoch": epoch, "loss": mean_loss, "lr": scheduler.get_last_lr()[0],
                               "samples_per_sec": meter.rate(step)})
                 bar.set_postfix(loss=f"{mean_loss:.4f}")
-            if preemption.stop_requested():  # a CPU all-reduce of a flag: every rank stops after the same step
+            if run.preemption.stop_requested():  # a CPU all-reduce of a flag: every rank stops after the same step
                 bar.close()
-                raise Preempted(preemption.signal_name, step, checkpoints.save(step))
-            if eval_loader is not None and cfg.eval_every and step % cfg.eval_every == 0:
-                eval_metrics = _evaluate_and_log(accelerator, model, eval_loader, recorder, step, epoch)
+                raise Preempted(run.preemption.signal_name, step, run.checkpoints.save(step))
+            if run.eval_loader is not None and cfg.eval_every and step % cfg.eval_every == 0:
+                eval_metrics = evaluate_and_log(run, step, epoch)
                 meter.reset(step)  # evaluation time is not training throughput
                 timer.pause()
             if save_every and step % save_every == 0:
-                checkpoints.save(step)
+                run.checkpoints.save(step)
                 meter.reset(step)  # nor is checkpointing time
                 timer.pause()
-            if step >= total_steps:
+            if step >= plan.total_steps:
                 break
         recorder.log({"step": step, "epoch": epoch, **timer.end_epoch()})
-        if eval_loader is not None and not cfg.eval_every:
-            eval_metrics = _evaluate_and_log(accelerator, model, eval_loader, recorder, step, epoch)
-        if cfg.checkpointing_steps == "epoch" and step == (epoch + 1) * steps_in_epoch:
-            checkpoints.save(step)
+        if run.eval_loader is not None and not cfg.eval_every:
+            eval_metrics = evaluate_and_log(run, step, epoch)
+        if cfg.checkpointing_steps == "epoch" and step == (epoch + 1) * plan.steps_per_epoch:
+            run.checkpoints.save(step)
     bar.close()
     profiler.stop()
-    if eval_loader is not None and cfg.eval_every and step % cfg.eval_every != 0:
-        eval_metrics = _evaluate_and_log(accelerator, model, eval_loader, recorder, step, num_epochs - 1)
+    if run.eval_loader is not None and cfg.eval_every and step % cfg.eval_every != 0:
+        eval_metrics = evaluate_and_log(run, step, plan.num_epochs - 1)
+    return FitResult(step, eval_metrics, timer)
 
-    export_weights(accelerator, model, cfg.output_dir)
-    timing = timer.totals()
+
+def finish(run: Run, result: FitResult) -> dict[str, Any]:
+    """Export the final weights, write summary.json and curves.png; return the summary."""
+    export_weights(run.accelerator, run.model, run.cfg.output_dir)
+    timing = result.timer.totals()
     summary = {
-        **run_facts,
-        "optimizer_steps": step,
-        "epochs": num_epochs,
-        "eval_accuracy": eval_metrics.get("eval_accuracy"),
-        "eval_loss": eval_metrics.get("eval_loss"),
-        "eval_samples": eval_metrics.get("eval_samples", 0),
+        **run.facts,
+        "optimizer_steps": result.step,
+        "epochs": run.plan.num_epochs,
+        "eval_accuracy": result.eval_metrics.get("eval_accuracy"),
+        "eval_loss": result.eval_metrics.get("eval_loss"),
+        "eval_samples": result.eval_metrics.get("eval_samples", 0),
         "train_samples_per_sec": timing.pop("samples_per_sec", 0.0),
         **timing,  # step_time_p50_ms, step_time_p90_ms, data_wait_share over the whole run
-        "train_seconds": sum(timer.all_steps),
-        "elapsed_sec": time.perf_counter() - started,
-        "lr_scheduler_steps": scheduler.scheduler.last_epoch,
-        "resumed_from_step": resumed_step,
+        "train_seconds": sum(result.timer.all_steps),
+        "elapsed_sec": time.perf_counter() - run.started,
+        "lr_scheduler_steps": run.scheduler.scheduler.last_epoch,
+        "resumed_from_step": run.start_step,
     }
-    recorder.write_summary(summary)
-    recorder.plot()  # OUTPUT_DIR/curves.png
+    run.recorder.write_summary(summary)
+    run.recorder.plot()  # OUTPUT_DIR/curves.png
     return summary
 
 
@@ -392,13 +408,14 @@ def _without_seed_draw(loader) -> Iterator:
     yield from batches
 
 
-def _evaluate_and_log(accelerator, model, eval_loader, recorder, step, epoch) -> dict[str, Any]:
+def evaluate_and_log(run: Run, step: int, epoch: int) -> dict[str, Any]:
+    """Evaluate on every rank, log the metrics (main process) and return them."""
     # Evaluation must not move the training RNG stream (its loader draws a seed): a resumed run skips
     # the evaluations that came before its checkpoint and must still replay the same dropout masks.
     with torch.random.fork_rng(devices=[]):
-        metrics = evaluate(accelerator, model, eval_loader)
-    recorder.log({"step": step, "epoch": epoch, **metrics})
-    if accelerator.is_main_process:
+        metrics = evaluate(run.accelerator, run.model, run.eval_loader)
+    run.recorder.log({"step": step, "epoch": epoch, **metrics})
+    if run.accelerator.is_main_process:
         tqdm.write(f"step {step} epoch {epoch}: eval_loss {metrics['eval_loss']:.4f} "
                    f"eval_accuracy {metrics['eval_accuracy']:.4f} ({metrics['eval_samples']} samples)")
     return metrics
@@ -429,7 +446,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(argv: list[str] | None = None) -> NoReturn:
-    """The script entry point (``python train.py``, ``python -m accel_ddp.train``): ``main()``, then exit.
+    """The script entry point (``python train.py``, ``accel-ddp train``): ``main()``, then exit.
 
     An unexpected exception is printed as Python would and exits 1. The exit goes through
     ``exit_process`` so that a successful run cannot abort during interpreter teardown.

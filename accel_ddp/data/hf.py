@@ -22,7 +22,8 @@ import numpy as np
 import torch
 
 from accel_ddp.config import ConfigError
-from accel_ddp.fast_loader import InMemoryDataset
+from accel_ddp.data.bundle import DatasetBundle
+from accel_ddp.data.in_memory import InMemoryDataset
 
 EVAL_SPLITS = ("test", "validation", "valid", "val", "eval")
 LABEL_COLUMNS = ("label", "labels", "target", "targets", "class", "y", "fine_label", "coarse_label")
@@ -45,8 +46,6 @@ class HFSource(NamedTuple):
 
 def build_hf(data_dir: str, download: bool, source: HFSource | None = None, image_size: int | None = None):
     """A :class:`~accel_ddp.data.DatasetBundle` of two :class:`InMemoryDataset` from a Hugging Face dataset."""
-    from accel_ddp.data import DatasetBundle
-
     source = source or HFSource()
     splits = _load_splits(data_dir, source)
     if source.train_split not in splits:

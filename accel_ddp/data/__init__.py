@@ -1,0 +1,46 @@
+"""Data: where samples come from and how each rank gets its share of every global batch.
+
+One job per module, arrows pointing one way (``bundle`` and ``sampler`` depend on nothing here):
+
+    bundle.py         DatasetBundle, what every dataset builder returns
+    in_memory.py      InMemoryDataset: samples as one tensor, batch-wise augmentation and normalisation
+    sampler.py        the global-batch permutation (seed, epoch) and steps per epoch, shared by every loader
+    device_loader.py  DeviceLoader / DeviceEvalLoader: an in-memory set served from the training device
+    hf.py             Hugging Face datasets (Hub names, save_to_disk folders, parquet/csv/json, image folders)
+    builtin.py        digits, MNIST, FashionMNIST, CIFAR-10, imagefolder, synthetic; the registry
+    loaders.py        choosing and building the train and eval loaders
+"""
+
+from accel_ddp.data.builtin import (
+    CIFAR10_MEAN,
+    CIFAR10_STD,
+    DATASETS,
+    FASHION_MNIST_MEAN,
+    FASHION_MNIST_STD,
+    MNIST_MEAN,
+    MNIST_STD,
+    build_datasets,
+    read_idx,
+)
+from accel_ddp.data.bundle import DatasetBundle
+from accel_ddp.data.device_loader import DeviceEvalLoader, DeviceLoader
+from accel_ddp.data.hf import HFSource
+from accel_ddp.data.in_memory import InMemoryDataset
+from accel_ddp.data.loaders import (
+    Loaders,
+    build_eval_loader,
+    build_loaders,
+    build_train_loader,
+    choose_loader,
+    default_num_workers,
+    skip_first_batches,
+    usable_cpus,
+)
+from accel_ddp.data.sampler import epoch_order, steps_per_epoch
+
+__all__ = [
+    "CIFAR10_MEAN", "CIFAR10_STD", "DATASETS", "FASHION_MNIST_MEAN", "FASHION_MNIST_STD", "MNIST_MEAN", "MNIST_STD",
+    "DatasetBundle", "DeviceEvalLoader", "DeviceLoader", "HFSource", "InMemoryDataset", "Loaders",
+    "build_datasets", "build_eval_loader", "build_loaders", "build_train_loader", "choose_loader",
+    "default_num_workers", "epoch_order", "read_idx", "skip_first_batches", "steps_per_epoch", "usable_cpus",
+]

@@ -1,0 +1,23 @@
+"""The names of everything a run writes, defined once. No torch import (the CLI reads runs too).
+
+    OUTPUT_DIR/config.yaml          resolved training config, plus world size and accelerate state
+    OUTPUT_DIR/metrics.jsonl        one JSON object per logged step, epoch and evaluation
+    OUTPUT_DIR/summary.json         final figures
+    OUTPUT_DIR/model.safetensors    final weights of the unwrapped model
+    OUTPUT_DIR/curves.png           loss, eval metric, LR and throughput against step
+    OUTPUT_DIR/metrics.csv          with the csv tracker
+    OUTPUT_DIR/tensorboard/         with the tensorboard tracker
+    OUTPUT_DIR/profile/rank<R>.json with --profile: one Chrome trace per rank
+    OUTPUT_DIR/checkpoints/step_00000100/   full training state; checkpoint.json is its completion marker
+"""
+
+CONFIG_NAME = "config.yaml"
+METRICS_NAME = "metrics.jsonl"
+SUMMARY_NAME = "summary.json"
+WEIGHTS_NAME = "model.safetensors"
+CURVES_NAME = "curves.png"
+CSV_NAME = "metrics.csv"
+TENSORBOARD_SUBDIR = "tensorboard"  # Accelerate's TensorBoardTracker writes to project_dir/<project name>
+PROFILE_SUBDIR = "profile"
+CHECKPOINTS_DIR = "checkpoints"
+MARKER_NAME = "checkpoint.json"  # inside each checkpoint folder, written last

@@ -1,0 +1,86 @@
+"""Fault injection for tests: patches applied inside a test's own process (a forked rank, or the
+wrapper script tests/scripts/faulty_train.py). accel_ddp itself has no test hooks.
+
+    install(fail_at=(10, 1))              rank 1 raises right after optimizer step 10
+    install(fail_at=(10, 1), once=path)   ... only while `path` does not exist (it creates it): one crash
+    install(crash_in_checkpoint=12)       the main process SIGKILLs itself in the middle of saving step 12
+    install(step_delay=0.15)              sleep after each optimizer step, so a test can signal a live run
+
+The step hook wraps the LR scheduler's ``step``, which the loop calls exactly once per optimizer
+step (a tested invariant), so ``scheduler.last_epoch`` is the optimizer step just finished.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+ENV_FAIL_AT = "FAULT_FAIL_AT_STEP"  # "STEP:RANK"
+ENV_FAIL_ONCE = "FAULT_FAIL_ONCE"  # a file path
+ENV_CRASH_IN_CHECKPOINT = "FAULT_CRASH_IN_CHECKPOINT"  # "STEP"
+ENV_STEP_DELAY = "FAULT_STEP_DELAY"  # seconds
+
+
+class InjectedFailure(RuntimeError):
+    pass
+
+
+def install(fail_at: tuple[int, int] | None = None, once: str | None = None, crash_in_checkpoint: int | None = None,
+            step_delay: float = 0.0) -> None:
+    import accel_ddp.checkpoint as checkpoint
+    import accel_ddp.loop as loop
+
+    if fail_at is not None or step_delay:
+        build = loop.build_lr_scheduler
+
+        def build_with_fault(*args, **kwargs):
+            scheduler = build(*args, **kwargs)
+            # A subclass, not an attribute: the scheduler's __dict__ is its checkpointed state.
+            scheduler.__class__ = type("FaultyScheduler", (type(scheduler),), {"step": _faulty_step})
+            return scheduler
+
+        _STEP_FAULT.update(fail_at=fail_at, once=once, step_delay=step_delay)
+        loop.build_lr_scheduler = build_with_fault
+    if crash_in_checkpoint is not None:
+        seal = checkpoint.CheckpointManager._seal
+
+        def seal_or_die(self, tmp, final, step):
+            if step == crash_in_checkpoint:  # every rank has written its files; the checkpoint is not sealed
+                os.kill(os.getpid(), signal.SIGKILL)
+            seal(self, tmp, final, step)
+
+        checkpoint.CheckpointManager._seal = seal_or_die
+
+
+_STEP_FAULT: dict = {}  # this process's step fault, set by install()
+
+
+def _faulty_step(scheduler, *args, **kwargs) -> None:
+    super(type(scheduler), scheduler).step(*args, **kwargs)
+    _after_step(scheduler.last_epoch, **_STEP_FAULT)
+
+
+def _after_step(step: int, fail_at, once: str | None, step_delay: float) -> None:
+    if step_delay:
+        time.sleep(step_delay)
+    rank = int(os.environ.get("RANK", "0"))
+    if fail_at != (step, rank):
+        return
+    if once is not None:
+        if os.path.exists(once):
+            return
+        open(once, "w").close()
+    raise InjectedFailure(f"injected failure on rank {rank} at step {step}")
+
+
+def install_from_env() -> None:
+    """``install`` with the FAULT_* environment variables (for launched scripts)."""
+    fail_at = None
+    if os.environ.get(ENV_FAIL_AT):
+        step, _, rank = os.environ[ENV_FAIL_AT].partition(":")
+        fail_at = int(step), int(rank or 0)
+    crash = os.environ.get(ENV_CRASH_IN_CHECKPOINT)
+    install(fail_at=fail_at, once=os.environ.get(ENV_FAIL_ONCE) or None,
+            crash_in_checkpoint=int(crash) if crash else None,
+            step_delay=float(os.environ.get(ENV_STEP_DELAY) or 0.0))

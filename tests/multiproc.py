@@ -1,0 +1,132 @@
+"""Run a function on N ranks of a real gloo process group, forked from the test process.
+
+A full `accelerate launch` costs three interpreter start-ups (launcher + two workers), each
+importing torch and Accelerate: ~8 s of a 2-core machine for ~1 s of training. Forking the test
+process, which has imported everything already, gives the same two ranks over the same gloo
+transport in a fraction of that. What only a launch can show (signals through torchrun, elastic
+restarts, two launchers, the README run) stays in the launch tests.
+
+    results = run_ranks(lambda: train(cfg), world_size=2)   # [rank 0's summary, rank 1's summary]
+
+``world_size=1`` runs one process with no distributed environment at all: exactly what
+``python train.py`` gets. Each rank's return value comes back pickled; an exception on any rank
+fails the test with every failing rank's traceback. Children leave through ``os._exit`` (no
+interpreter teardown, see ``accel_ddp.exit_process``).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import pickle
+import signal
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+# What the launcher would set, or leave out, that must not leak in from the test's own environment.
+_LAUNCH_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+               "MASTER_ADDR", "MASTER_PORT", "ACCELERATE_USE_CPU", "TORCHELASTIC_RUN_ID")
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class RankFailed(AssertionError):
+    """One or more ranks raised; the message holds each failing rank's traceback."""
+
+    def __init__(self, failures: dict[int, str]):
+        self.failures = failures
+        super().__init__("\n".join(f"--- rank {rank} failed:\n{tb}" for rank, tb in sorted(failures.items())))
+
+
+def _reset_accelerate_state() -> None:
+    """Forget any Accelerate singleton the test process made: each child joins its own world."""
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    PartialState._reset_state()
+    GradientState._reset_state()
+
+
+def _child(rank: int, world_size: int, port: int, env: dict[str, str], fn: Callable[[], Any], conn) -> None:
+    try:
+        for name in _LAUNCH_ENV:
+            os.environ.pop(name, None)
+        if world_size > 1:
+            os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
+                               "LOCAL_WORLD_SIZE": str(world_size), "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1",
+                               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+        os.environ.update(env)
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)  # pytest-timeout's alarm belongs to the parent
+        _reset_accelerate_state()
+        outcome = ("ok", fn())
+    except BaseException:  # noqa: BLE001 - everything goes back to the parent
+        outcome = ("error", traceback.format_exc())
+    try:
+        conn.send_bytes(pickle.dumps(outcome))
+    except Exception:  # noqa: BLE001 - an unpicklable result
+        conn.send_bytes(pickle.dumps(("error", traceback.format_exc())))
+    finally:
+        conn.close()
+        os._exit(0)
+
+
+def run_ranks(fn: Callable[[], Any], world_size: int = 2, timeout: float = 120, env: dict[str, str] | None = None,
+              grace: float = 10.0) -> list[Any]:
+    """Run ``fn()`` on ``world_size`` forked ranks; return their results in rank order.
+
+    If a rank fails, the others get ``grace`` seconds to finish (a correct program stops them
+    promptly); then they are killed and ``RankFailed`` names every failure. Past ``timeout`` every
+    rank is killed and the test fails, so a hang costs one timeout, not the CI budget.
+    """
+    ctx = multiprocessing.get_context("fork")
+    port = free_port()
+    procs, conns = [], []
+    for rank in range(world_size):
+        parent_end, child_end = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=_child, args=(rank, world_size, port, dict(env or {}), fn, child_end), daemon=False)
+        proc.start()
+        child_end.close()
+        procs.append(proc)
+        conns.append(parent_end)
+    outcomes: dict[int, tuple[str, Any]] = {}
+    deadline = time.monotonic() + timeout
+    first_failure_at = None
+    try:
+        while len(outcomes) < world_size:
+            now = time.monotonic()
+            if now > deadline or (first_failure_at is not None and now > first_failure_at + grace):
+                break
+            for rank, conn in enumerate(conns):
+                if rank in outcomes or not conn.poll(0.05):
+                    continue
+                try:
+                    outcomes[rank] = pickle.loads(conn.recv_bytes())
+                except EOFError:  # died without a word: killed, or os._exit from inside fn
+                    procs[rank].join(1)
+                    outcomes[rank] = ("error", f"exited with code {procs[rank].exitcode} without a result")
+                if outcomes[rank][0] == "error" and first_failure_at is None:
+                    first_failure_at = time.monotonic()
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+            # No timeout: join(timeout) waits on a pipe that DataLoader workers forked by the rank inherit and
+            # hold open for seconds after it exits; a plain waitpid returns as soon as the rank is gone.
+            proc.join()
+        for conn in conns:
+            conn.close()
+    failures = {rank: detail for rank, (status, detail) in outcomes.items() if status == "error"}
+    missing = [rank for rank in range(world_size) if rank not in outcomes]
+    if failures:
+        failures.update({rank: "killed: still running after another rank failed" for rank in missing})
+        raise RankFailed(failures)
+    if missing:
+        raise AssertionError(f"ranks {missing} still running after {timeout:.0f} s: killed (a hang?)")
+    return [outcomes[rank][1] for rank in range(world_size)]
