@@ -7,19 +7,19 @@ parquet, CSV, ``save_to_disk``) is written into a temporary folder first.
 from __future__ import annotations
 
 import gzip
-import json
 import pickle
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.utils.data import Subset, TensorDataset
 
-from accel_ddp.config import ConfigError
+from accel_ddp import train
+from accel_ddp.config import ConfigError, parse_args
 from accel_ddp.data import (
     CIFAR10_MEAN,
     CIFAR10_STD,
@@ -38,7 +38,9 @@ from accel_ddp.data import (
 from accel_ddp.data.device_loader import DeviceEvalLoader
 from accel_ddp.data.in_memory import CROP_PADDING, crop_flip
 from accel_ddp.data.sampler import epoch_order
-from tests.conftest import REPO, check, launch, load_weights, read_summary, run_single
+from tests import faults
+from tests.conftest import REPO, load_weights, main_ranks, read_summary, run_ranks, train_ranks
+from tests.multiproc import RankFailed
 
 TRAIN_SRC = (REPO / "accel_ddp" / "loop.py").read_text()
 wired = pytest.mark.skipif(
@@ -486,27 +488,24 @@ def test_hf_hub_name_offline_says_how_to_get_it(tmp_path, monkeypatch):
     assert "ConfigError" in result.stderr and "network access" in result.stderr and "save_to_disk" in result.stderr
 
 
-def test_cli_reports_missing_mnist_in_one_line_with_exit_code_2(tmp_path):
-    result = run_single(["--dataset", "mnist", "--data_dir", str(tmp_path), "--output_dir", str(tmp_path / "o")])
-    assert result.returncode == 2, result.stderr[-3000:]
-    lines = [line for line in result.stderr.splitlines() if line.startswith("accel_ddp: error:")]
+def test_cli_reports_missing_mnist_in_one_line_with_exit_code_2(tmp_path, capfd):
+    args = ["--dataset", "mnist", "--data_dir", str(tmp_path), "--output_dir", str(tmp_path / "o")]
+    assert main_ranks(args, world_size=1) == [2]
+    lines = [line for line in capfd.readouterr().err.splitlines() if line.startswith("accel_ddp: error:")]
     assert len(lines) == 1 and "--download" in lines[0] and str(tmp_path) in lines[0]
 
 
 # ----------------------------------------------------------------------------- real processes
 
-LOOP_SCRIPT = textwrap.dedent("""
-    import json, sys
-    import torch, torch.nn.functional as F
+def loop_with_both_loaders(global_batch: int, per_device: int) -> dict:
+    """A hand-written Accelerate loop over both loaders (what a user of build_loaders writes); what each served."""
     from accelerate import Accelerator, DataLoaderConfiguration, PartialState
     from accelerate.utils import set_seed
     from sklearn.datasets import load_digits
-    from torch.utils.data import TensorDataset
+
     from accel_ddp.data import build_loaders, skip_first_batches
     from accel_ddp.evaluate import evaluate
-    from accel_ddp import exit_process
 
-    out, global_batch, per_device = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     world = PartialState(cpu=True).num_processes
     accumulation = global_batch // (world * per_device)
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=accumulation,
@@ -554,27 +553,18 @@ LOOP_SCRIPT = textwrap.dedent("""
         results[kind] = {"kind": loaders.kind, "seen": seen, "syncs": syncs, "evals": evals, "resumed": resumed,
                          "weights": weights.tolist(), "micro_steps": len(loaders.train),
                          "accumulation": accumulation}
-    with open(f"{out}_rank{accelerator.process_index}.json", "w") as fh:
-        json.dump(results, fh)
     accelerator.end_training()
-    exit_process(0)  # not a plain exit: a gloo thread may still hold the last collective's tensors
-""")
+    return results
 
 
-def run_loop(tmp_path: Path, world: int, global_batch: int, per_device: int) -> list[dict]:
-    script = tmp_path / "loop.py"
-    script.write_text(LOOP_SCRIPT)
-    prefix = tmp_path / f"w{world}"
-    args = [str(prefix), str(global_batch), str(per_device)]
-    check(launch(args, script=script) if world == 2 else run_single(args, script=script))
-    return [json.loads((tmp_path / f"w{world}_rank{r}.json").read_text()) for r in range(world)]
+def run_loop(world: int, global_batch: int, per_device: int) -> list[dict]:
+    return run_ranks(lambda: loop_with_both_loaders(global_batch, per_device), world_size=world)
 
 
-@pytest.mark.slow
-def test_both_loaders_train_identically_under_two_processes(tmp_path):
+def test_both_loaders_train_identically_under_two_processes():
     """Same samples per micro-step, sync only on optimizer steps, exact eval counts, bit-identical weights."""
-    two = run_loop(tmp_path, world=2, global_batch=32, per_device=8)  # accumulation 2
-    one = run_loop(tmp_path, world=1, global_batch=32, per_device=16)  # accumulation 2
+    two = run_loop(world=2, global_batch=32, per_device=8)  # accumulation 2
+    one = run_loop(world=1, global_batch=32, per_device=16)  # accumulation 2
     for ranks in (one, two):
         for rank in ranks:
             fast, classic = rank["device"], rank["dataloader"]
@@ -597,66 +587,68 @@ def test_both_loaders_train_identically_under_two_processes(tmp_path):
         assert len(epoch0) == len(set(epoch0)) == 1376  # 1400 // 32 steps of 32 samples, each once
 
 
-@pytest.mark.slow
 def test_own_model_and_dataset_through_import_strings_under_two_processes(tmp_path):
     out = tmp_path / "run"
-    check(launch(["--dataset", "examples.custom_model_and_data:build_dataset",
-                  "--model", "examples.custom_model_and_data:build_model",
-                  "--epochs", "3", "--global_batch_size", "64", "--output_dir", str(out)]))
+    train_ranks(["--dataset", "examples.custom_model_and_data:build_dataset",
+                 "--model", "examples.custom_model_and_data:build_model",
+                 "--epochs", "3", "--global_batch_size", "64", "--output_dir", str(out)])
     summary = read_summary(out)
     assert summary["world_size"] == 2 and summary["eval_samples"] == 600
     assert summary["eval_accuracy"] > 0.9
     assert any(k.startswith("blocks.") for k in load_weights(out))  # the example's own ResidualMLP
 
 
-@pytest.mark.slow
-def test_own_model_and_dataset_through_the_python_api_under_two_processes(tmp_path):
+def test_own_model_and_dataset_through_the_python_api_under_two_processes(tmp_path, capfd, monkeypatch):
+    from examples import custom_model_and_data as example
+
     out = tmp_path / "api"
-    result = check(launch(["--output_dir", str(out), "--epochs", "3"],
-                          script=REPO / "examples" / "custom_model_and_data.py"))
+    monkeypatch.setattr(sys, "argv", ["custom_model_and_data.py", "--output_dir", str(out), "--epochs", "3"])
+    run_ranks(example.main)
     summary = read_summary(out)
     assert summary["world_size"] == 2 and summary["eval_samples"] == 600 and summary["eval_accuracy"] > 0.9
-    assert result.stdout.count("eval accuracy") == 1  # printed by the main process only
+    assert capfd.readouterr().out.count("eval accuracy") == 1  # printed by the main process only
 
 
-@pytest.mark.slow
 @wired
-def test_train_py_fast_and_dataloader_paths_end_with_the_same_weights(tmp_path):
+def test_device_and_dataloader_paths_end_with_the_same_weights(tmp_path):
     common = ["--dataset", "digits", "--model", "mnist_cnn", "--epochs", "1", "--global_batch_size", "64",
               "--per_device_batch_size", "16", "--optimizer", "sgd", "--lr", "0.05"]
     for kind in ("device", "dataloader"):
-        check(launch([*common, "--loader", kind, "--output_dir", str(tmp_path / kind)]))
-    fast, classic = load_weights(tmp_path / "device"), load_weights(tmp_path / "dataloader")
-    assert all(torch.equal(fast[k], classic[k]) for k in classic)  # mnist_cnn has dropout: RNG streams match
+        train_ranks([*common, "--loader", kind, "--output_dir", str(tmp_path / kind)])
+    device, classic = load_weights(tmp_path / "device"), load_weights(tmp_path / "dataloader")
+    assert all(torch.equal(device[k], classic[k]) for k in classic)  # mnist_cnn has dropout: RNG streams match
     for kind in ("device", "dataloader"):
         summary = read_summary(tmp_path / kind)
         assert summary["eval_samples"] == 360 and summary["grad_accum_steps"] == 2
         assert summary.get("loader", kind) == kind
 
 
-@pytest.mark.slow
 @wired
-def test_train_py_cifar10_files_on_the_fast_path_with_resnet18(tmp_path):
+def test_cifar10_files_on_the_device_loader_with_resnet18(tmp_path):
     write_cifar(tmp_path / "data", per_batch=16)
     out = tmp_path / "run"
-    check(launch(["--dataset", "cifar10", "--data_dir", str(tmp_path / "data"), "--model", "resnet18",
-                  "--width", "4", "--epochs", "2", "--global_batch_size", "16", "--loader", "device",
-                  "--output_dir", str(out)]))
+    train_ranks(["--dataset", "cifar10", "--data_dir", str(tmp_path / "data"), "--model", "resnet18",
+                 "--width", "4", "--epochs", "2", "--global_batch_size", "16", "--loader", "device",
+                 "--output_dir", str(out)])
     summary = read_summary(out)
     assert summary["optimizer_steps"] == 10 and summary["eval_samples"] == 16
     assert load_weights(out)["conv1.weight"].shape == (4, 3, 3, 3)
 
 
-@pytest.mark.slow
 @wired
-def test_train_py_fast_path_resumes_mid_epoch_to_the_same_weights(tmp_path):
+def test_device_loader_resumes_mid_epoch_to_the_same_weights(tmp_path):
     """A rank fails in epoch 1; the resumed run skips what the checkpoint holds and ends where the whole run ends."""
     common = ["--dataset", "digits", "--model", "mnist_cnn", "--epochs", "2", "--global_batch_size", "64",
               "--per_device_batch_size", "16", "--loader", "device", "--checkpointing_steps", "5"]
-    check(launch([*common, "--output_dir", str(tmp_path / "whole")]))
-    broken = launch([*common, "--output_dir", str(tmp_path / "resumed")], env={"FAULT_FAIL_AT_STEP": "27:1"})
-    assert broken.returncode != 0  # 22 steps per epoch: it died in epoch 1, after the step-25 checkpoint
-    check(launch([*common, "--output_dir", str(tmp_path / "resumed"), "--resume_from_checkpoint", "auto"]))
+    train_ranks([*common, "--output_dir", str(tmp_path / "whole")])
+
+    def fail_at_step_27_on_rank_1():
+        faults.install(fail_at=(27, 1))
+        return train(parse_args([*common, "--output_dir", str(tmp_path / "resumed")]))
+
+    with pytest.raises(RankFailed, match="injected failure on rank 1 at step 27"):
+        run_ranks(fail_at_step_27_on_rank_1, grace=1)  # 22 steps per epoch: it died in epoch 1, after step 25's save
+    train_ranks([*common, "--output_dir", str(tmp_path / "resumed"), "--resume_from_checkpoint", "auto"])
     summary = read_summary(tmp_path / "resumed")
     assert summary["resumed_from_step"] == 25 and summary["optimizer_steps"] == 44
     whole, resumed = load_weights(tmp_path / "whole"), load_weights(tmp_path / "resumed")
