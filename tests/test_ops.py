@@ -15,9 +15,10 @@ import numpy as np
 import pytest
 import torch
 
+from accel_ddp import cli
 from accel_ddp.config import ConfigError
 from accel_ddp.report import CURVES, build_curves_figure, read_curves
-from accel_ddp.tracking import build_trackers
+from accel_ddp.tracking import RunRecorder, build_trackers, tracking_kwargs
 from tests.conftest import (
     REPO,
     TRAIN_SCRIPT,
@@ -28,7 +29,8 @@ from tests.conftest import (
     load_weights,
     read_metrics,
     read_summary,
-    run_single,
+    run_ranks,
+    train_ranks,
 )
 
 CONFIGS = REPO / "accelerate_configs"
@@ -103,7 +105,7 @@ def test_two_machines_on_loopback_form_one_world_and_match_one_process(tmp_path,
     assert codes == [0, 0], logs
 
     single = tmp_path / "one_process"
-    check(run_single([*tiny_args, "--output_dir", str(single)]))
+    train_ranks([*tiny_args, "--output_dir", str(single)], world_size=1)
 
     summary = read_summary(multi)
     assert (summary["world_size"], summary["num_machines"]) == (4, 2)
@@ -313,14 +315,12 @@ def test_plotted_values_are_the_metrics_jsonl_values(tmp_path):
     assert decode_png(tmp_path / "curves.png") == (1100, 700)
 
 
-def test_plot_and_summary_of_a_real_run(tmp_path, tiny_args):
+def test_plot_and_summary_of_a_real_run(tmp_path, tiny_args, capsys):
     out = tmp_path / "run"
-    check(run_single([*tiny_args, "--log_every", "1", "--eval_every", "4", "--output_dir", str(out)]))
+    train_ranks([*tiny_args, "--log_every", "1", "--eval_every", "4", "--output_dir", str(out)], world_size=1)
     (out / "curves.png").unlink(missing_ok=True)  # written at the end of training too; rebuild it here
 
-    result = subprocess.run([sys.executable, "-m", "accel_ddp", "plot", str(out)], capture_output=True, text=True,
-                            env=_env(), cwd=REPO, timeout=120)
-    assert result.returncode == 0, result.stderr
+    assert cli.main(["plot", str(out)]) == 0
     decode_png(out / "curves.png")
     records = read_metrics(out)
     curves = read_curves(str(out))
@@ -328,10 +328,9 @@ def test_plot_and_summary_of_a_real_run(tmp_path, tiny_args):
         assert curves[key] == series(records, key), key
     assert curves["loss"][0] == list(range(1, 17)) and curves["eval_accuracy"][0] == [4, 8, 12, 16]
 
-    result = subprocess.run([sys.executable, "-m", "accel_ddp", "summary", str(out)], capture_output=True,
-                            text=True, env=_env(), cwd=REPO, timeout=120)
-    assert result.returncode == 0, result.stderr
-    rows = dict(line.split("  ", 1) for line in result.stdout.splitlines()[2:-1])
+    capsys.readouterr()
+    assert cli.main(["summary", str(out)]) == 0
+    rows = dict(line.split("  ", 1) for line in capsys.readouterr().out.splitlines()[2:-1])
     rows = {label.strip(): value.strip() for label, value in rows.items()}
     summary = read_summary(out)
     assert rows["processes (world size)"] == str(summary["world_size"]) == "1"
@@ -343,45 +342,36 @@ def test_plot_and_summary_of_a_real_run(tmp_path, tiny_args):
 
 
 @pytest.mark.parametrize("command", ["plot", "summary"])
-def test_plot_and_summary_of_a_missing_run_exit_2(tmp_path, command):
-    result = subprocess.run([sys.executable, "-m", "accel_ddp", command, str(tmp_path / "nowhere")],
-                            capture_output=True, text=True, env=_env(), cwd=REPO, timeout=120)
-    assert result.returncode == 2
-    assert len(result.stderr.strip().splitlines()) == 1 and "--output_dir" in result.stderr
+def test_plot_and_summary_of_a_missing_run_exit_2(tmp_path, command, capsys):
+    assert cli.main([command, str(tmp_path / "nowhere")]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "--output_dir" in err
 
 
 # ----------------------------------------------------------------------------- trackers
 
 
-CSV_SCRIPT = """
-import sys
-from accelerate import Accelerator
-from accel_ddp import exit_process
-from accel_ddp.tracking import RunRecorder, tracking_kwargs
+def _log_csv_rows(out: str) -> None:
+    """What the loop does with a recorder, minus the training: rows from every rank, a widening header."""
+    from accelerate import Accelerator
 
-out = sys.argv[1]
-accelerator = Accelerator(cpu=True, **tracking_kwargs("csv", out))
-recorder = RunRecorder(out, accelerator.is_main_process, accelerator=accelerator)
-recorder.write_config({"lr": 0.1, "resolved": {"world_size": accelerator.num_processes}})
-for step in (1, 2):
-    recorder.log({"step": step, "loss": 1.0 / step, "lr": 0.1})
-recorder.log({"step": 2, "eval_accuracy": 0.5})  # a new column: the header widens
-recorder.log({"step": 3, "loss": 0.25, "lr": 0.05})
-recorder.close()
-accelerator.end_training()
-exit_process(0)  # not a plain exit: a gloo thread may still hold the last collective's tensors
-"""
+    accelerator = Accelerator(cpu=True, **tracking_kwargs("csv", out))
+    recorder = RunRecorder(out, accelerator.is_main_process, accelerator=accelerator)
+    recorder.write_config({"lr": 0.1, "resolved": {"world_size": accelerator.num_processes}})
+    for step in (1, 2):
+        recorder.log({"step": step, "loss": 1.0 / step, "lr": 0.1})
+    recorder.log({"step": 2, "eval_accuracy": 0.5})  # a new column: the header widens
+    recorder.log({"step": 3, "loss": 0.25, "lr": 0.05})
+    recorder.close()
+    accelerator.end_training()
 
 
-@pytest.mark.slow
 def test_csv_tracker_writes_each_row_once_from_two_ranks_and_appends_on_resume(tmp_path):
-    script = tmp_path / "log_csv.py"
-    script.write_text(CSV_SCRIPT)
     out = tmp_path / "run"
-    check(launch([str(out)], script=script))
+    run_ranks(lambda: _log_csv_rows(str(out)))
     expected = ["step,loss,lr,eval_accuracy", "1,1.0,0.1,", "2,0.5,0.1,", "2,,,0.5", "3,0.25,0.05,"]
     assert (out / "metrics.csv").read_text().splitlines() == expected
-    check(launch([str(out)], script=script))  # a resumed run extends the file
+    run_ranks(lambda: _log_csv_rows(str(out)))  # a resumed run extends the file
     assert (out / "metrics.csv").read_text().splitlines() == expected + expected[1:]
 
 
@@ -395,14 +385,13 @@ def test_tensorboard_missing_is_one_clear_error(monkeypatch, tmp_path):
     assert build_trackers("none", str(tmp_path)) == []
 
 
-@pytest.mark.slow
 def test_training_with_tracking_all_writes_csv_tensorboard_and_curves(tmp_path, tiny_args):
     pytest.importorskip("tensorboard", reason="--with_tracking tensorboard needs the tensorboard package")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     out = tmp_path / "run"
-    check(launch([*tiny_args, "--log_every", "2", "--eval_every", "8", "--with_tracking", "all",
-                  "--output_dir", str(out)]))
+    train_ranks([*tiny_args, "--log_every", "2", "--eval_every", "8", "--with_tracking", "all",
+                 "--output_dir", str(out)])
     records = read_metrics(out)
     steps, losses = series(records, "loss")
     assert steps == [2, 4, 6, 8, 10, 12, 14, 16]
