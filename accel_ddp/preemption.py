@@ -13,7 +13,7 @@ so that every rank decides at the same step; the loop then saves a checkpoint to
 
 ``accelerate launch`` does not pass these on: it exits 1 when the job failed or when it was
 itself signalled, and logs each worker's exit code. Batch scripts should decide to requeue from
-the signal they forwarded, not from the launcher's exit code (README, "Checkpoints and resuming").
+the signal they forwarded, not from the launcher's exit code (docs/checkpoints.md, "Exit codes").
 
 What reaches the workers: torchrun (inside ``accelerate launch``) starts each worker in its own
 session, so a signal to the launcher's process group does not reach them directly. The launcher

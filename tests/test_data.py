@@ -1,4 +1,4 @@
-"""Datasets built from files made here, the fast loader against the DataLoader path, and offline errors.
+"""Datasets built from files made here, the device loader against the DataLoader path, and offline errors.
 
 Nothing is downloaded: every source (IDX files, CIFAR pickle batches, class folders of PNGs,
 parquet, CSV, ``save_to_disk``) is written into a temporary folder first.
