@@ -15,7 +15,6 @@ import math
 import os
 import sys
 import time
-import traceback
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -29,6 +28,7 @@ from accelerate.utils import DDPCommunicationHookType, DistributedDataParallelKw
 from torch.utils.data import Dataset, Subset
 from tqdm.auto import tqdm
 
+from accel_ddp import failure
 from accel_ddp.checkpoint import CheckpointManager, export_weights, load_weights
 from accel_ddp.config import ConfigError, TrainConfig, parse_args
 from accel_ddp.data import HFSource, build_datasets, build_loaders, skip_first_batches, steps_per_epoch
@@ -421,12 +421,8 @@ def evaluate_and_log(run: Run, step: int, epoch: int) -> dict[str, Any]:
     return metrics
 
 
-def _is_main_rank() -> bool:
-    return os.environ.get("RANK", "0") == "0"
-
-
 def main(argv: list[str] | None = None) -> int:
-    """CLI entry point: bad input is one line on stderr (from rank 0 only) and exit code 2.
+    """CLI entry point: bad input is one line on stderr per launch (``accel_ddp.failure``) and exit code 2.
 
     Preemption (SIGTERM or SIGUSR1) saves a checkpoint and exits with ``EXIT_PREEMPTED`` (75); the
     exit codes are listed in ``accel_ddp/preemption.py``.
@@ -434,12 +430,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         train(parse_args(argv))
     except (ConfigError, LaunchError) as err:
-        if _is_main_rank():
-            print(f"accel_ddp: error: {err}", file=sys.stderr, flush=True)
+        failure.report_bad_input(err)
         return 2
     except Preempted as stop:
         ignore_preemption_signals()  # exiting with 75: the launcher's follow-up SIGTERM must not make it a kill
-        if _is_main_rank():
+        if os.environ.get("RANK", "0") == "0":
             print(f"accel_ddp: preempted: {stop} (exit code {EXIT_PREEMPTED})", file=sys.stderr, flush=True)
         return EXIT_PREEMPTED
     return 0
@@ -448,13 +443,14 @@ def main(argv: list[str] | None = None) -> int:
 def run(argv: list[str] | None = None) -> NoReturn:
     """The script entry point (``python train.py``, ``accel-ddp train``): ``main()``, then exit.
 
-    An unexpected exception is printed as Python would and exits 1. The exit goes through
-    ``exit_process`` so that a successful run cannot abort during interpreter teardown.
+    An unexpected exception is printed as Python would (and goes into the launcher's failure
+    summary with its rank) and exits 1. The exit goes through ``exit_process`` so that a
+    successful run cannot abort during interpreter teardown.
     """
     try:
         code = main(argv)
-    except Exception:  # noqa: BLE001 - reported like an uncaught exception, then the same safe exit
-        traceback.print_exc()
+    except Exception as err:  # noqa: BLE001 - reported like an uncaught exception, then the same safe exit
+        failure.report_unexpected(err)
         code = 1
     exit_process(code)
 

@@ -5,6 +5,8 @@ wrapper script tests/scripts/faulty_train.py). accel_ddp itself has no test hook
     install(fail_at=(10, 1), once=path)   ... only while `path` does not exist (it creates it): one crash
     install(crash_in_checkpoint=12)       the main process SIGKILLs itself in the middle of saving step 12
     install(step_delay=0.15)              sleep after each optimizer step, so a test can signal a live run
+    install(report_delay=(3, 0))          rank 0 reports bad input 3 s late (another rank fails and exits first)
+    install(print_delay=(3, 0))           rank 0 prints the error line 3 s after it was elected to print it
 
 The step hook wraps the LR scheduler's ``step``, which the loop calls exactly once per optimizer
 step (a tested invariant), so ``scheduler.last_epoch`` is the optimizer step just finished.
@@ -20,6 +22,8 @@ ENV_FAIL_AT = "FAULT_FAIL_AT_STEP"  # "STEP:RANK"
 ENV_FAIL_ONCE = "FAULT_FAIL_ONCE"  # a file path
 ENV_CRASH_IN_CHECKPOINT = "FAULT_CRASH_IN_CHECKPOINT"  # "STEP"
 ENV_STEP_DELAY = "FAULT_STEP_DELAY"  # seconds
+ENV_REPORT_DELAY = "FAULT_REPORT_DELAY"  # "SECONDS:RANK"
+ENV_PRINT_DELAY = "FAULT_PRINT_DELAY"  # "SECONDS:RANK"
 
 
 class InjectedFailure(RuntimeError):
@@ -27,8 +31,10 @@ class InjectedFailure(RuntimeError):
 
 
 def install(fail_at: tuple[int, int] | None = None, once: str | None = None, crash_in_checkpoint: int | None = None,
-            step_delay: float = 0.0) -> None:
+            step_delay: float = 0.0, report_delay: tuple[float, int] | None = None,
+            print_delay: tuple[float, int] | None = None) -> None:
     import accel_ddp.checkpoint as checkpoint
+    import accel_ddp.failure as failure
     import accel_ddp.loop as loop
 
     if fail_at is not None or step_delay:
@@ -51,6 +57,20 @@ def install(fail_at: tuple[int, int] | None = None, once: str | None = None, cra
             seal(self, tmp, final, step)
 
         checkpoint.CheckpointManager._seal = seal_or_die
+    if report_delay is not None:
+        failure.report_bad_input = _delayed(failure.report_bad_input, *report_delay)
+    if print_delay is not None:
+        failure.print_error_line = _delayed(failure.print_error_line, *print_delay)
+
+
+def _delayed(fn, seconds: float, rank: int):
+    """``fn``, but on ``rank`` only after ``seconds`` of sleep."""
+    def slow(*args, **kwargs):
+        if int(os.environ.get("RANK", "0")) == rank:
+            time.sleep(seconds)
+        return fn(*args, **kwargs)
+
+    return slow
 
 
 _STEP_FAULT: dict = {}  # this process's step fault, set by install()
@@ -83,4 +103,12 @@ def install_from_env() -> None:
     crash = os.environ.get(ENV_CRASH_IN_CHECKPOINT)
     install(fail_at=fail_at, once=os.environ.get(ENV_FAIL_ONCE) or None,
             crash_in_checkpoint=int(crash) if crash else None,
-            step_delay=float(os.environ.get(ENV_STEP_DELAY) or 0.0))
+            step_delay=float(os.environ.get(ENV_STEP_DELAY) or 0.0),
+            report_delay=_seconds_at_rank(ENV_REPORT_DELAY), print_delay=_seconds_at_rank(ENV_PRINT_DELAY))
+
+
+def _seconds_at_rank(name: str) -> tuple[float, int] | None:
+    if not os.environ.get(name):
+        return None
+    seconds, _, rank = os.environ[name].partition(":")
+    return float(seconds), int(rank or 0)

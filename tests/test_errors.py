@@ -1,11 +1,24 @@
-"""Bad input: one clear line, exit code 2, nothing already saved is touched; how a process ends."""
+"""Bad input: one clear line, exit code 2, nothing already saved is touched; how a process ends.
+
+Several ranks: exactly one error line per launch whichever rank fails first, and the launcher's
+failure summary names each failing rank's real error (accel_ddp/failure.py). Forked ranks show the
+election on a TCPStore hosted here, as torchrun hosts it; two launches show what only torchrun does
+(it SIGTERMs the others when the first rank exits, and prints the summary).
+"""
 
 from __future__ import annotations
 
+import json
+import os
+import re
+import sys
+
 import pytest
+from torch.distributed import TCPStore
 
 from accel_ddp.loop import main
-from tests.conftest import SCRIPTS, free_port, launch, run_single
+from tests import faults
+from tests.conftest import SCRIPTS, free_port, launch, main_ranks, run_ranks, run_single
 
 BASE = ["--dataset", "synthetic", "--synthetic_samples", "64", "--synthetic_shape", "4", "--epochs", "1",
         "--global_batch_size", "16"]
@@ -74,20 +87,118 @@ def test_plain_python_exit_code_and_single_line(tmp_path):
     assert line.startswith("accel_ddp: error: unknown model 'gpt5'; choose one of") and "mlp" in line
 
 
-@pytest.mark.slow
-def test_two_ranks_report_bad_input_once_without_rank_tracebacks(tmp_path):
-    result = launch([*BASE, "--dataset", "imagenet22k", "--output_dir", str(tmp_path)])
-    assert result.returncode != 0
-    assert result.stderr.count("accel_ddp: error: unknown dataset 'imagenet22k'") == 1
-    assert "[rank0]: Traceback" not in result.stderr and "[rank1]: Traceback" not in result.stderr
-
-
 def test_unexpected_error_exits_1_with_its_traceback(tmp_path):
-    result = run_single([*BASE, "--output_dir", str(tmp_path)], env={"FAULT_FAIL_AT_STEP": "2:0"})
+    error_file = tmp_path / "error.json"  # what torchrun gives each worker
+    result = run_single([*BASE, "--output_dir", str(tmp_path)],
+                        env={"FAULT_FAIL_AT_STEP": "2:0", "TORCHELASTIC_ERROR_FILE": str(error_file)})
     assert result.returncode == 1
     assert "Traceback (most recent call last)" in result.stderr
     assert "InjectedFailure: injected failure on rank 0 at step 2" in result.stderr
     assert not (tmp_path / "summary.json").exists()
+    recorded = json.loads(error_file.read_text())["message"]  # what the launcher's summary shows
+    assert recorded["message"] == "InjectedFailure: injected failure on rank 0 at step 2"
+    assert recorded["extraInfo"]["py_callstack"].startswith("Traceback (most recent call last)")
+    assert "in _after_step" in recorded["extraInfo"]["py_callstack"]
+
+
+def test_bad_input_goes_into_the_launchers_error_file_without_a_traceback(tmp_path, capsys, monkeypatch):
+    error_file = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    assert main([*BASE, "--model", "gpt5", "--output_dir", str(tmp_path)]) == 2
+    (line,) = _error_lines(capsys.readouterr().err)
+    recorded = json.loads(error_file.read_text())["message"]
+    assert recorded["message"] == "ConfigError: " + line.removeprefix("accel_ddp: error: ")
+    assert recorded["extraInfo"]["py_callstack"] == recorded["message"]
+
+
+# ----------------------------------------------------------------------------- one line per launch
+
+
+@pytest.fixture
+def launcher_store():
+    """A TCPStore as torchrun's agent hosts it, and the environment it gives its workers to share it."""
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    env = {"TORCHELASTIC_USE_AGENT_STORE": "True", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port),
+           "TORCHELASTIC_RUN_ID": "test", "TORCHELASTIC_RESTART_COUNT": "0"}
+    yield store, env
+
+
+def _main_with_faults(args: list[str], **fault) -> int:
+    """``main(args)`` in a forked rank with test faults, then a marker line once it returned."""
+    faults.install(**fault)
+    code = main(args)
+    print(f"rank {os.environ['RANK']} returned {code}", file=sys.stderr, flush=True)
+    return code
+
+
+def test_two_ranks_report_bad_input_once_without_rank_tracebacks(tmp_path, capfd):
+    """Forked ranks, no launcher store: rank 0 prints, as every rank fails alike on bad input."""
+    assert main_ranks([*BASE, "--dataset", "imagenet22k", "--output_dir", str(tmp_path)]) == [2, 2]
+    err = capfd.readouterr().err
+    assert err.count("accel_ddp: error: unknown dataset 'imagenet22k'") == 1
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("late_rank", [0, 1])
+def test_whichever_rank_fails_first_prints_the_one_line(tmp_path, capfd, launcher_store, late_rank):
+    store, env = launcher_store
+    args = [*BASE, "--lr", "-1", "--output_dir", str(tmp_path)]
+    codes = run_ranks(lambda: _main_with_faults(args, report_delay=(1.0, late_rank)), env=env)
+    assert codes == [2, 2]
+    lines = [line for line in capfd.readouterr().err.splitlines() if line.startswith("accel_ddp: error:")]
+    assert lines == ["accel_ddp: error: --lr must be > 0, got -1.0; try --lr 3e-3"]
+    assert store.add("accel_ddp/error_line/test/0", 0) == 2  # both ranks took part in the election
+
+
+def test_a_rank_that_lost_the_election_exits_only_after_the_line_is_out(tmp_path, capfd, launcher_store):
+    """torchrun SIGTERMs the others as soon as one rank exits: the loser must not exit before the printer."""
+    _, env = launcher_store
+    args = [*BASE, "--lr", "-1", "--output_dir", str(tmp_path)]
+
+    # Rank 1 fails 1 s late, so rank 0 wins the election; rank 0 then takes 3 s to print.
+    assert run_ranks(lambda: _main_with_faults(args, report_delay=(1.0, 1), print_delay=(3.0, 0)), env=env) == [2, 2]
+    err = capfd.readouterr().err.splitlines()
+    line = err.index("accel_ddp: error: --lr must be > 0, got -1.0; try --lr 3e-3")
+    assert line < err.index("rank 1 returned 2"), err
+    assert sum(entry.startswith("accel_ddp: error:") for entry in err) == 1
+
+
+def _summary(stderr: str) -> dict[int, dict[str, str]]:
+    """The launcher's ChildFailedError summary by rank: exitcode, error_file, traceback, root (the root cause?)."""
+    text = stderr[stderr.index("ChildFailedError"):]
+    root_at = text.index("Root Cause (first observed failure):")
+    entries = {}
+    entry = re.compile(r"  rank +: (\d+) \(local_rank: \d+\)\n  exitcode +: (-?\d+)[^\n]*\n  error_file: ([^\n]*)\n"
+                       r"  traceback : (.*?)(?=\n\[\d+\]:|\n-{20,}|\n={20,})", re.DOTALL)
+    for match in entry.finditer(text):
+        entries[int(match[1])] = {"exitcode": match[2], "error_file": match[3], "traceback": match[4],
+                                  "root": match.start() > root_at}
+    return entries
+
+
+@pytest.mark.slow
+def test_bad_input_line_survives_another_rank_exiting_first(tmp_path):
+    """The failing order of issue 9: rank 1 exits first and torchrun SIGTERMs rank 0 (here still asleep)."""
+    result = launch([*BASE, "--dataset", "imagenet22k", "--output_dir", str(tmp_path)],
+                    env={"FAULT_REPORT_DELAY": "5:0"})
+    assert result.returncode != 0
+    assert result.stderr.count("accel_ddp: error: unknown dataset 'imagenet22k'") == 1
+    assert "[rank0]: Traceback" not in result.stderr and "[rank1]: Traceback" not in result.stderr
+    summary = _summary(result.stderr)
+    assert summary[1]["root"] and summary[1]["exitcode"] == "2"
+    assert summary[1]["error_file"].endswith("error.json")  # not <N/A>
+    assert summary[1]["traceback"].startswith("ConfigError: unknown dataset 'imagenet22k'; choose one of")
+    assert summary[0]["exitcode"] == "-15"  # killed in its sleep: the fault really made rank 1 exit first
+
+
+@pytest.mark.slow
+def test_unexpected_error_on_one_rank_is_in_the_launchers_summary(tmp_path):
+    result = launch([*BASE, "--output_dir", str(tmp_path)], env={"FAULT_FAIL_AT_STEP": "1:1"})
+    assert result.returncode != 0
+    root = next(entry for entry in _summary(result.stderr).items() if entry[1]["root"])
+    assert root[0] == 1 and root[1]["exitcode"] == "1" and root[1]["error_file"].endswith("error.json")
+    assert root[1]["traceback"].startswith("Traceback (most recent call last)")
+    assert "InjectedFailure: injected failure on rank 1 at step 1" in root[1]["traceback"]
 
 
 def test_exit_process_ends_cleanly_with_a_collective_still_in_flight():
