@@ -62,6 +62,29 @@ class LaunchError(RuntimeError):
     """The processes did not form the world the launcher announced."""
 
 
+# Where a launcher puts the world size: torchrun, then MPI's (the names Accelerate reads for MULTI_CPU).
+_WORLD_SIZE_VARS = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
+
+
+def single_process_trap(env=os.environ) -> str | None:
+    """Why this lone process is not the world its launch config asked for, or None.
+
+    Accelerate's simple launcher (``distributed_type: MULTI_CPU`` without mpirun, ``NO``, or
+    ``--cpu``) starts ONE process whatever ``num_processes`` says, and it marks it: it always sets
+    ``ACCELERATE_USE_CPU``, and ``MASTER_ADDR``/``MASTER_PORT`` only when the config asked for more
+    than one process or machine; no world size, since neither torchrun nor mpirun started it
+    (accelerate/utils/launch.py, ``prepare_simple_launcher_cmd_env``; huggingface/accelerate#2741).
+    The process cannot know how many were meant, so it cannot train on them: it refuses.
+    """
+    simple_launcher = "ACCELERATE_USE_CPU" in env and not any(name in env for name in _WORLD_SIZE_VARS)
+    if not (simple_launcher and "MASTER_ADDR" in env and "MASTER_PORT" in env):
+        return None
+    return ("accelerate launch started 1 process, but its config asks for several (distributed_type MULTI_CPU "
+            "without mpirun, NO, or --cpu start just one); use distributed_type: MULTI_GPU, which trains on CPU over "
+            "gloo when there is no GPU (answer multi-GPU in `accelerate config`, or launch with --config_file "
+            "accelerate_configs/cpu_2proc.yaml); for one process, num_processes: 1 and no MASTER_ADDR set")
+
+
 def build_accelerator(cfg: TrainConfig) -> tuple[Accelerator, int, int]:
     """Join the process group and derive (per-device batch, accumulation) from the world size.
 
@@ -74,6 +97,8 @@ def build_accelerator(cfg: TrainConfig) -> tuple[Accelerator, int, int]:
     if not cpu and cfg.tf32:  # TF32 tensor cores for fp32 matmuls/convs: ~8x on Ampere+, 10-bit mantissa
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
+    if problem := single_process_trap():
+        raise LaunchError(problem)
     state = PartialState(cpu=cpu, timeout=timedelta(seconds=cfg.ddp_timeout))
     launched_world = int(os.environ.get("WORLD_SIZE", "1"))
     if state.num_processes != launched_world:

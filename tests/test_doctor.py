@@ -362,14 +362,17 @@ def test_python_m_accel_ddp_doctor_on_this_machine():
 PROBE = """
 import os, torch
 from accelerate import PartialState
+from accel_ddp.loop import single_process_trap
+trapped = single_process_trap() is not None  # what train.py checks before it joins a group
 state = PartialState(cpu=not torch.cuda.is_available())
-print(f"PROBE world={state.num_processes} rank={state.process_index}", flush=True)
+print(f"PROBE world={state.num_processes} rank={state.process_index} trapped={trapped}", flush=True)
 """
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(sys.platform != "linux", reason="launch behaviour checked on Linux")
 def test_the_traps_the_doctor_flags_really_start_one_process(tmp_path):
+    """...and train.py refuses each of them, from what the launcher leaves in the environment."""
     probe = tmp_path / "probe.py"
     probe.write_text(PROBE)
     cases = {
@@ -382,8 +385,9 @@ def test_the_traps_the_doctor_flags_really_start_one_process(tmp_path):
         result = launch([], script=probe, launch_args=["--config_file", path, *flags], timeout=180)
         assert result.returncode == 0, result.stderr[-3000:]
         # Two ranks share the pipe and a print's text and newline are separate writes: match, don't split lines.
-        worlds = re.findall(r"PROBE world=\d+ rank=\d+", result.stdout)
+        worlds = re.findall(r"PROBE world=\d+ rank=\d+ trapped=\w+", result.stdout)
         expected = 2 if name == "ok" else 1
         assert len(worlds) == expected and all(f"world={expected}" in w for w in worlds), (name, result.stdout)
+        assert all(w.endswith(f"trapped={name != 'ok'}") for w in worlds), (name, worlds)
         report = diagnose(path, CPU_ONLY, cpu=bool(flags), is_port_in_use=never_in_use)
         assert report.ok == (name == "ok"), report.render()

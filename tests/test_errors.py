@@ -16,7 +16,7 @@ import sys
 import pytest
 from torch.distributed import TCPStore
 
-from accel_ddp.loop import main
+from accel_ddp.loop import main, single_process_trap
 from tests import faults
 from tests.conftest import SCRIPTS, free_port, launch, main_ranks, run_ranks, run_single
 
@@ -199,6 +199,34 @@ def test_unexpected_error_on_one_rank_is_in_the_launchers_summary(tmp_path):
     assert root[0] == 1 and root[1]["exitcode"] == "1" and root[1]["error_file"].endswith("error.json")
     assert root[1]["traceback"].startswith("Traceback (most recent call last)")
     assert "InjectedFailure: injected failure on rank 1 at step 1" in root[1]["traceback"]
+
+
+# ----------------------------------------------------------------------------- the one-process launch trap
+
+
+SIMPLE_LAUNCHER = {"ACCELERATE_USE_CPU": "True", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+
+
+@pytest.mark.parametrize(("env", "trapped"), [
+    (SIMPLE_LAUNCHER, True),  # MULTI_CPU without mpirun, NO or --cpu, with num_processes > 1
+    ({**SIMPLE_LAUNCHER, "ACCELERATE_USE_CPU": "False"}, True),  # distributed_type NO, num_processes 2
+    ({"ACCELERATE_USE_CPU": "False"}, False),  # the simple launcher for 1 process: what was asked for
+    ({**SIMPLE_LAUNCHER, "WORLD_SIZE": "2", "RANK": "0"}, False),  # torchrun started it
+    ({**SIMPLE_LAUNCHER, "PMI_SIZE": "2", "PMI_RANK": "0"}, False),  # mpirun started it
+    ({"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}, False),  # plain python in a batch job's environment
+])
+def test_single_process_trap_is_read_from_what_the_launcher_left(env, trapped):
+    assert (single_process_trap(env) is not None) == trapped
+
+
+def test_one_process_where_several_were_asked_is_refused_before_training(tmp_path, capsys, monkeypatch):
+    for name, value in SIMPLE_LAUNCHER.items():
+        monkeypatch.setenv(name, value)
+    assert main([*BASE, "--output_dir", str(tmp_path / "out")]) == 2
+    (line,) = _error_lines(capsys.readouterr().err)
+    assert line.startswith("accel_ddp: error: accelerate launch started 1 process, but its config asks for several")
+    assert "distributed_type: MULTI_GPU" in line and "accelerate_configs/cpu_2proc.yaml" in line
+    assert not (tmp_path / "out").exists()
 
 
 def test_exit_process_ends_cleanly_with_a_collective_still_in_flight():
