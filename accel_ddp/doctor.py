@@ -1,11 +1,17 @@
 """``accel-ddp doctor``: check an accelerate config file against this machine before launching.
 
+    accel-ddp doctor                      # the file `accelerate launch` reads without --config_file
     accel-ddp doctor --config_file accelerate_configs/4gpu.yaml
     python -m accel_ddp doctor --config_file accelerate_configs/2node_8gpu.yaml --machine_rank 1
 
-The file is read with Accelerate's own loader (what ``accelerate launch`` will see), launch flags
-given here override it the way they override it on the ``accelerate launch`` line, and each
-finding is one line, ``problem -> fix``. Then comes the exact launch command (one per machine).
+Without ``--config_file`` the doctor checks the file ``accelerate launch`` would read, found as
+Accelerate finds it (the default config that ``accelerate config`` writes, under ``HF_HOME``), and
+says so when there is none (``accelerate launch`` then uses its defaults: one process per GPU, or
+one process without GPUs). The file is read with Accelerate's own loader, launch flags given here
+override it the way they override it on the ``accelerate launch`` line, and each finding is one
+line, ``problem -> fix``. Then comes the exact launch command (one per machine). The report
+starts with the file checked, the machine and the versions that matter, so one paste answers
+"what are you running".
 
 Levels: ``error`` (the launch fails, or silently runs something other than the file says: one
 process instead of N, fp32 instead of fp16, DDP instead of FSDP), ``warning`` (it runs as
@@ -23,6 +29,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import ipaddress
+import os
+import platform
 import re
 import shlex
 import shutil
@@ -109,13 +117,26 @@ class Finding:
         return f"{self.level.upper():<7}  {self.problem} -> {self.fix}"
 
 
+@dataclass(frozen=True)
+class ConfigSource:
+    """The launch config ``accelerate launch`` would use, and how it was found."""
+
+    path: str | None  # None: no file, `accelerate launch` uses its built-in defaults
+    origin: str       # for the report's first line
+    flag: bool = True  # given with --config_file (the launch command must repeat it)
+
+    def describe(self) -> str:
+        return f"{self.path} ({self.origin})" if self.path else f"no config file ({self.origin})"
+
+
 @dataclass
 class Report:
-    config_file: str
+    source: ConfigSource
     facts: MachineFacts
     summary: str = ""
     findings: list[Finding] = field(default_factory=list)
     commands: list[str] = field(default_factory=list)
+    versions: dict[str, str] = field(default_factory=dict)  # software_versions(); empty in tests
 
     @property
     def ok(self) -> bool:
@@ -127,8 +148,10 @@ class Report:
     def render(self) -> str:
         counts = {lvl: sum(f.level == lvl for f in self.findings) for lvl in (ERROR, WARNING, NOTE)}
         verdict = "ready" if self.ok else "will not run as intended"
-        lines = [f"accel-ddp doctor: {self.config_file}", f"  machine: {self.facts.describe()}",
-                 f"  config:  {self.summary}", ""]
+        lines = [f"accel-ddp doctor: {self.source.describe()}", f"  machine:  {self.facts.describe()}"]
+        if self.versions:
+            lines.append("  software: " + ", ".join(f"{name} {version}" for name, version in self.versions.items()))
+        lines += [f"  config:   {self.summary}", ""]
         lines += [f.line() for f in self.findings] or ["OK       no problems found"]
         lines += ["", f"{verdict}: {counts[ERROR]} error(s), {counts[WARNING]} warning(s), {counts[NOTE]} note(s)"]
         head = "launch with:" if self.ok else "launch with (once the errors above are fixed):"
@@ -136,27 +159,83 @@ class Report:
         return "\n".join(lines)
 
 
+def software_versions() -> dict[str, str]:
+    """What ``accelerate env`` reports, for one line: Python, platform, torch with its CUDA and NCCL, libraries."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    import torch
+
+    versions = {"python": platform.python_version(), "platform": platform.platform()}
+    if torch.version.cuda:
+        build = f"built with CUDA {torch.version.cuda}"
+        if torch.distributed.is_available() and torch.distributed.is_nccl_available():
+            build += ", NCCL " + ".".join(map(str, torch.cuda.nccl.version()))
+    else:
+        build = "CPU-only build"
+    versions["torch"] = f"{torch.__version__} ({build})"
+    for name in ("accelerate", "datasets", "transformers"):
+        try:
+            versions[name] = version(name)
+        except PackageNotFoundError:
+            versions[name] = "not installed"
+    from accel_ddp import __version__  # the code running, which may be a clone rather than what pip installed
+
+    versions["accel_ddp"] = __version__
+    return versions
+
+
+def resolve_config_file(config_file: str | None, cpu: bool = False) -> ConfigSource:
+    """The file ``accelerate launch`` would read, found exactly as it finds it.
+
+    ``--config_file`` if given; else Accelerate's default file, unless ``--cpu`` (then
+    ``accelerate launch`` ignores it: accelerate/commands/launch.py, ``_validate_launch_command``).
+    The default path is Accelerate's own constant: ``$HF_HOME/accelerate/default_config.yaml``,
+    ``HF_HOME`` defaulting to ``$XDG_CACHE_HOME/huggingface``, itself ``~/.cache/huggingface``;
+    ``accelerate config`` writes it there and no other variable moves it.
+    """
+    if config_file is not None:
+        return ConfigSource(config_file, "given with --config_file")
+    from accelerate.commands.config.config_args import default_config_file
+
+    if cpu:
+        return ConfigSource(None, f"--cpu without --config_file: `accelerate launch` ignores {default_config_file}",
+                            flag=False)
+    if os.path.isfile(default_config_file):
+        return ConfigSource(default_config_file, "Accelerate's default config, written by `accelerate config`: what "
+                            "`accelerate launch` reads without --config_file", flag=False)
+    return ConfigSource(None, f"no --config_file, and no {default_config_file}, which `accelerate config` writes",
+                        flag=False)
+
+
+def launch_defaults(facts: MachineFacts) -> dict[str, Any]:
+    """What ``accelerate launch`` runs with no config file: one process per GPU (DDP with 2 or more), fp32."""
+    processes = max(facts.gpu_count, 1)
+    return {"distributed_type": "MULTI_GPU" if processes > 1 else "NO", "num_processes": processes,
+            "num_machines": 1, "machine_rank": 0, "mixed_precision": "no", "gpu_ids": "all"}
+
+
 class DoctorInputError(ValueError):
     """The config file cannot be read at all (missing, bad YAML, unknown keys)."""
 
 
-def load_launch_config(config_file: str) -> dict[str, Any]:
+def load_launch_config(config_file: str, label: str = "--config_file") -> dict[str, Any]:
     """The file as ``accelerate launch`` sees it: Accelerate's loader, defaults filled in, enums as strings."""
     from accelerate.commands.config.config_args import load_config_from_file
     from yaml import YAMLError
 
+    name = f"{label} {config_file}"
     try:
         config = load_config_from_file(config_file)
     except FileNotFoundError:
-        raise DoctorInputError(f"--config_file {config_file}: no such file; give the path of an accelerate "
+        raise DoctorInputError(f"{name}: no such file; give the path of an accelerate "
                                "config such as accelerate_configs/cpu_2proc.yaml") from None
     except YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark is not None else ""
-        raise DoctorInputError(f"--config_file {config_file}: not valid YAML{where}; fix the file's syntax") from None
+        raise DoctorInputError(f"{name}: not valid YAML{where}; fix the file's syntax") from None
     except (ValueError, TypeError, AttributeError, KeyError) as err:
-        raise DoctorInputError(f"--config_file {config_file}: Accelerate cannot load it ({err}); compare it with "
-                               "accelerate_configs/4gpu.yaml") from None
+        raise DoctorInputError(f"{name}: Accelerate cannot load it ({err}); compare it with "
+                               "accelerate_configs/4gpu.yaml, or run `accelerate config` again") from None
     values = {}
     for f in dataclasses.fields(config):
         value = getattr(config, f.name)
@@ -227,9 +306,9 @@ def port_in_use(port: int) -> bool:
         return sock.connect_ex(("127.0.0.1", port)) == 0
 
 
-def _launch_commands(config_file: str, overrides: dict[str, Any], num_machines: int, script: str,
+def _launch_commands(config_file: str | None, overrides: dict[str, Any], num_machines: int, script: str,
                      cpu: bool) -> list[str]:
-    base = ["accelerate", "launch", "--config_file", config_file]
+    base = ["accelerate", "launch", *(["--config_file", config_file] if config_file else [])]
     for key, value in overrides.items():
         if key != "machine_rank" and value is not None:
             base += [f"--{key}", str(value)]
@@ -241,17 +320,26 @@ def _launch_commands(config_file: str, overrides: dict[str, Any], num_machines: 
             for rank in range(num_machines)]
 
 
-def diagnose(config_file: str, facts: MachineFacts | None = None, overrides: dict[str, Any] | None = None,
+def diagnose(config_file: str | None, facts: MachineFacts | None = None, overrides: dict[str, Any] | None = None,
              cpu: bool = False, script: str = "train.py", is_port_in_use=port_in_use) -> Report:
     """Check ``config_file`` (plus ``accelerate launch`` flag ``overrides``) against ``facts``.
+
+    ``config_file=None``: the file ``accelerate launch`` would read without ``--config_file``.
 
         >>> report = diagnose("accelerate_configs/4gpu.yaml", MachineFacts(gpu_count=4, nccl_available=True))
         >>> report.ok, [f.line() for f in report.findings]
     """
     facts = facts or MachineFacts.detect()
+    source = resolve_config_file(config_file, cpu)
     overrides = {k: v for k, v in (overrides or {}).items() if v is not None}
-    config = {**load_launch_config(config_file), **overrides}
-    report = Report(config_file, facts)
+    if source.path is None:
+        config = {**launch_defaults(facts), **overrides}
+    else:
+        config = {**load_launch_config(source.path, "--config_file" if source.flag else "default config"),
+                  **overrides}
+    report = Report(source, facts)
+    if source.path is None:
+        _no_config_file(report, facts, cpu)
 
     dist = str(config.get("distributed_type", "NO"))
     mixed = str(config.get("mixed_precision") or "no").lower()
@@ -382,13 +470,25 @@ def diagnose(config_file: str, facts: MachineFacts | None = None, overrides: dic
             report.add(WARNING, f"port {port} is already in use here (another job?); Accelerate will fall back to a "
                        "random free port", "pass --main_process_port with a free port, or 0 to always pick one")
     # The command to run: the file plus the flags given here, less a --cpu flagged above.
-    report.commands = _launch_commands(config_file, overrides, num_machines, script, cpu and num_processes <= 1)
+    report.commands = _launch_commands(source.path if source.flag else None, overrides, num_machines, script,
+                                       cpu and num_processes <= 1)
     return report
+
+
+def _no_config_file(report: Report, facts: MachineFacts, cpu: bool) -> None:
+    fix = ("run `accelerate config` (the answers for each setup are in docs/launch.md), or pass --config_file "
+           "accelerate_configs/cpu_2proc.yaml (or 4gpu.yaml, ...)")
+    if facts.gpu_count > 1 and not cpu:
+        report.add(NOTE, f"no accelerate config: `accelerate launch` runs its defaults, one process per GPU "
+                   f"({facts.gpu_count}, DDP) in fp32 on this machine only", f"{fix} for bf16 or several machines")
+    else:
+        report.add(WARNING, "no accelerate config: `accelerate launch` starts 1 process", fix + " for several")
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     parser = parser or argparse.ArgumentParser(prog="accel-ddp doctor", description=__doc__.split("\n")[0])
-    parser.add_argument("--config_file", required=True, help="the accelerate config to check")
+    parser.add_argument("--config_file", default=None,
+                        help="the accelerate config to check (default: the one `accelerate launch` would read)")
     parser.add_argument("--script", default="train.py", help="training script for the printed launch command")
     parser.add_argument("--cpu", action="store_true", help="check `accelerate launch --cpu` (a trap: 1 process)")
     for name, kind in OVERRIDES.items():
@@ -403,6 +503,7 @@ def run(args: argparse.Namespace, facts: MachineFacts | None = None) -> int:
     except DoctorInputError as err:
         print(f"accel-ddp doctor: error: {err}", file=sys.stderr)
         return 2
+    report.versions = software_versions()
     print(report.render())
     return 0 if report.ok else 1
 

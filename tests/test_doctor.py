@@ -48,7 +48,7 @@ def make_config(tmp_path, base: str = "cpu_2proc.yaml", **changes) -> str:
 
 def check_file(path, facts, **kwargs) -> doctor.Report:
     kwargs.setdefault("is_port_in_use", never_in_use)
-    return diagnose(str(path), facts, **kwargs)
+    return diagnose(None if path is None else str(path), facts, **kwargs)  # None: what `accelerate launch` reads
 
 
 def only(report: doctor.Report, level: str, *words: str) -> doctor.Finding:
@@ -319,6 +319,7 @@ def test_cli_exit_codes_and_output(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(MachineFacts, "detect", classmethod(lambda cls: CPU_ONLY))
     assert cli.main(["doctor", "--config_file", str(CPU_2PROC)]) == 0
     out = capsys.readouterr().out
+    assert out.splitlines()[0] == f"accel-ddp doctor: {CPU_2PROC} (given with --config_file)"
     assert "ready: 0 error(s), 0 warning(s), 1 note(s)" in out
     assert f"accelerate launch --config_file {CPU_2PROC} train.py" in out
 
@@ -344,16 +345,111 @@ def test_unreadable_config_exits_2_with_one_line(tmp_path, capsys, content, mess
     assert message in err and len(err.splitlines()) == 1
 
 
-def test_python_m_accel_ddp_doctor_on_this_machine():
+def test_the_versions_that_matter_are_on_one_line(monkeypatch, capsys):
+    import accelerate
+    import datasets
     import torch
 
-    result = subprocess.run([sys.executable, "-m", "accel_ddp", "doctor", "--config_file", str(CPU_2PROC)],
+    import accel_ddp
+
+    monkeypatch.setattr(MachineFacts, "detect", classmethod(lambda cls: CPU_ONLY))
+    assert cli.main(["doctor", "--config_file", str(CPU_2PROC)]) == 0
+    (line,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("  software: ")]
+    from importlib.metadata import version
+
+    for expected in (f"python {sys.version.split()[0]}", f"torch {torch.__version__} (",
+                     f"accelerate {accelerate.__version__}", f"datasets {datasets.__version__}",
+                     f"transformers {version('transformers')}", f"accel_ddp {accel_ddp.__version__}"):
+        assert expected in line, (expected, line)
+    cuda = f"built with CUDA {torch.version.cuda}" if torch.version.cuda else "CPU-only build"
+    assert cuda in line
+
+
+def test_a_library_that_is_not_installed_says_so(monkeypatch):
+    from importlib import metadata
+
+    real = metadata.version
+
+    def version(name):
+        if name == "transformers":
+            raise metadata.PackageNotFoundError(name)
+        return real(name)
+
+    monkeypatch.setattr(metadata, "version", version)
+    assert doctor.software_versions()["transformers"] == "not installed"
+
+
+# ----------------------------------------------------------------------------- no --config_file: the launcher's file
+
+
+@pytest.fixture
+def default_config(tmp_path, monkeypatch):
+    """Accelerate's default config path (its constant, computed from HF_HOME at import), moved into tmp_path."""
+    from accelerate.commands.config import config_args
+
+    path = tmp_path / "hf_home" / "accelerate" / "default_config.yaml"
+    monkeypatch.setattr(config_args, "default_config_file", str(path))
+    return path
+
+
+def test_without_config_file_the_default_config_is_checked(default_config):
+    default_config.parent.mkdir(parents=True)
+    default_config.write_text((CONFIGS / "cpu_2proc.yaml").read_text())
+    report = check_file(None, CPU_ONLY)
+    assert report.source.path == str(default_config)
+    first = report.render().splitlines()[0]
+    assert first.startswith(f"accel-ddp doctor: {default_config} (Accelerate's default config")
+    assert report.findings == check_file(CPU_2PROC, CPU_ONLY).findings  # the same file, the same findings
+    assert report.commands == ["accelerate launch train.py"]  # it is read without --config_file
+
+
+def test_without_any_config_a_launch_runs_one_process(default_config):
+    report = check_file(None, CPU_ONLY)
+    first = report.render().splitlines()[0]
+    assert first.startswith("accel-ddp doctor: no config file") and str(default_config) in first
+    assert report.ok and "NO, 1 process(es)" in report.summary
+    finding = only(report, WARNING, "no accelerate config", "starts 1 process")
+    assert "accelerate config" in finding.fix and "docs/launch.md" in finding.fix
+    assert report.commands == ["accelerate launch train.py"]
+    # With several GPUs `accelerate launch` starts one process per GPU by itself.
+    report = check_file(None, FOUR_GPUS)
+    assert report.ok and "MULTI_GPU, 4 process(es)" in report.summary
+    only(report, NOTE, "one process per GPU (4, DDP)")
+
+
+def test_cpu_flag_makes_the_launcher_ignore_the_default_config(default_config):
+    default_config.parent.mkdir(parents=True)
+    default_config.write_text((CONFIGS / "cpu_2proc.yaml").read_text())
+    report = check_file(None, CPU_ONLY, cpu=True)
+    assert report.source.path is None and "--cpu" in report.source.origin
+    assert report.commands == ["accelerate launch --cpu train.py"]
+
+
+def test_an_unreadable_default_config_is_named(default_config, capsys):
+    default_config.parent.mkdir(parents=True)
+    default_config.write_text("distributed_type: [unclosed\n")
+    assert doctor.run(doctor.build_parser().parse_args([]), facts=CPU_ONLY) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"accel-ddp doctor: error: default config {default_config}: not valid YAML at line 2; fix the " \
+                  "file's syntax"
+
+
+def test_python_m_accel_ddp_doctor_on_this_machine(tmp_path):
+    """A real process: Accelerate finds its default config through HF_HOME, and so does the doctor."""
+    import torch
+
+    default = tmp_path / "accelerate" / "default_config.yaml"
+    default.parent.mkdir()
+    default.write_text(CPU_2PROC.read_text())
+    result = subprocess.run([sys.executable, "-m", "accel_ddp", "doctor"],
                             capture_output=True, text=True, cwd=REPO, timeout=120,
-                            env={**os.environ, "PYTHONPATH": str(REPO)})
+                            env={**os.environ, "PYTHONPATH": str(REPO), "HF_HOME": str(tmp_path)})
     gpus = torch.cuda.device_count()
     assert result.returncode == (1 if gpus == 1 else 0), result.stdout + result.stderr  # 1 GPU < 2 processes
-    assert f"machine: {gpus} GPU(s)" in result.stdout
-    assert f"accelerate launch --config_file {CPU_2PROC} train.py" in result.stdout
+    assert result.stdout.splitlines()[0].startswith(f"accel-ddp doctor: {default} (Accelerate's default config")
+    assert f"machine:  {gpus} GPU(s)" in result.stdout
+    assert f"torch {torch.__version__}" in result.stdout
+    assert "  accelerate launch train.py" in result.stdout
 
 
 # ----------------------------------------------------------------------------- the traps are real
