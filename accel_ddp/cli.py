@@ -1,7 +1,8 @@
 """``accel-ddp``: training and the commands around it.
 
     accelerate launch --config_file FILE -m accel_ddp train [FLAGS]   train (what train.py runs)
-    accel-ddp doctor --config_file FILE   check a launch config against this machine, print the launch command
+    accel-ddp doctor [--config_file FILE] check a launch config (default: the one `accelerate launch` reads)
+                                          against this machine; print the versions and the launch command
     accel-ddp plot OUTPUT_DIR             write OUTPUT_DIR/curves.png from metrics.jsonl
     accel-ddp summary OUTPUT_DIR          print a finished run's summary as a table
 
@@ -52,8 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     doctor = commands.add_parser(
         "doctor", help="check an accelerate config file against this machine (exit 0 ready, 1 not, 2 unreadable)",
-        description="Check an accelerate config file against this machine. Launch flags given here override the "
-                    "file as they do on the `accelerate launch` line.")
+        description="Check an accelerate config file against this machine: the one given with --config_file, "
+                    "else the one `accelerate launch` reads without it (Accelerate's default config, written by "
+                    "`accelerate config`). Launch flags given here override the file as they do on the "
+                    "`accelerate launch` line.")
     from accel_ddp.doctor import build_parser as build_doctor_parser
 
     build_doctor_parser(doctor)
