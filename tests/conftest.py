@@ -56,15 +56,18 @@ def _faulty_if_asked(script, env):
 
 def launch(script_args: list[str], nproc: int = 2, env: dict[str, str] | None = None, timeout: float = 240,
            script: str | os.PathLike = TRAIN_SCRIPT, launch_args: list[str] | None = None,
-           cwd: str | os.PathLike | None = None) -> subprocess.CompletedProcess:
+           cwd: str | os.PathLike | None = None,
+           config_file: str | os.PathLike | None = CPU_2PROC) -> subprocess.CompletedProcess:
     """`accelerate launch --config_file cpu_2proc.yaml SCRIPT ARGS` as a user would type it.
 
     With FAULT_* variables in ``env`` the default script is tests/scripts/faulty_train.py, which reads them.
+    ``config_file=None``: plain `accelerate launch SCRIPT ARGS`, which reads Accelerate's default config
+    (give ``HF_HOME`` in ``env``); ``nproc`` and the free port are then the config's business.
     """
     script = _faulty_if_asked(script, env)
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CPU_2PROC),
-           "--num_processes", str(nproc), "--main_process_port", str(free_port()), *(launch_args or []),
-           str(script), *script_args]
+    flags = [] if config_file is None else ["--config_file", str(config_file), "--num_processes", str(nproc),
+                                           "--main_process_port", str(free_port())]
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", *flags, *(launch_args or []), str(script), *script_args]
     return subprocess.run(cmd, env=_env(env), capture_output=True, text=True, timeout=timeout, cwd=cwd or REPO)
 
 

@@ -18,7 +18,7 @@ import yaml
 
 from accel_ddp import cli, doctor
 from accel_ddp.doctor import ERROR, NOTE, WARNING, MachineFacts, cpu_has_bf16_units, diagnose
-from tests.conftest import CPU_2PROC, REPO, launch
+from tests.conftest import CPU_2PROC, REPO, launch, read_summary
 
 CONFIGS = REPO / "accelerate_configs"
 CPU_ONLY = MachineFacts(gpu_count=0, nccl_available=False, cpu_count=2)
@@ -450,6 +450,106 @@ def test_python_m_accel_ddp_doctor_on_this_machine(tmp_path):
     assert f"machine:  {gpus} GPU(s)" in result.stdout
     assert f"torch {torch.__version__}" in result.stdout
     assert "  accelerate launch train.py" in result.stdout
+
+
+# ----------------------------------------------------------------------------- `accelerate config`, then launch
+
+# The answers docs/launch.md gives, in the order `accelerate config` (Accelerate 1.15) asks them, on a
+# machine with or without GPUs. An int picks a menu entry (0 = the first), a string is typed.
+THIS_MACHINE = ("In which compute environment are you running?", 0)
+MULTI_GPU = ("Which type of machine are you using?", 4)  # "multi-GPU", also for several CPU processes
+_MULTI_GPU_QUESTIONS = [("Should distributed operations be checked", "no"), ("torch dynamo", "no"),
+                        ("DeepSpeed", "no"), ("FullyShardedDataParallel", "no"), ("Megatron-LM", "no")]
+
+
+def _multi_gpu(processes: str, mixed_precision: int, machines: list[tuple] = (("How many different machines", "1"),)):
+    return [THIS_MACHINE, MULTI_GPU, *machines, *_MULTI_GPU_QUESTIONS, ("How many GPU(s)", processes),
+            ("What GPU(s) (by id)", "all"), ("numa efficiency", "no"), ("mixed precision", mixed_precision)]
+
+
+ANSWERS = {  # shipped file -> answers
+    "4gpu.yaml": _multi_gpu("4", 2),  # mixed precision: 0 no, 1 fp16, 2 bf16
+    "1gpu_debug.yaml": [THIS_MACHINE, ("Which type of machine are you using?", 0), ("CPU only", "no"),
+                        ("torch dynamo", "no"), ("DeepSpeed", "no"), ("What GPU(s) (by id)", "0"),
+                        ("numa efficiency", "no"), ("mixed precision", 2)],
+    "cpu_2proc.yaml": _multi_gpu("2", 0),
+    "2node_8gpu.yaml": _multi_gpu("8", 2, [("How many different machines", "2"), ("rank of this machine", 0),
+                                           ("IP address", "10.0.0.1"), ("port", "29513"),
+                                           ("same local network", "yes")]),
+}
+# Where the written file differs from the shipped one, and why that changes nothing (docs/launch.md says so).
+DIFFERENCES = {
+    "4gpu.yaml": {"main_process_ip", "main_process_port"},  # unset: torchrun's 127.0.0.1, port 29500 or a free one
+    "1gpu_debug.yaml": {"debug", "same_network"},  # debug checks collectives (none with 1 process); 1 machine
+    "cpu_2proc.yaml": {"main_process_ip", "main_process_port"},
+    "2node_8gpu.yaml": set(),
+}
+MULTI_CPU_TRAP = [THIS_MACHINE, ("Which type of machine are you using?", 1), ("How many different machines", "1"),
+                  ("Should distributed operations be checked", "no"), ("launch mpirun", "no"), ("torch dynamo", "no"),
+                  ("How many processes", "2"), ("mixed precision", 0)]
+
+
+def answer_accelerate_config(answers: list[tuple], command: list[str], env: dict[str, str]) -> None:
+    """Answer `accelerate config`'s questions as a user at a terminal would (a pty, number keys and Enter)."""
+    import pexpect
+
+    child = pexpect.spawn(command[0], command[1:], env=env, encoding="utf-8", timeout=120)
+    for prompt, answer in answers:
+        child.expect_exact(prompt)
+        if isinstance(answer, int):  # a menu: wait until it reads raw keys (it hides the cursor), then pick
+            child.expect_exact("\x1b[?25l")
+            child.send(f"{answer}\r")
+        else:
+            child.sendline(answer)
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0, child.before
+
+
+CONFIG_COMMAND = """
+import sys
+from argparse import Namespace
+from accelerate.commands.config.config import config_command  # what `accelerate config --config_file PATH` runs
+for path in sys.argv[1:]:
+    config_command(Namespace(config_file=path))
+"""
+
+
+@pytest.mark.slow
+def test_accelerate_config_answers_in_the_docs_give_the_shipped_configs(tmp_path):
+    """One interpreter answers the four questionnaires (one `accelerate config` run each would cost 4 starts)."""
+    written = {name: tmp_path / name for name in ANSWERS}
+    answer_accelerate_config([pair for answers in ANSWERS.values() for pair in answers],
+                             [sys.executable, "-c", CONFIG_COMMAND, *map(str, written.values())], dict(os.environ))
+    for name, path in written.items():
+        got, shipped = doctor.load_launch_config(str(path)), doctor.load_launch_config(str(CONFIGS / name))
+        differs = {key for key in got.keys() | shipped.keys() if got.get(key) != shipped.get(key)}
+        assert differs == DIFFERENCES[name], (name, {key: (got.get(key), shipped.get(key)) for key in differs})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("answers", ["multi-CPU", "multi-GPU"])
+def test_accelerate_config_then_accelerate_launch_without_config_file(tmp_path, answers):
+    """The usual Accelerate workflow: the real `accelerate config` writes the default config in HF_HOME."""
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf")}
+    answer_accelerate_config(MULTI_CPU_TRAP if answers == "multi-CPU" else ANSWERS["cpu_2proc.yaml"],
+                             [sys.executable, "-m", "accelerate.commands.accelerate_cli", "config"], env)
+    assert (tmp_path / "hf" / "accelerate" / "default_config.yaml").is_file()
+    out = tmp_path / "out"
+    result = launch(["--dataset", "synthetic", "--synthetic_samples", "64", "--synthetic_shape", "4",
+                     "--epochs", "1", "--global_batch_size", "16", "--output_dir", str(out)],
+                    config_file=None, env={"HF_HOME": env["HF_HOME"]})
+    if answers == "multi-CPU":  # Accelerate's simple launcher: one process, refused before training
+        assert result.returncode != 0
+        lines = [line for line in result.stderr.splitlines() if line.startswith("accel_ddp: error:")]
+        assert len(lines) == 1, result.stderr[-3000:]
+        assert lines[0].startswith("accel_ddp: error: accelerate launch started 1 process, but its config asks for "
+                                   "several (distributed_type MULTI_CPU without mpirun")
+        assert "returned non-zero exit status 2" in result.stderr  # the launcher names the worker's exit code
+        assert not out.exists()
+    else:  # torchrun: two ranks of a gloo group trained
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert read_summary(out)["world_size"] == 2
 
 
 # ----------------------------------------------------------------------------- the traps are real
