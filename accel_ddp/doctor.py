@@ -321,7 +321,7 @@ def _launch_commands(config_file: str | None, overrides: dict[str, Any], num_mac
 
 
 def diagnose(config_file: str | None, facts: MachineFacts | None = None, overrides: dict[str, Any] | None = None,
-             cpu: bool = False, script: str = "train.py", is_port_in_use=port_in_use) -> Report:
+             cpu: bool = False, script: str = "train.py", is_port_in_use=None) -> Report:
     """Check ``config_file`` (plus ``accelerate launch`` flag ``overrides``) against ``facts``.
 
     ``config_file=None``: the file ``accelerate launch`` would read without ``--config_file``.
@@ -330,6 +330,7 @@ def diagnose(config_file: str | None, facts: MachineFacts | None = None, overrid
         >>> report.ok, [f.line() for f in report.findings]
     """
     facts = facts or MachineFacts.detect()
+    is_port_in_use = is_port_in_use or port_in_use
     source = resolve_config_file(config_file, cpu)
     overrides = {k: v for k, v in (overrides or {}).items() if v is not None}
     if source.path is None:
