@@ -225,7 +225,9 @@ def test_lone_processes_are_refused(tmp_path):
     """A script that made Accelerate's state without CPU/gloo: the 2 launched ranks never met."""
     result = launch(["--dataset", "synthetic", "--output_dir", str(tmp_path)], script=SCRIPTS / "premade_state.py")
     assert result.returncode != 0
-    assert result.stderr.count("launcher started 2 processes but they formed a group of 1") == 1
+    # One error line; the launcher's failure summary names the error too (accel_ddp/failure.py).
+    assert result.stderr.count("accel_ddp: error: the launcher started 2 processes but they formed a group of 1") == 1
+    assert "LaunchError: the launcher started 2 processes but they formed a group of 1" in result.stderr
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
