@@ -321,18 +321,29 @@ class CheckpointManager:
         models.clear()  # loaded: Accelerate would expect DDP's "module." keys
 
     def _on_main_then_all(self, fn: Callable[[], Any]) -> Any:
-        """Run ``fn`` on the main process only (one reader of the file system); every rank gets its result
-        or raises its ConfigError, so all ranks take the same decision."""
-        outcome: list[Any] = [None, None]
-        if self.accelerator.is_main_process:
-            try:
-                outcome[0] = fn()
-            except ConfigError as err:
-                outcome[1] = str(err)
-        broadcast_object_list(outcome)
-        if outcome[1] is not None:
-            raise ConfigError(outcome[1])
-        return outcome[0]
+        return main_process_decides(self.accelerator, fn)  # one reader of the file system
+
+
+def main_process_decides(state: Any, decide: Callable[[], Any]) -> Any:
+    """Run ``decide`` on the main process only; every rank gets its result or raises its ConfigError,
+    so all ranks take the same decision. ``state``: an Accelerator or a PartialState (collective)."""
+    outcome: list[Any] = [None, None, None]  # result, ConfigError text, any other failure
+    failure = None
+    if state.is_main_process:
+        try:
+            outcome[0] = decide()
+        except ConfigError as err:
+            outcome[1] = str(err)
+        except Exception as err:  # noqa: BLE001 - re-raised below, once the other ranks know not to wait
+            outcome[2], failure = f"{type(err).__name__}: {err}", err
+    broadcast_object_list(outcome)
+    if failure is not None:
+        raise failure
+    if outcome[2] is not None:
+        raise RuntimeError(f"the main process failed: {outcome[2]}")
+    if outcome[1] is not None:
+        raise ConfigError(outcome[1])
+    return outcome[0]
 
 
 # ----------------------------------------------------------------------------- file helpers

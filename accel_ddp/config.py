@@ -29,12 +29,22 @@ def _opt(default: Any, help: str) -> Any:
 
 LR_SCHEDULES = ("constant", "linear", "cosine")
 OPTIMIZERS = ("sgd", "adamw")
-TRACKERS = ("none", "tensorboard", "csv", "all")
+# --report_to names: Accelerate's trackers (accelerate.tracking.LOGGER_TYPE_TO_CLASS, listed here because
+# this module imports no torch) and accel_ddp's csv. "all" = every one whose package is installed, plus csv.
+ACCELERATE_TRACKERS = ("tensorboard", "wandb", "mlflow", "comet_ml", "aim", "clearml", "dvclive", "swanlab", "trackio")
+REPORT_TO = (*ACCELERATE_TRACKERS, "csv", "all")
 COMM_HOOKS = ("none", "fp16", "bf16")
 LOADERS = ("auto", "device", "dataloader")
 # Old spellings that keep working for one release, each with a warning naming the new one.
 RENAMED_FLAGS = {"fast_loader_max_mb": "device_loader_max_mb"}
 RENAMED_VALUES = {("loader", "fast"): "device"}
+# Old values that now set several options (CLI and YAML): `--with_tracking csv` = `--with_tracking --report_to csv`.
+EXPANDED_VALUES = {
+    ("with_tracking", "none"): {"with_tracking": False},
+    ("with_tracking", "tensorboard"): {"with_tracking": True, "report_to": "tensorboard"},
+    ("with_tracking", "csv"): {"with_tracking": True, "report_to": "csv"},
+    ("with_tracking", "all"): {"with_tracking": True, "report_to": "tensorboard,csv"},  # the old all: these two
+}
 
 
 @dataclass
@@ -102,7 +112,17 @@ class TrainConfig:
     init_from: str | None = _opt(
         None, "start from these weights (a .safetensors file, e.g. a run's model.safetensors) to fine-tune"
     )
-    with_tracking: str = _opt("none", "extra trackers through Accelerate: none, tensorboard, csv or all")
+    with_tracking: bool = _opt(False, "also log to the trackers of --report_to (metrics.jsonl is always written)")
+    report_to: str = _opt(
+        "all", "trackers for --with_tracking, comma-separated: " + ", ".join(REPORT_TO[:-1])
+        + "; all = every installed one, plus csv"
+    )
+    tracker_project_name: str = _opt(
+        "accel_ddp", "--with_tracking: the project (W&B, Comet, SwanLab, Trackio) or experiment (MLflow, Aim, ClearML)"
+    )
+    run_name: str | None = _opt(
+        None, "--with_tracking: the run's name in the trackers; default the --output_dir folder's name"
+    )
     debug: bool = _opt(False, "debug mode: anomaly detection, deterministic kernels, few steps, small data")
 
     # --- performance and distributed knobs (DDP ones follow the Hugging Face Trainer's names) ---
@@ -145,7 +165,7 @@ class TrainConfig:
             raise ConfigError(f"--synthetic_shape must be positive sizes, got {self.synthetic_shape}")
         _check_choice(self, "optimizer", OPTIMIZERS)
         _check_choice(self, "lr_schedule", LR_SCHEDULES)
-        _check_choice(self, "with_tracking", TRACKERS)
+        _check_tracking(self)
         _check_choice(self, "ddp_comm_hook", COMM_HOOKS)
         _check_positive(self, "ddp_bucket_cap_mb", "ddp_timeout")
         if self.checkpointing_steps is not None:
@@ -185,9 +205,32 @@ class TrainConfig:
 
 def warn_deprecated(old: str, new: str) -> None:
     """One line on stderr, from the first rank only (every rank parses the same command line)."""
+    warn(f"{old} is deprecated and will be removed in the next release; use {new}")
+
+
+def warn(message: str) -> None:
+    """A warning about the options: one line on stderr, from the first rank only."""
     if os.environ.get("RANK", "0") == "0":
-        print(f"accel_ddp: warning: {old} is deprecated and will be removed in the next release; use {new}",
-              file=sys.stderr, flush=True)
+        print(f"accel_ddp: warning: {message}", file=sys.stderr, flush=True)
+
+
+def _check_tracking(cfg: TrainConfig) -> None:
+    """--with_tracking is a switch, --report_to a comma list of known trackers (normalised: lower case, no repeats)."""
+    if not isinstance(cfg.with_tracking, bool):
+        raise ConfigError(f"--with_tracking is a switch (true or false), got {cfg.with_tracking!r}; name the trackers "
+                          f"with --report_to, e.g. --with_tracking --report_to {cfg.with_tracking}")
+    names = [name.strip().lower() for name in str(cfg.report_to).split(",") if name.strip()]
+    unknown = [name for name in names if name not in REPORT_TO]
+    if unknown or not names:
+        raise ConfigError(f"--report_to {cfg.report_to!r}: unknown tracker {', '.join(unknown) or '(none given)'}; "
+                          f"give one or more of {', '.join(REPORT_TO)}, separated by commas")
+    cfg.report_to = ",".join(dict.fromkeys(names))
+    for name in ("tracker_project_name", "run_name"):
+        value = getattr(cfg, name)
+        if value is not None and not str(value).strip():
+            raise ConfigError(f"--{name} is empty; give a name or leave the flag out")
+    if not cfg.with_tracking and cfg.report_to != "all":
+        warn(f"--report_to {cfg.report_to} has no effect without --with_tracking; add --with_tracking")
 
 
 def _check_positive(cfg: TrainConfig, *names: str, allow_none: bool = False) -> None:
@@ -237,6 +280,17 @@ def _parse_bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
+def _parse_with_tracking(text: str) -> bool | str:
+    """A switch, whose old values (``none``, ``tensorboard``, ``csv``, ``all``) ``_renamed`` translates."""
+    if ("with_tracking", text) in EXPANDED_VALUES:
+        return text
+    try:
+        return _parse_bool(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"a switch now, got {text!r}; name the trackers with --report_to, e.g. "
+                                         f"--with_tracking --report_to {text}") from None
+
+
 class _OneLineParser(argparse.ArgumentParser):
     """argparse prints usage plus the error; we want one line and exit code 2 via ConfigError."""
 
@@ -256,7 +310,8 @@ def build_parser() -> argparse.ArgumentParser:
         kind, is_tuple = _scalar_type(hints[f.name])
         help_text = f"{f.metadata['help']} (default: {f.default})"
         if kind is bool:
-            parser.add_argument(f"--{f.name}", type=_parse_bool, nargs="?", const=True, help=help_text)
+            parse = _parse_with_tracking if f.name == "with_tracking" else _parse_bool
+            parser.add_argument(f"--{f.name}", type=parse, nargs="?", const=True, help=help_text)
         elif is_tuple:
             parser.add_argument(f"--{f.name}", type=kind, nargs="+", help=help_text)
         else:
@@ -295,12 +350,20 @@ def load_recipe(path: str) -> dict[str, Any]:
 
 
 def _renamed(values: dict[str, Any]) -> dict[str, Any]:
-    """Old option names replaced by their new ones (the new name wins if both are given)."""
+    """Old option names and values replaced by their new spelling (the new spelling wins if both are given)."""
     for old, new in RENAMED_FLAGS.items():
         if old in values:
             warn_deprecated(f"--{old}", f"--{new}")
             value = values.pop(old)
             values.setdefault(new, value)
+    for (name, old), new in EXPANDED_VALUES.items():
+        if isinstance(values.get(name), str) and values[name].lower() == old:
+            spelling = " ".join(f"--{key}" if value is True else f"--{key} {value}"
+                                for key, value in new.items() if value is not False)
+            warn_deprecated(f"--{name} {old}", spelling or f"--{name} false")
+            values[name] = new[name]
+            for key, value in new.items():
+                values.setdefault(key, value)
     return values
 
 

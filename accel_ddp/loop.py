@@ -116,7 +116,9 @@ def build_accelerator(cfg: TrainConfig) -> tuple[Accelerator, int, int]:
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=cfg.seed, non_blocking=not cpu),
         kwargs_handlers=[ddp_kwargs(cfg)],
         dynamo_backend="inductor" if cfg.compile else None,
-        **tracking_kwargs(cfg.with_tracking, cfg.output_dir),  # --with_tracking: log_with + project_dir
+        # --with_tracking: the trackers of --report_to (a missing package stops every rank here, before any data)
+        **(tracking_kwargs(state, cfg.report_to, cfg.output_dir, cfg.tracker_project_name, cfg.run_name)
+           if cfg.with_tracking else {}),
     )
     return accelerator, per_device, accumulation
 
@@ -272,9 +274,11 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
     else:
         checkpoints.check_fresh_start()
         start_step = 0
+    resolved = {**cfg.to_dict(), "resolved": facts}
+    recorder.start_trackers(cfg.tracker_project_name, resolved, start_step)  # one that cannot start: exit 2 here
     # Only now, with the input checked and the start point agreed, touch what earlier runs left.
     recorder.rewind(start_step)  # metrics past the checkpoint belong to the lost steps
-    recorder.write_config({**cfg.to_dict(), "resolved": facts})
+    recorder.write_config(resolved)
     return Run(cfg, accelerator, model, optimizer, scheduler, train_loader, eval_loader, plan, facts, recorder,
                checkpoints, preemption, start_step, memory_format, started)
 
@@ -402,7 +406,7 @@ def finish(run: Run, result: FitResult) -> dict[str, Any]:
         "lr_scheduler_steps": run.scheduler.scheduler.last_epoch,
         "resumed_from_step": run.start_step,
     }
-    run.recorder.write_summary(summary)
+    run.recorder.write_summary(summary, result.step)  # and to the trackers
     run.recorder.plot()  # OUTPUT_DIR/curves.png
     return summary
 

@@ -7,6 +7,9 @@
     OUTPUT_DIR/curves.png           loss, eval metric, LR and throughput against step
     OUTPUT_DIR/metrics.csv          with the csv tracker
     OUTPUT_DIR/tensorboard/         with the tensorboard tracker
+    OUTPUT_DIR/wandb/               with the wandb tracker (unless WANDB_DIR says elsewhere)
+    OUTPUT_DIR/trackers.json        the W&B and MLflow run ids a resumed run continues
+    OUTPUT_DIR/README.md            the model card: model, data, batch layout, final metrics, launch command
     OUTPUT_DIR/profile/rank<R>.json with --profile: one Chrome trace per rank
     OUTPUT_DIR/checkpoints/step_00000100/   full training state; checkpoint.json is its completion marker
 """
@@ -17,7 +20,9 @@ SUMMARY_NAME = "summary.json"
 WEIGHTS_NAME = "model.safetensors"
 CURVES_NAME = "curves.png"
 CSV_NAME = "metrics.csv"
-TENSORBOARD_SUBDIR = "tensorboard"  # Accelerate's TensorBoardTracker writes to project_dir/<project name>
+TENSORBOARD_SUBDIR = "tensorboard"  # Accelerate's TensorBoardTracker writes to logging_dir/<its run name>
+TRACKERS_NAME = "trackers.json"
+MODEL_CARD_NAME = "README.md"
 PROFILE_SUBDIR = "profile"
 CHECKPOINTS_DIR = "checkpoints"
 MARKER_NAME = "checkpoint.json"  # inside each checkpoint folder, written last

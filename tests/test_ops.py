@@ -1,4 +1,4 @@
-"""Operations: multi-node on loopback, SLURM script, trackers, curves.png, summary table, FSDP."""
+"""Operations: multi-node on loopback, SLURM script, curves.png, summary table, FSDP (trackers: test_tracking.py)."""
 
 from __future__ import annotations
 
@@ -16,9 +16,7 @@ import pytest
 import torch
 
 from accel_ddp import cli
-from accel_ddp.config import ConfigError
 from accel_ddp.report import CURVES, build_curves_figure, read_curves
-from accel_ddp.tracking import RunRecorder, build_trackers, tracking_kwargs
 from tests.conftest import (
     REPO,
     TRAIN_SCRIPT,
@@ -29,7 +27,6 @@ from tests.conftest import (
     load_weights,
     read_metrics,
     read_summary,
-    run_ranks,
     train_ranks,
 )
 
@@ -346,73 +343,6 @@ def test_plot_and_summary_of_a_missing_run_exit_2(tmp_path, command, capsys):
     assert cli.main([command, str(tmp_path / "nowhere")]) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "--output_dir" in err
-
-
-# ----------------------------------------------------------------------------- trackers
-
-
-def _log_csv_rows(out: str) -> None:
-    """What the loop does with a recorder, minus the training: rows from every rank, a widening header."""
-    from accelerate import Accelerator
-
-    accelerator = Accelerator(cpu=True, **tracking_kwargs("csv", out))
-    recorder = RunRecorder(out, accelerator.is_main_process, accelerator=accelerator)
-    recorder.write_config({"lr": 0.1, "resolved": {"world_size": accelerator.num_processes}})
-    for step in (1, 2):
-        recorder.log({"step": step, "loss": 1.0 / step, "lr": 0.1})
-    recorder.log({"step": 2, "eval_accuracy": 0.5})  # a new column: the header widens
-    recorder.log({"step": 3, "loss": 0.25, "lr": 0.05})
-    recorder.close()
-    accelerator.end_training()
-
-
-def test_csv_tracker_writes_each_row_once_from_two_ranks_and_appends_on_resume(tmp_path):
-    out = tmp_path / "run"
-    run_ranks(lambda: _log_csv_rows(str(out)))
-    expected = ["step,loss,lr,eval_accuracy", "1,1.0,0.1,", "2,0.5,0.1,", "2,,,0.5", "3,0.25,0.05,"]
-    assert (out / "metrics.csv").read_text().splitlines() == expected
-    run_ranks(lambda: _log_csv_rows(str(out)))  # a resumed run extends the file
-    assert (out / "metrics.csv").read_text().splitlines() == expected + expected[1:]
-
-
-def test_tensorboard_missing_is_one_clear_error(monkeypatch, tmp_path):
-    import accelerate.utils
-
-    monkeypatch.setattr(accelerate.utils, "is_tensorboard_available", lambda: False)
-    with pytest.raises(ConfigError, match="pip install tensorboard"):
-        build_trackers("all", str(tmp_path))
-    assert [t.name for t in build_trackers("csv", str(tmp_path))] == ["csv"]
-    assert build_trackers("none", str(tmp_path)) == []
-
-
-def test_training_with_tracking_all_writes_csv_tensorboard_and_curves(tmp_path, tiny_args):
-    pytest.importorskip("tensorboard", reason="--with_tracking tensorboard needs the tensorboard package")
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    out = tmp_path / "run"
-    train_ranks([*tiny_args, "--log_every", "2", "--eval_every", "8", "--with_tracking", "all",
-                 "--output_dir", str(out)])
-    records = read_metrics(out)
-    steps, losses = series(records, "loss")
-    assert steps == [2, 4, 6, 8, 10, 12, 14, 16]
-    assert all(r["samples_per_sec"] > 0 for r in records if "loss" in r)
-
-    import csv
-
-    with open(out / "metrics.csv", newline="") as fh:
-        rows = list(csv.DictReader(fh))
-    csv_loss = [(int(r["step"]), float(r["loss"])) for r in rows if r["loss"]]
-    assert csv_loss == list(zip(steps, losses, strict=True))  # one row per step: the main process only
-    assert [(int(r["step"]), float(r["eval_accuracy"])) for r in rows if r["eval_accuracy"]] == [
-        (s, v) for s, v in zip(*series(records, "eval_accuracy"), strict=True)]
-
-    events = EventAccumulator(str(out / "tensorboard"))
-    events.Reload()
-    scalars = events.Scalars("loss")
-    assert [e.step for e in scalars] == steps
-    assert [e.value for e in scalars] == pytest.approx(losses, rel=1e-6)
-
-    decode_png(out / "curves.png")  # plotted at the end of training
 
 
 # ----------------------------------------------------------------------------- FSDP

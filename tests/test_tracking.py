@@ -1,0 +1,354 @@
+"""Trackers (--with_tracking, --report_to), their failures and resumes.
+
+MLflow and W&B run for real and offline: MLflow on a local file store (MLFLOW_TRACKING_URI=file:...),
+W&B with WANDB_MODE=offline; each is read back with its own API (MlflowClient, `wandb leet inspect`).
+Without the package, those tests skip.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from accel_ddp.config import ACCELERATE_TRACKERS, ConfigError, parse_args
+from accel_ddp.tracking import CSVTracker, RunRecorder, build_trackers, resolve_report_to
+from tests import faults
+from tests.conftest import main_ranks, read_metrics, read_summary, run_ranks, train_ranks
+from tests.multiproc import RankFailed
+from tests.test_ops import decode_png, series
+
+TRACKED = ["--log_every", "2", "--eval_every", "8", "--with_tracking"]
+
+
+def _offline(tmp_path: Path, monkeypatch) -> dict[str, str]:
+    """MLflow on a file store in tmp_path, W&B offline with its own folders there: nothing leaves the machine."""
+    for name in ("WANDB_API_KEY", "WANDB_DIR", "MLFLOW_EXPERIMENT_NAME", "MLFLOW_RUN_ID", "MLFLOW_TAGS"):
+        monkeypatch.delenv(name, raising=False)
+    env = {
+        "MLFLOW_TRACKING_URI": f"file:{tmp_path / 'mlruns'}",
+        "MLFLOW_ALLOW_FILE_STORE": "true",  # MLflow 3.x refuses its file store unless asked
+        "WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_BASE_URL": "http://127.0.0.1:9",
+        "WANDB_CONFIG_DIR": str(tmp_path / "wandb_config"), "WANDB_CACHE_DIR": str(tmp_path / "wandb_cache"),
+        "WANDB_DATA_DIR": str(tmp_path / "wandb_data"), "HOME": str(tmp_path / "home"),
+    }
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)  # the test process reads the stores back with the same settings
+    return env
+
+
+def _mlflow():
+    mlflow = pytest.importorskip("mlflow", reason="the mlflow tracker needs mlflow (pip install 'accel_ddp[tracking]')")
+    return mlflow  # imported here, once: the forked ranks inherit it
+
+
+def _wandb_history(out: Path) -> list[tuple[str, list[dict], dict, dict]]:
+    """(run id, history rows, run record, config and summary updates) of each offline W&B run under
+    OUTPUT_DIR/wandb, read with W&B's own reader of its .wandb transaction log (`wandb leet inspect --json`)."""
+    pytest.importorskip("wandb", reason="the wandb tracker needs wandb (pip install 'accel_ddp[tracking]')")
+    runs = []
+    for path in sorted((out / "wandb").glob("offline-run-*/run-*.wandb")):
+        listing = subprocess.run([sys.executable, "-m", "wandb", "leet", "inspect", "--json", str(path)],
+                                 capture_output=True, text=True, check=True, timeout=60).stdout
+        records = [json.loads(line) for line in listing.splitlines() if line.startswith("{")]
+        (run,) = [r["run"] for r in records if r["type"] == "run"]
+        history = [r["history"]["item"] for r in records if r["type"] == "history"]
+        updates = {kind: [r[kind]["update"] for r in records if r["type"] == kind] for kind in ("config", "summary")}
+        runs.append((run["run_id"], history, run, updates))
+    return runs
+
+
+# ----------------------------------------------------------------------------- flags
+
+
+def test_tracker_names_are_accelerates():
+    from accelerate.tracking import LOGGER_TYPE_TO_CLASS
+
+    assert set(ACCELERATE_TRACKERS) == set(LOGGER_TYPE_TO_CLASS)  # config.py lists them without importing torch
+
+
+@pytest.mark.parametrize("old, report_to", [("tensorboard", "tensorboard"), ("csv", "csv"), ("all", "tensorboard,csv")])
+def test_old_with_tracking_values_still_work_with_one_deprecation_line(tmp_path, capsys, old, report_to):
+    cfg = parse_args(["--with_tracking", old])
+    assert (cfg.with_tracking, cfg.report_to) == (True, report_to)
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"with_tracking: {old}\n")
+    cfg = parse_args(["--config", str(recipe)])
+    assert (cfg.with_tracking, cfg.report_to) == (True, report_to)
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 2 and all(f"--with_tracking --report_to {report_to}" in line for line in lines), lines
+    assert parse_args(["--with_tracking", "none"]).with_tracking is False
+    assert "deprecated" in capsys.readouterr().err
+
+
+def test_new_flags_from_cli_and_yaml(tmp_path, capsys):
+    cfg = parse_args(["--with_tracking", "--report_to", "MLflow, wandb,mlflow", "--tracker_project_name", "mnist",
+                      "--run_name", "baseline"])
+    assert (cfg.with_tracking, cfg.report_to, cfg.tracker_project_name, cfg.run_name) == (
+        True, "mlflow,wandb", "mnist", "baseline")
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump({"with_tracking": True, "report_to": "csv", "tracker_project_name": "p",
+                                      "run_name": "r"}))
+    cfg = parse_args(["--config", str(recipe), "--report_to", "tensorboard"])
+    assert (cfg.with_tracking, cfg.report_to, cfg.tracker_project_name, cfg.run_name) == (True, "tensorboard", "p", "r")
+    assert parse_args([]).with_tracking is False and parse_args([]).report_to == "all"
+    assert capsys.readouterr().err == ""
+    parse_args(["--report_to", "wandb"])  # a dead flag would be silent
+    assert "has no effect without --with_tracking" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--with_tracking", "wandb"], "name the trackers with --report_to, e.g. --with_tracking --report_to wandb"),
+    (["--report_to", "neptune"], "unknown tracker neptune; give one or more of tensorboard, wandb, mlflow"),
+    (["--report_to", ","], "unknown tracker (none given)"),
+    (["--run_name", " "], "--run_name is empty"),
+])
+def test_bad_tracking_flags_are_one_line(argv, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")) as err:
+        parse_args(argv)
+    assert "\n" not in str(err.value)
+
+
+def test_report_to_all_is_every_installed_tracker_plus_csv(monkeypatch):
+    import accelerate.utils
+
+    for name in ACCELERATE_TRACKERS:
+        monkeypatch.setattr(accelerate.utils, f"is_{name}_available", lambda n=name: n in ("mlflow", "tensorboard"))
+    assert resolve_report_to("all") == ["tensorboard", "mlflow", "csv"]
+    assert resolve_report_to("csv,all") == ["csv", "tensorboard", "mlflow"]
+    with pytest.raises(ConfigError, match=r"--report_to wandb,comet_ml: not installed; pip install wandb comet-ml"):
+        resolve_report_to("all,wandb,comet_ml")
+
+
+# ----------------------------------------------------------------------------- csv and tensorboard
+
+
+def _log_csv_rows(out: str) -> None:
+    """What the loop does with a recorder, minus the training: rows from every rank, a widening header."""
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True, log_with=[CSVTracker(out)])
+    recorder = RunRecorder(out, accelerator.is_main_process, accelerator=accelerator)
+    recorder.start_trackers("test", {"lr": 0.1, "resolved": {"world_size": accelerator.num_processes}}, 0)
+    for step in (1, 2):
+        recorder.log({"step": step, "loss": 1.0 / step, "lr": 0.1})
+    recorder.log({"step": 2, "eval_accuracy": 0.5})  # a new column: the header widens
+    recorder.log({"step": 3, "loss": 0.25, "lr": 0.05})
+    recorder.close()
+    accelerator.end_training()
+
+
+def test_csv_tracker_writes_each_row_once_from_two_ranks_and_appends_on_resume(tmp_path):
+    out = tmp_path / "run"
+    run_ranks(lambda: _log_csv_rows(str(out)))
+    expected = ["step,loss,lr,eval_accuracy", "1,1.0,0.1,", "2,0.5,0.1,", "2,,,0.5", "3,0.25,0.05,"]
+    assert (out / "metrics.csv").read_text().splitlines() == expected
+    run_ranks(lambda: _log_csv_rows(str(out)))  # a resumed run extends the file
+    assert (out / "metrics.csv").read_text().splitlines() == expected + expected[1:]
+
+
+def test_tensorboard_missing_is_one_clear_error(monkeypatch, tmp_path):
+    import accelerate.utils
+
+    monkeypatch.setattr(accelerate.utils, "is_tensorboard_available", lambda: False)
+    with pytest.raises(ConfigError, match="pip install tensorboard"):
+        resolve_report_to("tensorboard,csv")  # what the old --with_tracking all means
+    assert [t.name for t in build_trackers(resolve_report_to("csv"), str(tmp_path))] == ["csv"]
+    assert build_trackers([], str(tmp_path)) == []
+    assert "tensorboard" not in resolve_report_to("all")  # all = the installed ones
+
+
+def test_training_with_tracking_all_writes_csv_tensorboard_and_curves(tmp_path, tiny_args):
+    pytest.importorskip("tensorboard", reason="--report_to tensorboard needs the tensorboard package")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "run"
+    train_ranks([*tiny_args, *TRACKED, "--report_to", "tensorboard,csv", "--output_dir", str(out)])
+    records = read_metrics(out)
+    steps, losses = series(records, "loss")
+    assert steps == [2, 4, 6, 8, 10, 12, 14, 16]
+    assert all(r["samples_per_sec"] > 0 for r in records if "loss" in r)
+
+    with open(out / "metrics.csv", newline="") as fh:
+        rows = list(csv.DictReader(fh))
+    csv_loss = [(int(r["step"]), float(r["loss"])) for r in rows if r["loss"]]
+    assert csv_loss == list(zip(steps, losses, strict=True))  # one row per step: the main process only
+    assert [(int(r["step"]), float(r["eval_accuracy"])) for r in rows if r["eval_accuracy"]] == [
+        (s, v) for s, v in zip(*series(records, "eval_accuracy"), strict=True)]
+
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    scalars = events.Scalars("loss")
+    assert [e.step for e in scalars] == steps
+    assert [e.value for e in scalars] == pytest.approx(losses, rel=1e-6)
+    summary = read_summary(out)
+    assert [(e.step, e.value) for e in events.Scalars("summary/optimizer_steps")] == [(16, 16)]
+    assert [e.value for e in events.Scalars("summary/eval_accuracy")] == pytest.approx([summary["eval_accuracy"]])
+
+    decode_png(out / "curves.png")  # plotted at the end of training
+
+
+# ----------------------------------------------------------------------------- MLflow and W&B, offline
+
+
+def test_mlflow_and_wandb_offline_hold_each_metric_once_after_a_two_rank_run(tmp_path, tiny_args, monkeypatch):
+    mlflow = _mlflow()
+    pytest.importorskip("wandb", reason="the wandb tracker needs wandb (pip install 'accel_ddp[tracking]')")
+    _offline(tmp_path, monkeypatch)
+    out = tmp_path / "run"
+    train_ranks([*tiny_args, *TRACKED, "--report_to", "mlflow,wandb", "--tracker_project_name", "proj",
+                 "--output_dir", str(out)])
+    records = read_metrics(out)
+    steps, losses = series(records, "loss")
+    eval_steps, accuracies = series(records, "eval_accuracy")
+    summary = read_summary(out)
+    ids = json.loads((out / "trackers.json").read_text())
+
+    client = mlflow.tracking.MlflowClient()
+    (run,) = client.search_runs([client.get_experiment_by_name("proj").experiment_id])  # one run: the main process's
+    assert run.info.run_id == ids["mlflow"]["run_id"] and run.info.run_name == "run"  # default: the folder's name
+    history = client.get_metric_history(run.info.run_id, "loss")
+    assert [m.step for m in history] == steps  # each step once, not once per rank
+    assert [m.value for m in history] == pytest.approx(losses, rel=1e-6)
+    assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "eval_accuracy")] == list(
+        zip(eval_steps, accuracies, strict=True))
+    assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "summary/train_seconds")] == [
+        (16, pytest.approx(summary["train_seconds"]))]
+    assert run.data.params["lr"] == "0.003" and run.data.params["resolved/world_size"] == "2"  # the config, once
+
+    ((run_id, history, wandb_run, updates),) = _wandb_history(out)  # one W&B run
+    assert run_id == ids["wandb"]["id"] and (wandb_run["project"], wandb_run["display_name"]) == ("proj", "run")
+    assert [(row["_step"], row["loss"]) for row in history if "loss" in row] == list(zip(steps, losses, strict=True))
+    assert [(row["_step"], row["eval_accuracy"]) for row in history if "eval_accuracy" in row] == list(
+        zip(eval_steps, accuracies, strict=True))
+    (config,) = updates["config"]  # the config, once
+    assert config["lr"] == 0.003 and config["resolved/world_size"] == 2
+    assert [s["summary/eval_accuracy"] for s in updates["summary"] if "summary/eval_accuracy" in s] == [
+        summary["eval_accuracy"]]
+
+
+def test_a_resumed_run_continues_the_same_tracker_runs_without_duplicate_steps(tmp_path, tiny_args, monkeypatch):
+    """Killed at step 7 (checkpoint at 4, steps 2-6 already logged); the resumed run reopens the MLflow
+    and W&B runs by id, drops or hides what csv and tensorboard hold past step 4, and each tracker ends
+    with every step once."""
+    mlflow = _mlflow()
+    pytest.importorskip("wandb", reason="the wandb tracker needs wandb (pip install 'accel_ddp[tracking]')")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    _offline(tmp_path, monkeypatch)
+    out = tmp_path / "run"
+    args = [*tiny_args, *TRACKED, "--report_to", "csv,tensorboard,mlflow,wandb", "--run_name", "resumable",
+            "--checkpointing_steps", "4", "--output_dir", str(out)]
+
+    def fail_at_step_7():
+        faults.install(fail_at=(7, 1))
+        from accel_ddp.loop import train
+
+        return train(parse_args(args))
+
+    with pytest.raises(RankFailed, match="injected failure on rank 1 at step 7"):
+        run_ranks(fail_at_step_7, grace=1)
+    first_ids = json.loads((out / "trackers.json").read_text())
+    train_ranks([*args, "--resume_from_checkpoint", "auto"])
+    assert read_summary(out)["resumed_from_step"] == 4
+    steps, losses = series(read_metrics(out), "loss")
+    assert steps == [2, 4, 6, 8, 10, 12, 14, 16]
+    assert json.loads((out / "trackers.json").read_text()) == first_ids
+
+    client = mlflow.tracking.MlflowClient()
+    (run,) = client.search_runs([client.get_experiment_by_name("accel_ddp").experiment_id])
+    assert run.info.run_id == first_ids["mlflow"]["run_id"] and run.info.run_name == "resumable"
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == steps  # 6 not twice
+
+    wandb_runs = _wandb_history(out)  # offline, each attempt has its own file; `wandb sync` joins them by id
+    assert [run_id for run_id, *_ in wandb_runs] == [first_ids["wandb"]["id"]] * 2
+    assert [row["_step"] for _, history, *_ in wandb_runs for row in history if "loss" in row] == steps
+
+    with open(out / "metrics.csv", newline="") as fh:
+        assert [int(r["step"]) for r in csv.DictReader(fh) if r["loss"]] == steps
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("loss")] == steps
+    assert [e.value for e in events.Scalars("loss")] == pytest.approx(losses, rel=1e-6)
+
+
+# ----------------------------------------------------------------------------- failures
+
+
+def _lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith("accel_ddp: ")]
+
+
+def _earlier_run(out: Path) -> dict[str, str]:
+    """Files an earlier run left in the output folder, which a refused start must not touch."""
+    out.mkdir(parents=True)
+    files = {"metrics.jsonl": '{"step": 2, "loss": 1.0}\n', "config.yaml": "lr: 0.1\n"}
+    for name, text in files.items():
+        (out / name).write_text(text)
+    return files
+
+
+def test_a_named_tracker_that_is_not_installed_stops_every_rank_before_training(tmp_path, tiny_args, capfd,
+                                                                                monkeypatch):
+    import accelerate.utils
+
+    monkeypatch.setattr(accelerate.utils, "is_wandb_available", lambda: False)  # forked ranks inherit it
+    out = tmp_path / "run"
+    files = _earlier_run(out)
+    assert main_ranks([*tiny_args, "--with_tracking", "--report_to", "csv,wandb", "--output_dir", str(out)]) == [2, 2]
+    (line,) = _lines(capfd.readouterr().err)
+    assert line == ("accel_ddp: error: --report_to wandb: not installed; pip install wandb "
+                    "(or pip install 'accel_ddp[tracking]' for tensorboard, wandb and mlflow)")
+    assert {p.name: p.read_text() for p in out.iterdir()} == files
+
+
+@pytest.mark.parametrize("tracker, env, message", [
+    ("mlflow", {"MLFLOW_TRACKING_URI": "bogus://nowhere"}, "set MLFLOW_TRACKING_URI to a reachable tracking server"),
+    ("wandb", {"WANDB_MODE": "online"}, "log in with `wandb login` (or set WANDB_API_KEY)"),
+])
+def test_a_tracker_that_cannot_start_stops_every_rank_before_training(tmp_path, tiny_args, capfd, monkeypatch,
+                                                                      tracker, env, message):
+    if tracker == "mlflow":
+        _mlflow()
+    pytest.importorskip(tracker, reason=f"the {tracker} tracker needs {tracker}")
+    _offline(tmp_path, monkeypatch)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    out = tmp_path / "run"
+    files = _earlier_run(out)
+    assert main_ranks([*tiny_args, "--with_tracking", "--report_to", f"csv,{tracker}", "--output_dir", str(out)]) == [
+        2, 2]
+    (line,) = _lines(capfd.readouterr().err)
+    assert line.startswith(f"accel_ddp: error: --report_to {tracker}: it failed to start (") and message in line
+    assert line.endswith(f"or leave {tracker} out of --report_to")
+    assert {p.name: p.read_text() for p in out.iterdir() if p.is_file()} == files  # nothing overwritten or rewound
+
+
+def test_a_tracker_failing_mid_run_warns_once_and_the_run_goes_on(tmp_path, tiny_args, capfd, monkeypatch):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    log = CSVTracker.log
+
+    def log_until_step_4(self, values, step=None, **kwargs):
+        if step is not None and step >= 4:
+            raise OSError(28, "No space left on device")
+        log(self, values, step, **kwargs)
+
+    monkeypatch.setattr(CSVTracker, "log", log_until_step_4)
+    out = tmp_path / "run"
+    train_ranks([*tiny_args, *TRACKED, "--report_to", "csv,tensorboard", "--output_dir", str(out)])
+    (line,) = _lines(capfd.readouterr().err)  # on a line of its own, not glued to the progress bar
+    assert line == ("accel_ddp: warning: tracker csv failed at step 4 (OSError: [Errno 28] No space left on device); "
+                    "it gets no more records and the run goes on (metrics.jsonl has them all)")
+    steps = series(read_metrics(out), "loss")[0]
+    assert steps[-1] == 16 and read_summary(out)["optimizer_steps"] == 16
+    with open(out / "metrics.csv", newline="") as fh:
+        assert [int(r["step"]) for r in csv.DictReader(fh)] == [2]  # what it wrote before failing
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("loss")] == steps  # the other trackers carry on
