@@ -33,6 +33,7 @@ from accel_ddp.checkpoint import CheckpointManager, export_weights, load_weights
 from accel_ddp.config import ConfigError, TrainConfig, parse_args
 from accel_ddp.data import HFSource, build_datasets, build_loaders, skip_first_batches, steps_per_epoch
 from accel_ddp.evaluate import evaluate
+from accel_ddp.model_card import launch_command, write_model_card
 from accel_ddp.models import build_lr_scheduler, build_model, build_optimizer
 from accel_ddp.preemption import (
     EXIT_PREEMPTED,
@@ -408,6 +409,8 @@ def finish(run: Run, result: FitResult) -> dict[str, Any]:
     }
     run.recorder.write_summary(summary, result.step)  # and to the trackers
     run.recorder.plot()  # OUTPUT_DIR/curves.png
+    if run.accelerator.is_main_process:
+        write_model_card(run.cfg.output_dir, run.cfg.to_dict(), summary, launch_command(sys.argv, os.environ))
     return summary
 
 

@@ -1,4 +1,4 @@
-"""Trackers (--with_tracking, --report_to), their failures and resumes.
+"""Trackers (--with_tracking, --report_to), their failures, resumes, and the model card.
 
 MLflow and W&B run for real and offline: MLflow on a local file store (MLFLOW_TRACKING_URI=file:...),
 W&B with WANDB_MODE=offline; each is read back with its own API (MlflowClient, `wandb leet inspect`).
@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 from accel_ddp.config import ACCELERATE_TRACKERS, ConfigError, parse_args
+from accel_ddp.model_card import launch_command
 from accel_ddp.tracking import CSVTracker, RunRecorder, build_trackers, resolve_report_to
 from tests import faults
 from tests.conftest import main_ranks, read_metrics, read_summary, run_ranks, train_ranks
@@ -352,3 +353,55 @@ def test_a_tracker_failing_mid_run_warns_once_and_the_run_goes_on(tmp_path, tiny
     events = EventAccumulator(str(out / "tensorboard"))
     events.Reload()
     assert [e.step for e in events.Scalars("loss")] == steps  # the other trackers carry on
+
+
+# ----------------------------------------------------------------------------- model card
+
+
+def test_model_card_names_model_data_layout_metrics_command_and_curves(tmp_path, tiny_args):
+    out = tmp_path / "run"
+    args = [*tiny_args, "--output_dir", str(out)]
+
+    def launched():  # what `accelerate launch --config_file cpu_2proc.yaml train.py ARGS` gives each rank
+        import os
+
+        sys.argv = ["train.py", *args]
+        os.environ["ACCELERATE_MIXED_PRECISION"] = "no"
+        from accel_ddp.loop import train
+
+        return train(parse_args(args))
+
+    run_ranks(launched)
+    card = (out / "README.md").read_text()
+    summary = read_summary(out)
+    header = yaml.safe_load(card.split("---")[1])
+    assert header == {"library_name": "accel_ddp", "tags": ["accel_ddp"], "metrics": ["accuracy"]}
+    assert "`mlp` trained on `synthetic` (256 samples of shape [1, 8, 8])" in card
+    assert "| world size | 2 ranks on 1 machine (MULTI_CPU, cpu) |" in card
+    assert "| global batch | 32 samples = 2 x 16 per device x 1 accumulation steps |" in card
+    assert f"| eval accuracy | {summary['eval_accuracy']:.4g} |" in card
+    last_loss = series(read_metrics(out), "loss")[1][-1]
+    assert f"| final training loss | {last_loss:.4g} |" in card
+    command = ("accelerate launch --multi_gpu --num_processes 2 --mixed_precision no train.py "
+               + " ".join(args))
+    assert f"```bash\n{command}\n```" in card
+    assert "](curves.png)" in card and (out / "curves.png").is_file()
+    assert len(list(out.glob("README.md*"))) == 1  # written once, by the main process, no temp file left
+
+
+@pytest.mark.parametrize("argv, env, expected", [
+    (["train.py", "--epochs", "2"], {"ACCELERATE_MIXED_PRECISION": "bf16", "WORLD_SIZE": "8",
+                                     "ACCELERATE_NUM_MACHINES": "2", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500",
+                                     "ACCELERATE_DYNAMO_BACKEND": "INDUCTOR"},
+     "accelerate launch --multi_gpu --num_processes 8 --num_machines 2 --machine_rank MACHINE_RANK --main_process_ip "
+     "10.0.0.1 --main_process_port 29500 --mixed_precision bf16 --dynamo_backend inductor train.py --epochs 2"),
+    (["/src/accel_ddp/__main__.py", "train", "--run_name", "a b"], {"ACCELERATE_MIXED_PRECISION": "no",
+                                                                    "ACCELERATE_USE_FSDP": "true", "WORLD_SIZE": "4"},
+     "accelerate launch --use_fsdp --num_processes 4 --mixed_precision no -m accel_ddp train --run_name 'a b'"),
+    (["train.py"], {"TORCHELASTIC_RUN_ID": "x", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4"},
+     "torchrun --nnodes 1 --nproc_per_node 4 train.py"),
+    (["train.py", "--debug"], {}, "python train.py --debug"),
+    (["/venv/bin/accel-ddp", "train", "--debug"], {}, "accel-ddp train --debug"),
+])
+def test_launch_command_is_rebuilt_from_argv_and_the_launcher_environment(argv, env, expected):
+    assert launch_command(argv, env) == expected
