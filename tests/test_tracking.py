@@ -12,6 +12,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import yaml
@@ -276,6 +277,47 @@ def test_a_resumed_run_continues_the_same_tracker_runs_without_duplicate_steps(t
     events.Reload()
     assert [e.step for e in events.Scalars("loss")] == steps
     assert [e.value for e in events.Scalars("loss")] == pytest.approx(losses, rel=1e-6)
+
+
+class _StubTracker(CSVTracker):
+    """A csv tracker standing in for any tracker: it records how it was built."""
+
+    built: list = []
+
+    def __init__(self, name, run):
+        super().__init__(run.output_dir)
+        _StubTracker.built.append((name, run.start_step, dict(run.saved)))
+
+    @property
+    def tracker(self):  # what W&B's run and MLflow's active run answer
+        return SimpleNamespace(id="new", info=SimpleNamespace(run_id="new", experiment_id="0"))
+
+
+def test_a_resume_says_which_trackers_start_a_new_run(tmp_path, capfd, monkeypatch):
+    import accel_ddp.tracking as tracking
+
+    monkeypatch.setattr(tracking, "_new_tracker", _StubTracker)
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "trackers.json").write_text(json.dumps({"wandb": {"id": "abc123"}}))
+
+    def resume_at(step):
+        from accelerate import Accelerator
+
+        accelerator = Accelerator(cpu=True, log_with=build_trackers(["wandb", "mlflow", "comet_ml"], str(out)))
+        RunRecorder(str(out), True, accelerator=accelerator).start_trackers("p", {"lr": 0.1}, step)
+        accelerator.end_training()
+        return _StubTracker.built
+
+    assert run_ranks(lambda: resume_at(4), world_size=1) == [[("wandb", 4, {"id": "abc123"}), ("mlflow", 4, {}),
+                                                              ("comet_ml", 4, {})]]
+    lines = _lines(capfd.readouterr().out)
+    assert lines == ["accel_ddp: mlflow starts a new run at step 4 (trackers.json holds no run of it)",
+                     "accel_ddp: comet_ml starts a new run at step 4 (accel_ddp continues csv, tensorboard, wandb "
+                     "and mlflow runs only)"]  # wandb continues its run: no line
+    assert run_ranks(lambda: resume_at(0), world_size=1) == [[("wandb", 0, {}), ("mlflow", 0, {}),
+                                                              ("comet_ml", 0, {})]]
+    assert _lines(capfd.readouterr().out) == []  # a fresh run starts new tracker runs without a word
 
 
 # ----------------------------------------------------------------------------- failures
