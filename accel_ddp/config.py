@@ -358,13 +358,19 @@ def _renamed(values: dict[str, Any]) -> dict[str, Any]:
             values.setdefault(new, value)
     for (name, old), new in EXPANDED_VALUES.items():
         if isinstance(values.get(name), str) and values[name].lower() == old:
-            spelling = " ".join(f"--{key}" if value is True else f"--{key} {value}"
-                                for key, value in new.items() if value is not False)
-            warn_deprecated(f"--{name} {old}", spelling or f"--{name} false")
+            warn_deprecated(f"--{name} {old}", new_spelling(new))
             values[name] = new[name]
             for key, value in new.items():
                 values.setdefault(key, value)
     return values
+
+
+def new_spelling(options: dict[str, Any]) -> str:
+    """The flags for an ``EXPANDED_VALUES`` entry: ``{"with_tracking": True, "report_to": "csv"}`` ->
+    ``--with_tracking --report_to csv``."""
+    flags = [f"--{key}" if value is True else f"--{key} {value}"
+             for key, value in options.items() if value is not False]
+    return " ".join(flags) or " ".join(f"--{key} false" for key in options)
 
 
 def parse_args(argv: list[str] | None = None) -> TrainConfig:

@@ -5,10 +5,10 @@
     python tools/flag_table.py --check    # exit 1 if docs/flags.md differs (CI, tests/test_docs.py)
 
 Every field of ``TrainConfig`` becomes one row (flag, default, its help string), grouped under the
-``# --- section ---`` comments of the dataclass, followed by the old spellings of ``RENAMED_FLAGS``
-and ``RENAMED_VALUES``. The sections are comments, which only the source holds, so this reads the
-class's source; it lives in tools/ rather than in accel_ddp/config.py because it is a docs build
-step, not something a training run or a user's ``--help`` needs.
+``# --- section ---`` comments of the dataclass, followed by the old spellings of ``RENAMED_FLAGS``,
+``RENAMED_VALUES`` and ``EXPANDED_VALUES``. The sections are comments, which only the source holds,
+so this reads the class's source; it lives in tools/ rather than in accel_ddp/config.py because it
+is a docs build step, not something a training run or a user's ``--help`` needs.
 """
 
 from __future__ import annotations
@@ -81,6 +81,8 @@ def table() -> str:
             "| old | new |", "| --- | --- |"]
     out += [f"| `--{old}` | `--{new}` |" for old, new in config.RENAMED_FLAGS.items()]
     out += [f"| `--{flag} {old}` | `--{flag} {new}` |" for (flag, old), new in config.RENAMED_VALUES.items()]
+    out += [f"| `--{flag} {old}` | `{config.new_spelling(new)}` |"
+            for (flag, old), new in config.EXPANDED_VALUES.items()]
     return "\n".join(out) + "\n"
 
 
