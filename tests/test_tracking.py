@@ -411,6 +411,22 @@ def test_a_tracker_failing_mid_run_warns_once_and_the_run_goes_on(tmp_path, tiny
     assert [e.step for e in events.Scalars("loss")] == steps  # the other trackers carry on
 
 
+def test_an_unexpected_error_in_a_main_process_decision_ends_every_rank(tmp_path):
+    """main_process_decides (tracker start, checkpoint choice): the other ranks must not wait in the broadcast."""
+    from accelerate import PartialState
+
+    from accel_ddp.checkpoint import main_process_decides
+
+    def decide_badly():
+        state = PartialState(cpu=True)
+        return main_process_decides(state, lambda: 1 / 0)
+
+    with pytest.raises(RankFailed) as failed:
+        run_ranks(decide_badly, timeout=60, grace=20)
+    assert "ZeroDivisionError" in failed.value.failures[0]
+    assert "the main process failed: ZeroDivisionError: division by zero" in failed.value.failures[1]
+
+
 # ----------------------------------------------------------------------------- model card
 
 
