@@ -244,6 +244,7 @@ def test_a_resumed_run_continues_the_same_tracker_runs_without_duplicate_steps(t
     every step once. (W&B takes the same path as MLflow: test_a_resume_says_which_trackers_start_a_new_run
     checks it gets its id back; left out here, it would add two W&B starts.)"""
     mlflow = _mlflow()
+    pytest.importorskip("tensorboard", reason="--report_to tensorboard needs the tensorboard package")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     _offline(tmp_path, monkeypatch)
@@ -387,6 +388,7 @@ def test_a_tracker_that_cannot_start_stops_every_rank_before_training(tmp_path, 
 
 
 def test_a_tracker_failing_mid_run_warns_once_and_the_run_goes_on(tmp_path, tiny_args, capfd, monkeypatch):
+    pytest.importorskip("tensorboard", reason="--report_to tensorboard needs the tensorboard package")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     log = CSVTracker.log
