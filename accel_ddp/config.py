@@ -35,6 +35,9 @@ ACCELERATE_TRACKERS = ("tensorboard", "wandb", "mlflow", "comet_ml", "aim", "cle
 REPORT_TO = (*ACCELERATE_TRACKERS, "csv", "all")
 COMM_HOOKS = ("none", "fp16", "bf16")
 LOADERS = ("auto", "device", "dataloader")
+# --task: what a batch and a loss mean (accel_ddp/tasks.py); the text tasks read text with a tokenizer.
+TASKS = ("classification", "sequence_classification", "causal_lm")
+TEXT_TASKS = ("sequence_classification", "causal_lm")
 # Old spellings that keep working for one release, each with a warning naming the new one.
 RENAMED_FLAGS = {"fast_loader_max_mb": "device_loader_max_mb"}
 RENAMED_VALUES = {("loader", "fast"): "device"}
@@ -78,11 +81,31 @@ class TrainConfig:
     synthetic_samples: int = _opt(2048, "synthetic dataset: number of training samples (eval gets a quarter)")
     synthetic_shape: tuple[int, ...] = _opt((1, 28, 28), "synthetic dataset: shape of one input, e.g. 1 28 28")
     synthetic_classes: int = _opt(10, "synthetic dataset: number of classes")
+    text_column: str | None = _opt(None, "hf with a text --task: the column of raw text; default 'text'")
+    tokenizer: str | None = _opt(
+        None, "text tasks: tokenizer folder (save_pretrained) or Hub name; default the --model folder's own"
+    )
+    max_length: int = _opt(512, "text tasks: tokens per sequence (longer texts are cut; the block size with --packing)")
+    packing: bool = _opt(False, "causal_lm: concatenate the texts and cut them into --max_length blocks (no padding)")
+    collate_fn: str | None = _opt(
+        None, "'pkg.module:function' turning a list of samples into a batch; default pads text, stacks tensors"
+    )
 
     # --- model ---
     model: str = _opt("mlp", "model name (mlp, mnist_cnn, resnet18) or 'pkg.module:function'")
     hidden_size: int = _opt(256, "mlp: width of its two hidden layers")
     width: int = _opt(64, "resnet18: channels of its first stage (64 as torchvision; 16 trains fast on CPU)")
+    model_config: str | None = _opt(
+        None, "a Transformers config.json: train that model from scratch (AutoModelFor... chosen by --task)"
+    )
+
+    # --- task: how a batch reaches the model, the loss, the eval metrics (accel_ddp/tasks.py) ---
+    task: str = _opt(
+        "classification", "classification ((input, label) or dict batches), sequence_classification or causal_lm"
+    )
+    loss: str | None = _opt(
+        None, "'pkg.module:function' loss_fn(outputs, batch) -> mean, or (sum, num_items) for token-exact averaging"
+    )
 
     # --- optimisation (units: optimizer steps, samples) ---
     epochs: int = _opt(15, "passes over the training set; ignored when --max_steps is set")
@@ -175,6 +198,7 @@ class TrainConfig:
                     f"--checkpointing_steps must be a positive step count or 'epoch', got {value!r}"
                 )
             self.checkpointing_steps = value
+        _check_task(self)
         if self.init_from is not None and not str(self.init_from).endswith(".safetensors"):
             raise ConfigError(
                 f"--init_from {self.init_from}: expected a .safetensors weights file, e.g. OUTPUT_DIR/model.safetensors"
@@ -246,6 +270,31 @@ def _check_non_negative(cfg: TrainConfig, *names: str) -> None:
     for name in names:
         if getattr(cfg, name) < 0:
             raise ConfigError(f"--{name} must be >= 0, got {getattr(cfg, name)}")
+
+
+def _check_task(cfg: TrainConfig) -> None:
+    """--task and the options that only make sense with some tasks (no dead flags)."""
+    _check_choice(cfg, "task", TASKS)
+    _check_positive(cfg, "max_length")
+    if cfg.task not in TEXT_TASKS:
+        given = [f"--{name}" for name in ("text_column", "tokenizer") if getattr(cfg, name) is not None]
+        given += ["--packing"] if cfg.packing else []
+        if given:
+            raise ConfigError(f"{', '.join(given)} only apply to text; add --task sequence_classification or "
+                              "--task causal_lm")
+    if cfg.packing and cfg.task != "causal_lm":
+        raise ConfigError("--packing only applies to --task causal_lm; drop it")
+    if cfg.model_config is not None:
+        if cfg.model != _default("model"):
+            raise ConfigError(f"--model {cfg.model} and --model_config {cfg.model_config}: give one of them "
+                              "(a config trains from scratch, a model folder from its weights)")
+        if not os.path.isfile(cfg.model_config):
+            raise ConfigError(f"--model_config {cfg.model_config}: no such file; give a Transformers config.json "
+                              "(e.g. examples/configs/tiny_gpt2.json)")
+
+
+def _default(name: str) -> Any:
+    return next(f.default for f in dataclasses.fields(TrainConfig) if f.name == name)
 
 
 def _check_choice(cfg: TrainConfig, name: str, choices: tuple[str, ...]) -> None:

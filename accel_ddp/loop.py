@@ -15,26 +15,34 @@ import math
 import os
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, NoReturn, TypeVar
+from typing import Any, NamedTuple, NoReturn, TypeVar
 
 import torch
-import torch.nn.functional as F
 from accelerate import Accelerator, DataLoaderConfiguration, PartialState
-from accelerate.utils import DDPCommunicationHookType, DistributedDataParallelKwargs, set_seed
+from accelerate.utils import DDPCommunicationHookType, DistributedDataParallelKwargs, send_to_device, set_seed
 from torch.utils.data import Dataset, Subset
 from tqdm.auto import tqdm
 
 from accel_ddp import failure
 from accel_ddp.checkpoint import CheckpointManager, export_weights, load_weights
-from accel_ddp.config import ConfigError, TrainConfig, parse_args
+from accel_ddp.config import TEXT_TASKS, ConfigError, TrainConfig, parse_args
 from accel_ddp.data import HFSource, build_datasets, build_loaders, skip_first_batches, steps_per_epoch
+from accel_ddp.data.text import PadCollate, TextOptions, build_text, has_tokenizer, pad_token_id
 from accel_ddp.evaluate import evaluate
 from accel_ddp.model_card import launch_command, write_model_card
-from accel_ddp.models import build_lr_scheduler, build_model, build_optimizer
+from accel_ddp.models import (
+    MODELS,
+    build_lr_scheduler,
+    build_model,
+    build_optimizer,
+    build_transformers_model,
+    export_pretrained,
+    is_pretrained_folder,
+)
 from accel_ddp.preemption import (
     EXIT_PREEMPTED,
     Preempted,
@@ -43,6 +51,8 @@ from accel_ddp.preemption import (
     ignore_preemption_signals,
     restart_hazard,
 )
+from accel_ddp.registry import resolve
+from accel_ddp.tasks import LossAccumulator, Task, build_task
 from accel_ddp.tracking import (
     EpochTimer,
     RunRecorder,
@@ -160,24 +170,79 @@ def local_main_first(accelerator: Accelerator, build: Callable[[], T]) -> T:
         accelerator.wait_for_everyone()
 
 
-def _resolve_data(cfg: TrainConfig, accelerator: Accelerator, train_dataset, eval_dataset):
-    """(train, eval or None, num_classes, input_shape) from the config or the caller's datasets."""
-    if train_dataset is None:
+class Data(NamedTuple):
+    """The datasets of a run and what the model and the loaders need to know about them."""
+
+    train: Dataset
+    eval: Dataset | None
+    num_classes: int | None  # None: read from the dataset if a built-in model needs it
+    input_shape: tuple[int, ...] | None  # one (input, label) sample's input shape; None for dict samples
+    tokenizer: Any = None  # text tasks: the tokenizer (saved beside a Transformers model)
+    collate_fn: Callable | None = None  # dict samples: padded per batch; None: torch's default_collate
+
+
+def _resolve_data(cfg: TrainConfig, accelerator: Accelerator, train_dataset, eval_dataset, collate_fn=None) -> Data:
+    """The datasets from the config (built once per machine first) or the caller, and how to batch them."""
+    tokenizer = None
+    hf = HFSource(cfg.hf_name, cfg.hf_config, cfg.hf_train_split, cfg.hf_eval_split, cfg.image_column,
+                  cfg.label_column)
+    if train_dataset is None and cfg.task in TEXT_TASKS and cfg.dataset == "hf":
+        text = TextOptions(cfg.tokenizer or (cfg.model if has_tokenizer(cfg.model) else None), cfg.text_column,
+                           cfg.max_length, cfg.packing, labels=cfg.task == "sequence_classification")
+        # Tokenized on each machine's first process, then read from the datasets cache by the others.
+        bundle, tokenizer = local_main_first(accelerator, lambda: build_text(cfg.data_dir, hf, text))
+    elif train_dataset is None:
         bundle = local_main_first(accelerator, lambda: build_datasets(  # one download per machine
             cfg.dataset, cfg.data_dir, cfg.download, samples=cfg.synthetic_samples,
-            shape=cfg.synthetic_shape, classes=cfg.synthetic_classes, image_size=cfg.image_size,
-            hf=HFSource(cfg.hf_name, cfg.hf_config, cfg.hf_train_split, cfg.hf_eval_split, cfg.image_column,
-                        cfg.label_column),
+            shape=cfg.synthetic_shape, classes=cfg.synthetic_classes, image_size=cfg.image_size, hf=hf,
         ))
+    if train_dataset is None:
         train_dataset, eval_dataset = bundle.train, bundle.eval
         num_classes, input_shape = bundle.num_classes, bundle.input_shape
     else:
-        num_classes, input_shape = None, tuple(train_dataset[0][0].shape)
+        num_classes, input_shape = None, _input_shape(train_dataset[0])
     if cfg.debug:  # a small subset: errors show up in seconds
         train_dataset = Subset(train_dataset, range(min(len(train_dataset), DEBUG_MAX_STEPS * cfg.global_batch_size)))
         if eval_dataset is not None:
             eval_dataset = Subset(eval_dataset, range(min(len(eval_dataset), 4 * cfg.global_batch_size)))
-    return train_dataset, eval_dataset, num_classes, input_shape
+    collate_fn = collate_fn or (resolve(cfg.collate_fn, {}, kind="collate_fn") if cfg.collate_fn else None)
+    if collate_fn is None and input_shape is None:  # dict samples, maybe of different lengths
+        collate_fn = PadCollate(pad_token_id(tokenizer))
+    return Data(train_dataset, eval_dataset, num_classes, input_shape, tokenizer, collate_fn)
+
+
+def _input_shape(sample: Any) -> tuple[int, ...] | None:
+    return None if isinstance(sample, Mapping) else tuple(sample[0].shape)
+
+
+def _build_model(cfg: TrainConfig, data: Data) -> torch.nn.Module:
+    """The model named by --model / --model_config: a Transformers model, a built-in one or the user's builder."""
+    transformers_model = cfg.model_config is not None or is_pretrained_folder(cfg.model) or (
+        cfg.model not in MODELS and ":" not in cfg.model and "/" in cfg.model)  # a Hub id: org/name
+    if transformers_model:
+        return build_transformers_model(
+            cfg.task, None if cfg.model_config else cfg.model, cfg.model_config, num_labels=data.num_classes,
+            tokenizer=data.tokenizer, max_length=cfg.max_length if data.tokenizer is not None else None)
+    if cfg.task in TEXT_TASKS and ":" not in cfg.model:
+        raise ConfigError(f"--task {cfg.task} needs a Transformers model: --model FOLDER (save_pretrained) or "
+                          f"--model_config config.json, or your own --model pkg.module:function")
+    if data.input_shape is None:
+        raise ConfigError(f"--model {cfg.model} takes (input, label) samples, but the dataset yields dicts; give a "
+                          "model that takes them (model=, a Transformers folder, or pkg.module:function)")
+    return build_model(cfg.model, data.num_classes or _infer_num_classes(data.train), data.input_shape,
+                       cfg.hidden_size, width=cfg.width)
+
+
+def _check_task(task: Task, accelerator: Accelerator, model, data: Data, evaluates: bool) -> None:
+    """One forward of two training samples: a missing or non-scalar loss is bad input, reported before any write.
+
+    Tuple samples with the default cross-entropy have nothing to check.
+    """
+    if data.input_shape is not None and task.loss_fn is None:
+        return
+    collate = data.collate_fn or torch.utils.data.default_collate
+    batch = collate([data.train[i] for i in range(min(2, len(data.train)))])
+    task.check(model, send_to_device(batch, accelerator.device), evaluates)
 
 
 @dataclass
@@ -198,6 +263,7 @@ class Run:
     cfg: TrainConfig
     accelerator: Accelerator
     model: torch.nn.Module  # wrapped by accelerator.prepare (DDP, FSDP or as is)
+    task: Task  # how batches reach the model, the loss, the eval metrics
     optimizer: Any
     scheduler: Any
     train_loader: Any  # a DeviceLoader or a prepared DataLoader: (inputs, labels) on the device
@@ -208,8 +274,8 @@ class Run:
     checkpoints: CheckpointManager
     preemption: PreemptionWatcher
     start_step: int  # 0, or the optimizer step of the checkpoint resumed from
-    memory_format: torch.memory_format
     started: float  # time.perf_counter() when train() began
+    tokenizer: Any = None  # text tasks: saved beside a Transformers model's final weights
 
 
 def train(
@@ -217,19 +283,28 @@ def train(
     model: torch.nn.Module | None = None,
     train_dataset: Dataset | None = None,
     eval_dataset: Dataset | None = None,
+    *,
+    loss_fn: Callable[[Any, Any], Any] | None = None,
+    metrics: Sequence[Any] = (),
+    collate_fn: Callable[[list], Any] | None = None,
 ) -> dict[str, Any]:
     """Train on every rank of the current launch; return the summary (the same on every rank).
 
     ``model`` and the datasets default to those named in ``cfg``. Datasets yield ``(input,
-    label)`` pairs; without ``eval_dataset`` no evaluation runs. On SIGTERM or SIGUSR1 every rank
-    finishes the current optimizer step, saves a checkpoint and raises ``Preempted``.
+    label)`` pairs or dicts of tensors (``model(**batch)``), batched by ``collate_fn`` (default:
+    dicts padded per batch); without ``eval_dataset`` no evaluation runs. ``loss_fn(outputs,
+    batch)`` returns a mean or a ``(sum, num_items)`` pair; ``metrics`` are objects with
+    ``update(outputs, batch)`` and ``compute() -> dict`` (see :mod:`accel_ddp.tasks`). On SIGTERM or
+    SIGUSR1 every rank finishes the current optimizer step, saves a checkpoint and raises ``Preempted``.
     """
     with ExitStack() as teardown:  # on any exit: signal handlers back, files closed, process group gone
-        run = setup(cfg, teardown, model, train_dataset, eval_dataset)
+        run = setup(cfg, teardown, model, train_dataset, eval_dataset, loss_fn=loss_fn, metrics=metrics,
+                    collate_fn=collate_fn)
         return finish(run, fit(run))
 
 
-def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None, eval_dataset=None) -> Run:
+def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None, eval_dataset=None, *,
+          loss_fn=None, metrics=(), collate_fn=None) -> Run:
     """Join the process group, build data, model, optimizer and schedule, and agree on where to start."""
     started = time.perf_counter()
     accelerator, per_device_batch, accumulation = build_accelerator(cfg)
@@ -245,13 +320,15 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
         torch.autograd.set_detect_anomaly(True)
         torch.use_deterministic_algorithms(True, warn_only=True)
     set_seed(cfg.seed)  # same model init on every rank; DDP also broadcasts rank 0's weights
-    train_dataset, eval_dataset, num_classes, input_shape = _resolve_data(cfg, accelerator, train_dataset, eval_dataset)
+    memory_format = torch.channels_last if cfg.channels_last else torch.contiguous_format
+    task = build_task(cfg.task, loss_fn or (resolve(cfg.loss, {}, kind="loss") if cfg.loss else None), metrics,
+                      memory_format)
+    data = _resolve_data(cfg, accelerator, train_dataset, eval_dataset, collate_fn)
+    train_dataset, eval_dataset = data.train, data.eval
     if model is None:
-        model = build_model(cfg.model, num_classes or _infer_num_classes(train_dataset), input_shape, cfg.hidden_size,
-                            width=cfg.width)
+        model = _build_model(cfg, data)
     if cfg.init_from:
         load_weights(model, cfg.init_from)  # every rank reads the same file before DDP wraps the model
-    memory_format = torch.channels_last if cfg.channels_last else torch.contiguous_format
     model = model.to(memory_format=memory_format)  # NHWC convolutions: faster on tensor cores
 
     # The device loader where the data fits (--loader), else a prepared DataLoader; eval alike.
@@ -259,6 +336,7 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
         accelerator, train_dataset, eval_dataset, per_device_batch_size=per_device_batch,
         global_batch_size=cfg.global_batch_size, eval_batch_size=cfg.eval_batch_size, loader=cfg.loader,
         num_workers=0 if cfg.debug else cfg.num_workers, device_loader_max_mb=cfg.device_loader_max_mb,
+        collate_fn=data.collate_fn,
     )
     plan = _plan(cfg, len(train_dataset), per_device_batch, accumulation)
 
@@ -266,6 +344,7 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
                                 fused=accelerator.device.type == "cuda")
     scheduler = build_lr_scheduler(optimizer, cfg.lr_schedule, cfg.warmup_steps, plan.total_steps)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    _check_task(task, accelerator, model, data, evaluates=eval_loader is not None)
 
     facts = _run_facts(cfg, accelerator, plan, loader_kind)
     checkpoints = CheckpointManager(accelerator, cfg.output_dir, cfg.keep_last,
@@ -280,8 +359,8 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
     # Only now, with the input checked and the start point agreed, touch what earlier runs left.
     recorder.rewind(start_step)  # metrics past the checkpoint belong to the lost steps
     recorder.write_config(resolved)
-    return Run(cfg, accelerator, model, optimizer, scheduler, train_loader, eval_loader, plan, facts, recorder,
-               checkpoints, preemption, start_step, memory_format, started)
+    return Run(cfg, accelerator, model, task, optimizer, scheduler, train_loader, eval_loader, plan, facts, recorder,
+               checkpoints, preemption, start_step, started, data.tokenizer)
 
 
 def _plan(cfg: TrainConfig, num_train_samples: int, per_device_batch: int, accumulation: int) -> Plan:
@@ -325,8 +404,7 @@ def fit(run: Run) -> FitResult:
     save_every = 0 if cfg.checkpointing_steps in (None, "epoch") else int(cfg.checkpointing_steps)
     step = run.start_step  # epochs have a fixed number of steps, so the step alone says where we are
     eval_metrics: dict[str, Any] = {}
-    running_loss = torch.zeros((), device=accelerator.device)
-    steps_since_log = 0
+    losses = LossAccumulator(accelerator, plan.accumulation, cfg.global_batch_size)  # backward, logged mean
     bar = progress_bar(plan.total_steps, step, accelerator.is_local_main_process)
     meter = ThroughputMeter(cfg.global_batch_size, step)  # samples/s between log lines
     timer = EpochTimer(cfg.global_batch_size)  # per-epoch step-time percentiles and data-wait share
@@ -338,29 +416,25 @@ def fit(run: Run) -> FitResult:
         # A new permutation each epoch, identical on every rank; a resumed epoch skips what was trained on.
         skip = (step - epoch * plan.steps_per_epoch) * plan.accumulation
         timer.start_epoch()
-        for inputs, labels in timed(_epoch_batches(accelerator, run.train_loader, epoch, skip), timer):
-            inputs = inputs.contiguous(memory_format=run.memory_format) if inputs.ndim == 4 else inputs
+        for batch in timed(_epoch_batches(accelerator, run.train_loader, epoch, skip), timer):
             with accelerator.accumulate(model):
-                loss = F.cross_entropy(model(inputs).float(), labels)
-                accelerator.backward(loss)
-                if accelerator.sync_gradients and cfg.max_grad_norm > 0:
-                    accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+                loss = run.task.training_loss(model, batch)  # a mean, or a (sum, num_items) pair
+                losses.backward(loss)
+                if accelerator.sync_gradients:
+                    losses.finish_step(model)  # (sum, num_items): the gradient of total loss / total items
+                    if cfg.max_grad_norm > 0:
+                        accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
                 optimizer.step()  # no-op on accumulation micro-steps
                 optimizer.zero_grad(set_to_none=True)
-            running_loss += loss.detach() / plan.accumulation
             if not accelerator.sync_gradients:
                 continue
             scheduler.step()  # exactly once per optimizer step
             step += 1
-            steps_since_log += 1
             timer.step_done()
             profiler.step()
             bar.update(1)
             if step % cfg.log_every == 0 or step == plan.total_steps:
-                # Only here do we sync with the host: per-step .item() would stall the GPU.
-                mean_loss = accelerator.reduce(running_loss, "mean").item() / steps_since_log
-                running_loss.zero_()
-                steps_since_log = 0
+                mean_loss = losses.mean_since_log()  # only here do we sync with the host: .item() stalls the GPU
                 recorder.log({"step": step, "epoch": epoch, "loss": mean_loss, "lr": scheduler.get_last_lr()[0],
                               "samples_per_sec": meter.rate(step)})
                 bar.set_postfix(loss=f"{mean_loss:.4f}")
@@ -392,6 +466,7 @@ def fit(run: Run) -> FitResult:
 def finish(run: Run, result: FitResult) -> dict[str, Any]:
     """Export the final weights, write summary.json and curves.png; return the summary."""
     export_weights(run.accelerator, run.model, run.cfg.output_dir)
+    export_pretrained(run.accelerator, run.model, run.tokenizer, run.cfg.output_dir)  # Transformers: hf_model/
     timing = result.timer.totals()
     summary = {
         **run.facts,
@@ -400,6 +475,7 @@ def finish(run: Run, result: FitResult) -> dict[str, Any]:
         "eval_accuracy": result.eval_metrics.get("eval_accuracy"),
         "eval_loss": result.eval_metrics.get("eval_loss"),
         "eval_samples": result.eval_metrics.get("eval_samples", 0),
+        **result.eval_metrics,  # and the task's others: eval_perplexity, eval_tokens, user metrics
         "train_samples_per_sec": timing.pop("samples_per_sec", 0.0),
         **timing,  # step_time_p50_ms, step_time_p90_ms, data_wait_share over the whole run
         "train_seconds": sum(result.timer.all_steps),
@@ -445,11 +521,11 @@ def evaluate_and_log(run: Run, step: int, epoch: int) -> dict[str, Any]:
     # Evaluation must not move the training RNG stream (its loader draws a seed): a resumed run skips
     # the evaluations that came before its checkpoint and must still replay the same dropout masks.
     with torch.random.fork_rng(devices=[]):
-        metrics = evaluate(run.accelerator, run.model, run.eval_loader)
+        metrics = evaluate(run.accelerator, run.model, run.eval_loader, run.task)
     run.recorder.log({"step": step, "epoch": epoch, **metrics})
     if run.accelerator.is_main_process:
-        tqdm.write(f"step {step} epoch {epoch}: eval_loss {metrics['eval_loss']:.4f} "
-                   f"eval_accuracy {metrics['eval_accuracy']:.4f} ({metrics['eval_samples']} samples)")
+        shown = " ".join(f"{k} {v:.4f}" for k, v in metrics.items() if isinstance(v, float))
+        tqdm.write(f"step {step} epoch {epoch}: {shown} ({metrics['eval_samples']} samples)")
     return metrics
 
 

@@ -6,17 +6,27 @@ Your own model: ``--model my_pkg.my_models:build`` where
 
 ``input_shape`` is one sample's shape without the batch dimension, e.g. ``(1, 28, 28)``; the
 model maps a float batch ``(B, *input_shape)`` to logits ``(B, num_classes)``.
+
+Transformers models (``pip install 'accel_ddp[nlp]'``): ``--model FOLDER`` (written by
+``save_pretrained``) or ``--model_config config.json`` (from scratch), loaded with the
+``AutoModelFor...`` class of ``--task`` (:data:`AUTO_CLASSES`). The final model of such a run is
+also saved with ``save_pretrained`` (:func:`export_pretrained`).
 """
 
 from __future__ import annotations
 
 import math
+import os
+import shutil
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
 
 from accel_ddp.config import ConfigError
+from accel_ddp.optional import require
+from accel_ddp.outputs import PRETRAINED_SUBDIR
 from accel_ddp.registry import resolve
 
 
@@ -142,6 +152,82 @@ def build_model(
     if not isinstance(model, nn.Module):
         raise ConfigError(f"--model {name} returned {type(model).__name__}; it must return a torch.nn.Module")
     return model
+
+
+# ----------------------------------------------------------------------------- Transformers models
+
+AUTO_CLASSES = {"sequence_classification": "AutoModelForSequenceClassification", "causal_lm": "AutoModelForCausalLM"}
+
+
+def is_pretrained_folder(name: str) -> bool:
+    """Whether ``--model name`` is a folder written by ``save_pretrained`` (it holds a config.json)."""
+    return os.path.isfile(os.path.join(name, "config.json"))
+
+
+def build_transformers_model(
+    task: str, folder: str | None = None, config_file: str | None = None, *, num_labels: int | None = None,
+    tokenizer: Any = None, max_length: int | None = None,
+) -> nn.Module:
+    """``AutoModelFor<task>`` from a ``save_pretrained`` folder, or from a config file with fresh weights.
+
+    From a config, the vocabulary size and special token ids follow the tokenizer (the config is
+    then reusable with any tokenizer). A folder's weights load in float32, whatever they were saved
+    in (mixed precision is ``--mixed_precision``'s job); a classification head of another size is
+    replaced by a fresh one for ``num_labels`` classes.
+    """
+    what = f"--model_config {config_file}" if config_file else f"--model {folder}"
+    if task not in AUTO_CLASSES:
+        raise ConfigError(f"{what} is a Transformers model; pick its task with --task "
+                          f"{' or --task '.join(AUTO_CLASSES)}")
+    transformers = require("transformers", what)
+    auto = getattr(transformers, AUTO_CLASSES[task])
+    overrides: dict[str, Any] = {"num_labels": num_labels} if task == "sequence_classification" and num_labels else {}
+    if tokenizer is not None and tokenizer.pad_token_id is not None:
+        overrides["pad_token_id"] = tokenizer.pad_token_id  # sequence classifiers find each text's last token by it
+    try:
+        if config_file:
+            config = transformers.AutoConfig.from_pretrained(config_file, **overrides)
+            if tokenizer is not None:
+                config.vocab_size = len(tokenizer)
+                for name in ("bos_token_id", "eos_token_id"):
+                    setattr(config, name, getattr(tokenizer, name, None))
+            model = auto.from_config(config)
+        else:
+            model = auto.from_pretrained(folder, dtype=torch.float32, ignore_mismatched_sizes="num_labels" in overrides,
+                                         **overrides)
+    except (OSError, ValueError, KeyError) as err:  # not a config of a known model type, missing weights, ...
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
+        raise ConfigError(f"{what}: cannot build a {AUTO_CLASSES[task]} from it ({first}); give a Transformers "
+                          "config.json or save_pretrained folder of a model that has one") from None
+    positions = getattr(model.config, "max_position_embeddings", None)
+    if max_length and positions and max_length > positions:
+        raise ConfigError(f"--max_length {max_length} exceeds the {positions} positions of {what}; "
+                          f"use --max_length {positions} or less")
+    return model
+
+
+def export_pretrained(accelerator, model: nn.Module, tokenizer: Any, output_dir: str) -> str | None:
+    """Save a Transformers model (and its tokenizer) with ``save_pretrained`` to ``OUTPUT_DIR/hf_model``.
+
+    Loadable with ``AutoModelFor...from_pretrained(OUTPUT_DIR/hf_model)``. Every rank calls this
+    (the state dict is collective under sharded strategies); the main process writes a temporary
+    folder and renames it into place. Returns the folder, or None for a model without ``save_pretrained``.
+    """
+    unwrapped = accelerator.unwrap_model(model)
+    if not hasattr(unwrapped, "save_pretrained"):
+        return None
+    state = accelerator.get_state_dict(model)
+    final = os.path.join(output_dir, PRETRAINED_SUBDIR)
+    if accelerator.is_main_process:
+        tmp = f"{final}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        unwrapped.save_pretrained(tmp, state_dict=state)  # safetensors
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+    accelerator.wait_for_everyone()
+    return final
 
 
 def build_optimizer(

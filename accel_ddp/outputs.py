@@ -4,6 +4,7 @@
     OUTPUT_DIR/metrics.jsonl        one JSON object per logged step, epoch and evaluation
     OUTPUT_DIR/summary.json         final figures
     OUTPUT_DIR/model.safetensors    final weights of the unwrapped model
+    OUTPUT_DIR/hf_model/            Transformers models: the final model (save_pretrained) and its tokenizer
     OUTPUT_DIR/curves.png           loss, eval metric, LR and throughput against step
     OUTPUT_DIR/metrics.csv          with the csv tracker
     OUTPUT_DIR/tensorboard/         with the tensorboard tracker
@@ -18,6 +19,7 @@ CONFIG_NAME = "config.yaml"
 METRICS_NAME = "metrics.jsonl"
 SUMMARY_NAME = "summary.json"
 WEIGHTS_NAME = "model.safetensors"
+PRETRAINED_SUBDIR = "hf_model"  # AutoModelFor...from_pretrained(OUTPUT_DIR/hf_model); the tokenizer too
 CURVES_NAME = "curves.png"
 CSV_NAME = "metrics.csv"
 TENSORBOARD_SUBDIR = "tensorboard"  # Accelerate's TensorBoardTracker writes to logging_dir/<its run name>

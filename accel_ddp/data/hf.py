@@ -47,22 +47,14 @@ class HFSource(NamedTuple):
 def build_hf(data_dir: str, download: bool, source: HFSource | None = None, image_size: int | None = None):
     """A :class:`~accel_ddp.data.DatasetBundle` of two :class:`InMemoryDataset` from a Hugging Face dataset."""
     source = source or HFSource()
-    splits = _load_splits(data_dir, source)
-    if source.train_split not in splits:
-        raise ConfigError(
-            f"hf: no split {source.train_split!r}; it has {', '.join(splits)}; pick one with --hf_train_split"
-        )
-    train = splits[source.train_split]
-    eval_name = source.eval_split or next((s for s in EVAL_SPLITS if s in splits), None)
-    if eval_name is not None and eval_name not in splits:
-        raise ConfigError(f"hf: no split {eval_name!r}; it has {', '.join(splits)}; pick one with --hf_eval_split")
+    train, eval_split = load_splits(data_dir, source)
     label_col = _label_column(train, source.label_column)
     input_col = _input_column(train, source.image_column, label_col)
 
     train_x, layout = _inputs(train, input_col, label_col, image_size, layout=None)
-    train_y, eval_y, num_classes = _labels(train, splits[eval_name] if eval_name else None, label_col)
-    if eval_name is not None:
-        eval_x, _ = _inputs(splits[eval_name], input_col, label_col, image_size, layout=layout)
+    train_y, eval_y, num_classes = _labels(train, eval_split, label_col)
+    if eval_split is not None:
+        eval_x, _ = _inputs(eval_split, input_col, label_col, image_size, layout=layout)
     else:  # no eval split: hold out a fixed 10% of train (seed 0), the same on every rank
         order = torch.randperm(len(train_x), generator=torch.Generator().manual_seed(0))
         n_eval = max(len(order) // 10, 1)
@@ -78,6 +70,19 @@ def build_hf(data_dir: str, download: bool, source: HFSource | None = None, imag
         num_classes=num_classes,
         input_shape=tuple(train_x.shape[1:]),
     )
+
+
+def load_splits(data_dir: str, source: HFSource) -> tuple[Any, Any]:
+    """(train split, eval split or None) as ``datasets.Dataset``: ``--hf_eval_split``, else test or validation."""
+    splits = _load_splits(data_dir, source)
+    if source.train_split not in splits:
+        raise ConfigError(
+            f"hf: no split {source.train_split!r}; it has {', '.join(splits)}; pick one with --hf_train_split"
+        )
+    eval_name = source.eval_split or next((s for s in EVAL_SPLITS if s in splits), None)
+    if eval_name is not None and eval_name not in splits:
+        raise ConfigError(f"hf: no split {eval_name!r}; it has {', '.join(splits)}; pick one with --hf_eval_split")
+    return splits[source.train_split], splits[eval_name] if eval_name else None
 
 
 def _load_splits(data_dir: str, source: HFSource) -> dict[str, Any]:

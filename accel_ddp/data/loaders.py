@@ -7,6 +7,7 @@ the permutation is :func:`accel_ddp.data.sampler.epoch_order`'s.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -33,7 +34,8 @@ def default_num_workers(dataset: Dataset) -> int:
 
 
 def build_train_loader(
-    dataset: Dataset, per_device_batch_size: int, global_batch_size: int, num_workers: int | None = None
+    dataset: Dataset, per_device_batch_size: int, global_batch_size: int, num_workers: int | None = None,
+    collate_fn: Callable | None = None,
 ) -> DataLoader:
     """Shuffling DataLoader whose epoch is exactly ``steps_per_epoch * global_batch_size`` samples.
 
@@ -41,7 +43,7 @@ def build_train_loader(
     batches. Accelerate swaps it for its seedable twin (seed + epoch) and hands rank ``r`` the
     per-device batches ``r, r + world, ...``, so each optimizer step covers the same contiguous
     chunk of the permutation whatever the world size and accumulation. ``num_workers=None``
-    picks :func:`default_num_workers`.
+    picks :func:`default_num_workers`; ``collate_fn=None`` is torch's ``default_collate``.
     """
     n_steps = steps_per_epoch(len(dataset), global_batch_size)
     workers = default_num_workers(dataset) if num_workers is None else num_workers
@@ -51,19 +53,23 @@ def build_train_loader(
         batch_size=per_device_batch_size,
         sampler=sampler,
         drop_last=True,
+        collate_fn=collate_fn,
         num_workers=workers,
         persistent_workers=workers > 0,  # no worker start-up cost at every epoch
         pin_memory=torch.cuda.is_available(),  # with Accelerate's non_blocking copies, overlaps H2D with compute
     )
 
 
-def build_eval_loader(dataset: Dataset, batch_size: int, num_workers: int | None = None) -> DataLoader:
+def build_eval_loader(
+    dataset: Dataset, batch_size: int, num_workers: int | None = None, collate_fn: Callable | None = None
+) -> DataLoader:
     """Ordered DataLoader; ``gather_for_metrics`` later drops the padding of the last batch."""
     workers = default_num_workers(dataset) if num_workers is None else num_workers
     return DataLoader(
         dataset,
         batch_size=batch_size,
         shuffle=False,
+        collate_fn=collate_fn,
         num_workers=workers,
         persistent_workers=workers > 0,
         pin_memory=torch.cuda.is_available(),
@@ -109,6 +115,7 @@ def build_loaders(
     loader: str = "auto",
     num_workers: int | None = None,
     device_loader_max_mb: float = 4096,
+    collate_fn: Callable | None = None,
 ) -> Loaders:
     """Train and eval loaders, ready to iterate: prepared by ``accelerator`` or on its device already.
 
@@ -131,7 +138,7 @@ def build_loaders(
         )
     else:
         train_loader = accelerator.prepare(
-            build_train_loader(train_dataset, per_device_batch_size, global_batch_size, num_workers)
+            build_train_loader(train_dataset, per_device_batch_size, global_batch_size, num_workers, collate_fn)
         )
     eval_loader = None
     eval_batch_size = eval_batch_size or 2 * per_device_batch_size
@@ -140,7 +147,7 @@ def build_loaders(
         eval_loader = DeviceEvalLoader(eval_dataset, eval_batch_size, rank=accelerator.process_index,
                                        world_size=accelerator.num_processes, device=accelerator.device)
     elif eval_dataset is not None:
-        eval_loader = accelerator.prepare(build_eval_loader(eval_dataset, eval_batch_size, num_workers))
+        eval_loader = accelerator.prepare(build_eval_loader(eval_dataset, eval_batch_size, num_workers, collate_fn))
     return Loaders(train_loader, eval_loader, kind)
 
 

@@ -1,0 +1,152 @@
+"""Text for the text tasks: a Hugging Face dataset's text column, tokenized once per machine, padded per batch.
+
+    --task causal_lm --dataset hf --data_dir texts/ --text_column text --tokenizer tok/ [--packing]
+
+The splits come from ``--hf_name`` or ``--data_dir`` exactly as for ``--dataset hf``
+(:mod:`accel_ddp.data.hf`; without an eval split a fixed tenth of train is held out). The text
+column is tokenized with ``datasets.map``, whose cache (next to the dataset's own cache files)
+lets the machine's other ranks, and later runs, reuse the first rank's work: the loop builds the
+data on each machine's first process first (``local_main_first``).
+
+- ``sequence_classification``: ``input_ids`` truncated to ``--max_length``, and ``labels`` from
+  ``--label_column`` (class ids, or names numbered in sorted order).
+- ``causal_lm``: ``input_ids`` truncated to ``--max_length``; with ``--packing`` the texts are
+  joined (an end-of-text token between them) and cut into blocks of exactly ``--max_length``.
+
+Samples are dicts of 1-D tensors of different lengths; :class:`PadCollate` pads each batch to
+its longest sample and adds the ``attention_mask``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
+
+import torch
+from torch.nn.utils.rnn import pad_sequence
+from torch.utils.data import default_collate
+
+from accel_ddp.config import ConfigError
+from accel_ddp.data.bundle import DatasetBundle
+from accel_ddp.data.hf import HFSource, _label_column, _labels, load_splits
+from accel_ddp.optional import require
+
+DEFAULT_TEXT_COLUMN = "text"
+LABEL_PAD = -100  # padded label positions count for nothing in the loss (accel_ddp.tasks.IGNORE_INDEX)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json", "spiece.model")
+
+
+class TextOptions(NamedTuple):
+    """How text becomes token ids (``--text_column``, ``--tokenizer``, ``--max_length``, ``--packing``)."""
+
+    tokenizer: str  # a folder written by save_pretrained, or a Hub name
+    text_column: str | None = None  # None: "text"
+    max_length: int = 512
+    packing: bool = False
+    labels: bool = True  # sequence_classification: a label per text; causal_lm: the tokens are the labels
+
+
+class PadCollate:
+    """A batch from samples: dict samples padded to the batch's longest, other samples as ``default_collate``.
+
+    Sequence keys are padded on the right: ``labels`` with -100 (ignored by the loss),
+    ``attention_mask`` with 0, anything else with ``pad_token_id``. An ``attention_mask`` is added
+    where the samples have ``input_ids`` and none. Scalars (a class label) are stacked.
+
+        >>> PadCollate(0)([{"input_ids": torch.tensor([5, 6])}, {"input_ids": torch.tensor([7])}])["attention_mask"]
+        tensor([[1, 1],
+                [1, 0]])
+    """
+
+    def __init__(self, pad_token_id: int = 0):
+        self.pad_token_id = pad_token_id
+
+    def __call__(self, samples: Sequence[Any]) -> Any:
+        if not isinstance(samples[0], Mapping):
+            return default_collate(samples)
+        batch = {}
+        for key in samples[0]:
+            values = [torch.as_tensor(sample[key]) for sample in samples]
+            if values[0].ndim == 0:
+                batch[key] = torch.stack(values)
+            else:
+                pad = LABEL_PAD if key == "labels" else 0 if key == "attention_mask" else self.pad_token_id
+                batch[key] = pad_sequence(values, batch_first=True, padding_value=pad)
+        if "input_ids" in batch and "attention_mask" not in batch and batch["input_ids"].ndim == 2:
+            lengths = torch.tensor([len(sample["input_ids"]) for sample in samples])
+            batch["attention_mask"] = (torch.arange(batch["input_ids"].shape[1]) < lengths[:, None]).long()
+        return batch
+
+
+def pad_token_id(tokenizer: Any) -> int:
+    """The id to pad ``input_ids`` with: the tokenizer's pad token, else its end-of-text token, else 0."""
+    for candidate in (getattr(tokenizer, "pad_token_id", None), getattr(tokenizer, "eos_token_id", None)):
+        if candidate is not None:
+            return int(candidate)
+    return 0
+
+
+def has_tokenizer(folder: str) -> bool:
+    return os.path.isdir(folder) and any(os.path.isfile(os.path.join(folder, f)) for f in TOKENIZER_FILES)
+
+
+def load_tokenizer(name: str | None) -> Any:
+    """``AutoTokenizer.from_pretrained`` of a local folder (or a Hub name, online or cached), as one clear error."""
+    if name is None:
+        raise ConfigError("text needs a tokenizer; give --tokenizer PATH (a folder written by "
+                          "tokenizer.save_pretrained), or a --model folder that holds one")
+    transformers = require("transformers", "--tokenizer")
+    if not os.path.exists(name) and (name.startswith((".", "/", "~")) or name.count("/") > 1):
+        raise ConfigError(f"--tokenizer {name}: no such folder; give a folder written by tokenizer.save_pretrained")
+    try:
+        return transformers.AutoTokenizer.from_pretrained(name)
+    except (OSError, ValueError) as err:
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+        raise ConfigError(f"--tokenizer {name}: no tokenizer folder there and no Hub tokenizer of that name in the "
+                          f"local cache ({first}); give a folder written by tokenizer.save_pretrained") from None
+
+
+def build_text(data_dir: str, source: HFSource, options: TextOptions) -> tuple[DatasetBundle, Any]:
+    """(bundle of tokenized train and eval sets, tokenizer). ``num_classes`` is the class count, or the vocabulary
+    size for language modelling; ``input_shape`` is ``(max_length,)``."""
+    tokenizer = load_tokenizer(options.tokenizer)
+    require("datasets", "--dataset hf")
+    train, eval_split = load_splits(data_dir, source)
+    if eval_split is None:  # a fixed tenth of train, the same on every rank
+        held_out = train.train_test_split(test_size=0.1, seed=0)
+        train, eval_split = held_out["train"], held_out["test"]
+    column = options.text_column or DEFAULT_TEXT_COLUMN
+    if column not in train.column_names:
+        raise ConfigError(f"hf: no text column {column!r}; the columns are {', '.join(train.column_names)}; "
+                          "name the text with --text_column")
+    splits = [_tokenize(ds, tokenizer, column, options) for ds in (train, eval_split)]
+    if options.labels:
+        label_col = _label_column(train, source.label_column)
+        train_y, eval_y, num_classes = _labels(train, eval_split, label_col)
+        splits = [ds.add_column("labels", y.tolist()) for ds, y in zip(splits, (train_y, eval_y), strict=True)]
+    else:
+        num_classes = len(tokenizer)
+    train_set, eval_set = (ds.with_format("torch") for ds in splits)
+    return DatasetBundle(train_set, eval_set, num_classes, (options.max_length,)), tokenizer
+
+
+def _tokenize(ds, tokenizer, column: str, options: TextOptions):
+    """One ``datasets.map`` (cached): every text to ``input_ids``; packed into blocks with ``--packing``."""
+    return ds.map(
+        _tokenize_batch, batched=True, remove_columns=ds.column_names, desc="tokenizing",
+        fn_kwargs={"tokenizer": tokenizer, "column": column, "max_length": options.max_length,
+                   "packing": options.packing},
+    )
+
+
+def _tokenize_batch(batch: dict[str, list], tokenizer, column: str, max_length: int, packing: bool) -> dict:
+    texts = [text if isinstance(text, str) else "" for text in batch[column]]
+    if not packing:
+        return {"input_ids": tokenizer(texts, truncation=True, max_length=max_length)["input_ids"]}
+    # Join the texts of this map batch (an end-of-text token after each) and cut whole blocks; the tail of a
+    # batch shorter than a block is dropped, as in Transformers' run_clm.py.
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    stream = [token for ids in tokenizer(texts, add_special_tokens=False)["input_ids"] for token in ids + eos]
+    usable = len(stream) // max_length * max_length
+    return {"input_ids": [stream[i:i + max_length] for i in range(0, usable, max_length)]}
