@@ -117,6 +117,7 @@ def load_weights(model: torch.nn.Module, path: str, source: str = "--init_from")
     expected = model.state_dict()
     if state and all(k.startswith("module.") for k in state) and not any(k.startswith("module.") for k in expected):
         state = {k.removeprefix("module."): v for k, v in state.items()}
+    _fill_tied(state, expected)
     missing = sorted(expected.keys() - state.keys())
     unexpected = sorted(state.keys() - expected.keys())
     reshaped = sorted(k for k in expected.keys() & state.keys() if expected[k].shape != state[k].shape)
@@ -132,6 +133,17 @@ def load_weights(model: torch.nn.Module, path: str, source: str = "--init_from")
         raise ConfigError(f"{source} {path} holds the weights of a different model: {'; '.join(problems)}; "
                           "use the --model and sizes (e.g. --hidden_size) of the run that wrote it")
     model.load_state_dict(state)
+
+
+def _fill_tied(state: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    """Add the tied aliases a file leaves out: Accelerate's save_state (like safetensors' save_model) stores a
+    tensor shared by several names once, e.g. a language model's output layer tied to its embedding."""
+    by_storage = {(t.untyped_storage().data_ptr(), t.storage_offset(), t.shape): name
+                  for name, t in expected.items() if name in state}
+    for name, tensor in expected.items():
+        alias = by_storage.get((tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tensor.shape))
+        if name not in state and alias is not None:
+            state[name] = state[alias]
 
 
 def export_weights(accelerator: Accelerator, model: torch.nn.Module, output_dir: str) -> str:

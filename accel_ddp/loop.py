@@ -200,7 +200,11 @@ def _resolve_data(cfg: TrainConfig, accelerator: Accelerator, train_dataset, eva
         train_dataset, eval_dataset = bundle.train, bundle.eval
         num_classes, input_shape = bundle.num_classes, bundle.input_shape
     else:
-        num_classes, input_shape = None, _input_shape(train_dataset[0])
+        num_classes, input_shape = None, None
+    if isinstance(train_dataset[0], Mapping):  # dict samples: no single input shape
+        input_shape = None
+    elif input_shape is None:
+        input_shape = tuple(train_dataset[0][0].shape)
     if cfg.debug:  # a small subset: errors show up in seconds
         train_dataset = Subset(train_dataset, range(min(len(train_dataset), DEBUG_MAX_STEPS * cfg.global_batch_size)))
         if eval_dataset is not None:
@@ -209,10 +213,6 @@ def _resolve_data(cfg: TrainConfig, accelerator: Accelerator, train_dataset, eva
     if collate_fn is None and input_shape is None:  # dict samples, maybe of different lengths
         collate_fn = PadCollate(pad_token_id(tokenizer))
     return Data(train_dataset, eval_dataset, num_classes, input_shape, tokenizer, collate_fn)
-
-
-def _input_shape(sample: Any) -> tuple[int, ...] | None:
-    return None if isinstance(sample, Mapping) else tuple(sample[0].shape)
 
 
 def _build_model(cfg: TrainConfig, data: Data) -> torch.nn.Module:
@@ -226,7 +226,7 @@ def _build_model(cfg: TrainConfig, data: Data) -> torch.nn.Module:
     if cfg.task in TEXT_TASKS and ":" not in cfg.model:
         raise ConfigError(f"--task {cfg.task} needs a Transformers model: --model FOLDER (save_pretrained) or "
                           f"--model_config config.json, or your own --model pkg.module:function")
-    if data.input_shape is None:
+    if data.input_shape is None and ":" not in cfg.model:
         raise ConfigError(f"--model {cfg.model} takes (input, label) samples, but the dataset yields dicts; give a "
                           "model that takes them (model=, a Transformers folder, or pkg.module:function)")
     return build_model(cfg.model, data.num_classes or _infer_num_classes(data.train), data.input_shape,

@@ -15,6 +15,7 @@ also saved with ``save_pretrained`` (:func:`export_pretrained`).
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import shutil
@@ -186,16 +187,17 @@ def build_transformers_model(
         overrides["pad_token_id"] = tokenizer.pad_token_id  # sequence classifiers find each text's last token by it
     try:
         if config_file:
-            config = transformers.AutoConfig.from_pretrained(config_file, **overrides)
             if tokenizer is not None:
-                config.vocab_size = len(tokenizer)
-                for name in ("bos_token_id", "eos_token_id"):
-                    setattr(config, name, getattr(tokenizer, name, None))
-            model = auto.from_config(config)
+                overrides.update(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+                                 eos_token_id=tokenizer.eos_token_id)
+            # Overrides go in before the config is built: it checks its token ids against its vocabulary size.
+            with open(config_file, encoding="utf-8") as fh:
+                values = {**json.load(fh), **overrides}
+            model = auto.from_config(transformers.AutoConfig.for_model(**values))
         else:
             model = auto.from_pretrained(folder, dtype=torch.float32, ignore_mismatched_sizes="num_labels" in overrides,
                                          **overrides)
-    except (OSError, ValueError, KeyError) as err:  # not a config of a known model type, missing weights, ...
+    except (OSError, ValueError, KeyError, TypeError) as err:  # bad JSON, an unknown model type, missing weights...
         first = (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
         raise ConfigError(f"{what}: cannot build a {AUTO_CLASSES[task]} from it ({first}); give a Transformers "
                           "config.json or save_pretrained folder of a model that has one") from None

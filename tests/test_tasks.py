@@ -7,6 +7,7 @@ test process, so that the forked ranks start with it loaded.
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -148,3 +149,324 @@ def test_eval_of_an_odd_set_of_variable_length_sequences_is_exact_at_any_world_s
         total = sum(torch.nn.functional.cross_entropy(model(row[None]).logits[0, :-1], row[1:], reduction="sum")
                     for row in Sequences(23, seed=1).rows)
     assert one["eval_loss"] == pytest.approx(total.item() / one["eval_tokens"], rel=1e-6)
+
+
+# ----------------------------------------------------------------------------- text from files, from the CLI
+
+POSITIVE, NEGATIVE = ("good", "great", "nice", "fine", "lovely"), ("bad", "awful", "poor", "sad", "ugly")
+SUBJECTS = ("the movie", "the food", "this book", "our trip", "the music", "that game")
+
+
+def _sentences(count: int, seed: int) -> list[tuple[str, str]]:
+    """Templated reviews, labelled pos or neg by the adjectives they use."""
+    generator = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(count):
+        positive = bool(torch.randint(0, 2, (), generator=generator))
+        words = POSITIVE if positive else NEGATIVE
+        clauses = int(torch.randint(1, 4, (), generator=generator))
+        parts = [f"{SUBJECTS[int(torch.randint(0, len(SUBJECTS), (), generator=generator))]} was "
+                 f"{words[int(torch.randint(0, len(words), (), generator=generator))]}" for _ in range(clauses)]
+        rows.append((" and ".join(parts) + " .", "pos" if positive else "neg"))
+    return rows
+
+
+def build_word_tokenizer(texts: list[str], folder: Path) -> Path:
+    """A word-level tokenizer trained on ``texts`` (offline), saved as a Transformers tokenizer folder."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.train_from_iterator(texts, trainers.WordLevelTrainer(special_tokens=["[PAD]", "[UNK]", "[EOS]"]))
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="[PAD]", unk_token="[UNK]",
+                            eos_token="[EOS]").save_pretrained(str(folder))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    """texts/{train,test}.json (text), reviews/{train,test}.csv (text, label), tokenizer/, gpt2.json."""
+    import csv
+
+    root = tmp_path_factory.mktemp("corpus")
+    train, test = _sentences(400, seed=0), _sentences(101, seed=1)  # an odd eval set
+    for folder, suffix in (("texts", "json"), ("reviews", "csv")):
+        (root / folder).mkdir()
+        for split, rows in (("train", train), ("test", test)):
+            path = root / folder / f"{split}.{suffix}"
+            if suffix == "json":
+                path.write_text("".join(json.dumps({"text": text, "id": i}) + "\n" for i, (text, _) in enumerate(rows)))
+            else:
+                with open(path, "w", newline="") as fh:
+                    csv.writer(fh).writerows([("review", "sentiment"), *rows])
+    build_word_tokenizer([text for text, _ in train], root / "tokenizer")
+    (root / "gpt2.json").write_text(json.dumps({
+        "model_type": "gpt2", "n_layer": 2, "n_head": 2, "n_embd": 32, "n_positions": 64, "vocab_size": 8,
+        "resid_pdrop": 0.1, "embd_pdrop": 0.1, "attn_pdrop": 0.1}))
+    return root
+
+
+@pytest.fixture
+def datasets_cache(tmp_path, monkeypatch) -> Path:
+    """A fresh datasets cache for this test (forked ranks inherit it)."""
+    import datasets
+
+    cache = tmp_path / "hf_cache"
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(cache))
+    return cache
+
+
+def lm_args(corpus: Path, out: Path, *extra: str) -> list[str]:
+    return ["--task", "causal_lm", "--dataset", "hf", "--data_dir", str(corpus / "texts"),
+            "--tokenizer", str(corpus / "tokenizer"), "--model_config", str(corpus / "gpt2.json"),
+            "--max_length", "32", "--global_batch_size", "16", "--lr", "3e-3", "--log_every", "5",
+            "--output_dir", str(out), *extra]
+
+
+def test_causal_lm_from_a_config_on_text_files(corpus, datasets_cache, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tests.conftest import read_metrics, train_ranks
+
+    out = tmp_path / "lm"
+    summary = train_ranks(lm_args(corpus, out, "--packing", "--epochs", "4"), world_size=2)[0]
+    evals = [r for r in read_metrics(out) if "eval_loss" in r]
+    assert len(evals) == 4 and evals[-1]["eval_loss"] < evals[0]["eval_loss"] - 0.3, evals
+    assert summary["eval_perplexity"] == pytest.approx(math.exp(summary["eval_loss"]))
+    assert summary["eval_perplexity"] < 10  # from ~25 (the vocabulary) at the start
+    assert summary["eval_tokens"] == summary["eval_samples"] * 31  # packed blocks of 32: 31 predictions each
+    # The final model as a Transformers folder, with its tokenizer, equal to model.safetensors.
+    model = AutoModelForCausalLM.from_pretrained(out / "hf_model")
+    weights = load_weights(out)
+    assert all(torch.equal(value, weights[name]) for name, value in model.state_dict().items())
+    assert AutoTokenizer.from_pretrained(out / "hf_model")("the food was good")["input_ids"][-1] > 2
+    # Tokenized once per machine: the second rank read the first rank's cache, so one file per split.
+    caches = sorted(datasets_cache.rglob("cache-*.arrow"))
+    assert len(caches) == 2, caches
+    train_ranks(lm_args(corpus, tmp_path / "again", "--packing", "--max_steps", "1"), world_size=2)
+    assert sorted(datasets_cache.rglob("cache-*.arrow")) == caches  # a later run too
+
+
+def test_sequence_classification_on_a_csv_of_labelled_texts(corpus, datasets_cache, tmp_path):
+    from tests.conftest import train_ranks
+
+    args = ["--task", "sequence_classification", "--dataset", "hf", "--data_dir", str(corpus / "reviews"),
+            "--text_column", "review", "--label_column", "sentiment", "--tokenizer", str(corpus / "tokenizer"),
+            "--model_config", str(corpus / "gpt2.json"), "--max_length", "32", "--global_batch_size", "16",
+            "--epochs", "3", "--lr", "3e-3", "--output_dir", str(tmp_path / "cls")]
+    rank0, rank1 = train_ranks(args, world_size=2)
+    assert rank0["eval_samples"] == 101 and rank0["eval_accuracy"] == rank1["eval_accuracy"]
+    assert rank0["eval_accuracy"] > 0.95, rank0
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_pretrained(tmp_path / "cls" / "hf_model")
+    assert model.config.num_labels == 2 and model.config.pad_token_id == 0
+
+
+def test_crash_mid_epoch_then_resume_is_bitwise_exact_for_a_pretrained_lm_folder(corpus, datasets_cache, tmp_path):
+    """A save_pretrained folder (with dropout, so the RNG state matters) fine-tuned on variable-length padded text."""
+    import os
+
+    from transformers import AutoTokenizer
+
+    from accel_ddp.config import parse_args
+    from accel_ddp.loop import train as train_cli
+    from tests import faults
+    from tests.conftest import train_ranks
+    from tests.multiproc import RankFailed
+
+    pretrained = tmp_path / "pretrained"
+    tokenizer = AutoTokenizer.from_pretrained(corpus / "tokenizer")
+    torch.manual_seed(0)
+    tiny_gpt(vocab=len(tokenizer), dropout=0.1).save_pretrained(pretrained)
+    tokenizer.save_pretrained(pretrained)  # --tokenizer defaults to the model folder's
+
+    def args(out: Path, *extra: str) -> list[str]:
+        return ["--task", "causal_lm", "--dataset", "hf", "--data_dir", str(corpus / "texts"), "--model",
+                str(pretrained), "--max_length", "32", "--global_batch_size", "16", "--per_device_batch_size", "4",
+                "--max_steps", "12", "--checkpointing_steps", "5", "--output_dir", str(out), *extra]
+
+    train_ranks(args(tmp_path / "reference"), world_size=2)
+    crashed = tmp_path / "crashed"
+
+    def crash_after_step_8():
+        faults.install(fail_at=(8, int(os.environ["RANK"])))  # the whole job dies after step 8 of 25 in the epoch
+        train_cli(parse_args(args(crashed)))
+
+    with pytest.raises(RankFailed, match="injected failure on rank 1 at step 8"):
+        run_ranks(crash_after_step_8, world_size=2)
+    assert not (crashed / "model.safetensors").exists()
+    summary = train_ranks(args(crashed, "--resume_from_checkpoint", "auto"), world_size=2)[0]
+    assert summary["resumed_from_step"] == 5 and summary["grad_accum_steps"] == 2
+    got, expected = load_weights(crashed), load_weights(tmp_path / "reference")
+    assert got.keys() == expected.keys()
+    for key in expected:
+        assert torch.equal(got[key], expected[key]), f"{key} differs from the uninterrupted run's"
+
+
+# ----------------------------------------------------------------------------- user losses, dropped keys, bad input
+
+
+def cross_entropy(outputs, batch):
+    """``--loss tests.test_tasks:cross_entropy``: the default loss of tuple batches, written by a user."""
+    return torch.nn.functional.cross_entropy(outputs.float(), batch[1])
+
+
+def per_sample_losses(outputs, batch):
+    """A common mistake: per-sample losses, not reduced to a scalar."""
+    return torch.nn.functional.cross_entropy(outputs.logits[:, -1].float(), batch["input_ids"][:, -1], reduction="none")
+
+
+class LosslessModel(torch.nn.Module):
+    """Takes dict batches, returns logits only: with dict batches and no loss_fn there is no loss to train on."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, 8)
+
+    def forward(self, input_ids, attention_mask=None):
+        return {"logits": self.embed(input_ids).mean(1)}
+
+
+def build_lossless(num_classes, input_shape):
+    return LosslessModel()
+
+
+def build_sequences(data_dir, download):
+    from accel_ddp.data import DatasetBundle
+
+    return DatasetBundle(Sequences(64), Sequences(16, seed=1), num_classes=2, input_shape=(16,))
+
+
+TINY = ["--dataset", "synthetic", "--synthetic_samples", "64", "--synthetic_shape", "4", "--hidden_size", "8",
+        "--global_batch_size", "16", "--epochs", "1"]
+
+
+def test_a_user_loss_from_the_cli_trains_like_the_default(tmp_path):
+    from tests.conftest import train_ranks
+
+    train_ranks([*TINY, "--output_dir", str(tmp_path / "default")], world_size=1)
+    train_ranks([*TINY, "--loss", "tests.test_tasks:cross_entropy", "--output_dir", str(tmp_path / "user")],
+                world_size=1)
+    default, user = load_weights(tmp_path / "default"), load_weights(tmp_path / "user")
+    assert all(torch.equal(user[key], default[key]) for key in default)
+
+
+def test_dict_keys_the_forward_does_not_take_are_dropped_with_one_warning(tmp_path, capfd):
+    class WithIds(Sequences):
+        def __getitem__(self, index):
+            return {**super().__getitem__(index), "doc_id": torch.tensor(index)}
+
+    def fn():
+        torch.manual_seed(0)
+        config = TrainConfig(task="causal_lm", global_batch_size=8, max_steps=6, output_dir=str(tmp_path))
+        return train(config, model=tiny_gpt(), train_dataset=WithIds(48), eval_dataset=WithIds(9))
+
+    run_ranks(fn, world_size=2)
+    warnings = [line for line in capfd.readouterr().err.splitlines() if "doc_id" in line]
+    assert warnings == ["accel_ddp: warning: batch keys doc_id are not arguments of GPT2LMHeadModel.forward; "
+                        "they are dropped"]
+
+
+def _one_error_line(stderr: str) -> str:
+    lines = [line for line in stderr.splitlines() if line.startswith("accel_ddp:") or "Traceback" in line]
+    assert len(lines) == 1, stderr
+    assert lines[0].startswith("accel_ddp: error: ")
+    return lines[0]
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--task", "translation"], "--task 'translation' is unknown; choose one of classification, "
+                                "sequence_classification, causal_lm"),
+    (["--tokenizer", "tok"], "--tokenizer only apply to text; add --task sequence_classification or --task causal_lm"),
+    (["--task", "causal_lm"], "--task causal_lm needs a Transformers model: --model FOLDER (save_pretrained) or "
+                              "--model_config config.json"),
+    (["--model_config", "missing.json"], "--model_config missing.json: no such file"),
+])
+def test_bad_task_options_are_one_line_and_exit_2(tmp_path, capfd, extra, message):
+    from accel_ddp.loop import main
+
+    out = tmp_path / "out"
+    assert main([*TINY, *extra, "--output_dir", str(out)]) == 2
+    assert message in _one_error_line(capfd.readouterr().err)
+    assert not out.exists() or not any(out.iterdir())
+
+
+def _bad_text_runs(corpus: Path, out: Path) -> dict[str, tuple[list[str], str]]:
+    lm = lm_args(corpus, out)
+    return {
+        "missing tokenizer folder": (
+            [*lm, "--tokenizer", str(corpus / "no_such_tokenizer")],
+            f"--tokenizer {corpus / 'no_such_tokenizer'}: no such folder; give a folder written by "
+            "tokenizer.save_pretrained"),
+        "missing text column": (
+            [*lm, "--text_column", "body"],
+            "hf: no text column 'body'; the columns are text, id; name the text with --text_column"),
+        "non-scalar loss": ([*lm, "--loss", "tests.test_tasks:per_sample_losses"],
+                            "the loss function per_sample_losses returned a tensor of shape (2,), not a scalar"),
+        "no loss": (["--dataset", "tests.test_tasks:build_sequences", "--model", "tests.test_tasks:build_lossless",
+                     "--global_batch_size", "8", "--output_dir", str(out)],
+                    "holds no loss for a dict batch (does the batch hold 'labels'?); give a loss with --loss"),
+    }
+
+
+@pytest.mark.parametrize("case", ["missing tokenizer folder", "missing text column", "non-scalar loss", "no loss"])
+def test_bad_text_input_is_one_line_from_one_rank_exit_2_nothing_written(corpus, datasets_cache, tmp_path, capfd,
+                                                                          case):
+    from tests.conftest import main_ranks
+
+    out = tmp_path / "out"
+    argv, message = _bad_text_runs(corpus, out)[case]
+    assert main_ranks(argv, world_size=2) == [2, 2]
+    line = _one_error_line(capfd.readouterr().err)
+    assert message in line, line
+    assert not out.exists() or not any(out.iterdir())
+
+
+def test_without_transformers_text_is_one_line_with_the_install_command_and_images_still_train(
+        corpus, tmp_path, capfd, monkeypatch):
+    import sys
+
+    from accel_ddp.loop import main
+
+    monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` now raises ImportError
+    assert main(lm_args(corpus, tmp_path / "lm")) == 2
+    line = _one_error_line(capfd.readouterr().err)
+    assert "needs the transformers package, which is not installed; pip install 'accel_ddp[nlp]'" in line
+    assert main([*TINY, "--output_dir", str(tmp_path / "image")]) == 0
+
+
+class ClassCounter:
+    """A user metric on tuple batches: samples seen and accuracy recomputed from the gathered logits."""
+
+    def __init__(self):
+        self.seen, self.hits, self.indices = 0, 0, []
+
+    def update(self, outputs, batch):
+        inputs, labels = batch
+        self.seen += len(labels)
+        self.hits += int((outputs.argmax(-1) == labels).sum())
+        self.indices += inputs[:, 0].round().long().tolist()  # each eval input carries its own index
+
+    def compute(self):
+        return {"seen": self.seen, "my_accuracy": self.hits / self.seen, "distinct": len(set(self.indices))}
+
+
+@pytest.mark.parametrize("loader", ["device", "dataloader"])
+def test_user_metrics_see_each_eval_sample_once_on_either_eval_loader(tmp_path, loader):
+    """The in-memory eval loader shards 37 samples 18/19 without repeats; the DataLoader pads the last batch."""
+    def fn():
+        generator = torch.Generator().manual_seed(0)
+        train_x, eval_x = torch.randn(64, 4, generator=generator), torch.randn(37, 4, generator=generator)
+        eval_x[:, 0] = torch.arange(37, dtype=torch.float32)
+        train_y, eval_y = [(x[:, 1] > 0).long() for x in (train_x, eval_x)]
+        config = TrainConfig(model="mlp", hidden_size=8, global_batch_size=16, epochs=1, loader=loader,
+                             eval_batch_size=4, output_dir=str(tmp_path / loader))
+        return train(config, train_dataset=torch.utils.data.TensorDataset(train_x, train_y),
+                     eval_dataset=torch.utils.data.TensorDataset(eval_x, eval_y), metrics=[ClassCounter()])
+
+    rank0, rank1 = run_ranks(fn, world_size=2)
+    assert rank0["loader"] == loader
+    assert rank0["eval_seen"] == rank0["eval_distinct"] == rank0["eval_samples"] == 37
+    assert rank0["eval_my_accuracy"] == rank0["eval_accuracy"] == rank1["eval_my_accuracy"]
