@@ -54,7 +54,7 @@ def token_mean(outputs, batch):
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)
 
 
-def _lm_run(out: Path, world: int, per_device: int, loss_fn=None, steps: int = 24, **cfg) -> dict:
+def _lm_run(out: Path, world: int, per_device: int, loss_fn=None, steps: int = 20, **cfg) -> dict:
     def fn():
         torch.manual_seed(0)
         model = tiny_gpt()
@@ -73,27 +73,25 @@ def _max_difference(a: Path, b: Path) -> float:
     return max((wa[k] - wb[k]).abs().max().item() for k in wa)
 
 
-@pytest.mark.parametrize("loss", ["token_exact", "mean_of_means"])
-def test_token_exact_accumulation_gives_one_gradient_whatever_the_layout(tmp_path, loss):
-    """2 ranks x 4, 1 process x 8 and 1 process x 2 with 4 accumulation micro-steps: the same weights after 24 steps
-    when each step's gradient is grad(total loss / total tokens); a mean of micro-batch means differs."""
-    loss_fn = None if loss == "token_exact" else token_mean
-    runs = {name: tmp_path / name for name in ("2x4", "1x8", "1x2")}
-    _lm_run(runs["2x4"], 2, 4, loss_fn)
-    _lm_run(runs["1x8"], 1, 8, loss_fn)
-    summary = _lm_run(runs["1x2"], 1, 2, loss_fn)
-    assert summary["grad_accum_steps"] == 4 and summary["optimizer_steps"] == 24
-    differences = {name: _max_difference(runs[name], runs["1x8"]) for name in ("2x4", "1x2")}
-    print(f"{loss}: largest weight difference against 1 process x 8: {differences}")
-    if loss == "token_exact":
-        assert all(d < 1e-6 for d in differences.values()), differences
-        torch.manual_seed(0)
-        initial = tiny_gpt().state_dict()  # sanity: training moved the weights far beyond the tolerance
-        trained = load_weights(runs["1x8"])
-        key = "transformer.h.0.mlp.c_fc.weight"
-        assert (trained[key] - initial[key]).abs().max() > 1e-2
-    else:
-        assert all(d > 1e-4 for d in differences.values()), differences
+def test_token_exact_accumulation_gives_one_gradient_whatever_the_layout(tmp_path):
+    """2 ranks x 4, 1 process x 8 and 1 process x 2 with 4 accumulation micro-steps end with the same weights after
+    20 SGD steps on sequences of 3 to 16 tokens when each step's gradient is grad(total loss / total tokens) (the
+    default causal-LM loss, a (sum, num_items) pair); a mean of per-micro-batch token means does not."""
+    reference = tmp_path / "1x8"  # one micro-batch per step: both rules give the same gradient here
+    _lm_run(reference, 1, 8)
+    differences = {}
+    for loss, loss_fn in (("token_exact", None), ("mean_of_means", token_mean)):
+        for name, world, per_device in (("2x4", 2, 4), ("1x2", 1, 2)):
+            summary = _lm_run(tmp_path / f"{loss}-{name}", world, per_device, loss_fn)
+            assert summary["grad_accum_steps"] == 8 // (world * per_device) and summary["optimizer_steps"] == 20
+            differences[loss, name] = _max_difference(tmp_path / f"{loss}-{name}", reference)
+    print(f"largest weight difference against 1 process x 8: {differences}")
+    assert all(differences["token_exact", name] < 1e-6 for name in ("2x4", "1x2")), differences
+    assert all(differences["mean_of_means", name] > 1e-4 for name in ("2x4", "1x2")), differences
+    torch.manual_seed(0)
+    initial, trained = tiny_gpt().state_dict(), load_weights(reference)
+    key = "transformer.h.0.mlp.c_fc.weight"  # sanity: training moved the weights far beyond the tolerance
+    assert (trained[key] - initial[key]).abs().max() > 1e-2
 
 
 # ----------------------------------------------------------------------------- evaluation counts each item once
@@ -470,3 +468,34 @@ def test_user_metrics_see_each_eval_sample_once_on_either_eval_loader(tmp_path, 
     assert rank0["loader"] == loader
     assert rank0["eval_seen"] == rank0["eval_distinct"] == rank0["eval_samples"] == 37
     assert rank0["eval_my_accuracy"] == rank0["eval_accuracy"] == rank1["eval_my_accuracy"]
+
+
+# ----------------------------------------------------------------------------- the examples, small
+
+
+def test_pydoc_examples_pretrain_an_lm_then_fine_tune_it_as_a_topic_classifier(datasets_cache, tmp_path):
+    """examples/pydoc_text.py with small settings: docs/tasks.md runs the same commands at full size."""
+    from examples.pydoc_text import TOPICS, write_lm, write_topics
+    from tests.conftest import REPO, train_ranks
+
+    lm_data, topics_data, lm_out = tmp_path / "pydoc_lm", tmp_path / "pydoc_topics", tmp_path / "lm"
+    counts = write_lm(str(lm_data), vocab_size=512)
+    assert counts["train"] > 1000 and counts["test"] > 100  # CPython's reference: ~1,600 distinct paragraphs
+    lm = train_ranks(["--task", "causal_lm", "--dataset", "hf", "--data_dir", str(lm_data), "--tokenizer",
+                      str(lm_data / "tokenizer"), "--model_config", str(REPO / "examples/configs/tiny_gpt2.json"),
+                      "--packing", "--max_length", "64", "--global_batch_size", "32", "--max_steps", "12",
+                      "--lr", "5e-3", "--output_dir", str(lm_out)], world_size=2)[0]
+    assert lm["eval_perplexity"] < 512 / 2, lm  # an untrained model: about the vocabulary size, 512
+
+    topics = write_topics(str(topics_data))
+    classifier = train_ranks(
+        ["--task", "sequence_classification", "--dataset", "hf", "--data_dir", str(topics_data), "--label_column",
+         "topic", "--model", str(lm_out / "hf_model"), "--max_length", "64", "--global_batch_size", "16",
+         "--max_steps", "8", "--output_dir", str(tmp_path / "topics")], world_size=2)[0]
+    assert classifier["eval_samples"] == topics["test"] and 0 <= classifier["eval_accuracy"] <= 1
+    # The language model's tokenizer came with its folder and went on with the classifier.
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    model = AutoModelForSequenceClassification.from_pretrained(tmp_path / "topics" / "hf_model")
+    assert model.config.num_labels == len(TOPICS)
+    assert len(AutoTokenizer.from_pretrained(tmp_path / "topics" / "hf_model")) == 512
