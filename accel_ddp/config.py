@@ -92,14 +92,16 @@ class TrainConfig:
     )
 
     # --- model ---
-    model: str = _opt("mlp", "model name (mlp, mnist_cnn, resnet18) or 'pkg.module:function'")
+    model: str = _opt(
+        "mlp", "model name (mlp, mnist_cnn, resnet18), a Transformers save_pretrained folder, or 'pkg.module:function'"
+    )
     hidden_size: int = _opt(256, "mlp: width of its two hidden layers")
     width: int = _opt(64, "resnet18: channels of its first stage (64 as torchvision; 16 trains fast on CPU)")
     model_config: str | None = _opt(
         None, "a Transformers config.json: train that model from scratch (AutoModelFor... chosen by --task)"
     )
 
-    # --- task: how a batch reaches the model, the loss, the eval metrics (accel_ddp/tasks.py) ---
+    # --- task (how a batch reaches the model, its loss and the eval metrics: docs/tasks.md) ---
     task: str = _opt(
         "classification", "classification ((input, label) or dict batches), sequence_classification or causal_lm"
     )

@@ -30,10 +30,10 @@ def test_flag_table_has_every_field_once_with_its_default_and_help_under_its_sec
     assert "| `--per_device_batch_size` | unset |" in table
     assert "| `--ddp_gradient_as_bucket_view` | `true` |" in table
     headings = re.findall(r"^### (.+)$", table, re.M)
-    assert headings == ["Data", "Model", "Optimisation", "Evaluation, logging, outputs",
+    assert headings == ["Data", "Model", "Task", "Optimisation", "Evaluation, logging, outputs",
                         "Performance and distributed knobs", "Old spellings"]
     sections = dict(flag_table.sections())
-    assert [f.name for f in sections["model"]] == ["model", "hidden_size", "width"]
+    assert [f.name for f in sections["model"]] == ["model", "hidden_size", "width", "model_config"]
     for old, new in RENAMED_FLAGS.items():
         assert f"| `--{old}` | `--{new}` |" in table
     for (flag, old), new in RENAMED_VALUES.items():
