@@ -7,8 +7,10 @@ test process, so that the forked ranks start with it loaded.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -61,8 +63,7 @@ def _lm_run(out: Path, world: int, per_device: int, loss_fn=None, steps: int = 2
         config = TrainConfig(task="causal_lm", global_batch_size=8, per_device_batch_size=per_device, max_steps=steps,
                              optimizer="sgd", lr=0.2, lr_schedule="constant", max_grad_norm=0, log_every=4,
                              output_dir=str(out), **cfg)
-        return train(config, model=model, train_dataset=Sequences(96), eval_dataset=Sequences(23, seed=1),
-                     loss_fn=loss_fn)
+        return train(config, model=model, train_dataset=Sequences(96), loss_fn=loss_fn)
 
     return run_ranks(fn, world_size=world)[0]
 
@@ -264,8 +265,6 @@ def test_sequence_classification_on_a_csv_of_labelled_texts(corpus, datasets_cac
 
 def test_crash_mid_epoch_then_resume_is_bitwise_exact_for_a_pretrained_lm_folder(corpus, datasets_cache, tmp_path):
     """A save_pretrained folder (with dropout, so the RNG state matters) fine-tuned on variable-length padded text."""
-    import os
-
     from transformers import AutoTokenizer
 
     from accel_ddp.config import parse_args
@@ -335,6 +334,44 @@ def build_sequences(data_dir, download):
     from accel_ddp.data import DatasetBundle
 
     return DatasetBundle(Sequences(64), Sequences(16, seed=1), num_classes=2, input_shape=(16,))
+
+
+def build_gpt(num_classes, input_shape):
+    """``--model tests.test_tasks:build_gpt``: a user builder returning a Transformers model."""
+    return tiny_gpt()
+
+
+@functools.cache
+def _pad_only_tokenizer():
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = models.WordLevel({"[PAD]": 0, "[UNK]": 1}, unk_token="[UNK]")
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(vocab), pad_token="[PAD]", unk_token="[UNK]")
+
+
+def hf_lm_collate(samples):
+    """``--collate_fn tests.test_tasks:hf_lm_collate``: Transformers' own language-modelling collator."""
+    from transformers import DataCollatorForLanguageModeling
+
+    with open(os.environ["COLLATE_CALLS"], "a") as log:  # the test checks that this collator made the batches
+        log.write(f"{len(samples)}\n")
+    return DataCollatorForLanguageModeling(_pad_only_tokenizer(), mlm=False)(samples)
+
+
+def test_transformers_collators_work_unchanged_from_the_cli(tmp_path):
+    """DataCollatorForLanguageModeling (labels made by the collator) trains exactly like the built-in padding."""
+    from tests.conftest import train_ranks
+
+    base = ["--task", "causal_lm", "--dataset", "tests.test_tasks:build_sequences", "--model",
+            "tests.test_tasks:build_gpt", "--global_batch_size", "8", "--max_steps", "6", "--optimizer", "sgd"]
+    train_ranks([*base, "--output_dir", str(tmp_path / "ours")], world_size=1)
+    calls = tmp_path / "calls"
+    train_ranks([*base, "--collate_fn", "tests.test_tasks:hf_lm_collate", "--output_dir", str(tmp_path / "hf")],
+                world_size=1, env={"COLLATE_CALLS": str(calls)})
+    assert calls.read_text().split()[:7] == ["2"] + ["8"] * 6  # the pre-training check, then one batch per step
+    ours, theirs = load_weights(tmp_path / "ours"), load_weights(tmp_path / "hf")
+    assert all(torch.equal(ours[key], theirs[key]) for key in ours)
 
 
 TINY = ["--dataset", "synthetic", "--synthetic_samples", "64", "--synthetic_shape", "4", "--hidden_size", "8",
@@ -483,15 +520,15 @@ def test_pydoc_examples_pretrain_an_lm_then_fine_tune_it_as_a_topic_classifier(d
     assert counts["train"] > 1000 and counts["test"] > 100  # CPython's reference: ~1,600 distinct paragraphs
     lm = train_ranks(["--task", "causal_lm", "--dataset", "hf", "--data_dir", str(lm_data), "--tokenizer",
                       str(lm_data / "tokenizer"), "--model_config", str(REPO / "examples/configs/tiny_gpt2.json"),
-                      "--packing", "--max_length", "64", "--global_batch_size", "32", "--max_steps", "12",
+                      "--packing", "--max_length", "64", "--global_batch_size", "16", "--max_steps", "12",
                       "--lr", "5e-3", "--output_dir", str(lm_out)], world_size=2)[0]
     assert lm["eval_perplexity"] < 512 / 2, lm  # an untrained model: about the vocabulary size, 512
 
     topics = write_topics(str(topics_data))
     classifier = train_ranks(
         ["--task", "sequence_classification", "--dataset", "hf", "--data_dir", str(topics_data), "--label_column",
-         "topic", "--model", str(lm_out / "hf_model"), "--max_length", "64", "--global_batch_size", "16",
-         "--max_steps", "8", "--output_dir", str(tmp_path / "topics")], world_size=2)[0]
+         "topic", "--model", str(lm_out / "hf_model"), "--max_length", "64", "--global_batch_size", "8",
+         "--max_steps", "6", "--output_dir", str(tmp_path / "topics")], world_size=2)[0]
     assert classifier["eval_samples"] == topics["test"] and 0 <= classifier["eval_accuracy"] <= 1
     # The language model's tokenizer came with its folder and went on with the classifier.
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
