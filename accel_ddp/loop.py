@@ -217,6 +217,9 @@ def _resolve_data(cfg: TrainConfig, accelerator: Accelerator, train_dataset, eva
 
 def _build_model(cfg: TrainConfig, data: Data) -> torch.nn.Module:
     """The model named by --model / --model_config: a Transformers model, a built-in one or the user's builder."""
+    if os.path.isdir(cfg.model) and not is_pretrained_folder(cfg.model):
+        raise ConfigError(f"--model {cfg.model}: a folder without a config.json; give a folder written by "
+                          "save_pretrained (a run's final model is OUTPUT_DIR/hf_model)")
     transformers_model = cfg.model_config is not None or is_pretrained_folder(cfg.model) or (
         cfg.model not in MODELS and ":" not in cfg.model and "/" in cfg.model)  # a Hub id: org/name
     if transformers_model:
@@ -233,7 +236,7 @@ def _build_model(cfg: TrainConfig, data: Data) -> torch.nn.Module:
                        cfg.hidden_size, width=cfg.width)
 
 
-def _check_task(task: Task, accelerator: Accelerator, model, data: Data, evaluates: bool) -> None:
+def _probe_task(task: Task, accelerator: Accelerator, model, data: Data, evaluates: bool) -> None:
     """One forward of two training samples: a missing or non-scalar loss is bad input, reported before any write.
 
     Tuple samples with the default cross-entropy have nothing to check.
@@ -344,7 +347,7 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
                                 fused=accelerator.device.type == "cuda")
     scheduler = build_lr_scheduler(optimizer, cfg.lr_schedule, cfg.warmup_steps, plan.total_steps)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
-    _check_task(task, accelerator, model, data, evaluates=eval_loader is not None)
+    _probe_task(task, accelerator, model, data, evaluates=eval_loader is not None)
 
     facts = _run_facts(cfg, accelerator, plan, loader_kind)
     checkpoints = CheckpointManager(accelerator, cfg.output_dir, cfg.keep_last,

@@ -418,6 +418,8 @@ def _one_error_line(stderr: str) -> str:
     (["--task", "causal_lm"], "--task causal_lm needs a Transformers model: --model FOLDER (save_pretrained) or "
                               "--model_config config.json"),
     (["--model_config", "missing.json"], "--model_config missing.json: no such file"),
+    (["--task", "causal_lm", "--model", "accel_ddp"], "--model accel_ddp: a folder without a config.json; give a "
+                                                      "folder written by save_pretrained"),
 ])
 def test_bad_task_options_are_one_line_and_exit_2(tmp_path, capfd, extra, message):
     from accel_ddp.loop import main
