@@ -17,13 +17,22 @@ from typing import Any
 import yaml
 
 from accel_ddp.config import warn
-from accel_ddp.outputs import CONFIG_NAME, CURVES_NAME, METRICS_NAME, MODEL_CARD_NAME, SUMMARY_NAME, WEIGHTS_NAME
+from accel_ddp.outputs import (
+    CONFIG_NAME,
+    CURVES_NAME,
+    METRICS_NAME,
+    MODEL_CARD_NAME,
+    PRETRAINED_SUBDIR,
+    SUMMARY_NAME,
+    WEIGHTS_NAME,
+)
 from accel_ddp.report import read_metrics
 
 # (summary.json key, label): the final figures the card shows, in this order, when present
 RESULTS = (
     ("eval_accuracy", "eval accuracy"),
     ("eval_loss", "eval loss"),
+    ("eval_perplexity", "eval perplexity"),
     ("eval_samples", "eval samples"),
     ("train_samples_per_sec", "training samples/s"),
     ("train_seconds", "training time (s)"),
@@ -78,13 +87,14 @@ def render_model_card(config: dict[str, Any], summary: dict[str, Any], command: 
     header: dict[str, Any] = {"library_name": "accel_ddp", "tags": ["accel_ddp"]}
     if config.get("dataset") == "hf" and config.get("hf_name"):
         header["datasets"] = [config["hf_name"]]  # a Hub dataset id
-    if summary.get("eval_accuracy") is not None:
-        header["metrics"] = ["accuracy"]
+    metrics = [name for name in ("accuracy", "perplexity") if summary.get(f"eval_{name}") is not None]
+    if metrics:
+        header["metrics"] = metrics
     world, machines = summary.get("world_size", 1), summary.get("num_machines", 1)
     lines = [
         "---", yaml.safe_dump(header, sort_keys=False).strip(), "---", "",
         f"# {name}", "",
-        f"`{config.get('model')}` trained on {_data(config)} with accel_ddp "
+        f"`{config.get('model_config') or config.get('model')}` trained on {_data(config)} with accel_ddp "
         "(data-parallel PyTorch through Hugging Face Accelerate).", "",
         "## Training", "",
         "| | |", "| --- | --- |",
@@ -119,6 +129,9 @@ def render_model_card(config: dict[str, Any], summary: dict[str, Any], command: 
         f"- [`{CONFIG_NAME}`]({CONFIG_NAME}), [`{METRICS_NAME}`]({METRICS_NAME}), [`{SUMMARY_NAME}`]({SUMMARY_NAME}): "
         "the resolved config, every logged step and evaluation, the final figures",
     ]
+    if os.path.isdir(os.path.join(output_dir, PRETRAINED_SUBDIR)):
+        lines.append(f"- [`{PRETRAINED_SUBDIR}/`]({PRETRAINED_SUBDIR}): the Transformers model (save_pretrained) "
+                     "and its tokenizer")
     return "\n".join(lines) + "\n"
 
 
@@ -140,6 +153,8 @@ def _model(config: dict[str, Any]) -> str:
     sizes = {"mlp": f"hidden size {config.get('hidden_size')}", "resnet18": f"width {config.get('width')}"}
     size = sizes.get(config.get("model", ""))
     started = f", fine-tuned from `{config['init_from']}`" if config.get("init_from") else ""
+    if config.get("model_config"):  # a Transformers model built from a config file
+        return f"`{config['model_config']}` (fresh weights, --task {config.get('task')})" + started
     return f"`{config.get('model')}`" + (f" ({size})" if size else "") + started
 
 

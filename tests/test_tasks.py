@@ -240,6 +240,9 @@ def test_causal_lm_from_a_config_on_text_files(corpus, datasets_cache, tmp_path)
     weights = load_weights(out)
     assert all(torch.equal(value, weights[name]) for name, value in model.state_dict().items())
     assert AutoTokenizer.from_pretrained(out / "hf_model")("the food was good")["input_ids"][-1] > 2
+    card = (out / "README.md").read_text()  # the model card names the config, the perplexity and hf_model/
+    assert "gpt2.json` (fresh weights, --task causal_lm)" in card and "| eval perplexity |" in card
+    assert "[`hf_model/`](hf_model)" in card and "- perplexity" in card
     # Tokenized once per machine: the second rank read the first rank's cache, so one file per split.
     caches = sorted(datasets_cache.rglob("cache-*.arrow"))
     assert len(caches) == 2, caches
