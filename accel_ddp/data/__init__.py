@@ -7,6 +7,7 @@ One job per module, arrows pointing one way (``bundle`` and ``sampler`` depend o
     sampler.py        the global-batch permutation (seed, epoch) and steps per epoch, shared by every loader
     device_loader.py  DeviceLoader / DeviceEvalLoader: an in-memory set served from the training device
     hf.py             Hugging Face datasets (Hub names, save_to_disk folders, parquet/csv/json, image folders)
+    text.py           text for the text tasks: tokenized once per machine, packed or padded per batch
     builtin.py        digits, MNIST, FashionMNIST, CIFAR-10, imagefolder, synthetic; the registry
     loaders.py        choosing and building the train and eval loaders
 """
