@@ -192,12 +192,12 @@ def test_only_the_main_process_writes(tmp_path):
     args = ["--dataset", "synthetic", "--synthetic_samples", "128", "--synthetic_shape", "6", "--hidden_size", "8",
             "--global_batch_size", "16", "--epochs", "2", "--log_every", "4", "--output_dir", str(out)]
     assert run_ranks(lambda: _train_with_audited_writes(str(tmp_path / "audit"), args)) == [0, 0]
-    assert sorted(p.name for p in out.iterdir()) == ["config.yaml", "curves.png", "metrics.jsonl",
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.yaml", "curves.png", "metrics.jsonl",
                                                      "model.safetensors", "summary.json"]
     rank0 = (tmp_path / "audit_rank0.log").read_text().splitlines()
     rank1 = (tmp_path / "audit_rank1.log").read_text().splitlines()
     assert not [line for line in rank1 if str(out) in line], f"rank 1 wrote: {rank1}"
-    for name in ("config.yaml", "summary.json", "model.safetensors", "curves.png"):
+    for name in ("config.yaml", "summary.json", "model.safetensors", "curves.png", "README.md"):
         assert sum(line == f"rename\t{out / name}" for line in rank0) == 1, name
     assert sum(line == f"open\t{out / 'metrics.jsonl'}" for line in rank0) == 1
     records = read_metrics(out)
