@@ -102,7 +102,8 @@ def read_checkpoint(folder: str) -> dict[str, Any]:
 def load_weights(model: torch.nn.Module, path: str, source: str = "--init_from") -> None:
     """Copy a safetensors file into ``model`` (unwrapped); every key and shape must match.
 
-    A file written by a DDP-wrapped model (keys ``module.*``) is accepted too.
+    A file written by a DDP-wrapped model (keys ``module.*``) or by a compiled one (``_orig_mod.``,
+    as earlier versions wrote under ``--compile``) is accepted too, and ``model`` may be compiled.
 
         >>> load_weights(model, "outputs/pretrain/model.safetensors")
     """
@@ -114,7 +115,10 @@ def load_weights(model: torch.nn.Module, path: str, source: str = "--init_from")
     except Exception as err:  # safetensors raises its own error types for truncated or foreign files
         raise ConfigError(f"{source} {path}: not a readable safetensors file ({_first_line(err)}); "
                           "the file is damaged or of another format") from None
-    expected = model.state_dict()
+    own = model.state_dict()
+    own_names = {plain_name(k): k for k in own}  # plain name -> the model's own (compiled regions keep _orig_mod.)
+    expected = {plain: own[k] for plain, k in own_names.items()}
+    state = plain_state_dict(state)
     if state and all(k.startswith("module.") for k in state) and not any(k.startswith("module.") for k in expected):
         state = {k.removeprefix("module."): v for k, v in state.items()}
     _fill_tied(state, expected)
@@ -132,7 +136,17 @@ def load_weights(model: torch.nn.Module, path: str, source: str = "--init_from")
                 f"{k} {tuple(state[k].shape)} vs model {tuple(expected[k].shape)}" for k in reshaped[:3]))
         raise ConfigError(f"{source} {path} holds the weights of a different model: {'; '.join(problems)}; "
                           "use the --model and sizes (e.g. --hidden_size) of the run that wrote it")
-    model.load_state_dict(state)
+    model.load_state_dict({own_names[k]: v for k, v in state.items()})
+
+
+def plain_name(key: str) -> str:
+    """A state-dict key without torch.compile's ``_orig_mod.`` components: the name in the uncompiled model."""
+    return key.replace("_orig_mod.", "")
+
+
+def plain_state_dict(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` with ``plain_name`` keys: weights load into a model whether or not it (or the writer) was compiled."""
+    return {plain_name(k): v for k, v in state.items()}
 
 
 def _fill_tied(state: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
@@ -151,9 +165,11 @@ def export_weights(accelerator: Accelerator, model: torch.nn.Module, output_dir:
 
     Every rank must call this (``get_state_dict`` is collective under sharded strategies); only
     the main process writes, into a temporary file renamed into place, so a crash mid-write
-    never leaves a truncated ``model.safetensors`` behind.
+    never leaves a truncated ``model.safetensors`` behind. Keys are the uncompiled model's:
+    Accelerate 1.15's ``get_state_dict`` keeps the ``torch.compile`` wrapper (``_orig_mod.`` keys)
+    under ``--compile``, which a plain model could not load.
     """
-    state = accelerator.get_state_dict(model)
+    state = plain_state_dict(accelerator.get_state_dict(model))
     path = os.path.join(output_dir, WEIGHTS_NAME)
     if accelerator.is_main_process:
         # safetensors refuses tensors that share storage; clone into plain contiguous CPU copies.
@@ -238,7 +254,7 @@ class CheckpointManager:
 
     def _unwrapped_weights_hook(self, models, weights, output_dir) -> None:
         for i, model in enumerate(models[: len(weights)]):
-            weights[i] = self.accelerator.unwrap_model(model).state_dict()
+            weights[i] = plain_state_dict(self.accelerator.unwrap_model(model, keep_torch_compile=False).state_dict())
 
     # ---- resuming
 
@@ -328,8 +344,8 @@ class CheckpointManager:
     def _load_weights_hook(self, models, input_dir) -> None:
         for i, model in enumerate(models):
             name = WEIGHTS_NAME if i == 0 else WEIGHTS_NAME.replace(".", f"_{i}.")
-            load_weights(self.accelerator.unwrap_model(model), os.path.join(input_dir, name),
-                         source="--resume_from_checkpoint")
+            load_weights(self.accelerator.unwrap_model(model, keep_torch_compile=False),
+                         os.path.join(input_dir, name), source="--resume_from_checkpoint")
         models.clear()  # loaded: Accelerate would expect DDP's "module." keys
 
     def _on_main_then_all(self, fn: Callable[[], Any]) -> Any:
