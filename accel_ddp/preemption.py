@@ -29,6 +29,7 @@ import os
 import signal
 import sys
 import threading
+from datetime import timedelta
 from typing import Any, NoReturn
 
 import torch
@@ -52,21 +53,21 @@ class PreemptionWatcher:
     """SIGTERM or SIGUSR1 on any rank -> every rank stops after the same optimizer step.
 
     ``stop_requested()`` is collective: a 4-byte all-reduce over a CPU gloo group, about 0.3 ms on
-    one host, and no GPU synchronisation (on GPU runs a separate gloo group carries it). Handlers
-    are installed only from the main thread.
+    one host, and no GPU synchronisation (on GPU runs a separate gloo group carries it, from one
+    rank up, so that a one-GPU launch runs the same path as a multi-GPU one). ``timeout`` bounds
+    how long that all-reduce waits for a missing rank (the loop passes ``--ddp_timeout``; torch's
+    gloo default is 30 minutes). Handlers are installed only from the main thread.
 
-        >>> watcher = PreemptionWatcher(accelerator).install()
+        >>> watcher = PreemptionWatcher(accelerator, timedelta(seconds=cfg.ddp_timeout)).install()
         >>> if watcher.stop_requested(): ...   # once per optimizer step, on every rank
     """
 
-    def __init__(self, accelerator: Accelerator):
+    def __init__(self, accelerator: Accelerator, timeout: timedelta | None = None):
         self.signal_name: str | None = None
         self._received = 0
         self._previous: dict[int, Any] = {}
-        self._group = None
-        self._distributed = accelerator.num_processes > 1 and dist.is_available() and dist.is_initialized()
-        if self._distributed and dist.get_backend() != "gloo":
-            self._group = dist.new_group(backend="gloo")  # a CPU flag must not wait for the GPU stream
+        self._distributed = dist.is_available() and dist.is_initialized()
+        self._group = flag_group(timeout) if self._distributed else None
         self._flag = torch.zeros(1, dtype=torch.int32)
 
     def install(self) -> PreemptionWatcher:
@@ -100,6 +101,17 @@ class PreemptionWatcher:
             self.signal_name = signal.Signals(received).name
             self._received = self._received or received  # a rank told by the others is preempted too
         return bool(received)
+
+
+def flag_group(timeout: timedelta | None = None):
+    """The process group for CPU flags: the default group if it is gloo, else a new gloo group of every rank.
+
+    Collective (every rank calls it once). A CPU flag must not wait for the GPU stream, and NCCL
+    cannot all-reduce CPU tensors.
+    """
+    if dist.get_backend() == "gloo":
+        return None  # the default group; its timeout is the one Accelerate formed it with (--ddp_timeout)
+    return dist.new_group(backend="gloo", timeout=timeout)
 
 
 def ignore_preemption_signals() -> None:
