@@ -232,12 +232,23 @@ def export_pretrained(accelerator, model: nn.Module, tokenizer: Any, output_dir:
     return final
 
 
+def use_fused_optimizer(name: str, device_type: str, fsdp2: bool = False) -> bool:
+    """Whether ``build_optimizer`` should ask for the fused (one-kernel) implementation.
+
+    On CUDA, yes, except SGD under FSDP2: FSDP2's parameters are DTensors, and torch 2.14 has a
+    DTensor rule for the fused Adam/AdamW kernels only (``torch/distributed/tensor/_ops/_pointwise_ops.py``),
+    so fused SGD stops with ``NotImplementedError ... aten._fused_sgd_.default``. The multi-tensor
+    (``foreach``) SGD it gets instead has DTensor rules and the same arithmetic.
+    """
+    return device_type == "cuda" and not (fsdp2 and name == "sgd")
+
+
 def build_optimizer(
     name: str, model: nn.Module, lr: float, weight_decay: float, fused: bool = False
 ) -> torch.optim.Optimizer:
     """``sgd`` (momentum 0.9, Nesterov) or ``adamw``; biases and norms get no weight decay.
 
-    ``fused`` (the loop sets it on CUDA) updates all parameters in one kernel instead of a
+    ``fused`` (the loop sets it from ``use_fused_optimizer``) updates all parameters in one kernel instead of a
     launch per tensor. Otherwise the multi-tensor (``foreach``) implementation, asked for
     explicitly: torch picks it by itself only for CUDA tensors, and on the CPU it nearly halves
     an AdamW step against the per-tensor loop (mnist_cnn: 6.8 -> 3.7 ms; see benchmarks/README.md).
