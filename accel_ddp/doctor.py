@@ -64,14 +64,18 @@ class MachineFacts:
     mpirun_available: bool = False
     gpu_name: str = ""
     cpu_bf16: bool = False        # the CPU has bf16 matrix units (AMX-BF16 or AVX512-BF16): fast bf16 autocast
+    unusable_gpus: int = 0        # GPUs the NVIDIA driver lists but this torch cannot use (e.g. a driver too old)
+    cuda_problem: str = ""        # why, as CUDA says it
 
     @classmethod
     def detect(cls) -> MachineFacts:
         import torch
 
         from accel_ddp.data import usable_cpus
+        from accel_ddp.preflight import unusable_gpus
 
         gpu_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        unusable, problem = unusable_gpus()
         capabilities = [torch.cuda.get_device_capability(i) for i in range(gpu_count)]
         nccl = torch.distributed.is_available() and torch.distributed.is_nccl_available()
         return cls(
@@ -82,10 +86,14 @@ class MachineFacts:
             mpirun_available=shutil.which("mpirun") is not None or shutil.which("mpiexec") is not None,
             gpu_name=torch.cuda.get_device_name(0) if gpu_count else "",
             cpu_bf16=cpu_has_bf16_units(_read_cpuinfo()),
+            unusable_gpus=unusable,
+            cuda_problem=problem,
         )
 
     def describe(self) -> str:
         gpus = f"{self.gpu_count} GPU(s)" + (f" ({self.gpu_name})" if self.gpu_name else "")
+        if self.unusable_gpus:
+            gpus += f" ({self.unusable_gpus} listed by the driver that this torch cannot use)"
         nccl = "" if not self.gpu_count else ", NCCL" if self.nccl_available else ", no NCCL"
         return f"{gpus}{nccl}, {self.cpu_count} CPU core(s)" + (" with bf16 units" if self.cpu_bf16 else "")
 
@@ -137,6 +145,7 @@ class Report:
     findings: list[Finding] = field(default_factory=list)
     commands: list[str] = field(default_factory=list)
     versions: dict[str, str] = field(default_factory=dict)  # software_versions(); empty in tests
+    footnotes: list[str] = field(default_factory=list)  # facts about the launch itself, printed under it
 
     @property
     def ok(self) -> bool:
@@ -156,6 +165,7 @@ class Report:
         lines += ["", f"{verdict}: {counts[ERROR]} error(s), {counts[WARNING]} warning(s), {counts[NOTE]} note(s)"]
         head = "launch with:" if self.ok else "launch with (once the errors above are fixed):"
         lines += [head, *(f"  {cmd}" for cmd in self.commands)]
+        lines += [f"note: {text}" for text in self.footnotes]
         return "\n".join(lines)
 
 
@@ -400,7 +410,14 @@ def diagnose(config_file: str | None, facts: MachineFacts | None = None, overrid
                        f"{num_machines * facts.gpu_count}")
 
     # --- GPUs, gpu_ids, NCCL, precision
-    if facts.gpu_count == 0:
+    if facts.unusable_gpus:
+        report.add(ERROR, f"this machine has {facts.unusable_gpus} NVIDIA GPU(s) but this torch cannot use them "
+                   f"({facts.cuda_problem or 'torch.cuda.is_available() is False'}); accel_ddp refuses to launch "
+                   "rather than quietly train on the CPU",
+                   "install the torch build that matches the driver (nvidia-smi shows its CUDA version; "
+                   "https://pytorch.org/get-started/locally/) or update the driver; or launch with "
+                   "CUDA_VISIBLE_DEVICES='' to train on the CPU on purpose")
+    elif facts.gpu_count == 0:
         if dist == "FSDP" and not cpu:
             report.add(ERROR, "FSDP needs GPUs: on CPU Accelerate ignores it and each process trains a full "
                        "DDP replica (distributed type MULTI_CPU)",
@@ -428,7 +445,8 @@ def diagnose(config_file: str | None, facts: MachineFacts | None = None, overrid
                        "list at least two devices, or gpu_ids: all, or distributed_type: 'NO' for one GPU")
         if launcher_starts_many and per_machine > visible:
             report.add(ERROR, f"{per_machine} process(es) on this machine but only {visible} GPU(s) for them: "
-                       "the extra ranks fail with 'invalid device ordinal'",
+                       f"Accelerate puts rank r on GPU r % {visible}, so two ranks would share a GPU and NCCL stop at "
+                       "the first collective ('Duplicate GPU detected'); accel_ddp refuses such a launch",
                        f"set num_processes: {visible * num_machines} (the total over all machines)")
         elif launcher_starts_many and num_machines == 1 and per_machine < visible:
             report.add(WARNING, f"{per_machine} process(es) for {visible} GPU(s): {visible - per_machine} stay idle",
@@ -473,6 +491,11 @@ def diagnose(config_file: str | None, facts: MachineFacts | None = None, overrid
     # The command to run: the file plus the flags given here, less a --cpu flagged above.
     report.commands = _launch_commands(source.path if source.flag else None, overrides, num_machines, script,
                                        cpu and num_processes <= 1)
+    if num_machines > 1 and launcher_starts_many:
+        report.footnotes.append(
+            f"the {num_machines} machines need --output_dir on a file system they all mount at the same path (NFS, "
+            "Lustre, ...): the main process seals each checkpoint from the files every rank wrote, and every rank "
+            "reads it back on resume; accel_ddp checks this at start and refuses a folder that is not shared")
     return report
 
 

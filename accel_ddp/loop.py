@@ -42,6 +42,7 @@ from accel_ddp.models import (
     build_transformers_model,
     export_pretrained,
     is_pretrained_folder,
+    use_fused_optimizer,
 )
 from accel_ddp.preemption import (
     EXIT_PREEMPTED,
@@ -51,6 +52,7 @@ from accel_ddp.preemption import (
     ignore_preemption_signals,
     restart_hazard,
 )
+from accel_ddp.preflight import build_fsdp_plugin, check_fsdp, check_launch_devices, check_shared_output_dir
 from accel_ddp.registry import resolve
 from accel_ddp.tasks import LossAccumulator, Task, build_task
 from accel_ddp.tracking import (
@@ -105,6 +107,7 @@ def build_accelerator(cfg: TrainConfig) -> tuple[Accelerator, int, int]:
     if cfg.debug:
         os.environ["ACCELERATE_DEBUG_MODE"] = "1"  # cross-rank shape checks on every collective
     cpu = not torch.cuda.is_available()
+    check_launch_devices(cuda_available=not cpu)  # one process per GPU; GPUs this torch cannot use
     if not cpu and cfg.tf32:  # TF32 tensor cores for fp32 matmuls/convs: ~8x on Ampere+, 10-bit mantissa
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
@@ -127,6 +130,7 @@ def build_accelerator(cfg: TrainConfig) -> tuple[Accelerator, int, int]:
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=cfg.seed, non_blocking=not cpu),
         kwargs_handlers=[ddp_kwargs(cfg)],
         dynamo_backend="inductor" if cfg.compile else None,
+        fsdp_plugin=build_fsdp_plugin(cuda_available=not cpu),  # FSDP2 launches: gradients reduced in fp32
         # --with_tracking: the trackers of --report_to (a missing package stops every rank here, before any data)
         **(tracking_kwargs(state, cfg.report_to, cfg.output_dir, cfg.tracker_project_name, cfg.run_name)
            if cfg.with_tracking else {}),
@@ -312,7 +316,9 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
     started = time.perf_counter()
     accelerator, per_device_batch, accumulation = build_accelerator(cfg)
     teardown.callback(accelerator.end_training)
-    preemption = PreemptionWatcher(accelerator).install()  # from now on a SIGTERM means "save, then stop"
+    check_shared_output_dir(accelerator, cfg.output_dir)  # several machines: one folder for all of them
+    # From now on a SIGTERM means "save, then stop"; the flag's all-reduce waits --ddp_timeout at most.
+    preemption = PreemptionWatcher(accelerator, timedelta(seconds=cfg.ddp_timeout)).install()
     teardown.callback(preemption.uninstall)
     if accelerator.is_main_process and (hazard := restart_hazard()):
         print(f"accel_ddp: warning: {hazard}", file=sys.stderr, flush=True)
@@ -330,6 +336,8 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
     train_dataset, eval_dataset = data.train, data.eval
     if model is None:
         model = _build_model(cfg, data)
+    if accelerator.is_fsdp2:  # before anything is built on it: what FSDP2 cannot shard or cast
+        check_fsdp(model, channels_last=cfg.channels_last, mixed_precision=accelerator.mixed_precision)
     if cfg.init_from:
         load_weights(model, cfg.init_from)  # every rank reads the same file before DDP wraps the model
     model = model.to(memory_format=memory_format)  # NHWC convolutions: faster on tensor cores
@@ -344,7 +352,7 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
     plan = _plan(cfg, len(train_dataset), per_device_batch, accumulation)
 
     optimizer = build_optimizer(cfg.optimizer, model, cfg.lr, cfg.weight_decay,
-                                fused=accelerator.device.type == "cuda")
+                                fused=use_fused_optimizer(cfg.optimizer, accelerator.device.type, accelerator.is_fsdp2))
     scheduler = build_lr_scheduler(optimizer, cfg.lr_schedule, cfg.warmup_steps, plan.total_steps)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     _probe_task(task, accelerator, model, data, evaluates=eval_loader is not None)
