@@ -2,15 +2,26 @@
 
 The test process imports torch, Accelerate and accel_ddp once, here, so that the ranks forked by
 ``tests.multiproc.run_ranks`` start with everything loaded.
+
+The suite tests CPU semantics, also on a GPU machine: before torch loads, the test process hides
+every GPU (``CUDA_VISIBLE_DEVICES=''``), so forked ranks and launches see none. Tests that need a
+GPU opt in with ``@pytest.mark.gpu``, run their work in a subprocess with ``gpu_env()`` (the GPUs
+the machine offered), and are skipped where there is none (``pytest -m gpu`` runs only them).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+# The GPUs this machine offers the suite, before it hides them (None: all of them).
+OFFERED_GPUS = os.environ.get("CUDA_VISIBLE_DEVICES")
+os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before torch initialises CUDA: CPU semantics tests stay on the CPU
 
 # Before torch loads: two ranks on two cores, no thread oversubscription; nothing reaches the network.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -42,10 +53,35 @@ def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
         "HF_HUB_OFFLINE": "1",
         "TQDM_DISABLE": "1",
         "PYTHONUNBUFFERED": "1",
+        "CUDA_VISIBLE_DEVICES": "",  # launches train on the CPU unless a GPU test passes gpu_env()
     })
     env.pop("ACCELERATE_USE_CPU", None)
     env.update(extra or {})
-    return env
+    return {name: value for name, value in env.items() if value is not None}  # None in extra: unset
+
+
+def gpu_env(extra: dict[str, str] | None = None) -> dict[str, str | None]:
+    """``env`` for ``launch``/``run_single`` that gives a GPU test the machine's GPUs back (None: unset)."""
+    return {"CUDA_VISIBLE_DEVICES": OFFERED_GPUS, **(extra or {})}
+
+
+@functools.cache
+def gpu_count() -> int:
+    """CUDA GPUs a subprocess with ``gpu_env()`` can use: 0 without an NVIDIA driver (checked without torch)."""
+    if shutil.which("nvidia-smi") is None and not os.path.exists("/dev/nvidiactl"):
+        return 0
+    probe = "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)"
+    result = subprocess.run([sys.executable, "-c", probe], env=_env(gpu_env()), capture_output=True, text=True,
+                            timeout=120)
+    return int(result.stdout.strip() or 0) if result.returncode == 0 else 0
+
+
+def pytest_collection_modifyitems(config, items):
+    gpu_tests = [item for item in items if item.get_closest_marker("gpu")]
+    if gpu_tests and gpu_count() == 0:
+        skip = pytest.mark.skip(reason="needs a CUDA GPU (none usable here); the rest of the suite runs on the CPU")
+        for item in gpu_tests:
+            item.add_marker(skip)
 
 
 def _faulty_if_asked(script, env):
@@ -77,6 +113,13 @@ def run_single(script_args: list[str], env: dict[str, str] | None = None, timeou
     script = _faulty_if_asked(script, env)
     return subprocess.run([sys.executable, str(script), *script_args], env=_env(env), capture_output=True,
                           text=True, timeout=timeout, cwd=REPO)
+
+
+def run_python(code: str, env: dict[str, str | None] | None = None,
+               timeout: float = 240) -> subprocess.CompletedProcess:
+    """``python -c CODE`` from the repository root, in the launches' environment (``env`` overrides it)."""
+    return subprocess.run([sys.executable, "-c", code], env=_env(env), capture_output=True, text=True,
+                          timeout=timeout, cwd=REPO)
 
 
 def train_ranks(args: list[str], world_size: int = 2, env: dict[str, str] | None = None,

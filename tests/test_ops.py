@@ -23,6 +23,8 @@ from tests.conftest import (
     _env,
     check,
     free_port,
+    gpu_count,
+    gpu_env,
     launch,
     load_weights,
     read_metrics,
@@ -363,12 +365,14 @@ def test_fsdp_config_on_cpu_trains_ddp_replicas_as_documented(tmp_path, tiny_arg
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not torch.cuda.is_available(), reason=FSDP_ON_CPU)
-def test_fsdp_smoke_on_gpus(tmp_path, tiny_args):
-    gpus = torch.cuda.device_count()
+@pytest.mark.gpu  # on CPU there is no FSDP to smoke-test: FSDP_ON_CPU
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])  # sgd: foreach, as fused SGD has no DTensor rule
+def test_fsdp_smoke_on_gpus(tmp_path, tiny_args, optimizer):
+    gpus = gpu_count()
     nproc = 4 if gpus >= 4 else 2 if gpus >= 2 else 1
     out = tmp_path / "run"
-    check(launch([*tiny_args, "--output_dir", str(out)], nproc=nproc, launch_args=["--config_file", str(FSDP)]))
+    check(launch([*tiny_args, "--optimizer", optimizer, "--output_dir", str(out)], nproc=nproc, env=gpu_env(),
+                 launch_args=["--config_file", str(FSDP)]))
     summary = read_summary(out)
     assert (summary["distributed_type"], summary["world_size"]) == ("FSDP", nproc)
     losses = series(read_metrics(out), "loss")[1]
