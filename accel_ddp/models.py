@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from accel_ddp.checkpoint import plain_state_dict
 from accel_ddp.config import ConfigError
 from accel_ddp.optional import require
 from accel_ddp.outputs import PRETRAINED_SUBDIR
@@ -215,10 +216,10 @@ def export_pretrained(accelerator, model: nn.Module, tokenizer: Any, output_dir:
     (the state dict is collective under sharded strategies); the main process writes a temporary
     folder and renames it into place. Returns the folder, or None for a model without ``save_pretrained``.
     """
-    unwrapped = accelerator.unwrap_model(model)
+    unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)  # --compile: the model, not its wrapper
     if not hasattr(unwrapped, "save_pretrained"):
         return None
-    state = accelerator.get_state_dict(model)
+    state = plain_state_dict(accelerator.get_state_dict(model))  # no _orig_mod. keys under --compile
     final = os.path.join(output_dir, PRETRAINED_SUBDIR)
     if accelerator.is_main_process:
         tmp = f"{final}.tmp"

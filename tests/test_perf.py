@@ -183,6 +183,29 @@ def test_weights_of_compiled_models_load_either_way(tmp_path):
     assert all(torch.equal(compiled.state_dict()[f"_orig_mod.{k}"], v) for k, v in plain.state_dict().items())
 
 
+def _export_compiled_transformer(output_dir: str) -> list[str]:
+    from accelerate import Accelerator
+
+    from accel_ddp.models import export_pretrained
+    from tests.test_tasks import tiny_gpt
+
+    accelerator = Accelerator(cpu=True, dynamo_backend="inductor")  # as build_accelerator does for --compile
+    model = accelerator.prepare(tiny_gpt())  # compiled lazily: nothing compiles before a forward
+    assert type(model).__name__ == "OptimizedModule"
+    folder = export_pretrained(accelerator, model, None, output_dir)
+    return sorted(load_file(str(Path(folder) / "model.safetensors")))
+
+
+def test_compiled_transformers_model_exports_a_loadable_folder(tmp_path):
+    """OUTPUT_DIR/hf_model under --compile: save_pretrained of the model with plain keys, not of the wrapper."""
+    from transformers import GPT2LMHeadModel
+
+    keys = run_ranks(lambda: _export_compiled_transformer(str(tmp_path)), world_size=1)[0]
+    assert keys and not [k for k in keys if "_orig_mod" in k]
+    _, info = GPT2LMHeadModel.from_pretrained(str(tmp_path / "hf_model"), output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+
+
 class LayoutProbe(nn.Module):
     """A conv net that records the memory format of each training batch and of its weight."""
 
