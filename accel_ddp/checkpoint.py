@@ -36,6 +36,7 @@ import re
 import shutil
 import sys
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -145,8 +146,14 @@ def plain_name(key: str) -> str:
 
 
 def plain_state_dict(state: dict[str, Any]) -> dict[str, Any]:
-    """``state`` with ``plain_name`` keys: weights load into a model whether or not it (or the writer) was compiled."""
-    return {plain_name(k): v for k, v in state.items()}
+    """``state`` with ``plain_name`` keys: weights load into a model whether or not it (or the writer) was compiled.
+
+    An OrderedDict, as ``state_dict()`` returns: Accelerate's ``save`` removes tied-weight aliases
+    (which safetensors refuses) only from an OrderedDict.
+    """
+    if not any("_orig_mod." in k for k in state):
+        return state
+    return OrderedDict((plain_name(k), v) for k, v in state.items())
 
 
 def _fill_tied(state: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
