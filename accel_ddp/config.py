@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
+import re
 import sys
 import types
 import typing
@@ -23,8 +25,24 @@ class ConfigError(ValueError):
     """Bad user input. ``main()`` prints it as one line and exits with code 2."""
 
 
-def _opt(default: Any, help: str) -> Any:
-    return field(default=default, metadata={"help": help})
+def _opt(default: Any, help: str, low: float | None = None, high: float | None = None) -> Any:
+    """A field with its one-line help and, for numbers, its inclusive range (checked in ``__post_init__``)."""
+    return field(default=default, metadata={"help": help, "low": low, "high": high})
+
+
+# Every int without a range of its own stays below this: nothing sensible is bigger, and torch's C++
+# side (batch sizes, bucket sizes, step counters) stores 32- or 64-bit integers.
+INT_MAX = 2**31 - 1
+SEED_MAX = 2**32 - 1  # NumPy's np.random.seed accepts 0 .. 2**32 - 1, and set_seed seeds NumPy too
+# A collective that waits longer than a week for a missing rank is a hang, not a slow peer; the bound also
+# keeps the value within what timedelta and the backends' millisecond counters hold.
+DDP_TIMEOUT_MAX = 7 * 24 * 3600
+# Sanity bounds for sizes that are typos when huge: model state (weights, gradients and AdamW's two
+# moments: 16 bytes per fp32 parameter) and the synthetic dataset (float32, on every rank) must fit in
+# what an 80 GB accelerator holds. Bigger than this is an out-of-memory crash minutes later.
+MODEL_STATE_MAX_BYTES = 64 * 2**30
+SYNTHETIC_MAX_BYTES = 16 * 2**30
+RESNET18_PARAMS_AT_WIDTH_64 = 11.2e6  # parameters scale with width squared
 
 
 LR_SCHEDULES = ("constant", "linear", "cosine")
@@ -66,26 +84,30 @@ class TrainConfig:
         "device or dataloader"
     )
     device_loader_max_mb: int = _opt(
-        4096, "--loader auto: largest in-memory training set (MiB as stored) kept on the device"
+        4096, "--loader auto: largest in-memory training set (MiB as stored) kept on the device", low=0
     )
     num_workers: int | None = _opt(
-        None, "DataLoader workers per rank; default 0 for in-memory data, else up to 8 (CPUs / local ranks)"
+        None, "DataLoader workers per rank; default 0 for in-memory data, else up to 8 (CPUs / local ranks)",
+        low=0, high=256,
     )
-    image_size: int | None = _opt(None, "imagefolder, hf: resize images to this square size; default: keep")
+    image_size: int | None = _opt(None, "imagefolder, hf: resize images to this square size; default: keep",
+                                  low=1, high=4096)
     hf_name: str | None = _opt(None, "hf: Hub dataset name (online or cached); unset: load --data_dir")
     hf_config: str | None = _opt(None, "hf: dataset configuration name on the Hub, if it has several")
     hf_train_split: str = _opt("train", "hf: split to train on")
     hf_eval_split: str | None = _opt(None, "hf: eval split; default test or validation, else a tenth of train held out")
     image_column: str | None = _opt(None, "hf: input column; default the first Image column, else all numbers")
     label_column: str | None = _opt(None, "hf: label column; default the ClassLabel column, else 'label'")
-    synthetic_samples: int = _opt(2048, "synthetic dataset: number of training samples (eval gets a quarter)")
+    synthetic_samples: int = _opt(2048, "synthetic dataset: number of training samples (eval gets a quarter)", low=1)
     synthetic_shape: tuple[int, ...] = _opt((1, 28, 28), "synthetic dataset: shape of one input, e.g. 1 28 28")
-    synthetic_classes: int = _opt(10, "synthetic dataset: number of classes")
+    synthetic_classes: int = _opt(10, "synthetic dataset: number of classes", low=1, high=1_000_000)
     text_column: str | None = _opt(None, "hf with a text --task: the column of raw text; default 'text'")
     tokenizer: str | None = _opt(
         None, "text tasks: tokenizer folder (save_pretrained) or Hub name; default the --model folder's own"
     )
-    max_length: int = _opt(512, "text tasks: tokens per sequence (longer texts are cut; the block size with --packing)")
+    max_length: int = _opt(
+        512, "text tasks: tokens per sequence (longer texts are cut; the block size with --packing)", low=1
+    )
     packing: bool = _opt(False, "causal_lm: concatenate the texts and cut them into --max_length blocks (no padding)")
     collate_fn: str | None = _opt(
         None, "'pkg.module:function' turning a list of samples into a batch; default pads text, stacks tensors"
@@ -95,8 +117,8 @@ class TrainConfig:
     model: str = _opt(
         "mlp", "model name (mlp, mnist_cnn, resnet18), a Transformers save_pretrained folder, or 'pkg.module:function'"
     )
-    hidden_size: int = _opt(256, "mlp: width of its two hidden layers")
-    width: int = _opt(64, "resnet18: channels of its first stage (64 as torchvision; 16 trains fast on CPU)")
+    hidden_size: int = _opt(256, "mlp: width of its two hidden layers", low=1)
+    width: int = _opt(64, "resnet18: channels of its first stage (64 as torchvision; 16 trains fast on CPU)", low=1)
     model_config: str | None = _opt(
         None, "a Transformers config.json: train that model from scratch (AutoModelFor... chosen by --task)"
     )
@@ -110,27 +132,28 @@ class TrainConfig:
     )
 
     # --- optimisation (units: optimizer steps, samples) ---
-    epochs: int = _opt(15, "passes over the training set; ignored when --max_steps is set")
-    max_steps: int | None = _opt(None, "stop after this many optimizer steps (overrides --epochs)")
-    global_batch_size: int = _opt(64, "samples per optimizer step summed over all ranks; fixed whatever the world size")
+    epochs: int = _opt(15, "passes over the training set; ignored when --max_steps is set", low=0)
+    max_steps: int | None = _opt(None, "stop after this many optimizer steps (overrides --epochs)", low=1)
+    global_batch_size: int = _opt(64, "samples per optimizer step summed over all ranks; fixed whatever the world size",
+                                    low=1)
     per_device_batch_size: int | None = _opt(
-        None, "samples per forward pass on one rank; default global/world (no accumulation)"
+        None, "samples per forward pass on one rank; default global/world (no accumulation)", low=1
     )
     lr: float = _opt(3e-3, "peak learning rate, reached after --warmup_steps")
     optimizer: str = _opt("adamw", "optimizer: sgd (momentum 0.9, nesterov) or adamw")
-    weight_decay: float = _opt(0.0, "decoupled weight decay (adamw) or L2 penalty (sgd)")
-    warmup_steps: int = _opt(0, "optimizer steps of linear warmup from 0 to --lr")
+    weight_decay: float = _opt(0.0, "decoupled weight decay (adamw) or L2 penalty (sgd)", low=0)
+    warmup_steps: int = _opt(0, "optimizer steps of linear warmup from 0 to --lr", low=0)
     lr_schedule: str = _opt("cosine", "decay after warmup: constant, linear or cosine (to 0 at the last step)")
-    max_grad_norm: float = _opt(1.0, "clip the global gradient L2 norm to this; 0 disables clipping")
-    seed: int = _opt(0, "seed for model init, data order and every rank's RNG")
+    max_grad_norm: float = _opt(1.0, "clip the global gradient L2 norm to this; 0 disables clipping", low=0)
+    seed: int = _opt(0, "seed for model init, data order and every rank's RNG", low=0, high=SEED_MAX)
 
     # --- evaluation, logging, outputs ---
-    eval_every: int = _opt(0, "evaluate every N optimizer steps; 0 = at the end of each epoch")
-    eval_batch_size: int | None = _opt(None, "per-device eval batch; default 2 x per-device train batch")
-    log_every: int = _opt(10, "write a metrics line every N optimizer steps")
+    eval_every: int = _opt(0, "evaluate every N optimizer steps; 0 = at the end of each epoch", low=0)
+    eval_batch_size: int | None = _opt(None, "per-device eval batch; default 2 x per-device train batch", low=1)
+    log_every: int = _opt(10, "write a metrics line every N optimizer steps", low=1)
     output_dir: str = _opt("outputs/run", "where config.yaml, metrics.jsonl, summary.json and weights go")
     checkpointing_steps: str | None = _opt(None, "save full state every N optimizer steps, or 'epoch'")
-    keep_last: int = _opt(3, "keep this many newest complete checkpoints")
+    keep_last: int = _opt(3, "keep this many newest complete checkpoints", low=1)
     resume_from_checkpoint: str | None = _opt(
         None, "checkpoint folder to resume from, or 'auto' for the newest complete one in --output_dir (or start fresh)"
     )
@@ -151,7 +174,7 @@ class TrainConfig:
     debug: bool = _opt(False, "debug mode: anomaly detection, deterministic kernels, few steps, small data")
 
     # --- performance and distributed knobs (DDP ones follow the Hugging Face Trainer's names) ---
-    ddp_bucket_cap_mb: int = _opt(25, "DDP gradient bucket size in MiB: larger = fewer, bigger all-reduces")
+    ddp_bucket_cap_mb: int = _opt(25, "DDP gradient bucket size in MiB: larger = fewer, bigger all-reduces", low=1)
     ddp_gradient_as_bucket_view: bool = _opt(
         True, "DDP: gradients are views into the all-reduce buckets (saves one gradient-sized copy)"
     )
@@ -160,51 +183,68 @@ class TrainConfig:
         False, "DDP: tolerate parameters that get no gradient in a step (costs a graph walk per step)"
     )
     ddp_comm_hook: str = _opt("none", "compress gradients for the all-reduce: none, fp16 or bf16")
-    ddp_timeout: int = _opt(1800, "seconds a collective may wait for a missing rank before the job fails")
+    ddp_timeout: int = _opt(1800, "seconds a collective may wait for a missing rank before the job fails",
+                            low=1, high=DDP_TIMEOUT_MAX)
     compile: bool = _opt(False, "torch.compile the model (first steps are slower while it compiles)")
     channels_last: bool = _opt(False, "store image models and batches channels-last (faster convs on GPUs)")
     tf32: bool = _opt(True, "CUDA only: TF32 tensor cores for fp32 matmuls and convolutions")
     profile: bool = _opt(False, "record a torch.profiler trace of a few steps into OUTPUT_DIR/profile")
 
     def __post_init__(self) -> None:
+        """Check every field's type and range, whatever the source (Python, YAML or CLI): one ConfigError each."""
+        _check_tracking(self)  # first: an old --with_tracking value gets its own message, not "expects true or false"
+        hints = _field_types()
+        for f in dataclasses.fields(self):
+            value = _checked_type(f.name, getattr(self, f.name), hints[f.name])
+            _check_range(f.name, value, f.metadata.get("low"), f.metadata.get("high"))
+            setattr(self, f.name, value)
         for (name, old), new in RENAMED_VALUES.items():
             if getattr(self, name) == old:
                 warn_deprecated(f"--{name} {old}", f"--{name} {new}")
                 setattr(self, name, new)
-        self.synthetic_shape = tuple(int(d) for d in self.synthetic_shape)
-        _check_positive(self, "global_batch_size", "synthetic_samples", "synthetic_classes", "hidden_size",
-                        "log_every", "keep_last")
-        _check_positive(self, "per_device_batch_size", "max_steps", "eval_batch_size", allow_none=True)
-        _check_non_negative(self, "epochs", "weight_decay", "warmup_steps", "max_grad_norm", "eval_every",
-                            "device_loader_max_mb")
-        if self.num_workers is not None:
-            _check_non_negative(self, "num_workers")
-        _check_positive(self, "width")
-        _check_positive(self, "image_size", allow_none=True)
-        _check_choice(self, "loader", LOADERS)
+        for name, choices in (("loader", LOADERS), ("optimizer", OPTIMIZERS), ("lr_schedule", LR_SCHEDULES),
+                              ("ddp_comm_hook", COMM_HOOKS)):
+            if getattr(self, name) not in choices:
+                raise ConfigError(f"--{name} {_show(getattr(self, name))} is unknown; "
+                                  f"choose one of {', '.join(choices)}")
         if not self.lr > 0:
             raise ConfigError(f"--lr must be > 0, got {self.lr}; try --lr 3e-3")
         if self.epochs == 0 and self.max_steps is None:
             raise ConfigError("--epochs is 0 and --max_steps is not set: nothing to train; set one of them")
-        if any(d <= 0 for d in self.synthetic_shape):
-            raise ConfigError(f"--synthetic_shape must be positive sizes, got {self.synthetic_shape}")
-        _check_choice(self, "optimizer", OPTIMIZERS)
-        _check_choice(self, "lr_schedule", LR_SCHEDULES)
-        _check_tracking(self)
-        _check_choice(self, "ddp_comm_hook", COMM_HOOKS)
-        _check_positive(self, "ddp_bucket_cap_mb", "ddp_timeout")
+        for name in ("dataset", "model", "output_dir"):
+            if not getattr(self, name).strip():
+                raise ConfigError(f"--{name} is empty; give a {'folder' if name == 'output_dir' else 'name'}")
+        if not self.synthetic_shape or any(d < 1 for d in self.synthetic_shape):
+            raise ConfigError(f"--synthetic_shape must be one or more positive sizes, got "
+                              f"{_show(list(self.synthetic_shape))}; e.g. --synthetic_shape 1 28 28")
+        self._check_sizes()
         if self.checkpointing_steps is not None:
             value = str(self.checkpointing_steps)
-            if value != "epoch" and not (value.isdigit() and int(value) > 0):
-                raise ConfigError(
-                    f"--checkpointing_steps must be a positive step count or 'epoch', got {value!r}"
-                )
+            if value != "epoch" and not (value.isdigit() and 0 < int(value) <= INT_MAX):
+                raise ConfigError(f"--checkpointing_steps must be a positive step count or 'epoch', got {_show(value)}")
             self.checkpointing_steps = value
         _check_task(self)
-        if self.init_from is not None and not str(self.init_from).endswith(".safetensors"):
-            raise ConfigError(
-                f"--init_from {self.init_from}: expected a .safetensors weights file, e.g. OUTPUT_DIR/model.safetensors"
-            )
+        if self.init_from is not None and not self.init_from.endswith(".safetensors"):
+            raise ConfigError(f"--init_from {_show(self.init_from)}: expected a .safetensors weights file, "
+                              "e.g. OUTPUT_DIR/model.safetensors")
+
+    def _check_sizes(self) -> None:
+        """Sizes whose memory is known before anything is built: refuse what cannot fit (see the *_MAX_BYTES)."""
+        mlp = self.hidden_size**2  # the hidden-to-hidden layer alone
+        resnet = RESNET18_PARAMS_AT_WIDTH_64 * (self.width / 64) ** 2
+        for name, params in (("hidden_size", mlp), ("width", resnet)):
+            if 16 * params > MODEL_STATE_MAX_BYTES:
+                raise ConfigError(f"--{name} {getattr(self, name)} is too large: ~{params:.2g} parameters need "
+                                  f"~{_gib(16 * params)} for weights, gradients and AdamW state (at most "
+                                  f"{_gib(MODEL_STATE_MAX_BYTES)}); use a smaller --{name}")
+        shape = " ".join(map(str, self.synthetic_shape))
+        one_sample = math.prod(self.synthetic_shape)
+        for name, rows in (("synthetic_samples", self.synthetic_samples + self.synthetic_samples // 4),
+                           ("synthetic_classes", self.synthetic_classes)):  # inputs; the labelling teacher
+            if 4 * one_sample * rows > SYNTHETIC_MAX_BYTES:
+                raise ConfigError(f"--{name} {getattr(self, name)} with --synthetic_shape {shape} needs "
+                                  f"~{_gib(4 * one_sample * rows)} of float32 on every rank (at most "
+                                  f"{_gib(SYNTHETIC_MAX_BYTES)}); lower --{name} or the shape")
 
     def batch_layout(self, world_size: int) -> tuple[int, int]:
         """(per-device batch, gradient accumulation steps) for ``world_size`` ranks.
@@ -259,25 +299,20 @@ def _check_tracking(cfg: TrainConfig) -> None:
         warn(f"--report_to {cfg.report_to} has no effect without --with_tracking; add --with_tracking")
 
 
-def _check_positive(cfg: TrainConfig, *names: str, allow_none: bool = False) -> None:
-    for name in names:
-        value = getattr(cfg, name)
-        if value is None and allow_none:
-            continue
-        if value is None or value <= 0:
-            raise ConfigError(f"--{name} must be > 0, got {value}")
+def _show(value: Any, limit: int = 60) -> str:
+    """A user's value in an error line: repr (quotes, escapes), on one line, cut short."""
+    text = repr(value).replace("\n", " ")
+    return text if len(text) <= limit else f"{text[:limit]}..."
 
 
-def _check_non_negative(cfg: TrainConfig, *names: str) -> None:
-    for name in names:
-        if getattr(cfg, name) < 0:
-            raise ConfigError(f"--{name} must be >= 0, got {getattr(cfg, name)}")
+def _gib(num_bytes: float) -> str:
+    return f"{num_bytes / 2**30:,.3g} GiB"
 
 
 def _check_task(cfg: TrainConfig) -> None:
     """--task and the options that only make sense with some tasks (no dead flags)."""
-    _check_choice(cfg, "task", TASKS)
-    _check_positive(cfg, "max_length")
+    if cfg.task not in TASKS:
+        raise ConfigError(f"--task {_show(cfg.task)} is unknown; choose one of {', '.join(TASKS)}")
     if cfg.task not in TEXT_TASKS:
         given = [f"--{name}" for name in ("text_column", "tokenizer") if getattr(cfg, name) is not None]
         given += ["--packing"] if cfg.packing else []
@@ -299,9 +334,90 @@ def _default(name: str) -> Any:
     return next(f.default for f in dataclasses.fields(TrainConfig) if f.name == name)
 
 
-def _check_choice(cfg: TrainConfig, name: str, choices: tuple[str, ...]) -> None:
-    if getattr(cfg, name) not in choices:
-        raise ConfigError(f"--{name} {getattr(cfg, name)!r} is unknown; choose one of {', '.join(choices)}")
+_KIND_NAMES = {bool: "true or false", int: "a whole number", float: "a finite number", str: "text"}
+_KIND_FIXES = {bool: "use true or false (CLI: also yes/no, on/off, 1/0)", int: "give a whole number, e.g. {example}",
+               float: "give a finite number, e.g. {example}", str: "give text; in YAML quote it, e.g. \"123\""}
+
+
+def _kind_fix(name: str, kind: Any) -> str:
+    default = TrainConfig.__dataclass_fields__[name].default
+    example = default if isinstance(default, (int, float)) and not isinstance(default, bool) else 10
+    return _KIND_FIXES[kind].format(example=f"--{name} {example}")
+
+
+def _checked_type(name: str, value: Any, annotation: Any) -> Any:
+    """``value`` as the field's type (an int where a float is wanted, a tuple for a list), or ConfigError.
+
+    Strict on purpose: YAML's ``"no"`` is text, not false; ``5.7`` is not a step count; a bool is not a number.
+    """
+    kind, is_tuple = _scalar_type(annotation)
+    if value is None:
+        if type(None) in typing.get_args(annotation):
+            return None
+        raise ConfigError(f"--{name} needs a value ({_KIND_NAMES[kind]}), got null; {_kind_fix(name, kind)}")
+    if is_tuple:
+        items = [value] if isinstance(value, int) and not isinstance(value, bool) else value
+        if not isinstance(items, (list, tuple)) or not all(_is_kind(v, kind) for v in items):
+            raise ConfigError(f"--{name} expects a list of whole numbers, got {_show(value)}; "
+                              f"e.g. --{name} 1 28 28 (YAML: {name}: [1, 28, 28])")
+        return tuple(items)
+    if name == "checkpointing_steps" and _is_kind(value, int):
+        return str(value)  # YAML reads `checkpointing_steps: 100` as a number; the flag is text
+    if not _is_kind(value, kind):
+        raise ConfigError(f"--{name} expects {_KIND_NAMES[kind]}, got {_show(value)} ({_type_name(value)}); "
+                          f"{_kind_fix(name, kind)}")
+    if kind is float:
+        value = float(value)
+        if not math.isfinite(value):
+            raise ConfigError(f"--{name} must be a finite number, got {value}; {_kind_fix(name, float)}")
+    if kind is str:
+        _check_text(name, value)
+    return value
+
+
+def _is_kind(value: Any, kind: Any) -> bool:
+    if kind is bool:
+        return isinstance(value, bool)
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, kind)
+
+
+def _type_name(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def _check_text(name: str, value: str) -> None:
+    """Text goes into file names, config.yaml and log lines: it must be UTF-8 and free of NUL characters."""
+    if "\0" in value:
+        raise ConfigError(f"--{name} {_show(value)} contains a NUL character; remove it")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:  # bytes that are not UTF-8, e.g. a Latin-1 path decoded by Python as surrogates
+        raise ConfigError(f"--{name} {_show(value)} is not valid UTF-8 (config.yaml and the logs record it as "
+                          "text); use a name in UTF-8") from None
+
+
+def _check_range(name: str, value: Any, low: float | None, high: float | None) -> None:
+    if value is None or not isinstance(value, (int, float)) or isinstance(value, bool):
+        return
+    if high is None and isinstance(value, int):
+        high = INT_MAX
+    if low is not None and value < low:
+        bound = "> 0" if low == 1 and isinstance(value, int) else f">= {low}"
+        raise ConfigError(f"--{name} must be {bound}, got {_show(value)}; {_range_fix(name, low, high)}")
+    if high is not None and value > high:
+        raise ConfigError(f"--{name} must be <= {high}, got {_show(value)}; {_range_fix(name, low, high)}")
+
+
+def _range_fix(name: str, low: float | None, high: float | None) -> str:
+    if name == "ddp_timeout":
+        return f"give seconds between {low} and {high} (a week): longer than that is a hang, not a slow rank"
+    if low is not None and high is not None:
+        return f"give a value from {low} to {high}"
+    return f"give a value >= {low}" if low is not None else f"give a value <= {high}"
 
 
 # ----------------------------------------------------------------------------- CLI and YAML
@@ -372,15 +488,30 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _recipe_loader() -> type:
+    """PyYAML's safe loader, plus YAML 1.2 floats: PyYAML (YAML 1.1) reads ``lr: 1e-3`` as the text "1e-3"."""
+    import yaml
+
+    class RecipeLoader(yaml.SafeLoader):
+        pass
+
+    RecipeLoader.add_implicit_resolver(
+        "tag:yaml.org,2002:float",
+        re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+        list("-+0123456789"),
+    )
+    return RecipeLoader
+
+
 def load_recipe(path: str) -> dict[str, Any]:
-    """Read a YAML recipe whose keys are TrainConfig fields."""
+    """Read a YAML recipe whose keys are TrainConfig fields (values are checked by ``TrainConfig``)."""
     import yaml
 
     if not os.path.isfile(path):
         raise ConfigError(f"--config {path}: no such file; give the path of a YAML recipe")
     try:
         with open(path, encoding="utf-8") as fh:
-            data = yaml.safe_load(fh)
+            data = yaml.load(fh, Loader=_recipe_loader())  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark is not None else ""
@@ -390,12 +521,14 @@ def load_recipe(path: str) -> dict[str, Any]:
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise ConfigError(f"--config {path}: expected a mapping of option: value, got {type(data).__name__}")
+        raise ConfigError(f"--config {path}: expected a mapping of option: value, got {type(data).__name__}; "
+                          "write one `flag: value` per line, e.g. lr: 0.01")
     known = {f.name for f in dataclasses.fields(TrainConfig)} | set(RENAMED_FLAGS)
-    unknown = sorted(set(data) - known)
+    unknown = [str(key) for key in data if key not in known]  # keys may be numbers, dates, ... in YAML
     if unknown:
         raise ConfigError(
-            f"--config {path}: unknown key(s) {', '.join(unknown)}; valid keys are the flags of train.py --help"
+            f"--config {path}: unknown key(s) {_show(', '.join(unknown))[1:-1]}; valid keys are the flags of "
+            "train.py --help"
         )
     return data
 
@@ -429,7 +562,4 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     args = vars(build_parser().parse_args(sys.argv[1:] if argv is None else argv))
     values = _renamed(load_recipe(args.pop("config"))) if "config" in args else {}
     values.update(_renamed(args))
-    try:
-        return TrainConfig(**values)
-    except TypeError as err:  # a YAML value of the wrong type, e.g. a list for --lr
-        raise ConfigError(f"bad value in the config: {err}") from None
+    return TrainConfig(**values)

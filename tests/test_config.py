@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import yaml
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
 
 from accel_ddp.config import ConfigError, TrainConfig, parse_args
 from tests.conftest import REPO
@@ -42,6 +46,23 @@ def test_yaml_recipe_then_cli_overrides(tmp_path):
     [
         (["--lr", "-0.1"], "--lr must be > 0"),
         (["--global_batch_size", "0"], "--global_batch_size must be > 0"),
+        (["--seed", "-1"], "--seed must be >= 0, got -1; give a value from 0 to 4294967295"),
+        (["--seed", str(2**70)], "--seed must be <= 4294967295"),
+        (["--ddp_timeout", str(10**20)], "--ddp_timeout must be <= 604800"),
+        (["--lr", "inf"], "--lr must be a finite number, got inf"),
+        (["--weight_decay", "nan"], "--weight_decay must be a finite number, got nan"),
+        (["--max_grad_norm", "nan"], "--max_grad_norm must be a finite number, got nan"),
+        (["--hidden_size", "100000000"], "--hidden_size 100000000 is too large: ~1e+16 parameters"),
+        (["--width", "4096"], "--width 4096 is too large"),
+        (["--synthetic_samples", str(10**9)], "--synthetic_samples 1000000000 with --synthetic_shape 1 28 28 needs"),
+        (["--synthetic_classes", "1000000", "--synthetic_shape", "3", "64", "64", "--synthetic_samples", "64"],
+         "--synthetic_classes 1000000 with --synthetic_shape 3 64 64 needs"),
+        (["--num_workers", "100000"], "--num_workers must be <= 256"),
+        (["--max_steps", "0"], "--max_steps must be > 0"),
+        (["--output_dir", ""], "--output_dir is empty; give a folder"),
+        (["--output_dir", "/tmp/caf\udce9"], "is not valid UTF-8"),  # what Python makes of a Latin-1 path
+        (["--data_dir", "a\0b"], "--data_dir 'a\\x00b' contains a NUL character"),
+        (["--profile", "maybe"], "argument --profile: expected true or false, got 'maybe'"),
         (["--optimizer", "lamb"], "choose one of sgd, adamw"),
         (["--lr_schedule", "step"], "choose one of constant, linear, cosine"),
         (["--checkpointing_steps", "often"], "positive step count or 'epoch'"),
@@ -50,7 +71,7 @@ def test_yaml_recipe_then_cli_overrides(tmp_path):
     ],
 )
 def test_bad_values_raise_one_clear_config_error(argv, message):
-    with pytest.raises(ConfigError, match=message) as err:
+    with pytest.raises(ConfigError, match=re.escape(message)) as err:
         parse_args(argv)
     assert "\n" not in str(err.value)
 
@@ -66,6 +87,122 @@ def test_yaml_errors_name_the_file(tmp_path):
         parse_args(["--config", str(unknown)])
     with pytest.raises(ConfigError, match="no such file"):
         parse_args(["--config", str(tmp_path / "missing.yaml")])
+
+
+@pytest.mark.parametrize(
+    "recipe, message",
+    [
+        ('profile: "no"\n', "--profile expects true or false, got 'no' (str)"),
+        ('channels_last: "false"\n', "--channels_last expects true or false, got 'false' (str)"),
+        ("synthetic_shape: abc\n", "--synthetic_shape expects a list of whole numbers, got 'abc'"),
+        ("epochs: .nan\n", "--epochs expects a whole number, got nan (float)"),
+        ("hidden_size: true\n", "--hidden_size expects a whole number, got True (bool)"),
+        ("1: 2\n", "unknown key(s) 1;"),
+        ("seed: -5\n", "--seed must be >= 0, got -5"),
+        ("max_steps: 5.7\n", "--max_steps expects a whole number, got 5.7 (float); give a whole number"),
+        ('lr: "fast"\n', "--lr expects a finite number, got 'fast' (str)"),
+        ("lr: .inf\n", "--lr must be a finite number, got inf"),
+        ("output_dir: 123\n", "--output_dir expects text, got 123 (int); give text; in YAML quote it"),
+        ("epochs: null\n", "--epochs needs a value (a whole number), got null"),
+        ("ddp_timeout: 1e20\n", "--ddp_timeout expects a whole number, got 1e+20 (float)"),
+        ("- lr\n- 0.1\n", "expected a mapping of option: value, got list; write one `flag: value` per line"),
+        ("just text\n", "expected a mapping of option: value, got str"),
+        ("checkpointing_steps: true\n", "--checkpointing_steps expects text, got True (bool)"),
+    ],
+)
+def test_yaml_values_are_checked_by_type_and_range(tmp_path, recipe, message):
+    path = tmp_path / "recipe.yaml"
+    path.write_text(recipe)
+    with pytest.raises(ConfigError) as err:
+        parse_args(["--config", str(path)])
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_yaml_numbers_and_booleans_that_are_meant_are_taken(tmp_path):
+    path = tmp_path / "recipe.yaml"
+    # PyYAML alone reads 1e-3 as text; `yes` is a YAML 1.1 boolean; checkpointing_steps may be a number.
+    path.write_text("lr: 1e-3\nweight_decay: 5E-2\nprofile: yes\ndebug: false\ncheckpointing_steps: 100\n"
+                    "synthetic_shape: 784\nnum_workers: null\nmax_grad_norm: 2\n")
+    cfg = parse_args(["--config", str(path)])
+    assert (cfg.lr, cfg.weight_decay, cfg.profile, cfg.debug) == (1e-3, 5e-2, True, False)
+    assert (cfg.checkpointing_steps, cfg.synthetic_shape, cfg.num_workers) == ("100", (784,), None)
+    assert cfg.max_grad_norm == 2.0 and isinstance(cfg.max_grad_norm, float)
+
+
+@pytest.mark.parametrize("spelling, value", [("true", True), ("YES", True), ("on", True), ("1", True),
+                                             ("false", False), ("no", False), ("Off", False), ("0", False)])
+def test_cli_booleans_take_the_documented_spellings(spelling, value):
+    assert parse_args(["--profile", spelling]).profile is value
+    assert parse_args(["--profile"]).profile is True
+
+
+def test_python_api_is_checked_like_the_cli():
+    for kwargs, message in [({"epochs": 2.5}, "--epochs expects a whole number"),
+                            ({"debug": "no"}, "--debug expects true or false"),
+                            ({"lr": float("nan")}, "--lr must be a finite number"),
+                            ({"synthetic_shape": (1, True)}, "--synthetic_shape expects a list of whole numbers"),
+                            ({"seed": 2**32}, "--seed must be <= 4294967295")]:
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            TrainConfig(**kwargs)
+    assert TrainConfig(lr=1, seed=2**32 - 1).lr == 1.0
+
+
+def test_renamed_flags_and_values_still_work(tmp_path, capsys):
+    path = tmp_path / "recipe.yaml"
+    path.write_text("fast_loader_max_mb: 12\nloader: fast\n")
+    cfg = parse_args(["--config", str(path)])
+    assert (cfg.device_loader_max_mb, cfg.loader) == (12, "device")
+    assert parse_args(["--fast_loader_max_mb", "7"]).device_loader_max_mb == 7
+    assert "--fast_loader_max_mb is deprecated" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- property-based
+
+_FIELDS = sorted(TrainConfig.__dataclass_fields__)
+_ANY_VALUE = st.one_of(
+    st.none(), st.booleans(), st.integers(), st.integers(min_value=-3, max_value=3000),
+    st.integers(min_value=1, max_value=64), st.floats(min_value=0, max_value=10),
+    st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=12),
+    st.sampled_from(["no", "yes", "epoch", "auto", "nan", "inf", "1e-3", "", " ", "caf\udce9", "a\0b", "mlp",
+                     "cosine", "synthetic", "adamw", "1 28 28", "x.safetensors"]),
+    st.lists(st.one_of(st.integers(-2, 40), st.text(max_size=3), st.booleans(), st.floats()), max_size=4),
+    st.dictionaries(st.text(max_size=3), st.integers(), max_size=2),
+)
+
+
+def _outcome(parse) -> None:
+    """The property: a valid TrainConfig (that survives its own round trip) or one ConfigError line."""
+    try:
+        cfg = parse()
+    except ConfigError as err:
+        assert str(err) and "\n" not in str(err)
+        event("ConfigError")
+        return
+    event("valid config")
+    assert TrainConfig(**cfg.to_dict()) == cfg
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(values=st.dictionaries(st.sampled_from(_FIELDS + ["fast_loader_max_mb", "no_such_key"]), _ANY_VALUE,
+                              max_size=5))
+def test_any_yaml_value_gives_a_config_or_one_config_error(tmp_path, values):
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(values, allow_unicode=False))
+    _outcome(lambda: parse_args(["--config", str(path)]))
+
+
+_CLI_TEXT = st.one_of(
+    st.text(max_size=12).filter(lambda v: not v.startswith("-")),  # a leading dash makes argparse see an option
+    st.integers().map(str), st.floats(allow_nan=True, allow_infinity=True).map(str),
+    st.sampled_from(["true", "no", "On", "0", "epoch", "auto", "-1", "-0.5", "1e20", "caf\udce9", "a\0b", ""]),
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(flags=st.lists(st.tuples(st.sampled_from(_FIELDS), st.lists(_CLI_TEXT, min_size=0, max_size=3)), max_size=4))
+def test_any_cli_value_gives_a_config_or_one_config_error(flags):
+    argv = [item for name, values in flags for item in (f"--{name}", *values)]
+    _outcome(lambda: parse_args(argv))
 
 
 def test_every_field_is_a_flag_with_help():
