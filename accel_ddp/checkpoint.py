@@ -37,12 +37,15 @@ import shutil
 import sys
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import RNG_STATE_NAME, broadcast_object_list
+from accelerate.utils import RNG_STATE_NAME, SCALER_NAME, broadcast_object_list
+from accelerate.utils import load as accelerate_load
+from accelerate.utils.constants import OPTIMIZER_NAME, SCHEDULER_NAME
 from safetensors.torch import load_file, save_file
 
 from accel_ddp.config import ConfigError
@@ -51,7 +54,10 @@ from accel_ddp.outputs import CHECKPOINTS_DIR, MARKER_NAME, WEIGHTS_NAME
 FORMAT_VERSION = 1
 # Run facts that decide what an optimizer step means; a checkpoint made with other values cannot continue.
 MUST_MATCH = ("global_batch_size", "steps_per_epoch", "optimizer")
+# Recorded in every checkpoint.json; a resume with other values warns, and this run's values are in force.
+HYPERPARAMETERS = ("lr", "lr_schedule", "warmup_steps", "weight_decay", "max_grad_norm")
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
+SCHEDULER_FILE = f"{SCHEDULER_NAME}.bin"
 
 
 class CorruptCheckpoint(ConfigError):
@@ -66,8 +72,12 @@ def list_checkpoints(root: str) -> list[tuple[int, str]]:
     """``(step, folder)`` of every complete checkpoint (one with its marker) under ``root``, oldest first."""
     if not os.path.isdir(root):
         return []
+    try:
+        names = os.listdir(root)
+    except OSError as err:
+        raise ConfigError(f"cannot list {root} ({err.strerror}); fix its permissions") from None
     found = []
-    for name in os.listdir(root):
+    for name in names:
         match = _STEP_DIR.match(name)
         if match and os.path.isfile(os.path.join(root, name, MARKER_NAME)):
             found.append((int(match.group(1)), os.path.join(root, name)))
@@ -75,9 +85,11 @@ def list_checkpoints(root: str) -> list[tuple[int, str]]:
 
 
 def read_checkpoint(folder: str) -> dict[str, Any]:
-    """The checkpoint's ``checkpoint.json`` once every file it lists has its recorded size and sha256.
+    """The checkpoint's ``checkpoint.json``, once the folder proves to be what it says.
 
-    Raises ``CorruptCheckpoint`` naming the first bad file.
+    Every file it lists has its recorded size and sha256; it lists every file the format needs; its
+    step is the folder's (``step_00000020`` holds step 20) and the scheduler's own step count. Raises
+    ``CorruptCheckpoint`` naming the first problem; a file we may not read counts as damaged too.
     """
     marker = os.path.join(folder, MARKER_NAME)
     if not os.path.isfile(marker):
@@ -86,7 +98,8 @@ def read_checkpoint(folder: str) -> dict[str, Any]:
         with open(marker, encoding="utf-8") as fh:
             meta = json.load(fh)
         files = {name: (int(f["bytes"]), str(f["sha256"])) for name, f in meta["files"].items()}
-        meta["step"] = int(meta["step"])
+        if type(meta["step"]) is not int:
+            raise TypeError("step")
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         raise CorruptCheckpoint(f"{marker} is unreadable or malformed") from None
     for name, (size, digest) in sorted(files.items()):
@@ -95,9 +108,58 @@ def read_checkpoint(folder: str) -> dict[str, Any]:
             raise CorruptCheckpoint(f"{path} is missing")
         if os.path.getsize(path) != size:
             raise CorruptCheckpoint(f"{path} is truncated or altered ({os.path.getsize(path)} bytes, {size} saved)")
-        if _sha256(path) != digest:
+        try:
+            actual = _sha256(path)
+        except OSError as err:  # e.g. permissions: we cannot vouch for what we cannot read
+            raise CorruptCheckpoint(f"{path} cannot be read ({err.strerror})") from None
+        if actual != digest:
             raise CorruptCheckpoint(f"{path} is corrupt (its sha256 differs from the one recorded when it was saved)")
+    missing = [name for name in _required_files(meta) if name not in files]
+    if missing:
+        raise CorruptCheckpoint(f"{marker} does not list {', '.join(missing)}, which every checkpoint holds")
+    _check_step(folder, meta)
     return meta
+
+
+def _required_files(meta: dict[str, Any]) -> list[str]:
+    """What ``accelerator.save_state`` writes for our run: weights, optimizer, schedule, one RNG file per rank."""
+    world = meta.get("world_size")
+    ranks = world if type(world) is int and world > 0 else 1
+    needed = [WEIGHTS_NAME, f"{OPTIMIZER_NAME}.bin", SCHEDULER_FILE]
+    needed += [f"{RNG_STATE_NAME}_{rank}.pkl" for rank in range(ranks)]
+    if meta.get("mixed_precision") == "fp16":
+        needed.append(SCALER_NAME)
+    return needed
+
+
+def _check_step(folder: str, meta: dict[str, Any]) -> None:
+    """The recorded step must be the folder's, the scheduler's, and on an optimizer-step boundary for Accelerate."""
+    step = meta["step"]
+    name = _STEP_DIR.match(os.path.basename(os.path.normpath(folder)))
+    if name and int(name.group(1)) != step:
+        raise CorruptCheckpoint(f"{folder}: its {MARKER_NAME} says step {step}, its name says step "
+                                f"{int(name.group(1))}")
+    if step < 1:
+        raise CorruptCheckpoint(f"{folder}: its {MARKER_NAME} says step {step}; checkpoints start at step 1")
+    scheduler = _load_state(os.path.join(folder, SCHEDULER_FILE))
+    scheduler_step = scheduler.get("last_epoch") if isinstance(scheduler, dict) else None
+    if scheduler_step != step:
+        raise CorruptCheckpoint(f"{folder}: its {MARKER_NAME} says step {step}, its {SCHEDULER_FILE} has "
+                                f"stepped {scheduler_step} times")
+    accumulation = meta.get("grad_accum_steps")
+    rng = _load_state(os.path.join(folder, f"{RNG_STATE_NAME}_0.pkl"))
+    micro_steps = rng.get("step") if isinstance(rng, dict) else None
+    if type(accumulation) is int and accumulation > 0 and (type(micro_steps) is not int or micro_steps % accumulation):
+        raise CorruptCheckpoint(f"{folder}: Accelerate's step counter ({micro_steps}) is not on an optimizer-step "
+                                f"boundary of {accumulation} micro-steps")
+
+
+def _load_state(path: str) -> Any:
+    """A small state file saved by Accelerate, read as ``load_state`` will: ``torch.load(weights_only=True)``."""
+    try:
+        return accelerate_load(path, map_location="cpu")
+    except Exception as err:  # unpickling refused, truncated, unreadable: all mean we cannot resume from it
+        raise CorruptCheckpoint(f"{path} cannot be loaded ({type(err).__name__}: {_first_line(err)})") from None
 
 
 def load_weights(model: torch.nn.Module, path: str, source: str = "--init_from") -> None:
@@ -167,6 +229,32 @@ def _fill_tied(state: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]
             state[name] = state[alias]
 
 
+@contextmanager
+def flags_in_force(optimizer: Any, scheduler: Any) -> Iterator[None]:
+    """Keep this run's hyperparameters across a ``load_state`` inside the block.
+
+    ``load_state`` restores the optimizer's param groups (lr, weight decay, betas, ...) and the schedule's
+    peak LR from the checkpoint, while the schedule's shape and clipping come from the flags: a mix nobody
+    asked for. Here the flags win, all of them, and the LR is recomputed for the restored step. Unchanged
+    flags give back the very floats the checkpoint holds, so an unchanged resume stays bitwise exact.
+
+        >>> with flags_in_force(optimizer, scheduler):
+        ...     step = checkpoints.resume("auto")
+    """
+    fresh = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+    schedule = getattr(scheduler, "scheduler", scheduler)  # Accelerate's AcceleratedScheduler wraps it
+    base_lrs = list(schedule.base_lrs)
+    yield
+    for group, values in zip(optimizer.param_groups, fresh, strict=True):
+        group.update(values)
+    schedule.base_lrs = base_lrs
+    if lambdas := getattr(schedule, "lr_lambdas", None):  # LambdaLR: lr = peak x multiplier(step)
+        lrs = [base * fn(schedule.last_epoch) for base, fn in zip(base_lrs, lambdas, strict=True)]
+        for group, lr in zip(optimizer.param_groups, lrs, strict=True):
+            group["lr"] = lr
+        schedule._last_lr = lrs
+
+
 def export_weights(accelerator: Accelerator, model: torch.nn.Module, output_dir: str) -> str:
     """Write the unwrapped model's weights to ``output_dir/model.safetensors``.
 
@@ -206,6 +294,7 @@ class CheckpointManager:
         self.keep_last = keep_last
         self.run_facts = dict(run_facts)
         self.last_saved_step: int | None = None
+        self.last_saved_folder: str | None = None  # the newest checkpoint this run saved or resumed from
         # We write and read the weights ourselves, without DDP's "module." prefix, so that a checkpoint
         # loads at any world size and a mismatch is reported key by key.
         accelerator.register_save_state_pre_hook(self._unwrapped_weights_hook)
@@ -231,7 +320,7 @@ class CheckpointManager:
             self._seal(tmp, final, step)
             self._prune(keep=final)
         acc.wait_for_everyone()  # nobody goes on (or exits) before the checkpoint is in place
-        self.last_saved_step = step
+        self.last_saved_step, self.last_saved_folder = step, final
         return final
 
     def _seal(self, tmp: str, final: str, step: int) -> None:
@@ -245,13 +334,20 @@ class CheckpointManager:
             json.dump(meta, fh, indent=2)
             fh.flush()
             os.fsync(fh.fileno())
-        if os.path.exists(final):  # the same step, saved by an earlier attempt of this run
-            _remove_dir(final)
+        if os.path.exists(final):  # a damaged checkpoint of this step, which auto skipped: kept, under another name
+            aside = _set_aside(final)
+            _warn(f"{final} was damaged; moved it to {aside} and saved step {step} in its place")
         os.rename(tmp, final)
         _fsync_dir(self.root)
 
     def _prune(self, keep: str) -> None:
-        complete = [path for _, path in list_checkpoints(self.root)]
+        """Delete all but the newest ``keep_last`` checkpoints up to ``keep`` (the one just saved).
+
+        Newer ones are never ours to delete: they can only be damaged ones that ``auto`` skipped (a resume
+        from an older step with intact newer checkpoints is refused), left for their owner to look at.
+        """
+        saved = int(_STEP_DIR.match(os.path.basename(keep)).group(1))
+        complete = [path for step, path in list_checkpoints(self.root) if step <= saved]
         for path in complete[: max(len(complete) - self.keep_last, 0)]:
             if path != keep:
                 _remove_dir(path)
@@ -304,7 +400,7 @@ class CheckpointManager:
         if acc.is_main_process:
             epoch = meta["step"] // self.run_facts["steps_per_epoch"]
             print(f"accel_ddp: resumed from {folder} (optimizer step {meta['step']}, epoch {epoch})", flush=True)
-        self.last_saved_step = meta["step"]
+        self.last_saved_step, self.last_saved_folder = meta["step"], folder
         return meta["step"]
 
     def _choose(self, spec: str) -> tuple[str, dict[str, Any]] | None:
@@ -315,9 +411,12 @@ class CheckpointManager:
                 return None
             for _, folder in reversed(candidates):
                 try:
-                    return folder, read_checkpoint(folder)
+                    meta = read_checkpoint(folder)
                 except CorruptCheckpoint as err:
                     _warn(f"skipping a damaged checkpoint: {err}; falling back to the previous one")
+                    continue
+                self._check_within_run(folder, meta)
+                return folder, meta
             raise ConfigError(f"--resume_from_checkpoint auto: all {len(candidates)} checkpoints in {self.root} "
                               "are damaged (see the warnings above); move them away to start from scratch")
         if not os.path.isdir(spec):
@@ -327,10 +426,35 @@ class CheckpointManager:
             raise ConfigError(f"--resume_from_checkpoint {spec} is a run folder; give one of its "
                               f"{CHECKPOINTS_DIR}/step_* folders, or --output_dir {spec} with auto")
         try:
-            return spec, read_checkpoint(spec)
+            meta = read_checkpoint(spec)
         except CorruptCheckpoint as err:
             raise ConfigError(f"--resume_from_checkpoint {spec}: {err}; resume from an older checkpoint, or use "
                               "auto, which skips damaged ones") from None
+        self._check_within_run(spec, meta)
+        self._refuse_to_overwrite_newer(spec, meta["step"])
+        return spec, meta
+
+    def _check_within_run(self, folder: str, meta: dict[str, Any]) -> None:
+        """A checkpoint past this run's last step belongs to a longer run: resuming an older one instead would
+        overwrite that run's model.safetensors and summary.json, so refuse rather than skip it."""
+        total = self.run_facts.get("total_steps")
+        if total is not None and meta["step"] > total:
+            raise ConfigError(f"--resume_from_checkpoint {folder}: it holds step {meta['step']}, past this run's "
+                              f"last step {total} (were --epochs or --max_steps lowered?); resume with the options "
+                              "of the run that saved it, or give another --output_dir")
+
+    def _refuse_to_overwrite_newer(self, spec: str, step: int) -> None:
+        """Going back to an older checkpoint would overwrite (and prune) this folder's intact newer ones."""
+        for newer_step, folder in list_checkpoints(self.root):
+            if newer_step <= step:
+                continue
+            try:
+                read_checkpoint(folder)
+            except CorruptCheckpoint:
+                continue  # damaged: auto would skip it too; it is set aside, not deleted, if this run reaches it
+            raise ConfigError(f"--resume_from_checkpoint {spec}: {self.root} holds a newer checkpoint, "
+                              f"{os.path.basename(folder)}, that this run would overwrite; continue from the newest "
+                              "with auto, or give this run another --output_dir")
 
     def _check_compatible(self, folder: str, meta: dict[str, Any]) -> None:
         for key in MUST_MATCH:
@@ -343,6 +467,12 @@ class CheckpointManager:
             _warn(f"{folder} was saved by {meta.get('world_size')} ranks, this run has "
                   f"{self.run_facts.get('world_size')}: the global batch keeps each step's samples, so training "
                   "continues equivalently (equal within float tolerance, not bitwise)")
+        changed = [f"{key} {meta[key]} -> {self.run_facts[key]}" for key in HYPERPARAMETERS
+                   if key in meta and key in self.run_facts and meta[key] != self.run_facts[key]]
+        if changed:
+            _warn(f"{folder} was saved with other hyperparameters ({', '.join(changed)}): this run's values are in "
+                  f"force from step {meta['step']} on (the schedule continues at that step), and config.yaml "
+                  "records them")
         for key, why in (("seed", "the data order"), ("total_steps", "the learning-rate schedule")):
             if key in meta and meta[key] != self.run_facts.get(key):
                 _warn(f"{folder} was saved with {key} {meta[key]}, this run has {self.run_facts.get(key)}: "
@@ -384,17 +514,20 @@ def main_process_decides(state: Any, decide: Callable[[], Any]) -> Any:
 # ----------------------------------------------------------------------------- file helpers
 
 
-def _sha256(path: str) -> str:
+def _sha256(path: str, fsync: bool = False) -> str:
+    """Hex sha256 of a file, read in 1 MiB chunks (``hashlib.file_digest`` needs Python 3.11; we support 3.10)."""
+    digest = hashlib.sha256()
     with open(path, "rb") as fh:
-        return hashlib.file_digest(fh, "sha256").hexdigest()
+        if fsync:
+            os.fsync(fh.fileno())
+        while chunk := fh.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def _fingerprint(path: str) -> dict[str, Any]:
     """Size and sha256 of a file, after forcing it to disk (the marker must not outlive its files)."""
-    with open(path, "rb") as fh:
-        os.fsync(fh.fileno())
-        digest = hashlib.file_digest(fh, "sha256").hexdigest()
-    return {"bytes": os.path.getsize(path), "sha256": digest}
+    return {"bytes": os.path.getsize(path), "sha256": _sha256(path, fsync=True)}
 
 
 def _relative_files(folder: str) -> list[str]:
@@ -411,6 +544,16 @@ def _fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _set_aside(path: str) -> str:
+    """Rename ``path`` to ``path.damaged`` (or ``.damaged-2``, ...): out of the way, never deleted."""
+    aside, n = f"{path}.damaged", 1
+    while os.path.exists(aside):
+        n += 1
+        aside = f"{path}.damaged-{n}"
+    os.rename(path, aside)
+    return aside
 
 
 def _remove_dir(path: str) -> None:

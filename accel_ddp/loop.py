@@ -15,6 +15,7 @@ import math
 import os
 import sys
 import time
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -23,12 +24,25 @@ from typing import Any, NamedTuple, NoReturn, TypeVar
 
 import torch
 from accelerate import Accelerator, DataLoaderConfiguration, PartialState
-from accelerate.utils import DDPCommunicationHookType, DistributedDataParallelKwargs, send_to_device, set_seed
+from accelerate.utils import (
+    DDPCommunicationHookType,
+    DistributedDataParallelKwargs,
+    gather_object,
+    send_to_device,
+    set_seed,
+)
 from torch.utils.data import Dataset, Subset
 from tqdm.auto import tqdm
 
 from accel_ddp import failure
-from accel_ddp.checkpoint import CheckpointManager, export_weights, load_weights
+from accel_ddp.checkpoint import (
+    HYPERPARAMETERS,
+    CheckpointManager,
+    export_weights,
+    flags_in_force,
+    load_weights,
+    main_process_decides,
+)
 from accel_ddp.config import TEXT_TASKS, ConfigError, TrainConfig, parse_args
 from accel_ddp.data import HFSource, build_datasets, build_loaders, skip_first_batches, steps_per_epoch
 from accel_ddp.data.text import PadCollate, TextOptions, build_text, has_tokenizer, pad_token_id
@@ -44,8 +58,12 @@ from accel_ddp.models import (
     is_pretrained_folder,
     use_fused_optimizer,
 )
+from accel_ddp.outputs import SUMMARY_NAME
 from accel_ddp.preemption import (
+    EXIT_NON_FINITE,
     EXIT_PREEMPTED,
+    LossWatch,
+    NonFiniteLoss,
     Preempted,
     PreemptionWatcher,
     exit_process,
@@ -54,6 +72,7 @@ from accel_ddp.preemption import (
 )
 from accel_ddp.preflight import build_fsdp_plugin, check_fsdp, check_launch_devices, check_shared_output_dir
 from accel_ddp.registry import resolve
+from accel_ddp.run_dir import claim_output_dir, finished_summary
 from accel_ddp.tasks import LossAccumulator, Task, build_task
 from accel_ddp.tracking import (
     EpochTimer,
@@ -241,15 +260,19 @@ def _build_model(cfg: TrainConfig, data: Data) -> torch.nn.Module:
 
 
 def _probe_task(task: Task, accelerator: Accelerator, model, data: Data, evaluates: bool) -> None:
-    """One forward of two training samples: a missing or non-scalar loss is bad input, reported before any write.
+    """One forward of two training samples: a missing or non-scalar loss, or logits that do not fit the labels,
+    is bad input, reported before any write.
 
-    Tuple samples with the default cross-entropy have nothing to check.
+    Tuple samples with the default cross-entropy only need their shapes checked: the model runs without
+    torch.compile's wrapper, which would otherwise compile an extra graph for it.
     """
-    if data.input_shape is not None and task.loss_fn is None:
-        return
     collate = data.collate_fn or torch.utils.data.default_collate
-    batch = collate([data.train[i] for i in range(min(2, len(data.train)))])
-    task.check(model, send_to_device(batch, accelerator.device), evaluates)
+    with torch.random.fork_rng(devices=[]):  # a sample's augmentation draws: the run's RNG stream stays as it was
+        batch = send_to_device(collate([data.train[i] for i in range(min(2, len(data.train)))]), accelerator.device)
+    if data.input_shape is not None and task.loss_fn is None:
+        task.check_logits(getattr(model, "_orig_mod", model), batch)
+    else:
+        task.check(model, batch, evaluates)
 
 
 @dataclass
@@ -304,9 +327,12 @@ def train(
     ``update(outputs, batch)`` and ``compute() -> dict`` (see :mod:`accel_ddp.tasks`). On SIGTERM or
     SIGUSR1 every rank finishes the current optimizer step, saves a checkpoint and raises ``Preempted``.
     """
-    with ExitStack() as teardown:  # on any exit: signal handlers back, files closed, process group gone
-        run = setup(cfg, teardown, model, train_dataset, eval_dataset, loss_fn=loss_fn, metrics=metrics,
-                    collate_fn=collate_fn)
+    with ExitStack() as teardown:  # on any exit: signal handlers back, files closed, lock and process group gone
+        try:
+            run = setup(cfg, teardown, model, train_dataset, eval_dataset, loss_fn=loss_fn, metrics=metrics,
+                        collate_fn=collate_fn)
+        except RunFinished as done:  # the same command again after the run ended: nothing to do, nothing touched
+            return done.summary
         return finish(run, fit(run))
 
 
@@ -316,6 +342,8 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
     started = time.perf_counter()
     accelerator, per_device_batch, accumulation = build_accelerator(cfg)
     teardown.callback(accelerator.end_training)
+    # Before anything is written: the folder must be usable, and ours alone until this process ends.
+    teardown.callback(claim_output_dir(accelerator, cfg.output_dir).release)
     check_shared_output_dir(accelerator, cfg.output_dir)  # several machines: one folder for all of them
     # From now on a SIGTERM means "save, then stop"; the flag's all-reduce waits --ddp_timeout at most.
     preemption = PreemptionWatcher(accelerator, timedelta(seconds=cfg.ddp_timeout)).install()
@@ -350,6 +378,8 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
         collate_fn=data.collate_fn,
     )
     plan = _plan(cfg, len(train_dataset), per_device_batch, accumulation)
+    if cfg.resume_from_checkpoint:
+        _stop_if_finished(cfg, accelerator, plan)
 
     optimizer = build_optimizer(cfg.optimizer, model, cfg.lr, cfg.weight_decay,
                                 fused=use_fused_optimizer(cfg.optimizer, accelerator.device.type, accelerator.is_fsdp2))
@@ -359,9 +389,11 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
 
     facts = _run_facts(cfg, accelerator, plan, loader_kind)
     checkpoints = CheckpointManager(accelerator, cfg.output_dir, cfg.keep_last,
-                                    {**facts, "seed": cfg.seed, "optimizer": cfg.optimizer, "model": cfg.model})
+                                    {**facts, "seed": cfg.seed, "optimizer": cfg.optimizer, "model": cfg.model,
+                                     **{name: getattr(cfg, name) for name in HYPERPARAMETERS}})
     if cfg.resume_from_checkpoint:  # weights, optimizer, schedule, scaler and every rank's RNG
-        start_step = checkpoints.resume(cfg.resume_from_checkpoint)
+        with flags_in_force(optimizer, scheduler):  # ... but this run's lr, schedule, decay win (with a warning)
+            start_step = checkpoints.resume(cfg.resume_from_checkpoint)
     else:
         checkpoints.check_fresh_start()
         start_step = 0
@@ -372,6 +404,25 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
     recorder.write_config(resolved)
     return Run(cfg, accelerator, model, task, optimizer, scheduler, train_loader, eval_loader, plan, facts, recorder,
                checkpoints, preemption, start_step, started, data.tokenizer)
+
+
+class RunFinished(Exception):  # noqa: N818 - an outcome, not a failure
+    """``setup`` found that ``cfg.output_dir`` holds a run that already finished what ``cfg`` asks."""
+
+    def __init__(self, summary: dict[str, Any]):
+        super().__init__(f"already finished at step {summary['optimizer_steps']}")
+        self.summary = summary
+
+
+def _stop_if_finished(cfg: TrainConfig, accelerator: Accelerator, plan: Plan) -> None:
+    """Raise ``RunFinished`` (every rank) if the run to resume already ended, before any file is touched."""
+    summary = main_process_decides(accelerator, lambda: finished_summary(cfg.output_dir, plan.total_steps,
+                                                                    cfg.global_batch_size))
+    if summary is not None:
+        if accelerator.is_main_process:
+            print(f"accel_ddp: {cfg.output_dir} already finished at step {summary['optimizer_steps']} "
+                  f"(see its {SUMMARY_NAME}); nothing to do", flush=True)
+        raise RunFinished(summary)
 
 
 def _plan(cfg: TrainConfig, num_train_samples: int, per_device_batch: int, accumulation: int) -> Plan:
@@ -420,6 +471,20 @@ def fit(run: Run) -> FitResult:
     meter = ThroughputMeter(cfg.global_batch_size, step)  # samples/s between log lines
     timer = EpochTimer(cfg.global_batch_size)  # per-epoch step-time percentiles and data-wait share
     profiler = StepProfiler(cfg.profile, cfg.output_dir, accelerator.process_index)
+    watch = LossWatch(accelerator)  # a nan/inf loss is noticed at the next sync point, named by its first step
+
+    def fail(error: Exception) -> NoReturn:  # the progress bar's line ends first: the error gets a line of its own
+        bar.close()
+        raise error
+
+    def stop_if_not_finite() -> None:  # collective; before every save and evaluation, and at a bad log line
+        if (bad := watch.first_bad_step()) is not None:
+            fail(NonFiniteLoss(bad, run.checkpoints.last_saved_folder))
+
+    def save(step: int) -> str:  # a nan/inf state is never saved
+        stop_if_not_finite()
+        return run.checkpoints.save(step)
+
     for epoch in range(step // plan.steps_per_epoch, plan.num_epochs):
         if step >= plan.total_steps:  # resumed from the last step's checkpoint
             break
@@ -430,6 +495,9 @@ def fit(run: Run) -> FitResult:
         for batch in timed(_epoch_batches(accelerator, run.train_loader, epoch, skip), timer):
             with accelerator.accumulate(model):
                 loss = run.task.training_loss(model, batch)  # a mean, or a (sum, num_items) pair
+                if cfg.debug and watch.any_rank(loss.value):  # debug syncs per step: stop before a nan backward
+                    fail(NonFiniteLoss(step + 1, run.checkpoints.last_saved_folder,
+                                       _anomaly(accelerator, model, loss.value)))
                 losses.backward(loss)
                 if accelerator.sync_gradients:
                     losses.finish_step(model)  # (sum, num_items): the gradient of total loss / total items
@@ -441,37 +509,62 @@ def fit(run: Run) -> FitResult:
                 continue
             scheduler.step()  # exactly once per optimizer step
             step += 1
+            watch.after_step(losses.running_loss, step)
             timer.step_done()
             profiler.step()
             bar.update(1)
             if step % cfg.log_every == 0 or step == plan.total_steps:
                 mean_loss = losses.mean_since_log()  # only here do we sync with the host: .item() stalls the GPU
+                if not math.isfinite(mean_loss):
+                    stop_if_not_finite()
                 recorder.log({"step": step, "epoch": epoch, "loss": mean_loss, "lr": scheduler.get_last_lr()[0],
                               "samples_per_sec": meter.rate(step)})
                 bar.set_postfix(loss=f"{mean_loss:.4f}")
             if run.preemption.stop_requested():  # a CPU all-reduce of a flag: every rank stops after the same step
+                checkpoint = save(step)
                 bar.close()
-                raise Preempted(run.preemption.signal_name, step, run.checkpoints.save(step))
+                raise Preempted(run.preemption.signal_name, step, checkpoint)
             if run.eval_loader is not None and cfg.eval_every and step % cfg.eval_every == 0:
+                stop_if_not_finite()
                 eval_metrics = evaluate_and_log(run, step, epoch)
                 meter.reset(step)  # evaluation time is not training throughput
                 timer.pause()
             if save_every and step % save_every == 0:
-                run.checkpoints.save(step)
+                save(step)
                 meter.reset(step)  # nor is checkpointing time
                 timer.pause()
             if step >= plan.total_steps:
                 break
         recorder.log({"step": step, "epoch": epoch, **timer.end_epoch()})
         if run.eval_loader is not None and not cfg.eval_every:
+            stop_if_not_finite()
             eval_metrics = evaluate_and_log(run, step, epoch)
         if cfg.checkpointing_steps == "epoch" and step == (epoch + 1) * plan.steps_per_epoch:
-            run.checkpoints.save(step)
+            save(step)
     bar.close()
     profiler.stop()
+    stop_if_not_finite()  # before finish() exports the weights
     if run.eval_loader is not None and cfg.eval_every and step % cfg.eval_every != 0:
         eval_metrics = evaluate_and_log(run, step, plan.num_epochs - 1)
     return FitResult(step, eval_metrics, timer)
+
+
+def _anomaly(accelerator: Accelerator, model: torch.nn.Module, loss: torch.Tensor) -> str:
+    """--debug: the backward of a nan/inf loss under anomaly detection, without gradient sync, on the ranks that
+    have one. We print torch's forward trace of the operation that made it (a warning, which filters could
+    hide); every rank gets the error's first line for its message."""
+    found = ""
+    if not bool(torch.isfinite(loss.detach())):
+        with warnings.catch_warnings(record=True) as traces:
+            warnings.simplefilter("always")
+            try:
+                with accelerator.no_sync(model):
+                    loss.backward()
+            except RuntimeError as err:
+                found = f" ({str(err).strip().splitlines()[0]})"
+        for trace in traces:
+            print(f"accel_ddp: rank {accelerator.process_index}: {trace.message}", file=sys.stderr, flush=True)
+    return next((text for text in gather_object([found]) if text), "")  # collective
 
 
 def finish(run: Run, result: FitResult) -> dict[str, Any]:
@@ -551,6 +644,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, LaunchError) as err:
         failure.report_bad_input(err)
         return 2
+    except NonFiniteLoss as err:
+        failure.report_bad_input(err)  # one line per launch, like bad input: it is no bug of ours
+        return EXIT_NON_FINITE
     except Preempted as stop:
         ignore_preemption_signals()  # exiting with 75: the launcher's follow-up SIGTERM must not make it a kill
         if os.environ.get("RANK", "0") == "0":

@@ -142,7 +142,8 @@ def build_model(
         >>> build_model("mlp", num_classes=10, input_shape=(1, 8, 8))[1]
         Linear(in_features=64, out_features=256, bias=True)
     """
-    builder = resolve(name, MODELS, kind="model")
+    builder = resolve(name, MODELS, kind="model", call_with=("num_classes", "input_shape"),
+                      expected="def build(num_classes: int, input_shape: tuple[int, ...]) -> torch.nn.Module")
     if name == "mnist_cnn" and len(input_shape) != 3:
         raise ConfigError(f"--model mnist_cnn needs image inputs (C, H, W), got shape {input_shape}; try --model mlp")
     if builder is build_mlp:

@@ -13,6 +13,7 @@
     OUTPUT_DIR/README.md            the model card: model, data, batch layout, final metrics, launch command
     OUTPUT_DIR/profile/rank<R>.json with --profile: one Chrome trace per rank
     OUTPUT_DIR/checkpoints/step_00000100/   full training state; checkpoint.json is its completion marker
+    OUTPUT_DIR/.lock                the run's exclusive lock (run_dir.py): one run per folder at a time
 """
 
 CONFIG_NAME = "config.yaml"
@@ -28,3 +29,4 @@ MODEL_CARD_NAME = "README.md"
 PROFILE_SUBDIR = "profile"
 CHECKPOINTS_DIR = "checkpoints"
 MARKER_NAME = "checkpoint.json"  # inside each checkpoint folder, written last
+LOCK_NAME = ".lock"  # flock-ed by the main process for the whole run; an empty file left in place

@@ -1,4 +1,4 @@
-"""How a worker ends: preemption (SIGTERM or SIGUSR1 -> every rank saves and stops), exit codes, exit.
+"""How a worker ends: preemption (SIGTERM or SIGUSR1 -> every rank saves and stops), a non-finite loss, exit codes.
 
 The signal handler only records the signal. Once per optimizer step the loop asks
 ``PreemptionWatcher.stop_requested()`` on every rank, which all-reduces the recorded signal (MAX)
@@ -7,7 +7,11 @@ so that every rank decides at the same step; the loop then saves a checkpoint to
 
     0   training finished; OUTPUT_DIR/model.safetensors and summary.json written
     1   an error (a Python exception on some rank, or a rank killed)
-    2   bad input: options, missing or damaged checkpoint, weights of another model
+    2   bad input: options, missing or damaged checkpoint, weights of another model, an output folder
+        that is unusable or in use by another run
+    3   the training loss became nan or inf: every rank stopped at the same step, nothing was saved
+        after the first bad step (the last checkpoint before it is intact); lower --lr, clip with
+        --max_grad_norm, or rerun with --debug to see the operation that made it
     75  preempted (EX_TEMPFAIL, "try again"): a checkpoint of the current step was saved; relaunch
         the same command with --resume_from_checkpoint auto to continue exactly where it stopped
 
@@ -37,6 +41,7 @@ import torch.distributed as dist
 from accelerate import Accelerator
 
 EXIT_PREEMPTED = 75  # sysexits.h EX_TEMPFAIL: the job may be retried
+EXIT_NON_FINITE = 3  # not 75: a relaunch would diverge again
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # SIGUSR1: what SLURM's --signal sends by default
 
 
@@ -112,6 +117,49 @@ def flag_group(timeout: timedelta | None = None):
     if dist.get_backend() == "gloo":
         return None  # the default group; its timeout is the one Accelerate formed it with (--ddp_timeout)
     return dist.new_group(backend="gloo", timeout=timeout)
+
+
+class NonFiniteLoss(Exception):  # noqa: N818 - an outcome, like Preempted
+    """Raised by ``train()`` on every rank once the loss of some optimizer step was nan or inf."""
+
+    def __init__(self, step: int, checkpoint: str | None, detail: str = ""):
+        kept = f"the last checkpoint, {checkpoint}, is from before it" if checkpoint else "no checkpoint was saved"
+        super().__init__(f"the training loss became nan or inf at optimizer step {step}{detail}; every rank stopped "
+                         f"and {kept}; lower --lr, clip with --max_grad_norm, or rerun with --debug to see where")
+        self.step, self.checkpoint = step, checkpoint
+
+
+class LossWatch:
+    """Remembers, on the device, the first optimizer step whose loss was nan or inf; checked where we sync anyway.
+
+    ``after_step`` costs three tiny device ops and no host sync; ``first_bad_step`` is collective (an
+    all-reduce and one ``.item()``), so the loop calls it only at log lines, evaluations and before every
+    save, and every rank learns the same step. The running loss it watches stays non-finite once it is,
+    until the loop resets it at a log line, which always checks first.
+
+        >>> watch = LossWatch(accelerator)
+        >>> watch.after_step(running_loss, step)        # every optimizer step
+        >>> watch.first_bad_step()                       # at a sync point: None, or the first bad step
+    """
+
+    _NONE = 2**62  # no bad step yet
+
+    def __init__(self, accelerator: Accelerator):
+        self.accelerator = accelerator
+        self._first_bad = torch.full((), self._NONE, dtype=torch.int64, device=accelerator.device)
+
+    def after_step(self, running_loss: torch.Tensor, step: int) -> None:
+        self._first_bad = torch.where(torch.isfinite(running_loss), self._first_bad, self._first_bad.clamp(max=step))
+
+    def first_bad_step(self) -> int | None:
+        """The first non-finite step over all ranks, or None (collective: every rank must call it)."""
+        worst = int(self.accelerator.reduce(-self._first_bad, "max").item())  # max of negatives: the earliest
+        return None if -worst == self._NONE else -worst
+
+    def any_rank(self, loss: torch.Tensor) -> bool:
+        """--debug only (a host sync per call): is ``loss`` nan or inf on any rank right now? (collective)"""
+        bad = (~torch.isfinite(loss.detach())).to(torch.int64)
+        return bool(self.accelerator.reduce(bad, "max").item())
 
 
 def ignore_preemption_signals() -> None:

@@ -205,6 +205,31 @@ class Task:
             model.train(was_training)
 
 
+    @torch.no_grad()
+    def check_logits(self, model: torch.nn.Module, batch: Sequence[torch.Tensor]) -> None:
+        """``(input, label)`` batches with the default cross-entropy: the model's logits must fit the labels.
+
+        Shapes only, the same on every rank: a mismatch ends every rank with one line naming both.
+        """
+        was_training = model.training
+        model.eval()
+        devices = [batch_device(batch)] if batch_device(batch).type == "cuda" else []
+        try:
+            with torch.random.fork_rng(devices=devices):
+                outputs = self.forward(model, batch)
+        finally:
+            model.train(was_training)
+        logits, labels = logits_of(outputs), batch[1]
+        if logits is None:
+            raise ConfigError(f"the model returned {type(outputs).__name__} from forward; expected a tensor of logits "
+                              f"(batch, num_classes) for labels of shape {tuple(labels.shape)}")
+        soft_labels = labels.is_floating_point() and labels.shape == logits.shape  # class probabilities
+        if logits.ndim != 2 or (labels.ndim != 1 and not soft_labels) or logits.shape[0] != labels.shape[0]:
+            raise ConfigError(f"the model's output has shape {tuple(logits.shape)} but the labels have shape "
+                              f"{tuple(labels.shape)}; the model must return logits of shape "
+                              f"({labels.shape[0]}, num_classes)")
+
+
 class SequenceClassificationTask(Task):
     """``sequence_classification``: text in, one label per text out (``AutoModelForSequenceClassification``)."""
 
@@ -338,6 +363,11 @@ class LossAccumulator:
         factor = acc.num_processes * self.accumulation * self.nominal / global_items.clamp_min(1)
         scale_gradients(model.parameters(), factor)
         self.step_items.zero_()
+
+    @property
+    def running_loss(self) -> torch.Tensor:
+        """The loss summed since the last log line (a device scalar; nan or inf once any micro-step's was)."""
+        return self.running[0] if self.summed else self.running_mean
 
     def mean_since_log(self) -> float:
         """The mean training loss since the last call, over every rank (one host sync)."""

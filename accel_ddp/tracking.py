@@ -15,6 +15,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import math
 import os
 import sys
 import time
@@ -46,6 +47,21 @@ def _atomic_write_text(path: str, text: str) -> None:
     with open(tmp, "w", encoding="utf-8") as fh:
         fh.write(text)
     os.replace(tmp, path)
+
+
+def _json_line(record: dict[str, Any], indent: int | None = None) -> str:
+    """Strict JSON: a nan or inf (a diverged loss, an empty eval) becomes null, not a NaN literal no parser takes."""
+    return json.dumps(_finite_or_null(record), indent=indent, allow_nan=False)
+
+
+def _finite_or_null(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite_or_null(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite_or_null(v) for v in value]
+    return value
 
 
 class RunRecorder:
@@ -121,7 +137,7 @@ class RunRecorder:
         if self.enabled:
             if self._metrics is None:  # used without rewind(): extend whatever is there
                 self._metrics = open(os.path.join(self.output_dir, METRICS_NAME), "a", encoding="utf-8")
-            self._metrics.write(json.dumps({"time": round(time.time(), 3), **record}) + "\n")
+            self._metrics.write(_json_line({"time": round(time.time(), 3), **record}) + "\n")
             self._metrics.flush()
         if self._trackers_started:  # each tracker's failures stay inside it (GuardedTracker)
             values = {k: v for k, v in record.items() if k != "step"}
@@ -135,15 +151,15 @@ class RunRecorder:
             self._metrics.flush()
         try:
             return plot_run(self.output_dir)
-        except (OSError, ValueError) as err:
-            print(f"accel_ddp: warning: could not write {CURVES_NAME}: {err}; rerun `accel-ddp plot "
-                  f"{self.output_dir}`", file=sys.stderr)
+        except Exception as err:  # noqa: BLE001 - a picture must never turn a finished run into a failure
+            print(f"accel_ddp: warning: could not write {CURVES_NAME} ({type(err).__name__}: {err}); the run's "
+                  f"other files are complete; rerun `accel-ddp plot {self.output_dir}`", file=sys.stderr)
             return None
 
     def write_summary(self, summary: dict[str, Any], step: int) -> None:
         """``summary.json``, and the summary to each tracker at the run's last optimizer ``step``."""
         if self.enabled:
-            _atomic_write_text(os.path.join(self.output_dir, SUMMARY_NAME), json.dumps(summary, indent=2) + "\n")
+            _atomic_write_text(os.path.join(self.output_dir, SUMMARY_NAME), _json_line(summary, indent=2) + "\n")
         if self._trackers_started and self.enabled:
             for tracker in self._accelerator.trackers:
                 if isinstance(tracker, GuardedTracker):

@@ -7,6 +7,7 @@ wrapper script tests/scripts/faulty_train.py). accel_ddp itself has no test hook
     install(step_delay=0.15)              sleep after each optimizer step, so a test can signal a live run
     install(report_delay=(3, 0))          rank 0 reports bad input 3 s late (another rank fails and exits first)
     install(print_delay=(3, 0))           rank 0 prints the error line 3 s after it was elected to print it
+    install(nan_at=(7, 1))                with --model tests.faults:nan_mlp: rank 1's output is nan at step 7
 
 The step hook wraps the LR scheduler's ``step``, which the loop calls exactly once per optimizer
 step (a tested invariant), so ``scheduler.last_epoch`` is the optimizer step just finished.
@@ -32,7 +33,7 @@ class InjectedFailure(RuntimeError):
 
 def install(fail_at: tuple[int, int] | None = None, once: str | None = None, crash_in_checkpoint: int | None = None,
             step_delay: float = 0.0, report_delay: tuple[float, int] | None = None,
-            print_delay: tuple[float, int] | None = None) -> None:
+            print_delay: tuple[float, int] | None = None, nan_at: tuple[int, int] | None = None) -> None:
     import accel_ddp.checkpoint as checkpoint
     import accel_ddp.failure as failure
     import accel_ddp.loop as loop
@@ -48,6 +49,8 @@ def install(fail_at: tuple[int, int] | None = None, once: str | None = None, cra
 
         _STEP_FAULT.update(fail_at=fail_at, once=once, step_delay=step_delay)
         loop.build_lr_scheduler = build_with_fault
+    if nan_at is not None:
+        _NAN_AT.update(step=nan_at[0], rank=nan_at[1])
     if crash_in_checkpoint is not None:
         seal = checkpoint.CheckpointManager._seal
 
@@ -74,6 +77,27 @@ def _delayed(fn, seconds: float, rank: int):
 
 
 _STEP_FAULT: dict = {}  # this process's step fault, set by install()
+_NAN_AT: dict = {}  # this process's nan fault, set by install(nan_at=...)
+
+
+def nan_mlp(num_classes: int, input_shape: tuple[int, ...]):
+    """``--model tests.faults:nan_mlp``: a small mlp whose output is nan in the training forward of one
+    optimizer step on one rank (``install(nan_at=(step, rank))``; one forward per step: no accumulation)."""
+    from accel_ddp.models import build_mlp
+
+    model = build_mlp(num_classes, input_shape, hidden_size=16)
+    forwards = [0]
+
+    def poison(module, args, output):
+        if not module.training:
+            return output
+        forwards[0] += 1
+        if (forwards[0], int(os.environ.get("RANK", "0"))) == (_NAN_AT.get("step"), _NAN_AT.get("rank")):
+            return output * float("nan")
+        return output
+
+    model.register_forward_hook(poison)
+    return model
 
 
 def _faulty_step(scheduler, *args, **kwargs) -> None:

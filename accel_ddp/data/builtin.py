@@ -315,7 +315,8 @@ def build_datasets(
         >>> bundle.num_classes, bundle.input_shape
         (10, (1, 8, 8))
     """
-    builder = resolve(name, DATASETS, kind="dataset")
+    builder = resolve(name, DATASETS, kind="dataset", call_with=("data_dir", "download"),
+                      expected="def build(data_dir: str, download: bool) -> DatasetBundle")
     if builder is build_synthetic:
         return build_synthetic(data_dir, download, samples, shape, classes)
     if builder is build_hf:
@@ -330,4 +331,8 @@ def build_datasets(
             "(train, eval, num_classes, input_shape), e.g. accel_ddp.data.DatasetBundle"
         )
     train, eval_, num_classes, input_shape = result
-    return DatasetBundle(train, eval_, int(num_classes), tuple(int(d) for d in input_shape))
+    try:
+        return DatasetBundle(train, eval_, int(num_classes), tuple(int(d) for d in input_shape))
+    except (TypeError, ValueError):
+        raise ConfigError(f"--dataset {name} returned num_classes {num_classes!r} and input_shape {input_shape!r}; "
+                          "expected an int and a tuple of ints, e.g. 10 and (1, 28, 28)") from None
