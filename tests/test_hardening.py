@@ -1,0 +1,545 @@
+"""Trust nothing on disk or on the command line: checkpoints that lie, finished runs, one run per folder,
+bad output folders, users' functions, changed hyperparameters on resume, a loss that turns nan.
+
+Every run here is forked ranks of a gloo group (tests/multiproc.py), not a launch. Config-level cases
+(types, ranges, YAML) live in test_config.py.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import signal
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from accel_ddp.checkpoint import (
+    MARKER_NAME,
+    CheckpointManager,
+    CorruptCheckpoint,
+    _sha256,
+    list_checkpoints,
+    read_checkpoint,
+)
+from accel_ddp.loop import main
+from accel_ddp.run_dir import OutputLock
+from accel_ddp.tracking import RunRecorder
+from tests import faults
+from tests.conftest import load_weights, main_ranks, read_metrics, read_summary
+from tests.multiproc import RankFailed, run_ranks
+from tests.test_checkpoint import assert_same_weights, steps_of
+
+# 256 samples / global batch 32 = 8 optimizer steps per epoch. A constant LR makes the run's total step
+# count irrelevant to its first steps: a run stopped at 20 and resumed to 30 must equal a 30-step run.
+ARGS = ["--dataset", "synthetic", "--synthetic_samples", "256", "--synthetic_shape", "1", "8", "8",
+        "--model", "mlp", "--hidden_size", "16", "--global_batch_size", "32", "--num_workers", "0",
+        "--log_every", "4", "--lr_schedule", "constant", "--checkpointing_steps", "5", "--keep_last", "10"]
+NOBODY = 65534
+
+
+def error_lines(err: str) -> list[str]:
+    return [line for line in err.splitlines() if line.startswith("accel_ddp: error")]
+
+
+def snapshot(folder: Path) -> dict[str, tuple[str, int]]:
+    """sha256 and mtime (ns) of every file under ``folder``: equal snapshots = nothing was touched."""
+    return {str(p.relative_to(folder)): (hashlib.sha256(p.read_bytes()).hexdigest(), p.stat().st_mtime_ns)
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def ckpt(out: Path, step: int) -> Path:
+    return out / "checkpoints" / f"step_{step:08d}"
+
+
+def edit_marker(folder: Path, **changes) -> None:
+    meta = json.loads((folder / MARKER_NAME).read_text())
+    meta.update(changes)
+    (folder / MARKER_NAME).write_text(json.dumps(meta))
+
+
+def as_unprivileged() -> None:
+    """In a forked child: drop root, so that file permissions apply to it (no-op when not root)."""
+    if os.geteuid() == 0:
+        # Root's home (the venv) is private: what the run imports lazily must be loaded before.
+        import matplotlib.backends.backend_agg  # noqa: F401 - curves.png
+        import numpy.ctypeslib  # noqa: F401 - safetensors' save_file
+
+        os.setgid(NOBODY)
+        os.setuid(NOBODY)
+
+
+def chown_tree(path: Path) -> None:
+    if os.geteuid() == 0:
+        for p in [path, *path.rglob("*")]:
+            os.chown(p, NOBODY, NOBODY)
+
+
+@pytest.fixture
+def open_dir():
+    """A folder an unprivileged child can reach (pytest's own tmp folders are private to root)."""
+    path = Path(tempfile.mkdtemp(prefix="accel_ddp_hardening_"))
+    path.chmod(0o755)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def stopped_at_20(tmp_path_factory) -> Path:
+    """A 2-rank run that ended at --max_steps 20, with checkpoints at 5, 10, 15 and 20 (tests copy it)."""
+    out = tmp_path_factory.mktemp("stopped") / "run"
+    assert main_ranks([*ARGS, "--max_steps", "20", "--output_dir", str(out)]) == [0, 0]
+    assert steps_of(out) == [5, 10, 15, 20]
+    return out
+
+
+@pytest.fixture(scope="module")
+def thirty_steps(tmp_path_factory) -> Path:
+    """The same run straight to step 30: what every resumed run below must equal, bit for bit."""
+    out = tmp_path_factory.mktemp("reference") / "run"
+    assert main_ranks([*ARGS, "--max_steps", "30", "--output_dir", str(out)]) == [0, 0]
+    return out
+
+
+def copy_run(source: Path, tmp_path: Path) -> Path:
+    out = tmp_path / "run"
+    shutil.copytree(source, out)
+    return out
+
+
+# ----------------------------------------------------------------------------- 1. checkpoints that lie
+
+
+def test_read_checkpoint_checks_the_step_the_manifest_and_the_scheduler(stopped_at_20, tmp_path):
+    out = copy_run(stopped_at_20, tmp_path)
+    read_checkpoint(str(ckpt(out, 20)))  # intact
+    for step in (7, -5, 999):
+        edit_marker(ckpt(out, 20), step=step)
+        with pytest.raises(CorruptCheckpoint, match=f"checkpoint.json says step {step}, its name says step 20"):
+            read_checkpoint(str(ckpt(out, 20)))
+    edit_marker(ckpt(out, 20), step=True)
+    with pytest.raises(CorruptCheckpoint, match="unreadable or malformed"):
+        read_checkpoint(str(ckpt(out, 20)))
+
+    renamed = out / "checkpoints" / "step_00099999"
+    ckpt(out, 15).rename(renamed)
+    with pytest.raises(CorruptCheckpoint, match="says step 15, its name says step 99999"):
+        read_checkpoint(str(renamed))
+
+    (ckpt(out, 10) / "optimizer.bin").unlink()  # deleted, and dropped from the manifest
+    meta = json.loads((ckpt(out, 10) / MARKER_NAME).read_text())
+    del meta["files"]["optimizer.bin"]
+    (ckpt(out, 10) / MARKER_NAME).write_text(json.dumps(meta))
+    with pytest.raises(CorruptCheckpoint, match="does not list optimizer.bin, which every checkpoint holds"):
+        read_checkpoint(str(ckpt(out, 10)))
+
+    # A consistent manifest over another step's scheduler: the schedule's own step count gives it away.
+    five = ckpt(out, 5)
+    shutil.copy(ckpt(stopped_at_20, 10) / "scheduler.bin", five / "scheduler.bin")
+    meta = json.loads((five / MARKER_NAME).read_text())
+    meta["files"]["scheduler.bin"] = {"bytes": (five / "scheduler.bin").stat().st_size,
+                                      "sha256": _sha256(str(five / "scheduler.bin"))}
+    (five / MARKER_NAME).write_text(json.dumps(meta))
+    with pytest.raises(CorruptCheckpoint, match="says step 5, its scheduler.bin has stepped 10 times"):
+        read_checkpoint(str(five))
+
+
+def test_auto_skips_lying_checkpoints_keeps_the_intact_ones_and_resumes_exactly(stopped_at_20, thirty_steps,
+                                                                                 tmp_path, capfd):
+    out = copy_run(stopped_at_20, tmp_path)
+    edit_marker(ckpt(out, 20), step=7)  # issue 14: this resumed at step 7 and overwrote steps 10 and 15
+    shutil.copytree(ckpt(out, 15), out / "checkpoints" / "step_00099999")  # a renamed folder is not the newest
+    (ckpt(out, 15) / "optimizer.bin").unlink()
+    meta = json.loads((ckpt(out, 15) / MARKER_NAME).read_text())
+    del meta["files"]["optimizer.bin"]
+    (ckpt(out, 15) / MARKER_NAME).write_text(json.dumps(meta))
+    damaged_20 = snapshot(ckpt(out, 20))
+    intact = {step: snapshot(ckpt(out, step)) for step in (5, 10)}
+    capfd.readouterr()
+
+    assert main_ranks([*ARGS, "--max_steps", "30", "--output_dir", str(out), "--resume_from_checkpoint", "auto"]) \
+        == [0, 0]
+    captured = capfd.readouterr()
+    skipped = [line for line in captured.err.splitlines() if "skipping a damaged checkpoint" in line]
+    assert len(skipped) == 3, captured.err
+    assert "step_00099999: its checkpoint.json says step 15, its name says step 99999" in skipped[0]
+    assert "step_00000020: its checkpoint.json says step 7, its name says step 20" in skipped[1]
+    assert "does not list optimizer.bin" in skipped[2]
+    assert f"resumed from {ckpt(out, 10)} (optimizer step 10" in captured.out
+    assert_same_weights(out, thirty_steps)
+    assert read_summary(out)["optimizer_steps"] == 30
+    for step, files in intact.items():  # neither overwritten nor pruned
+        assert snapshot(ckpt(out, step)) == files
+    # The damaged ones the run reached again were set aside, byte for byte, not deleted; the others stay.
+    assert snapshot(out / "checkpoints" / "step_00000020.damaged") == damaged_20
+    assert (out / "checkpoints" / "step_00000015.damaged" / MARKER_NAME).exists()
+    assert (out / "checkpoints" / "step_00099999" / MARKER_NAME).exists()
+    assert steps_of(out) == [5, 10, 15, 20, 25, 30, 99999]
+    for step in (15, 20, 25, 30):
+        assert read_checkpoint(str(ckpt(out, step)))["step"] == step
+    assert f"{ckpt(out, 20)} was damaged; moved it to {ckpt(out, 20)}.damaged" in captured.err
+
+
+def test_an_explicit_lying_checkpoint_is_exit_2_and_nothing_is_touched(stopped_at_20, tmp_path, capfd):
+    out = copy_run(stopped_at_20, tmp_path)
+    edit_marker(ckpt(out, 20), step=999)  # issue 14: this exited 0 with optimizer_steps 999 in summary.json
+    before = snapshot(out)
+    capfd.readouterr()
+    assert main_ranks([*ARGS, "--max_steps", "30", "--output_dir", str(out),
+                       "--resume_from_checkpoint", str(ckpt(out, 20))]) == [2, 2]
+    (line,) = error_lines(capfd.readouterr().err)
+    assert "checkpoint.json says step 999, its name says step 20; resume from an older checkpoint, or use auto" in line
+    assert snapshot(out) == before
+
+
+def test_unreadable_checkpoint_file_is_damaged_and_auto_falls_back(stopped_at_20, thirty_steps, open_dir, capfd):
+    out = copy_run(stopped_at_20, open_dir)
+    chown_tree(out)
+    (ckpt(out, 20) / "optimizer.bin").chmod(0o000)
+    capfd.readouterr()
+
+    def resume_unprivileged() -> int:
+        as_unprivileged()
+        return main([*ARGS, "--max_steps", "30", "--output_dir", str(out), "--resume_from_checkpoint", "auto"])
+
+    assert run_ranks(resume_unprivileged, world_size=1) == [0]
+    captured = capfd.readouterr()
+    assert f"skipping a damaged checkpoint: {ckpt(out, 20)}/optimizer.bin cannot be read (Permission denied)" \
+        in captured.err
+    assert f"resumed from {ckpt(out, 15)}" in captured.out
+    assert read_summary(out)["optimizer_steps"] == 30
+    # 1 process resumed what 2 saved: equal within float tolerance (the global batch is the unit).
+    got, expected = load_weights(out), load_weights(thirty_steps)
+    assert all(torch.allclose(got[k], expected[k], atol=1e-5) for k in expected)
+
+
+def test_a_checkpoint_past_the_runs_total_is_refused_not_skipped(stopped_at_20, tmp_path, capfd):
+    """Skipping it would resume older and overwrite the longer run's model.safetensors and summary.json."""
+    out = copy_run(stopped_at_20, tmp_path)
+    before = snapshot(out)
+    capfd.readouterr()
+    for spec in ("auto", str(ckpt(out, 20))):
+        assert main_ranks([*ARGS, "--max_steps", "15", "--output_dir", str(out), "--resume_from_checkpoint", spec],
+                          world_size=1) == [2]
+        (line,) = error_lines(capfd.readouterr().err)
+        assert "it holds step 20, past this run's last step 15 (were --epochs or --max_steps lowered?)" in line
+    assert snapshot(out) == before
+
+
+def test_resuming_an_older_checkpoint_over_intact_newer_ones_is_refused(stopped_at_20, tmp_path, capfd):
+    out = copy_run(stopped_at_20, tmp_path)
+    before = snapshot(out)
+    capfd.readouterr()
+    assert main_ranks([*ARGS, "--max_steps", "30", "--output_dir", str(out),
+                       "--resume_from_checkpoint", str(ckpt(out, 10))], world_size=1) == [2]
+    (line,) = error_lines(capfd.readouterr().err)
+    assert f"{out / 'checkpoints'} holds a newer checkpoint, step_00000015, that this run would overwrite" in line
+    assert snapshot(out) == before
+
+
+def test_keep_last_never_prunes_checkpoints_newer_than_the_one_saved(tmp_path):
+    root = tmp_path / "checkpoints"
+    for step in (10, 20, 30, 40):
+        folder = root / f"step_{step:08d}"
+        folder.mkdir(parents=True)
+        (folder / MARKER_NAME).write_text("{}")
+
+    class Stub:
+        def register_save_state_pre_hook(self, hook):
+            pass
+
+        register_load_state_pre_hook = register_save_state_pre_hook
+
+    manager = CheckpointManager(Stub(), str(tmp_path), keep_last=1, run_facts={})
+    manager._prune(keep=str(root / "step_00000020"))  # a run resumed at 10 past damaged 30 and 40
+    assert [s for s, _ in list_checkpoints(str(root))] == [20, 30, 40]
+
+
+def test_sha256_reads_in_chunks(tmp_path):
+    data = os.urandom(3 * (1 << 20) + 17)  # more than one 1 MiB chunk
+    (tmp_path / "f").write_bytes(data)
+    assert _sha256(str(tmp_path / "f")) == hashlib.sha256(data).hexdigest()
+
+
+# ----------------------------------------------------------------------------- 2. finished runs
+
+
+def test_the_same_auto_command_on_a_finished_run_touches_nothing(stopped_at_20, tmp_path, capfd):
+    out = copy_run(stopped_at_20, tmp_path)
+    before = snapshot(out)
+    summary = read_summary(out)
+    capfd.readouterr()
+    assert main_ranks([*ARGS, "--max_steps", "20", "--output_dir", str(out), "--resume_from_checkpoint", "auto"]) \
+        == [0, 0]
+    captured = capfd.readouterr()
+    assert captured.out.count(f"accel_ddp: {out} already finished at step 20") == 1, captured.out
+    assert "error" not in captured.err
+    assert snapshot(out) == before  # byte for byte and mtime for mtime: metrics, config, summary, checkpoints
+    assert read_summary(out) == summary
+
+
+# ----------------------------------------------------------------------------- 3. one run per folder
+
+
+def test_a_folder_locked_by_another_process_is_exit_2_on_every_rank_and_nothing_is_written(tmp_path, capfd):
+    out = tmp_path / "run"
+    out.mkdir()
+    with open(out / ".lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        capfd.readouterr()
+        assert main_ranks([*ARGS, "--max_steps", "4", "--output_dir", str(out)]) == [2, 2]
+    (line,) = error_lines(capfd.readouterr().err)
+    assert f"--output_dir {out} is in use by another run" in line and "give another --output_dir" in line
+    assert sorted(os.listdir(out)) == [".lock"]
+    assert (out / ".lock").read_bytes() == b""
+
+
+def test_two_runs_started_together_into_one_folder(tmp_path, capfd):
+    out = tmp_path / "run"
+
+    def standalone_run() -> int:  # each forked "rank" becomes an independent 1-process run
+        for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+            os.environ.pop(name, None)
+        faults.install(step_delay=0.05)  # the winner is still training when the loser looks
+        return main([*ARGS, "--max_steps", "16", "--output_dir", str(out)])
+
+    capfd.readouterr()
+    assert sorted(run_ranks(standalone_run, world_size=2)) == [0, 2]
+    assert len(error_lines(capfd.readouterr().err)) == 1
+    records = [r for r in read_metrics(out) if "loss" in r]
+    assert [r["step"] for r in records] == [4, 8, 12, 16]  # one run's metrics, not two interleaved
+    assert read_summary(out)["optimizer_steps"] == 16 and steps_of(out) == [5, 10, 15]
+
+
+def test_the_lock_goes_when_its_process_is_killed(tmp_path):
+    out = tmp_path / "run"
+
+    def lock_then_die():
+        OutputLock(str(out)).acquire()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    with pytest.raises(RankFailed):
+        run_ranks(lock_then_die, world_size=1)
+    assert (out / ".lock").exists()
+    assert main_ranks([*ARGS, "--max_steps", "4", "--output_dir", str(out)], world_size=1) == [0]
+
+
+# ----------------------------------------------------------------------------- 4. output folders
+
+
+@pytest.mark.parametrize("case", ["a file", "under a file", "/proc", "read-only"])
+def test_a_bad_output_dir_is_one_line_and_exit_2_before_training(open_dir, capfd, case):
+    blocker = open_dir / "a_file"
+    blocker.write_text("keep me")
+    out, message = {
+        "a file": (blocker, f"--output_dir {blocker} is a file, not a folder"),
+        "under a file": (blocker / "run", f"--output_dir {blocker / 'run'}: part of that path is a file"),
+        "/proc": (Path("/proc/accel_ddp_run"), "--output_dir /proc/accel_ddp_run: cannot create it"),
+        "read-only": (open_dir / "ro" / "run", f"--output_dir {open_dir / 'ro' / 'run'}: cannot create it "
+                                                "(Permission denied)"),
+    }[case]
+    (open_dir / "ro").mkdir(mode=0o555)
+    chown_tree(open_dir / "ro")
+
+    def run() -> int:
+        as_unprivileged()
+        faults.install(fail_at=(1, 0))  # had training started, this would be a traceback and exit 1
+        return main([*ARGS, "--max_steps", "4", "--output_dir", str(out)])
+
+    capfd.readouterr()
+    assert run_ranks(run, world_size=1) == [2]
+    err = capfd.readouterr().err
+    (line,) = error_lines(err)
+    assert message in line and "Traceback" not in err
+    assert blocker.read_text() == "keep me" and os.listdir(open_dir / "ro") == []
+
+
+def test_output_dir_from_yaml_must_be_text_and_utf8(tmp_path, capsys):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("output_dir: 123\n")
+    assert main(["--config", str(recipe)]) == 2
+    assert main(["--output_dir", os.fsdecode(b"/tmp/caf\xe9")]) == 2  # a Latin-1 name
+    lines = error_lines(capsys.readouterr().err)
+    assert len(lines) == 2 and "--output_dir expects text, got 123 (int)" in lines[0]
+    assert "is not valid UTF-8" in lines[1]
+
+
+def test_a_failing_plot_warns_and_the_run_still_succeeds(tmp_path, capfd):
+    def run() -> int:
+        import accel_ddp.tracking
+
+        def broken_plot(output_dir):
+            raise RuntimeError("font cache exploded")
+
+        accel_ddp.tracking.plot_run = broken_plot
+        return main([*ARGS, "--max_steps", "4", "--output_dir", str(tmp_path / "run")])
+
+    capfd.readouterr()
+    assert run_ranks(run, world_size=1) == [0]
+    err = capfd.readouterr().err
+    assert "accel_ddp: warning: could not write curves.png (RuntimeError: font cache exploded)" in err
+    assert read_summary(tmp_path / "run")["optimizer_steps"] == 4
+
+
+# ----------------------------------------------------------------------------- 6. users' functions
+
+USER_MODULE = '''
+import torch
+from torch import nn
+
+def wrong_signature(classes):
+    return nn.Linear(64, classes)
+
+def returns_a_number(num_classes, input_shape):
+    return 5
+
+def three_d_output(num_classes, input_shape):
+    return nn.Sequential(nn.Flatten(), nn.Linear(64, 2 * num_classes), nn.Unflatten(1, (num_classes, 2)))
+
+class TupleOut(nn.Module):
+    def __init__(self, num_classes, input_shape):
+        super().__init__()
+        self.fc = nn.Linear(64, num_classes)
+
+    def forward(self, x):
+        return (self.fc(x.flatten(1)),)
+
+def bad_dataset(data_dir, download):
+    data = torch.utils.data.TensorDataset(torch.zeros(64, 4), torch.zeros(64, dtype=torch.long))
+    return data, data, "ten", (4,)
+'''
+
+
+@pytest.mark.parametrize("flag, name, message", [
+    ("--model", "user_broken:build", "--model user_broken:build: module 'user_broken' has a syntax error ("),
+    ("--model", "user_raises:build", "--model user_raises:build: importing module 'user_raises' raised "
+                                     "RuntimeError: no GPU here; fix the module"),
+    ("--model", "user_models:wrong_signature", "--model user_models:wrong_signature cannot be called as a model "
+                                               "builder (missing a required argument: 'classes'); "
+                                               "expected def build(num_classes: int, input_shape"),
+    ("--model", "torch.nn:Linear", "--model torch.nn:Linear cannot be called as a model builder (missing a "
+                                   "required argument: 'in_features')"),
+    ("--model", "user_models:returns_a_number", "--model user_models:returns_a_number returned int; it must return "
+                                                "a torch.nn.Module"),
+    ("--model", "user_models:three_d_output", "the model's output has shape (16, 10, 2) but the labels have shape "
+                                              "(16,); the model must return logits of shape (16, num_classes)"),
+    ("--model", "user_models:TupleOut", "the model returned tuple from forward; expected a tensor of logits "
+                                        "(batch, num_classes) for labels of shape (16,)"),
+    ("--dataset", "user_models:bad_dataset", "--dataset user_models:bad_dataset returned num_classes 'ten' and "
+                                             "input_shape (4,); expected an int and a tuple of ints"),
+    ("--dataset", "user_models:returns_a_number", "--dataset user_models:returns_a_number cannot be called as a "
+                                                  "dataset builder"),
+])
+def test_a_users_function_that_does_not_fit_is_one_line_and_exit_2_on_every_rank(tmp_path, capfd, flag, name,
+                                                                                  message):
+    (tmp_path / "user_models.py").write_text(USER_MODULE)
+    (tmp_path / "user_broken.py").write_text("def build(num_classes, input_shape:\n    return None\n")
+    (tmp_path / "user_raises.py").write_text("raise RuntimeError('no GPU here')\n")
+
+    def run() -> int:
+        sys.path.insert(0, str(tmp_path))
+        return main([*ARGS, "--max_steps", "2", "--output_dir", str(tmp_path / "run"), flag, name])
+
+    capfd.readouterr()
+    assert run_ranks(run, world_size=2) == [2, 2]
+    err = capfd.readouterr().err
+    (line,) = error_lines(err)
+    assert message in line and "Traceback" not in err
+
+
+# ----------------------------------------------------------------------------- 7. hyperparameters on resume
+
+
+def test_changed_hyperparameters_on_resume_warn_once_and_are_in_force(stopped_at_20, tmp_path, capfd):
+    out = copy_run(stopped_at_20, tmp_path)
+    capfd.readouterr()
+    assert main_ranks([*ARGS, "--max_steps", "30", "--output_dir", str(out), "--resume_from_checkpoint", "auto",
+                       "--lr", "0.01", "--weight_decay", "0.1", "--max_grad_norm", "0.5", "--lr_schedule", "linear"]) \
+        == [0, 0]
+    warnings = [line for line in capfd.readouterr().err.splitlines() if "other hyperparameters" in line]
+    assert len(warnings) == 1, warnings
+    assert ("(lr 0.003 -> 0.01, lr_schedule constant -> linear, weight_decay 0.0 -> 0.1, max_grad_norm 1.0 -> 0.5): "
+            "this run's values are in force from step 20 on") in warnings[0]
+    config = yaml.safe_load((out / "config.yaml").read_text())
+    assert (config["lr"], config["weight_decay"], config["max_grad_norm"], config["lr_schedule"]) == \
+        (0.01, 0.1, 0.5, "linear")
+    # The LR the optimizer really used after the resume: the new peak on the new schedule (linear to 0 at 30).
+    lrs = {r["step"]: r["lr"] for r in read_metrics(out) if "lr" in r}
+    assert lrs[16] == pytest.approx(0.003) and lrs[24] == pytest.approx(0.01 * (1 - 24 / 30))
+    meta = read_checkpoint(str(ckpt(out, 25)))  # what a checkpoint records
+    assert (meta["lr"], meta["weight_decay"], meta["max_grad_norm"], meta["lr_schedule"]) == (0.01, 0.1, 0.5, "linear")
+    optimizer = torch.load(ckpt(out, 25) / "optimizer.bin", weights_only=True)
+    assert optimizer["param_groups"][0]["weight_decay"] == 0.1
+    assert optimizer["param_groups"][0]["lr"] == pytest.approx(0.01 * (1 - 25 / 30))
+    assert read_checkpoint(str(ckpt(out, 20)))["lr"] == 0.003  # the checkpoint resumed from is left as it was
+
+
+# ----------------------------------------------------------------------------- 8. a loss that turns nan
+
+
+def strict_json_lines(path: Path) -> list[dict]:
+    def refuse(name):
+        raise ValueError(f"{name} is not JSON")
+
+    return [json.loads(line, parse_constant=refuse) for line in path.read_text().splitlines()]
+
+
+@pytest.mark.parametrize("nan_at, log_every, checkpoints, kept", [
+    ((7, 1), "4", [5], "the last checkpoint, {out}/checkpoints/step_00000005, is from before it"),
+    ((5, 0), "10", [], "no checkpoint was saved"),  # found by the check before the save of step 5
+])
+def test_a_nan_loss_stops_every_rank_at_the_same_step_and_saves_nothing_after_it(tmp_path, capfd, nan_at,
+                                                                                   log_every, checkpoints, kept):
+    out = tmp_path / "run"
+
+    def run() -> int:
+        faults.install(nan_at=nan_at)
+        return main([*ARGS, "--model", "tests.faults:nan_mlp", "--max_steps", "20", "--log_every", log_every,
+                     "--output_dir", str(out)])
+
+    capfd.readouterr()
+    assert run_ranks(run, world_size=2) == [3, 3]
+    err = capfd.readouterr().err
+    (line,) = error_lines(err)
+    assert f"the training loss became nan or inf at optimizer step {nan_at[0]}; every rank stopped and " \
+           f"{kept.format(out=out)}" in line
+    assert "Traceback" not in err
+    assert steps_of(out) == checkpoints
+    for step in checkpoints:
+        read_checkpoint(str(ckpt(out, step)))
+    assert not (out / "summary.json").exists() and not (out / "model.safetensors").exists()
+    records = strict_json_lines(out / "metrics.jsonl")
+    assert all(r["step"] < nan_at[0] for r in records)
+
+
+def test_a_nan_loss_under_debug_names_the_operation(tmp_path, capfd):
+    def run() -> int:
+        faults.install(nan_at=(2, 1))
+        return main([*ARGS, "--model", "tests.faults:nan_mlp", "--max_steps", "8", "--debug",
+                     "--output_dir", str(tmp_path / "run")])
+
+    capfd.readouterr()
+    assert run_ranks(run, world_size=2) == [3, 3]
+    err = capfd.readouterr().err
+    (line,) = error_lines(err)
+    assert "the training loss became nan or inf at optimizer step 2 (Function 'LogSoftmaxBackward0' returned nan" \
+        in line
+    assert "Traceback of forward call that caused the error" in err  # torch's anomaly trace, from rank 1
+
+
+def test_metrics_and_summary_stay_json_with_non_finite_values(tmp_path):
+    recorder = RunRecorder(str(tmp_path), is_main_process=True)
+    recorder.rewind(0)
+    recorder.log({"step": 1, "eval_loss": float("nan"), "loss": float("inf"), "nested": {"x": -float("inf")}})
+    recorder.write_summary({"eval_loss": float("nan"), "optimizer_steps": 1})
+    recorder.close()
+    assert strict_json_lines(tmp_path / "metrics.jsonl")[0]["eval_loss"] is None
+    summary = json.loads((tmp_path / "summary.json").read_text(), parse_constant=lambda name: 1 / 0)
+    assert summary == {"eval_loss": None, "optimizer_steps": 1}
