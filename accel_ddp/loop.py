@@ -471,18 +471,18 @@ def fit(run: Run) -> FitResult:
     meter = ThroughputMeter(cfg.global_batch_size, step)  # samples/s between log lines
     timer = EpochTimer(cfg.global_batch_size)  # per-epoch step-time percentiles and data-wait share
     profiler = StepProfiler(cfg.profile, cfg.output_dir, accelerator.process_index)
-    watch = LossWatch(accelerator)  # a nan/inf loss is noticed at the next sync point, named by its first step
+    watch = LossWatch(accelerator, step)  # a nan/inf loss is noticed at the next sync point, named by its first step
 
     def fail(error: Exception) -> NoReturn:  # the progress bar's line ends first: the error gets a line of its own
         bar.close()
         raise error
 
-    def stop_if_not_finite() -> None:  # collective; before every save and evaluation, and at a bad log line
-        if (bad := watch.first_bad_step()) is not None:
+    def stop_if_not_finite(step: int) -> None:  # collective; before every save and evaluation, at a bad log line
+        if (bad := watch.first_bad_step(step)) is not None:
             fail(NonFiniteLoss(bad, run.checkpoints.last_saved_folder))
 
     def save(step: int) -> str:  # a nan/inf state is never saved
-        stop_if_not_finite()
+        stop_if_not_finite(step)
         return run.checkpoints.save(step)
 
     for epoch in range(step // plan.steps_per_epoch, plan.num_epochs):
@@ -509,14 +509,14 @@ def fit(run: Run) -> FitResult:
                 continue
             scheduler.step()  # exactly once per optimizer step
             step += 1
-            watch.after_step(losses.running_loss, step)
+            watch.after_step(losses.running_loss)
             timer.step_done()
             profiler.step()
             bar.update(1)
             if step % cfg.log_every == 0 or step == plan.total_steps:
                 mean_loss = losses.mean_since_log()  # only here do we sync with the host: .item() stalls the GPU
                 if not math.isfinite(mean_loss):
-                    stop_if_not_finite()
+                    stop_if_not_finite(step)
                 recorder.log({"step": step, "epoch": epoch, "loss": mean_loss, "lr": scheduler.get_last_lr()[0],
                               "samples_per_sec": meter.rate(step)})
                 bar.set_postfix(loss=f"{mean_loss:.4f}")
@@ -525,7 +525,7 @@ def fit(run: Run) -> FitResult:
                 bar.close()
                 raise Preempted(run.preemption.signal_name, step, checkpoint)
             if run.eval_loader is not None and cfg.eval_every and step % cfg.eval_every == 0:
-                stop_if_not_finite()
+                stop_if_not_finite(step)
                 eval_metrics = evaluate_and_log(run, step, epoch)
                 meter.reset(step)  # evaluation time is not training throughput
                 timer.pause()
@@ -537,13 +537,13 @@ def fit(run: Run) -> FitResult:
                 break
         recorder.log({"step": step, "epoch": epoch, **timer.end_epoch()})
         if run.eval_loader is not None and not cfg.eval_every:
-            stop_if_not_finite()
+            stop_if_not_finite(step)
             eval_metrics = evaluate_and_log(run, step, epoch)
         if cfg.checkpointing_steps == "epoch" and step == (epoch + 1) * plan.steps_per_epoch:
             save(step)
     bar.close()
     profiler.stop()
-    stop_if_not_finite()  # before finish() exports the weights
+    stop_if_not_finite(step)  # before finish() exports the weights
     if run.eval_loader is not None and cfg.eval_every and step % cfg.eval_every != 0:
         eval_metrics = evaluate_and_log(run, step, plan.num_epochs - 1)
     return FitResult(step, eval_metrics, timer)

@@ -130,31 +130,32 @@ class NonFiniteLoss(Exception):  # noqa: N818 - an outcome, like Preempted
 
 
 class LossWatch:
-    """Remembers, on the device, the first optimizer step whose loss was nan or inf; checked where we sync anyway.
+    """Finds the first optimizer step whose loss was nan or inf, without a host sync per step.
 
-    ``after_step`` costs three tiny device ops and no host sync; ``first_bad_step`` is collective (an
-    all-reduce and one ``.item()``), so the loop calls it only at log lines, evaluations and before every
-    save, and every rank learns the same step. The running loss it watches stays non-finite once it is,
-    until the loop resets it at a log line, which always checks first.
+    ``after_step`` counts, on the device, the steps whose running loss was finite: one ``isfinite`` and
+    one in-place add (about 11 us on a CPU; no sync on a GPU). The running loss stays non-finite once
+    it is, until the loop resets it at a log line, which checks first; so the count stops growing at
+    the first bad step. ``first_bad_step`` is collective (an all-reduce and one ``.item()``): the loop
+    calls it only where it syncs anyway (a log line whose loss is not finite, evaluations) and before
+    every save, and every rank learns the same step.
 
-        >>> watch = LossWatch(accelerator)
-        >>> watch.after_step(running_loss, step)        # every optimizer step
-        >>> watch.first_bad_step()                       # at a sync point: None, or the first bad step
+        >>> watch = LossWatch(accelerator, start_step=0)
+        >>> watch.after_step(running_loss)               # every optimizer step
+        >>> watch.first_bad_step(step)                    # at a sync point: None, or the first bad step
     """
 
-    _NONE = 2**62  # no bad step yet
-
-    def __init__(self, accelerator: Accelerator):
+    def __init__(self, accelerator: Accelerator, start_step: int):
         self.accelerator = accelerator
-        self._first_bad = torch.full((), self._NONE, dtype=torch.int64, device=accelerator.device)
+        self._start = start_step
+        self._finite_steps = torch.zeros((), dtype=torch.int64, device=accelerator.device)
 
-    def after_step(self, running_loss: torch.Tensor, step: int) -> None:
-        self._first_bad = torch.where(torch.isfinite(running_loss), self._first_bad, self._first_bad.clamp(max=step))
+    def after_step(self, running_loss: torch.Tensor) -> None:
+        self._finite_steps.add_(torch.isfinite(running_loss))
 
-    def first_bad_step(self) -> int | None:
-        """The first non-finite step over all ranks, or None (collective: every rank must call it)."""
-        worst = int(self.accelerator.reduce(-self._first_bad, "max").item())  # max of negatives: the earliest
-        return None if -worst == self._NONE else -worst
+    def first_bad_step(self, step: int) -> int | None:
+        """The first non-finite step over all ranks up to ``step``, or None (collective)."""
+        finite = -int(self.accelerator.reduce(-self._finite_steps, "max").item())  # the fewest, on any rank
+        return None if finite >= step - self._start else self._start + finite + 1
 
     def any_rank(self, loss: torch.Tensor) -> bool:
         """--debug only (a host sync per call): is ``loss`` nan or inf on any rank right now? (collective)"""

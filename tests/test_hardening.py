@@ -30,6 +30,7 @@ from accel_ddp.checkpoint import (
     read_checkpoint,
 )
 from accel_ddp.loop import main
+from accel_ddp.preemption import LossWatch
 from accel_ddp.run_dir import OutputLock
 from accel_ddp.tracking import RunRecorder
 from tests import faults
@@ -543,3 +544,19 @@ def test_metrics_and_summary_stay_json_with_non_finite_values(tmp_path):
     assert strict_json_lines(tmp_path / "metrics.jsonl")[0]["eval_loss"] is None
     summary = json.loads((tmp_path / "summary.json").read_text(), parse_constant=lambda name: 1 / 0)
     assert summary == {"eval_loss": None, "optimizer_steps": 1}
+
+
+def test_loss_watch_names_the_first_non_finite_step_from_a_device_count():
+    class OneRank:
+        device = torch.device("cpu")
+
+        @staticmethod
+        def reduce(tensor, reduction):
+            return tensor.clone()
+
+    watch = LossWatch(OneRank(), start_step=10)  # resumed at step 10
+    running = torch.zeros(())
+    for step, loss in enumerate([0.5, 0.25, float("nan"), 1.0], start=11):
+        running += loss  # as the loop accumulates between log lines: once nan, nan until the reset
+        watch.after_step(running)
+        assert watch.first_bad_step(step) == (None if step < 13 else 13)
