@@ -49,6 +49,7 @@ def test_yaml_recipe_then_cli_overrides(tmp_path):
         (["--seed", "-1"], "--seed must be >= 0, got -1; give a value from 0 to 4294967295"),
         (["--seed", str(2**70)], "--seed must be <= 4294967295"),
         (["--ddp_timeout", str(10**20)], "--ddp_timeout must be <= 604800"),
+        (["--ddp_timeout", "1e20"], "argument --ddp_timeout: invalid int value: '1e20'"),
         (["--lr", "inf"], "--lr must be a finite number, got inf"),
         (["--weight_decay", "nan"], "--weight_decay must be a finite number, got nan"),
         (["--max_grad_norm", "nan"], "--max_grad_norm must be a finite number, got nan"),
