@@ -14,12 +14,17 @@ Layout under ``OUTPUT_DIR/checkpoints/``:
 Saving (``CheckpointManager.save``, collective): every rank writes into the ``.tmp-`` folder; a
 barrier; the main process hashes and fsyncs every file, writes ``checkpoint.json``, renames the
 folder into place (atomic on POSIX) and only then prunes checkpoints beyond ``--keep_last``, never
-the one just written. A crash at any point leaves every earlier checkpoint as it was.
+the one just written nor any newer one. A crash at any point leaves every earlier checkpoint as it
+was. A folder already holding the step (a damaged one ``auto`` skipped) is renamed ``*.damaged``.
 Accelerate's own ``total_limit`` rotation is not used: it deletes the oldest checkpoint before the
 new one is written, and writes in place.
 
-Resuming (``CheckpointManager.resume``): ``auto`` takes the newest folder whose files match
-``checkpoint.json``; a damaged one is skipped with a warning. The training position is the
+Resuming (``CheckpointManager.resume``): ``auto`` takes the newest folder that ``read_checkpoint``
+trusts (files match ``checkpoint.json``, which lists every file the format needs; its step is the
+folder's and the scheduler's); a damaged one is skipped with a warning, an explicit damaged path is
+exit 2. A checkpoint past the run's total step count, or an explicit older one while intact newer
+ones exist, is refused: resuming would overwrite them. The run's hyperparameters win over the
+checkpoint's (``flags_in_force``, with a warning). The training position is the
 optimizer step alone: epochs have a fixed number of steps, so the loop recomputes the epoch and
 fast-forwards the loader. Accelerate's ``load_state`` reads optimizer, scheduler, scaler and RNG
 files through ``accelerate.utils.load``, i.e. ``torch.load(weights_only=True)`` with NumPy's RNG
