@@ -10,6 +10,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
+import multiprocessing
 import os
 import shutil
 import signal
@@ -304,11 +305,13 @@ def test_a_folder_locked_by_another_process_is_exit_2_on_every_rank_and_nothing_
 
 def test_two_runs_started_together_into_one_folder(tmp_path, capfd):
     out = tmp_path / "run"
+    together = multiprocessing.get_context("fork").Barrier(2)
 
     def standalone_run() -> int:  # each forked "rank" becomes an independent 1-process run
         for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
             os.environ.pop(name, None)
         faults.install(step_delay=0.05)  # the winner is still training when the loser looks
+        together.wait(timeout=60)
         return main([*ARGS, "--max_steps", "16", "--output_dir", str(out)])
 
     capfd.readouterr()
