@@ -220,7 +220,8 @@ class TrainConfig:
         self._check_sizes()
         if self.checkpointing_steps is not None:
             value = str(self.checkpointing_steps)
-            if value != "epoch" and not (value.isdigit() and 0 < int(value) <= INT_MAX):
+            if value != "epoch" and not (value.isascii() and value.isdigit() and len(value) <= 10
+                                         and 0 < int(value) <= INT_MAX):
                 raise ConfigError(f"--checkpointing_steps must be a positive step count or 'epoch', got {_show(value)}")
             self.checkpointing_steps = value
         _check_task(self)
@@ -301,7 +302,10 @@ def _check_tracking(cfg: TrainConfig) -> None:
 
 def _show(value: Any, limit: int = 60) -> str:
     """A user's value in an error line: repr (quotes, escapes), on one line, cut short."""
-    text = repr(value).replace("\n", " ")
+    try:
+        text = repr(value).replace("\n", " ")
+    except ValueError:  # an int too long to print (Python >= 3.10.7 limits int-to-text conversion)
+        text = f"<an integer of {value.bit_length()} bits>"
     return text if len(text) <= limit else f"{text[:limit]}..."
 
 
@@ -518,6 +522,8 @@ def load_recipe(path: str) -> dict[str, Any]:
         raise ConfigError(f"--config {path}: not valid YAML{where}; fix the file's syntax") from None
     except (OSError, UnicodeDecodeError) as err:
         raise ConfigError(f"--config {path}: cannot read it ({err.__class__.__name__}); check the file") from None
+    except ValueError as err:  # a value YAML's constructors refuse, e.g. an integer of 5000 digits
+        raise ConfigError(f"--config {path}: a value cannot be read ({_show(str(err), 100)}); fix it") from None
     if data is None:
         return {}
     if not isinstance(data, dict):

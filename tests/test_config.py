@@ -67,6 +67,8 @@ def test_yaml_recipe_then_cli_overrides(tmp_path):
         (["--optimizer", "lamb"], "choose one of sgd, adamw"),
         (["--lr_schedule", "step"], "choose one of constant, linear, cosine"),
         (["--checkpointing_steps", "often"], "positive step count or 'epoch'"),
+        (["--checkpointing_steps", "\u00b2"], "positive step count or 'epoch', got '\u00b2'"),  # isdigit, not int
+        (["--checkpointing_steps", "9" * 5000], "positive step count or 'epoch', got '9999"),
         (["--epochs", "three"], "invalid int value"),
         (["--no_such_flag"], "unrecognized arguments"),
     ],
@@ -119,6 +121,15 @@ def test_yaml_values_are_checked_by_type_and_range(tmp_path, recipe, message):
     assert message in str(err.value) and "\n" not in str(err.value)
 
 
+def test_a_yaml_integer_too_long_to_convert_is_one_line(tmp_path):
+    path = tmp_path / "recipe.yaml"
+    path.write_text("seed: " + "1" * 5000 + "\n")  # Python >= 3.10.7 refuses to convert it (ValueError)
+    with pytest.raises(ConfigError) as err:
+        parse_args(["--config", str(path)])
+    assert "\n" not in str(err.value)
+    assert "a value cannot be read ('Exceeds the limit" in str(err.value) or "--seed must be <=" in str(err.value)
+
+
 def test_yaml_numbers_and_booleans_that_are_meant_are_taken(tmp_path):
     path = tmp_path / "recipe.yaml"
     # PyYAML alone reads 1e-3 as text; `yes` is a YAML 1.1 boolean; checkpointing_steps may be a number.
@@ -142,7 +153,8 @@ def test_python_api_is_checked_like_the_cli():
                             ({"debug": "no"}, "--debug expects true or false"),
                             ({"lr": float("nan")}, "--lr must be a finite number"),
                             ({"synthetic_shape": (1, True)}, "--synthetic_shape expects a list of whole numbers"),
-                            ({"seed": 2**32}, "--seed must be <= 4294967295")]:
+                            ({"seed": 2**32}, "--seed must be <= 4294967295"),
+                            ({"epochs": 10**5000}, "--epochs must be <= 2147483647, got <an integer of 16610 bits>")]:
         with pytest.raises(ConfigError, match=re.escape(message)):
             TrainConfig(**kwargs)
     assert TrainConfig(lr=1, seed=2**32 - 1).lr == 1.0
@@ -195,7 +207,8 @@ def test_any_yaml_value_gives_a_config_or_one_config_error(tmp_path, values):
 _CLI_TEXT = st.one_of(
     st.text(max_size=12).filter(lambda v: not v.startswith("-")),  # a leading dash makes argparse see an option
     st.integers().map(str), st.floats(allow_nan=True, allow_infinity=True).map(str),
-    st.sampled_from(["true", "no", "On", "0", "epoch", "auto", "-1", "-0.5", "1e20", "caf\udce9", "a\0b", ""]),
+    st.sampled_from(["true", "no", "On", "0", "epoch", "auto", "-1", "-0.5", "1e20", "caf\udce9", "a\0b", "",
+                     "\u00b2"]),
 )
 
 
