@@ -542,7 +542,7 @@ def test_metrics_and_summary_stay_json_with_non_finite_values(tmp_path):
     recorder = RunRecorder(str(tmp_path), is_main_process=True)
     recorder.rewind(0)
     recorder.log({"step": 1, "eval_loss": float("nan"), "loss": float("inf"), "nested": {"x": -float("inf")}})
-    recorder.write_summary({"eval_loss": float("nan"), "optimizer_steps": 1})
+    recorder.write_summary({"eval_loss": float("nan"), "optimizer_steps": 1}, step=1)
     recorder.close()
     assert strict_json_lines(tmp_path / "metrics.jsonl")[0]["eval_loss"] is None
     summary = json.loads((tmp_path / "summary.json").read_text(), parse_constant=lambda name: 1 / 0)
