@@ -493,7 +493,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _recipe_loader() -> type:
-    """PyYAML's safe loader, plus YAML 1.2 floats: PyYAML (YAML 1.1) reads ``lr: 1e-3`` as the text "1e-3"."""
+    """PyYAML's safe loader, plus YAML 1.2 floats: PyYAML (YAML 1.1) reads ``lr: 1e-3`` and ``1.0e10`` as text,
+    wanting a dot and a signed exponent (yaml/pyyaml#173)."""
     import yaml
 
     class RecipeLoader(yaml.SafeLoader):
