@@ -432,10 +432,11 @@ def bad_dataset(data_dir, download):
                                    "required argument: 'in_features')"),
     ("--model", "user_models:returns_a_number", "--model user_models:returns_a_number returned int; it must return "
                                                 "a torch.nn.Module"),
-    ("--model", "user_models:three_d_output", "the model's output has shape (16, 10, 2) but the labels have shape "
-                                              "(16,); the model must return logits of shape (16, num_classes)"),
+    # Checked before training on two samples (tasks.Task.check_logits): a batch of 2.
+    ("--model", "user_models:three_d_output", "the model's output has shape (2, 10, 2) but the labels have shape "
+                                              "(2,); the model must return logits of shape (2, num_classes)"),
     ("--model", "user_models:TupleOut", "the model returned tuple from forward; expected a tensor of logits "
-                                        "(batch, num_classes) for labels of shape (16,)"),
+                                        "(batch, num_classes) for labels of shape (2,)"),
     ("--dataset", "user_models:bad_dataset", "--dataset user_models:bad_dataset returned num_classes 'ten' and "
                                              "input_shape (4,); expected an int and a tuple of ints"),
     ("--dataset", "user_models:returns_a_number", "--dataset user_models:returns_a_number cannot be called as a "
