@@ -72,7 +72,7 @@ from accel_ddp.preemption import (
 )
 from accel_ddp.preflight import build_fsdp_plugin, check_fsdp, check_launch_devices, check_shared_output_dir
 from accel_ddp.registry import resolve
-from accel_ddp.run_dir import claim_output_dir, finished_summary
+from accel_ddp.run_dir import check_output_dir, claim_output_dir, finished_summary
 from accel_ddp.tasks import LossAccumulator, Task, build_task
 from accel_ddp.tracking import (
     EpochTimer,
@@ -342,16 +342,13 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
     started = time.perf_counter()
     accelerator, per_device_batch, accumulation = build_accelerator(cfg)
     teardown.callback(accelerator.end_training)
-    # Before anything is written: the folder must be usable, and ours alone until this process ends.
-    teardown.callback(claim_output_dir(accelerator, cfg.output_dir).release)
+    main_process_decides(accelerator, lambda: check_output_dir(cfg.output_dir))  # a bad folder: now, not after data
     check_shared_output_dir(accelerator, cfg.output_dir)  # several machines: one folder for all of them
     # From now on a SIGTERM means "save, then stop"; the flag's all-reduce waits --ddp_timeout at most.
     preemption = PreemptionWatcher(accelerator, timedelta(seconds=cfg.ddp_timeout)).install()
     teardown.callback(preemption.uninstall)
     if accelerator.is_main_process and (hazard := restart_hazard()):
         print(f"accel_ddp: warning: {hazard}", file=sys.stderr, flush=True)
-    recorder = RunRecorder(cfg.output_dir, accelerator.is_main_process, accelerator=accelerator)
-    teardown.callback(recorder.close)
 
     if cfg.debug:
         torch.autograd.set_detect_anomaly(True)
@@ -378,14 +375,19 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
         collate_fn=data.collate_fn,
     )
     plan = _plan(cfg, len(train_dataset), per_device_batch, accumulation)
-    if cfg.resume_from_checkpoint:
-        _stop_if_finished(cfg, accelerator, plan)
 
     optimizer = build_optimizer(cfg.optimizer, model, cfg.lr, cfg.weight_decay,
                                 fused=use_fused_optimizer(cfg.optimizer, accelerator.device.type, accelerator.is_fsdp2))
     scheduler = build_lr_scheduler(optimizer, cfg.lr_schedule, cfg.warmup_steps, plan.total_steps)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     _probe_task(task, accelerator, model, data, evaluates=eval_loader is not None)
+
+    # The input is checked. Before anything is written: the folder is created, and ours alone until we exit.
+    teardown.callback(claim_output_dir(accelerator, cfg.output_dir).release)
+    recorder = RunRecorder(cfg.output_dir, accelerator.is_main_process, accelerator=accelerator)
+    teardown.callback(recorder.close)
+    if cfg.resume_from_checkpoint:
+        _stop_if_finished(cfg, accelerator, plan)
 
     facts = _run_facts(cfg, accelerator, plan, loader_kind)
     checkpoints = CheckpointManager(accelerator, cfg.output_dir, cfg.keep_last,

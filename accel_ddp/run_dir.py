@@ -1,18 +1,24 @@
 """The output folder as a whole: checked and claimed for one run before anything is written; finished runs.
 
-    lock = claim_output_dir(accelerator, "outputs/run")   # collective: every rank gets the same ConfigError
+    check_output_dir("outputs/run")                       # at once, creating nothing: a file in the way, ...
+    lock = claim_output_dir(accelerator, "outputs/run")   # before the first write (collective: every rank
+                                                          # gets the same ConfigError)
     summary = finished_summary("outputs/run", total_steps=320, global_batch_size=64)   # None: not finished
     lock.release()                                        # or let the process end: the kernel releases it
 
-One run per folder: the main process holds an exclusive ``flock`` on ``OUTPUT_DIR/.lock`` for the
-whole run. The kernel drops it when the process ends, however it ends (SIGKILL and node-local OOM
-kills included), so a crashed run never leaves a stale lock behind, unlike a marker file. The lock
-file stays in the folder (removing a locked file would let a third run lock a new one beside it).
-On NFS, Linux maps ``flock`` to NFS byte-range locks, which the server arbitrates between machines.
+One run per folder: the main process holds an exclusive POSIX record lock (``lockf``) on
+``OUTPUT_DIR/.lock`` for the whole run. The kernel drops it when the process ends, however it ends
+(SIGKILL and node-local OOM kills included), so a crashed run never leaves a stale lock behind,
+unlike a marker file. A POSIX lock belongs to the process, not to the open file: DataLoader workers
+forked from the main process do not hold it, so a crashed run's lingering workers cannot block the
+relaunch (an ``flock`` would be shared with them). It is also the lock NFS arbitrates between
+machines. The lock file stays in the folder (removing a locked file would let a third run lock a
+new one beside it).
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
@@ -55,21 +61,43 @@ class OutputLock:
             raise ConfigError(f"--output_dir {path}: cannot write in it ({err.strerror}); "
                               "give a folder you can write") from None
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as err:
             os.close(fd)
-            raise ConfigError(f"--output_dir {path} is in use by another run (it holds {lock_path}); wait "
-                              "for that run to end, or give another --output_dir") from None
-        except OSError as err:  # e.g. ENOLCK: a network file system without lock support
-            os.close(fd)
+            if err.errno in (errno.EACCES, errno.EAGAIN):  # POSIX allows either for a lock held elsewhere
+                raise ConfigError(f"--output_dir {path} is in use by another run (it holds {lock_path}); wait "
+                                  "for that run to end, or give another --output_dir") from None
+            # e.g. ENOLCK: a network file system without lock support
             raise ConfigError(f"--output_dir {path}: cannot lock {lock_path} ({err.strerror}); give a folder "
                               "on a file system with locks (a local disk, NFSv4)") from None
         self._fd = fd
 
     def release(self) -> None:
         if self._fd is not None:
-            os.close(self._fd)  # closing the last descriptor of the open file drops the flock
+            os.close(self._fd)  # closing it drops the lock (so would closing any other descriptor of the file)
             self._fd = None
+
+
+def check_output_dir(path: str) -> None:
+    """What can be told about ``--output_dir`` without creating anything (a ConfigError line), at start-up.
+
+    A file in the way, a parent that is a file, a folder we may not write. The rest (a special file
+    system such as /proc, a full disk) shows when ``claim_output_dir`` creates the folder.
+    """
+    if os.path.exists(path):
+        if not os.path.isdir(path):
+            raise ConfigError(f"--output_dir {path} is a file, not a folder; give a folder path")
+        nearest = path
+    else:
+        nearest = os.path.dirname(os.path.abspath(path))
+        while not os.path.exists(nearest):
+            nearest = os.path.dirname(nearest)
+        if not os.path.isdir(nearest):
+            raise ConfigError(f"--output_dir {path}: part of that path is a file, not a folder; "
+                              "give a path made of folders")
+    if not os.access(nearest, os.W_OK | os.X_OK):
+        raise ConfigError(f"--output_dir {path}: cannot create or write it ({nearest} is not writable); give a "
+                          "folder you can write, or fix its permissions")
 
 
 def claim_output_dir(accelerator: Accelerator, path: str) -> OutputLock:

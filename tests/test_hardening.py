@@ -16,6 +16,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -294,7 +295,7 @@ def test_a_folder_locked_by_another_process_is_exit_2_on_every_rank_and_nothing_
     out = tmp_path / "run"
     out.mkdir()
     with open(out / ".lock", "w") as held:
-        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.lockf(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
         capfd.readouterr()
         assert main_ranks([*ARGS, "--max_steps", "4", "--output_dir", str(out)]) == [2, 2]
     (line,) = error_lines(capfd.readouterr().err)
@@ -310,7 +311,7 @@ def test_two_runs_started_together_into_one_folder(tmp_path, capfd):
     def standalone_run() -> int:  # each forked "rank" becomes an independent 1-process run
         for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
             os.environ.pop(name, None)
-        faults.install(step_delay=0.05)  # the winner is still training when the loser looks
+        faults.install(step_delay=0.2)  # the winner is still training when the loser looks
         together.wait(timeout=60)
         return main([*ARGS, "--max_steps", "16", "--output_dir", str(out)])
 
@@ -320,6 +321,26 @@ def test_two_runs_started_together_into_one_folder(tmp_path, capfd):
     records = [r for r in read_metrics(out) if "loss" in r]
     assert [r["step"] for r in records] == [4, 8, 12, 16]  # one run's metrics, not two interleaved
     assert read_summary(out)["optimizer_steps"] == 16 and steps_of(out) == [5, 10, 15]
+
+
+def test_the_lock_is_the_main_process_own_not_its_forked_workers(tmp_path):
+    """A crashed run's DataLoader workers (forked children) may outlive it by seconds: they must not hold the lock."""
+    out = tmp_path / "run"
+    worker_done = tmp_path / "worker_done"
+
+    def lock_fork_a_worker_and_exit():
+        OutputLock(str(out)).acquire()
+        if os.fork() == 0:  # the "worker": lives on after its parent
+            time.sleep(3)
+            worker_done.touch()
+            os._exit(0)
+        return "parent gone"
+
+    assert run_ranks(lock_fork_a_worker_and_exit, world_size=1) == ["parent gone"]
+    lock = OutputLock(str(out))
+    lock.acquire()  # free at once, while the worker still lives (an flock would be shared with it: refused)
+    lock.release()
+    assert not worker_done.exists()
 
 
 def test_the_lock_goes_when_its_process_is_killed(tmp_path):
@@ -345,9 +366,9 @@ def test_a_bad_output_dir_is_one_line_and_exit_2_before_training(open_dir, capfd
     out, message = {
         "a file": (blocker, f"--output_dir {blocker} is a file, not a folder"),
         "under a file": (blocker / "run", f"--output_dir {blocker / 'run'}: part of that path is a file"),
-        "/proc": (Path("/proc/accel_ddp_run"), "--output_dir /proc/accel_ddp_run: cannot create it"),
-        "read-only": (open_dir / "ro" / "run", f"--output_dir {open_dir / 'ro' / 'run'}: cannot create it "
-                                                "(Permission denied)"),
+        "/proc": (Path("/proc/accel_ddp_run"), "--output_dir /proc/accel_ddp_run: cannot create"),
+        "read-only": (open_dir / "ro" / "run", f"--output_dir {open_dir / 'ro' / 'run'}: cannot create or write it "
+                                                f"({open_dir / 'ro'} is not writable)"),
     }[case]
     (open_dir / "ro").mkdir(mode=0o555)
     chown_tree(open_dir / "ro")
