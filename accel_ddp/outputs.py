@@ -29,4 +29,4 @@ MODEL_CARD_NAME = "README.md"
 PROFILE_SUBDIR = "profile"
 CHECKPOINTS_DIR = "checkpoints"
 MARKER_NAME = "checkpoint.json"  # inside each checkpoint folder, written last
-LOCK_NAME = ".lock"  # flock-ed by the main process for the whole run; an empty file left in place
+LOCK_NAME = ".lock"  # locked (lockf) by the main process for the whole run; an empty file left in place
