@@ -16,7 +16,7 @@ import os
 import sys
 import time
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
 from datetime import timedelta
@@ -44,7 +44,7 @@ from accel_ddp.checkpoint import (
     main_process_decides,
 )
 from accel_ddp.config import TEXT_TASKS, ConfigError, TrainConfig, parse_args
-from accel_ddp.data import HFSource, build_datasets, build_loaders, skip_first_batches, steps_per_epoch
+from accel_ddp.data import HFSource, build_datasets, build_loaders
 from accel_ddp.data.text import PadCollate, TextOptions, build_text, has_tokenizer, pad_token_id
 from accel_ddp.evaluate import evaluate
 from accel_ddp.model_card import launch_command, write_model_card
@@ -367,14 +367,15 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
         load_weights(model, cfg.init_from)  # every rank reads the same file before DDP wraps the model
     model = model.to(memory_format=memory_format)  # NHWC convolutions: faster on tensor cores
 
-    # The device loader where the data fits (--loader), else a prepared DataLoader; eval alike.
-    train_loader, eval_loader, loader_kind = build_loaders(
+    # The device loader where the data fits (--loader), else a DataLoader over the same order, or a stream.
+    loaders = build_loaders(
         accelerator, train_dataset, eval_dataset, per_device_batch_size=per_device_batch,
         global_batch_size=cfg.global_batch_size, eval_batch_size=cfg.eval_batch_size, loader=cfg.loader,
         num_workers=0 if cfg.debug else cfg.num_workers, device_loader_max_mb=cfg.device_loader_max_mb,
-        collate_fn=data.collate_fn,
+        collate_fn=data.collate_fn, max_steps=cfg.max_steps,
     )
-    plan = _plan(cfg, len(train_dataset), per_device_batch, accumulation)
+    train_loader, eval_loader = loaders.train, loaders.eval
+    plan = _plan(cfg, loaders.steps_per_epoch, per_device_batch, accumulation)
 
     optimizer = build_optimizer(cfg.optimizer, model, cfg.lr, cfg.weight_decay,
                                 fused=use_fused_optimizer(cfg.optimizer, accelerator.device.type, accelerator.is_fsdp2))
@@ -389,7 +390,7 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
     if cfg.resume_from_checkpoint:
         _stop_if_finished(cfg, accelerator, plan)
 
-    facts = _run_facts(cfg, accelerator, plan, loader_kind)
+    facts = _run_facts(cfg, accelerator, plan, loaders.kind, loaders.source)
     checkpoints = CheckpointManager(accelerator, cfg.output_dir, cfg.keep_last,
                                     {**facts, "seed": cfg.seed, "optimizer": cfg.optimizer, "model": cfg.model,
                                      **{name: getattr(cfg, name) for name in HYPERPARAMETERS}})
@@ -427,15 +428,15 @@ def _stop_if_finished(cfg: TrainConfig, accelerator: Accelerator, plan: Plan) ->
         raise RunFinished(summary)
 
 
-def _plan(cfg: TrainConfig, num_train_samples: int, per_device_batch: int, accumulation: int) -> Plan:
-    steps_in_epoch = steps_per_epoch(num_train_samples, cfg.global_batch_size)
+def _plan(cfg: TrainConfig, steps_in_epoch: int, per_device_batch: int, accumulation: int) -> Plan:
     total_steps = cfg.max_steps or cfg.epochs * steps_in_epoch
     if cfg.debug:
         total_steps = min(total_steps, DEBUG_MAX_STEPS)
     return Plan(per_device_batch, accumulation, steps_in_epoch, total_steps, math.ceil(total_steps / steps_in_epoch))
 
 
-def _run_facts(cfg: TrainConfig, accelerator: Accelerator, plan: Plan, loader_kind: str) -> dict[str, Any]:
+def _run_facts(cfg: TrainConfig, accelerator: Accelerator, plan: Plan, loader_kind: str,
+               data_source: str) -> dict[str, Any]:
     return {
         "world_size": accelerator.num_processes,
         "global_batch_size": cfg.global_batch_size,
@@ -445,7 +446,8 @@ def _run_facts(cfg: TrainConfig, accelerator: Accelerator, plan: Plan, loader_ki
         "total_steps": plan.total_steps,
         "distributed_type": str(accelerator.distributed_type.value),
         "mixed_precision": accelerator.mixed_precision,
-        "loader": loader_kind,
+        "loader": loader_kind,  # device, dataloader or streaming
+        "data_source": data_source,  # in_memory, memory_mapped, streaming or map_style
         "device": str(accelerator.device.type),
         "num_machines": int(os.environ.get("ACCELERATE_NUM_MACHINES", os.environ.get("GROUP_WORLD_SIZE", "1"))),
     }
@@ -494,7 +496,7 @@ def fit(run: Run) -> FitResult:
         # A new permutation each epoch, identical on every rank; a resumed epoch skips what was trained on.
         skip = (step - epoch * plan.steps_per_epoch) * plan.accumulation
         timer.start_epoch()
-        for batch in timed(_epoch_batches(accelerator, run.train_loader, epoch, skip), timer):
+        for batch in timed(_epoch_batches(run.train_loader, epoch, skip), timer):
             with accelerator.accumulate(model):
                 loss = run.task.training_loss(model, batch)  # a mean, or a (sum, num_items) pair
                 if cfg.debug and watch.any_rank(loss.value):  # debug syncs per step: stop before a nan backward
@@ -596,30 +598,15 @@ def finish(run: Run, result: FitResult) -> dict[str, Any]:
     return summary
 
 
-def _epoch_batches(accelerator: Accelerator, loader, epoch: int, skip: int) -> Iterable:
+def _epoch_batches(loader, epoch: int, skip: int) -> Iterable:
     """The batches of ``epoch`` on this rank, without its first ``skip`` (those a checkpoint already holds).
 
-    The one place that fast-forwards a loader: a loader with its own skip support plugs in here.
+    The one place that fast-forwards a loader. Every loader of ours computes where to start from the
+    position alone (no RNG replay) and draws nothing from torch's global generator, so the resumed
+    run's dropout stream continues exactly where the checkpoint's RNG state left it.
     """
-    loader.set_epoch(epoch)  # also reaches the shared sampler, which a skipping wrapper would not
-    if skip == 0:
-        return loader
-    return _without_seed_draw(skip_first_batches(accelerator, loader, skip))
-
-
-def _without_seed_draw(loader) -> Iterator:
-    """Iterate ``loader`` but undo the global-RNG draw a DataLoader makes when its iterator starts.
-
-    The uninterrupted run made that draw at the start of the epoch, before the checkpoint saved
-    the RNG state; drawing again on resume would shift every later dropout mask.
-    """
-    batches = iter(loader)
-    with torch.random.fork_rng(devices=[]):
-        first = next(batches, None)
-    if first is None:
-        return
-    yield first
-    yield from batches
+    loader.set_epoch(epoch)
+    return loader if skip == 0 else loader.skip_first_batches(skip)
 
 
 def evaluate_and_log(run: Run, step: int, epoch: int) -> dict[str, Any]:

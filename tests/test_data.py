@@ -27,6 +27,7 @@ from accel_ddp.data import (
     MNIST_STD,
     DeviceLoader,
     HFSource,
+    HostLoader,
     InMemoryDataset,
     build_datasets,
     build_eval_loader,
@@ -38,7 +39,7 @@ from accel_ddp.data import (
 from accel_ddp.data.device_loader import DeviceEvalLoader
 from accel_ddp.data.in_memory import CROP_PADDING, crop_flip
 from accel_ddp.data.sampler import epoch_order
-from tests import faults
+from tests import faults, helpers_data
 from tests.conftest import REPO, load_weights, main_ranks, read_summary, run_ranks, train_ranks
 from tests.multiproc import RankFailed
 
@@ -131,14 +132,24 @@ def accelerate_state():
     GradientState._reset_state()
 
 
-def classic_batches(dataset, per_device: int, global_batch: int, world: int, rank: int, seed: int, epoch: int):
-    """What rank `rank` of `world` gets from the DataLoader path, sharded by Accelerate itself."""
-    from accelerate.data_loader import prepare_data_loader
+def accelerate_loader(dataset, per_device: int, global_batch: int, world: int, rank: int, seed: int):
+    """Rank `rank`'s loader as Accelerate shards a textbook one: its seedable sampler, then BatchSamplerShard.
 
-    loader = prepare_data_loader(
-        build_train_loader(dataset, per_device, global_batch, num_workers=0),
-        num_processes=world, process_index=rank, use_seedable_sampler=True, data_seed=seed,
-    )
+    This was the DataLoader path before the package had its own sampler; the order must not change.
+    """
+    from accelerate.data_loader import prepare_data_loader
+    from torch.utils.data import DataLoader, RandomSampler
+
+    used = len(dataset) // global_batch * global_batch
+    textbook = DataLoader(dataset, batch_size=per_device, sampler=RandomSampler(dataset, num_samples=used),
+                          drop_last=True)
+    return prepare_data_loader(textbook, num_processes=world, process_index=rank, use_seedable_sampler=True,
+                               data_seed=seed)
+
+
+def classic_batches(dataset, per_device: int, global_batch: int, world: int, rank: int, seed: int, epoch: int):
+    """What rank `rank` of `world` got from Accelerate's sharding in epoch `epoch`."""
+    loader = accelerate_loader(dataset, per_device, global_batch, world, rank, seed)
     loader.set_epoch(epoch)
     return list(loader)
 
@@ -152,19 +163,21 @@ LAYOUTS = [  # (world size, per-device batch, global batch): accumulation = glob
 
 
 @pytest.mark.parametrize("world,per_device,global_batch", LAYOUTS)
-def test_fast_loader_serves_the_dataloader_paths_samples_bit_for_bit(world, per_device, global_batch,
-                                                                     accelerate_state):
+def test_device_and_dataloader_paths_serve_accelerates_order_bit_for_bit(world, per_device, global_batch,
+                                                                         accelerate_state):
     dataset = index_dataset()
     for rank in range(world):
         fast = DeviceLoader(dataset, per_device, global_batch, seed=11, rank=rank, world_size=world)
+        host = HostLoader(dataset, per_device, global_batch, seed=11, rank=rank, world_size=world, num_workers=0)
         for epoch in (0, 1):
             fast.set_epoch(epoch)
-            fast_batches = list(fast)
+            host.set_epoch(epoch)
+            fast_batches, host_batches = list(fast), list(host)
             classic = classic_batches(dataset, per_device, global_batch, world, rank, seed=11, epoch=epoch)
-            assert len(fast_batches) == len(classic) == len(fast)
-            for (fx, fy), (cx, cy) in zip(fast_batches, classic, strict=True):
-                assert torch.equal(fy, cy)  # the same samples in the same micro-step
-                assert torch.equal(fx, cx)  # normalised to the same bits
+            assert len(fast_batches) == len(host_batches) == len(classic) == len(fast) == len(host)
+            for (fx, fy), (hx, hy), (cx, cy) in zip(fast_batches, host_batches, classic, strict=True):
+                assert torch.equal(fy, cy) and torch.equal(hy, cy)  # the same samples in the same micro-step
+                assert torch.equal(fx, cx) and torch.equal(hx, cx)  # normalised to the same bits
                 assert fx.dtype == torch.float32
 
 
@@ -206,23 +219,25 @@ def test_epochs_advance_after_a_full_pass_and_set_epoch_replays_one():
 
 
 def test_skip_first_batches_resumes_mid_epoch_like_accelerate(accelerate_state):
-    from accelerate.data_loader import prepare_data_loader, skip_first_batches
+    from accelerate.data_loader import skip_first_batches
 
     dataset = index_dataset()
-    fast = DeviceLoader(dataset, 8, 32, seed=4, rank=1, world_size=2)
-    fast.set_epoch(1)
-    full = [y.tolist() for _, y in fast]
-    fast.set_epoch(1)
-    resumed = fast.skip_first_batches(4)  # after optimizer step 2 of this epoch (accumulation 2)
-    assert len(resumed) == len(full) - 4
-    assert [y.tolist() for _, y in resumed] == full[4:]
+    for loader in (DeviceLoader(dataset, 8, 32, seed=4, rank=1, world_size=2),
+                   HostLoader(dataset, 8, 32, seed=4, rank=1, world_size=2, num_workers=0)):
+        loader.set_epoch(1)
+        full = [y.tolist() for _, y in loader]
+        loader.set_epoch(1)
+        resumed = loader.skip_first_batches(4)  # after optimizer step 2 of this epoch (accumulation 2)
+        assert len(resumed) == len(full) - 4
+        assert [y.tolist() for _, y in resumed] == full[4:]
+        assert [y.tolist() for _, y in loader] != full  # then the next epoch, whole
+        assert len(loader) == len(full)
+        with pytest.raises(ValueError):
+            loader.skip_first_batches(len(full) + 1)
 
-    classic = prepare_data_loader(build_train_loader(dataset, 8, 32, 0), num_processes=2, process_index=1,
-                                  use_seedable_sampler=True, data_seed=4)
+    classic = accelerate_loader(dataset, 8, 32, world=2, rank=1, seed=4)
     classic.set_epoch(1)
     assert [y.tolist() for _, y in skip_first_batches(classic, 4)] == full[4:]
-    with pytest.raises(ValueError):
-        fast.skip_first_batches(len(full) + 1)
 
 
 def test_crop_flip_augmentation_is_per_sample_correct_and_the_same_for_any_world_size():
@@ -250,15 +265,19 @@ def test_crop_flip_augmentation_is_per_sample_correct_and_the_same_for_any_world
     assert sample.shape == (3, 6, 5) and sample.dtype == torch.float32
 
 
-def test_the_global_generator_advances_as_on_the_dataloader_path(accelerate_state):
-    """One draw per pass, as torch's DataLoader draws a base seed: dropout masks then match between paths."""
-    dataset = index_dataset()
-    torch.manual_seed(0)
-    classic_batches(dataset, 8, 32, world=2, rank=0, seed=0, epoch=0)
-    after_dataloader = torch.rand(1)
-    torch.manual_seed(0)
-    list(DeviceLoader(dataset, 8, 32, seed=0))
-    assert torch.equal(torch.rand(1), after_dataloader)
+@pytest.mark.parametrize("workers", [0, 1])
+def test_no_training_loader_moves_the_global_generator(workers):
+    """Dropout masks then match between paths, and a resumed epoch needs no RNG correction."""
+    dataset = InMemoryDataset(torch.randint(0, 256, (40, 3, 6, 5), dtype=torch.uint8), torch.arange(40),
+                              scale=255.0, augment="crop_flip")  # augmentation draws too: from its own seeds
+    for loader in (DeviceLoader(dataset, 8, 32, seed=0), HostLoader(dataset, 8, 32, seed=0, num_workers=workers),
+                   HostLoader(helpers_data.IndexDataset(40), 8, 32, seed=0, num_workers=workers)):
+        torch.manual_seed(0)
+        expected = torch.rand(1)
+        torch.manual_seed(0)
+        list(loader)
+        list(loader.skip_first_batches(2))
+        assert torch.equal(torch.rand(1), expected), type(loader).__name__
 
 
 def test_loader_choice_threshold_and_worker_defaults(tmp_path):

@@ -4,8 +4,11 @@ One job per module, arrows pointing one way (``bundle`` and ``sampler`` depend o
 
     bundle.py         DatasetBundle, what every dataset builder returns
     in_memory.py      InMemoryDataset: samples as one tensor, batch-wise augmentation and normalisation
-    sampler.py        the global-batch permutation (seed, epoch) and steps per epoch, shared by every loader
+    sampler.py        the global-batch permutation (seed, epoch) and position, shared by every loader
     device_loader.py  DeviceLoader / DeviceEvalLoader: an in-memory set served from the training device
+    host_loader.py    HostLoader: a DataLoader over the same order, decoding in workers, batches copied to the device
+    mapped.py         MappedDataset: Arrow files read memory-mapped, decoded per batch
+    streaming.py      StreamingLoader: a datasets.IterableDataset split over ranks, every rank in step
     hf.py             Hugging Face datasets (Hub names, save_to_disk folders, parquet/csv/json, image folders)
     text.py           text for the text tasks: tokenized once per machine, packed or padded per batch
     builtin.py        digits, MNIST, FashionMNIST, CIFAR-10, imagefolder, synthetic; the registry
@@ -23,9 +26,10 @@ from accel_ddp.data.builtin import (
     build_datasets,
     read_idx,
 )
-from accel_ddp.data.bundle import DatasetBundle
+from accel_ddp.data.bundle import DataError, DatasetBundle
 from accel_ddp.data.device_loader import DeviceEvalLoader, DeviceLoader
 from accel_ddp.data.hf import HFSource
+from accel_ddp.data.host_loader import HostLoader, SeededSamples, default_num_workers, usable_cpus
 from accel_ddp.data.in_memory import InMemoryDataset
 from accel_ddp.data.loaders import (
     Loaders,
@@ -33,15 +37,14 @@ from accel_ddp.data.loaders import (
     build_loaders,
     build_train_loader,
     choose_loader,
-    default_num_workers,
     skip_first_batches,
-    usable_cpus,
 )
-from accel_ddp.data.sampler import epoch_order, steps_per_epoch
+from accel_ddp.data.sampler import GlobalBatchSampler, PlacedBatch, epoch_order, steps_per_epoch
 
 __all__ = [
     "CIFAR10_MEAN", "CIFAR10_STD", "DATASETS", "FASHION_MNIST_MEAN", "FASHION_MNIST_STD", "MNIST_MEAN", "MNIST_STD",
-    "DatasetBundle", "DeviceEvalLoader", "DeviceLoader", "HFSource", "InMemoryDataset", "Loaders",
+    "DataError", "DatasetBundle", "DeviceEvalLoader", "DeviceLoader", "GlobalBatchSampler", "HFSource", "HostLoader",
+    "InMemoryDataset", "Loaders", "PlacedBatch", "SeededSamples",
     "build_datasets", "build_eval_loader", "build_loaders", "build_train_loader", "choose_loader",
     "default_num_workers", "epoch_order", "read_idx", "skip_first_batches", "steps_per_epoch", "usable_cpus",
 ]

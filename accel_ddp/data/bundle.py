@@ -1,10 +1,12 @@
-"""What a dataset builder returns."""
+"""What a dataset builder returns, and the error bad data raises while training."""
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
 from torch.utils.data import Dataset
+
+from accel_ddp.config import ConfigError
 
 
 class DatasetBundle(NamedTuple):
@@ -17,3 +19,19 @@ class DatasetBundle(NamedTuple):
     eval: Dataset
     num_classes: int
     input_shape: tuple[int, ...]
+
+
+class DataError(ConfigError):
+    """Bad data met while training: a sample that does not decode, a source that fails or ends early.
+
+    One line naming the sample or file and the fix. The rank that meets it prints it (``main()``
+    prints other bad input from the first rank only) and exits with code 2; the other ranks stop
+    with it. Raised in a DataLoader worker, it comes back to the main process as
+    ``DataError(worker traceback)``; the constructor keeps the original one-line message.
+    """
+
+    def __init__(self, message: str):
+        if "Original Traceback" in message:  # torch's ExceptionWrapper.reraise: the original is the last line
+            last = message.rstrip().splitlines()[-1]
+            message = last.split(f"{type(self).__name__}: ", 1)[-1]
+        super().__init__(message)

@@ -3,9 +3,9 @@
 A textbook input pipeline spends a large share of each step turning one sample at a time into
 a tensor (PIL decode, ToTensor, Normalize, collate, host-to-device copy). Small datasets need
 none of that after the first time: :class:`DeviceLoader` copies an
-:class:`~accel_ddp.data.in_memory.InMemoryDataset` to the device once, draws exactly the
-permutation Accelerate's seedable sampler draws, and gathers, augments and normalises whole
-micro-batches there. :class:`DeviceEvalLoader` is its evaluation counterpart.
+:class:`~accel_ddp.data.in_memory.InMemoryDataset` to the device once, takes the order of
+:class:`~accel_ddp.data.sampler.GlobalBatchSampler` (the DataLoader path's), and gathers, augments
+and normalises whole micro-batches there. :class:`DeviceEvalLoader` is its evaluation counterpart.
 
     >>> data = InMemoryDataset(torch.zeros(64, 1, 8, 8, dtype=torch.uint8), torch.zeros(64), scale=255.0)
     >>> loader = DeviceLoader(data, per_device_batch_size=8, global_batch_size=16, seed=0, rank=1, world_size=2)
@@ -15,32 +15,30 @@ micro-batches there. :class:`DeviceEvalLoader` is its evaluation counterpart.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Iterator
 
 import torch
 from torch.utils.data import Dataset
 
 from accel_ddp.config import ConfigError
-from accel_ddp.data.in_memory import as_in_memory, draw_crop_flip
-from accel_ddp.data.sampler import epoch_order, steps_per_epoch
-
-_AUGMENT_SEED_OFFSET = 1_000_003  # augmentation draws come from their own stream, apart from the permutation's
+from accel_ddp.data.in_memory import as_in_memory, crop_flip_params
+from accel_ddp.data.sampler import GlobalBatchLoader, GlobalBatchSampler
 
 
-class DeviceLoader:
+class DeviceLoader(GlobalBatchLoader):
     """Serves ``(inputs, labels)`` micro-batches from tensors on ``device``, with the DataLoader path's semantics.
 
-    Each epoch draws the permutation Accelerate's seedable sampler draws (seed ``seed + epoch``),
-    keeps its first ``steps_per_epoch * global_batch_size`` indices and cuts them into per-device
-    batches; rank ``r`` of ``world_size`` gets batches ``r, r + world_size, ...``. So optimizer step
-    ``s`` trains on samples ``order[s * G:(s + 1) * G]`` whatever the world size and accumulation,
-    and every micro-step sees the same samples as on the DataLoader path. Inputs come out
-    augmented (``crop_flip`` datasets; the draws depend on the seed, the epoch and the position in
-    the global batch only, so they too are the same for any world size) and normalised.
+    The order is :class:`~accel_ddp.data.sampler.GlobalBatchSampler`'s: each epoch's permutation
+    (seed ``seed + epoch``) keeps its first ``steps_per_epoch * global_batch_size`` indices, cut into
+    per-device batches; rank ``r`` of ``world_size`` gets batches ``r, r + world_size, ...``. So
+    optimizer step ``s`` trains on samples ``order[s * G:(s + 1) * G]`` whatever the world size and
+    accumulation, and every micro-step sees the same samples as on the DataLoader path. Inputs
+    come out augmented (``crop_flip`` datasets; the draws depend on the seed, the epoch and the
+    position in the epoch only, so they too are the same for any world size) and normalised.
 
     Surface of a prepared DataLoader: ``len()`` (micro-batches per rank per epoch), ``set_epoch``,
-    iteration; plus :meth:`skip_first_batches` to resume mid-epoch.
+    iteration; plus :meth:`skip_first_batches` to resume mid-epoch. It draws nothing from torch's
+    global generator (nor does the DataLoader path), so dropout masks do not depend on the loader.
 
     Gradient sync: Accelerate's ``accumulate`` syncs on the last micro-batch of a registered
     DataLoader or every ``accumulation`` micro-steps by its own counter. This loader is not
@@ -66,75 +64,39 @@ class DeviceLoader:
                 f"--loader device: a {type(dataset).__name__} is not tensors in memory; use --loader dataloader, "
                 "or give an accel_ddp.data.InMemoryDataset or a TensorDataset"
             )
-        if per_device_batch_size <= 0 or global_batch_size % (world_size * per_device_batch_size) != 0:
-            raise ConfigError(
-                f"--global_batch_size {global_batch_size} is not divisible by world size {world_size} "
-                f"x --per_device_batch_size {per_device_batch_size}"
-            )
-        self.steps_per_epoch = steps_per_epoch(len(data), global_batch_size)
+        self.sampler = GlobalBatchSampler(len(data), per_device_batch_size, global_batch_size, seed=seed, rank=rank,
+                                          world_size=world_size)
         self.per_device_batch_size, self.global_batch_size = per_device_batch_size, global_batch_size
-        self.accumulation = global_batch_size // (world_size * per_device_batch_size)
         self.seed, self.rank, self.world_size = seed, rank, world_size
         self.device = torch.device(device)
         self.data = data.to(self.device)
-        self.epoch = 0
-        self._skip = 0
-
-    @property
-    def total_batch_size(self) -> int:
-        """Samples per micro-step over all ranks (as Accelerate's DataLoaderShard reports it)."""
-        return self.per_device_batch_size * self.world_size
-
-    def __len__(self) -> int:
-        return self.steps_per_epoch * self.accumulation - self._skip
-
-    def set_epoch(self, epoch: int) -> None:
-        """Use epoch ``epoch``'s permutation next; the epoch also advances by one after each full pass."""
-        self.epoch = epoch
-
-    def skip_first_batches(self, num_batches: int) -> DeviceLoader:
-        """A loader for the current epoch that starts after its first ``num_batches`` micro-batches.
-
-        Mirrors ``accelerator.skip_first_batches``: call ``set_epoch(epoch)`` first, iterate the
-        returned loader for the rest of that epoch, then go back to this one. On resume from a
-        checkpoint taken after optimizer step ``s`` of an epoch, skip ``s * accumulation``.
-        """
-        if not 0 <= num_batches <= self.steps_per_epoch * self.accumulation:
-            raise ValueError(f"cannot skip {num_batches} of {self.steps_per_epoch * self.accumulation} micro-batches")
-        skipped = copy.copy(self)
-        skipped._skip = num_batches
-        return skipped
 
     def rank_indices(self, epoch: int) -> torch.Tensor:
         """``(micro_steps, per_device_batch)``: the sample indices this rank trains on in ``epoch``, on the CPU."""
-        order = epoch_order(len(self.data), self.steps_per_epoch * self.global_batch_size, self.seed, epoch)
-        return order.view(-1, self.world_size, self.per_device_batch_size)[:, self.rank]
+        return self.sampler.rank_indices(epoch)
 
     def _augment_params(self, epoch: int) -> torch.Tensor | None:
         if self.data.augment != "crop_flip":
             return None
         # Drawn for the whole epoch in global order, then sliced like the indices: same draws for any world size.
-        generator = torch.Generator().manual_seed(self.seed + epoch + _AUGMENT_SEED_OFFSET)
-        params = draw_crop_flip(self.steps_per_epoch * self.global_batch_size, generator)
+        used = self.steps_per_epoch * self.global_batch_size
+        params = crop_flip_params(self.seed, epoch, 0, used, self.global_batch_size)
         return params.view(-1, self.world_size, self.per_device_batch_size, 3)[:, self.rank]
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        epoch = self.epoch
-        # The DataLoader path draws one base seed from the global generator per pass; do the same so that
-        # whatever else uses that generator (dropout) sees the same stream on both paths.
-        torch.empty((), dtype=torch.int64).random_()
+        epoch = self.sampler.epoch
         indices = self.rank_indices(epoch).to(self.device, non_blocking=True)
         params = self._augment_params(epoch)
         if params is not None:
             params = params.to(self.device, non_blocking=True)
         inputs, labels = self.data.inputs, self.data.labels
-        for micro_step in range(self._skip, len(indices)):
+        for micro_step in range(self.sampler.start, len(indices)):
             index = indices[micro_step]
             batch_params = None if params is None else params[micro_step]
             # index_select, not inputs[index]: on the CPU it is an order of magnitude faster.
             batch = torch.index_select(inputs, 0, index)
             yield self.data.transform(batch, batch_params), torch.index_select(labels, 0, index)
-        self.epoch = epoch + 1
+        self.sampler.set_epoch(epoch + 1)
 
 
 class DeviceEvalLoader:

@@ -19,8 +19,11 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset, Subset, TensorDataset
 
+from accel_ddp.data.sampler import PlacedBatch, sample_seed
+
 AUGMENTS = (None, "crop_flip")
 CROP_PADDING = 4  # pixels of zero padding around each image before a random crop (the CIFAR-10 recipe)
+_AUGMENT_STREAM = 1_000_003  # augmentation draws come from their own stream, apart from the permutation's
 
 
 class InMemoryDataset(Dataset):
@@ -31,7 +34,11 @@ class InMemoryDataset(Dataset):
     and std per channel (dimension 0 of a sample) or one for all: the textbook float32 operations,
     elementwise, so the DataLoader path (on the CPU) and the device loader give the same
     bits. Other inputs are served as stored. ``augment="crop_flip"`` adds a random 4-pixel-padded
-    crop and horizontal flip to training reads of ``(C, H, W)`` images.
+    crop and horizontal flip to training reads of ``(C, H, W)`` images: drawn by
+    :func:`crop_flip_params` from the run's seed, the epoch and the sample's position when the
+    batch comes from the package's sampler (a :class:`~accel_ddp.data.sampler.PlacedBatch`), so the
+    DataLoader path, any number of workers and the device loader augment alike; from torch's global
+    generator for reads by anything else.
 
         >>> images = torch.randint(0, 256, (100, 1, 28, 28), dtype=torch.uint8)
         >>> ds = InMemoryDataset(images, torch.zeros(100, dtype=torch.long), mean=(0.1307,), std=(0.3081,), scale=255.0)
@@ -78,10 +85,17 @@ class InMemoryDataset(Dataset):
     def __getitem__(self, index):
         return self.__getitems__([index])[0]
 
+    handles_placed_batches = True  # the DataLoader path passes PlacedBatch as is: no per-sample reseeding needed
+
     def __getitems__(self, indices) -> list[tuple[torch.Tensor, torch.Tensor]]:
         # The DataLoader calls this once per batch: one gather and one normalisation, not one per sample.
-        index = torch.as_tensor(indices, dtype=torch.long)
-        params = draw_crop_flip(len(index)) if self.augment else None
+        index = torch.as_tensor(list(indices), dtype=torch.long)
+        params = None
+        if self.augment and isinstance(indices, PlacedBatch):
+            params = crop_flip_params(indices.seed, indices.epoch, indices.first_position, len(indices),
+                                      indices.global_batch_size)
+        elif self.augment:
+            params = draw_crop_flip(len(index))
         inputs = self.transform(torch.index_select(self.inputs, 0, index), params)
         return list(zip(inputs.unbind(0), torch.index_select(self.labels, 0, index).unbind(0), strict=True))
 
@@ -126,6 +140,24 @@ def draw_crop_flip(count: int, generator: torch.Generator | None = None) -> torc
     offsets = torch.randint(0, 2 * CROP_PADDING + 1, (count, 2), generator=generator)
     flips = torch.randint(0, 2, (count, 1), generator=generator)
     return torch.cat([offsets, flips], dim=1)
+
+
+def crop_flip_params(seed: int, epoch: int, first_position: int, count: int, global_batch_size: int) -> torch.Tensor:
+    """``(count, 3)`` crop-and-flip parameters of positions ``first_position ...`` of epoch ``epoch``'s order.
+
+    One draw of ``global_batch_size`` parameters per optimizer step, from a generator seeded by
+    ``(seed, epoch, step)``: a sample's augmentation depends on where it sits in the epoch, not on
+    the world size, the worker that reads it or where a run was resumed.
+    """
+    parts = []
+    position, end = first_position, first_position + count
+    while position < end:
+        step, offset = divmod(position, global_batch_size)
+        generator = torch.Generator().manual_seed(sample_seed(seed, epoch, step, _AUGMENT_STREAM))
+        take = min(end - position, global_batch_size - offset)
+        parts.append(draw_crop_flip(global_batch_size, generator)[offset:offset + take])
+        position += take
+    return torch.cat(parts) if parts else torch.zeros(0, 3, dtype=torch.long)
 
 
 def crop_flip(batch: torch.Tensor, params: torch.Tensor) -> torch.Tensor:

@@ -1,62 +1,49 @@
-"""Choosing and building the training and eval loaders (device loader or a prepared DataLoader).
+"""Choosing and building the training and eval loaders: the device loader, the DataLoader path, streaming.
 
-Both kinds give every optimizer step the same samples for the same seed, whatever the world size:
-the permutation is :func:`accel_ddp.data.sampler.epoch_order`'s.
+Every training loader gives every optimizer step the same samples for the same seed, whatever the
+world size: the order is :class:`~accel_ddp.data.sampler.GlobalBatchSampler`'s (the streaming
+loader, whose source has no random access, keeps every rank in step instead).
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
-from torch.utils.data import DataLoader, Dataset, RandomSampler
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from accel_ddp.config import ConfigError
 from accel_ddp.data.device_loader import DeviceEvalLoader, DeviceLoader
+from accel_ddp.data.host_loader import HostLoader, default_num_workers, readable, usable_cpus
 from accel_ddp.data.in_memory import as_in_memory, is_in_memory
-from accel_ddp.data.sampler import steps_per_epoch
+from accel_ddp.data.sampler import GlobalBatchSampler
 
-
-def usable_cpus() -> int:
-    """CPU cores this process may run on (its affinity mask where the OS has one)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-
-
-def default_num_workers(dataset: Dataset) -> int:
-    """0 for tensors in memory (workers would only add copies); else up to 8, sharing the CPUs among local ranks."""
-    if is_in_memory(dataset):
-        return 0
-    cpus = usable_cpus()
-    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    return max(1, min(8, cpus // local_ranks - 1))
+__all__ = ["Loaders", "build_eval_loader", "build_loaders", "build_train_loader", "choose_loader", "data_seed",
+           "data_source", "default_num_workers", "skip_first_batches", "usable_cpus"]
 
 
 def build_train_loader(
     dataset: Dataset, per_device_batch_size: int, global_batch_size: int, num_workers: int | None = None,
-    collate_fn: Callable | None = None,
+    collate_fn: Callable | None = None, *, seed: int = 0, rank: int = 0, world_size: int = 1,
 ) -> DataLoader:
-    """Shuffling DataLoader whose epoch is exactly ``steps_per_epoch * global_batch_size`` samples.
+    """A plain DataLoader over rank ``rank``'s share of every global batch (what :class:`HostLoader` wraps).
 
-    The sampler draws a fresh permutation of the whole dataset and keeps its first whole global
-    batches. Accelerate swaps it for its seedable twin (seed + epoch) and hands rank ``r`` the
-    per-device batches ``r, r + world, ...``, so each optimizer step covers the same contiguous
-    chunk of the permutation whatever the world size and accumulation. ``num_workers=None``
-    picks :func:`default_num_workers`; ``collate_fn=None`` is torch's ``default_collate``.
+    Its batch sampler is :class:`~accel_ddp.data.sampler.GlobalBatchSampler`: do not pass it through
+    ``accelerator.prepare``, which would shard it a second time. ``num_workers=None`` picks
+    :func:`default_num_workers`; ``collate_fn=None`` is torch's ``default_collate``.
     """
-    n_steps = steps_per_epoch(len(dataset), global_batch_size)
     workers = default_num_workers(dataset) if num_workers is None else num_workers
-    sampler = RandomSampler(dataset, num_samples=n_steps * global_batch_size)
+    sampler = GlobalBatchSampler(len(dataset), per_device_batch_size, global_batch_size, seed=seed, rank=rank,
+                                 world_size=world_size)
     return DataLoader(
-        dataset,
-        batch_size=per_device_batch_size,
-        sampler=sampler,
-        drop_last=True,
+        readable(dataset),
+        batch_sampler=sampler,
         collate_fn=collate_fn,
         num_workers=workers,
-        persistent_workers=workers > 0,  # no worker start-up cost at every epoch
-        pin_memory=torch.cuda.is_available(),  # with Accelerate's non_blocking copies, overlaps H2D with compute
+        persistent_workers=workers > 0,
+        pin_memory=torch.cuda.is_available(),
+        generator=torch.Generator().manual_seed(seed),
     )
 
 
@@ -99,9 +86,11 @@ def choose_loader(loader: str, dataset: Dataset, device_loader_max_mb: float) ->
 
 
 class Loaders(NamedTuple):
-    train: Any  # a prepared DataLoader, or a DeviceLoader: both yield (inputs, labels) on the device
+    train: Any  # a DeviceLoader, HostLoader or StreamingLoader: batches on the device
     eval: Any  # a prepared DataLoader (gather_for_metrics counts each sample once), a DeviceEvalLoader, or None
-    kind: str  # "device" or "dataloader"
+    kind: str  # "device", "dataloader" or "streaming": summary.json's "loader"
+    source: str = "in_memory"  # "in_memory", "memory_mapped", "streaming" or "map_style": summary.json's "data_source"
+    steps_per_epoch: int = 0  # optimizer steps per epoch (streaming: per pass of the loop, see StreamingLoader)
 
 
 def build_loaders(
@@ -116,52 +105,72 @@ def build_loaders(
     num_workers: int | None = None,
     device_loader_max_mb: float = 4096,
     collate_fn: Callable | None = None,
+    max_steps: int | None = None,
 ) -> Loaders:
-    """Train and eval loaders, ready to iterate: prepared by ``accelerator`` or on its device already.
+    """Train and eval loaders, ready to iterate: batches arrive on ``accelerator.device``.
 
     The training loader is the in-memory :class:`DeviceLoader` where :func:`choose_loader` says so,
-    else a prepared DataLoader; both draw the permutation from the accelerator's ``data_seed``
-    and give each optimizer step the same samples. Evaluation runs on a prepared
-    DataLoader (``gather_for_metrics`` counts each eval sample exactly once), except next to the
-    device training loader, where an in-memory eval set is sliced per rank on the device
+    else a :class:`HostLoader` (a DataLoader over the same global-batch order), or for a streamed
+    ``datasets.IterableDataset`` a :class:`~accel_ddp.data.streaming.StreamingLoader` (which needs
+    ``max_steps``). All draw their order from the accelerator's ``data_seed``. Evaluation runs on a
+    prepared DataLoader (``gather_for_metrics`` counts each eval sample exactly once), except next to
+    the device training loader, where an in-memory eval set is sliced per rank on the device
     (:class:`DeviceEvalLoader`, summed over ranks).
 
-        train_loader, eval_loader, kind = build_loaders(
+        train_loader, eval_loader, *_ = build_loaders(
             accelerator, train_ds, eval_ds, per_device_batch_size=32, global_batch_size=64)
         model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     """
-    kind = choose_loader(loader, train_dataset, device_loader_max_mb)
-    if kind == "device":
-        train_loader = DeviceLoader(
-            train_dataset, per_device_batch_size, global_batch_size, seed=data_seed(accelerator),
-            rank=accelerator.process_index, world_size=accelerator.num_processes, device=accelerator.device,
-        )
+    seed, rank, world = data_seed(accelerator), accelerator.process_index, accelerator.num_processes
+    source = data_source(train_dataset)
+    if source == "streaming":
+        from accel_ddp.data.streaming import StreamingLoader
+
+        kind = "streaming"
+        train_loader = StreamingLoader(
+            train_dataset, per_device_batch_size, global_batch_size, max_steps=max_steps, seed=seed, rank=rank,
+            world_size=world, device=accelerator.device, num_workers=num_workers, collate_fn=collate_fn)
     else:
-        train_loader = accelerator.prepare(
-            build_train_loader(train_dataset, per_device_batch_size, global_batch_size, num_workers, collate_fn)
-        )
+        kind = choose_loader(loader, train_dataset, device_loader_max_mb)
+        make = DeviceLoader if kind == "device" else HostLoader
+        extra = {} if kind == "device" else {"num_workers": num_workers, "collate_fn": collate_fn}
+        train_loader = make(train_dataset, per_device_batch_size, global_batch_size, seed=seed, rank=rank,
+                            world_size=world, device=accelerator.device, **extra)
     eval_loader = None
     eval_batch_size = eval_batch_size or 2 * per_device_batch_size
     if (eval_dataset is not None and kind == "device" and is_in_memory(eval_dataset)
-            and DeviceEvalLoader.can_shard(len(eval_dataset), eval_batch_size, accelerator.num_processes)):
-        eval_loader = DeviceEvalLoader(eval_dataset, eval_batch_size, rank=accelerator.process_index,
-                                       world_size=accelerator.num_processes, device=accelerator.device)
+            and DeviceEvalLoader.can_shard(len(eval_dataset), eval_batch_size, world)):
+        eval_loader = DeviceEvalLoader(eval_dataset, eval_batch_size, rank=rank, world_size=world,
+                                       device=accelerator.device)
     elif eval_dataset is not None:
         eval_loader = accelerator.prepare(build_eval_loader(eval_dataset, eval_batch_size, num_workers, collate_fn))
-    return Loaders(train_loader, eval_loader, kind)
+    return Loaders(train_loader, eval_loader, kind, source, train_loader.steps_per_epoch)
+
+
+def data_source(dataset) -> str:
+    """How the training samples are held: ``in_memory`` tensors, ``memory_mapped`` Arrow files, a
+    ``streaming`` iterable, or another ``map_style`` dataset (read per sample)."""
+    if is_in_memory(dataset):
+        return "in_memory"
+    if getattr(dataset, "memory_mapped", False):
+        return "memory_mapped"
+    if isinstance(dataset, IterableDataset):  # a datasets.IterableDataset is one too, once torch is imported
+        return "streaming"
+    return "map_style"
 
 
 def data_seed(accelerator) -> int:
-    """The seed Accelerate's seedable sampler starts from: ``data_seed``, else torch's initial seed."""
+    """The run's data seed (``DataLoaderConfiguration(data_seed=...)``), else torch's initial seed."""
     seed = getattr(getattr(accelerator, "dataloader_config", None), "data_seed", None)
     return int(seed) if seed is not None else torch.random.initial_seed()
 
 
 def skip_first_batches(accelerator, loader, num_batches: int):
-    """The rest of the current epoch after its first ``num_batches`` micro-batches, for either loader.
+    """The rest of the current epoch after its first ``num_batches`` micro-batches, for any of our loaders.
 
-    Call ``loader.set_epoch(epoch)`` first; iterate the result for that epoch only.
+    Call ``loader.set_epoch(epoch)`` first; iterate the result for that epoch only. Another loader
+    (a DataLoader prepared by Accelerate) goes to ``accelerator.skip_first_batches``.
     """
-    if isinstance(loader, DeviceLoader):
+    if hasattr(loader, "skip_first_batches"):
         return loader.skip_first_batches(num_batches)
     return accelerator.skip_first_batches(loader, num_batches)

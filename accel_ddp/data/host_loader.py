@@ -1,0 +1,166 @@
+"""The DataLoader path: samples read and decoded on the host (in worker processes), batches copied to the device.
+
+:class:`HostLoader` is a ``torch.utils.data.DataLoader`` over the package's own
+:class:`~accel_ddp.data.sampler.GlobalBatchSampler`: every rank draws the same permutation and takes
+its own slices of each global batch, exactly as the device loader does, and a resumed run starts
+from an optimizer step by arithmetic. It is deliberately not passed through
+``accelerator.prepare``: Accelerate would re-shard its batch sampler per rank (``BatchSamplerShard``)
+and register it with ``GradientState``, which forces a gradient sync at the end of every pass. We
+move batches ourselves (pinned memory and non-blocking copies on CUDA), and gradient sync follows
+Accelerate's accumulation counter alone, which lands on optimizer-step boundaries because an
+epoch holds a whole number of optimizer steps (as for :class:`~accel_ddp.data.device_loader.DeviceLoader`).
+
+Random augmentation is reproducible with any number of workers and across a resume: a dataset
+that reads the :class:`~accel_ddp.data.sampler.PlacedBatch` itself (``handles_placed_batches``)
+seeds from it; any other map-style dataset is wrapped in :class:`SeededSamples`, which seeds
+torch's, NumPy's and Python's global generators per sample from ``(seed, epoch, position)``.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from accel_ddp.data.in_memory import as_in_memory, is_in_memory
+from accel_ddp.data.sampler import GlobalBatchLoader, GlobalBatchSampler, PlacedBatch, sample_seed
+
+
+def usable_cpus() -> int:
+    """CPU cores this process may run on (its affinity mask where the OS has one)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def default_num_workers(dataset: Dataset) -> int:
+    """0 for tensors in memory (workers would only add copies); else up to 8, sharing the CPUs among local ranks."""
+    if is_in_memory(dataset):
+        return 0
+    cpus = usable_cpus()
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return max(1, min(8, cpus // local_ranks - 1))
+
+
+@contextmanager
+def _global_rngs_restored():
+    """Leave torch's (CPU), NumPy's and Python's global generators as they were (reads in the main process)."""
+    torch_state, numpy_state, python_state = torch.random.get_rng_state(), np.random.get_state(), random.getstate()
+    try:
+        yield
+    finally:
+        torch.random.set_rng_state(torch_state)
+        np.random.set_state(numpy_state)
+        random.setstate(python_state)
+
+
+def _seed_global_rngs(seed: int) -> None:
+    torch.random.default_generator.manual_seed(seed)  # the CPU generator only: CUDA's drives dropout
+    np.random.seed(seed % 2**32)
+    random.seed(seed)
+
+
+class SeededSamples(Dataset):
+    """A map-style dataset whose reads draw their randomness from ``(seed, epoch, position)``.
+
+    Each sample of a :class:`~accel_ddp.data.sampler.PlacedBatch` is read with torch's, NumPy's and
+    Python's global generators seeded from the run's seed, the epoch and the sample's position in
+    the epoch's order (torchvision and most augmentation libraries draw from these). So a sample
+    gets the same augmentation in any worker, at any world size and after a resume. The generators'
+    states are restored afterwards: reads in the main process (``num_workers=0``) leave the
+    training stream (dropout) alone.
+
+    A dataset with its own batched ``__getitems__`` (a Hugging Face ``datasets.Dataset`` with a
+    transform) is read one batch at a time, seeded by the position of the batch's first sample:
+    exact on resume, but its draws depend on the per-device batch layout.
+    """
+
+    handles_placed_batches = True
+
+    def __init__(self, dataset: Dataset):
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index):
+        return self.dataset[index]
+
+    def __getitems__(self, batch) -> list:
+        batched = getattr(self.dataset, "__getitems__", None)
+        if not isinstance(batch, PlacedBatch):
+            return batched(list(batch)) if batched else [self.dataset[i] for i in batch]
+        with _global_rngs_restored():
+            if batched is not None:
+                _seed_global_rngs(sample_seed(batch.seed, batch.epoch, batch.first_position))
+                return batched(list(batch))
+            samples = []
+            for index, position in zip(batch, batch.positions(), strict=True):
+                _seed_global_rngs(sample_seed(batch.seed, batch.epoch, position))
+                samples.append(self.dataset[index])
+            return samples
+
+
+def readable(dataset: Dataset) -> Dataset:
+    """The dataset as the DataLoader path reads it: in-memory tensors gathered per batch, else seeded reads."""
+    if is_in_memory(dataset):
+        return as_in_memory(dataset)
+    if getattr(dataset, "handles_placed_batches", False):
+        return dataset
+    return SeededSamples(dataset)
+
+
+class HostLoader(GlobalBatchLoader):
+    """Micro-batches of rank ``rank`` from a map-style dataset, read by a DataLoader and copied to ``device``.
+
+    The same surface as :class:`~accel_ddp.data.device_loader.DeviceLoader` (``len``, ``set_epoch``,
+    ``skip_first_batches``, iteration) and the same samples in the same micro-steps. Batches may be
+    any structure of tensors (tuples, dicts; ``collate_fn`` builds them). Workers (``num_workers``;
+    ``None`` picks :func:`default_num_workers`) persist across epochs.
+
+        >>> loader = HostLoader(dataset, per_device_batch_size=32, global_batch_size=128, seed=0, rank=r,
+        ...                     world_size=2, device=accelerator.device)
+        >>> loader.set_epoch(epoch); batches = loader.skip_first_batches(step_in_epoch * loader.accumulation)
+    """
+
+    def __init__(
+        self,
+        dataset: Dataset,
+        per_device_batch_size: int,
+        global_batch_size: int,
+        *,
+        seed: int,
+        rank: int = 0,
+        world_size: int = 1,
+        device: torch.device | str = "cpu",
+        num_workers: int | None = None,
+        collate_fn: Callable[[list], Any] | None = None,
+    ):
+        self.sampler = GlobalBatchSampler(len(dataset), per_device_batch_size, global_batch_size, seed=seed,
+                                          rank=rank, world_size=world_size)
+        self.device = torch.device(device)
+        workers = default_num_workers(dataset) if num_workers is None else num_workers
+        self.loader = DataLoader(
+            readable(dataset),
+            batch_sampler=self.sampler,
+            collate_fn=collate_fn,
+            num_workers=workers,
+            persistent_workers=workers > 0,  # no worker start-up cost at every epoch
+            pin_memory=self.device.type == "cuda",  # page-locked host batches: the copy below overlaps compute
+            # The DataLoader draws its workers' base seed from this generator, not from torch's global one:
+            # the training stream (dropout) must not depend on the loader. Augmentation does not use it.
+            generator=torch.Generator().manual_seed(seed),
+        )
+
+    def __iter__(self) -> Iterator[Any]:
+        epoch = self.sampler.epoch
+        on_cpu = self.device.type == "cpu"
+        if not on_cpu:
+            from accelerate.utils import send_to_device
+        for batch in self.loader:
+            yield batch if on_cpu else send_to_device(batch, self.device, non_blocking=True)
+        self.sampler.set_epoch(epoch + 1)
