@@ -265,6 +265,37 @@ def test_crop_flip_augmentation_is_per_sample_correct_and_the_same_for_any_world
     assert sample.shape == (3, 6, 5) and sample.dtype == torch.float32
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_augmentation_depends_on_seed_epoch_and_position_only(workers):
+    """Random reads give each sample the same draw in any worker, at any world size and after a mid-epoch resume."""
+    dataset = helpers_data.AugmentedIndexDataset(50)  # noise from torch's global generator on every read
+
+    def noise_by_sample(loaders, epoch=1) -> dict[int, float]:
+        seen = {}
+        for loader in loaders:
+            loader.set_epoch(epoch)
+            for x, _ in loader:
+                seen.update({int(i): noise for i, noise in x.tolist()})
+        return seen
+
+    one = noise_by_sample([HostLoader(dataset, 16, 16, seed=3, num_workers=0)])
+    two = noise_by_sample([HostLoader(dataset, 4, 16, seed=3, rank=r, world_size=2, num_workers=workers)
+                           for r in range(2)])  # accumulation 2
+    assert one == two and len(one) == 48 and len(set(one.values())) == 48
+    assert noise_by_sample([HostLoader(dataset, 16, 16, seed=3, num_workers=0)], epoch=2) != one
+    resumed = HostLoader(dataset, 4, 16, seed=3, rank=1, world_size=2, num_workers=workers)
+    resumed.set_epoch(1)
+    tail = {int(i): noise for x, _ in resumed.skip_first_batches(4) for i, noise in x.tolist()}
+    assert len(tail) == 8 and all(one[i] == noise for i, noise in tail.items())  # after optimizer step 2 of 3
+
+    images = torch.randint(0, 256, (40, 3, 6, 5), dtype=torch.uint8, generator=torch.Generator().manual_seed(8))
+    cifar_like = InMemoryDataset(images, torch.arange(40), mean=CIFAR10_MEAN, std=CIFAR10_STD, scale=255.0,
+                                 augment="crop_flip")  # batch-wise crops: the DataLoader path draws as on the device
+    device = [x for x, _ in DeviceLoader(cifar_like, 4, 16, seed=1, rank=1, world_size=2)]
+    host = [x for x, _ in HostLoader(cifar_like, 4, 16, seed=1, rank=1, world_size=2, num_workers=workers)]
+    assert len(device) == len(host) == 4 and all(torch.equal(a, b) for a, b in zip(device, host, strict=True))
+
+
 @pytest.mark.parametrize("workers", [0, 1])
 def test_no_training_loader_moves_the_global_generator(workers):
     """Dropout masks then match between paths, and a resumed epoch needs no RNG correction."""
@@ -672,3 +703,54 @@ def test_device_loader_resumes_mid_epoch_to_the_same_weights(tmp_path):
     assert summary["resumed_from_step"] == 25 and summary["optimizer_steps"] == 44
     whole, resumed = load_weights(tmp_path / "whole"), load_weights(tmp_path / "resumed")
     assert all(torch.equal(whole[k], resumed[k]) for k in whole)
+
+
+def test_dataloader_workers_with_random_reads_resume_mid_epoch_to_the_same_weights(tmp_path):
+    """Augmentation drawn in DataLoader workers: a rank fails mid-epoch, the resumed run ends bit-identical,
+    and the worker count changes nothing."""
+    common = ["--dataset", "tests.helpers_data:noisy_digits", "--model", "mnist_cnn", "--max_steps", "30",
+              "--global_batch_size", "64", "--per_device_batch_size", "16", "--loader", "dataloader",
+              "--checkpointing_steps", "5"]
+    train_ranks([*common, "--num_workers", "1", "--output_dir", str(tmp_path / "whole")])
+
+    def fail_at_step_27_on_rank_1():
+        faults.install(fail_at=(27, 1))
+        return train(parse_args([*common, "--num_workers", "1", "--output_dir", str(tmp_path / "resumed")]))
+
+    with pytest.raises(RankFailed, match="injected failure on rank 1 at step 27"):
+        run_ranks(fail_at_step_27_on_rank_1, grace=1)
+    summaries = train_ranks([*common, "--num_workers", "1", "--output_dir", str(tmp_path / "resumed"),
+                             "--resume_from_checkpoint", "auto"])
+    assert summaries[0]["resumed_from_step"] == 25 and summaries[0]["loader"] == "dataloader"
+    assert summaries[0]["data_source"] == "map_style"
+    train_ranks([*common, "--num_workers", "0", "--output_dir", str(tmp_path / "no_workers")])
+    whole = load_weights(tmp_path / "whole")
+    for other in ("resumed", "no_workers"):
+        weights = load_weights(tmp_path / other)
+        assert all(torch.equal(whole[k], weights[k]) for k in whole), other
+
+
+def test_resume_on_another_world_size_continues_with_the_same_global_batches(tmp_path):
+    """Saved by 2 ranks mid-epoch, resumed by 1: every later optimizer step trains on the same samples."""
+    from accel_ddp.config import TrainConfig
+
+    def served(world: int, out: str, fail: bool = False, resume: bool = False) -> list[list[int]]:
+        def run() -> list[list[int]]:
+            if fail:
+                faults.install(fail_at=(17, 0))
+            model = helpers_data.IndexRecorder()
+            cfg = TrainConfig(global_batch_size=8, per_device_batch_size=8 // world, epochs=3, seed=3,
+                              optimizer="sgd", lr=0.1, checkpointing_steps="5", output_dir=str(tmp_path / out),
+                              resume_from_checkpoint="auto" if resume else None)
+            train(cfg, model=model, train_dataset=helpers_data.IndexDataset(100))
+            return model.seen
+
+        per_rank = run_ranks(run, world_size=world, grace=1)
+        return [sorted(i for rank in per_rank for i in rank[step]) for step in range(len(per_rank[0]))]
+
+    whole = served(2, "whole")  # 12 steps per epoch, 36 in all
+    with pytest.raises(RankFailed, match="injected failure on rank 0 at step 17"):
+        served(2, "moved", fail=True)  # the newest checkpoint: step 15, in epoch 1
+    resumed = served(1, "moved", resume=True)
+    assert len(whole) == 36 and resumed == whole[15:]
+    assert read_summary(tmp_path / "moved")["world_size"] == 1
