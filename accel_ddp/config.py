@@ -84,8 +84,13 @@ class TrainConfig:
         "device or dataloader"
     )
     device_loader_max_mb: int = _opt(
-        4096, "--loader auto: largest in-memory training set (MiB as stored) kept on the device", low=0
+        4096, "--loader auto: largest in-memory training set (MiB as stored) kept on the device; hf: larger "
+        "sets stay memory-mapped and are decoded per batch", low=0
     )
+    streaming: bool = _opt(
+        False, "hf: stream the training split (datasets.IterableDataset, split over ranks); needs --max_steps"
+    )
+    shuffle_buffer: int = _opt(10_000, "--streaming: examples in the shuffle buffer (0: read in file order)", low=0)
     num_workers: int | None = _opt(
         None, "DataLoader workers per rank; default 0 for in-memory data, else up to 8 (CPUs / local ranks)",
         low=0, high=256,
@@ -225,6 +230,7 @@ class TrainConfig:
                 raise ConfigError(f"--checkpointing_steps must be a positive step count or 'epoch', got {_show(value)}")
             self.checkpointing_steps = value
         _check_task(self)
+        _check_data(self)
         if self.init_from is not None and not self.init_from.endswith(".safetensors"):
             raise ConfigError(f"--init_from {_show(self.init_from)}: expected a .safetensors weights file, "
                               "e.g. OUTPUT_DIR/model.safetensors")
@@ -422,6 +428,23 @@ def _range_fix(name: str, low: float | None, high: float | None) -> str:
     if low is not None and high is not None:
         return f"give a value from {low} to {high}"
     return f"give a value >= {low}" if low is not None else f"give a value <= {high}"
+
+
+def _check_data(cfg: TrainConfig) -> None:
+    """The data options that only make sense together (--streaming and its companions)."""
+    if not cfg.streaming:
+        return
+    if cfg.dataset != "hf":
+        raise ConfigError(f"--streaming reads Hugging Face datasets; add --dataset hf (got --dataset {cfg.dataset})")
+    if cfg.max_steps is None:
+        raise ConfigError("--streaming: a stream has no length to count epochs by; set --max_steps")
+    if cfg.loader == "device":
+        raise ConfigError("--streaming and --loader device: a stream is not kept on the device; drop --loader")
+
+
+def _check_choice(cfg: TrainConfig, name: str, choices: tuple[str, ...]) -> None:
+    if getattr(cfg, name) not in choices:
+        raise ConfigError(f"--{name} {getattr(cfg, name)!r} is unknown; choose one of {', '.join(choices)}")
 
 
 # ----------------------------------------------------------------------------- CLI and YAML

@@ -34,7 +34,7 @@ def report_bad_input(err: Exception) -> None:
     write_error_file(f"{type(err).__name__}: {err}")  # the one line, no traceback: bad input is not a bug
     store = _launcher_store()
     if store is None:
-        if _rank() == 0:
+        if _rank() == 0 or getattr(err, "only_this_rank", False):  # bad data one rank met mid-training
             print_error_line(str(err))
         return
     key = f"accel_ddp/error_line/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/" \

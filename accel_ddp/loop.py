@@ -31,7 +31,7 @@ from accelerate.utils import (
     send_to_device,
     set_seed,
 )
-from torch.utils.data import Dataset, Subset
+from torch.utils.data import Dataset, IterableDataset, Subset
 from tqdm.auto import tqdm
 
 from accel_ddp import failure
@@ -208,7 +208,9 @@ def _resolve_data(cfg: TrainConfig, accelerator: Accelerator, train_dataset, eva
     """The datasets from the config (built once per machine first) or the caller, and how to batch them."""
     tokenizer = None
     hf = HFSource(cfg.hf_name, cfg.hf_config, cfg.hf_train_split, cfg.hf_eval_split, cfg.image_column,
-                  cfg.label_column)
+                  cfg.label_column, streaming=cfg.streaming, shuffle_buffer=cfg.shuffle_buffer,
+                  # in memory below the threshold (the device loader can serve it), memory-mapped above
+                  in_memory_max_mb=math.inf if cfg.loader == "device" else cfg.device_loader_max_mb)
     if train_dataset is None and cfg.task in TEXT_TASKS and cfg.dataset == "hf":
         text = TextOptions(cfg.tokenizer or (cfg.model if has_tokenizer(cfg.model) else None), cfg.text_column,
                            cfg.max_length, cfg.packing, labels=cfg.task == "sequence_classification")
@@ -224,11 +226,12 @@ def _resolve_data(cfg: TrainConfig, accelerator: Accelerator, train_dataset, eva
         num_classes, input_shape = bundle.num_classes, bundle.input_shape
     else:
         num_classes, input_shape = None, None
-    if isinstance(train_dataset[0], Mapping):  # dict samples: no single input shape
+    streamed = isinstance(train_dataset, IterableDataset)  # a stream has no [0]: its bundle gave the shape
+    if not streamed and isinstance(train_dataset[0], Mapping):  # dict samples: no single input shape
         input_shape = None
     elif input_shape is None:
         input_shape = tuple(train_dataset[0][0].shape)
-    if cfg.debug:  # a small subset: errors show up in seconds
+    if cfg.debug and not streamed:  # a small subset: errors show up in seconds
         train_dataset = Subset(train_dataset, range(min(len(train_dataset), DEBUG_MAX_STEPS * cfg.global_batch_size)))
         if eval_dataset is not None:
             eval_dataset = Subset(eval_dataset, range(min(len(eval_dataset), 4 * cfg.global_batch_size)))

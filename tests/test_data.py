@@ -7,6 +7,7 @@ parquet, CSV, ``save_to_disk``) is written into a temporary folder first.
 from __future__ import annotations
 
 import gzip
+import os
 import pickle
 import subprocess
 import sys
@@ -38,6 +39,8 @@ from accel_ddp.data import (
 )
 from accel_ddp.data.device_loader import DeviceEvalLoader
 from accel_ddp.data.in_memory import CROP_PADDING, crop_flip
+from accel_ddp.data.loaders import data_source
+from accel_ddp.data.mapped import MappedDataset
 from accel_ddp.data.sampler import epoch_order
 from tests import faults, helpers_data
 from tests.conftest import REPO, load_weights, main_ranks, read_summary, run_ranks, train_ranks
@@ -754,3 +757,175 @@ def test_resume_on_another_world_size_continues_with_the_same_global_batches(tmp
     resumed = served(1, "moved", resume=True)
     assert len(whole) == 36 and resumed == whole[15:]
     assert read_summary(tmp_path / "moved")["world_size"] == 1
+
+
+# ----------------------------------------------------------------------------- memory-mapped Hugging Face datasets
+
+
+@pytest.mark.parametrize("layout", ["parquet_rgb_held_out", "save_to_disk_gray"])
+def test_memory_mapped_path_serves_the_in_memory_paths_samples(tmp_path, layout):
+    """Above the size threshold the rows stay in Arrow files and are decoded per batch: the same samples."""
+    import datasets
+
+    if layout == "parquet_rgb_held_out":
+        hf_image_dataset(45, 0, size=8, mode="RGB").to_parquet(str(tmp_path / "train.parquet"))
+        data_dir = tmp_path
+    else:
+        datasets.DatasetDict(train=hf_image_dataset(40, 0), test=hf_image_dataset(12, 1)).save_to_disk(tmp_path / "d")
+        data_dir = tmp_path / "d"
+    in_memory = build_datasets("hf", str(data_dir), download=False, hf=HFSource(in_memory_max_mb=4096))
+    mapped = build_datasets("hf", str(data_dir), download=False, hf=HFSource(in_memory_max_mb=0))
+    assert isinstance(in_memory.train, InMemoryDataset) and isinstance(mapped.train, MappedDataset)
+    assert (mapped.num_classes, mapped.input_shape) == (in_memory.num_classes, in_memory.input_shape)
+    for name in ("train", "eval"):
+        ours, theirs = getattr(mapped, name), getattr(in_memory, name)
+        assert len(ours) == len(theirs)
+        every = list(range(len(ours)))
+        for (x, y), (x_ref, y_ref) in zip(ours.__getitems__(every), theirs.__getitems__(every), strict=True):
+            assert torch.equal(x, x_ref) and int(y) == int(y_ref)  # decoded and normalised to the same bits
+    assert data_source(mapped.train) == "memory_mapped" and data_source(in_memory.train) == "in_memory"
+    assert choose_loader("auto", mapped.train, 4096) == "dataloader"
+    batches = list(HostLoader(mapped.train, 4, 8, seed=0, num_workers=1))
+    assert len(batches) == len(mapped.train) // 8 * 2 and batches[0][0].shape == (4, *mapped.input_shape)
+
+
+def test_memory_mapped_arrays_and_named_labels(tmp_path):
+    """Array and number columns on the memory-mapped path: floats as stored, uint8 normalised, names as class ids."""
+    import datasets
+
+    rng = np.random.default_rng(5)
+    floats = rng.normal(size=(20, 4, 4)).astype(np.float32)
+    pixels = rng.integers(0, 256, (20, 2, 3), dtype=np.uint8)
+    features = datasets.Features({"x": datasets.Array2D((4, 4), "float32"), "p": datasets.Array2D((2, 3), "uint8"),
+                                  "animal": datasets.Value("string")})
+    names = ["cat", "dog", "ant", "eel"]
+    ds = datasets.Dataset.from_dict({"x": floats, "p": pixels, "animal": [names[i % 4] for i in range(20)]},
+                                    features=features)
+    datasets.DatasetDict(train=ds, validation=ds.select(range(5))).save_to_disk(tmp_path / "d")
+    for column in ("x", "p"):
+        source = dict(image_column=column, label_column="animal")
+        mapped = build_datasets("hf", str(tmp_path / "d"), False, hf=HFSource(**source, in_memory_max_mb=0))
+        in_memory = build_datasets("hf", str(tmp_path / "d"), False, hf=HFSource(**source))
+        assert isinstance(mapped.train, MappedDataset) and mapped.num_classes == 4
+        assert mapped.input_shape == in_memory.input_shape == ((1, 4, 4) if column == "x" else (1, 2, 3))
+        for i in (0, 3, 17):
+            (x, y), (x_ref, y_ref) = mapped.train[i], in_memory.train[i]
+            assert torch.equal(x, x_ref) and int(y) == int(y_ref) == sorted(names).index(names[i % 4])
+
+
+def _resident_file_mib() -> float:
+    with open("/proc/self/status", encoding="utf-8") as fh:
+        return next(int(line.split()[1]) for line in fh if line.startswith("RssFile:")) / 1024
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the resident set from /proc")
+def test_memory_mapped_reads_leave_the_resident_set_flat(tmp_path):
+    """Pages a batch maps stay mapped, counting in RSS, unless the reader drops them: it does, after each batch."""
+    import datasets
+
+    rows = 2560  # 30 MiB of incompressible bytes
+    payload = np.random.default_rng(0).integers(0, 256, (rows, 12288), dtype=np.uint8)
+    datasets.Dataset.from_dict({"x": [bytes(r) for r in payload], "y": list(range(rows))}).save_to_disk(tmp_path / "d")
+
+    def growth(trim: bool) -> float:
+        mapped = MappedDataset(datasets.load_from_disk(str(tmp_path / "d")),
+                               decode=lambda batch, _: [len(b) for b in batch["x"]])
+        if not trim:
+            mapped.trim = lambda: None
+        base, peak = _resident_file_mib(), 0.0
+        for start in range(0, rows, 64):
+            assert mapped.__getitems__(range(start, start + 64)) == [12288] * 64
+            peak = max(peak, _resident_file_mib() - base)
+        return peak
+
+    assert growth(trim=False) > 25  # the whole file ends up in this process's resident set
+    assert growth(trim=True) < 12  # at most a batch's pages (and the kernel's read-around) at a time
+
+
+def _image_splits(folder: Path, n_train: int, n_test: int, bad_rows: tuple[int, ...] = ()) -> Path:
+    """A save_to_disk folder of 8x8 grayscale PNGs (4 classes); ``bad_rows`` of train hold bytes that are no image."""
+    import datasets
+
+    train = hf_image_dataset(n_train, 0, size=8).cast_column("image", datasets.Image(decode=False))
+    if bad_rows:
+        def spoil(row, index):
+            return {"image": {"bytes": b"not an image", "path": None}} if index in bad_rows else row
+        train = train.map(spoil, with_indices=True)
+    datasets.DatasetDict(train=train, test=hf_image_dataset(n_test, 1, size=8)).save_to_disk(folder)
+    return folder
+
+
+def test_an_image_that_does_not_decode_mid_epoch_stops_every_rank_with_one_line(tmp_path, capfd):
+    """Found by a DataLoader worker of rank 1 at step 4: that rank names the row and exits 2, rank 0 stops too,
+    and the checkpoint of step 2 is untouched."""
+    from accel_ddp.checkpoint import list_checkpoints, read_checkpoint
+    from accel_ddp.data.hf import STATS_SAMPLE, stats_rows
+    from accel_ddp.loop import main
+
+    rows = STATS_SAMPLE + 100  # the normalisation sample decodes 1024 rows at start-up: a bad one there is found then
+    position = 3 * 8 + 5  # step 3 (0-based) of epoch 0: micro-step 3, rank (29 // 4) % 2 = 1
+    bad_row = int(epoch_order(rows, rows // 8 * 8, seed=0, epoch=0)[position])
+    assert bad_row not in stats_rows(rows).tolist()
+    data = _image_splits(tmp_path / "d", rows, 16, bad_rows=(bad_row,))
+    out = tmp_path / "run"
+    args = ["--dataset", "hf", "--data_dir", str(data), "--device_loader_max_mb", "0", "--num_workers", "1",
+            "--global_batch_size", "8", "--max_steps", "6", "--checkpointing_steps", "2", "--output_dir", str(out)]
+
+    def run() -> int:
+        code = main(args)
+        (tmp_path / f"exit{os.environ.get('RANK')}").write_text(str(code))
+        return code
+
+    with pytest.raises(RankFailed) as failed:
+        run_ranks(run, grace=20)
+    assert set(failed.value.failures) == {0} and "killed" not in failed.value.failures[0]  # it stopped by itself
+    assert (tmp_path / "exit1").read_text() == "2"
+    text = capfd.readouterr().err  # rank 1's line may follow rank 0's progress bar on the same line
+    errors = ["accel_ddp: error:" + part.splitlines()[0] for part in text.split("accel_ddp: error:")[1:]]
+    assert len(errors) == 1 and f"row {bad_row} of the 'train' split" in errors[0] and "filter" in errors[0]
+    assert [step for step, _ in list_checkpoints(out / "checkpoints")] == [2]
+    read_checkpoint(str(out / "checkpoints" / "step_00000002"))  # every file as saved (sizes and sha256)
+    assert not (out / "summary.json").exists() and not (out / "model.safetensors").exists()
+
+
+@pytest.mark.parametrize("kind", ["parquet", "arrow"])
+def test_a_damaged_data_file_is_named_before_training_and_checkpoints_stay(tmp_path, capfd, kind):
+    import datasets
+
+    folder = tmp_path / "d"
+    if kind == "parquet":
+        folder.mkdir()
+        hf_image_dataset(40, 0).to_parquet(str(folder / "train.parquet"))
+        hf_image_dataset(12, 1).to_parquet(str(folder / "test.parquet"))
+        damaged = folder / "train.parquet"
+    else:
+        datasets.DatasetDict(train=hf_image_dataset(40, 0), test=hf_image_dataset(12, 1)).save_to_disk(folder)
+        damaged = next((folder / "train").glob("*.arrow"))
+    out = tmp_path / "run"
+    args = ["--dataset", "hf", "--data_dir", str(folder), "--global_batch_size", "8", "--epochs", "1",
+            "--checkpointing_steps", "2", "--output_dir", str(out)]
+    assert main_ranks(args, world_size=1) == [0]
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    damaged.write_bytes(damaged.read_bytes()[: damaged.stat().st_size // 2])  # cut in half
+    capfd.readouterr()
+    assert main_ranks([*args, "--resume_from_checkpoint", "auto"]) == [2, 2]
+    errors = [line for line in capfd.readouterr().err.splitlines() if line.startswith("accel_ddp: error:")]
+    assert len(errors) == 1 and str(damaged) in errors[0] and "re-create or re-download it" in errors[0]
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+
+
+def test_memory_mapped_run_trains_the_weights_of_the_in_memory_run(tmp_path):
+    """The same parquet files, over the size threshold: memory-mapped, they train the same weights bit for bit."""
+    folder = tmp_path / "d"
+    folder.mkdir()
+    hf_image_dataset(96, 0, size=8, mode="RGB").to_parquet(str(folder / "train.parquet"))
+    hf_image_dataset(20, 1, size=8, mode="RGB").to_parquet(str(folder / "test.parquet"))
+    common = ["--dataset", "hf", "--data_dir", str(folder), "--model", "mnist_cnn", "--epochs", "2",
+              "--global_batch_size", "16", "--optimizer", "sgd", "--lr", "0.05"]
+    mapped = train_ranks([*common, "--device_loader_max_mb", "0", "--output_dir", str(tmp_path / "mapped")])[0]
+    in_memory = train_ranks([*common, "--output_dir", str(tmp_path / "memory")])[0]
+    assert (mapped["loader"], mapped["data_source"]) == ("dataloader", "memory_mapped")
+    assert (in_memory["loader"], in_memory["data_source"]) == ("device", "in_memory")
+    assert mapped["eval_samples"] == in_memory["eval_samples"] == 20
+    ours, theirs = load_weights(tmp_path / "mapped"), load_weights(tmp_path / "memory")
+    assert all(torch.equal(ours[k], theirs[k]) for k in theirs)

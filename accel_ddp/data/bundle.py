@@ -24,11 +24,14 @@ class DatasetBundle(NamedTuple):
 class DataError(ConfigError):
     """Bad data met while training: a sample that does not decode, a source that fails or ends early.
 
-    One line naming the sample or file and the fix. The rank that meets it prints it (``main()``
-    prints other bad input from the first rank only) and exits with code 2; the other ranks stop
-    with it. Raised in a DataLoader worker, it comes back to the main process as
-    ``DataError(worker traceback)``; the constructor keeps the original one-line message.
+    One line naming the sample or file and the fix; ``main()`` exits with code 2. Met while setting
+    up, every rank meets it and the first prints it; met by one rank's loader in the middle of
+    training (``only_this_rank``), that rank prints it and the others stop when its process ends.
+    Raised in a DataLoader worker, it comes back to the main process as ``DataError(worker
+    traceback)``; the constructor keeps the original one-line message.
     """
+
+    only_this_rank = False
 
     def __init__(self, message: str):
         if "Original Traceback" in message:  # torch's ExceptionWrapper.reraise: the original is the last line

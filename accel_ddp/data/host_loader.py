@@ -19,17 +19,23 @@ torch's, NumPy's and Python's global generators per sample from ``(seed, epoch, 
 from __future__ import annotations
 
 import os
-import random
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from typing import Any
 
-import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from accel_ddp.data.bundle import DataError
 from accel_ddp.data.in_memory import as_in_memory, is_in_memory
-from accel_ddp.data.sampler import GlobalBatchLoader, GlobalBatchSampler, PlacedBatch, sample_seed
+from accel_ddp.data.mapped import MappedDataset, is_arrow_dataset
+from accel_ddp.data.sampler import (
+    GlobalBatchLoader,
+    GlobalBatchSampler,
+    PlacedBatch,
+    global_rngs_restored,
+    sample_seed,
+    seed_global_rngs,
+)
 
 
 def usable_cpus() -> int:
@@ -44,24 +50,6 @@ def default_num_workers(dataset: Dataset) -> int:
     cpus = usable_cpus()
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     return max(1, min(8, cpus // local_ranks - 1))
-
-
-@contextmanager
-def _global_rngs_restored():
-    """Leave torch's (CPU), NumPy's and Python's global generators as they were (reads in the main process)."""
-    torch_state, numpy_state, python_state = torch.random.get_rng_state(), np.random.get_state(), random.getstate()
-    try:
-        yield
-    finally:
-        torch.random.set_rng_state(torch_state)
-        np.random.set_state(numpy_state)
-        random.setstate(python_state)
-
-
-def _seed_global_rngs(seed: int) -> None:
-    torch.random.default_generator.manual_seed(seed)  # the CPU generator only: CUDA's drives dropout
-    np.random.seed(seed % 2**32)
-    random.seed(seed)
 
 
 class SeededSamples(Dataset):
@@ -94,23 +82,26 @@ class SeededSamples(Dataset):
         batched = getattr(self.dataset, "__getitems__", None)
         if not isinstance(batch, PlacedBatch):
             return batched(list(batch)) if batched else [self.dataset[i] for i in batch]
-        with _global_rngs_restored():
+        with global_rngs_restored():
             if batched is not None:
-                _seed_global_rngs(sample_seed(batch.seed, batch.epoch, batch.first_position))
+                seed_global_rngs(sample_seed(batch.seed, batch.epoch, batch.first_position))
                 return batched(list(batch))
             samples = []
             for index, position in zip(batch, batch.positions(), strict=True):
-                _seed_global_rngs(sample_seed(batch.seed, batch.epoch, position))
+                seed_global_rngs(sample_seed(batch.seed, batch.epoch, position))
                 samples.append(self.dataset[index])
             return samples
 
 
 def readable(dataset: Dataset) -> Dataset:
-    """The dataset as the DataLoader path reads it: in-memory tensors gathered per batch, else seeded reads."""
+    """The dataset as the DataLoader path reads it: in-memory tensors gathered per batch, a ``datasets.Dataset``
+    read memory-mapped a batch at a time, anything else through seeded reads."""
     if is_in_memory(dataset):
         return as_in_memory(dataset)
     if getattr(dataset, "handles_placed_batches", False):
         return dataset
+    if is_arrow_dataset(dataset):
+        return MappedDataset(dataset)
     return SeededSamples(dataset)
 
 
@@ -161,6 +152,10 @@ class HostLoader(GlobalBatchLoader):
         on_cpu = self.device.type == "cpu"
         if not on_cpu:
             from accelerate.utils import send_to_device
-        for batch in self.loader:
-            yield batch if on_cpu else send_to_device(batch, self.device, non_blocking=True)
+        try:
+            for batch in self.loader:
+                yield batch if on_cpu else send_to_device(batch, self.device, non_blocking=True)
+        except DataError as err:
+            err.only_this_rank = True  # no other rank reads this batch: this one must say what went wrong
+            raise
         self.sampler.set_epoch(epoch + 1)

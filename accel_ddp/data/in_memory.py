@@ -65,7 +65,7 @@ class InMemoryDataset(Dataset):
         self.mean, self.std, self.scale, self.augment = mean, std, scale, augment
         self.affine = None  # (scale, mean, std) tensors shaped to broadcast over a batch
         if inputs.dtype == torch.uint8 and (scale is not None or mean is not None):
-            self.affine = _affine(mean or (0.0,), std or (1.0,), scale or 1.0, inputs.dim() - 1)
+            self.affine = affine_params(mean or (0.0,), std or (1.0,), scale or 1.0, inputs.dim() - 1)
             if len(self.affine[1]) not in (1, inputs.shape[1]):
                 raise ValueError(f"{len(self.affine[1])} means/stds for samples of {inputs.shape[1]} channels")
 
@@ -103,12 +103,7 @@ class InMemoryDataset(Dataset):
         """Stored samples ``(B, *shape)`` to model inputs: augment (given its parameters), then normalise."""
         if crop_flip_params is not None:
             batch = crop_flip(batch, crop_flip_params)
-        if self.affine is None:
-            return batch
-        scale, mean, std = (t.to(batch.device) for t in self.affine)
-        # Tensor operands, never Python floats: CUDA turns division by a host scalar into multiplication
-        # by its reciprocal, which would differ from the CPU in the last bit.
-        return batch.float().div_(scale).sub_(mean).div_(std)
+        return batch if self.affine is None else normalise(batch, self.affine)
 
     def subset(self, indices) -> InMemoryDataset:
         index = torch.as_tensor(indices, dtype=torch.long)
@@ -126,13 +121,21 @@ class InMemoryDataset(Dataset):
         return clone
 
 
-def _affine(mean: Sequence[float], std: Sequence[float], scale: float, sample_dims: int):
+def affine_params(mean: Sequence[float], std: Sequence[float], scale: float, sample_dims: int):
     """float32 (scale, mean, std) that broadcast over ``(B, C, ...)`` batches: per channel, or one for all."""
     if len(mean) != len(std):
         raise ValueError(f"{len(mean)} means but {len(std)} stds")
     shape = (-1, *([1] * (sample_dims - 1))) if len(mean) > 1 else (1,)
     as_tensor = lambda values: torch.tensor(values, dtype=torch.float32).view(shape)
     return torch.tensor(scale, dtype=torch.float32), as_tensor(mean), as_tensor(std)
+
+
+def normalise(batch: torch.Tensor, affine: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """``(x.float() / scale - mean) / std`` for a uint8 batch, the same bits on every device."""
+    scale, mean, std = (t.to(batch.device) for t in affine)
+    # Tensor operands, never Python floats: CUDA turns division by a host scalar into multiplication
+    # by its reciprocal, which would differ from the CPU in the last bit.
+    return batch.float().div_(scale).sub_(mean).div_(std)
 
 
 def draw_crop_flip(count: int, generator: torch.Generator | None = None) -> torch.Tensor:

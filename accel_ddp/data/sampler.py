@@ -21,9 +21,12 @@ loading). A position that is a plain count of global batches has none of these f
 
 from __future__ import annotations
 
+import random
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils.data import Sampler
 
@@ -81,6 +84,24 @@ def sample_seed(seed: int, epoch: int, position: int, *stream: int) -> int:
         value = (value ^ (value >> 27)) * 0x94D049BB133111EB & _MASK64
         value ^= value >> 31
     return value >> 1
+
+
+@contextmanager
+def global_rngs_restored():
+    """Leave torch's (CPU), NumPy's and Python's global generators as they were (reads in the main process)."""
+    torch_state, numpy_state, python_state = torch.random.get_rng_state(), np.random.get_state(), random.getstate()
+    try:
+        yield
+    finally:
+        torch.random.set_rng_state(torch_state)
+        np.random.set_state(numpy_state)
+        random.setstate(python_state)
+
+
+def seed_global_rngs(seed: int) -> None:
+    torch.random.default_generator.manual_seed(seed)  # the CPU generator only: CUDA's drives dropout
+    np.random.seed(seed % 2**32)
+    random.seed(seed)
 
 
 class PlacedBatch(list):
