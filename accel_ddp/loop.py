@@ -79,6 +79,8 @@ from accel_ddp.tracking import (
     RunRecorder,
     StepProfiler,
     ThroughputMeter,
+    largest,
+    memory_record,
     progress_bar,
     timed,
     tracking_kwargs,
@@ -542,7 +544,7 @@ def fit(run: Run) -> FitResult:
                 timer.pause()
             if step >= plan.total_steps:
                 break
-        recorder.log({"step": step, "epoch": epoch, **timer.end_epoch()})
+        recorder.log({"step": step, "epoch": epoch, **timer.end_epoch(), **memory_record(accelerator)})
         if run.eval_loader is not None and not cfg.eval_every:
             stop_if_not_finite(step)
             eval_metrics = evaluate_and_log(run, step, epoch)
@@ -593,6 +595,7 @@ def finish(run: Run, result: FitResult) -> dict[str, Any]:
         "elapsed_sec": time.perf_counter() - run.started,
         "lr_scheduler_steps": run.scheduler.scheduler.last_epoch,
         "resumed_from_step": run.start_step,
+        **largest(memory_record(run.accelerator)),  # peak_rss_mb, peak_worker_rss_mb: max over ranks (MiB)
     }
     run.recorder.write_summary(summary, result.step)  # and to the trackers
     run.recorder.plot()  # OUTPUT_DIR/curves.png

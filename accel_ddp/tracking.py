@@ -269,6 +269,55 @@ def timed(batches, timer: EpochTimer):
         yield batch
 
 
+def _peak_rss_kib(pid: int | str = "self") -> float:
+    """A process's peak resident set (``VmHWM``) in KiB; 0 where /proc does not say."""
+    try:
+        with open(f"/proc/{pid}/status", encoding="utf-8") as fh:
+            return float(next((line.split()[1] for line in fh if line.startswith("VmHWM:")), 0))
+    except OSError:  # no /proc (macOS), or the process just ended
+        return 0.0
+
+
+def peak_memory_mb() -> tuple[float, float]:
+    """(this process's peak RSS, the largest peak RSS among its live child processes), in MiB.
+
+    The children of a rank are its DataLoader workers, where the memory-mapped path reads and
+    decodes. Peak RSS counts file pages a process has mapped (the memory-mapped path drops its own
+    after each batch), and a forked worker's figure includes pages it still shares with its parent,
+    so the two are not to be added up.
+    """
+    import resource
+
+    own = _peak_rss_kib() or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1024 if sys.platform == "darwin"
+                                                                                    else 1)  # bytes on macOS
+    try:
+        import psutil
+
+        children = [_peak_rss_kib(child.pid) for child in psutil.Process().children()]
+    except Exception:  # noqa: BLE001 - psutil missing or a child gone: the figure is informative only
+        children = []
+    return own / 1024, max(children, default=0.0) / 1024
+
+
+def memory_record(accelerator) -> dict[str, dict[str, float]]:
+    """Every rank's peak RSS and its workers' (collective), in MiB: ``{"peak_rss_mb": {"rank0": ..., ...}, ...}``.
+
+    Logged per epoch to metrics.jsonl (a dict of scalars: TensorBoard's ``add_scalars``, CSV columns
+    ``peak_rss_mb/rank0``); summary.json keeps the largest over ranks (:func:`largest`).
+    """
+    import torch
+
+    mine = torch.tensor(peak_memory_mb(), dtype=torch.float64, device=accelerator.device)
+    every = accelerator.gather(mine).view(-1, 2).tolist()
+    return {key: {f"rank{rank}": round(values[i], 1) for rank, values in enumerate(every)}
+            for i, key in enumerate(("peak_rss_mb", "peak_worker_rss_mb"))}
+
+
+def largest(record: dict[str, dict[str, float]]) -> dict[str, float]:
+    """The largest value over ranks of each key of a :func:`memory_record`."""
+    return {key: max(per_rank.values()) for key, per_rank in record.items()}
+
+
 class StepProfiler:
     """``--profile``: a torch.profiler trace of a few optimizer steps, one Chrome trace per rank.
 

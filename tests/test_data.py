@@ -43,7 +43,7 @@ from accel_ddp.data.loaders import data_source
 from accel_ddp.data.mapped import MappedDataset
 from accel_ddp.data.sampler import epoch_order
 from tests import faults, helpers_data
-from tests.conftest import REPO, load_weights, main_ranks, read_summary, run_ranks, train_ranks
+from tests.conftest import REPO, load_weights, main_ranks, read_metrics, read_summary, run_ranks, train_ranks
 from tests.multiproc import RankFailed
 
 TRAIN_SRC = (REPO / "accel_ddp" / "loop.py").read_text()
@@ -927,5 +927,9 @@ def test_memory_mapped_run_trains_the_weights_of_the_in_memory_run(tmp_path):
     assert (mapped["loader"], mapped["data_source"]) == ("dataloader", "memory_mapped")
     assert (in_memory["loader"], in_memory["data_source"]) == ("device", "in_memory")
     assert mapped["eval_samples"] == in_memory["eval_samples"] == 20
+    epochs = [r for r in read_metrics(tmp_path / "mapped") if "peak_rss_mb" in r]
+    assert len(epochs) == 2 and set(epochs[-1]["peak_rss_mb"]) == {"rank0", "rank1"}  # every rank, every epoch
+    assert mapped["peak_rss_mb"] >= max(epochs[-1]["peak_rss_mb"].values()) > 100  # a peak; torch alone takes more
+    assert mapped["peak_worker_rss_mb"] > 0 and in_memory["peak_worker_rss_mb"] == 0  # no workers in memory
     ours, theirs = load_weights(tmp_path / "mapped"), load_weights(tmp_path / "memory")
     assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
