@@ -933,3 +933,146 @@ def test_memory_mapped_run_trains_the_weights_of_the_in_memory_run(tmp_path):
     assert mapped["peak_worker_rss_mb"] > 0 and in_memory["peak_worker_rss_mb"] == 0  # no workers in memory
     ours, theirs = load_weights(tmp_path / "mapped"), load_weights(tmp_path / "memory")
     assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
+
+
+# ----------------------------------------------------------------------------- streaming
+
+
+def _write_shards(folder: Path, sizes: list[int]) -> list[str]:
+    """Parquet files of ``sizes`` rows; row ``i`` overall has ``idx`` i."""
+    import datasets
+
+    folder.mkdir(parents=True, exist_ok=True)
+    files, start = [], 0
+    for k, size in enumerate(sizes):
+        path = folder / f"shard_{k}.parquet"
+        datasets.Dataset.from_dict({"idx": list(range(start, start + size))}).to_parquet(str(path))
+        files.append(str(path))
+        start += size
+    return files
+
+
+def _decode_idx(columns, where):
+    return [(torch.tensor([float(i)]), 0) for i in columns["idx"]]
+
+
+def _stream(files: list[str], world: int, *, max_steps: int, workers: int = 1, buffer: int = 0,
+            per_device: int = 2, stop_after: int | None = None, save_to: Path | None = None,
+            resume_from: Path | None = None) -> list[list[tuple[int, list[int]]]]:
+    """Each rank's (pass, example ids) per micro-batch from a StreamingLoader (accumulation 1)."""
+    def run():
+        import datasets
+        from accelerate import PartialState
+
+        from accel_ddp.data.streaming import StreamingLoader, StreamSource
+
+        state = PartialState(cpu=True)
+        stream = datasets.load_dataset("parquet", data_files=files, split="train", streaming=True)
+        loader = StreamingLoader(StreamSource(stream, _decode_idx, buffer), per_device, per_device * world,
+                                 max_steps=max_steps, seed=0, rank=state.process_index, world_size=world,
+                                 num_workers=workers)
+        batches = loader
+        if resume_from is not None:
+            loader._load_hook([], str(resume_from))
+            batches = loader.skip_first_batches(int(resume_from.name))
+        seen = []
+        for x, _ in batches:
+            seen.append((loader.data_epoch, x[:, 0].long().tolist()))
+            if len(seen) == stop_after:
+                loader._save_hook([], [], str(save_to))
+                break
+        return seen
+
+    return run_ranks(run, world_size=world)
+
+
+def _passes(ranks: list[list[tuple[int, list[int]]]]) -> dict[int, list[int]]:
+    """Example ids per pass, over all ranks."""
+    out: dict[int, list[int]] = {}
+    for rank in ranks:
+        for data_epoch, ids in rank:
+            out.setdefault(data_epoch, []).extend(ids)
+    return out
+
+
+@pytest.mark.parametrize("sizes,buffer", [([7, 11, 20], 0), ([5, 30, 5, 6], 0), ([5, 30, 5, 6], 8)])
+def test_streaming_ranks_take_the_same_steps_over_uneven_shares(tmp_path, sizes, buffer):
+    """3 files over 2 ranks (every rank reads all, keeps every 2nd example) or 4 files of very different sizes:
+    every rank yields a batch at every step, each example at most once per pass; the shortest share ends the pass."""
+    files = _write_shards(tmp_path / "s", sizes)
+    ranks = _stream(files, 2, max_steps=12, buffer=buffer)
+    assert [len(rank) for rank in ranks] == [12, 12]
+    assert [[e for e, _ in rank] for rank in ranks][0] == [[e for e, _ in rank] for rank in ranks][1]  # in step
+    passes = _passes(ranks)
+    assert len(passes) >= 2
+    for ids in passes.values():
+        assert len(ids) == len(set(ids)) and set(ids) <= set(range(sum(sizes)))
+    if buffer:  # a new shuffle each pass (without a buffer only the file order may change)
+        assert passes[0] != passes[1][:len(passes[0])]
+    if sizes == [5, 30, 5, 6] and buffer == 0:  # rank 0 reads files 0 and 2 (10 rows): the pass ends after 5 steps
+        rank0 = sorted(i for data_epoch, ids in ranks[0] if data_epoch == 0 for i in ids)
+        assert len(passes[0]) == 5 * 4 and rank0 == [*range(5), *range(35, 40)]
+
+
+@pytest.mark.parametrize("workers,buffer", [(1, 0), (2, 16)])
+def test_streaming_resumes_from_each_ranks_saved_position(tmp_path, workers, buffer):
+    """Saved after 7 steps and resumed: nothing trained before comes again in that pass; with one worker and no
+    shuffle buffer the resumed stream is the uninterrupted one."""
+    files = _write_shards(tmp_path / "s", [40, 40, 40, 40])
+    whole = _stream(files, 2, max_steps=12, workers=workers, buffer=buffer)
+    saved = tmp_path / "7"
+    saved.mkdir()
+    first = _stream(files, 2, max_steps=12, workers=workers, buffer=buffer, stop_after=7, save_to=saved)
+    assert sorted(p.name for p in saved.iterdir()) == ["data_state_rank0.json", "data_state_rank1.json"]
+    rest = _stream(files, 2, max_steps=12, workers=workers, buffer=buffer, resume_from=saved)
+    assert [len(rank) for rank in rest] == [5, 5]
+    if (workers, buffer) == (1, 0):
+        assert [a + b for a, b in zip(first, rest, strict=True)] == whole
+    before, after = _passes(first)[0], _passes(rest)[0]
+    assert not set(before) & set(after) and len(set(after)) == len(after)
+
+
+def _image_shards(folder: Path, sizes: list[int], n_test: int) -> Path:
+    """train-0000k-of-0000n.parquet files of 8x8 grayscale PNGs (4 classes) and a test.parquet."""
+    folder.mkdir(parents=True)
+    for k, size in enumerate(sizes):
+        hf_image_dataset(size, k, size=8).to_parquet(str(folder / f"train-{k:05d}-of-{len(sizes):05d}.parquet"))
+    hf_image_dataset(n_test, 99, size=8).to_parquet(str(folder / "test.parquet"))
+    return folder
+
+
+def test_streaming_cli_run_on_uneven_files_resumes_and_counts_eval_exactly(tmp_path):
+    """3 files of different sizes over 2 ranks: no hang, the same steps on both; a failed run resumes from its
+    checkpoint's stream positions; the eval split (odd-sized) is counted exactly."""
+    data = _image_shards(tmp_path / "d", [50, 90, 30], n_test=13)
+    common = ["--dataset", "hf", "--data_dir", str(data), "--streaming", "--max_steps", "30", "--global_batch_size",
+              "8", "--shuffle_buffer", "16", "--num_workers", "1", "--checkpointing_steps", "5", "--eval_every", "10"]
+
+    def fail_at_step_12_on_rank_0():
+        faults.install(fail_at=(12, 0))
+        return train(parse_args([*common, "--output_dir", str(tmp_path / "run")]))
+
+    with pytest.raises(RankFailed, match="injected failure on rank 0 at step 12"):
+        run_ranks(fail_at_step_12_on_rank_0, grace=5)
+    saved = tmp_path / "run" / "checkpoints" / "step_00000010"
+    assert {"data_state_rank0.json", "data_state_rank1.json"} <= {p.name for p in saved.iterdir()}
+    summaries = train_ranks([*common, "--output_dir", str(tmp_path / "run"), "--resume_from_checkpoint", "auto"])
+    for summary in summaries:
+        assert (summary["loader"], summary["data_source"]) == ("streaming", "streaming")
+        assert summary["optimizer_steps"] == 30 and summary["resumed_from_step"] == 10
+        assert summary["eval_samples"] == 13
+    evals = [r for r in read_metrics(tmp_path / "run") if "eval_samples" in r]
+    assert [r["step"] for r in evals] == [10, 20, 30]
+
+
+def test_a_stream_that_fails_on_one_rank_stops_every_rank_with_one_line(tmp_path, capfd):
+    """Rank 1's second file is cut short: both ranks stop at the same step, exit 2, one line names the file."""
+    data = _image_shards(tmp_path / "d", [600, 600, 40, 40], n_test=8)  # 1024 start-up rows come from files 0-1
+    damaged = data / "train-00003-of-00004.parquet"  # rank 1 reads files 1 and 3
+    damaged.write_bytes(damaged.read_bytes()[:200])
+    args = ["--dataset", "hf", "--data_dir", str(data), "--streaming", "--max_steps", "200", "--global_batch_size",
+            "8", "--shuffle_buffer", "0", "--num_workers", "1", "--output_dir", str(tmp_path / "run")]
+    assert main_ranks(args) == [2, 2]
+    text = capfd.readouterr().err
+    errors = ["accel_ddp: error:" + part.splitlines()[0] for part in text.split("accel_ddp: error:")[1:]]
+    assert len(errors) == 1 and str(damaged) in errors[0] and "met by rank 1" in errors[0]

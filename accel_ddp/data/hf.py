@@ -157,7 +157,8 @@ def _mapped_bundle(train, eval_split, input_col: str | None, label_col: str, ima
         rows = dict(image_column=input_col, label_column=label_col, mode=mode, size=size,
                     resize=image_size is not None, label_ids=label_ids)
         sample = train[stats_rows(len(train)).tolist()][input_col]
-        pixels = ImageRows(**rows, mean=(0.0,), std=(1.0,), split="train").pixels(sample, stats_rows(len(train)))
+        where = [f"row {n}" for n in stats_rows(len(train)).tolist()]
+        pixels = ImageRows(**rows, mean=(0.0,), std=(1.0,), split="train").pixels(sample, where)
         mean, std = _uint8_stats(pixels)
         decoders = [ImageRows(**rows, mean=mean, std=std, split=split) for split in ("train", "eval")]
         input_shape = (1 if mode == "L" else 3, size[1], size[0])
@@ -377,7 +378,7 @@ def _decode_images(ds, column: str, image_size: int | None, layout, split: str =
         layout = (image_mode(first), (image_size, image_size) if image_size else first.size)
     mode, size = layout
     chunks = [decode_images(ds[start:start + DECODE_CHUNK][column], mode, size, image_size is not None,
-                            range(start, min(start + DECODE_CHUNK, len(ds))), column, split)
+                            [f"row {n}" for n in range(start, min(start + DECODE_CHUNK, len(ds)))], column, split)
               for start in range(0, len(ds), DECODE_CHUNK)]
     return torch.cat(chunks), layout
 

@@ -82,11 +82,11 @@ def is_arrow_dataset(dataset) -> bool:
 
 
 class MappedDataset(Dataset):
-    """Samples of a ``datasets.Dataset`` decoded per batch: ``decode(rows, row_numbers)`` -> list of samples.
+    """Samples of a ``datasets.Dataset`` decoded per batch: ``decode(rows, where)`` -> list of samples.
 
-    ``rows`` is the batch as the table returns it (a dict of columns); ``row_numbers`` name the
-    rows in error messages (``rows_of`` maps this dataset's indices to the source's rows, e.g. after
-    a held-out split). Without ``decode`` the table's own rows are the samples (a tokenized text
+    ``rows`` is the batch as the table returns it (a dict of columns); ``where`` names each row for
+    error messages (``row N``; ``rows_of`` maps this dataset's indices to the source's rows, e.g.
+    after a held-out split). Without ``decode`` the table's own rows are the samples (a tokenized text
     dataset, a dataset with a transform). Batches the package's sampler places are read with the
     global generators seeded from ``(seed, epoch, position of the batch's first sample)``, for
     transforms that draw random numbers.
@@ -95,7 +95,7 @@ class MappedDataset(Dataset):
     memory_mapped = True  # summary.json's data_source
     handles_placed_batches = True
 
-    def __init__(self, table, decode: Callable[[dict[str, list], Sequence[int]], list] | None = None,
+    def __init__(self, table, decode: Callable[[dict[str, list], Sequence[str]], list] | None = None,
                  rows_of: np.ndarray | None = None):
         self.table, self.decode, self.rows_of = table, decode, rows_of
         self.trim = PageTrimmer(arrow_files(table))
@@ -116,7 +116,8 @@ class MappedDataset(Dataset):
                 if self.decode is None:
                     return self.table.__getitems__(indices)
                 rows = self.table[indices]
-                return self.decode(rows, indices if self.rows_of is None else self.rows_of[indices].tolist())
+                numbers = indices if self.rows_of is None else self.rows_of[indices].tolist()
+                return self.decode(rows, [f"row {n}" for n in numbers])
         finally:
             self.trim()
 
@@ -136,12 +137,12 @@ class ImageRows:
         self.mode, self.size, self.resize, self.label_ids, self.split = mode, size, resize, label_ids, split
         self.affine = affine_params(mean, std, 255.0, 3)
 
-    def pixels(self, values: list, row_numbers: Sequence[int]) -> torch.Tensor:
+    def pixels(self, values: list, where: Sequence[str]) -> torch.Tensor:
         """uint8 ``(B, C, H, W)`` from the image column's raw values (``{"bytes", "path"}`` dicts or PIL images)."""
-        return decode_images(values, self.mode, self.size, self.resize, row_numbers, self.image_column, self.split)
+        return decode_images(values, self.mode, self.size, self.resize, where, self.image_column, self.split)
 
-    def __call__(self, rows: dict[str, list], row_numbers: Sequence[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        inputs = normalise(self.pixels(rows[self.image_column], row_numbers), self.affine)
+    def __call__(self, rows: dict[str, list], where: Sequence[str]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        inputs = normalise(self.pixels(rows[self.image_column], where), self.affine)
         labels = batch_labels(rows[self.label_column], self.label_ids)
         return list(zip(inputs.unbind(0), labels.unbind(0), strict=True))
 
@@ -172,7 +173,7 @@ class ArrayRows:
             array = np.stack([np.asarray(rows[name], dtype=np.float64) for name in self.columns], axis=1)
         return torch.from_numpy(np.ascontiguousarray(array, dtype=np.uint8 if self.pixels else np.float32))
 
-    def __call__(self, rows: dict[str, Any], row_numbers: Sequence[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def __call__(self, rows: dict[str, Any], where: Sequence[str]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         inputs = self.inputs(rows)
         if self.pixels and self.mean is not None:
             inputs = normalise(inputs, affine_params(self.mean, self.std, 255.0, inputs.dim() - 1))
@@ -187,28 +188,28 @@ def batch_labels(raw, label_ids: dict[str, int] | None) -> torch.Tensor:
     return torch.as_tensor(np.asarray(raw), dtype=torch.long)
 
 
-def decode_images(values: list, mode: str, size: tuple[int, int], resize: bool, row_numbers: Sequence[int],
+def decode_images(values: list, mode: str, size: tuple[int, int], resize: bool, where: Sequence[str],
                   column: str, split: str) -> torch.Tensor:
     """PIL decode of a list of images to one uint8 ``(B, C, H, W)`` tensor; a bad image is a :class:`DataError`."""
     from PIL import Image
 
     channels = 1 if mode == "L" else 3
     out = np.empty((len(values), size[1], size[0], channels), dtype=np.uint8)
-    for i, (value, row) in enumerate(zip(values, row_numbers, strict=True)):
+    for i, (value, row) in enumerate(zip(values, where, strict=True)):
         try:
             image = open_image(value)
             image = image.convert(mode)
         except Exception as err:  # PIL raises several types (UnidentifiedImageError, OSError, SyntaxError, ...)
-            where = f" ({value['path']})" if isinstance(value, dict) and value.get("path") else ""
+            path = f" ({value['path']})" if isinstance(value, dict) and value.get("path") else ""
             raise DataError(
-                f"hf: row {row} of the {split!r} split{where} does not decode as an image in column {column!r} "
+                f"hf: {row} of the {split!r} split{path} does not decode as an image in column {column!r} "
                 f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); fix or drop that row "
                 "(e.g. with datasets' filter) and save the dataset again"
             ) from None
         if image.size != size:
             if not resize:
                 raise DataError(
-                    f"hf: row {row} of the {split!r} split is {image.size[0]}x{image.size[1]}, the first training "
+                    f"hf: {row} of the {split!r} split is {image.size[0]}x{image.size[1]}, the first training "
                     f"image {size[0]}x{size[1]}; pass --image_size N to resize every image to NxN"
                 )
             image = image.resize(size, Image.BILINEAR)

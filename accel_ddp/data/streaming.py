@@ -1,0 +1,353 @@
+"""Streaming: a ``datasets.IterableDataset`` split over the ranks, every rank taking the same optimizer steps.
+
+For data too large even for local disk (``--streaming``; a Hub dataset, or local files read as
+they stream). The training split is shuffled with a buffer (``--shuffle_buffer``, seeded by the
+run's seed) and split over every reader, one per DataLoader worker of every rank, with
+``datasets.distributed.split_dataset_by_node``: whole files per reader when their number divides
+by the number of readers, else every reader reads all and keeps every n-th example.
+
+What holds on this path (each tested in tests/test_data.py):
+
+- Same steps on every rank: shares are uneven (files of different sizes, a file count that does
+  not divide by the world size), so before each optimizer step every rank reads that step's
+  micro-batches and one 4-byte all-reduce on a CPU group tells whether all have them. When any
+  rank's share runs out, every rank ends the pass there (the other ranks' tails are dropped) and
+  starts the next pass (``set_epoch``: new file order and shuffle). No DDP collective ever waits
+  for a rank that has stopped (datasets#6437, datasets#6623, pytorch#141069 describe that hang).
+- Each pass over the stream serves each example at most once across ranks, in a new order.
+- A pass that cannot fill one optimizer step on some rank, or a read that fails on one rank (a
+  damaged file), stops every rank at the same step with one line naming it.
+- Resume: each rank saves its position with the checkpoint (its ``datasets`` state per DataLoader
+  worker, ``IterableDataset.state_dict()``), and a resumed run continues from there: no example
+  trained on before the checkpoint comes again in that pass. Not bitwise: examples waiting in the
+  shuffle buffers (and batches prefetched but not trained on) are skipped for that pass, and the
+  workers' interleaving restarts, so the order after a resume differs from an uninterrupted run's.
+  With ``--shuffle_buffer 0`` and one worker the resumed order is the uninterrupted one. The same
+  world size and worker count are needed; otherwise the pass restarts from its beginning (warned).
+- Global-batch invariance, as on the other paths, does not hold: which examples a rank reads
+  depends on the world size.
+- There is no epoch length: ``--max_steps`` sets the run's length; the loop sees one long epoch.
+
+Evaluation: the eval split is streamed once per rank at start-up into memory (encoded rows) and
+evaluated like a memory-mapped set (``gather_for_metrics``, exact counts). Keep it modest.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, IterableDataset
+
+from accel_ddp.config import ConfigError
+from accel_ddp.data.bundle import DataError, DatasetBundle
+from accel_ddp.data.host_loader import default_num_workers
+from accel_ddp.data.sampler import check_layout
+
+STATE_FILE = "data_state_rank{rank}.json"  # each rank's stream position, in every checkpoint folder
+_HAVE, _ENDED, _FAILED = 0, 1, 2  # what each rank reports before a step; the all-reduce takes the largest
+
+
+class StreamSource(IterableDataset):
+    """The training stream of a bundle: a ``datasets.IterableDataset`` and how its examples become samples.
+
+    ``decode(columns, where)`` turns a dict of columns (one micro-batch) into a list of samples;
+    ``where`` describes the examples for error messages. ``files``: the local folder or file the
+    stream reads, searched for a damaged file when a read fails.
+    """
+
+    def __init__(self, stream, decode: Callable[[dict[str, list], list[str]], list], shuffle_buffer: int,
+                 files: str | None = None):
+        self.stream, self.decode, self.shuffle_buffer, self.files = stream, decode, shuffle_buffer, files
+
+    def __iter__(self):
+        raise TypeError("a StreamSource is read through accel_ddp.data.streaming.StreamingLoader")
+
+
+class _Batches(IterableDataset):
+    """Inside each DataLoader worker: its reader's share of the stream, as ``(batch, worker, position after it)``.
+
+    Reader ``rank * workers + worker`` of ``world_size * workers`` (``split_dataset_by_node``, done
+    here rather than by ``datasets``' own worker split, whose saved positions do not load back into a
+    worker in datasets 5.2: an IndexError in ``_inner_load_state_dict``). ``states`` (worker ->
+    position) resumes each reader where it was; a reader's last partial batch is dropped.
+    """
+
+    def __init__(self, stream, decode, per_device: int, rank: int, world_size: int, data_epoch: int,
+                 states: dict[int, dict]):
+        self.stream, self.decode, self.per_device, self.states = stream, decode, per_device, states
+        self.rank, self.world_size, self.data_epoch = rank, world_size, data_epoch
+
+    def __iter__(self):
+        from datasets.distributed import split_dataset_by_node
+
+        info = torch.utils.data.get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        reader = split_dataset_by_node(self.stream, self.rank * workers + worker, self.world_size * workers)
+        reader.set_epoch(self.data_epoch)  # a new file order and shuffle for each pass
+        if worker in self.states:
+            reader.load_state_dict(self.states[worker])
+        read = 0
+        for columns in reader.iter(batch_size=self.per_device, drop_last_batch=True):
+            where = [f"example {read + i} read by worker {worker} of rank {self.rank}" for i in range(self.per_device)]
+            read += self.per_device
+            yield self.decode(columns, where), worker, reader.state_dict()
+
+
+class StreamingLoader:
+    """Micro-batches of this rank's share of a stream, moved to ``device``; the loader surface of the others.
+
+    ``len()`` is the whole run (``max_steps * accumulation`` micro-batches): the loop sees one epoch.
+    Registers its checkpoint hooks with ``accelerator`` (a JSON file per rank; nothing unpickled).
+    """
+
+    def __init__(self, source: StreamSource, per_device_batch_size: int, global_batch_size: int, *,
+                 max_steps: int | None, seed: int, rank: int = 0, world_size: int = 1,
+                 device: torch.device | str = "cpu", num_workers: int | None = None,
+                 collate_fn: Callable | None = None, accelerator=None):
+        if max_steps is None:
+            raise ConfigError("--streaming: a stream has no length to count epochs by; set --max_steps")
+        self.accumulation = check_layout(per_device_batch_size, global_batch_size, world_size)
+        self.steps_per_epoch = max_steps  # the loop's epoch is the whole run
+        self.per_device_batch_size, self.rank, self.world_size = per_device_batch_size, rank, world_size
+        self.device = torch.device(device)
+        stream = source.stream
+        if source.shuffle_buffer:
+            stream = stream.shuffle(seed=seed, buffer_size=source.shuffle_buffer)
+        self.stream = stream
+        self.decode, self.collate_fn, self.files = source.decode, collate_fn, source.files
+        workers = default_num_workers(source) if num_workers is None else num_workers
+        # More readers than files would each read every file and keep a fraction of it: no faster.
+        self.num_workers = min(workers, max(stream.num_shards // world_size, 1)) if workers else 0
+        self.data_epoch, self.steps_in_pass = 0, 0  # passes over the stream; optimizer steps in this one
+        self.states: dict[int, dict] = {}  # DataLoader worker -> its position after the last batch trained on
+        self.start = 0
+        self._group = None
+        if world_size > 1 and dist.is_initialized() and dist.get_backend() != "gloo":
+            self._group = dist.new_group(backend="gloo")  # the step check must not wait for the GPU stream
+        if accelerator is not None:
+            accelerator.register_save_state_pre_hook(self._save_hook)
+            accelerator.register_load_state_pre_hook(self._load_hook)
+
+    @property
+    def total_batch_size(self) -> int:
+        return self.per_device_batch_size * self.world_size
+
+    def __len__(self) -> int:
+        return self.steps_per_epoch * self.accumulation - self.start
+
+    def set_epoch(self, epoch: int) -> None:
+        """The loop's epoch (always 0 here); passes over the stream are counted by ``data_epoch``."""
+
+    def skip_first_batches(self, num_batches: int) -> StreamingLoader:
+        """Resume after ``num_batches`` micro-batches: the restored stream position says where to read from."""
+        self.start = num_batches
+        return self
+
+    # ---- iteration
+
+    def __iter__(self) -> Iterator[Any]:
+        micro, total = self.start, self.steps_per_epoch * self.accumulation
+        while micro < total:
+            batches = iter(self._pass_loader())
+            while micro < total:
+                step, status, problem = self._read_step(batches)
+                status = self._agree(status)
+                if status == _FAILED:
+                    raise DataError(self._first_problem(problem))
+                if status == _ENDED:
+                    self._end_pass()
+                    break
+                for batch, worker, state in step:
+                    self.states[worker] = state  # trained on once yielded: the checkpoint after this step holds it
+                    micro += 1
+                    yield self._to_device(batch)
+                self.steps_in_pass += 1
+            del batches  # ends the pass's workers
+        self.start = 0
+
+    def _pass_loader(self) -> DataLoader:
+        batches = _Batches(self.stream, self.decode, self.per_device_batch_size, self.rank, self.world_size,
+                           self.data_epoch, dict(self.states))
+        return DataLoader(batches, batch_size=None, num_workers=self.num_workers,
+                          collate_fn=self._collate, pin_memory=self.device.type == "cuda")
+
+    def _collate(self, item):
+        samples, worker, state = item
+        collate = self.collate_fn or torch.utils.data.default_collate
+        return collate(samples), worker, state
+
+    def _read_step(self, batches) -> tuple[list, int, str | None]:
+        step = []
+        try:
+            for _ in range(self.accumulation):
+                step.append(next(batches))
+        except StopIteration:
+            return step, _ENDED, None
+        except DataError as err:
+            return step, _FAILED, str(err)
+        except Exception as err:  # noqa: BLE001 - a failed read on this rank: every rank must hear of it
+            return step, _FAILED, _read_failure(err, self.files, self.rank)
+        return step, _HAVE, None
+
+    def _agree(self, status: int) -> int:
+        """The worst status over the ranks: one CPU all-reduce per optimizer step."""
+        if self.world_size == 1 or not dist.is_initialized():
+            return status
+        flag = torch.tensor([status], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
+        return int(flag.item())
+
+    def _first_problem(self, mine: str | None) -> str:
+        if self.world_size == 1 or not dist.is_initialized():
+            return mine or "streaming: a read failed"
+        every: list[str | None] = [None] * self.world_size
+        dist.all_gather_object(every, mine, group=self._group)
+        return next(problem for problem in every if problem)
+
+    def _end_pass(self) -> None:
+        if self.steps_in_pass == 0:
+            raise DataError(
+                f"streaming: a pass over the training stream ended before one optimizer step on some rank "
+                f"(pass {self.data_epoch}; each rank needs {self.per_device_batch_size * self.accumulation} "
+                "examples per step); give more data or a smaller --global_batch_size"
+            )
+        self.data_epoch, self.steps_in_pass, self.states = self.data_epoch + 1, 0, {}
+
+    def _to_device(self, batch):
+        if self.device.type == "cpu":
+            return batch
+        from accelerate.utils import send_to_device
+
+        return send_to_device(batch, self.device, non_blocking=True)
+
+    # ---- checkpoints
+
+    def _position(self) -> dict[str, Any]:
+        return {"data_epoch": self.data_epoch, "steps_in_pass": self.steps_in_pass, "world_size": self.world_size,
+                "num_workers": self.num_workers, "workers": {str(w): s for w, s in self.states.items()}}
+
+    def _save_hook(self, models, weights, output_dir: str) -> None:
+        with open(os.path.join(output_dir, STATE_FILE.format(rank=self.rank)), "w", encoding="utf-8") as fh:
+            json.dump(self._position(), fh)
+
+    def _load_hook(self, models, input_dir: str) -> None:
+        path = os.path.join(input_dir, STATE_FILE.format(rank=self.rank))
+        if not os.path.isfile(path):
+            return _warn(f"{input_dir} holds no stream position for rank {self.rank}: the stream starts over")
+        with open(path, encoding="utf-8") as fh:
+            saved = json.load(fh)
+        self.data_epoch, self.steps_in_pass = saved["data_epoch"], saved["steps_in_pass"]
+        if (saved["world_size"], saved["num_workers"]) != (self.world_size, self.num_workers):
+            self.states = {}
+            if self.rank == 0:
+                _warn(f"{input_dir} was saved with {saved['world_size']} ranks x {saved['num_workers']} workers, "
+                      f"this run has {self.world_size} x {self.num_workers}: pass {self.data_epoch} of the stream "
+                      "starts over, so some of its examples are trained on twice")
+            return None
+        self.states = {int(w): state for w, state in saved["workers"].items()}
+        return None
+
+
+def _read_failure(err: Exception, files: str | None, rank: int | None = None) -> str:
+    """One line for a read that failed: the damaged local file when one is found, else the error's last line."""
+    from accel_ddp.data.hf import damaged_file
+
+    who = "" if rank is None else f" (met by rank {rank})"
+    bad = damaged_file(files) if files else None
+    if bad is not None:
+        return bad + who
+    last = (str(err).strip().splitlines() or [type(err).__name__])[-1][:300]
+    return f"streaming: a read of the training data failed{who} ({last}); check the source"
+
+
+def _warn(message: str) -> None:
+    print(f"accel_ddp: warning: {message}", file=sys.stderr, flush=True)
+
+
+# ----------------------------------------------------------------------------- building the stream
+
+
+def build_stream(data_dir: str, source, image_size: int | None) -> DatasetBundle:
+    """The ``--streaming`` bundle: a :class:`StreamSource` to train on and the eval split read into memory."""
+    import datasets
+
+    from accel_ddp.data.hf import (
+        STATS_SAMPLE,
+        _input_column,
+        _label_column,
+        _uint8_stats,
+        load_splits,
+    )
+    from accel_ddp.data.mapped import ImageRows, MappedDataset, image_mode, open_image
+
+    train, eval_stream = load_splits(data_dir, source, streaming=True)
+    if train.features is None:
+        raise ConfigError("--streaming: the stream does not declare its columns; save it with its features")
+    label_col = _label_column(train, source.label_column)
+    input_col = _input_column(train, source.image_column, label_col)
+    if input_col is None or not isinstance(train.features[input_col], datasets.Image):
+        raise ConfigError("--streaming reads image datasets for now (an Image column); drop --streaming for others")
+    train = train.cast_column(input_col, datasets.Image(decode=False))
+    files = None if source.name else data_dir
+    try:
+        head = [row for _, row in zip(range(STATS_SAMPLE), train, strict=False)]  # the same rows on every rank
+        raw_eval = None if eval_stream is None else eval_stream.cast_column(input_col, datasets.Image(decode=False))
+        eval_rows = [] if raw_eval is None else list(raw_eval)
+    except Exception as err:  # a damaged file among the first ones: named before training
+        raise ConfigError(_read_failure(err, files)) from None
+    if not head:
+        raise ConfigError("--streaming: the training stream is empty")
+    label_ids, num_classes = _stream_labels(train.features[label_col], head + eval_rows, label_col)
+    first = open_image(head[0][input_col])
+    mode, size = image_mode(first), (image_size, image_size) if image_size else first.size
+    layout = dict(image_column=input_col, label_column=label_col, mode=mode, size=size,
+                  resize=image_size is not None, label_ids=label_ids)
+    sample = ImageRows(**layout, mean=(0.0,), std=(1.0,), split="train").pixels(
+        [row[input_col] for row in head], [f"example {i}" for i in range(len(head))])
+    mean, std = _uint8_stats(sample)
+    decode = _CheckedLabels(ImageRows(**layout, mean=mean, std=std, split="train"), num_classes, label_col)
+    eval_set = None
+    if eval_rows:
+        table = datasets.Dataset.from_list(eval_rows, features=train.features)
+        eval_set = MappedDataset(table, ImageRows(**layout, mean=mean, std=std, split="eval"))
+    channels = 1 if mode == "L" else 3
+    return DatasetBundle(StreamSource(train, decode, source.shuffle_buffer, files), eval_set, num_classes,
+                         (channels, size[1], size[0]))
+
+
+def _stream_labels(feature, rows: list[dict], column: str) -> tuple[dict[str, int] | None, int]:
+    """Class ids and count: from a ClassLabel, else from the labels of the eval split and the first training rows."""
+    import datasets
+
+    if isinstance(feature, datasets.ClassLabel):
+        return None, feature.num_classes
+    values = [row[column] for row in rows]
+    if all(isinstance(v, int) for v in values):
+        if min(values) < 0:
+            raise ConfigError(f"hf: labels in {column!r} must be class ids 0, 1, 2, ...; got {min(values)}")
+        return None, max(values) + 1
+    names = sorted({str(v) for v in values})
+    return {name: i for i, name in enumerate(names)}, len(names)
+
+
+class _CheckedLabels:
+    """A decoder that refuses labels beyond the classes known at start-up (a stream's are not all seen)."""
+
+    def __init__(self, decode, num_classes: int, column: str):
+        self.decode, self.num_classes, self.column = decode, num_classes, column
+
+    def __call__(self, columns: dict[str, list], where: list[str]) -> list:
+        label_ids = self.decode.label_ids
+        for value, place in zip(columns[self.column], where, strict=True):
+            if (label_ids is not None and str(value) not in label_ids) or \
+                    (label_ids is None and not 0 <= int(value) < self.num_classes):
+                raise DataError(f"streaming: {place} has label {value!r} in {self.column!r}, not among the "
+                                f"{self.num_classes} classes of the eval split and the first training rows; "
+                                "store the labels as a ClassLabel column (it names every class)")
+        return self.decode(columns, where)
