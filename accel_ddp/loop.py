@@ -301,7 +301,7 @@ class Run:
     task: Task  # how batches reach the model, the loss, the eval metrics
     optimizer: Any
     scheduler: Any
-    train_loader: Any  # a DeviceLoader or a prepared DataLoader: (inputs, labels) on the device
+    train_loader: Any  # a DeviceLoader, HostLoader (a DataLoader) or StreamingLoader: batches on the device
     eval_loader: Any  # None when there is no eval set
     plan: Plan
     facts: dict[str, Any]  # world size, batch layout, loader... : config.yaml, checkpoints and summary.json

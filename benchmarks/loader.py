@@ -6,7 +6,7 @@
 Per world size, one launch measures, on the same model, optimizer and global batch:
 
 - ``fast``: the in-memory DeviceLoader (uint8 on the device, batched gather and normalisation);
-- ``dataloader``: accel_ddp's DataLoader path over the same in-memory data (prepared by Accelerate);
+- ``dataloader``: accel_ddp's DataLoader path (``HostLoader``) over the same in-memory data;
 - ``textbook``: a DataLoader over per-sample PIL images with ``ToTensor`` and ``Normalize``, the
   recipe of most tutorials (``--num_workers`` workers; 0 by default on small CPU machines);
 - ``compute``: the compute-only limit, the same training step on one fixed batch already on the
@@ -94,8 +94,9 @@ def run_worker(args: argparse.Namespace) -> None:
     import torch
     import torch.nn.functional as F
     from accelerate import Accelerator, DataLoaderConfiguration, PartialState
+    from torch.utils.data import DataLoader
 
-    from accel_ddp.data import MNIST_MEAN, MNIST_STD, InMemoryDataset, build_loaders, build_train_loader
+    from accel_ddp.data import MNIST_MEAN, MNIST_STD, InMemoryDataset, build_loaders
     from accel_ddp.models import build_model, build_optimizer
 
     cuda = torch.cuda.is_available()
@@ -128,8 +129,9 @@ def run_worker(args: argparse.Namespace) -> None:
             return build_loaders(accelerator, dataset, None, per_device_batch_size=per_device,
                                  global_batch_size=args.global_batch_size, loader="dataloader").train
         workers = args.num_workers if args.num_workers is not None else (2 if (os.cpu_count() or 1) >= 8 else 0)
-        textbook = TextbookMNIST(images, labels)
-        return accelerator.prepare(build_train_loader(textbook, per_device, args.global_batch_size, workers))
+        textbook = TextbookMNIST(images, labels)  # the tutorials' DataLoader, sharded by Accelerate
+        return accelerator.prepare(DataLoader(textbook, batch_size=per_device, shuffle=True, drop_last=True,
+                                              num_workers=workers, persistent_workers=workers > 0))
 
     fixed = next(iter(loader_for("fast")))
 

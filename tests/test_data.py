@@ -1076,3 +1076,14 @@ def test_a_stream_that_fails_on_one_rank_stops_every_rank_with_one_line(tmp_path
     text = capfd.readouterr().err
     errors = ["accel_ddp: error:" + part.splitlines()[0] for part in text.split("accel_ddp: error:")[1:]]
     assert len(errors) == 1 and str(damaged) in errors[0] and "met by rank 1" in errors[0]
+
+
+@pytest.mark.parametrize("args,expected", [
+    (["--streaming", "--max_steps", "5"], "add --dataset hf"),
+    (["--dataset", "hf", "--streaming"], "set --max_steps"),
+    (["--dataset", "hf", "--streaming", "--max_steps", "5", "--loader", "device"], "drop --loader"),
+    (["--shuffle_buffer", "-1"], "--shuffle_buffer must be >= 0"),
+])
+def test_streaming_options_that_cannot_work_are_one_clear_error(args, expected):
+    with pytest.raises(ConfigError, match=expected):
+        parse_args(args)

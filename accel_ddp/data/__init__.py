@@ -39,12 +39,14 @@ from accel_ddp.data.loaders import (
     choose_loader,
     skip_first_batches,
 )
+from accel_ddp.data.mapped import MappedDataset
 from accel_ddp.data.sampler import GlobalBatchSampler, PlacedBatch, epoch_order, steps_per_epoch
+from accel_ddp.data.streaming import StreamingLoader
 
 __all__ = [
     "CIFAR10_MEAN", "CIFAR10_STD", "DATASETS", "FASHION_MNIST_MEAN", "FASHION_MNIST_STD", "MNIST_MEAN", "MNIST_STD",
     "DataError", "DatasetBundle", "DeviceEvalLoader", "DeviceLoader", "GlobalBatchSampler", "HFSource", "HostLoader",
-    "InMemoryDataset", "Loaders", "PlacedBatch", "SeededSamples",
+    "InMemoryDataset", "Loaders", "MappedDataset", "PlacedBatch", "SeededSamples", "StreamingLoader",
     "build_datasets", "build_eval_loader", "build_loaders", "build_train_loader", "choose_loader",
     "default_num_workers", "epoch_order", "read_idx", "skip_first_batches", "steps_per_epoch", "usable_cpus",
 ]
