@@ -1087,3 +1087,26 @@ def test_a_stream_that_fails_on_one_rank_stops_every_rank_with_one_line(tmp_path
 def test_streaming_options_that_cannot_work_are_one_clear_error(args, expected):
     with pytest.raises(ConfigError, match=expected):
         parse_args(args)
+
+
+def _noisy_rows(batch):  # a datasets transform drawing random numbers, as augmentation pipelines do
+    return {"x": [torch.tensor([float(i), float(torch.rand(()))]) for i in batch["i"]], "label": batch["label"]}
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_datasets_dataset_with_a_random_transform_reads_memory_mapped_and_seeded(tmp_path, workers):
+    """A user's datasets.Dataset (dict rows, set_transform) goes through the DataLoader path memory-mapped, read a
+    batch at a time with the generators seeded from the batch's position: the same draws with or without workers."""
+    import datasets
+
+    datasets.Dataset.from_dict({"i": list(range(40)), "label": [i % 2 for i in range(40)]}).save_to_disk(tmp_path / "d")
+    table = datasets.load_from_disk(str(tmp_path / "d"))
+    table.set_transform(_noisy_rows)
+    assert data_source(table) == "memory_mapped"
+
+    def draws(num_workers: int) -> dict[int, float]:
+        loader = HostLoader(table, 4, 8, seed=2, num_workers=num_workers)
+        return {int(i): noise for batch in loader for i, noise in batch["x"].tolist()}
+
+    seen = draws(workers)
+    assert len(seen) == 40 and seen == draws(0)

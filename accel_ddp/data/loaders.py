@@ -17,6 +17,7 @@ from accel_ddp.config import ConfigError
 from accel_ddp.data.device_loader import DeviceEvalLoader, DeviceLoader
 from accel_ddp.data.host_loader import HostLoader, default_num_workers, readable, usable_cpus
 from accel_ddp.data.in_memory import as_in_memory, is_in_memory
+from accel_ddp.data.mapped import is_arrow_dataset
 from accel_ddp.data.sampler import GlobalBatchSampler
 
 __all__ = ["Loaders", "build_eval_loader", "build_loaders", "build_train_loader", "choose_loader", "data_seed",
@@ -153,7 +154,7 @@ def data_source(dataset) -> str:
     ``streaming`` iterable, or another ``map_style`` dataset (read per sample)."""
     if is_in_memory(dataset):
         return "in_memory"
-    if getattr(dataset, "memory_mapped", False):
+    if getattr(dataset, "memory_mapped", False) or (is_arrow_dataset(dataset) and dataset.cache_files):
         return "memory_mapped"
     if isinstance(dataset, IterableDataset):  # a datasets.IterableDataset is one too, once torch is imported
         return "streaming"
