@@ -32,7 +32,16 @@ import torch
 from accel_ddp.config import ConfigError
 from accel_ddp.data.bundle import DatasetBundle
 from accel_ddp.data.in_memory import InMemoryDataset
-from accel_ddp.data.mapped import ArrayRows, ImageRows, MappedDataset, decode_images, image_mode, open_image
+from accel_ddp.data.mapped import (
+    ArrayRows,
+    ImageRows,
+    MappedDataset,
+    PageTrimmer,
+    arrow_files,
+    decode_images,
+    image_mode,
+    open_image,
+)
 
 EVAL_SPLITS = ("test", "validation", "valid", "val", "eval")
 LABEL_COLUMNS = ("label", "labels", "target", "targets", "class", "y", "fine_label", "coarse_label")
@@ -41,6 +50,7 @@ FILE_BUILDERS = {".parquet": "parquet", ".arrow": "arrow", ".csv": "csv", ".json
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff")
 DECODE_CHUNK = 1024  # rows decoded per slice: bounds the PIL images alive at once
 STATS_SAMPLE = 1024  # training rows (a fixed random sample) that uint8 normalisation statistics come from
+STATS_CHUNK = 128  # images per float64 pass of the statistics (bounds its temporary memory)
 STATS_SEED = 0x5EED  # that sample's seed: apart from the data seeds people use (0, 1, 42), whose epoch 0 it would be
 
 
@@ -66,6 +76,7 @@ def build_hf(data_dir: str, download: bool, source: HFSource | None = None, imag
 
         return build_stream(data_dir, source, image_size)
     train, eval_split = load_splits(data_dir, source)
+    PageTrimmer(arrow_files(train) + (arrow_files(eval_split) if eval_split is not None else []))()  # load's scan
     label_col = _label_column(train, source.label_column)
     input_col = _input_column(train, source.image_column, label_col)
     if source.in_memory_max_mb is not None and \
@@ -156,26 +167,37 @@ def _mapped_bundle(train, eval_split, input_col: str | None, label_col: str, ima
         mode, size = image_mode(image), (image_size, image_size) if image_size else image.size
         rows = dict(image_column=input_col, label_column=label_col, mode=mode, size=size,
                     resize=image_size is not None, label_ids=label_ids)
-        sample = train[stats_rows(len(train)).tolist()][input_col]
-        where = [f"row {n}" for n in stats_rows(len(train)).tolist()]
-        pixels = ImageRows(**rows, mean=(0.0,), std=(1.0,), split="train").pixels(sample, where)
-        mean, std = _uint8_stats(pixels)
+        raw = ImageRows(**rows, mean=(0.0,), std=(1.0,), split="train")
+        mean, std = _uint8_stats(_read_sample(train, lambda batch, where: raw.pixels(batch[input_col], where)))
         decoders = [ImageRows(**rows, mean=mean, std=std, split=split) for split in ("train", "eval")]
         input_shape = (1 if mode == "L" else 3, size[1], size[0])
     else:
         columns = [input_col] if input_col else [n for n in train.column_names if n != label_col]
         train, eval_split = train.with_format("numpy"), eval_split.with_format("numpy")
         pixels = all(_stored_dtype(train.features[name]) == "uint8" for name in columns)
-        sample_rows = train[stats_rows(len(train)).tolist()]
-        sample = ArrayRows(columns, label_col, label_ids, "train", pixels).inputs(sample_rows)
+        raw = ArrayRows(columns, label_col, label_ids, "train", pixels)
+        sample = _read_sample(train, lambda batch, where: raw.inputs(batch))
         mean, std = _uint8_stats(sample) if pixels else (None, None)
         decoders = [ArrayRows(columns, label_col, label_ids, split, pixels, mean, std) for split in ("train", "eval")]
         input_shape = tuple(sample.shape[1:])
     mapped = [MappedDataset(ds, decode, rows_of) for ds, decode, rows_of in
               zip((train, eval_split), decoders, (train_rows, eval_rows), strict=True)]
-    for dataset in mapped:
-        dataset.trim()  # what this process read to set up (the statistics sample) leaves its resident set
     return DatasetBundle(mapped[0], mapped[1], num_classes=num_classes, input_shape=input_shape)
+
+
+def _read_sample(table, read) -> torch.Tensor:
+    """``read(rows, where)`` over the statistics sample of a memory-mapped table, 64 rows at a time.
+
+    After each chunk this process drops the file pages it mapped: read at once, 1,024 random rows
+    would map hundreds of MiB of the files into the resident set (more, the larger the dataset).
+    """
+    trim, rows = PageTrimmer(arrow_files(table)), stats_rows(len(table)).tolist()
+    parts = []
+    for start in range(0, len(rows), 64):
+        chunk = rows[start:start + 64]
+        parts.append(read(table[chunk], [f"row {n}" for n in chunk]))
+        trim()
+    return torch.cat(parts)
 
 
 def _label_ids(train, eval_split, column: str) -> tuple[dict[str, int] | None, int]:
@@ -377,10 +399,14 @@ def _decode_images(ds, column: str, image_size: int | None, layout, split: str =
         first = open_image(ds[0][column])
         layout = (image_mode(first), (image_size, image_size) if image_size else first.size)
     mode, size = layout
-    chunks = [decode_images(ds[start:start + DECODE_CHUNK][column], mode, size, image_size is not None,
-                            [f"row {n}" for n in range(start, min(start + DECODE_CHUNK, len(ds)))], column, split)
-              for start in range(0, len(ds), DECODE_CHUNK)]
-    return torch.cat(chunks), layout
+    out = torch.empty((len(ds), 1 if mode == "L" else 3, size[1], size[0]), dtype=torch.uint8)
+    trim = PageTrimmer(arrow_files(ds))  # the decoded copy is what this path keeps, not the files' pages
+    for start in range(0, len(ds), DECODE_CHUNK):
+        stop = min(start + DECODE_CHUNK, len(ds))
+        out[start:stop] = decode_images(ds[start:stop][column], mode, size, image_size is not None,
+                                        [f"row {n}" for n in range(start, stop)], column, split)
+        trim()
+    return out, layout
 
 
 def _labels(train, eval_, column: str):
@@ -416,8 +442,8 @@ def _uint8_stats(inputs: torch.Tensor) -> tuple[tuple[float, ...], tuple[float, 
     channels = inputs.shape[1] if per_channel else 1
     total = torch.zeros(channels, dtype=torch.float64)
     squares = torch.zeros(channels, dtype=torch.float64)
-    for start in range(0, len(inputs), DECODE_CHUNK):
-        chunk = inputs[start:start + DECODE_CHUNK].double() / 255.0
+    for start in range(0, len(inputs), STATS_CHUNK):
+        chunk = inputs[start:start + STATS_CHUNK].double() / 255.0
         chunk = chunk.transpose(0, 1).reshape(channels, -1) if per_channel else chunk.reshape(1, -1)
         total += chunk.sum(dim=1)
         squares += (chunk * chunk).sum(dim=1)
