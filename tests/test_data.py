@@ -1116,3 +1116,17 @@ def test_a_datasets_dataset_with_a_random_transform_reads_memory_mapped_and_seed
 
     seen = draws(workers)
     assert len(seen) == 40 and seen == draws(0)
+
+
+def test_streaming_resumed_on_another_world_size_restarts_the_pass_with_a_warning(tmp_path, quick_stream_ends,
+                                                                                 capfd):
+    """Reader positions belong to a world size: on another one the pass starts over (said once), nothing is lost."""
+    files = _write_shards(tmp_path / "s", [20, 20, 20, 20])
+    saved = tmp_path / "3"
+    saved.mkdir()
+    _stream(files, 2, max_steps=12, workers=0, stop_after=3, save_to=saved)  # the 1-rank run reads rank 0's
+    capfd.readouterr()
+    [rest] = _stream(files, 1, max_steps=12, workers=0, per_device=4, resume_from=saved)
+    assert capfd.readouterr().err.count("starts over") == 1
+    first_pass = [i for data_epoch, ids in rest if data_epoch == 0 for i in ids]
+    assert sorted(first_pass) == list(range(80))[:len(first_pass)] and len(first_pass) == 36  # 9 steps of 4
