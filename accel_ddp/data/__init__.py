@@ -9,7 +9,8 @@ One job per module, arrows pointing one way (``bundle`` and ``sampler`` depend o
     host_loader.py    HostLoader: a DataLoader over the same order, decoding in workers, batches copied to the device
     mapped.py         MappedDataset: Arrow files read memory-mapped, decoded per batch
     streaming.py      StreamingLoader: a datasets.IterableDataset split over ranks, every rank in step
-    hf.py             Hugging Face datasets (Hub names, save_to_disk folders, parquet/csv/json, image folders)
+    hf_source.py      where Hugging Face datasets come from (Hub names, save_to_disk folders, files) and their columns
+    hf.py             Hugging Face datasets held in memory (decoded once) or memory-mapped (decoded per batch)
     text.py           text for the text tasks: tokenized once per machine, packed or padded per batch
     builtin.py        digits, MNIST, FashionMNIST, CIFAR-10, imagefolder, synthetic; the registry
     loaders.py        choosing and building the train and eval loaders
@@ -28,7 +29,7 @@ from accel_ddp.data.builtin import (
 )
 from accel_ddp.data.bundle import DataError, DatasetBundle
 from accel_ddp.data.device_loader import DeviceEvalLoader, DeviceLoader
-from accel_ddp.data.hf import HFSource
+from accel_ddp.data.hf_source import HFSource
 from accel_ddp.data.host_loader import HostLoader, SeededSamples, default_num_workers, usable_cpus
 from accel_ddp.data.in_memory import InMemoryDataset
 from accel_ddp.data.loaders import (

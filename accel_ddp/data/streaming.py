@@ -256,7 +256,7 @@ class StreamingLoader:
 
 def _read_failure(err: Exception, files: str | None, rank: int | None = None) -> str:
     """One line for a read that failed: the damaged local file when one is found, else the error's last line."""
-    from accel_ddp.data.hf import damaged_file
+    from accel_ddp.data.hf_source import damaged_file
 
     who = "" if rank is None else f" (met by rank {rank})"
     bad = damaged_file(files) if files else None
@@ -277,13 +277,8 @@ def build_stream(data_dir: str, source, image_size: int | None) -> DatasetBundle
     """The ``--streaming`` bundle: a :class:`StreamSource` to train on and the eval split read into memory."""
     import datasets
 
-    from accel_ddp.data.hf import (
-        STATS_SAMPLE,
-        _input_column,
-        _label_column,
-        _uint8_stats,
-        load_splits,
-    )
+    from accel_ddp.data.hf import STATS_SAMPLE, _uint8_stats
+    from accel_ddp.data.hf_source import _input_column, _label_column, load_splits
     from accel_ddp.data.mapped import ImageRows, MappedDataset, image_mode, open_image
 
     train, eval_stream = load_splits(data_dir, source, streaming=True)
