@@ -489,7 +489,9 @@ class _OneLineParser(argparse.ArgumentParser):
     """argparse prints usage plus the error; we want one line and exit code 2 via ConfigError."""
 
     def error(self, message: str) -> typing.NoReturn:
-        raise ConfigError(f"{message}; see --help")
+        # An argument may hold a line break ("unrecognized arguments: <newline>"): shown escaped, one line stays one.
+        one_line = message.replace("\r", "\\r").replace("\n", "\\n")
+        raise ConfigError(f"{one_line}; see --help")
 
 
 def build_parser() -> argparse.ArgumentParser:
