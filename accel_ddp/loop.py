@@ -45,6 +45,7 @@ from accel_ddp.checkpoint import (
 )
 from accel_ddp.config import TEXT_TASKS, ConfigError, TrainConfig, parse_args
 from accel_ddp.data import HFSource, build_datasets, build_loaders
+from accel_ddp.data.loaders import first_samples
 from accel_ddp.data.text import PadCollate, TextOptions, build_text, has_tokenizer, pad_token_id
 from accel_ddp.evaluate import evaluate
 from accel_ddp.model_card import launch_command, write_model_card
@@ -273,7 +274,7 @@ def _probe_task(task: Task, accelerator: Accelerator, model, data: Data, evaluat
     """
     collate = data.collate_fn or torch.utils.data.default_collate
     with torch.random.fork_rng(devices=[]):  # a sample's augmentation draws: the run's RNG stream stays as it was
-        batch = send_to_device(collate([data.train[i] for i in range(min(2, len(data.train)))]), accelerator.device)
+        batch = send_to_device(collate(first_samples(data.train, 2)), accelerator.device)
     if data.input_shape is not None and task.loss_fn is None:
         task.check_logits(getattr(model, "_orig_mod", model), batch)
     else:

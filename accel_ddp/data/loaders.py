@@ -21,7 +21,7 @@ from accel_ddp.data.mapped import is_arrow_dataset
 from accel_ddp.data.sampler import GlobalBatchSampler
 
 __all__ = ["Loaders", "build_eval_loader", "build_loaders", "build_train_loader", "choose_loader", "data_seed",
-           "data_source", "default_num_workers", "skip_first_batches", "usable_cpus"]
+           "data_source", "default_num_workers", "first_samples", "skip_first_batches", "usable_cpus"]
 
 
 def build_train_loader(
@@ -159,6 +159,13 @@ def data_source(dataset) -> str:
     if isinstance(dataset, IterableDataset):  # a datasets.IterableDataset is one too, once torch is imported
         return "streaming"
     return "map_style"
+
+
+def first_samples(dataset, count: int) -> list:
+    """The dataset's first ``count`` samples (fewer if it has fewer), for a stream too."""
+    if hasattr(dataset, "first_samples"):
+        return dataset.first_samples(count)
+    return [dataset[i] for i in range(min(count, len(dataset)))]
 
 
 def data_seed(accelerator) -> int:

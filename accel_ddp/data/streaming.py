@@ -62,8 +62,17 @@ class StreamSource(IterableDataset):
     """
 
     def __init__(self, stream, decode: Callable[[dict[str, list], list[str]], list], shuffle_buffer: int,
-                 files: str | None = None):
+                 files: str | None = None, head: list[dict] | None = None):
         self.stream, self.decode, self.shuffle_buffer, self.files = stream, decode, shuffle_buffer, files
+        self.head = head or []  # a few of the stream's first rows, as read at start-up
+
+    def first_samples(self, count: int) -> list:
+        """Up to ``count`` samples from the stream's first rows (what a set-up check runs the model on)."""
+        rows = self.head[:count]
+        if not rows:
+            return []
+        columns = {key: [row[key] for row in rows] for key in rows[0]}
+        return self.decode(columns, [f"example {i}" for i in range(len(rows))])
 
     def __iter__(self):
         raise TypeError("a StreamSource is read through accel_ddp.data.streaming.StreamingLoader")
@@ -312,7 +321,7 @@ def build_stream(data_dir: str, source, image_size: int | None) -> DatasetBundle
         table = datasets.Dataset.from_list(eval_rows, features=train.features)
         eval_set = MappedDataset(table, ImageRows(**layout, mean=mean, std=std, split="eval"))
     channels = 1 if mode == "L" else 3
-    return DatasetBundle(StreamSource(train, decode, source.shuffle_buffer, files), eval_set, num_classes,
+    return DatasetBundle(StreamSource(train, decode, source.shuffle_buffer, files, head[:2]), eval_set, num_classes,
                          (channels, size[1], size[0]))
 
 
