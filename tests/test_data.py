@@ -1130,3 +1130,32 @@ def test_streaming_resumed_on_another_world_size_restarts_the_pass_with_a_warnin
     assert capfd.readouterr().err.count("starts over") == 1
     first_pass = [i for data_epoch, ids in rest if data_epoch == 0 for i in ids]
     assert sorted(first_pass) == list(range(80))[:len(first_pass)] and len(first_pass) == 36  # 9 steps of 4
+
+
+def test_packed_text_trains_memory_mapped_with_workers_and_the_same_weights_without(tmp_path, monkeypatch):
+    """Tokenized, packed text (the text tasks' datasets.Dataset in the datasets cache) takes the memory-mapped
+    path; DataLoader workers change nothing, dropout included."""
+    pytest.importorskip("transformers")
+    import datasets
+
+    from tests.test_tasks import build_word_tokenizer, lm_args
+
+    texts = tmp_path / "corpus" / "texts"
+    texts.mkdir(parents=True)
+    words = ["the", "food", "was", "good", "bad", "very", "service", "slow"]
+    rng = np.random.default_rng(0)
+    lines = {split: [" ".join(rng.choice(words, 8)) for _ in range(n)] for split, n in (("train", 160), ("test", 21))}
+    for split, rows in lines.items():
+        (texts / f"{split}.json").write_text("".join(f'{{"text": "{text}"}}\n' for text in rows))
+    build_word_tokenizer(lines["train"], tmp_path / "corpus" / "tokenizer")
+    (tmp_path / "corpus" / "gpt2.json").write_text('{"model_type": "gpt2", "n_layer": 1, "n_head": 2, "n_embd": 16, '
+                                                   '"n_positions": 64, "vocab_size": 8}')
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf_cache"))
+    runs = {}
+    for workers in ("0", "1"):
+        out = tmp_path / f"w{workers}"
+        runs[workers] = train_ranks(lm_args(tmp_path / "corpus", out, "--packing", "--max_steps", "6",
+                                            "--num_workers", workers))[0]
+    assert (runs["1"]["loader"], runs["1"]["data_source"]) == ("dataloader", "memory_mapped")
+    with_workers, without = load_weights(tmp_path / "w1"), load_weights(tmp_path / "w0")
+    assert all(torch.equal(with_workers[k], without[k]) for k in without)
