@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 
 import pytest
 import torch
@@ -204,20 +203,6 @@ def test_only_the_main_process_writes(tmp_path):
     train_steps = [r["step"] for r in records if "loss" in r]
     assert train_steps == [4, 8, 12, 16], "each logged step appears exactly once"
     assert len([r for r in records if "eval_accuracy" in r]) == 2  # one eval per epoch
-
-
-@pytest.mark.slow
-def test_failure_on_one_rank_stops_both_promptly(tmp_path):
-    """Only a launch shows it: torchrun must end rank 0, blocked in a collective, once rank 1 dies."""
-    started = time.monotonic()
-    result = launch(["--dataset", "synthetic", "--synthetic_samples", "4096", "--synthetic_shape", "6",
-                     "--global_batch_size", "16", "--epochs", "50", "--output_dir", str(tmp_path)],
-                    env={"FAULT_FAIL_AT_STEP": "3:1"}, timeout=120, script=SCRIPTS / "faulty_train.py")
-    elapsed = time.monotonic() - started
-    assert result.returncode != 0
-    assert elapsed < 60, f"the job took {elapsed:.0f}s to stop after rank 1 failed"
-    assert "injected failure on rank 1 at step 3" in result.stderr
-    assert not (tmp_path / "summary.json").exists()
 
 
 @pytest.mark.slow
