@@ -283,6 +283,13 @@ def launch_cmd(script: str | os.PathLike, args: list[str], nproc: int, mixed_pre
             "--mixed_precision", mixed_precision, str(script), *args]
 
 
+def through(cmd: list[str], wrapper: list[str]) -> list[str]:
+    """A ``launch_cmd`` command whose script runs through ``wrapper`` (``[wrapper.py, --flag, ARG]``; the script
+    path and its arguments follow), e.g. a profiling wrapper in place of the script."""
+    at = cmd.index("--mixed_precision") + 2  # the script follows --mixed_precision VALUE
+    return [*cmd[:at], *wrapper, *cmd[at:]]
+
+
 def fast_bf16_here() -> bool:
     """Whether bf16 autocast beats fp32 on this machine: a bf16-capable GPU, or CPU bf16 units (AMX/AVX512-BF16)."""
     import torch

@@ -54,6 +54,7 @@ from benchmarks.common import (  # noqa: E402
     read_jsonl,
     run_launch,
     tail,
+    through,
 )
 
 HERE = Path(__file__).resolve().parent
@@ -335,10 +336,9 @@ def run_profile(args, variants: list[str], procs: list[int], threads: int, out: 
             for v in variants:
                 run_dir = Path(tmp) / f"{v}_{nproc}"
                 run_dir.mkdir()
-                cmd = variant_cmd(v, nproc, args, run_dir, tv_root)
-                at = cmd.index("--main_process_port") + 2  # the script path: replace it by the profiling wrapper
                 prof_json = out / f"profile_{v}_{nproc}p.json"
-                cmd[at:at + 1] = [str(Path(__file__).resolve()), "--profile_child", str(prof_json), cmd[at]]
+                cmd = through(variant_cmd(v, nproc, args, run_dir, tv_root),
+                              [str(Path(__file__).resolve()), "--profile_child", str(prof_json)])
                 info = run_launch(cmd, env, run_dir / "log.txt", args.timeout)
                 if info["rc"] != 0 or not prof_json.is_file():
                     print(f"{v} {nproc}p FAILED:\n{tail(run_dir / 'log.txt', 20)}")

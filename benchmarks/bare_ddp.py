@@ -1,0 +1,127 @@
+"""The bare DDP loop: plain ``torch.distributed`` + ``DistributedDataParallel``, no Accelerate, nothing extra.
+
+The baseline for accel_ddp's per-step cost (``tax.py``): the same model, optimizer (built by
+accel_ddp's own ``build_optimizer``, so the same parameter groups and the same multi-tensor or
+fused implementation), per-rank batch and samples, with the data already on the device as
+normalised float tensors, so that each step is a gather, forward, loss, backward (DDP's
+all-reduce), optional clipping, the optimizer step and ``zero_grad``. No logging, no LR schedule,
+no preemption flag, no timers beyond one clock reading per step: the fastest loop a user could
+write by hand. Launch it the way accel_ddp is launched (``tax.py`` does):
+
+    accelerate launch --config_file accelerate_configs/cpu_2proc.yaml benchmarks/bare_ddp.py \
+        --workload mlp --epochs 15 --global_batch_size 64 --max_grad_norm 1.0 --results_json /tmp/bare.json
+
+Workloads: ``mlp`` (the README's main run: scikit-learn digits, MLP 64-256-256-10) and ``cnn``
+(``mnist_cnn`` on the MNIST split of ``common.py``). Each epoch trains on the permutation
+accel_ddp's device loader draws (``epoch_order``): the same samples per step as accel_ddp.
+
+Timing is what accel_ddp's ``EpochTimer`` measures: per epoch, from just before the epoch's
+permutation to the last optimizer step, on the host clock. On CUDA the queue is drained before
+each epoch's clock starts (accel_ddp's evaluation between epochs does the same); the clock then
+stops without a sync, as accel_ddp's does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from accel_ddp.data import build_datasets, epoch_order, steps_per_epoch  # noqa: E402  (no Accelerate import)
+from accel_ddp.models import build_model, build_optimizer  # noqa: E402
+
+
+def process_start_time() -> float:
+    """This process's start, on the ``time.time()`` clock (``/proc/self/stat`` field 22)."""
+    with open("/proc/self/stat") as fh:
+        start_ticks = int(fh.read().rsplit(")", 1)[1].split()[19])
+    with open("/proc/stat") as fh:
+        boot = next(int(line.split()[1]) for line in fh if line.startswith("btime"))
+    return boot + start_ticks / os.sysconf("SC_CLK_TCK")
+
+
+def load(workload: str, device: torch.device):
+    """(train inputs as normalised float32 on the device, labels on the device, model)."""
+    if workload == "mlp":
+        bundle = build_datasets("digits", "data", False)
+        model = build_model("mlp", bundle.num_classes, bundle.input_shape, hidden_size=256)
+    else:
+        from benchmarks.common import mnist_split
+
+        bundle = mnist_split("", False)
+        model = build_model("mnist_cnn", bundle.num_classes, bundle.input_shape)
+    data = bundle.train.to(device)
+    return data.transform(data.inputs), data.labels, model
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workload", choices=("mlp", "cnn"), default="mlp")
+    parser.add_argument("--epochs", type=int, default=15)
+    parser.add_argument("--global_batch_size", type=int, default=64)
+    parser.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--max_grad_norm", type=float, default=1.0, help="0 = no clipping")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--results_json", default=None)
+    args = parser.parse_args()
+    started = process_start_time()
+
+    cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if cuda else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    torch.manual_seed(args.seed)
+    inputs, labels, model = load(args.workload, device)
+    model = DDP(model.to(device), device_ids=[local_rank] if cuda else None, gradient_as_bucket_view=True)
+    optimizer = build_optimizer(args.optimizer, model.module, args.lr, 0.0, fused=cuda)
+    params = list(model.parameters())
+    per_rank = args.global_batch_size // world
+    steps = steps_per_epoch(len(labels), args.global_batch_size)
+
+    epochs, first_step_at = [], None
+    for epoch in range(args.epochs):
+        if cuda:
+            torch.cuda.synchronize()
+        epoch_start = time.perf_counter()
+        order = epoch_order(len(labels), steps * args.global_batch_size, args.seed, epoch)
+        indices = order.view(steps, world, per_rank)[:, rank].to(device, non_blocking=True)
+        for step in range(steps):
+            index = indices[step]
+            x, y = torch.index_select(inputs, 0, index), torch.index_select(labels, 0, index)
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            if args.max_grad_norm > 0:
+                torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if first_step_at is None:
+                first_step_at = time.time()
+        epochs.append({"epoch": epoch, "steps": steps, "seconds": time.perf_counter() - epoch_start})
+    if cuda:
+        torch.cuda.synchronize()
+    startup = torch.tensor([first_step_at - started], dtype=torch.float64, device=device)
+    dist.all_reduce(startup, op=dist.ReduceOp.MAX)
+    if rank == 0 and args.results_json:
+        Path(args.results_json).write_text(json.dumps({
+            "world_size": world, "global_batch_size": args.global_batch_size, "epochs": epochs,
+            "startup_sec": startup.item(), "final_loss": loss.item(),
+        }))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

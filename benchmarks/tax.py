@@ -1,0 +1,279 @@
+"""Framework tax: accel_ddp's optimizer steps/s against the bare DDP loop on matched work, alternated.
+
+Each pair runs the same model, optimizer, clipping, per-rank batch and samples per step in both
+programs (``bare_ddp.py`` is the baseline: plain ``torch.distributed`` + DDP, data already on the
+device), started the same way (``accelerate launch --config_file accelerate_configs/cpu_2proc.yaml
+--num_processes N``), in the same invocation, alternated (bare first in even rounds, accel_ddp
+first in odd ones). Steps/s is measured as accel_ddp's ``EpochTimer`` measures it (per epoch, from
+the epoch's start to its last optimizer step, evaluation excluded), over every epoch but the first.
+Ratios are per-round paired ratios; the table shows their median and range, and the load average.
+
+Workloads (``--workloads``):
+
+    mlp   the README's main run: digits, MLP 64-256-256-10, global batch 64 (32 per rank at 2 ranks), 15 epochs
+    cnn   mnist_cnn on the MNIST split of common.py (real MNIST where present), global batch 128 (64 per rank), 3 epochs
+
+Pairs (``--pairs``), accel_ddp side / bare side:
+
+    defaults  train.py defaults (AdamW foreach, clipping 1.0, cosine schedule, preemption watch, logging,
+              timers) / AdamW foreach + clip_grad_norm_ 1.0: the issue's target pair
+    noclip    --max_grad_norm 0 / AdamW foreach, no clipping
+    sgd       --optimizer sgd --max_grad_norm 0 --lr_schedule constant / SGD (momentum 0.9, Nesterov), no clipping
+
+    python benchmarks/tax.py                                   # mlp and cnn, defaults, 2 processes, 3 rounds
+    python benchmarks/tax.py --workloads mlp --pairs defaults,noclip,sgd --rounds 5
+    python benchmarks/tax.py --profile --workloads mlp         # cProfile of rank 0 per side: where the time goes
+    python benchmarks/tax.py --other ../main_checkout           # also another accel_ddp checkout (before/after)
+
+Writes ``OUT/tax.json`` (every run's figures, the table, machine, settings).
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import (  # noqa: E402
+    REPO,
+    bench_env,
+    data_source,
+    exit_on_sigterm,
+    launch_cmd,
+    machine_info,
+    median,
+    read_jsonl,
+    run_launch,
+    tail,
+    through,
+)
+
+HERE = Path(__file__).resolve().parent
+SKIP_EPOCHS = 1  # the first epoch holds one-time costs (first-step allocations, DDP's bucket rebuild)
+WORKLOADS = {  # name: (accel_ddp flags, bare_ddp.py flags, global batch, default epochs)
+    "mlp": ([], ["--workload", "mlp"], 64, 15),
+    "cnn": (["--dataset", "benchmarks.common:mnist_split", "--model", "mnist_cnn"], ["--workload", "cnn"], 128, 3),
+}
+PAIRS = {  # name: (accel_ddp flags, bare_ddp.py flags)
+    "defaults": ([], ["--optimizer", "adamw", "--max_grad_norm", "1.0"]),
+    "noclip": (["--max_grad_norm", "0"], ["--optimizer", "adamw", "--max_grad_norm", "0"]),
+    "sgd": (["--optimizer", "sgd", "--max_grad_norm", "0", "--lr_schedule", "constant"],
+            ["--optimizer", "sgd", "--max_grad_norm", "0"]),
+}
+PROFILE_AFTER = 30  # optimizer steps before cProfile starts (start-up and warm-up left out)
+
+
+def commands(workload: str, pair: str, side: str, nproc: int, epochs: int, run_dir: Path,
+             other: Path | None = None) -> list[str]:
+    """The launch of one side: "bare", "accel" (this checkout's train.py) or "other" (``other``'s train.py)."""
+    accel_flags, bare_flags, batch, _ = WORKLOADS[workload]
+    shared = ["--epochs", str(epochs), "--global_batch_size", str(batch)]
+    if side == "bare":
+        return launch_cmd(HERE / "bare_ddp.py", [*bare_flags, *PAIRS[pair][1], *shared,
+                                                 "--results_json", str(run_dir / "bare.json")], nproc)
+    script = (other if side == "other" else REPO) / "train.py"
+    return launch_cmd(script, [*accel_flags, *PAIRS[pair][0], *shared, "--output_dir", str(run_dir)], nproc)
+
+
+def steps_per_sec(epochs: list[dict]) -> float:
+    """Optimizer steps per second over ``[{"steps", "seconds"}, ...]`` after the first SKIP_EPOCHS."""
+    kept = epochs[SKIP_EPOCHS:] or epochs
+    return sum(e["steps"] for e in kept) / sum(e["seconds"] for e in kept)
+
+
+def parse(side: str, run_dir: Path, batch: int) -> dict:
+    """Steps/s and start-up seconds of one finished run, read from what each program writes."""
+    if side == "bare":
+        result = json.loads((run_dir / "bare.json").read_text())
+        return {"steps_per_sec": steps_per_sec(result["epochs"]), "startup_sec": result["startup_sec"]}
+    summary = json.loads((run_dir / "summary.json").read_text())
+    per_epoch = summary["steps_per_epoch"]
+    records = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "step_time_p50_ms" in r]
+    epochs = [{"steps": per_epoch, "seconds": per_epoch * batch / r["samples_per_sec"]} for r in records]
+    return {"steps_per_sec": steps_per_sec(epochs), "startup_sec": summary.get("startup_sec")}
+
+
+def spread(values: list[float], spec: str) -> str:
+    if not values:
+        return "-"
+    return f"{format(median(values), spec)} [{format(min(values), spec)}-{format(max(values), spec)}]"
+
+
+def table(runs: list[dict], workloads: list[str], pairs: list[str], nproc: int, sides: list[str]) -> str:
+    head = (f"{'workload':8} {'pair':9} {'side':6} {'bare steps/s':>22} {'side steps/s':>22} {'side/bare':>20} "
+            f"{'tax us/step':>12} {'load':>9}")
+    lines = [head, "-" * len(head)]
+    for w in workloads:
+        for p in pairs:
+            done = [r for r in runs if r["workload"] == w and r["pair"] == p and r["ok"]]
+            loads = [r["load_avg"] for r in done]
+            load = f"{min(loads):.1f}-{max(loads):.1f}" if loads else "-"
+            for side in sides[1:]:
+                by_round = {k: {r["side"]: r["steps_per_sec"] for r in done if r["round"] == k}
+                            for k in sorted({r["round"] for r in done})}
+                paired = [(got["bare"], got[side]) for got in by_round.values() if "bare" in got and side in got]
+                bare = [b for b, _ in paired]
+                other = [a for _, a in paired]
+                ratios = [a / b for b, a in paired]
+                tax = [1e6 * (1 / a - 1 / b) for b, a in paired]
+                lines.append(f"{w:8} {p:9} {side:6} {spread(bare, '.1f'):>22} {spread(other, '.1f'):>22} "
+                             f"{spread(ratios, '.3f'):>20} {spread(tax, '.0f'):>12} {load:>9}")
+    lines.append(f"{nproc} process(es); median [min-max] over {len({r['round'] for r in runs})} alternated rounds; "
+                 f"side/bare: per-round paired ratios; tax: 1/side - 1/bare per optimizer step; load: 1-min "
+                 f"load average after each run; accel: this checkout, other: --other's")
+    return "\n".join(lines)
+
+
+def startup_table(runs: list[dict], sides: list[str]) -> str:
+    lines = ["start-up (worker process start -> first optimizer step done, max over ranks), seconds:"]
+    for side in sides:
+        values = [r["startup_sec"] for r in runs if r["ok"] and r["side"] == side and r.get("startup_sec")]
+        lines.append(f"  {side:6} {spread(values, '.2f')}  ({len(values)} runs)")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- profile
+
+
+def cprofile_child(argv: list[str]) -> int:
+    """``tax.py --cprofile_child OUT.txt SCRIPT ARGS...``: SCRIPT under cProfile from step PROFILE_AFTER on, rank 0.
+
+    ``accelerate launch`` starts this in place of SCRIPT. An optimizer-step hook starts the profiler
+    after PROFILE_AFTER steps; the report is written at exit (accel_ddp leaves through ``os._exit``
+    after running atexit handlers), in ms per profiled optimizer step.
+    """
+    import cProfile
+    import io
+    import pstats
+    import runpy
+
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    out, script, script_args = Path(argv[0]), argv[1], argv[2:]
+    profiler = cProfile.Profile()
+    steps = [0]
+
+    def on_step(*_) -> None:
+        steps[0] += 1
+        if steps[0] == PROFILE_AFTER:
+            profiler.enable()
+
+    def report() -> None:
+        profiler.disable()
+        if os.environ.get("RANK", "0") != "0":
+            return
+        measured = max(steps[0] - PROFILE_AFTER, 1)
+        text = io.StringIO()
+        stats = pstats.Stats(profiler, stream=text)
+        print(f"cProfile of rank 0 over {measured} optimizer steps (after {PROFILE_AFTER}); times in s over the "
+              f"window: divide by {measured} for per step", file=text)
+        stats.sort_stats("tottime").print_stats(25)
+        stats.sort_stats("cumulative").print_stats(40)
+        out.write_text(text.getvalue())
+
+    atexit.register(report)
+    register_optimizer_step_post_hook(on_step)
+    sys.argv = [script, *script_args]
+    sys.path.insert(0, str(Path(script).resolve().parent))
+    runpy.run_path(script, run_name="__main__")
+    return 0
+
+
+def run_profile(args, workloads: list[str], pairs: list[str], out: Path) -> int:
+    env = bench_env(args.threads)
+    with tempfile.TemporaryDirectory(prefix="accel_ddp_tax_profile_") as tmp:
+        for w in workloads:
+            for p in pairs:
+                for side in ("bare", "accel"):
+                    run_dir = Path(tmp) / f"{w}_{p}_{side}"
+                    run_dir.mkdir()
+                    report = out / f"cprofile_{w}_{p}_{side}.txt"
+                    cmd = through(commands(w, p, side, args.nproc, args.epochs or WORKLOADS[w][3], run_dir),
+                                  [str(Path(__file__).resolve()), "--cprofile_child", str(report)])
+                    info = run_launch(cmd, env, run_dir / "log.txt", args.timeout)
+                    if info["rc"] != 0 or not report.is_file():
+                        print(f"{w} {p} {side} FAILED:\n{tail(run_dir / 'log.txt', 20)}")
+                        continue
+                    print(f"== {w} {p} {side}: {report}\n" + "\n".join(report.read_text().splitlines()[:45]),
+                          flush=True)
+    return 0
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--workloads", default="mlp,cnn", help=f"comma separated, from {','.join(WORKLOADS)}")
+    p.add_argument("--pairs", default="defaults", help=f"comma separated, from {','.join(PAIRS)}")
+    p.add_argument("--rounds", type=int, default=3, help="alternated rounds (bare, accel_ddp / accel_ddp, bare)")
+    p.add_argument("--nproc", type=int, default=2, help="processes per run (1 on a single GPU)")
+    p.add_argument("--epochs", type=int, default=None, help="epochs per run; default per workload (mlp 15, cnn 3)")
+    p.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS per rank; default CPUs // nproc")
+    p.add_argument("--out", default=str(REPO / "outputs" / "benchmarks" / "tax"), help="folder for tax.json")
+    p.add_argument("--timeout", type=float, default=600, help="seconds before one run is ended")
+    p.add_argument("--profile", action="store_true", help="instead: one cProfile'd run per side, rank 0's top entries")
+    p.add_argument("--other", default=None, help="a third side: another accel_ddp checkout's train.py (before/after)")
+    args = p.parse_args(argv)
+    exit_on_sigterm()
+    workloads = [w for w in args.workloads.split(",") if w]
+    pairs = [x for x in args.pairs.split(",") if x]
+    for name, known in (("workload", WORKLOADS), ("pair", PAIRS)):
+        bad = [x for x in (workloads if name == "workload" else pairs) if x not in known]
+        if bad:
+            p.error(f"unknown {name}(s) {bad}; choose from {', '.join(known)}")
+    args.threads = args.threads or max(1, (os.cpu_count() or 1) // args.nproc)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    machine = machine_info()
+    print(f"data (cnn): {data_source()}")
+    print(f"machine: {machine['cpu']}, {machine['cpus']} CPUs, gpu {machine['gpu']}, torch {machine['torch']}, "
+          f"accelerate {machine['accelerate']}; {args.nproc} processes, OMP_NUM_THREADS={args.threads}", flush=True)
+    if args.profile:
+        return run_profile(args, workloads, pairs, out)
+
+    sides = ["bare", "accel"] + (["other"] if args.other else [])
+    other = Path(args.other).resolve() if args.other else None
+    runs: list[dict] = []
+    result = {"settings": vars(args), "machine": machine, "runs": runs}
+    env = bench_env(args.threads)
+    with tempfile.TemporaryDirectory(prefix="accel_ddp_tax_") as tmp:
+        for k in range(args.rounds):
+            for w in workloads:
+                epochs = args.epochs or WORKLOADS[w][3]
+                for p_name in pairs:
+                    for side in (sides if k % 2 == 0 else sides[::-1]):
+                        run_dir = Path(tmp) / f"{w}_{p_name}_{side}_{k}"
+                        run_dir.mkdir()
+                        info = run_launch(commands(w, p_name, side, args.nproc, epochs, run_dir, other), env,
+                                          run_dir / "log.txt", args.timeout)
+                        record = {"workload": w, "pair": p_name, "side": side, "round": k, "rc": info["rc"],
+                                  "wall_sec": info["wall_sec"], "load_avg": os.getloadavg()[0], "ok": False}
+                        try:
+                            record.update(parse(side, run_dir, WORKLOADS[w][2]), ok=info["rc"] == 0)
+                        except (OSError, ValueError, KeyError, ZeroDivisionError) as err:
+                            record.update(error=f"{type(err).__name__}: {err}", log_tail=tail(run_dir / "log.txt"))
+                        runs.append(record)
+                        status = (f"{record['steps_per_sec']:.1f} steps/s" if record["ok"]
+                                  else f"FAILED (exit {info['rc']}):\n{tail(run_dir / 'log.txt', 15)}")
+                        print(f"  round {k} {w} {p_name} {side:5} {status} (wall {info['wall_sec']:.1f}s, "
+                              f"load {record['load_avg']:.1f})", flush=True)
+                        (out / "tax.json").write_text(json.dumps(result, indent=1) + "\n")
+    text = table(runs, workloads, pairs, args.nproc, sides) + "\n\n" + startup_table(runs, sides)
+    print("\n" + text)
+    result["table_text"] = text
+    (out / "tax.json").write_text(json.dumps(result, indent=1) + "\n")
+    print(f"\nwrote {out / 'tax.json'}")
+    return 0 if all(r["ok"] for r in runs) else 1
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--cprofile_child"]:
+        sys.exit(cprofile_child(sys.argv[2:]))
+    sys.exit(main())
