@@ -1,9 +1,10 @@
 """How a worker ends: preemption (SIGTERM or SIGUSR1 -> every rank saves and stops), a non-finite loss, exit codes.
 
-The signal handler only records the signal. Once per optimizer step the loop asks
-``PreemptionWatcher.stop_requested()`` on every rank, which all-reduces the recorded signal (MAX)
-so that every rank decides at the same step; the loop then saves a checkpoint together and
-``train()`` raises ``Preempted``. Exit codes of ``train.py`` (each worker process):
+The signal handler only records the signal. After every optimizer step the loop asks
+``PreemptionWatcher.stop_requested()`` on every rank; every quarter second or so (at a step every
+rank agreed on) it all-reduces the recorded signal (MAX) so that every rank decides at the same step;
+the loop then saves a checkpoint together and ``train()`` raises ``Preempted``. Exit codes of
+``train.py`` (each worker process):
 
     0   training finished; OUTPUT_DIR/model.safetensors and summary.json written
     1   an error (a Python exception on some rank, or a rank killed)
@@ -33,6 +34,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from datetime import timedelta
 from typing import Any, NoReturn
 
@@ -43,6 +45,10 @@ from accelerate import Accelerator
 EXIT_PREEMPTED = 75  # sysexits.h EX_TEMPFAIL: the job may be retried
 EXIT_NON_FINITE = 3  # not 75: a relaunch would diverge again
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # SIGUSR1: what SLURM's --signal sends by default
+# Ranks compare their preemption flags about this often: the bound on the delay from a signal to the stop,
+# against the launcher's 30 s between its SIGTERM and its SIGKILL and SLURM's --signal lead time (minutes).
+CHECK_EVERY_SECONDS = 0.25
+MAX_CHECK_INTERVAL = 10_000  # optimizer steps between two comparisons, at most
 
 
 class Preempted(Exception):  # noqa: N818 - it is an outcome, not a failure
@@ -57,14 +63,22 @@ class Preempted(Exception):  # noqa: N818 - it is an outcome, not a failure
 class PreemptionWatcher:
     """SIGTERM or SIGUSR1 on any rank -> every rank stops after the same optimizer step.
 
-    ``stop_requested()`` is collective: a 4-byte all-reduce over a CPU gloo group, about 0.3 ms on
-    one host, and no GPU synchronisation (on GPU runs a separate gloo group carries it, from one
-    rank up, so that a one-GPU launch runs the same path as a multi-GPU one). ``timeout`` bounds
-    how long that all-reduce waits for a missing rank (the loop passes ``--ddp_timeout``; torch's
-    gloo default is 30 minutes). Handlers are installed only from the main thread.
+    ``stop_requested()`` is called after every optimizer step on every rank. In a process group it
+    compares the ranks' flags (a 16-byte all-reduce over a CPU gloo group: no GPU synchronisation;
+    on GPU runs a separate gloo group carries it, from one rank up, so that a one-GPU launch runs
+    the same path as a multi-GPU one) only every ``interval`` steps. The ranks agree on the next
+    ``interval`` in that same all-reduce, sized so that comparisons fall about
+    ``CHECK_EVERY_SECONDS`` apart (it at most doubles from one to the next). An all-reduce costs
+    ~0.1 ms on an idle host, but it is one more point where every rank's host thread must wait
+    for the others: on a busy 2-core host, after every step, it cost a small model a fifth of its
+    steps/s (benchmarks/README.md). A signal stops every rank within about
+    ``CHECK_EVERY_SECONDS`` plus one step; without a process group, after the step during which it
+    came. ``timeout`` bounds how long the all-reduce waits for a missing rank (the loop passes
+    ``--ddp_timeout``; torch's gloo default is 30 minutes). Handlers are installed only from the
+    main thread.
 
         >>> watcher = PreemptionWatcher(accelerator, timedelta(seconds=cfg.ddp_timeout)).install()
-        >>> if watcher.stop_requested(): ...   # once per optimizer step, on every rank
+        >>> if watcher.stop_requested(): ...   # after every optimizer step, on every rank
     """
 
     def __init__(self, accelerator: Accelerator, timeout: timedelta | None = None):
@@ -73,7 +87,12 @@ class PreemptionWatcher:
         self._previous: dict[int, Any] = {}
         self._distributed = dist.is_available() and dist.is_initialized()
         self._group = flag_group(timeout) if self._distributed else None
-        self._flag = torch.zeros(1, dtype=torch.int32)
+        self._flag = torch.zeros(2, dtype=torch.int64)  # [signal, -steps to the next comparison]: MAX suits both
+        self._flag_values = self._flag.numpy()  # the same memory: read and written without a torch call
+        self._steps = 0  # stop_requested() calls so far: optimizer steps of this run
+        self._interval = 1  # steps between comparisons, agreed by every rank at the last one
+        self._next_check = 1  # the step of the next comparison, the same on every rank
+        self._last_check = (0, time.perf_counter())
 
     def install(self) -> PreemptionWatcher:
         if threading.current_thread() is threading.main_thread():
@@ -97,15 +116,33 @@ class PreemptionWatcher:
         self._received = self._received or signum
 
     def stop_requested(self) -> bool:
-        """True on every rank once any rank got a preemption signal (collective)."""
-        self._flag.fill_(self._received)
-        if self._distributed:
+        """After an optimizer step: True on every rank, after the same step, once any rank got a signal (collective)."""
+        self._steps += 1
+        if not self._distributed:
+            received = self._received
+        elif self._steps < self._next_check:
+            return False
+        else:
+            self._flag_values[:] = (self._received, -self._steps_per_interval())
             dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self._group)
-        received = int(self._flag.item())
+            received = int(self._flag_values[0])
+            self._interval = -int(self._flag_values[1])  # the fewest steps any rank asked for
+            self._next_check = self._steps + self._interval
         if received:
             self.signal_name = signal.Signals(received).name
             self._received = self._received or received  # a rank told by the others is preempted too
         return bool(received)
+
+    def _steps_per_interval(self) -> int:
+        """How many of this rank's recent steps fit in CHECK_EVERY_SECONDS: at least 1, at most twice the last
+        interval (a GPU run's host races ahead of the device until the launch queue is full: a few fast
+        steps must not set a long interval)."""
+        now = time.perf_counter()
+        last_steps, last_time = self._last_check
+        self._last_check = (self._steps, now)
+        seconds_per_step = (now - last_time) / max(self._steps - last_steps, 1)
+        fits = int(CHECK_EVERY_SECONDS / max(seconds_per_step, 1e-9))
+        return max(1, min(fits, 2 * self._interval, MAX_CHECK_INTERVAL))
 
 
 def flag_group(timeout: timedelta | None = None):
