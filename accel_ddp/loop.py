@@ -86,6 +86,7 @@ from accel_ddp.tracking import (
     timed,
     tracking_kwargs,
 )
+from accel_ddp.update import build_update
 
 DEBUG_MAX_STEPS = 10  # --debug: a handful of optimizer steps is enough to surface shape or sync bugs
 
@@ -481,6 +482,7 @@ def fit(run: Run) -> FitResult:
     meter = ThroughputMeter(cfg.global_batch_size, step)  # samples/s between log lines
     timer = EpochTimer(cfg.global_batch_size)  # per-epoch step-time percentiles and data-wait share
     profiler = StepProfiler(cfg.profile, cfg.output_dir, accelerator.process_index)
+    update = build_update(accelerator, model, optimizer, cfg.max_grad_norm)  # clip, step, zero_grad
     watch = LossWatch(accelerator, step)  # a nan/inf loss is noticed at the next sync point, named by its first step
 
     def fail(error: Exception) -> NoReturn:  # the progress bar's line ends first: the error gets a line of its own
@@ -509,12 +511,9 @@ def fit(run: Run) -> FitResult:
                     fail(NonFiniteLoss(step + 1, run.checkpoints.last_saved_folder,
                                        _anomaly(accelerator, model, loss.value)))
                 losses.backward(loss)
-                if accelerator.sync_gradients:
+                if accelerator.sync_gradients:  # the step's last micro-step: gradients are synced
                     losses.finish_step(model)  # (sum, num_items): the gradient of total loss / total items
-                    if cfg.max_grad_norm > 0:
-                        accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-                optimizer.step()  # no-op on accumulation micro-steps
-                optimizer.zero_grad(set_to_none=True)
+                    update()  # clip (--max_grad_norm), optimizer step, zero_grad
             if not accelerator.sync_gradients:
                 continue
             scheduler.step()  # exactly once per optimizer step
