@@ -550,6 +550,7 @@ def fit(run: Run) -> FitResult:
             eval_metrics = evaluate_and_log(run, step, epoch)
         if cfg.checkpointing_steps == "epoch" and step == (epoch + 1) * plan.steps_per_epoch:
             save(step)
+        meter.reset(step)  # the next log line's samples/s leaves out this epoch's evaluation and checkpoint
     bar.close()
     profiler.stop()
     stop_if_not_finite(step)  # before finish() exports the weights
