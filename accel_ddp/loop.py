@@ -74,6 +74,7 @@ from accel_ddp.preemption import (
 from accel_ddp.preflight import build_fsdp_plugin, check_fsdp, check_launch_devices, check_shared_output_dir
 from accel_ddp.registry import resolve
 from accel_ddp.run_dir import check_output_dir, claim_output_dir, finished_summary
+from accel_ddp.startup import StartupClock
 from accel_ddp.tasks import LossAccumulator, Task, build_task
 from accel_ddp.tracking import (
     EpochTimer,
@@ -312,6 +313,7 @@ class Run:
     preemption: PreemptionWatcher
     start_step: int  # 0, or the optimizer step of the checkpoint resumed from
     started: float  # time.perf_counter() when train() began
+    startup: StartupClock  # process start -> first optimizer step, by phase (summary.json's startup_sec)
     tokenizer: Any = None  # text tasks: saved beside a Transformers model's final weights
 
 
@@ -347,6 +349,7 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
           loss_fn=None, metrics=(), collate_fn=None) -> Run:
     """Join the process group, build data, model, optimizer and schedule, and agree on where to start."""
     started = time.perf_counter()
+    startup = StartupClock()  # "imports": interpreter start, imports and option parsing, up to here
     accelerator, per_device_batch, accumulation = build_accelerator(cfg)
     teardown.callback(accelerator.end_training)
     main_process_decides(accelerator, lambda: check_output_dir(cfg.output_dir))  # a bad folder: now, not after data
@@ -356,6 +359,7 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
     teardown.callback(preemption.uninstall)
     if accelerator.is_main_process and (hazard := restart_hazard()):
         print(f"accel_ddp: warning: {hazard}", file=sys.stderr, flush=True)
+    startup.mark("process_group")
 
     if cfg.debug:
         torch.autograd.set_detect_anomaly(True)
@@ -366,6 +370,7 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
                       memory_format)
     data = _resolve_data(cfg, accelerator, train_dataset, eval_dataset, collate_fn)
     train_dataset, eval_dataset = data.train, data.eval
+    startup.mark("data")
     if model is None:
         model = _build_model(cfg, data)
     if accelerator.is_fsdp2:  # before anything is built on it: what FSDP2 cannot shard or cast
@@ -373,6 +378,7 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
     if cfg.init_from:
         load_weights(model, cfg.init_from)  # every rank reads the same file before DDP wraps the model
     model = model.to(memory_format=memory_format)  # NHWC convolutions: faster on tensor cores
+    startup.mark("model")
 
     # The device loader where the data fits (--loader), else a DataLoader over the same order, or a stream.
     loaders = build_loaders(
@@ -383,12 +389,14 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
     )
     train_loader, eval_loader = loaders.train, loaders.eval
     plan = _plan(cfg, loaders.steps_per_epoch, per_device_batch, accumulation)
+    startup.mark("loaders")
 
     optimizer = build_optimizer(cfg.optimizer, model, cfg.lr, cfg.weight_decay,
                                 fused=use_fused_optimizer(cfg.optimizer, accelerator.device.type, accelerator.is_fsdp2))
     scheduler = build_lr_scheduler(optimizer, cfg.lr_schedule, cfg.warmup_steps, plan.total_steps)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     _probe_task(task, accelerator, model, data, evaluates=eval_loader is not None)
+    startup.mark("optimizer_and_prepare")
 
     # The input is checked. Before anything is written: the folder is created, and ours alone until we exit.
     teardown.callback(claim_output_dir(accelerator, cfg.output_dir).release)
@@ -412,8 +420,9 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
     # Only now, with the input checked and the start point agreed, touch what earlier runs left.
     recorder.rewind(start_step)  # metrics past the checkpoint belong to the lost steps
     recorder.write_config(resolved)
+    startup.mark("resume_and_config")
     return Run(cfg, accelerator, model, task, optimizer, scheduler, train_loader, eval_loader, plan, facts, recorder,
-               checkpoints, preemption, start_step, started, data.tokenizer)
+               checkpoints, preemption, start_step, started, startup, data.tokenizer)
 
 
 class RunFinished(Exception):  # noqa: N818 - an outcome, not a failure
@@ -520,6 +529,8 @@ def fit(run: Run) -> FitResult:
             step += 1
             watch.after_step(losses.running_loss)
             timer.step_done()
+            if step == run.start_step + 1:
+                run.startup.mark("first_step")
             profiler.step()
             bar.update(1)
             if step % cfg.log_every == 0 or step == plan.total_steps:
@@ -591,9 +602,10 @@ def finish(run: Run, result: FitResult) -> dict[str, Any]:
         "eval_samples": result.eval_metrics.get("eval_samples", 0),
         **result.eval_metrics,  # and the task's others: eval_perplexity, eval_tokens, user metrics
         "train_samples_per_sec": timing.pop("samples_per_sec", 0.0),
-        **timing,  # step_time_p50_ms, step_time_p90_ms, data_wait_share over the whole run
+        **timing,  # step_time_p50_ms, step_time_p90_ms, data_wait_share, cpu_ms_per_step over the whole run
         "train_seconds": sum(result.timer.all_steps),
         "elapsed_sec": time.perf_counter() - run.started,
+        **_startup_figures(run),
         "lr_scheduler_steps": run.scheduler.scheduler.last_epoch,
         "resumed_from_step": run.start_step,
         **largest(memory_record(run.accelerator)),  # peak_rss_mb, peak_worker_rss_mb: max over ranks (MiB)
@@ -603,6 +615,17 @@ def finish(run: Run, result: FitResult) -> dict[str, Any]:
     if run.accelerator.is_main_process:
         write_model_card(run.cfg.output_dir, run.cfg.to_dict(), summary, launch_command(sys.argv, os.environ))
     return summary
+
+
+def _startup_figures(run: Run) -> dict[str, Any]:
+    """``startup_sec``: worker process start -> first optimizer step, the slowest rank's (collective); and
+    ``startup_phases_sec``: this rank's by phase. None where the run did no step or /proc is missing."""
+    phases = run.startup.phases()
+    mine = run.startup.seconds() if "first_step" in phases else None
+    seconds = torch.tensor([-1.0 if mine is None else mine], dtype=torch.float64, device=run.accelerator.device)
+    slowest = run.accelerator.gather(seconds)
+    return {"startup_sec": None if bool((slowest < 0).any()) else float(slowest.max()),
+            "startup_phases_sec": {name: round(sec, 3) for name, sec in phases.items()}}
 
 
 def _epoch_batches(loader, epoch: int, skip: int) -> Iterable:

@@ -16,9 +16,9 @@ Workloads: ``mlp`` (the README's main run: scikit-learn digits, MLP 64-256-256-1
 accel_ddp's device loader draws (``epoch_order``): the same samples per step as accel_ddp.
 
 Timing is what accel_ddp's ``EpochTimer`` measures: per epoch, from just before the epoch's
-permutation to the last optimizer step, on the host clock. On CUDA the queue is drained before
-each epoch's clock starts (accel_ddp's evaluation between epochs does the same); the clock then
-stops without a sync, as accel_ddp's does.
+permutation to the last optimizer step, on the host clock, and the process's CPU time (all
+threads). On CUDA the queue is drained before each epoch's clock starts (accel_ddp's evaluation
+between epochs does the same); the clock then stops without a sync, as accel_ddp's does.
 """
 
 from __future__ import annotations
@@ -39,15 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from accel_ddp.data import build_datasets, epoch_order, steps_per_epoch  # noqa: E402  (no Accelerate import)
 from accel_ddp.models import build_model, build_optimizer  # noqa: E402
-
-
-def process_start_time() -> float:
-    """This process's start, on the ``time.time()`` clock (``/proc/self/stat`` field 22)."""
-    with open("/proc/self/stat") as fh:
-        start_ticks = int(fh.read().rsplit(")", 1)[1].split()[19])
-    with open("/proc/stat") as fh:
-        boot = next(int(line.split()[1]) for line in fh if line.startswith("btime"))
-    return boot + start_ticks / os.sysconf("SC_CLK_TCK")
+from accel_ddp.startup import process_age  # noqa: E402
 
 
 def load(workload: str, device: torch.device):
@@ -75,7 +67,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--results_json", default=None)
     args = parser.parse_args()
-    started = process_start_time()
+    started = time.perf_counter() - (process_age() or 0.0)  # this process's start, as accel_ddp's startup_sec
 
     cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo")
@@ -96,7 +88,7 @@ def main() -> None:
     for epoch in range(args.epochs):
         if cuda:
             torch.cuda.synchronize()
-        epoch_start = time.perf_counter()
+        epoch_start, epoch_cpu = time.perf_counter(), time.process_time()
         order = epoch_order(len(labels), steps * args.global_batch_size, args.seed, epoch)
         indices = order.view(steps, world, per_rank)[:, rank].to(device, non_blocking=True)
         for step in range(steps):
@@ -109,8 +101,9 @@ def main() -> None:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             if first_step_at is None:
-                first_step_at = time.time()
-        epochs.append({"epoch": epoch, "steps": steps, "seconds": time.perf_counter() - epoch_start})
+                first_step_at = time.perf_counter()
+        epochs.append({"epoch": epoch, "steps": steps, "seconds": time.perf_counter() - epoch_start,
+                       "cpu_seconds": time.process_time() - epoch_cpu})
     if cuda:
         torch.cuda.synchronize()
     startup = torch.tensor([first_step_at - started], dtype=torch.float64, device=device)
