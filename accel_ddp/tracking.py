@@ -200,50 +200,57 @@ class ThroughputMeter:
 
 
 class EpochTimer:
-    """Per-epoch step-time percentiles, samples/s and the share of step time spent waiting for data.
+    """Per-epoch step-time percentiles, samples/s, the share of step time spent waiting for data, host CPU.
 
     Host clock only, no device synchronisation: on a GPU the interval between two optimizer steps
     equals the device's step time once the launch queue is full, so percentiles stay honest
     without stalling the pipeline. Evaluation and checkpoint time is excluded (``pause``).
+    ``cpu_ms_per_step`` is this process's CPU time (all its threads) per optimizer step: near the
+    step time, the host is what bounds the step (a CPU run, or a GPU waiting for Python).
 
         timer.start_epoch()
         for batch in timed(loader, timer): ...; timer.step_done()
-        record = timer.end_epoch()   # {"samples_per_sec", "step_time_p50_ms", "step_time_p90_ms", "data_wait_share"}
+        record = timer.end_epoch()   # {"samples_per_sec", "step_time_p50_ms", "step_time_p90_ms", "data_wait_share",
+                                     #  "cpu_ms_per_step"}
     """
 
     def __init__(self, global_batch_size: int):
         self.global_batch_size = global_batch_size
         self.all_steps: list[float] = []
         self.all_wait = 0.0
+        self.all_cpu = 0.0
         self.start_epoch()
 
     def start_epoch(self) -> None:
         self._steps: list[float] = []
         self._wait = 0.0
-        self._last = time.perf_counter()
+        self._cpu = 0.0
+        self.pause()
 
     def waited(self, seconds: float) -> None:
         self._wait += seconds
 
     def step_done(self) -> None:
-        now = time.perf_counter()
+        now, cpu = time.perf_counter(), time.process_time()
         self._steps.append(now - self._last)
-        self._last = now
+        self._cpu += cpu - self._last_cpu
+        self._last, self._last_cpu = now, cpu
 
     def pause(self) -> None:
         """Call after work that is not training (eval, checkpoint): the next interval starts now."""
-        self._last = time.perf_counter()
+        self._last, self._last_cpu = time.perf_counter(), time.process_time()
 
     def end_epoch(self) -> dict[str, float]:
         self.all_steps.extend(self._steps)
         self.all_wait += self._wait
-        return _step_stats(self._steps, self._wait, self.global_batch_size)
+        self.all_cpu += self._cpu
+        return _step_stats(self._steps, self._wait, self._cpu, self.global_batch_size)
 
     def totals(self) -> dict[str, float]:
-        return _step_stats(self.all_steps, self.all_wait, self.global_batch_size)
+        return _step_stats(self.all_steps, self.all_wait, self.all_cpu, self.global_batch_size)
 
 
-def _step_stats(steps: list[float], wait: float, global_batch_size: int) -> dict[str, float]:
+def _step_stats(steps: list[float], wait: float, cpu: float, global_batch_size: int) -> dict[str, float]:
     if not steps:
         return {}
     ordered = sorted(steps)
@@ -253,6 +260,7 @@ def _step_stats(steps: list[float], wait: float, global_batch_size: int) -> dict
         "step_time_p50_ms": 1e3 * ordered[len(ordered) // 2],
         "step_time_p90_ms": 1e3 * ordered[min(int(0.9 * len(ordered)), len(ordered) - 1)],
         "data_wait_share": min(wait / max(total, 1e-9), 1.0),
+        "cpu_ms_per_step": 1e3 * cpu / len(steps),
     }
 
 

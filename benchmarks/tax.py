@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import json
+import math
 import os
 import sys
 import tempfile
@@ -81,22 +82,26 @@ def commands(workload: str, pair: str, side: str, nproc: int, epochs: int, run_d
     return launch_cmd(script, [*accel_flags, *PAIRS[pair][0], *shared, "--output_dir", str(run_dir)], nproc)
 
 
-def steps_per_sec(epochs: list[dict]) -> float:
-    """Optimizer steps per second over ``[{"steps", "seconds"}, ...]`` after the first SKIP_EPOCHS."""
+def per_step(epochs: list[dict]) -> dict:
+    """Steps/s and CPU ms per step (rank 0's process, all threads) over the epochs after the first SKIP_EPOCHS."""
     kept = epochs[SKIP_EPOCHS:] or epochs
-    return sum(e["steps"] for e in kept) / sum(e["seconds"] for e in kept)
+    steps = sum(e["steps"] for e in kept)
+    return {"steps_per_sec": steps / sum(e["seconds"] for e in kept),
+            "cpu_ms_per_step": 1e3 * sum(e["cpu_seconds"] for e in kept) / steps}
 
 
 def parse(side: str, run_dir: Path, batch: int) -> dict:
     """Steps/s and start-up seconds of one finished run, read from what each program writes."""
     if side == "bare":
         result = json.loads((run_dir / "bare.json").read_text())
-        return {"steps_per_sec": steps_per_sec(result["epochs"]), "startup_sec": result["startup_sec"]}
+        return {**per_step(result["epochs"]), "startup_sec": result["startup_sec"]}
     summary = json.loads((run_dir / "summary.json").read_text())
     per_epoch = summary["steps_per_epoch"]
     records = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "step_time_p50_ms" in r]
-    epochs = [{"steps": per_epoch, "seconds": per_epoch * batch / r["samples_per_sec"]} for r in records]
-    return {"steps_per_sec": steps_per_sec(epochs), "startup_sec": summary.get("startup_sec")}
+    epochs = [{"steps": per_epoch, "seconds": per_epoch * batch / r["samples_per_sec"],
+               "cpu_seconds": per_epoch * r.get("cpu_ms_per_step", math.nan) / 1e3} for r in records]
+    return {**per_step(epochs), "startup_sec": summary.get("startup_sec"),
+            "startup_phases_sec": summary.get("startup_phases_sec")}
 
 
 def spread(values: list[float], spec: str) -> str:
@@ -106,27 +111,29 @@ def spread(values: list[float], spec: str) -> str:
 
 
 def table(runs: list[dict], workloads: list[str], pairs: list[str], nproc: int, sides: list[str]) -> str:
-    head = (f"{'workload':8} {'pair':9} {'side':6} {'bare steps/s':>22} {'side steps/s':>22} {'side/bare':>20} "
-            f"{'tax us/step':>12} {'load':>9}")
+    head = (f"{'workload':8} {'pair':9} {'side':6} {'bare steps/s':>20} {'side steps/s':>20} {'side/bare':>19} "
+            f"{'tax us/step':>16} | {'CPU ms/step: bare':>17} {'side':>16} {'side/bare':>19} | {'load':>7}")
     lines = [head, "-" * len(head)]
     for w in workloads:
         for p in pairs:
             done = [r for r in runs if r["workload"] == w and r["pair"] == p and r["ok"]]
             loads = [r["load_avg"] for r in done]
             load = f"{min(loads):.1f}-{max(loads):.1f}" if loads else "-"
+            by_round = {k: {r["side"]: r for r in done if r["round"] == k} for k in sorted({r["round"] for r in done})}
             for side in sides[1:]:
-                by_round = {k: {r["side"]: r["steps_per_sec"] for r in done if r["round"] == k}
-                            for k in sorted({r["round"] for r in done})}
                 paired = [(got["bare"], got[side]) for got in by_round.values() if "bare" in got and side in got]
-                bare = [b for b, _ in paired]
-                other = [a for _, a in paired]
-                ratios = [a / b for b, a in paired]
-                tax = [1e6 * (1 / a - 1 / b) for b, a in paired]
-                lines.append(f"{w:8} {p:9} {side:6} {spread(bare, '.1f'):>22} {spread(other, '.1f'):>22} "
-                             f"{spread(ratios, '.3f'):>20} {spread(tax, '.0f'):>12} {load:>9}")
+                rate = [(b["steps_per_sec"], a["steps_per_sec"]) for b, a in paired]
+                cpu = [(b["cpu_ms_per_step"], a["cpu_ms_per_step"]) for b, a in paired]
+                lines.append(
+                    f"{w:8} {p:9} {side:6} {spread([b for b, _ in rate], '.1f'):>20} "
+                    f"{spread([a for _, a in rate], '.1f'):>20} {spread([a / b for b, a in rate], '.3f'):>19} "
+                    f"{spread([1e6 * (1 / a - 1 / b) for b, a in rate], '.0f'):>16} | "
+                    f"{spread([b for b, _ in cpu], '.2f'):>17} {spread([a for _, a in cpu], '.2f'):>16} "
+                    f"{spread([a / b for b, a in cpu], '.3f'):>19} | {load:>7}")
     lines.append(f"{nproc} process(es); median [min-max] over {len({r['round'] for r in runs})} alternated rounds; "
-                 f"side/bare: per-round paired ratios; tax: 1/side - 1/bare per optimizer step; load: 1-min "
-                 f"load average after each run; accel: this checkout, other: --other's")
+                 "side/bare: per-round paired ratios; tax: 1/side - 1/bare per optimizer step; CPU ms/step: rank "
+                 "0's process, all threads; load: 1-min load average after each run; accel: this checkout, other: "
+                 "--other's")
     return "\n".join(lines)
 
 
