@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import gzip
+import importlib.util
 import os
 import pickle
 from collections.abc import Callable
@@ -40,11 +41,9 @@ CIFAR10_MEAN, CIFAR10_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
 
 def build_digits(data_dir: str, download: bool) -> DatasetBundle:
     """scikit-learn's bundled 8x8 digits (1,797 images): no download, 80/20 split fixed by seed 0."""
-    from sklearn.datasets import load_digits
-
-    digits = load_digits()
-    images = torch.tensor(digits.images, dtype=torch.uint8).unsqueeze(1)  # pixel range 0..16
-    labels = torch.tensor(digits.target, dtype=torch.long)
+    images, labels = read_digits()
+    images = torch.tensor(images, dtype=torch.uint8).unsqueeze(1)  # pixel range 0..16
+    labels = torch.tensor(labels, dtype=torch.long)
     order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(0))
     n_train = int(0.8 * len(labels))
     train_idx, eval_idx = order[:n_train], order[n_train:]
@@ -55,6 +54,26 @@ def build_digits(data_dir: str, download: bool) -> DatasetBundle:
         num_classes=10,
         input_shape=(1, 8, 8),
     )
+
+
+def read_digits() -> tuple[np.ndarray, np.ndarray]:
+    """(images (1797, 8, 8) float, labels (1797,) int) of scikit-learn's digits, as ``load_digits()`` returns them.
+
+    Read from the CSV file scikit-learn ships, as ``load_digits`` reads it, without importing
+    scikit-learn: that import costs 2-3 s of every rank's start-up (docs/performance.md). If the
+    file is not where scikit-learn has always kept it, scikit-learn reads it.
+    """
+    spec = importlib.util.find_spec("sklearn")
+    folders = (spec.submodule_search_locations or []) if spec is not None else []
+    path = next((os.path.join(f, "datasets", "data", "digits.csv.gz") for f in folders), "")
+    if not os.path.isfile(path):
+        from sklearn.datasets import load_digits
+
+        digits = load_digits()
+        return digits.images, digits.target
+    with gzip.open(path, mode="rt", encoding="utf-8") as fh:
+        data = np.loadtxt(fh, delimiter=",")
+    return data[:, :-1].reshape(-1, 8, 8), data[:, -1].astype(int)
 
 
 # ----------------------------------------------------------------------------- MNIST-format (IDX) files
