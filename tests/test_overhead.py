@@ -193,7 +193,7 @@ def test_startup_sec_is_the_slowest_ranks_process_start_to_first_step(tmp_path):
                                 "resume_and_config", "first_step"]
         assert all(seconds >= 0 for seconds in phases.values())
         # Forked ranks start at the fork, moments before train(): the phases add up to this rank's start-up.
-        assert 0 < sum(phases.values()) <= summary["startup_sec"] + 1e-3 < 60
+        assert 0 < sum(phases.values()) <= summary["startup_sec"] + 0.01 < 60  # phases are rounded to ms
 
 
 def test_startup_clock_counts_from_the_process_start():
