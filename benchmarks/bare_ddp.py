@@ -11,9 +11,11 @@ write by hand. Launch it the way accel_ddp is launched (``tax.py`` does):
     accelerate launch --config_file accelerate_configs/cpu_2proc.yaml benchmarks/bare_ddp.py \
         --workload mlp --epochs 15 --global_batch_size 64 --max_grad_norm 1.0 --results_json /tmp/bare.json
 
-Workloads: ``mlp`` (the README's main run: scikit-learn digits, MLP 64-256-256-10) and ``cnn``
-(``mnist_cnn`` on the MNIST split of ``common.py``). Each epoch trains on the permutation
-accel_ddp's device loader draws (``epoch_order``): the same samples per step as accel_ddp.
+Workloads: ``mlp`` (the README's main run: scikit-learn digits, MLP 64-256-256-10), ``cnn``
+(``mnist_cnn`` on the MNIST split of ``common.py``) and ``lm`` (a GPT-2 from a Transformers config
+on the packed token blocks accel_ddp's ``--task causal_lm --packing`` makes of a text folder; the
+mean next-token cross-entropy, as a hand-written loop computes it). Each epoch trains on the
+permutation accel_ddp's device loader draws (``epoch_order``): the same samples per step as accel_ddp.
 
 Timing is what accel_ddp's ``EpochTimer`` measures: per epoch, from just before the epoch's
 permutation to the last optimizer step, on the host clock, and the process's CPU time (all
@@ -42,9 +44,26 @@ from accel_ddp.models import build_model, build_optimizer  # noqa: E402
 from accel_ddp.startup import process_age  # noqa: E402
 
 
-def load(workload: str, device: torch.device):
-    """(train inputs as normalised float32 on the device, labels on the device, model)."""
-    if workload == "mlp":
+def load(args, device: torch.device):
+    """(train inputs on the device: normalised float32 images or token blocks, labels on the device or None, the
+    model, its loss on a batch)."""
+    if args.workload == "lm":
+        from accel_ddp.data.hf import HFSource
+        from accel_ddp.data.text import TextOptions, build_text
+        from accel_ddp.models import build_transformers_model
+
+        options = TextOptions(args.tokenizer, max_length=args.max_length, packing=True, labels=False)
+        bundle, tokenizer = build_text(args.data_dir, HFSource(), options)
+        model = build_transformers_model("causal_lm", config_file=args.model_config, tokenizer=tokenizer,
+                                         max_length=args.max_length)
+        tokens = torch.stack(list(bundle.train["input_ids"])).to(device)  # (blocks, max_length): packed, no padding
+
+        def next_token_loss(model, ids, _):
+            logits = model(input_ids=ids).logits
+            return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
+
+        return tokens, None, model, next_token_loss
+    if args.workload == "mlp":
         bundle = build_datasets("digits", "data", False)
         model = build_model("mlp", bundle.num_classes, bundle.input_shape, hidden_size=256)
     else:
@@ -53,12 +72,12 @@ def load(workload: str, device: torch.device):
         bundle = mnist_split("", False)
         model = build_model("mnist_cnn", bundle.num_classes, bundle.input_shape)
     data = bundle.train.to(device)
-    return data.transform(data.inputs), data.labels, model
+    return data.transform(data.inputs), data.labels, model, lambda model, x, y: F.cross_entropy(model(x), y)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workload", choices=("mlp", "cnn"), default="mlp")
+    parser.add_argument("--workload", choices=("mlp", "cnn", "lm"), default="mlp")
     parser.add_argument("--epochs", type=int, default=15)
     parser.add_argument("--global_batch_size", type=int, default=64)
     parser.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
@@ -66,6 +85,10 @@ def main() -> None:
     parser.add_argument("--max_grad_norm", type=float, default=1.0, help="0 = no clipping")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--results_json", default=None)
+    parser.add_argument("--data_dir", help="lm: the folder examples/pydoc_text.py lm wrote")
+    parser.add_argument("--tokenizer", help="lm: its tokenizer folder")
+    parser.add_argument("--model_config", help="lm: a Transformers config (examples/configs/tiny_gpt2.json)")
+    parser.add_argument("--max_length", type=int, default=128, help="lm: tokens per packed block")
     args = parser.parse_args()
     started = time.perf_counter() - (process_age() or 0.0)  # this process's start, as accel_ddp's startup_sec
 
@@ -77,24 +100,24 @@ def main() -> None:
     if cuda:
         torch.cuda.set_device(device)
     torch.manual_seed(args.seed)
-    inputs, labels, model = load(args.workload, device)
+    inputs, labels, model, loss_of = load(args, device)
     model = DDP(model.to(device), device_ids=[local_rank] if cuda else None, gradient_as_bucket_view=True)
     optimizer = build_optimizer(args.optimizer, model.module, args.lr, 0.0, fused=cuda)
     params = list(model.parameters())
     per_rank = args.global_batch_size // world
-    steps = steps_per_epoch(len(labels), args.global_batch_size)
+    steps = steps_per_epoch(len(inputs), args.global_batch_size)
 
     epochs, first_step_at = [], None
     for epoch in range(args.epochs):
         if cuda:
             torch.cuda.synchronize()
         epoch_start, epoch_cpu = time.perf_counter(), time.process_time()
-        order = epoch_order(len(labels), steps * args.global_batch_size, args.seed, epoch)
+        order = epoch_order(len(inputs), steps * args.global_batch_size, args.seed, epoch)
         indices = order.view(steps, world, per_rank)[:, rank].to(device, non_blocking=True)
         for step in range(steps):
             index = indices[step]
-            x, y = torch.index_select(inputs, 0, index), torch.index_select(labels, 0, index)
-            loss = F.cross_entropy(model(x), y)
+            x = torch.index_select(inputs, 0, index)
+            loss = loss_of(model, x, None if labels is None else torch.index_select(labels, 0, index))
             loss.backward()
             if args.max_grad_norm > 0:
                 torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)

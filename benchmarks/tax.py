@@ -12,6 +12,9 @@ Workloads (``--workloads``):
 
     mlp   the README's main run: digits, MLP 64-256-256-10, global batch 64 (32 per rank at 2 ranks), 15 epochs
     cnn   mnist_cnn on the MNIST split of common.py (real MNIST where present), global batch 128 (64 per rank), 3 epochs
+    lm    a 4-layer GPT-2 (examples/configs/tiny_gpt2.json) on the Python Language Reference as packed 128-token
+          blocks (examples/pydoc_text.py lm, written once per invocation), global batch 16, 2 epochs; accel_ddp's
+          token-exact loss against the bare loop's mean next-token cross-entropy (equal on packed blocks)
 
 Pairs (``--pairs``), accel_ddp side / bare side:
 
@@ -35,6 +38,7 @@ import atexit
 import json
 import math
 import os
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -57,9 +61,13 @@ from benchmarks.common import (  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 SKIP_EPOCHS = 1  # the first epoch holds one-time costs (first-step allocations, DDP's bucket rebuild)
+LM_DATA = "{lm_data}"  # replaced by the folder examples/pydoc_text.py lm writes once per invocation
+LM_MODEL = ["--model_config", str(REPO / "examples" / "configs" / "tiny_gpt2.json"), "--max_length", "128",
+            "--tokenizer", f"{LM_DATA}/tokenizer", "--data_dir", LM_DATA, "--lr", "2e-3"]
 WORKLOADS = {  # name: (accel_ddp flags, bare_ddp.py flags, global batch, default epochs)
     "mlp": ([], ["--workload", "mlp"], 64, 15),
     "cnn": (["--dataset", "benchmarks.common:mnist_split", "--model", "mnist_cnn"], ["--workload", "cnn"], 128, 3),
+    "lm": (["--task", "causal_lm", "--dataset", "hf", "--packing", *LM_MODEL], ["--workload", "lm", *LM_MODEL], 16, 2),
 }
 PAIRS = {  # name: (accel_ddp flags, bare_ddp.py flags)
     "defaults": ([], ["--optimizer", "adamw", "--max_grad_norm", "1.0"]),
@@ -71,9 +79,10 @@ PROFILE_AFTER = 30  # optimizer steps before cProfile starts (start-up and warm-
 
 
 def commands(workload: str, pair: str, side: str, nproc: int, epochs: int, run_dir: Path,
-             other: Path | None = None) -> list[str]:
+             other: Path | None = None, lm_data: str = "") -> list[str]:
     """The launch of one side: "bare", "accel" (this checkout's train.py) or "other" (``other``'s train.py)."""
     accel_flags, bare_flags, batch, _ = WORKLOADS[workload]
+    accel_flags, bare_flags = ([f.replace(LM_DATA, lm_data) for f in flags] for flags in (accel_flags, bare_flags))
     shared = ["--epochs", str(epochs), "--global_batch_size", str(batch)]
     if side == "bare":
         return launch_cmd(HERE / "bare_ddp.py", [*bare_flags, *PAIRS[pair][1], *shared,
@@ -102,6 +111,17 @@ def parse(side: str, run_dir: Path, batch: int) -> dict:
                "cpu_seconds": per_epoch * r.get("cpu_ms_per_step", math.nan) / 1e3} for r in records]
     return {**per_step(epochs), "startup_sec": summary.get("startup_sec"),
             "startup_phases_sec": summary.get("startup_phases_sec")}
+
+
+def lm_data(workload: str, tmp: Path) -> str:
+    """The lm workload's text folder under ``tmp``, written by examples/pydoc_text.py the first time; "" otherwise."""
+    if workload != "lm":
+        return ""
+    folder = tmp / "pydoc_lm"
+    if not (folder / "tokenizer").is_dir():
+        subprocess.run([sys.executable, str(REPO / "examples" / "pydoc_text.py"), "lm", "--out", str(folder)],
+                       check=True, capture_output=True, env=bench_env(1))
+    return str(folder)
 
 
 def spread(values: list[float], spec: str) -> str:
@@ -201,7 +221,8 @@ def run_profile(args, workloads: list[str], pairs: list[str], out: Path) -> int:
                     run_dir = Path(tmp) / f"{w}_{p}_{side}"
                     run_dir.mkdir()
                     report = out / f"cprofile_{w}_{p}_{side}.txt"
-                    cmd = through(commands(w, p, side, args.nproc, args.epochs or WORKLOADS[w][3], run_dir),
+                    cmd = through(commands(w, p, side, args.nproc, args.epochs or WORKLOADS[w][3], run_dir,
+                                           lm_data=lm_data(w, Path(tmp))),
                                   [str(Path(__file__).resolve()), "--cprofile_child", str(report)])
                     info = run_launch(cmd, env, run_dir / "log.txt", args.timeout)
                     if info["rc"] != 0 or not report.is_file():
@@ -258,7 +279,8 @@ def main(argv: list[str] | None = None) -> int:
                     for side in (sides if k % 2 == 0 else sides[::-1]):
                         run_dir = Path(tmp) / f"{w}_{p_name}_{side}_{k}"
                         run_dir.mkdir()
-                        info = run_launch(commands(w, p_name, side, args.nproc, epochs, run_dir, other), env,
+                        info = run_launch(commands(w, p_name, side, args.nproc, epochs, run_dir, other,
+                                                   lm_data(w, Path(tmp))), env,
                                           run_dir / "log.txt", args.timeout)
                         record = {"workload": w, "pair": p_name, "side": side, "round": k, "rc": info["rc"],
                                   "wall_sec": info["wall_sec"], "load_avg": os.getloadavg()[0], "ok": False}
