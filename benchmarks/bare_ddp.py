@@ -101,8 +101,10 @@ def main() -> None:
         torch.cuda.set_device(device)
     torch.manual_seed(args.seed)
     inputs, labels, model, loss_of = load(args, device)
-    model = DDP(model.to(device), device_ids=[local_rank] if cuda else None, gradient_as_bucket_view=True)
-    optimizer = build_optimizer(args.optimizer, model.module, args.lr, 0.0, fused=cuda)
+    model = model.to(device)
+    optimizer = build_optimizer(args.optimizer, model, args.lr, 0.0, fused=cuda)
+    if world > 1:  # as Accelerate: one process trains the plain model (a 1-rank DDP would copy every gradient)
+        model = DDP(model, device_ids=[local_rank] if cuda else None, gradient_as_bucket_view=True)
     params = list(model.parameters())
     per_rank = args.global_batch_size // world
     steps = steps_per_epoch(len(inputs), args.global_batch_size)
