@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from accelerate.utils import extract_model_from_parallel
 
 from accel_ddp.config import ConfigError
+from accel_ddp.update import build_backward
 
 IGNORE_INDEX = -100  # labels that count for nothing: padding, prompts (PyTorch's and Transformers' convention)
 EVAL_FIELDS = ("loss_sum", "items", "correct")  # the per-sample statistics every task reports
@@ -329,6 +330,7 @@ class LossAccumulator:
 
     def __init__(self, accelerator, accumulation: int, nominal_items: int):
         self.accelerator = accelerator
+        self._backward = build_backward(accelerator)  # accelerator.backward, without its division by 1
         self.accumulation = accumulation
         self.nominal = float(nominal_items)
         device = accelerator.device
@@ -347,10 +349,11 @@ class LossAccumulator:
         if summed:
             self.step_items += loss.items
             self.running += torch.stack([loss.value.detach().double(), loss.items.double()])
-            self.accelerator.backward(loss.value / self.nominal)
+            self._backward(loss.value / self.nominal)
         else:
-            self.accelerator.backward(loss.value)
-            self.running_mean += loss.value.detach() / self.accumulation  # summed over steps, averaged over ranks
+            self._backward(loss.value)
+            mean = loss.value.detach()  # summed over steps, averaged over ranks
+            self.running_mean += mean if self.accumulation == 1 else mean / self.accumulation
 
     def finish_step(self, model: torch.nn.Module) -> None:
         """At the optimizer step's last micro-step (gradients synced), before clipping and the update."""

@@ -1,4 +1,5 @@
-"""One optimizer update (clip, step, zero_grad) without Accelerate's per-call host work where it adds nothing.
+"""The backward and the optimizer update (clip, step, zero_grad) without Accelerate's per-call work where it adds
+nothing.
 
 Accelerate's ``AcceleratedOptimizer.step`` looks for the ``lomo_optim`` package twice per call
 (``importlib.util.find_spec`` over ``sys.path``, not cached), its ``zero_grad`` inspects the
@@ -6,11 +7,14 @@ optimizer's signature on every call, and ``Accelerator.clip_grad_norm_`` compare
 and sorts DTensor gradients from plain ones on every call; torch's own ``clip_grad_norm_`` then
 groups the gradients by device and dtype twice. Together about 0.3 ms of host time per optimizer
 step, a tenth of a small model's step on two CPU ranks (docs/performance.md, "Framework tax").
+``Accelerator.backward`` divides every loss by the accumulation steps, 1 included: one more
+operation forward and one more node backward (~50 us of the same step).
 
 Where none of that can apply (one device or plain DDP, no fp16 loss scaler, a plain
 ``AcceleratedOptimizer``) ``build_update`` steps the torch optimizer itself and clips with one
-multi-tensor norm, bit for bit what ``torch.nn.utils.clip_grad_norm_`` computes. Everywhere else
-(FSDP, DeepSpeed, XLA, fp16) it calls Accelerate's methods, which handle those cases.
+multi-tensor norm, bit for bit what ``torch.nn.utils.clip_grad_norm_`` computes, and, without
+accumulation, ``build_backward`` calls ``loss.backward()`` (dividing by 1 changes no bit). Everywhere
+else (FSDP, DeepSpeed, XLA, fp16, accumulation) they call Accelerate's methods.
 """
 
 from __future__ import annotations
@@ -81,3 +85,14 @@ def build_clip(params: list[torch.nn.Parameter], max_norm: float) -> Callable[[]
         return total
 
     return clip
+
+
+def build_backward(accelerator: Accelerator) -> Callable[[torch.Tensor], None]:
+    """``accelerator.backward``, or ``Tensor.backward`` where Accelerate would only divide the loss by 1.
+
+        >>> backward = build_backward(accelerator)
+        >>> backward(loss)
+    """
+    plain = (accelerator.gradient_accumulation_steps == 1 and accelerator.scaler is None
+             and accelerator.distributed_type in PLAIN_TYPES)
+    return torch.Tensor.backward if plain else accelerator.backward

@@ -149,15 +149,18 @@ def test_fused_clip_gives_torch_clip_grad_norm_bits():
         assert params[-1].grad is None
 
 
-def test_update_gives_the_weights_of_accelerates_methods():
-    """build_update's fast path (torch optimizer, fused clip) against Accelerate's clip_grad_norm_, step, zero_grad."""
+def test_backward_and_update_give_the_weights_of_accelerates_methods():
+    """build_backward + build_update's fast path (Tensor.backward, torch optimizer, fused clip) against
+    Accelerate's backward, clip_grad_norm_, step and zero_grad: the same bits. With accumulation,
+    build_backward is Accelerate's (it divides the loss)."""
     def both_ways():
         from accelerate import Accelerator
 
         from accel_ddp.models import build_model, build_optimizer
-        from accel_ddp.update import build_update
+        from accel_ddp.update import build_backward, build_update
 
         accelerator = Accelerator(cpu=True)
+        assert build_backward(accelerator) is torch.Tensor.backward
         weights = []
         for fast in (True, False):
             torch.manual_seed(0)
@@ -167,16 +170,20 @@ def test_update_gives_the_weights_of_accelerates_methods():
             assert update.__name__ == "update"  # one process, no fp16: the torch optimizer's own step
             data = torch.randn(16, 5), torch.randint(0, 3, (16,))
             for _ in range(3):
-                torch.nn.functional.cross_entropy(model(data[0]), data[1]).backward()
+                loss = torch.nn.functional.cross_entropy(model(data[0]), data[1])
                 if fast:
+                    build_backward(accelerator)(loss)
                     update()
                 else:
+                    accelerator.backward(loss)
                     accelerator.clip_grad_norm_(model.parameters(), 0.5)
                     optimizer.step()
                     optimizer.zero_grad(set_to_none=True)
                 assert all(p.grad is None for p in model.parameters())
             weights.append([p.detach().clone() for p in model.parameters()])
-        return all(torch.equal(a, b) for a, b in zip(*weights, strict=True))
+        accelerator.gradient_state.plugin_kwargs["num_steps"] = 2  # accumulation: Accelerate divides the loss
+        return build_backward(accelerator) == accelerator.backward and all(
+            torch.equal(a, b) for a, b in zip(*weights, strict=True))
 
     assert run_ranks(both_ways, world_size=1) == [True]
 
