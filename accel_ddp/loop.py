@@ -334,7 +334,7 @@ def train(
     dicts padded per batch); without ``eval_dataset`` no evaluation runs. ``loss_fn(outputs,
     batch)`` returns a mean or a ``(sum, num_items)`` pair; ``metrics`` are objects with
     ``update(outputs, batch)`` and ``compute() -> dict`` (see :mod:`accel_ddp.tasks`). On SIGTERM or
-    SIGUSR1 every rank finishes the current optimizer step, saves a checkpoint and raises ``Preempted``.
+    SIGUSR1 every rank stops after the same optimizer step, saves a checkpoint and raises ``Preempted``.
     """
     with ExitStack() as teardown:  # on any exit: signal handlers back, files closed, lock and process group gone
         try:
@@ -540,7 +540,7 @@ def fit(run: Run) -> FitResult:
                 recorder.log({"step": step, "epoch": epoch, "loss": mean_loss, "lr": scheduler.get_last_lr()[0],
                               "samples_per_sec": meter.rate(step)})
                 bar.set_postfix(loss=f"{mean_loss:.4f}")
-            if run.preemption.stop_requested():  # a CPU all-reduce of a flag: every rank stops after the same step
+            if run.preemption.stop_requested():  # ranks compare flags every ~0.25 s: all stop after the same step
                 checkpoint = save(step)
                 bar.close()
                 raise Preempted(run.preemption.signal_name, step, checkpoint)
