@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# One GPU, one command: MNIST-style time to 98% and 99% eval accuracy, and throughput, for (a) the
-# textbook DDP script and (c) accel_ddp; tables printed at the end. Budget: under 6 minutes (each
-# stage is time-limited: COMPARE_TIMEOUT 150 s + TTA_TIMEOUT 200 s at most, typically far less).
+# One GPU, one command: accel_ddp's framework tax against the bare DDP loop (tax.py: steps/s on matched
+# work), then MNIST-style time to 98% and 99% eval accuracy and throughput for (a) the textbook DDP
+# script and (c) accel_ddp; tables printed at the end. Budget: under 8 minutes (each stage is
+# time-limited: TAX_TIMEOUT 150 s + COMPARE_TIMEOUT 150 s + TTA_TIMEOUT 200 s at most).
 #
 #   bash benchmarks/gpu.sh                  # from anywhere; results under outputs/benchmarks/gpu/
 #   OUT=/tmp/gpu TARGET=0.99 bash benchmarks/gpu.sh
@@ -24,8 +25,9 @@
 # Status: written on a machine without a GPU and not run on one yet; its plumbing was checked on
 # CPU with BENCH_ALLOW_CPU=1 (see benchmarks/README.md). benchmarks/gpu_check.sh runs it last.
 #
-# Knobs (environment): STEPS (throughput steps per run, 300), REPEATS (2), TARGET (0.98,0.99),
-# EPOCHS (accel_ddp recipe epochs, 12), MAX_EPOCHS ((a) at most, 14), OUT, PYTHON,
+# Knobs (environment): TAX_ROUNDS (alternated rounds of tax.py, 3), TAX_EPOCHS (epochs per tax.py run;
+# default per workload), STEPS (throughput steps per run, 300), REPEATS (2), TARGET (0.98,0.99),
+# EPOCHS (accel_ddp recipe epochs, 12), MAX_EPOCHS ((a) at most, 14), OUT, PYTHON, TAX_TIMEOUT (150),
 # COMPARE_TIMEOUT (150), TTA_TIMEOUT (200), BENCH_ALLOW_CPU=1 (skip the GPU check: a plumbing test
 # only, figures meaningless).
 set -euo pipefail
@@ -39,6 +41,8 @@ TARGET="${TARGET:-0.98,0.99}"
 EPOCHS="${EPOCHS:-12}"
 MAX_EPOCHS="${MAX_EPOCHS:-14}"
 OUT="${OUT:-$REPO/outputs/benchmarks/gpu}"
+TAX_ROUNDS="${TAX_ROUNDS:-3}"
+TAX_TIMEOUT="${TAX_TIMEOUT:-150}"
 COMPARE_TIMEOUT="${COMPARE_TIMEOUT:-150}"
 TTA_TIMEOUT="${TTA_TIMEOUT:-200}"
 export ACCEL_DDP_BENCH_MNIST="${ACCEL_DDP_BENCH_MNIST:-$REPO/data/mnist}"  # never a folder outside the clone
@@ -58,6 +62,14 @@ RECIPE="--model mnist_cnn --optimizer adamw --lr 3e-3 --lr_schedule cosine --war
 mkdir -p "$OUT"
 start=$(date +%s)
 echo "== data: $("$PY" -c 'from benchmarks.common import data_source; print(data_source())')"
+# The framework tax where it matters: small models on a GPU are launch- and host-bound, so what the
+# package does per step is what a user feels. Both sides train the plain model on cuda:0 (one
+# process: no DDP wrap on either), the same optimizer (fused AdamW), clipping and samples per step.
+echo "== framework tax: accel_ddp defaults vs the bare loop (AdamW, clipping), 1 GPU, $TAX_ROUNDS alternated rounds"
+timeout "$TAX_TIMEOUT" "$PY" benchmarks/tax.py --nproc 1 --workloads mlp,cnn --rounds "$TAX_ROUNDS" \
+    ${TAX_EPOCHS:+--epochs "$TAX_EPOCHS"} --timeout 60 --out "$OUT/tax" | tee "$OUT/tax.log" \
+    || echo "gpu.sh: tax.py failed or timed out (see $OUT/tax.log)"
+echo
 echo "== throughput: (a) vs (c), 1 GPU, $STEPS steps x batch 64, $REPEATS alternated repeats, no DDP wrap on either"
 timeout "$COMPARE_TIMEOUT" "$PY" benchmarks/compare.py --procs 1 --variants a,c --steps "$STEPS" --repeats "$REPEATS" \
     --global_batch_size 64 --num_workers 1 --timeout 60 --out "$OUT/compare" | tee "$OUT/compare.log" \
