@@ -27,6 +27,7 @@ from accelerate import Accelerator, DataLoaderConfiguration, PartialState
 from accelerate.utils import (
     DDPCommunicationHookType,
     DistributedDataParallelKwargs,
+    DistributedType,
     gather_object,
     send_to_device,
     set_seed,
@@ -394,7 +395,7 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
     optimizer = build_optimizer(cfg.optimizer, model, cfg.lr, cfg.weight_decay,
                                 fused=use_fused_optimizer(cfg.optimizer, accelerator.device.type, accelerator.is_fsdp2))
     scheduler = build_lr_scheduler(optimizer, cfg.lr_schedule, cfg.warmup_steps, plan.total_steps)
-    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    model, optimizer, scheduler = prepare(accelerator, model, optimizer, scheduler)
     _probe_task(task, accelerator, model, data, evaluates=eval_loader is not None)
     startup.mark("optimizer_and_prepare")
 
@@ -442,6 +443,20 @@ def _stop_if_finished(cfg: TrainConfig, accelerator: Accelerator, plan: Plan) ->
             print(f"accel_ddp: {cfg.output_dir} already finished at step {summary['optimizer_steps']} "
                   f"(see its {SUMMARY_NAME}); nothing to do", flush=True)
         raise RunFinished(summary)
+
+
+def prepare(accelerator: Accelerator, model: torch.nn.Module, optimizer, scheduler) -> tuple[Any, Any, Any]:
+    """``accelerator.prepare``, without the 1-rank DDP Accelerate gives a CPU model launched as one process.
+
+    Accelerate wraps every ``MULTI_CPU`` model in DistributedDataParallel, one process included (a
+    launcher's ``LOCAL_RANK`` makes a CPU run ``MULTI_CPU``; its GPU branch asks for two processes):
+    a 1-rank DDP copies each gradient into its buckets and all-reduces it with itself, a fifth of a
+    small model's step. Such a run trains the plain model, as ``python train.py`` does (same bits).
+    """
+    if accelerator.distributed_type == DistributedType.MULTI_CPU and accelerator.num_processes == 1:
+        model = accelerator.prepare_model(model, evaluation_mode=True)  # mixed precision and compile, no DDP
+        return (model, *accelerator.prepare(optimizer, scheduler))
+    return accelerator.prepare(model, optimizer, scheduler)
 
 
 def _plan(cfg: TrainConfig, steps_in_epoch: int, per_device_batch: int, accumulation: int) -> Plan:

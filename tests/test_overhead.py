@@ -22,7 +22,7 @@ from accel_ddp.config import parse_args
 from accel_ddp.data.builtin import read_digits
 from accel_ddp.startup import StartupClock, process_age
 from accel_ddp.update import build_clip
-from tests.conftest import REPO, read_metrics, run_ranks, train_ranks
+from tests.conftest import REPO, free_port, load_weights, read_metrics, run_ranks, train_ranks
 
 TINY = ["--dataset", "synthetic", "--synthetic_samples", "512", "--synthetic_shape", "6", "--model", "mlp",
         "--hidden_size", "16", "--global_batch_size", "16", "--optimizer", "sgd"]
@@ -186,6 +186,28 @@ def test_backward_and_update_give_the_weights_of_accelerates_methods():
             torch.equal(a, b) for a, b in zip(*weights, strict=True))
 
     assert run_ranks(both_ways, world_size=1) == [True]
+
+
+def test_one_process_launch_on_cpu_trains_the_plain_model_with_the_same_bits(tmp_path):
+    """A launcher's one CPU process (LOCAL_RANK set: Accelerate's MULTI_CPU) gets no 1-rank DDP wrap, and ends
+    with the weights of `python train.py` (no launcher at all)."""
+    def run(out: str):
+        from contextlib import ExitStack
+
+        from accel_ddp.loop import finish, fit, setup
+
+        with ExitStack() as teardown:
+            state = setup(parse_args([*TINY, "--epochs", "1", "--output_dir", out]), teardown)
+            wrapped = isinstance(state.model, torch.nn.parallel.DistributedDataParallel)
+            finish(state, fit(state))
+            return state.accelerator.distributed_type.value, wrapped
+
+    torchrun = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": "0",
+                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    assert run_ranks(lambda: run(str(tmp_path / "launched")), world_size=1, env=torchrun) == [("MULTI_CPU", False)]
+    assert run_ranks(lambda: run(str(tmp_path / "plain")), world_size=1) == [("NO", False)]
+    launched, plain = load_weights(tmp_path / "launched"), load_weights(tmp_path / "plain")
+    assert launched.keys() == plain.keys() and all(torch.equal(launched[k], plain[k]) for k in plain)
 
 
 # ----------------------------------------------------------------------------- start-up
