@@ -481,7 +481,7 @@ ANSWERS = {  # shipped file -> answers
 # Where the written file differs from the shipped one, and why that changes nothing (docs/launch.md says so).
 DIFFERENCES = {
     "4gpu.yaml": {"main_process_ip", "main_process_port"},  # unset: torchrun's 127.0.0.1, port 29500 or a free one
-    "1gpu_debug.yaml": {"debug", "same_network"},  # debug checks collectives (none with 1 process); 1 machine
+    "1gpu_debug.yaml": {"same_network"},  # read only for several machines
     "cpu_2proc.yaml": {"main_process_ip", "main_process_port"},
     "2node_8gpu.yaml": set(),
 }
