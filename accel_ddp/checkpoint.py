@@ -1,4 +1,4 @@
-"""Checkpoints: atomic saves, keep-last-N, exact resume, initial and final weights.
+"""Checkpoints: atomic saves, keep-last-N, exact resume (weight files: ``weights.py``).
 
 Layout under ``OUTPUT_DIR/checkpoints/``:
 
@@ -34,27 +34,27 @@ types allow-listed; we never register custom objects (Accelerate unpickles those
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
 import shutil
 import sys
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import RNG_STATE_NAME, SCALER_NAME, broadcast_object_list
+from accelerate.utils import RNG_STATE_NAME, SCALER_NAME
 from accelerate.utils import load as accelerate_load
 from accelerate.utils.constants import OPTIMIZER_NAME, SCHEDULER_NAME
-from safetensors.torch import load_file, save_file
 
 from accel_ddp.config import ConfigError
+from accel_ddp.failure import first_line, main_process_decides
+from accel_ddp.files import file_sha256, fingerprint, fsync_dir, relative_files, remove_dir, set_aside
 from accel_ddp.outputs import CHECKPOINTS_DIR, MARKER_NAME, WEIGHTS_NAME
+from accel_ddp.weights import load_weights, plain_state_dict
 
 FORMAT_VERSION = 1
 # Run facts that decide what an optimizer step means; a checkpoint made with other values cannot continue.
@@ -114,7 +114,7 @@ def read_checkpoint(folder: str) -> dict[str, Any]:
         if os.path.getsize(path) != size:
             raise CorruptCheckpoint(f"{path} is truncated or altered ({os.path.getsize(path)} bytes, {size} saved)")
         try:
-            actual = _sha256(path)
+            actual = file_sha256(path)
         except OSError as err:  # e.g. permissions: we cannot vouch for what we cannot read
             raise CorruptCheckpoint(f"{path} cannot be read ({err.strerror})") from None
         if actual != digest:
@@ -164,74 +164,7 @@ def _load_state(path: str) -> Any:
     try:
         return accelerate_load(path, map_location="cpu")
     except Exception as err:  # unpickling refused, truncated, unreadable: all mean we cannot resume from it
-        raise CorruptCheckpoint(f"{path} cannot be loaded ({type(err).__name__}: {_first_line(err)})") from None
-
-
-def load_weights(model: torch.nn.Module, path: str, source: str = "--init_from") -> None:
-    """Copy a safetensors file into ``model`` (unwrapped); every key and shape must match.
-
-    A file written by a DDP-wrapped model (keys ``module.*``) or by a compiled one (``_orig_mod.``,
-    as earlier versions wrote under ``--compile``) is accepted too, and ``model`` may be compiled.
-
-        >>> load_weights(model, "outputs/pretrain/model.safetensors")
-    """
-    if not os.path.isfile(path):
-        raise ConfigError(f"{source} {path}: no such file; give a .safetensors weights file such as "
-                          "OUTPUT_DIR/model.safetensors")
-    try:
-        state = load_file(path)
-    except Exception as err:  # safetensors raises its own error types for truncated or foreign files
-        raise ConfigError(f"{source} {path}: not a readable safetensors file ({_first_line(err)}); "
-                          "the file is damaged or of another format") from None
-    own = model.state_dict()
-    own_names = {plain_name(k): k for k in own}  # plain name -> the model's own (compiled regions keep _orig_mod.)
-    expected = {plain: own[k] for plain, k in own_names.items()}
-    state = plain_state_dict(state)
-    if state and all(k.startswith("module.") for k in state) and not any(k.startswith("module.") for k in expected):
-        state = {k.removeprefix("module."): v for k, v in state.items()}
-    _fill_tied(state, expected)
-    missing = sorted(expected.keys() - state.keys())
-    unexpected = sorted(state.keys() - expected.keys())
-    reshaped = sorted(k for k in expected.keys() & state.keys() if expected[k].shape != state[k].shape)
-    if missing or unexpected or reshaped:
-        problems = []
-        if missing:
-            problems.append(f"missing keys {_few(missing)}")
-        if unexpected:
-            problems.append(f"unexpected keys {_few(unexpected)}")
-        if reshaped:
-            problems.append("shape mismatch " + ", ".join(
-                f"{k} {tuple(state[k].shape)} vs model {tuple(expected[k].shape)}" for k in reshaped[:3]))
-        raise ConfigError(f"{source} {path} holds the weights of a different model: {'; '.join(problems)}; "
-                          "use the --model and sizes (e.g. --hidden_size) of the run that wrote it")
-    model.load_state_dict({own_names[k]: v for k, v in state.items()})
-
-
-def plain_name(key: str) -> str:
-    """A state-dict key without torch.compile's ``_orig_mod.`` components: the name in the uncompiled model."""
-    return key.replace("_orig_mod.", "")
-
-
-def plain_state_dict(state: dict[str, Any]) -> dict[str, Any]:
-    """``state`` with ``plain_name`` keys: weights load into a model whether or not it (or the writer) was compiled.
-
-    An OrderedDict, as ``state_dict()`` returns: Accelerate's ``save`` removes tied-weight aliases
-    (which safetensors refuses) only from an OrderedDict.
-    """
-    if not any("_orig_mod." in k for k in state):
-        return state
-    return OrderedDict((plain_name(k), v) for k, v in state.items())
-
-
-def _fill_tied(state: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
-    """Add the tied aliases a file leaves out: Accelerate's save_state (like safetensors' save_model) stores a
-    tensor shared by several names once, e.g. a language model's output layer tied to its embedding."""
-    by_storage = {(t.untyped_storage().data_ptr(), t.storage_offset(), t.shape): name
-                  for name, t in expected.items() if name in state}
-    for name, tensor in expected.items():
-        alias = by_storage.get((tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tensor.shape))
-        if name not in state and alias is not None:
-            state[name] = state[alias]
+        raise CorruptCheckpoint(f"{path} cannot be loaded ({type(err).__name__}: {first_line(err)})") from None
 
 
 @contextmanager
@@ -258,27 +191,6 @@ def flags_in_force(optimizer: Any, scheduler: Any) -> Iterator[None]:
         for group, lr in zip(optimizer.param_groups, lrs, strict=True):
             group["lr"] = lr
         schedule._last_lr = lrs
-
-
-def export_weights(accelerator: Accelerator, model: torch.nn.Module, output_dir: str) -> str:
-    """Write the unwrapped model's weights to ``output_dir/model.safetensors``.
-
-    Every rank must call this (``get_state_dict`` is collective under sharded strategies); only
-    the main process writes, into a temporary file renamed into place, so a crash mid-write
-    never leaves a truncated ``model.safetensors`` behind. Keys are the uncompiled model's:
-    Accelerate 1.15's ``get_state_dict`` keeps the ``torch.compile`` wrapper (``_orig_mod.`` keys)
-    under ``--compile``, which a plain model could not load.
-    """
-    state = plain_state_dict(accelerator.get_state_dict(model))
-    path = os.path.join(output_dir, WEIGHTS_NAME)
-    if accelerator.is_main_process:
-        # safetensors refuses tensors that share storage; clone into plain contiguous CPU copies.
-        tensors = {name: t.detach().to("cpu").contiguous().clone() for name, t in state.items()}
-        tmp = f"{path}.tmp"
-        save_file(tensors, tmp, metadata={"format": "pt"})
-        os.replace(tmp, path)
-    accelerator.wait_for_everyone()
-    return path
 
 
 class CheckpointManager:
@@ -329,7 +241,7 @@ class CheckpointManager:
         return final
 
     def _seal(self, tmp: str, final: str, step: int) -> None:
-        files = {name: _fingerprint(os.path.join(tmp, name)) for name in _relative_files(tmp)}
+        files = {name: fingerprint(os.path.join(tmp, name)) for name in relative_files(tmp)}
         steps_per_epoch = self.run_facts["steps_per_epoch"]
         meta = {"format": FORMAT_VERSION, "step": step, "epoch": step // steps_per_epoch,
                 "step_in_epoch": step % steps_per_epoch, **self.run_facts,
@@ -340,10 +252,10 @@ class CheckpointManager:
             fh.flush()
             os.fsync(fh.fileno())
         if os.path.exists(final):  # a damaged checkpoint of this step, which auto skipped: kept, under another name
-            aside = _set_aside(final)
+            aside = set_aside(final)
             _warn(f"{final} was damaged; moved it to {aside} and saved step {step} in its place")
         os.rename(tmp, final)
-        _fsync_dir(self.root)
+        fsync_dir(self.root)
 
     def _prune(self, keep: str) -> None:
         """Delete all but the newest ``keep_last`` checkpoints up to ``keep`` (the one just saved).
@@ -355,7 +267,7 @@ class CheckpointManager:
         complete = [path for step, path in list_checkpoints(self.root) if step <= saved]
         for path in complete[: max(len(complete) - self.keep_last, 0)]:
             if path != keep:
-                _remove_dir(path)
+                remove_dir(path)
         for name in os.listdir(self.root):  # debris of saves or deletions a crash interrupted
             if name.startswith((".tmp-", ".trash-")):
                 shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
@@ -395,7 +307,7 @@ class CheckpointManager:
             raise
         except Exception as err:  # torch.load or load_state_dict refused a file the manifest vouched for
             raise ConfigError(f"--resume_from_checkpoint {folder}: cannot load it ({type(err).__name__}: "
-                              f"{_first_line(err)}); resume from another checkpoint") from err
+                              f"{first_line(err)}); resume from another checkpoint") from err
         acc.step = 0  # checkpoints sit on optimizer-step boundaries: the accumulation counter restarts there
         missing_rng = int(acc.reduce(torch.tensor(0 if has_rng else 1, device=acc.device), "sum").item())
         if missing_rng and acc.is_main_process:
@@ -492,90 +404,6 @@ class CheckpointManager:
 
     def _on_main_then_all(self, fn: Callable[[], Any]) -> Any:
         return main_process_decides(self.accelerator, fn)  # one reader of the file system
-
-
-def main_process_decides(state: Any, decide: Callable[[], Any]) -> Any:
-    """Run ``decide`` on the main process only; every rank gets its result or raises its ConfigError,
-    so all ranks take the same decision. ``state``: an Accelerator or a PartialState (collective)."""
-    outcome: list[Any] = [None, None, None]  # result, ConfigError text, any other failure
-    failure = None
-    if state.is_main_process:
-        try:
-            outcome[0] = decide()
-        except ConfigError as err:
-            outcome[1] = str(err)
-        except Exception as err:  # noqa: BLE001 - re-raised below, once the other ranks know not to wait
-            outcome[2], failure = f"{type(err).__name__}: {err}", err
-    broadcast_object_list(outcome)
-    if failure is not None:
-        raise failure
-    if outcome[2] is not None:
-        raise RuntimeError(f"the main process failed: {outcome[2]}")
-    if outcome[1] is not None:
-        raise ConfigError(outcome[1])
-    return outcome[0]
-
-
-# ----------------------------------------------------------------------------- file helpers
-
-
-def _sha256(path: str, fsync: bool = False) -> str:
-    """Hex sha256 of a file, read in 1 MiB chunks (``hashlib.file_digest`` needs Python 3.11; we support 3.10)."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        if fsync:
-            os.fsync(fh.fileno())
-        while chunk := fh.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def _fingerprint(path: str) -> dict[str, Any]:
-    """Size and sha256 of a file, after forcing it to disk (the marker must not outlive its files)."""
-    return {"bytes": os.path.getsize(path), "sha256": _sha256(path, fsync=True)}
-
-
-def _relative_files(folder: str) -> list[str]:
-    """Every file under ``folder`` (sharded strategies write sub-folders), as sorted relative paths."""
-    found = []
-    for parent, _, names in os.walk(folder):
-        found += [os.path.relpath(os.path.join(parent, name), folder) for name in names]
-    return sorted(found)
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _set_aside(path: str) -> str:
-    """Rename ``path`` to ``path.damaged`` (or ``.damaged-2``, ...): out of the way, never deleted."""
-    aside, n = f"{path}.damaged", 1
-    while os.path.exists(aside):
-        n += 1
-        aside = f"{path}.damaged-{n}"
-    os.rename(path, aside)
-    return aside
-
-
-def _remove_dir(path: str) -> None:
-    """Rename first (atomic), then delete: a crash mid-delete leaves debris, never a gutted checkpoint."""
-    trash = os.path.join(os.path.dirname(path), f".trash-{os.path.basename(path)}")
-    shutil.rmtree(trash, ignore_errors=True)
-    os.rename(path, trash)
-    shutil.rmtree(trash, ignore_errors=True)
-
-
-def _few(keys: list[str], limit: int = 5) -> str:
-    shown = ", ".join(keys[:limit])
-    return f"{shown} (+{len(keys) - limit} more)" if len(keys) > limit else shown
-
-
-def _first_line(err: BaseException) -> str:
-    return (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
 
 
 def _warn(message: str) -> None:

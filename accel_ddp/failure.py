@@ -14,6 +14,10 @@ Every failing rank also writes torchelastic's error file (``TORCHELASTIC_ERROR_F
 torchrun for each worker; the mechanism behind ``torch.distributed.elastic.multiprocessing.errors.record``),
 so the launcher's ``ChildFailedError`` summary shows each failing rank's error instead of
 ``error_file: <N/A>`` (see pytorch/pytorch#66182).
+
+Once the process group exists, ``main_process_decides`` keeps a check that only the main process
+can make (the file system, a tracker's start) from failing one rank alone: every rank gets its
+result, or raises the same ConfigError.
 """
 
 from __future__ import annotations
@@ -22,7 +26,11 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
+
+from accel_ddp.config import ConfigError
 
 PRINT_WAIT_S = 10.0  # how long a rank that lost the election waits for the winner's line, at most
 STORE_TIMEOUT_S = 5.0  # connecting to the launcher's store: it lives as long as the launcher does
@@ -63,6 +71,36 @@ def report_unexpected(err: BaseException) -> None:
     callstack = traceback.format_exc()
     print(callstack, end="", file=sys.stderr, flush=True)
     write_error_file(f"{type(err).__name__}: {err}", callstack)
+
+
+def main_process_decides(state: Any, decide: Callable[[], Any]) -> Any:
+    """Run ``decide`` on the main process only; every rank gets its result or raises its ConfigError,
+    so all ranks take the same decision. ``state``: an Accelerator or a PartialState (collective)."""
+    # Imported here: this module loads without Accelerate (models.py imports it, through weights.py).
+    from accelerate.utils import broadcast_object_list
+
+    outcome: list[Any] = [None, None, None]  # result, ConfigError text, any other failure
+    failure = None
+    if state.is_main_process:
+        try:
+            outcome[0] = decide()
+        except ConfigError as err:
+            outcome[1] = str(err)
+        except Exception as err:  # noqa: BLE001 - re-raised below, once the other ranks know not to wait
+            outcome[2], failure = f"{type(err).__name__}: {err}", err
+    broadcast_object_list(outcome)
+    if failure is not None:
+        raise failure
+    if outcome[2] is not None:
+        raise RuntimeError(f"the main process failed: {outcome[2]}")
+    if outcome[1] is not None:
+        raise ConfigError(outcome[1])
+    return outcome[0]
+
+
+def first_line(err: BaseException) -> str:
+    """An error's first line, for a one-line message (at most 300 characters)."""
+    return (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
 
 
 def print_error_line(message: str) -> None:

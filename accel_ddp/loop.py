@@ -36,19 +36,13 @@ from torch.utils.data import Dataset, IterableDataset, Subset
 from tqdm.auto import tqdm
 
 from accel_ddp import failure
-from accel_ddp.checkpoint import (
-    HYPERPARAMETERS,
-    CheckpointManager,
-    export_weights,
-    flags_in_force,
-    load_weights,
-    main_process_decides,
-)
+from accel_ddp.checkpoint import HYPERPARAMETERS, CheckpointManager, flags_in_force
 from accel_ddp.config import TEXT_TASKS, ConfigError, TrainConfig, parse_args
 from accel_ddp.data import HFSource, build_datasets, build_loaders
 from accel_ddp.data.loaders import first_samples
 from accel_ddp.data.text import PadCollate, TextOptions, build_text, has_tokenizer, pad_token_id
 from accel_ddp.evaluate import evaluate
+from accel_ddp.failure import main_process_decides
 from accel_ddp.model_card import launch_command, write_model_card
 from accel_ddp.models import (
     MODELS,
@@ -89,6 +83,7 @@ from accel_ddp.tracking import (
     tracking_kwargs,
 )
 from accel_ddp.update import build_update
+from accel_ddp.weights import export_weights, load_weights
 
 DEBUG_MAX_STEPS = 10  # --debug: a handful of optimizer steps is enough to surface shape or sync bugs
 

@@ -17,6 +17,7 @@ from typing import Any
 import yaml
 
 from accel_ddp.config import warn
+from accel_ddp.files import atomic_write_text
 from accel_ddp.outputs import (
     CONFIG_NAME,
     CURVES_NAME,
@@ -140,9 +141,7 @@ def write_model_card(output_dir: str, config: dict[str, Any], summary: dict[str,
     path = os.path.join(output_dir, MODEL_CARD_NAME)
     try:
         text = render_model_card(config, summary, command, output_dir)
-        with open(f"{path}.tmp", "w", encoding="utf-8") as fh:
-            fh.write(text)
-        os.replace(f"{path}.tmp", path)
+        atomic_write_text(path, text)
     except OSError as err:
         warn(f"could not write {path}: {err}")
         return None

@@ -29,6 +29,7 @@ from accel_ddp.config import ConfigError
 from accel_ddp.optional import require
 from accel_ddp.outputs import PRETRAINED_SUBDIR
 from accel_ddp.registry import resolve
+from accel_ddp.weights import plain_state_dict
 
 
 def build_mlp(num_classes: int, input_shape: tuple[int, ...], hidden_size: int = 256) -> nn.Module:
@@ -216,8 +217,6 @@ def export_pretrained(accelerator, model: nn.Module, tokenizer: Any, output_dir:
     (the state dict is collective under sharded strategies); the main process writes a temporary
     folder and renames it into place. Returns the folder, or None for a model without ``save_pretrained``.
     """
-    from accel_ddp.checkpoint import plain_state_dict  # here: importing models must not import Accelerate
-
     unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)  # --compile: the model, not its wrapper
     if not hasattr(unwrapped, "save_pretrained"):
         return None

@@ -26,8 +26,8 @@ from typing import Any
 
 from accelerate import Accelerator
 
-from accel_ddp.checkpoint import main_process_decides
 from accel_ddp.config import ConfigError
+from accel_ddp.failure import main_process_decides
 from accel_ddp.outputs import LOCK_NAME, SUMMARY_NAME, WEIGHTS_NAME
 
 

@@ -27,8 +27,9 @@ import yaml
 from accelerate.tracking import GeneralTracker, on_main_process
 from tqdm.auto import tqdm
 
-from accel_ddp.checkpoint import main_process_decides
 from accel_ddp.config import ACCELERATE_TRACKERS, ConfigError
+from accel_ddp.failure import main_process_decides
+from accel_ddp.files import atomic_write_text
 from accel_ddp.outputs import (
     CONFIG_NAME,
     CSV_NAME,
@@ -40,13 +41,6 @@ from accel_ddp.outputs import (
     TRACKERS_NAME,
 )
 from accel_ddp.report import plot_run, read_metrics
-
-
-def _atomic_write_text(path: str, text: str) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.write(text)
-    os.replace(tmp, path)
 
 
 def _json_line(record: dict[str, Any], indent: int | None = None) -> str:
@@ -92,13 +86,13 @@ class RunRecorder:
         if step and os.path.exists(path):
             with open(path, encoding="utf-8") as fh:
                 kept = [line for line in fh if line.strip() and json.loads(line).get("step", 0) <= step]
-            _atomic_write_text(path, "".join(kept))
+            atomic_write_text(path, "".join(kept))
         # Appending lets a resumed run extend the curve; a fresh run starts the file anew.
         self._metrics = open(path, "a" if step else "w", encoding="utf-8")
 
     def write_config(self, resolved: dict[str, Any]) -> None:
         if self.enabled:
-            _atomic_write_text(os.path.join(self.output_dir, CONFIG_NAME), yaml.safe_dump(resolved, sort_keys=False))
+            atomic_write_text(os.path.join(self.output_dir, CONFIG_NAME), yaml.safe_dump(resolved, sort_keys=False))
 
     def start_trackers(self, project: str, resolved: dict[str, Any], start_step: int) -> None:
         """Start the trackers on the main process, the resolved config as their hyperparameters (collective).
@@ -126,7 +120,7 @@ class RunRecorder:
         self._accelerator.init_trackers(project, config=flat_hparams(resolved))  # starts them: main process only
         state = {t.name: kept for t in trackers if (kept := t.saved_state())}
         if state:
-            _atomic_write_text(os.path.join(self.output_dir, TRACKERS_NAME), json.dumps(state, indent=2) + "\n")
+            atomic_write_text(os.path.join(self.output_dir, TRACKERS_NAME), json.dumps(state, indent=2) + "\n")
         for tracker in trackers:
             if start_step and not tracker.continued:
                 why = (f"{TRACKERS_NAME} holds no run of it" if tracker.name in RUN_IDS
@@ -159,7 +153,7 @@ class RunRecorder:
     def write_summary(self, summary: dict[str, Any], step: int) -> None:
         """``summary.json``, and the summary to each tracker at the run's last optimizer ``step``."""
         if self.enabled:
-            _atomic_write_text(os.path.join(self.output_dir, SUMMARY_NAME), _json_line(summary, indent=2) + "\n")
+            atomic_write_text(os.path.join(self.output_dir, SUMMARY_NAME), _json_line(summary, indent=2) + "\n")
         if self._trackers_started and self.enabled:
             for tracker in self._accelerator.trackers:
                 if isinstance(tracker, GuardedTracker):
@@ -399,7 +393,7 @@ class CSVTracker(GeneralTracker):
                 kept = [r for r in self.rows if r.get("step", "").isdigit() and int(r["step"]) <= self.keep_until]
                 if len(kept) < len(self.rows):
                     self.rows = kept
-                    _atomic_write_text(self.path, self._render(self.rows, header=True))
+                    atomic_write_text(self.path, self._render(self.rows, header=True))
 
     @property
     def tracker(self) -> str:
@@ -421,7 +415,7 @@ class CSVTracker(GeneralTracker):
         self.rows.append(row)
         if new or not os.path.isfile(self.path):
             self.columns += new
-            _atomic_write_text(self.path, self._render(self.rows, header=True))
+            atomic_write_text(self.path, self._render(self.rows, header=True))
         else:
             with open(self.path, "a", newline="", encoding="utf-8") as fh:
                 fh.write(self._render([row], header=False))

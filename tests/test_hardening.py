@@ -27,10 +27,10 @@ from accel_ddp.checkpoint import (
     MARKER_NAME,
     CheckpointManager,
     CorruptCheckpoint,
-    _sha256,
     list_checkpoints,
     read_checkpoint,
 )
+from accel_ddp.files import file_sha256
 from accel_ddp.loop import main
 from accel_ddp.preemption import LossWatch
 from accel_ddp.run_dir import OutputLock
@@ -148,7 +148,7 @@ def test_read_checkpoint_checks_the_step_the_manifest_and_the_scheduler(stopped_
     shutil.copy(ckpt(stopped_at_20, 10) / "scheduler.bin", five / "scheduler.bin")
     meta = json.loads((five / MARKER_NAME).read_text())
     meta["files"]["scheduler.bin"] = {"bytes": (five / "scheduler.bin").stat().st_size,
-                                      "sha256": _sha256(str(five / "scheduler.bin"))}
+                                      "sha256": file_sha256(str(five / "scheduler.bin"))}
     (five / MARKER_NAME).write_text(json.dumps(meta))
     with pytest.raises(CorruptCheckpoint, match="says step 5, its scheduler.bin has stepped 10 times"):
         read_checkpoint(str(five))
@@ -268,7 +268,7 @@ def test_keep_last_never_prunes_checkpoints_newer_than_the_one_saved(tmp_path):
 def test_sha256_reads_in_chunks(tmp_path):
     data = os.urandom(3 * (1 << 20) + 17)  # more than one 1 MiB chunk
     (tmp_path / "f").write_bytes(data)
-    assert _sha256(str(tmp_path / "f")) == hashlib.sha256(data).hexdigest()
+    assert file_sha256(str(tmp_path / "f")) == hashlib.sha256(data).hexdigest()
 
 
 # ----------------------------------------------------------------------------- 2. finished runs

@@ -16,10 +16,10 @@ from torch.utils.data import TensorDataset
 
 import accel_ddp.preemption
 from accel_ddp import TrainConfig, train
-from accel_ddp.checkpoint import load_weights
 from accel_ddp.config import parse_args
 from accel_ddp.loop import build_accelerator, setup
 from accel_ddp.models import build_model, build_optimizer, use_fused_optimizer
+from accel_ddp.weights import load_weights
 from tests.conftest import check, gpu_env, launch, read_metrics, read_summary, run_python, train_ranks
 from tests.multiproc import RankFailed, run_ranks
 

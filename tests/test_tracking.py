@@ -418,7 +418,7 @@ def test_an_unexpected_error_in_a_main_process_decision_ends_every_rank(tmp_path
     """main_process_decides (tracker start, checkpoint choice): the other ranks must not wait in the broadcast."""
     from accelerate import PartialState
 
-    from accel_ddp.checkpoint import main_process_decides
+    from accel_ddp.failure import main_process_decides
 
     def decide_badly():
         state = PartialState(cpu=True)
