@@ -43,6 +43,15 @@ from accel_ddp.data.loaders import first_samples
 from accel_ddp.data.text import PadCollate, TextOptions, build_text, has_tokenizer, pad_token_id
 from accel_ddp.evaluate import evaluate
 from accel_ddp.failure import main_process_decides
+from accel_ddp.meters import (
+    EpochTimer,
+    StepProfiler,
+    ThroughputMeter,
+    largest,
+    memory_record,
+    progress_bar,
+    timed,
+)
 from accel_ddp.model_card import launch_command, write_model_card
 from accel_ddp.models import (
     MODELS,
@@ -71,17 +80,8 @@ from accel_ddp.registry import resolve
 from accel_ddp.run_dir import check_output_dir, claim_output_dir, finished_summary
 from accel_ddp.startup import StartupClock
 from accel_ddp.tasks import LossAccumulator, Task, build_task
-from accel_ddp.tracking import (
-    EpochTimer,
-    RunRecorder,
-    StepProfiler,
-    ThroughputMeter,
-    largest,
-    memory_record,
-    progress_bar,
-    timed,
-    tracking_kwargs,
-)
+from accel_ddp.trackers import tracking_kwargs
+from accel_ddp.tracking import RunRecorder
 from accel_ddp.update import build_update
 from accel_ddp.weights import export_weights, load_weights
 

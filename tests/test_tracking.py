@@ -19,7 +19,8 @@ import yaml
 
 from accel_ddp.config import ACCELERATE_TRACKERS, ConfigError, parse_args
 from accel_ddp.model_card import launch_command
-from accel_ddp.tracking import CSVTracker, RunRecorder, build_trackers, resolve_report_to
+from accel_ddp.trackers import CSVTracker, build_trackers, resolve_report_to
+from accel_ddp.tracking import RunRecorder
 from tests import faults
 from tests.conftest import main_ranks, read_metrics, read_summary, run_ranks, train_ranks
 from tests.multiproc import RankFailed
@@ -297,9 +298,9 @@ class _StubTracker(CSVTracker):
 
 
 def test_a_resume_says_which_trackers_start_a_new_run(tmp_path, capfd, monkeypatch):
-    import accel_ddp.tracking as tracking
+    import accel_ddp.trackers as trackers
 
-    monkeypatch.setattr(tracking, "_new_tracker", _StubTracker)
+    monkeypatch.setattr(trackers, "_new_tracker", _StubTracker)
     out = tmp_path / "run"
     out.mkdir()
     (out / "trackers.json").write_text(json.dumps({"wandb": {"id": "abc123"}}))
@@ -324,7 +325,7 @@ def test_a_resume_says_which_trackers_start_a_new_run(tmp_path, capfd, monkeypat
 
 
 def test_wandb_and_mlflow_are_built_to_reopen_the_kept_run(tmp_path, monkeypatch):
-    from accel_ddp.tracking import TrackerRun, _new_tracker
+    from accel_ddp.trackers import TrackerRun, _new_tracker
 
     monkeypatch.delenv("WANDB_DIR", raising=False)
     monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
