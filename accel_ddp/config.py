@@ -43,6 +43,7 @@ DDP_TIMEOUT_MAX = 7 * 24 * 3600
 MODEL_STATE_MAX_BYTES = 64 * 2**30
 SYNTHETIC_MAX_BYTES = 16 * 2**30
 RESNET18_PARAMS_AT_WIDTH_64 = 11.2e6  # parameters scale with width squared
+DEBUG_MAX_STEPS = 10  # --debug: a handful of optimizer steps is enough to surface shape or sync bugs
 
 
 LR_SCHEDULES = ("constant", "linear", "cosine")

@@ -35,12 +35,14 @@ import signal
 import sys
 import threading
 import time
+import warnings
 from datetime import timedelta
 from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
 from accelerate import Accelerator
+from accelerate.utils import gather_object
 
 EXIT_PREEMPTED = 75  # sysexits.h EX_TEMPFAIL: the job may be retried
 EXIT_NON_FINITE = 3  # not 75: a relaunch would diverge again
@@ -198,6 +200,24 @@ class LossWatch:
         """--debug only (a host sync per call): is ``loss`` nan or inf on any rank right now? (collective)"""
         bad = (~torch.isfinite(loss.detach())).to(torch.int64)
         return bool(self.accelerator.reduce(bad, "max").item())
+
+
+def trace_non_finite(accelerator: Accelerator, model: torch.nn.Module, loss: torch.Tensor) -> str:
+    """--debug: the backward of a nan/inf loss under anomaly detection, without gradient sync, on the ranks that
+    have one. We print torch's forward trace of the operation that made it (a warning, which filters could
+    hide); every rank gets the error's first line for its message."""
+    found = ""
+    if not bool(torch.isfinite(loss.detach())):
+        with warnings.catch_warnings(record=True) as traces:
+            warnings.simplefilter("always")
+            try:
+                with accelerator.no_sync(model):
+                    loss.backward()
+            except RuntimeError as err:
+                found = f" ({str(err).strip().splitlines()[0]})"
+        for trace in traces:
+            print(f"accel_ddp: rank {accelerator.process_index}: {trace.message}", file=sys.stderr, flush=True)
+    return next((text for text in gather_object([found]) if text), "")  # collective
 
 
 def ignore_preemption_signals() -> None:

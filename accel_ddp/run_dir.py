@@ -4,6 +4,7 @@
     lock = claim_output_dir(accelerator, "outputs/run")   # before the first write (collective: every rank
                                                           # gets the same ConfigError)
     summary = finished_summary("outputs/run", total_steps=320, global_batch_size=64)   # None: not finished
+    stop_if_finished(accelerator, "outputs/run", 320, 64)  # the same, collective: RunFinished on every rank
     lock.release()                                        # or let the process end: the kernel releases it
 
 One run per folder: the main process holds an exclusive POSIX record lock (``lockf``) on
@@ -125,3 +126,21 @@ def finished_summary(output_dir: str, total_steps: int, global_batch_size: int) 
     if type(steps) is int and steps == total_steps and batch == global_batch_size:
         return summary
     return None
+
+
+class RunFinished(Exception):  # noqa: N818 - an outcome, not a failure
+    """``setup`` found that ``cfg.output_dir`` holds a run that already finished what ``cfg`` asks."""
+
+    def __init__(self, summary: dict[str, Any]):
+        super().__init__(f"already finished at step {summary['optimizer_steps']}")
+        self.summary = summary
+
+
+def stop_if_finished(accelerator: Accelerator, output_dir: str, total_steps: int, global_batch_size: int) -> None:
+    """Raise ``RunFinished`` (every rank) if the run to resume already ended, before any file is touched."""
+    summary = main_process_decides(accelerator, lambda: finished_summary(output_dir, total_steps, global_batch_size))
+    if summary is not None:
+        if accelerator.is_main_process:
+            print(f"accel_ddp: {output_dir} already finished at step {summary['optimizer_steps']} "
+                  f"(see its {SUMMARY_NAME}); nothing to do", flush=True)
+        raise RunFinished(summary)

@@ -153,7 +153,6 @@ class RunRecorder:
             self._metrics = None
 
 
-
 def _read_json(path: str) -> dict[str, Any]:
     try:
         with open(path, encoding="utf-8") as fh:

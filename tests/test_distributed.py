@@ -127,8 +127,8 @@ def test_same_samples_per_step_for_any_world_size_and_accumulation(tmp_path):
 
 def _prepare_from_a_rank_seeded_init() -> dict:
     """Each rank builds its model from a different seed; what prepare leaves on every rank."""
-    from accel_ddp.loop import build_accelerator
     from accel_ddp.models import build_model
+    from accel_ddp.world import build_accelerator
 
     accelerator, _, _ = build_accelerator(TrainConfig(global_batch_size=8))
     torch.manual_seed(100 + accelerator.process_index)

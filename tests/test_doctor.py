@@ -559,7 +559,7 @@ def test_accelerate_config_then_accelerate_launch_without_config_file(tmp_path, 
 PROBE = """
 import os, torch
 from accelerate import PartialState
-from accel_ddp.loop import single_process_trap
+from accel_ddp.world import single_process_trap
 trapped = single_process_trap() is not None  # what train.py checks before it joins a group
 state = PartialState(cpu=not torch.cuda.is_available())
 print(f"PROBE world={state.num_processes} rank={state.process_index} trapped={trapped}", flush=True)

@@ -17,7 +17,8 @@ import time
 import pytest
 from torch.distributed import TCPStore
 
-from accel_ddp.loop import main, single_process_trap
+from accel_ddp.loop import main
+from accel_ddp.world import single_process_trap
 from tests import faults
 from tests.conftest import SCRIPTS, free_port, launch, main_ranks, run_ranks, run_single
 

@@ -17,9 +17,10 @@ from torch.utils.data import TensorDataset
 import accel_ddp.preemption
 from accel_ddp import TrainConfig, train
 from accel_ddp.config import parse_args
-from accel_ddp.loop import build_accelerator, setup
+from accel_ddp.loop import setup
 from accel_ddp.models import build_model, build_optimizer, use_fused_optimizer
 from accel_ddp.weights import load_weights
+from accel_ddp.world import build_accelerator
 from tests.conftest import check, gpu_env, launch, read_metrics, read_summary, run_python, train_ranks
 from tests.multiproc import RankFailed, run_ranks
 
@@ -253,7 +254,7 @@ def test_tf32_switches_on_with_cuda():
     result = check(run_python(
         "import torch\n"
         "from accel_ddp import TrainConfig\n"
-        "from accel_ddp.loop import build_accelerator\n"
+        "from accel_ddp.world import build_accelerator\n"
         "build_accelerator(TrainConfig(tf32=True))\n"
         "print('tf32', torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)\n",
         env=gpu_env()))

@@ -120,8 +120,8 @@ def _evaluate_lm(world: int, count: int = 23, batch_size: int = 4) -> list[dict]
     def fn():
         from accel_ddp.data.loaders import build_eval_loader
         from accel_ddp.evaluate import evaluate
-        from accel_ddp.loop import build_accelerator
         from accel_ddp.tasks import build_task
+        from accel_ddp.world import build_accelerator
 
         accelerator, _, _ = build_accelerator(TrainConfig(global_batch_size=2))
         torch.manual_seed(0)
