@@ -4,7 +4,8 @@
 ``accel_ddp.config``, the CLI's ``--help``, the doctor) then costs no Accelerate import.
 """
 
-from accel_ddp.config import ConfigError, TrainConfig
+from accel_ddp.config import TrainConfig
+from accel_ddp.validation import ConfigError
 
 __all__ = ["ConfigError", "TrainConfig", "exit_process", "train"]
 __version__ = "0.2.0"

@@ -50,10 +50,10 @@ from accelerate.utils import RNG_STATE_NAME, SCALER_NAME
 from accelerate.utils import load as accelerate_load
 from accelerate.utils.constants import OPTIMIZER_NAME, SCHEDULER_NAME
 
-from accel_ddp.config import ConfigError
 from accel_ddp.failure import first_line, main_process_decides
 from accel_ddp.files import file_sha256, fingerprint, fsync_dir, relative_files, remove_dir, set_aside
 from accel_ddp.outputs import CHECKPOINTS_DIR, MARKER_NAME, WEIGHTS_NAME
+from accel_ddp.validation import ConfigError
 from accel_ddp.weights import load_weights, plain_state_dict
 
 FORMAT_VERSION = 1

@@ -17,13 +17,14 @@ from accelerate import Accelerator
 from accelerate.utils import send_to_device
 from torch.utils.data import Dataset, IterableDataset, Subset
 
-from accel_ddp.config import DEBUG_MAX_STEPS, TEXT_TASKS, ConfigError, TrainConfig
+from accel_ddp.config import DEBUG_MAX_STEPS, TEXT_TASKS, TrainConfig
 from accel_ddp.data import HFSource, build_datasets
 from accel_ddp.data.loaders import first_samples
 from accel_ddp.data.text import PadCollate, TextOptions, build_text, has_tokenizer, pad_token_id
 from accel_ddp.models import MODELS, build_model, build_transformers_model, is_pretrained_folder
 from accel_ddp.registry import resolve
 from accel_ddp.tasks import Task
+from accel_ddp.validation import ConfigError
 
 T = TypeVar("T")
 

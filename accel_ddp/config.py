@@ -1,28 +1,23 @@
-"""Training options: one dataclass, its CLI, its YAML recipe, its checks.
+"""Training options: one dataclass, every option with its default and one-line help, and its checks.
 
-Order of precedence (timm's): dataclass defaults < ``--config recipe.yaml`` < CLI flags.
-This module imports no torch so that ``--help`` and bad-input errors are instant.
+Each field's type and range are checked by ``validation.py``, the options that go together here;
+the command line and the ``--config`` YAML recipe are read by ``command_line.py``. This module
+imports no torch so that ``--help`` and bad-input errors are instant.
 
     >>> cfg = TrainConfig(dataset="digits", epochs=2)
-    >>> cfg = parse_args(["--dataset", "digits", "--lr", "0.01"])
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 import os
-import re
 import sys
-import types
 import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-
-class ConfigError(ValueError):
-    """Bad user input. ``main()`` prints it as one line and exits with code 2."""
+from accel_ddp.validation import INT_MAX, ConfigError, check_range, checked_type, show
 
 
 def _opt(default: Any, help: str, low: float | None = None, high: float | None = None) -> Any:
@@ -30,9 +25,6 @@ def _opt(default: Any, help: str, low: float | None = None, high: float | None =
     return field(default=default, metadata={"help": help, "low": low, "high": high})
 
 
-# Every int without a range of its own stays below this: nothing sensible is bigger, and torch's C++
-# side (batch sizes, bucket sizes, step counters) stores 32- or 64-bit integers.
-INT_MAX = 2**31 - 1
 SEED_MAX = 2**32 - 1  # NumPy's np.random.seed accepts 0 .. 2**32 - 1, and set_seed seeds NumPy too
 # A collective that waits longer than a week for a missing rank is a hang, not a slow peer; the bound also
 # keeps the value within what timedelta and the backends' millisecond counters hold.
@@ -199,10 +191,10 @@ class TrainConfig:
     def __post_init__(self) -> None:
         """Check every field's type and range, whatever the source (Python, YAML or CLI): one ConfigError each."""
         _check_tracking(self)  # first: an old --with_tracking value gets its own message, not "expects true or false"
-        hints = _field_types()
+        hints = field_types()
         for f in dataclasses.fields(self):
-            value = _checked_type(f.name, getattr(self, f.name), hints[f.name])
-            _check_range(f.name, value, f.metadata.get("low"), f.metadata.get("high"))
+            value = checked_type(f.name, getattr(self, f.name), hints[f.name], f.default)
+            check_range(f.name, value, f.metadata.get("low"), f.metadata.get("high"))
             setattr(self, f.name, value)
         for (name, old), new in RENAMED_VALUES.items():
             if getattr(self, name) == old:
@@ -211,7 +203,7 @@ class TrainConfig:
         for name, choices in (("loader", LOADERS), ("optimizer", OPTIMIZERS), ("lr_schedule", LR_SCHEDULES),
                               ("ddp_comm_hook", COMM_HOOKS)):
             if getattr(self, name) not in choices:
-                raise ConfigError(f"--{name} {_show(getattr(self, name))} is unknown; "
+                raise ConfigError(f"--{name} {show(getattr(self, name))} is unknown; "
                                   f"choose one of {', '.join(choices)}")
         if not self.lr > 0:
             raise ConfigError(f"--lr must be > 0, got {self.lr}; try --lr 3e-3")
@@ -222,18 +214,18 @@ class TrainConfig:
                 raise ConfigError(f"--{name} is empty; give a {'folder' if name == 'output_dir' else 'name'}")
         if not self.synthetic_shape or any(d < 1 for d in self.synthetic_shape):
             raise ConfigError(f"--synthetic_shape must be one or more positive sizes, got "
-                              f"{_show(list(self.synthetic_shape))}; e.g. --synthetic_shape 1 28 28")
+                              f"{show(list(self.synthetic_shape))}; e.g. --synthetic_shape 1 28 28")
         self._check_sizes()
         if self.checkpointing_steps is not None:
             value = str(self.checkpointing_steps)
             if value != "epoch" and not (value.isascii() and value.isdigit() and len(value) <= 10
                                          and 0 < int(value) <= INT_MAX):
-                raise ConfigError(f"--checkpointing_steps must be a positive step count or 'epoch', got {_show(value)}")
+                raise ConfigError(f"--checkpointing_steps must be a positive step count or 'epoch', got {show(value)}")
             self.checkpointing_steps = value
         _check_task(self)
         _check_data(self)
         if self.init_from is not None and not self.init_from.endswith(".safetensors"):
-            raise ConfigError(f"--init_from {_show(self.init_from)}: expected a .safetensors weights file, "
+            raise ConfigError(f"--init_from {show(self.init_from)}: expected a .safetensors weights file, "
                               "e.g. OUTPUT_DIR/model.safetensors")
 
     def _check_sizes(self) -> None:
@@ -307,15 +299,6 @@ def _check_tracking(cfg: TrainConfig) -> None:
         warn(f"--report_to {cfg.report_to} has no effect without --with_tracking; add --with_tracking")
 
 
-def _show(value: Any, limit: int = 60) -> str:
-    """A user's value in an error line: repr (quotes, escapes), on one line, cut short."""
-    try:
-        text = repr(value).replace("\n", " ")
-    except ValueError:  # an int too long to print (Python >= 3.10.7 limits int-to-text conversion)
-        text = f"<an integer of {value.bit_length()} bits>"
-    return text if len(text) <= limit else f"{text[:limit]}..."
-
-
 def _gib(num_bytes: float) -> str:
     return f"{num_bytes / 2**30:,.3g} GiB"
 
@@ -323,7 +306,7 @@ def _gib(num_bytes: float) -> str:
 def _check_task(cfg: TrainConfig) -> None:
     """--task and the options that only make sense with some tasks (no dead flags)."""
     if cfg.task not in TASKS:
-        raise ConfigError(f"--task {_show(cfg.task)} is unknown; choose one of {', '.join(TASKS)}")
+        raise ConfigError(f"--task {show(cfg.task)} is unknown; choose one of {', '.join(TASKS)}")
     if cfg.task not in TEXT_TASKS:
         given = [f"--{name}" for name in ("text_column", "tokenizer") if getattr(cfg, name) is not None]
         given += ["--packing"] if cfg.packing else []
@@ -345,92 +328,6 @@ def _default(name: str) -> Any:
     return next(f.default for f in dataclasses.fields(TrainConfig) if f.name == name)
 
 
-_KIND_NAMES = {bool: "true or false", int: "a whole number", float: "a finite number", str: "text"}
-_KIND_FIXES = {bool: "use true or false (CLI: also yes/no, on/off, 1/0)", int: "give a whole number, e.g. {example}",
-               float: "give a finite number, e.g. {example}", str: "give text; in YAML quote it, e.g. \"123\""}
-
-
-def _kind_fix(name: str, kind: Any) -> str:
-    default = TrainConfig.__dataclass_fields__[name].default
-    example = default if isinstance(default, (int, float)) and not isinstance(default, bool) else 10
-    return _KIND_FIXES[kind].format(example=f"--{name} {example}")
-
-
-def _checked_type(name: str, value: Any, annotation: Any) -> Any:
-    """``value`` as the field's type (an int where a float is wanted, a tuple for a list), or ConfigError.
-
-    Strict on purpose: YAML's ``"no"`` is text, not false; ``5.7`` is not a step count; a bool is not a number.
-    """
-    kind, is_tuple = _scalar_type(annotation)
-    if value is None:
-        if type(None) in typing.get_args(annotation):
-            return None
-        raise ConfigError(f"--{name} needs a value ({_KIND_NAMES[kind]}), got null; {_kind_fix(name, kind)}")
-    if is_tuple:
-        items = [value] if isinstance(value, int) and not isinstance(value, bool) else value
-        if not isinstance(items, (list, tuple)) or not all(_is_kind(v, kind) for v in items):
-            raise ConfigError(f"--{name} expects a list of whole numbers, got {_show(value)}; "
-                              f"e.g. --{name} 1 28 28 (YAML: {name}: [1, 28, 28])")
-        return tuple(items)
-    if name == "checkpointing_steps" and _is_kind(value, int):
-        return str(value)  # YAML reads `checkpointing_steps: 100` as a number; the flag is text
-    if not _is_kind(value, kind):
-        raise ConfigError(f"--{name} expects {_KIND_NAMES[kind]}, got {_show(value)} ({_type_name(value)}); "
-                          f"{_kind_fix(name, kind)}")
-    if kind is float:
-        value = float(value)
-        if not math.isfinite(value):
-            raise ConfigError(f"--{name} must be a finite number, got {value}; {_kind_fix(name, float)}")
-    if kind is str:
-        _check_text(name, value)
-    return value
-
-
-def _is_kind(value: Any, kind: Any) -> bool:
-    if kind is bool:
-        return isinstance(value, bool)
-    if kind is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if kind is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    return isinstance(value, kind)
-
-
-def _type_name(value: Any) -> str:
-    return "null" if value is None else type(value).__name__
-
-
-def _check_text(name: str, value: str) -> None:
-    """Text goes into file names, config.yaml and log lines: it must be UTF-8 and free of NUL characters."""
-    if "\0" in value:
-        raise ConfigError(f"--{name} {_show(value)} contains a NUL character; remove it")
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:  # bytes that are not UTF-8, e.g. a Latin-1 path decoded by Python as surrogates
-        raise ConfigError(f"--{name} {_show(value)} is not valid UTF-8 (config.yaml and the logs record it as "
-                          "text); use a name in UTF-8") from None
-
-
-def _check_range(name: str, value: Any, low: float | None, high: float | None) -> None:
-    if value is None or not isinstance(value, (int, float)) or isinstance(value, bool):
-        return
-    if high is None and isinstance(value, int):
-        high = INT_MAX
-    if low is not None and value < low:
-        bound = "> 0" if low == 1 and isinstance(value, int) else f">= {low}"
-        raise ConfigError(f"--{name} must be {bound}, got {_show(value)}; {_range_fix(name, low, high)}")
-    if high is not None and value > high:
-        raise ConfigError(f"--{name} must be <= {high}, got {_show(value)}; {_range_fix(name, low, high)}")
-
-
-def _range_fix(name: str, low: float | None, high: float | None) -> str:
-    if name == "ddp_timeout":
-        return f"give seconds between {low} and {high} (a week): longer than that is a hang, not a slow rank"
-    if low is not None and high is not None:
-        return f"give a value from {low} to {high}"
-    return f"give a value >= {low}" if low is not None else f"give a value <= {high}"
-
-
 def _check_data(cfg: TrainConfig) -> None:
     """The data options that only make sense together (--streaming and its companions)."""
     if not cfg.streaming:
@@ -443,143 +340,8 @@ def _check_data(cfg: TrainConfig) -> None:
         raise ConfigError("--streaming and --loader device: a stream is not kept on the device; drop --loader")
 
 
-def _check_choice(cfg: TrainConfig, name: str, choices: tuple[str, ...]) -> None:
-    if getattr(cfg, name) not in choices:
-        raise ConfigError(f"--{name} {getattr(cfg, name)!r} is unknown; choose one of {', '.join(choices)}")
-
-
-# ----------------------------------------------------------------------------- CLI and YAML
-
-
-def _field_types() -> dict[str, Any]:
+def field_types() -> dict[str, Any]:
     return typing.get_type_hints(TrainConfig)
-
-
-def _scalar_type(annotation: Any) -> tuple[Any, bool]:
-    """(element type, is_tuple) for ``int``, ``int | None``, ``tuple[int, ...]``."""
-    origin = typing.get_origin(annotation)
-    if origin in (typing.Union, types.UnionType):
-        inner = [a for a in typing.get_args(annotation) if a is not type(None)]
-        return _scalar_type(inner[0])
-    if origin is tuple:
-        return typing.get_args(annotation)[0], True
-    return annotation, False
-
-
-def _parse_bool(text: str) -> bool:
-    lowered = str(text).lower()
-    if lowered in ("1", "true", "yes", "on"):
-        return True
-    if lowered in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
-
-
-def _parse_with_tracking(text: str) -> bool | str:
-    """A switch, whose old values (``none``, ``tensorboard``, ``csv``, ``all``) ``_renamed`` translates."""
-    if ("with_tracking", text) in EXPANDED_VALUES:
-        return text
-    try:
-        return _parse_bool(text)
-    except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(f"a switch now, got {text!r}; name the trackers with --report_to, e.g. "
-                                         f"--with_tracking --report_to {text}") from None
-
-
-class _OneLineParser(argparse.ArgumentParser):
-    """argparse prints usage plus the error; we want one line and exit code 2 via ConfigError."""
-
-    def error(self, message: str) -> typing.NoReturn:
-        # An argument may hold a line break ("unrecognized arguments: <newline>"): shown escaped, one line stays one.
-        one_line = message.replace("\r", "\\r").replace("\n", "\\n")
-        raise ConfigError(f"{one_line}; see --help")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = _OneLineParser(
-        prog="train.py",
-        description="Data-parallel training with Accelerate. Flags override --config recipe.yaml.",
-        argument_default=argparse.SUPPRESS,  # so we know which flags the user really gave
-    )
-    parser.add_argument("--config", help="YAML recipe with any of the flags below as keys")
-    hints = _field_types()
-    for f in dataclasses.fields(TrainConfig):
-        kind, is_tuple = _scalar_type(hints[f.name])
-        help_text = f"{f.metadata['help']} (default: {f.default})"
-        if kind is bool:
-            parse = _parse_with_tracking if f.name == "with_tracking" else _parse_bool
-            parser.add_argument(f"--{f.name}", type=parse, nargs="?", const=True, help=help_text)
-        elif is_tuple:
-            parser.add_argument(f"--{f.name}", type=kind, nargs="+", help=help_text)
-        else:
-            parser.add_argument(f"--{f.name}", type=kind, help=help_text)
-    for old, new in RENAMED_FLAGS.items():
-        parser.add_argument(f"--{old}", type=_scalar_type(hints[new])[0], help=argparse.SUPPRESS)
-    return parser
-
-
-def _recipe_loader() -> type:
-    """PyYAML's safe loader, plus YAML 1.2 floats: PyYAML (YAML 1.1) reads ``lr: 1e-3`` and ``1.0e10`` as text,
-    wanting a dot and a signed exponent (yaml/pyyaml#173)."""
-    import yaml
-
-    class RecipeLoader(yaml.SafeLoader):
-        pass
-
-    RecipeLoader.add_implicit_resolver(
-        "tag:yaml.org,2002:float",
-        re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
-        list("-+0123456789"),
-    )
-    return RecipeLoader
-
-
-def load_recipe(path: str) -> dict[str, Any]:
-    """Read a YAML recipe whose keys are TrainConfig fields (values are checked by ``TrainConfig``)."""
-    import yaml
-
-    if not os.path.isfile(path):
-        raise ConfigError(f"--config {path}: no such file; give the path of a YAML recipe")
-    try:
-        with open(path, encoding="utf-8") as fh:
-            data = yaml.load(fh, Loader=_recipe_loader())  # noqa: S506 - a SafeLoader subclass
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark is not None else ""
-        raise ConfigError(f"--config {path}: not valid YAML{where}; fix the file's syntax") from None
-    except (OSError, UnicodeDecodeError) as err:
-        raise ConfigError(f"--config {path}: cannot read it ({err.__class__.__name__}); check the file") from None
-    except ValueError as err:  # a value YAML's constructors refuse, e.g. an integer of 5000 digits
-        raise ConfigError(f"--config {path}: a value cannot be read ({_show(str(err), 100)}); fix it") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"--config {path}: expected a mapping of option: value, got {type(data).__name__}; "
-                          "write one `flag: value` per line, e.g. lr: 0.01")
-    known = {f.name for f in dataclasses.fields(TrainConfig)} | set(RENAMED_FLAGS)
-    unknown = [str(key) for key in data if key not in known]  # keys may be numbers, dates, ... in YAML
-    if unknown:
-        raise ConfigError(
-            f"--config {path}: unknown key(s) {_show(', '.join(unknown))[1:-1]}; valid keys are the flags of "
-            "train.py --help"
-        )
-    return data
-
-
-def _renamed(values: dict[str, Any]) -> dict[str, Any]:
-    """Old option names and values replaced by their new spelling (the new spelling wins if both are given)."""
-    for old, new in RENAMED_FLAGS.items():
-        if old in values:
-            warn_deprecated(f"--{old}", f"--{new}")
-            value = values.pop(old)
-            values.setdefault(new, value)
-    for (name, old), new in EXPANDED_VALUES.items():
-        if isinstance(values.get(name), str) and values[name].lower() == old:
-            warn_deprecated(f"--{name} {old}", new_spelling(new))
-            values[name] = new[name]
-            for key, value in new.items():
-                values.setdefault(key, value)
-    return values
 
 
 def new_spelling(options: dict[str, Any]) -> str:
@@ -590,9 +352,3 @@ def new_spelling(options: dict[str, Any]) -> str:
     return " ".join(flags) or " ".join(f"--{key} false" for key in options)
 
 
-def parse_args(argv: list[str] | None = None) -> TrainConfig:
-    """Defaults, then the ``--config`` recipe, then CLI flags."""
-    args = vars(build_parser().parse_args(sys.argv[1:] if argv is None else argv))
-    values = _renamed(load_recipe(args.pop("config"))) if "config" in args else {}
-    values.update(_renamed(args))
-    return TrainConfig(**values)

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from accel_ddp.config import ConfigError
+from accel_ddp.validation import ConfigError
 
 PRINT_WAIT_S = 10.0  # how long a rank that lost the election waits for the winner's line, at most
 STORE_TIMEOUT_S = 5.0  # connecting to the launcher's store: it lives as long as the launcher does

@@ -29,8 +29,9 @@ from tqdm.auto import tqdm
 
 from accel_ddp import failure
 from accel_ddp.checkpoint import HYPERPARAMETERS, CheckpointManager, flags_in_force
+from accel_ddp.command_line import parse_args
 from accel_ddp.components import build_configured_model, probe_task, resolve_data
-from accel_ddp.config import DEBUG_MAX_STEPS, ConfigError, TrainConfig, parse_args
+from accel_ddp.config import DEBUG_MAX_STEPS, TrainConfig
 from accel_ddp.data import build_loaders
 from accel_ddp.evaluate import evaluate
 from accel_ddp.failure import main_process_decides
@@ -56,6 +57,7 @@ from accel_ddp.startup import StartupClock
 from accel_ddp.tasks import LossAccumulator, Task, build_task
 from accel_ddp.tracking import RunRecorder
 from accel_ddp.update import build_update
+from accel_ddp.validation import ConfigError
 from accel_ddp.weights import export_weights, load_weights
 from accel_ddp.world import LaunchError, build_accelerator, prepare
 

@@ -25,10 +25,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from accel_ddp.config import ConfigError
 from accel_ddp.optional import require
 from accel_ddp.outputs import PRETRAINED_SUBDIR
 from accel_ddp.registry import resolve
+from accel_ddp.validation import ConfigError
 from accel_ddp.weights import plain_state_dict
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-from accel_ddp.config import ConfigError
+from accel_ddp.validation import ConfigError
 
 EXTRAS = {"transformers": "nlp", "tokenizers": "nlp", "tensorboard": "tracking"}  # package -> setup.cfg extra
 

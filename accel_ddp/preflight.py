@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from accel_ddp.config import ConfigError
+from accel_ddp.validation import ConfigError
 
 # FSDP2 in torch 2.14 casts a BatchNorm's weight to the policy's param_dtype but not its running
 # statistics, and the forward stops with "Expected running_mean to have type BFloat16 but got Float"

@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from accel_ddp.config import ConfigError
+from accel_ddp.validation import ConfigError
 
 
 def resolve(name: str, table: dict[str, Callable[..., Any]], kind: str, call_with: tuple[str, ...] = (),

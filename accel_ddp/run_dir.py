@@ -27,9 +27,9 @@ from typing import Any
 
 from accelerate import Accelerator
 
-from accel_ddp.config import ConfigError
 from accel_ddp.failure import main_process_decides
 from accel_ddp.outputs import LOCK_NAME, SUMMARY_NAME, WEIGHTS_NAME
+from accel_ddp.validation import ConfigError
 
 
 class OutputLock:

@@ -38,8 +38,8 @@ import torch
 import torch.nn.functional as F
 from accelerate.utils import extract_model_from_parallel
 
-from accel_ddp.config import ConfigError
 from accel_ddp.update import build_backward
+from accel_ddp.validation import ConfigError
 
 IGNORE_INDEX = -100  # labels that count for nothing: padding, prompts (PyTorch's and Transformers' convention)
 EVAL_FIELDS = ("loss_sum", "items", "correct")  # the per-sample statistics every task reports

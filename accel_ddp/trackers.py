@@ -21,10 +21,11 @@ from typing import Any
 from accelerate.tracking import GeneralTracker, on_main_process
 from tqdm.auto import tqdm
 
-from accel_ddp.config import ACCELERATE_TRACKERS, ConfigError
+from accel_ddp.config import ACCELERATE_TRACKERS
 from accel_ddp.failure import main_process_decides
 from accel_ddp.files import atomic_write_text
 from accel_ddp.outputs import CSV_NAME, METRICS_NAME, TENSORBOARD_SUBDIR
+from accel_ddp.validation import ConfigError
 
 
 class CSVTracker(GeneralTracker):

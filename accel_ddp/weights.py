@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from accel_ddp.config import ConfigError
 from accel_ddp.failure import first_line
 from accel_ddp.outputs import WEIGHTS_NAME
+from accel_ddp.validation import ConfigError
 
 if TYPE_CHECKING:
     from accelerate import Accelerator

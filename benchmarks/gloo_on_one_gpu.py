@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 from accelerate import PartialState  # noqa: E402
 
-from accel_ddp.config import parse_args  # noqa: E402
+from accel_ddp.command_line import parse_args  # noqa: E402
 from accel_ddp.loop import run  # noqa: E402
 
 if torch.cuda.is_available():

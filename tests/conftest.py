@@ -125,7 +125,7 @@ def run_python(code: str, env: dict[str, str | None] | None = None,
 def train_ranks(args: list[str], world_size: int = 2, env: dict[str, str] | None = None,
                 timeout: float = 120) -> list[dict]:
     """``train(parse_args(args))`` on forked ranks of a gloo group (or one plain process); summaries by rank."""
-    from accel_ddp.config import parse_args
+    from accel_ddp.command_line import parse_args
     from accel_ddp.loop import train
 
     return run_ranks(lambda: train(parse_args(args)), world_size, timeout=timeout, env=env)

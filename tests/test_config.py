@@ -9,7 +9,9 @@ import yaml
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from accel_ddp.config import ConfigError, TrainConfig, parse_args
+from accel_ddp.command_line import parse_args
+from accel_ddp.config import TrainConfig
+from accel_ddp.validation import ConfigError
 from tests.conftest import REPO
 
 
@@ -220,7 +222,7 @@ def test_any_cli_value_gives_a_config_or_one_config_error(flags):
 
 
 def test_every_field_is_a_flag_with_help():
-    from accel_ddp.config import build_parser
+    from accel_ddp.command_line import build_parser
 
     help_text = build_parser().format_help()
     for name in TrainConfig.__dataclass_fields__:

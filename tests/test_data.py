@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch.utils.data import Subset, TensorDataset
 
 from accel_ddp import train
-from accel_ddp.config import ConfigError, parse_args
+from accel_ddp.command_line import parse_args
 from accel_ddp.data import (
     CIFAR10_MEAN,
     CIFAR10_STD,
@@ -42,6 +42,7 @@ from accel_ddp.data.in_memory import CROP_PADDING, crop_flip
 from accel_ddp.data.loaders import data_source
 from accel_ddp.data.mapped import MappedDataset
 from accel_ddp.data.sampler import epoch_order
+from accel_ddp.validation import ConfigError
 from tests import faults, helpers_data
 from tests.conftest import REPO, load_weights, main_ranks, read_metrics, read_summary, run_ranks, train_ranks
 from tests.multiproc import RankFailed

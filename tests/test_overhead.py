@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
-from accel_ddp.config import parse_args
+from accel_ddp.command_line import parse_args
 from accel_ddp.data.builtin import read_digits
 from accel_ddp.startup import StartupClock, process_age
 from accel_ddp.update import build_clip

@@ -16,7 +16,7 @@ from torch.utils.data import TensorDataset
 
 import accel_ddp.preemption
 from accel_ddp import TrainConfig, train
-from accel_ddp.config import parse_args
+from accel_ddp.command_line import parse_args
 from accel_ddp.loop import setup
 from accel_ddp.models import build_model, build_optimizer, use_fused_optimizer
 from accel_ddp.weights import load_weights

@@ -270,7 +270,7 @@ def test_crash_mid_epoch_then_resume_is_bitwise_exact_for_a_pretrained_lm_folder
     """A save_pretrained folder (with dropout, so the RNG state matters) fine-tuned on variable-length padded text."""
     from transformers import AutoTokenizer
 
-    from accel_ddp.config import parse_args
+    from accel_ddp.command_line import parse_args
     from accel_ddp.loop import train as train_cli
     from tests import faults
     from tests.conftest import train_ranks

@@ -17,10 +17,12 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from accel_ddp.config import ACCELERATE_TRACKERS, ConfigError, parse_args
+from accel_ddp.command_line import parse_args
+from accel_ddp.config import ACCELERATE_TRACKERS
 from accel_ddp.model_card import launch_command
 from accel_ddp.trackers import CSVTracker, build_trackers, resolve_report_to
 from accel_ddp.tracking import RunRecorder
+from accel_ddp.validation import ConfigError
 from tests import faults
 from tests.conftest import main_ranks, read_metrics, read_summary, run_ranks, train_ranks
 from tests.multiproc import RankFailed

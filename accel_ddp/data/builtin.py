@@ -28,11 +28,11 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, Subset, TensorDataset
 
-from accel_ddp.config import ConfigError
 from accel_ddp.data.bundle import DatasetBundle
 from accel_ddp.data.hf import HFSource, build_hf
 from accel_ddp.data.in_memory import InMemoryDataset
 from accel_ddp.registry import resolve
+from accel_ddp.validation import ConfigError
 
 MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
 FASHION_MNIST_MEAN, FASHION_MNIST_STD = 0.2860, 0.3530

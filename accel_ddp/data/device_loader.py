@@ -20,9 +20,9 @@ from collections.abc import Iterator
 import torch
 from torch.utils.data import Dataset
 
-from accel_ddp.config import ConfigError
 from accel_ddp.data.in_memory import as_in_memory, crop_flip_params
 from accel_ddp.data.sampler import GlobalBatchLoader, GlobalBatchSampler
+from accel_ddp.validation import ConfigError
 
 
 class DeviceLoader(GlobalBatchLoader):

@@ -21,7 +21,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from accel_ddp.config import ConfigError
 from accel_ddp.data.bundle import DatasetBundle
 from accel_ddp.data.hf_source import HFSource, _input_column, _label_column, load_splits
 from accel_ddp.data.in_memory import InMemoryDataset
@@ -35,6 +34,7 @@ from accel_ddp.data.mapped import (
     image_mode,
     open_image,
 )
+from accel_ddp.validation import ConfigError
 
 DECODE_CHUNK = 1024  # rows decoded per slice: bounds the PIL images alive at once
 STATS_SAMPLE = 1024  # training rows (a fixed random sample) that uint8 normalisation statistics come from

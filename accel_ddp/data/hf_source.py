@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from typing import Any, NamedTuple
 
-from accel_ddp.config import ConfigError
+from accel_ddp.validation import ConfigError
 
 EVAL_SPLITS = ("test", "validation", "valid", "val", "eval")
 LABEL_COLUMNS = ("label", "labels", "target", "targets", "class", "y", "fine_label", "coarse_label")

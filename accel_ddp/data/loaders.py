@@ -13,12 +13,12 @@ from typing import Any, NamedTuple
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
-from accel_ddp.config import ConfigError
 from accel_ddp.data.device_loader import DeviceEvalLoader, DeviceLoader
 from accel_ddp.data.host_loader import HostLoader, default_num_workers, readable, usable_cpus
 from accel_ddp.data.in_memory import as_in_memory, is_in_memory
 from accel_ddp.data.mapped import is_arrow_dataset
 from accel_ddp.data.sampler import GlobalBatchSampler
+from accel_ddp.validation import ConfigError
 
 __all__ = ["Loaders", "build_eval_loader", "build_loaders", "build_train_loader", "choose_loader", "data_seed",
            "data_source", "default_num_workers", "first_samples", "skip_first_batches", "usable_cpus"]

@@ -44,10 +44,10 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset
 
-from accel_ddp.config import ConfigError
 from accel_ddp.data.bundle import DataError, DatasetBundle
 from accel_ddp.data.host_loader import default_num_workers
 from accel_ddp.data.sampler import check_layout
+from accel_ddp.validation import ConfigError
 
 STATE_FILE = "data_state_rank{rank}.json"  # each rank's stream position, in every checkpoint folder
 _HAVE, _ENDED, _FAILED = 0, 1, 2  # what each rank reports before a step; the all-reduce takes the largest

@@ -27,10 +27,10 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import default_collate
 
-from accel_ddp.config import ConfigError
 from accel_ddp.data.bundle import DatasetBundle
 from accel_ddp.data.hf import HFSource, _label_column, _labels, load_splits
 from accel_ddp.optional import require
+from accel_ddp.validation import ConfigError
 
 DEFAULT_TEXT_COLUMN = "text"
 LABEL_PAD = -100  # padded label positions count for nothing in the loss (accel_ddp.tasks.IGNORE_INDEX)
