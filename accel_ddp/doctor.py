@@ -7,11 +7,11 @@
 Without ``--config_file`` the doctor checks the file ``accelerate launch`` would read, found as
 Accelerate finds it (the default config that ``accelerate config`` writes, under ``HF_HOME``), and
 says so when there is none (``accelerate launch`` then uses its defaults: one process per GPU, or
-one process without GPUs). The file is read with Accelerate's own loader, launch flags given here
+one process without GPUs). The file is read with Accelerate's own loader (``launch_config.py``), launch flags given here
 override it the way they override it on the ``accelerate launch`` line, and each finding is one
 line, ``problem -> fix``. Then comes the exact launch command (one per machine). The report
-starts with the file checked, the machine and the versions that matter, so one paste answers
-"what are you running".
+starts with the file checked, the machine and the versions that matter (``machine.py``), so one paste
+answers "what are you running".
 
 Levels: ``error`` (the launch fails, or silently runs something other than the file says: one
 process instead of N, fp32 instead of fp16, DDP instead of FSDP), ``warning`` (it runs as
@@ -27,17 +27,22 @@ for several processes, fp16, FSDP), which is an error.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import ipaddress
-import os
-import platform
 import re
 import shlex
-import shutil
 import socket
 import sys
 from dataclasses import dataclass, field
 from typing import Any
+
+from accel_ddp.launch_config import (
+    ConfigSource,
+    DoctorInputError,
+    launch_defaults,
+    load_launch_config,
+    resolve_config_file,
+)
+from accel_ddp.machine import MachineFacts, software_versions
 
 ERROR, WARNING, NOTE = "error", "warning", "note"
 # Launch flags the doctor understands, with the type ``accelerate launch`` gives them.
@@ -51,71 +56,6 @@ _TESTED_TYPES = ("NO", "MULTI_GPU", "FSDP", "MULTI_CPU")
 
 
 @dataclass(frozen=True)
-class MachineFacts:
-    """What this machine offers. ``detect()`` asks torch; tests build one by hand.
-
-        >>> MachineFacts(gpu_count=8, nccl_available=True, bf16_supported=False)  # 8 V100s
-    """
-
-    gpu_count: int = 0            # CUDA devices visible to this process (honours CUDA_VISIBLE_DEVICES)
-    nccl_available: bool = False  # torch was built with NCCL (needed for multi-GPU all-reduce)
-    bf16_supported: bool = True   # every visible GPU is Ampere (compute capability 8.0) or newer; CPUs: True
-    cpu_count: int = 1            # cores this process may run on
-    mpirun_available: bool = False
-    gpu_name: str = ""
-    cpu_bf16: bool = False        # the CPU has bf16 matrix units (AMX-BF16 or AVX512-BF16): fast bf16 autocast
-    unusable_gpus: int = 0        # GPUs the NVIDIA driver lists but this torch cannot use (e.g. a driver too old)
-    cuda_problem: str = ""        # why, as CUDA says it
-
-    @classmethod
-    def detect(cls) -> MachineFacts:
-        import torch
-
-        from accel_ddp.data import usable_cpus
-        from accel_ddp.preflight import unusable_gpus
-
-        gpu_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        unusable, problem = unusable_gpus()
-        capabilities = [torch.cuda.get_device_capability(i) for i in range(gpu_count)]
-        nccl = torch.distributed.is_available() and torch.distributed.is_nccl_available()
-        return cls(
-            gpu_count=gpu_count,
-            nccl_available=bool(nccl),
-            bf16_supported=all(cap >= (8, 0) for cap in capabilities),
-            cpu_count=usable_cpus(),
-            mpirun_available=shutil.which("mpirun") is not None or shutil.which("mpiexec") is not None,
-            gpu_name=torch.cuda.get_device_name(0) if gpu_count else "",
-            cpu_bf16=cpu_has_bf16_units(_read_cpuinfo()),
-            unusable_gpus=unusable,
-            cuda_problem=problem,
-        )
-
-    def describe(self) -> str:
-        gpus = f"{self.gpu_count} GPU(s)" + (f" ({self.gpu_name})" if self.gpu_name else "")
-        if self.unusable_gpus:
-            gpus += f" ({self.unusable_gpus} listed by the driver that this torch cannot use)"
-        nccl = "" if not self.gpu_count else ", NCCL" if self.nccl_available else ", no NCCL"
-        return f"{gpus}{nccl}, {self.cpu_count} CPU core(s)" + (" with bf16 units" if self.cpu_bf16 else "")
-
-
-def _read_cpuinfo() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as fh:
-            return fh.read()
-    except OSError:  # not Linux: assume no bf16 units, the cautious answer
-        return ""
-
-
-def cpu_has_bf16_units(cpuinfo: str) -> bool:
-    """Whether /proc/cpuinfo's flags list AMX-BF16 or AVX512-BF16 (Sapphire Rapids, Cooper Lake, Zen 4 and later)."""
-    for line in cpuinfo.splitlines():
-        if line.startswith("flags"):
-            flags = set(line.partition(":")[2].split())
-            return bool(flags & {"amx_bf16", "avx512_bf16"})
-    return False
-
-
-@dataclass(frozen=True)
 class Finding:
     level: str    # error, warning or note
     problem: str
@@ -123,18 +63,6 @@ class Finding:
 
     def line(self) -> str:
         return f"{self.level.upper():<7}  {self.problem} -> {self.fix}"
-
-
-@dataclass(frozen=True)
-class ConfigSource:
-    """The launch config ``accelerate launch`` would use, and how it was found."""
-
-    path: str | None  # None: no file, `accelerate launch` uses its built-in defaults
-    origin: str       # for the report's first line
-    flag: bool = True  # given with --config_file (the launch command must repeat it)
-
-    def describe(self) -> str:
-        return f"{self.path} ({self.origin})" if self.path else f"no config file ({self.origin})"
 
 
 @dataclass
@@ -167,90 +95,6 @@ class Report:
         lines += [head, *(f"  {cmd}" for cmd in self.commands)]
         lines += [f"note: {text}" for text in self.footnotes]
         return "\n".join(lines)
-
-
-def software_versions() -> dict[str, str]:
-    """What ``accelerate env`` reports, for one line: Python, platform, torch with its CUDA and NCCL, libraries."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    import torch
-
-    versions = {"python": platform.python_version(), "platform": platform.platform()}
-    if torch.version.cuda:
-        build = f"built with CUDA {torch.version.cuda}"
-        if torch.distributed.is_available() and torch.distributed.is_nccl_available():
-            build += ", NCCL " + ".".join(map(str, torch.cuda.nccl.version()))
-    else:
-        build = "CPU-only build"
-    versions["torch"] = f"{torch.__version__} ({build})"
-    for name in ("accelerate", "datasets", "transformers"):
-        try:
-            versions[name] = version(name)
-        except PackageNotFoundError:
-            versions[name] = "not installed"
-    from accel_ddp import __version__  # the code running, which may be a clone rather than what pip installed
-
-    versions["accel_ddp"] = __version__
-    return versions
-
-
-def resolve_config_file(config_file: str | None, cpu: bool = False) -> ConfigSource:
-    """The file ``accelerate launch`` would read, found exactly as it finds it.
-
-    ``--config_file`` if given; else Accelerate's default file, unless ``--cpu`` (then
-    ``accelerate launch`` ignores it: accelerate/commands/launch.py, ``_validate_launch_command``).
-    The default path is Accelerate's own constant: ``$HF_HOME/accelerate/default_config.yaml``,
-    ``HF_HOME`` defaulting to ``$XDG_CACHE_HOME/huggingface``, itself ``~/.cache/huggingface``;
-    ``accelerate config`` writes it there and no other variable moves it.
-    """
-    if config_file is not None:
-        return ConfigSource(config_file, "given with --config_file")
-    from accelerate.commands.config.config_args import default_config_file
-
-    if cpu:
-        return ConfigSource(None, f"--cpu without --config_file: `accelerate launch` ignores {default_config_file}",
-                            flag=False)
-    if os.path.isfile(default_config_file):
-        return ConfigSource(default_config_file, "Accelerate's default config, written by `accelerate config`: what "
-                            "`accelerate launch` reads without --config_file", flag=False)
-    return ConfigSource(None, f"no --config_file, and no {default_config_file}, which `accelerate config` writes",
-                        flag=False)
-
-
-def launch_defaults(facts: MachineFacts) -> dict[str, Any]:
-    """What ``accelerate launch`` runs with no config file: one process per GPU (DDP with 2 or more), fp32."""
-    processes = max(facts.gpu_count, 1)
-    return {"distributed_type": "MULTI_GPU" if processes > 1 else "NO", "num_processes": processes,
-            "num_machines": 1, "machine_rank": 0, "mixed_precision": "no", "gpu_ids": "all"}
-
-
-class DoctorInputError(ValueError):
-    """The config file cannot be read at all (missing, bad YAML, unknown keys)."""
-
-
-def load_launch_config(config_file: str, label: str = "--config_file") -> dict[str, Any]:
-    """The file as ``accelerate launch`` sees it: Accelerate's loader, defaults filled in, enums as strings."""
-    from accelerate.commands.config.config_args import load_config_from_file
-    from yaml import YAMLError
-
-    name = f"{label} {config_file}"
-    try:
-        config = load_config_from_file(config_file)
-    except FileNotFoundError:
-        raise DoctorInputError(f"{name}: no such file; give the path of an accelerate "
-                               "config such as accelerate_configs/cpu_2proc.yaml") from None
-    except YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark is not None else ""
-        raise DoctorInputError(f"{name}: not valid YAML{where}; fix the file's syntax") from None
-    except (ValueError, TypeError, AttributeError, KeyError) as err:
-        raise DoctorInputError(f"{name}: Accelerate cannot load it ({err}); compare it with "
-                               "accelerate_configs/4gpu.yaml, or run `accelerate config` again") from None
-    values = {}
-    for f in dataclasses.fields(config):
-        value = getattr(config, f.name)
-        values[f.name] = getattr(value, "value", value)  # enums -> their strings
-    return values
 
 
 def _as_int(report: Report, config: dict, key: str) -> int | None:

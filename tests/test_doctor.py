@@ -17,7 +17,9 @@ import pytest
 import yaml
 
 from accel_ddp import cli, doctor
-from accel_ddp.doctor import ERROR, NOTE, WARNING, MachineFacts, cpu_has_bf16_units, diagnose
+from accel_ddp.doctor import ERROR, NOTE, WARNING, diagnose
+from accel_ddp.launch_config import load_launch_config
+from accel_ddp.machine import MachineFacts, cpu_has_bf16_units, software_versions
 from tests.conftest import CPU_2PROC, REPO, launch, read_summary
 
 CONFIGS = REPO / "accelerate_configs"
@@ -377,7 +379,7 @@ def test_a_library_that_is_not_installed_says_so(monkeypatch):
         return real(name)
 
     monkeypatch.setattr(metadata, "version", version)
-    assert doctor.software_versions()["transformers"] == "not installed"
+    assert software_versions()["transformers"] == "not installed"
 
 
 # ----------------------------------------------------------------------------- no --config_file: the launcher's file
@@ -523,7 +525,7 @@ def test_accelerate_config_answers_in_the_docs_give_the_shipped_configs(tmp_path
     answer_accelerate_config([pair for answers in ANSWERS.values() for pair in answers],
                              [sys.executable, "-c", CONFIG_COMMAND, *map(str, written.values())], dict(os.environ))
     for name, path in written.items():
-        got, shipped = doctor.load_launch_config(str(path)), doctor.load_launch_config(str(CONFIGS / name))
+        got, shipped = load_launch_config(str(path)), load_launch_config(str(CONFIGS / name))
         differs = {key for key in got.keys() | shipped.keys() if got.get(key) != shipped.get(key)}
         assert differs == DIFFERENCES[name], (name, {key: (got.get(key), shipped.get(key)) for key in differs})
 

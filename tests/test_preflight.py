@@ -18,8 +18,9 @@ import torch
 from torch import nn
 
 import accel_ddp.preflight as preflight
-from accel_ddp.doctor import ERROR, MachineFacts
+from accel_ddp.doctor import ERROR
 from accel_ddp.loop import main
+from accel_ddp.machine import MachineFacts
 from accel_ddp.preflight import DeviceError, build_fsdp_plugin, check_fsdp, check_launch_devices, unusable_gpus
 from tests.conftest import CPU_2PROC, REPO
 from tests.multiproc import run_ranks
