@@ -232,7 +232,7 @@ def test_every_field_is_a_flag_with_help():
 @pytest.mark.parametrize(
     "name, distributed_type, processes, mixed_precision, debug",
     [("cpu_2proc", "MULTI_GPU", 2, "no", False), ("4gpu", "MULTI_GPU", 4, "bf16", False),
-     ("1gpu_debug", "NO", 1, "bf16", True)],
+     ("1gpu_debug", "NO", 1, "bf16", False)],
 )
 def test_launch_configs_load_with_accelerates_loader(name, distributed_type, processes, mixed_precision, debug):
     from accelerate.commands.config.config_args import load_config_from_file
