@@ -338,6 +338,9 @@ def _check_data(cfg: TrainConfig) -> None:
         raise ConfigError("--streaming: a stream has no length to count epochs by; set --max_steps")
     if cfg.loader == "device":
         raise ConfigError("--streaming and --loader device: a stream is not kept on the device; drop --loader")
+    if cfg.task in TEXT_TASKS:
+        raise ConfigError(f"--streaming with --task {cfg.task}: text is tokenized once into a memory-mapped dataset, "
+                          "which reads a batch at a time at any size; drop --streaming")
 
 
 def field_types() -> dict[str, Any]:

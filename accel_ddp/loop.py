@@ -52,7 +52,13 @@ from accel_ddp.preemption import (
 )
 from accel_ddp.preflight import check_fsdp, check_shared_output_dir
 from accel_ddp.registry import resolve
-from accel_ddp.run_dir import RunFinished, check_output_dir, claim_output_dir, stop_if_finished
+from accel_ddp.run_dir import (
+    RunFinished,
+    check_output_dir,
+    claim_output_dir,
+    refuse_to_overwrite_finished,
+    stop_if_finished,
+)
 from accel_ddp.startup import StartupClock
 from accel_ddp.tasks import LossAccumulator, Task, build_task
 from accel_ddp.tracking import RunRecorder
@@ -194,6 +200,8 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
     else:
         checkpoints.check_fresh_start()
         start_step = 0
+    if start_step == 0:
+        refuse_to_overwrite_finished(accelerator, cfg.output_dir)
     resolved = {**cfg.to_dict(), "resolved": facts}
     recorder.start_trackers(cfg.tracker_project_name, resolved, start_step)  # one that cannot start: exit 2 here
     # Only now, with the input checked and the start point agreed, touch what earlier runs left.

@@ -5,6 +5,7 @@
                                                           # gets the same ConfigError)
     summary = finished_summary("outputs/run", total_steps=320, global_batch_size=64)   # None: not finished
     stop_if_finished(accelerator, "outputs/run", 320, 64)  # the same, collective: RunFinished on every rank
+    refuse_to_overwrite_finished(accelerator, "outputs/run")  # before a start from scratch (collective)
     lock.release()                                        # or let the process end: the kernel releases it
 
 One run per folder: the main process holds an exclusive POSIX record lock (``lockf``) on
@@ -144,3 +145,17 @@ def stop_if_finished(accelerator: Accelerator, output_dir: str, total_steps: int
             print(f"accel_ddp: {output_dir} already finished at step {summary['optimizer_steps']} "
                   f"(see its {SUMMARY_NAME}); nothing to do", flush=True)
         raise RunFinished(summary)
+
+
+def refuse_to_overwrite_finished(accelerator: Accelerator, output_dir: str) -> None:
+    """A start from step 0 must not overwrite another run's final outputs (collective: every rank raises).
+
+    Reached when no checkpoint is resumed: a fresh start, or ``auto`` in a folder without checkpoints
+    whose finished run asked for another step count (a finished run with checkpoints continues from them).
+    """
+    def finished_here() -> bool:
+        return os.path.isfile(os.path.join(output_dir, SUMMARY_NAME))
+    if main_process_decides(accelerator, finished_here):
+        raise ConfigError(f"{output_dir} holds a finished run ({SUMMARY_NAME}, {WEIGHTS_NAME}) and no checkpoint to "
+                          "continue from; starting from scratch would overwrite it: pick another --output_dir, or "
+                          "delete that folder first")

@@ -1089,6 +1089,7 @@ def test_a_stream_that_fails_on_one_rank_stops_every_rank_with_one_line(tmp_path
     (["--streaming", "--max_steps", "5"], "add --dataset hf"),
     (["--dataset", "hf", "--streaming"], "set --max_steps"),
     (["--dataset", "hf", "--streaming", "--max_steps", "5", "--loader", "device"], "drop --loader"),
+    (["--dataset", "hf", "--streaming", "--max_steps", "5", "--task", "causal_lm"], "drop --streaming"),
     (["--shuffle_buffer", "-1"], "--shuffle_buffer must be >= 0"),
 ])
 def test_streaming_options_that_cannot_work_are_one_clear_error(args, expected):

@@ -288,6 +288,20 @@ def test_the_same_auto_command_on_a_finished_run_touches_nothing(stopped_at_20, 
     assert read_summary(out) == summary
 
 
+@pytest.mark.parametrize("resume", [[], ["--resume_from_checkpoint", "auto"]], ids=["fresh", "auto-longer"])
+def test_a_start_from_scratch_never_overwrites_a_finished_run(stopped_at_20, tmp_path, capfd, resume):
+    """A finished run with no checkpoint left: neither a fresh start nor `auto` asking for more steps
+    (nothing to continue from) may overwrite its summary and weights."""
+    out = copy_run(stopped_at_20, tmp_path)
+    shutil.rmtree(out / "checkpoints")
+    before = snapshot(out)
+    capfd.readouterr()
+    assert main_ranks([*ARGS, "--max_steps", "30", "--output_dir", str(out), *resume]) == [2, 2]
+    lines = error_lines(capfd.readouterr().err)
+    assert len(lines) == 1 and "holds a finished run" in lines[0] and "another --output_dir" in lines[0], lines
+    assert snapshot(out) == before
+
+
 # ----------------------------------------------------------------------------- 3. one run per folder
 
 
