@@ -163,6 +163,8 @@ def _load_state(path: str) -> Any:
     """A small state file saved by Accelerate, read as ``load_state`` will: ``torch.load(weights_only=True)``."""
     try:
         return accelerate_load(path, map_location="cpu")
+    except ImportError:  # torch could not import its own code: this environment is broken, not the file
+        raise
     except Exception as err:  # unpickling refused, truncated, unreadable: all mean we cannot resume from it
         raise CorruptCheckpoint(f"{path} cannot be loaded ({type(err).__name__}: {first_line(err)})") from None
 

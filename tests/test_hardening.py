@@ -72,8 +72,11 @@ def as_unprivileged() -> None:
     """In a forked child: drop root, so that file permissions apply to it (no-op when not root)."""
     if os.geteuid() == 0:
         # Root's home (the venv) is private: what the run imports lazily must be loaded before.
+        import encodings.latin_1  # noqa: F401 - the same (NumPy RNG state in random_states_*.pkl)
+
         import matplotlib.backends.backend_agg  # noqa: F401 - curves.png
         import numpy.ctypeslib  # noqa: F401 - safetensors' save_file
+        import torch.utils.serialization  # noqa: F401 - torch.load of the checkpoints' small state files
 
         os.setgid(NOBODY)
         os.setuid(NOBODY)
@@ -200,6 +203,18 @@ def test_an_explicit_lying_checkpoint_is_exit_2_and_nothing_is_touched(stopped_a
     (line,) = error_lines(capfd.readouterr().err)
     assert "checkpoint.json says step 999, its name says step 20; resume from an older checkpoint, or use auto" in line
     assert snapshot(out) == before
+
+
+def test_an_import_failure_while_reading_a_checkpoint_is_not_called_damage(stopped_at_20, monkeypatch):
+    """torch failing to import its own code is a broken environment: surfaced, not a reason to skip checkpoints."""
+    from accel_ddp import checkpoint
+
+    def broken_load(*args, **kwargs):
+        raise ModuleNotFoundError("No module named 'torch.utils.serialization'")
+
+    monkeypatch.setattr(checkpoint, "accelerate_load", broken_load)
+    with pytest.raises(ModuleNotFoundError):
+        checkpoint.read_checkpoint(str(ckpt(stopped_at_20, 20)))
 
 
 def test_unreadable_checkpoint_file_is_damaged_and_auto_falls_back(stopped_at_20, thirty_steps, open_dir, capfd):
