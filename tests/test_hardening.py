@@ -72,7 +72,7 @@ def as_unprivileged() -> None:
     """In a forked child: drop root, so that file permissions apply to it (no-op when not root)."""
     if os.geteuid() == 0:
         # Root's home (the venv) is private: what the run imports lazily must be loaded before.
-        import encodings.latin_1  # noqa: F401 - the same (NumPy RNG state in random_states_*.pkl)
+        import encodings.latin_1  # noqa: F401 - torch.load of the NumPy RNG state in random_states_*.pkl
 
         import matplotlib.backends.backend_agg  # noqa: F401 - curves.png
         import numpy.ctypeslib  # noqa: F401 - safetensors' save_file
