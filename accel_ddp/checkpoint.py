@@ -40,7 +40,7 @@ import re
 import shutil
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -48,7 +48,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import RNG_STATE_NAME, SCALER_NAME
 from accelerate.utils import load as accelerate_load
-from accelerate.utils.constants import OPTIMIZER_NAME, SCHEDULER_NAME
+from accelerate.utils.constants import FSDP_MODEL_NAME, OPTIMIZER_NAME, SCHEDULER_NAME
 
 from accel_ddp.failure import first_line, main_process_decides
 from accel_ddp.files import file_sha256, fingerprint, fsync_dir, relative_files, remove_dir, set_aside
@@ -119,22 +119,35 @@ def read_checkpoint(folder: str) -> dict[str, Any]:
             raise CorruptCheckpoint(f"{path} cannot be read ({err.strerror})") from None
         if actual != digest:
             raise CorruptCheckpoint(f"{path} is corrupt (its sha256 differs from the one recorded when it was saved)")
-    missing = [name for name in _required_files(meta) if name not in files]
+    missing = _required_files(meta, files)
     if missing:
         raise CorruptCheckpoint(f"{marker} does not list {', '.join(missing)}, which every checkpoint holds")
     _check_step(folder, meta)
     return meta
 
 
-def _required_files(meta: dict[str, Any]) -> list[str]:
-    """What ``accelerator.save_state`` writes for our run: weights, optimizer, schedule, one RNG file per rank."""
+def _required_files(meta: dict[str, Any], listed: Iterable[str]) -> list[str]:
+    """What ``accelerator.save_state`` writes for our run that ``listed`` lacks: weights, optimizer, schedule,
+    one RNG file per rank (and the fp16 scaler).
+
+    Under FSDP Accelerate writes the model and optimizer its own way (``pytorch_model_fsdp_0/`` and
+    ``optimizer_0/`` for a sharded state dict, single ``.bin`` files for a full one), so there we ask for
+    a file of each kind rather than our ``model.safetensors`` and ``optimizer.bin``.
+    """
+    listed = set(listed)
     world = meta.get("world_size")
     ranks = world if type(world) is int and world > 0 else 1
-    needed = [WEIGHTS_NAME, f"{OPTIMIZER_NAME}.bin", SCHEDULER_FILE]
-    needed += [f"{RNG_STATE_NAME}_{rank}.pkl" for rank in range(ranks)]
+    needed = [SCHEDULER_FILE, *(f"{RNG_STATE_NAME}_{rank}.pkl" for rank in range(ranks))]
     if meta.get("mixed_precision") == "fp16":
         needed.append(SCALER_NAME)
-    return needed
+    missing = [name for name in needed if name not in listed]
+    if meta.get("distributed_type") == "FSDP":
+        for prefix in (FSDP_MODEL_NAME, OPTIMIZER_NAME):
+            if not any(name.startswith(prefix) for name in listed):
+                missing.append(f"{prefix}* (FSDP)")
+    else:
+        missing += [name for name in (WEIGHTS_NAME, f"{OPTIMIZER_NAME}.bin") if name not in listed]
+    return missing
 
 
 def _check_step(folder: str, meta: dict[str, Any]) -> None:

@@ -157,6 +157,26 @@ def test_read_checkpoint_checks_the_step_the_manifest_and_the_scheduler(stopped_
         read_checkpoint(str(five))
 
 
+def test_an_fsdp_checkpoint_needs_fsdps_own_model_and_optimizer_files(stopped_at_20, tmp_path):
+    """Under FSDP Accelerate saves `pytorch_model_fsdp_0/` and `optimizer_0/` instead of our two files: such a
+    checkpoint is intact (it resumes), and one without its optimizer folder is still damaged."""
+    folder = ckpt(copy_run(stopped_at_20, tmp_path), 20)
+    meta = json.loads((folder / MARKER_NAME).read_text())
+    for ours, theirs in (("model.safetensors", "pytorch_model_fsdp_0/__0_0.distcp"),
+                         ("optimizer.bin", "optimizer_0/__0_0.distcp")):
+        (folder / theirs).parent.mkdir()
+        (folder / ours).rename(folder / theirs)
+        meta["files"][theirs] = meta["files"].pop(ours)
+    meta["distributed_type"] = "FSDP"
+    (folder / MARKER_NAME).write_text(json.dumps(meta))
+    assert read_checkpoint(str(folder))["step"] == 20
+
+    del meta["files"]["optimizer_0/__0_0.distcp"]
+    (folder / MARKER_NAME).write_text(json.dumps(meta))
+    with pytest.raises(CorruptCheckpoint, match=r"does not list optimizer\* \(FSDP\)"):
+        read_checkpoint(str(folder))
+
+
 def test_auto_skips_lying_checkpoints_keeps_the_intact_ones_and_resumes_exactly(stopped_at_20, thirty_steps,
                                                                                  tmp_path, capfd):
     out = copy_run(stopped_at_20, tmp_path)
