@@ -46,6 +46,15 @@ def _finite_or_null(value: Any) -> Any:
     return value
 
 
+def _logged_by(line: str, step: int) -> bool:
+    """Is ``line`` a complete record of a step up to ``step``? A run killed mid-write leaves half a line."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return False
+    return isinstance(record, dict) and isinstance(record.get("step", 0), int) and record.get("step", 0) <= step
+
+
 class RunRecorder:
     """Writes ``config.yaml``, ``metrics.jsonl`` and ``summary.json`` under ``output_dir``.
 
@@ -72,8 +81,8 @@ class RunRecorder:
         self.close()
         path = os.path.join(self.output_dir, METRICS_NAME)
         if step and os.path.exists(path):
-            with open(path, encoding="utf-8") as fh:
-                kept = [line for line in fh if line.strip() and json.loads(line).get("step", 0) <= step]
+            with open(path, encoding="utf-8", errors="replace") as fh:
+                kept = [line if line.endswith("\n") else line + "\n" for line in fh if _logged_by(line, step)]
             atomic_write_text(path, "".join(kept))
         # Appending lets a resumed run extend the curve; a fresh run starts the file anew.
         self._metrics = open(path, "a" if step else "w", encoding="utf-8")

@@ -157,6 +157,20 @@ def test_read_checkpoint_checks_the_step_the_manifest_and_the_scheduler(stopped_
         read_checkpoint(str(five))
 
 
+def test_a_half_written_metrics_line_does_not_block_the_resume(stopped_at_20, tmp_path):
+    """A run killed in the middle of a metrics write leaves half a line; the resume drops it and goes on."""
+    out = copy_run(stopped_at_20, tmp_path)
+    shutil.rmtree(ckpt(out, 20))
+    (out / "summary.json").unlink()
+    with open(out / "metrics.jsonl", "a", encoding="utf-8") as fh:
+        fh.write('{"step": 16, "loss": 0.4')  # no closing brace, no newline
+    assert main_ranks([*ARGS, "--max_steps", "20", "--output_dir", str(out), "--resume_from_checkpoint", "auto"]) \
+        == [0, 0]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]  # every line whole
+    logged = [r["step"] for r in records if "loss" in r]
+    assert logged == sorted(set(logged)) and logged[-1] == 20, logged
+
+
 def test_an_fsdp_checkpoint_needs_fsdps_own_model_and_optimizer_files(stopped_at_20, tmp_path):
     """Under FSDP Accelerate saves `pytorch_model_fsdp_0/` and `optimizer_0/` instead of our two files: such a
     checkpoint is intact (it resumes), and one without its optimizer folder is still damaged."""
