@@ -274,6 +274,7 @@ def fit(run: Run) -> FitResult:
         stop_if_not_finite(step)
         return run.checkpoints.save(step)
 
+    evaluated_at = None  # the step of the last evaluation: the final weights are always evaluated once
     for epoch in range(step // plan.steps_per_epoch, plan.num_epochs):
         if step >= plan.total_steps:  # resumed from the last step's checkpoint
             break
@@ -314,7 +315,7 @@ def fit(run: Run) -> FitResult:
                 raise Preempted(run.preemption.signal_name, step, checkpoint)
             if run.eval_loader is not None and cfg.eval_every and step % cfg.eval_every == 0:
                 stop_if_not_finite(step)
-                eval_metrics = evaluate_and_log(run, step, epoch)
+                eval_metrics, evaluated_at = evaluate_and_log(run, step, epoch), step
                 meter.reset(step)  # evaluation time is not training throughput
                 timer.pause()
             if save_every and step % save_every == 0:
@@ -326,14 +327,14 @@ def fit(run: Run) -> FitResult:
         recorder.log({"step": step, "epoch": epoch, **timer.end_epoch(), **memory_record(accelerator)})
         if run.eval_loader is not None and not cfg.eval_every:
             stop_if_not_finite(step)
-            eval_metrics = evaluate_and_log(run, step, epoch)
+            eval_metrics, evaluated_at = evaluate_and_log(run, step, epoch), step
         if cfg.checkpointing_steps == "epoch" and step == (epoch + 1) * plan.steps_per_epoch:
             save(step)
         meter.reset(step)  # the next log line's samples/s leaves out this epoch's evaluation and checkpoint
     bar.close()
     profiler.stop()
     stop_if_not_finite(step)  # before finish() exports the weights
-    if run.eval_loader is not None and cfg.eval_every and step % cfg.eval_every != 0:
+    if run.eval_loader is not None and evaluated_at != step:  # also a run resumed from its last step's checkpoint
         eval_metrics = evaluate_and_log(run, step, plan.num_epochs - 1)
     return FitResult(step, eval_metrics, timer)
 

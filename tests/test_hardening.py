@@ -157,6 +157,21 @@ def test_read_checkpoint_checks_the_step_the_manifest_and_the_scheduler(stopped_
         read_checkpoint(str(five))
 
 
+def test_a_resume_from_the_last_steps_checkpoint_still_evaluates_the_final_weights(stopped_at_20, tmp_path):
+    """Killed after its last checkpoint but before its summary: the relaunch trains nothing and must still
+    report the final weights' evaluation, the same as the run would have."""
+    out = copy_run(stopped_at_20, tmp_path)
+    finished = read_summary(out)
+    assert finished["eval_samples"] > 0
+    (out / "summary.json").unlink()
+    assert main_ranks([*ARGS, "--max_steps", "20", "--output_dir", str(out), "--resume_from_checkpoint", "auto"]) \
+        == [0, 0]
+    resumed = read_summary(out)
+    assert resumed["resumed_from_step"] == 20 and resumed["optimizer_steps"] == 20
+    for key in ("eval_samples", "eval_loss", "eval_accuracy"):
+        assert resumed[key] == finished[key], key
+
+
 def test_a_half_written_metrics_line_does_not_block_the_resume(stopped_at_20, tmp_path):
     """A run killed in the middle of a metrics write leaves half a line; the resume drops it and goes on."""
     out = copy_run(stopped_at_20, tmp_path)
