@@ -52,7 +52,7 @@ from accelerate.utils.constants import FSDP_MODEL_NAME, OPTIMIZER_NAME, SCHEDULE
 
 from accel_ddp.failure import first_line, main_process_decides
 from accel_ddp.files import file_sha256, fingerprint, fsync_dir, relative_files, remove_dir, set_aside
-from accel_ddp.outputs import CHECKPOINTS_DIR, MARKER_NAME, WEIGHTS_NAME
+from accel_ddp.outputs import CHECKPOINTS_DIR, MARKER_NAME, SUMMARY_NAME, WEIGHTS_NAME
 from accel_ddp.validation import ConfigError
 from accel_ddp.weights import load_weights, plain_state_dict
 
@@ -363,8 +363,21 @@ class CheckpointManager:
             raise ConfigError(f"--resume_from_checkpoint {spec}: {err}; resume from an older checkpoint, or use "
                               "auto, which skips damaged ones") from None
         self._check_within_run(spec, meta)
+        self._refuse_to_mix_runs(spec)
         self._refuse_to_overwrite_newer(spec, meta["step"])
         return spec, meta
+
+    def _refuse_to_mix_runs(self, spec: str) -> None:
+        """Branching off another run's checkpoint goes into a folder of its own: this folder's checkpoints,
+        metrics and final outputs would otherwise be rewound, mixed with that run's, pruned or overwritten."""
+        if os.path.realpath(os.path.dirname(os.path.normpath(spec))) == os.path.realpath(self.root):
+            return  # one of this folder's own checkpoints
+        output_dir = os.path.dirname(self.root)
+        held = [f"{CHECKPOINTS_DIR}/"] if list_checkpoints(self.root) else []
+        held += [SUMMARY_NAME] if os.path.isfile(os.path.join(output_dir, SUMMARY_NAME)) else []
+        if held:
+            raise ConfigError(f"--resume_from_checkpoint {spec} belongs to another run, and --output_dir {output_dir} "
+                              f"already holds one ({', '.join(held)}); branch off into an empty --output_dir")
 
     def _check_within_run(self, folder: str, meta: dict[str, Any]) -> None:
         """A checkpoint past this run's last step belongs to a longer run: resuming an older one instead would

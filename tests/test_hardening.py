@@ -157,6 +157,27 @@ def test_read_checkpoint_checks_the_step_the_manifest_and_the_scheduler(stopped_
         read_checkpoint(str(five))
 
 
+def test_branching_off_another_runs_checkpoint_needs_a_folder_of_its_own(stopped_at_20, tmp_path, capfd):
+    """Another run's checkpoint into a folder holding checkpoints or a finished run: one line, nothing touched;
+    into an empty folder it resumes."""
+    occupied = copy_run(stopped_at_20, tmp_path / "b")
+    finished_only = copy_run(stopped_at_20, tmp_path / "c")
+    shutil.rmtree(finished_only / "checkpoints")
+    source = str(ckpt(stopped_at_20, 15))
+    for out in (occupied, finished_only):
+        before = snapshot(out)
+        capfd.readouterr()
+        assert main_ranks([*ARGS, "--max_steps", "30", "--output_dir", str(out),
+                           "--resume_from_checkpoint", source]) == [2, 2]
+        lines = error_lines(capfd.readouterr().err)
+        assert len(lines) == 1 and "belongs to another run" in lines[0] and "empty --output_dir" in lines[0], lines
+        assert snapshot(out) == before
+    fresh = tmp_path / "d" / "run"
+    assert main_ranks([*ARGS, "--max_steps", "20", "--output_dir", str(fresh), "--resume_from_checkpoint", source]) \
+        == [0, 0]
+    assert read_summary(fresh)["resumed_from_step"] == 15
+
+
 def test_a_resume_from_the_last_steps_checkpoint_still_evaluates_the_final_weights(stopped_at_20, tmp_path):
     """Killed after its last checkpoint but before its summary: the relaunch trains nothing and must still
     report the final weights' evaluation, the same as the run would have."""
