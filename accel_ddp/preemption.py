@@ -211,8 +211,11 @@ def trace_non_finite(accelerator: Accelerator, model: torch.nn.Module, loss: tor
         with warnings.catch_warnings(record=True) as traces:
             warnings.simplefilter("always")
             try:
-                with accelerator.no_sync(model):
-                    loss.backward()
+                # Gradients of the parameters without accumulating them: DDP's reducer hooks, armed by a
+                # forward that ran in sync, fire on accumulation, and an all-reduce the finite ranks never
+                # join would hang them (no_sync entered after the forward does not disarm them).
+                params = [p for p in model.parameters() if p.requires_grad]
+                torch.autograd.grad(loss, params, allow_unused=True)
             except RuntimeError as err:
                 found = f" ({str(err).strip().splitlines()[0]})"
         for trace in traces:

@@ -100,6 +100,24 @@ def nan_mlp(num_classes: int, input_shape: tuple[int, ...]):
     return model
 
 
+def inf_loss(outputs, batch):
+    """``--loss tests.faults:inf_loss``: cross-entropy, plus +inf in the training loss of one optimizer step on
+    one rank (``install(nan_at=(step, rank))``). The inf is a constant: the backward stays finite and reaches
+    every parameter, so DDP's gradient hooks fire (unlike a nan forward, which anomaly mode stops first)."""
+    import torch
+    import torch.nn.functional as F
+
+    loss = F.cross_entropy(outputs, batch[1])
+    if torch.is_grad_enabled() and outputs.requires_grad:  # training forwards only (not the set-up probe)
+        _LOSS_CALLS[0] += 1
+        if (_LOSS_CALLS[0], int(os.environ.get("RANK", "0"))) == (_NAN_AT.get("step"), _NAN_AT.get("rank")):
+            return loss + float("inf")
+    return loss
+
+
+_LOSS_CALLS = [0]
+
+
 def _faulty_step(scheduler, *args, **kwargs) -> None:
     super(type(scheduler), scheduler).step(*args, **kwargs)
     _after_step(scheduler.last_epoch, **_STEP_FAULT)

@@ -660,6 +660,20 @@ def test_a_nan_loss_under_debug_names_the_operation(tmp_path, capfd):
     assert "Traceback of forward call that caused the error" in err  # torch's anomaly trace, from rank 1
 
 
+def test_an_inf_loss_with_finite_gradients_under_debug_stops_every_rank_without_a_hang(tmp_path, capfd):
+    """The debug trace's backward on the bad rank alone must not start DDP's gradient all-reduce, which the
+    other rank would never join: an inf loss whose backward is finite reaches every parameter's hook."""
+    def run() -> int:
+        faults.install(nan_at=(2, 1))
+        return main([*ARGS, "--loss", "tests.faults:inf_loss", "--max_steps", "8", "--debug",
+                     "--output_dir", str(tmp_path / "run")])
+
+    capfd.readouterr()
+    assert run_ranks(run, world_size=2, timeout=60) == [3, 3]
+    (line,) = error_lines(capfd.readouterr().err)
+    assert "the training loss became nan or inf at optimizer step 2" in line
+
+
 def test_metrics_and_summary_stay_json_with_non_finite_values(tmp_path):
     recorder = RunRecorder(str(tmp_path), is_main_process=True)
     recorder.rewind(0)
