@@ -58,6 +58,7 @@ from accel_ddp.weights import load_weights, plain_state_dict
 
 FORMAT_VERSION = 1
 # Run facts that decide what an optimizer step means; a checkpoint made with other values cannot continue.
+# A stream has no epoch length: its steps_per_epoch is the run's --max_steps, which a longer run raises.
 MUST_MATCH = ("global_batch_size", "steps_per_epoch", "optimizer")
 # Recorded in every checkpoint.json; a resume with other values warns, and this run's values are in force.
 HYPERPARAMETERS = ("lr", "lr_schedule", "warmup_steps", "weight_decay", "max_grad_norm")
@@ -402,8 +403,9 @@ class CheckpointManager:
                               "with auto, or give this run another --output_dir")
 
     def _check_compatible(self, folder: str, meta: dict[str, Any]) -> None:
+        streams = meta.get("loader") == self.run_facts.get("loader") == "streaming"
         for key in MUST_MATCH:
-            if key in meta and meta[key] != self.run_facts.get(key):
+            if key in meta and meta[key] != self.run_facts.get(key) and not (streams and key == "steps_per_epoch"):
                 raise ConfigError(f"--resume_from_checkpoint {folder}: it was made with {key} {meta[key]}, this run "
                                   f"has {self.run_facts.get(key)}; resume with the options of the run that saved it")
         if not self.accelerator.is_main_process:

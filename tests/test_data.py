@@ -1072,6 +1072,23 @@ def test_streaming_cli_run_on_uneven_files_resumes_and_counts_eval_exactly(tmp_p
     assert [r["step"] for r in evals] == [10, 20, 30]
 
 
+def test_a_streaming_run_given_more_steps_continues_where_it_stopped(tmp_path, quick_stream_ends):
+    """A finished streaming run relaunched with a higher --max_steps continues from its checkpoint (a stream's
+    "epoch" is the whole run, so its steps_per_epoch grows with --max_steps; not a reason to refuse). Without a
+    shuffle buffer and with the ranks reading in their own process, it ends with the weights of a run given the
+    whole length at once (docs/large-datasets.md: the resumed order is the uninterrupted one)."""
+    data = _image_shards(tmp_path / "d", [40, 40], n_test=4)  # one file per rank: 10 steps per pass
+    common = ["--dataset", "hf", "--data_dir", str(data), "--streaming", "--global_batch_size", "8",
+              "--shuffle_buffer", "0", "--num_workers", "0", "--lr_schedule", "constant", "--hidden_size", "16"]
+    longer = [*common, "--max_steps", "14", "--output_dir"]
+    train_ranks([*common, "--max_steps", "7", "--checkpointing_steps", "7", "--output_dir", str(tmp_path / "run")])
+    summaries = train_ranks([*longer, str(tmp_path / "run"), "--resume_from_checkpoint", "auto"])
+    assert [(s["resumed_from_step"], s["optimizer_steps"]) for s in summaries] == [(7, 14), (7, 14)]
+    train_ranks([*longer, str(tmp_path / "whole")])
+    ours, whole = load_weights(tmp_path / "run"), load_weights(tmp_path / "whole")
+    assert all(torch.equal(ours[k], whole[k]) for k in whole)
+
+
 def test_a_stream_that_fails_on_one_rank_stops_every_rank_with_one_line(tmp_path, capfd):
     """Rank 1's second file is cut short: both ranks stop at the same step, exit 2, one line names the file."""
     data = _image_shards(tmp_path / "d", [600, 600, 40, 40], n_test=8)  # 1024 start-up rows come from files 0-1

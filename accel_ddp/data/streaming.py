@@ -26,7 +26,8 @@ What holds on this path (each tested in tests/test_data.py):
   world size and worker count are needed; otherwise the pass restarts from its beginning (warned).
 - Global-batch invariance, as on the other paths, does not hold: which examples a rank reads
   depends on the world size.
-- There is no epoch length: ``--max_steps`` sets the run's length; the loop sees one long epoch.
+- There is no epoch length: ``--max_steps`` sets the run's length; the loop sees one long epoch. A
+  finished run relaunched with a higher ``--max_steps`` (and ``--resume_from_checkpoint``) continues.
 
 Evaluation: the eval split is streamed once per rank at start-up into memory (encoded rows) and
 evaluated like a memory-mapped set (``gather_for_metrics``, exact counts). Keep it modest.
