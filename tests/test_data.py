@@ -1151,6 +1151,22 @@ def test_streaming_resumed_on_another_world_size_restarts_the_pass_with_a_warnin
     assert sorted(first_pass) == list(range(80))[:len(first_pass)] and len(first_pass) == 36  # 9 steps of 4
 
 
+def test_streaming_resumed_on_more_ranks_puts_every_rank_in_the_saved_pass(tmp_path, quick_stream_ends, capfd):
+    """Saved by 2 ranks in their second pass, resumed by 3: every rank, the new one too (it has no saved position),
+    restarts that same pass (one shuffle, each example at most once), said once; nobody waits on another."""
+    files = _write_shards(tmp_path / "s", [20, 20, 20, 20])  # 2 ranks: 2 files each, 20 steps of 2 per pass
+    saved = tmp_path / "23"
+    saved.mkdir()
+    first = _stream(files, 2, max_steps=30, buffer=8, workers=0, stop_after=23, save_to=saved)
+    assert {data_epoch for rank in first for data_epoch, _ in rank[20:]} == {1}
+    capfd.readouterr()
+    rest = _stream(files, 3, max_steps=30, buffer=8, workers=0, resume_from=saved)
+    assert [[data_epoch for data_epoch, _ in rank] for rank in rest] == [[1] * 7] * 3
+    assert capfd.readouterr().err.count("starts over") == 1
+    ids = _passes(rest)[1]
+    assert len(ids) == 42 and len(set(ids)) == 42
+
+
 def test_packed_text_trains_memory_mapped_with_workers_and_the_same_weights_without(tmp_path, monkeypatch):
     """Tokenized, packed text (the text tasks' datasets.Dataset in the datasets cache) takes the memory-mapped
     path; DataLoader workers change nothing, dropout included."""

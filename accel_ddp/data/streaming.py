@@ -247,21 +247,37 @@ class StreamingLoader:
             json.dump(self._position(), fh)
 
     def _load_hook(self, models, input_dir: str) -> None:
-        path = os.path.join(input_dir, STATE_FILE.format(rank=self.rank))
-        if not os.path.isfile(path):
-            return _warn(f"{input_dir} holds no stream position for rank {self.rank}: the stream starts over")
-        with open(path, encoding="utf-8") as fh:
-            saved = json.load(fh)
-        self.data_epoch, self.steps_in_pass = saved["data_epoch"], saved["steps_in_pass"]
+        # The pass comes from rank 0's file on every rank (all ranks saved the same pass: they agree on every
+        # step), so a rank with no file of its own (the world grew) or another world size lands in the same pass
+        # as the others: in different passes they would read different shuffles and end them at different steps.
+        saved = _read_position(input_dir, 0)
+        if saved is None:
+            if self.rank == 0:
+                _warn(f"{input_dir} holds no stream position: the stream starts over")
+            return None
+        self.data_epoch, self.steps_in_pass, self.states = saved["data_epoch"], saved["steps_in_pass"], {}
         if (saved["world_size"], saved["num_workers"]) != (self.world_size, self.num_workers):
-            self.states = {}
+            self.steps_in_pass = 0  # the pass is read again from its beginning, on every rank
             if self.rank == 0:
                 _warn(f"{input_dir} was saved with {saved['world_size']} ranks x {saved['num_workers']} workers, "
                       f"this run has {self.world_size} x {self.num_workers}: pass {self.data_epoch} of the stream "
                       "starts over, so some of its examples are trained on twice")
             return None
-        self.states = {int(w): state for w, state in saved["workers"].items()}
+        mine = saved if self.rank == 0 else _read_position(input_dir, self.rank)
+        if mine is None:
+            return _warn(f"{input_dir} holds no stream position for rank {self.rank}: its share of pass "
+                         f"{self.data_epoch} starts over")
+        self.states = {int(w): state for w, state in mine["workers"].items()}
         return None
+
+
+def _read_position(folder: str, rank: int) -> dict[str, Any] | None:
+    """What rank ``rank`` saved in checkpoint ``folder`` (``_position``), or None when it saved nothing there."""
+    path = os.path.join(folder, STATE_FILE.format(rank=rank))
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as fh:
+        return json.load(fh)
 
 
 def _read_failure(err: Exception, files: str | None, rank: int | None = None) -> str:
