@@ -1102,6 +1102,47 @@ def test_a_stream_that_fails_on_one_rank_stops_every_rank_with_one_line(tmp_path
     assert len(errors) == 1 and str(damaged) in errors[0] and "met by rank 1" in errors[0]
 
 
+def _collate_with_a_bug(samples):  # a user's collate_fn; forked ranks and their workers inherit RANK
+    if os.environ.get("RANK") == "1" and any(int(x) == 24 for x, _ in samples):  # rank 1's third micro-batch
+        raise TypeError("_collate_with_a_bug cannot batch these samples")
+    return torch.utils.data.default_collate(samples)
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_bug_in_a_collate_fn_while_streaming_is_raised_with_its_traceback_and_stops_every_rank(
+        tmp_path, quick_stream_ends, workers):
+    """Not bad data: rank 1 raises the TypeError itself, traceback and all; rank 0 stops at the same step and
+    names rank 1. Neither says "check the source"."""
+    files = _write_shards(tmp_path / "s", [20, 20, 20, 20])  # rank 1 reads files 1 and 3: examples 20.. first
+
+    def run():
+        import traceback
+
+        import datasets
+        from accelerate import PartialState
+
+        from accel_ddp.data.streaming import StreamingLoader, StreamSource
+
+        state = PartialState(cpu=True)
+        stream = datasets.load_dataset("parquet", data_files=files, split="train", streaming=True)
+        loader = StreamingLoader(StreamSource(stream, _decode_idx, 0), 2, 4, max_steps=10, seed=0,
+                                 rank=state.process_index, world_size=2, num_workers=workers,
+                                 collate_fn=_collate_with_a_bug)
+        trained = 0
+        try:
+            for _ in loader:
+                trained += 1
+        except Exception as err:  # noqa: BLE001 - what each rank raised goes back to the test
+            return trained, type(err).__name__, str(err), traceback.format_exc()
+        return trained, None, None, None
+
+    (steps0, kind0, text0, _), (steps1, kind1, text1, trace1) = run_ranks(run, grace=5)
+    assert (steps0, steps1) == (2, 2)  # both stopped before the step rank 1 could not batch
+    assert kind1 == "TypeError" and "_collate_with_a_bug" in trace1 and "cannot batch these samples" in text1
+    assert kind0 == "RuntimeError" and "rank 1" in text0 and "TypeError" in text0
+    assert "check the source" not in text0 + text1
+
+
 @pytest.mark.parametrize("args,expected", [
     (["--streaming", "--max_steps", "5"], "add --dataset hf"),
     (["--dataset", "hf", "--streaming"], "set --max_steps"),

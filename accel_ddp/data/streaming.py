@@ -39,7 +39,7 @@ import json
 import os
 import sys
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -48,6 +48,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from accel_ddp.data.bundle import DataError, DatasetBundle
 from accel_ddp.data.host_loader import default_num_workers
 from accel_ddp.data.sampler import check_layout
+from accel_ddp.failure import first_line
 from accel_ddp.validation import ConfigError
 
 STATE_FILE = "data_state_rank{rank}.json"  # each rank's stream position, in every checkpoint folder
@@ -166,10 +167,10 @@ class StreamingLoader:
         while micro < total:
             batches = iter(self._pass_loader())
             while micro < total:
-                step, status, problem = self._read_step(batches)
+                step, status, problem, bug = self._read_step(batches)
                 status = self._agree(status)
                 if status == _FAILED:
-                    raise DataError(self._first_problem(problem))
+                    self._stop(problem, bug)
                 if status == _ENDED:
                     self._end_pass()
                     break
@@ -192,18 +193,21 @@ class StreamingLoader:
         collate = self.collate_fn or torch.utils.data.default_collate
         return collate(samples), worker, state
 
-    def _read_step(self, batches) -> tuple[list, int, str | None]:
+    def _read_step(self, batches) -> tuple[list, int, str | None, Exception | None]:
+        """This rank's micro-batches of the next step, its status, and what failed: bad data (one line) or a bug."""
         step = []
         try:
             for _ in range(self.accumulation):
                 step.append(next(batches))
         except StopIteration:
-            return step, _ENDED, None
+            return step, _ENDED, None, None
         except DataError as err:
-            return step, _FAILED, str(err)
-        except Exception as err:  # noqa: BLE001 - a failed read on this rank: every rank must hear of it
-            return step, _FAILED, _read_failure(err, self.files, self.rank)
-        return step, _HAVE, None
+            return step, _FAILED, str(err), None
+        except _data_errors() as err:  # the source failed (a damaged file, a lost connection): one line
+            return step, _FAILED, _read_failure(err, self.files, self.rank), None
+        except Exception as err:  # noqa: BLE001 - a bug (a user's collate_fn, ours): raised once every rank knows
+            return step, _FAILED, None, err
+        return step, _HAVE, None, None
 
     def _agree(self, status: int) -> int:
         """The worst status over the ranks: one CPU all-reduce per optimizer step."""
@@ -213,12 +217,22 @@ class StreamingLoader:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
         return int(flag.item())
 
-    def _first_problem(self, mine: str | None) -> str:
-        if self.world_size == 1 or not dist.is_initialized():
-            return mine or "streaming: a read failed"
-        every: list[str | None] = [None] * self.world_size
-        dist.all_gather_object(every, mine, group=self._group)
-        return next(problem for problem in every if problem)
+    def _stop(self, problem: str | None, bug: Exception | None) -> NoReturn:
+        """Every rank stops at this step: bad data in one line (the first rank's), a bug raised with its traceback
+        by the rank that met it while the others name that rank."""
+        mine = (problem, None if bug is None else f"{type(bug).__name__}: {first_line(bug)}")
+        every = [mine]
+        if self.world_size > 1 and dist.is_initialized():
+            every = [None] * self.world_size
+            dist.all_gather_object(every, mine, group=self._group)
+        if bug is not None:
+            raise bug
+        problems = [problem for problem, _ in every if problem]
+        if problems:
+            raise DataError(problems[0])
+        rank, what = next((rank, what) for rank, (_, what) in enumerate(every) if what)
+        raise RuntimeError(f"streaming: rank {rank} failed while reading its training data ({what}); "
+                           "its traceback says where")
 
     def _end_pass(self) -> None:
         if self.steps_in_pass == 0:
@@ -278,6 +292,14 @@ def _read_position(folder: str, rank: int) -> dict[str, Any] | None:
         return None
     with open(path, encoding="utf-8") as fh:
         return json.load(fh)
+
+
+def _data_errors() -> tuple[type[Exception], ...]:
+    """What a read raises when the data or its source is at fault (not the code): reported as bad data."""
+    import pyarrow
+    from datasets.exceptions import DatasetsError
+
+    return OSError, pyarrow.ArrowException, DatasetsError
 
 
 def _read_failure(err: Exception, files: str | None, rank: int | None = None) -> str:
