@@ -7,6 +7,7 @@ parquet, CSV, ``save_to_disk``) is written into a temporary folder first.
 from __future__ import annotations
 
 import gzip
+import json
 import os
 import pickle
 import subprocess
@@ -1037,6 +1038,48 @@ def test_streaming_resumes_from_each_ranks_saved_position(tmp_path, quick_stream
         assert [a + b for a, b in zip(first, rest, strict=True)] == whole
     before, after = _passes(first)[0], _passes(rest)[0]
     assert not set(before) & set(after) and len(set(after)) == len(after)
+
+
+def _batch_and_worker_seed(samples):  # a collate_fn that tells which seed the process collating it has
+    return torch.utils.data.default_collate(samples), torch.initial_seed()
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_the_streaming_loader_leaves_the_global_generator_alone(tmp_path, quick_stream_ends, workers):
+    """The DataLoader of each pass draws its workers' base seed from a generator seeded by (seed, pass), not from
+    torch's global one: dropout after a resume continues where the checkpoint's RNG state left it."""
+    import datasets
+
+    from accel_ddp.data.streaming import StreamingLoader, StreamSource
+
+    files = _write_shards(tmp_path / "s", [6])  # 3 steps of 2 per pass
+
+    def worker_seeds(global_seed: int) -> list[tuple[int, int]]:
+        stream = datasets.load_dataset("parquet", data_files=files, split="train", streaming=True)
+        loader = StreamingLoader(StreamSource(stream, _decode_idx, 0), 2, 2, max_steps=7, seed=5,
+                                 num_workers=workers, collate_fn=_batch_and_worker_seed)
+        torch.manual_seed(global_seed)
+        expected = torch.rand(1)
+        torch.manual_seed(global_seed)
+        seen = [(loader.data_epoch, seed) for _, seed in loader]
+        assert len(seen) == 7 and torch.equal(torch.rand(1), expected)
+        return seen
+
+    seeds = worker_seeds(0)
+    if workers:  # the workers' seeds: one per pass, whatever the global generator holds
+        assert seeds == worker_seeds(1) and len({seed for _, seed in seeds}) == 3
+
+
+def test_a_streaming_checkpoint_counts_the_step_it_was_saved_after(tmp_path, quick_stream_ends):
+    """Saved after a pass's only step: the position holds that step, so the resumed run starts the next pass
+    instead of calling the pass too short for one optimizer step."""
+    files = _write_shards(tmp_path / "s", [3])  # one step of 2 per pass (the odd example is dropped)
+    saved = tmp_path / "1"
+    saved.mkdir()
+    _stream(files, 1, max_steps=4, workers=0, stop_after=1, save_to=saved)
+    assert json.loads((saved / "data_state_rank0.json").read_text())["steps_in_pass"] == 1
+    [rest] = _stream(files, 1, max_steps=4, workers=0, resume_from=saved)
+    assert rest == [(1, [0, 1]), (2, [0, 1]), (3, [0, 1])]
 
 
 def _image_shards(folder: Path, sizes: list[int], n_test: int) -> Path:

@@ -47,7 +47,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from accel_ddp.data.bundle import DataError, DatasetBundle
 from accel_ddp.data.host_loader import default_num_workers
-from accel_ddp.data.sampler import check_layout
+from accel_ddp.data.sampler import check_layout, sample_seed
 from accel_ddp.failure import first_line
 from accel_ddp.validation import ConfigError
 
@@ -126,6 +126,7 @@ class StreamingLoader:
         self.accumulation = check_layout(per_device_batch_size, global_batch_size, world_size)
         self.steps_per_epoch = max_steps  # the loop's epoch is the whole run
         self.per_device_batch_size, self.rank, self.world_size = per_device_batch_size, rank, world_size
+        self.seed = seed
         self.device = torch.device(device)
         stream = source.stream
         if source.shuffle_buffer:
@@ -174,18 +175,23 @@ class StreamingLoader:
                 if status == _ENDED:
                     self._end_pass()
                     break
+                # Counted before it is yielded: the loop saves a checkpoint after the step's last micro-batch,
+                # before it asks for the next one, and that checkpoint must hold this step.
+                self.steps_in_pass += 1
                 for batch, worker, state in step:
                     self.states[worker] = state  # trained on once yielded: the checkpoint after this step holds it
                     micro += 1
                     yield self._to_device(batch)
-                self.steps_in_pass += 1
             del batches  # ends the pass's workers
         self.start = 0
 
     def _pass_loader(self) -> DataLoader:
         batches = _Batches(self.stream, self.decode, self.per_device_batch_size, self.rank, self.world_size,
                            self.data_epoch, dict(self.states))
-        return DataLoader(batches, batch_size=None, num_workers=self.num_workers,
+        # Each DataLoader draws its workers' base seed from this generator, not from torch's global one, which
+        # would shift dropout after a resume (the draws of the passes since the start are not replayed).
+        generator = torch.Generator().manual_seed(sample_seed(self.seed, self.data_epoch, 0))
+        return DataLoader(batches, batch_size=None, num_workers=self.num_workers, generator=generator,
                           collate_fn=self._collate, pin_memory=self.device.type == "cuda")
 
     def _collate(self, item):
