@@ -396,6 +396,32 @@ def test_corrupt_idx_file_is_a_clear_error(tmp_path):
         build_datasets("mnist", str(tmp_path), download=False)
 
 
+@pytest.mark.parametrize("damage", ["truncated", "not_gzip"])
+def test_a_damaged_gzipped_idx_file_is_one_line_naming_it(tmp_path, damage):
+    write_mnist(tmp_path, gz=True)
+    path = tmp_path / "MNIST" / "raw" / "train-images-idx3-ubyte.gz"
+    path.write_bytes(path.read_bytes()[:200] if damage == "truncated" else b"not a gzip file at all")
+    with pytest.raises(ConfigError) as info:
+        build_datasets("mnist", str(tmp_path), download=False)
+    assert str(path) in str(info.value) and "re-download" in str(info.value) and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("content", [
+    [1, 2, 3],  # not a dict
+    {"labels": [1, 2]},  # no data
+    {"data": np.zeros((2, 100), dtype=np.uint8), "labels": [1, 2]},  # not 3x32x32 images
+    {"data": np.zeros((2, 3072), dtype=np.uint8), "labels": [1, 2, 3]},  # a label per image? no
+])
+def test_a_cifar10_batch_of_the_wrong_shape_is_one_line_naming_it(tmp_path, content):
+    write_cifar(tmp_path)
+    path = tmp_path / "cifar-10-batches-py" / "data_batch_2"
+    path.write_bytes(pickle.dumps(content, protocol=2))
+    with pytest.raises(ConfigError) as info:
+        build_datasets("cifar10", str(tmp_path), download=False)
+    assert str(path) in str(info.value) and "not a CIFAR-10 python batch" in str(info.value)
+    assert "re-download" in str(info.value) and "\n" not in str(info.value)
+
+
 @pytest.mark.parametrize("protocol", [2, pickle.HIGHEST_PROTOCOL])
 def test_cifar10_from_pickle_batches(tmp_path, protocol):
     batches = write_cifar(tmp_path, protocol=protocol)

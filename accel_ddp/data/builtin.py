@@ -21,6 +21,7 @@ import gzip
 import importlib.util
 import os
 import pickle
+import zlib
 from collections.abc import Callable
 from typing import Any
 
@@ -31,6 +32,7 @@ from torch.utils.data import Dataset, Subset, TensorDataset
 from accel_ddp.data.bundle import DatasetBundle
 from accel_ddp.data.hf import HFSource, build_hf
 from accel_ddp.data.in_memory import InMemoryDataset
+from accel_ddp.failure import first_line
 from accel_ddp.registry import resolve
 from accel_ddp.validation import ConfigError
 
@@ -82,8 +84,12 @@ def read_digits() -> tuple[np.ndarray, np.ndarray]:
 def read_idx(path: str) -> torch.Tensor:
     """A uint8 IDX file (the MNIST format), plain or gzipped, as a tensor of the shape it declares."""
     opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rb") as fh:
-        raw = fh.read()
+    try:
+        with opener(path, "rb") as fh:
+            raw = fh.read()
+    except (EOFError, OSError, zlib.error) as err:  # a cut .gz: EOFError; not gzip: BadGzipFile (an OSError)
+        raise ConfigError(f"{path}: cannot be read ({type(err).__name__}: {first_line(err)}); "
+                          "re-download it with --download, or copy it again") from None
     if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] != 0x08:
         raise ConfigError(f"{path}: not a uint8 IDX file (bad header); re-download it with --download")
     ndim = raw[3]
@@ -175,14 +181,26 @@ class _ArraysOnlyUnpickler(pickle.Unpickler):
 
 
 def _read_cifar_batch(path: str) -> tuple[torch.Tensor, torch.Tensor]:
+    def damaged(why: object) -> ConfigError:
+        return ConfigError(f"cifar10: {path} is not a CIFAR-10 python batch ({why}); re-download it")
+
     try:
         with open(path, "rb") as fh:
             entry = _ArraysOnlyUnpickler(fh, encoding="latin1").load()
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError) as err:
-        raise ConfigError(f"cifar10: {path} is not a CIFAR-10 python batch ({err}); re-download it") from None
+        raise damaged(first_line(err)) from None
+    if not isinstance(entry, dict):
+        raise damaged(f"it holds a {type(entry).__name__}, not a dict")
     entry = {k.decode() if isinstance(k, bytes) else k: v for k, v in entry.items()}
-    images = torch.from_numpy(np.asarray(entry["data"], dtype=np.uint8).copy()).view(-1, 3, 32, 32)
-    return images, torch.tensor(entry["labels"], dtype=torch.long)
+    try:
+        data, labels = np.asarray(entry["data"], dtype=np.uint8), torch.tensor(entry["labels"], dtype=torch.long)
+    except KeyError as err:
+        raise damaged(f"no {err} entry") from None
+    except (ValueError, TypeError, RuntimeError) as err:
+        raise damaged(first_line(err)) from None
+    if labels.ndim != 1 or data.size != labels.numel() * 3 * 32 * 32:
+        raise damaged(f"{data.size} pixel values for {labels.numel()} labels; each image is 3x32x32")
+    return torch.from_numpy(data.copy()).view(-1, 3, 32, 32), labels
 
 
 def build_cifar10(data_dir: str, download: bool) -> DatasetBundle:
