@@ -53,10 +53,10 @@ def resolve_data(cfg: TrainConfig, accelerator: Accelerator, train_dataset, eval
         # Tokenized on each machine's first process, then read from the datasets cache by the others.
         bundle, tokenizer = local_main_first(accelerator, lambda: build_text(cfg.data_dir, hf, text))
     elif train_dataset is None:
-        bundle = local_main_first(accelerator, lambda: build_datasets(  # one download per machine
+        bundle = local_main_first(accelerator, lambda: build_datasets(  # one download per --data_dir
             cfg.dataset, cfg.data_dir, cfg.download, samples=cfg.synthetic_samples,
             shape=cfg.synthetic_shape, classes=cfg.synthetic_classes, image_size=cfg.image_size, hf=hf,
-        ))
+        ), main_first=cfg.download)
     if train_dataset is None:
         train_dataset, eval_dataset = bundle.train, bundle.eval
         num_classes, input_shape = bundle.num_classes, bundle.input_shape
@@ -77,20 +77,30 @@ def resolve_data(cfg: TrainConfig, accelerator: Accelerator, train_dataset, eval
     return Data(train_dataset, eval_dataset, num_classes, input_shape, tokenizer, collate_fn)
 
 
-def local_main_first(accelerator: Accelerator, build: Callable[[], T]) -> T:
+def local_main_first(accelerator: Accelerator, build: Callable[[], T], main_first: bool = False) -> T:
     """Run ``build`` on each machine's first process, then on the others (they reuse its download).
 
-    Unlike ``accelerator.local_main_process_first()``, an error on the first process still lets
-    the others pass the barrier: they run ``build`` themselves and hit the same error, so every
+    ``main_first`` (``--download``): the main process goes first, alone; then the other machines'
+    first processes; then the rest. Not a file lock (``flock`` is unreliable or off on the network
+    file systems a shared ``--data_dir`` lives on): with one ``--data_dir`` for every machine, their
+    first processes would otherwise download into the same files at once, one machine reading a
+    file another is still writing; now the main process downloads and the others find the files.
+    A ``--data_dir`` local to each machine still gets one download per machine.
+
+    Unlike ``accelerator.local_main_process_first()``, an error on a process that goes first still
+    lets the others pass the barriers: they run ``build`` themselves and hit the same error, so every
     rank reports bad input and exits, instead of one rank dying inside a barrier.
     """
-    if not accelerator.is_local_main_process:
+    firsts = [accelerator.is_main_process, accelerator.is_local_main_process] if main_first \
+        else [accelerator.is_local_main_process]
+    turn = next((i for i, first in enumerate(firsts) if first), len(firsts))  # 0 goes first
+    for _ in range(turn):  # the barriers of the turns before this process's
         accelerator.wait_for_everyone()
-        return build()
     try:
         return build()
     finally:
-        accelerator.wait_for_everyone()
+        for _ in range(turn, len(firsts)):  # every process passes every barrier, also when build fails
+            accelerator.wait_for_everyone()
 
 
 def build_configured_model(cfg: TrainConfig, data: Data) -> torch.nn.Module:

@@ -558,6 +558,38 @@ def test_download_without_network_says_where_to_put_the_files(tmp_path, monkeypa
         build_datasets(name, str(tmp_path), download=True)
 
 
+def test_download_runs_on_one_process_when_machines_share_the_data_dir(tmp_path):
+    """Two ranks that each act as a machine's first process (LOCAL_RANK 0 on both), one --data_dir: the global
+    main process downloads, the other machine's first process finds the files. Each downloading at once would
+    write the same files while the other reads them."""
+    calls = tmp_path / "downloads"
+
+    def run():
+        import time
+
+        import torchvision.datasets
+        from accelerate import Accelerator
+
+        from accel_ddp.components import resolve_data
+
+        def fake_download(root, train, download):  # slow enough that a second downloader would overlap it
+            with open(calls, "a", encoding="utf-8") as fh:
+                fh.write(os.environ["RANK"] + "\n")
+            time.sleep(1.0)
+            write_mnist(Path(root))
+
+        os.environ.update({"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": os.environ["RANK"],
+                           "GROUP_WORLD_SIZE": "2"})  # each rank the first process of its own machine
+        torchvision.datasets.MNIST = fake_download
+        accelerator = Accelerator(cpu=True)
+        assert accelerator.is_local_main_process
+        cfg = parse_args(["--dataset", "mnist", "--data_dir", str(tmp_path / "data"), "--download"])
+        return len(resolve_data(cfg, accelerator, None, None).train)
+
+    assert run_ranks(run) == [64, 64]
+    assert calls.read_text().split() == ["0"]
+
+
 def test_hf_hub_name_offline_says_how_to_get_it(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")

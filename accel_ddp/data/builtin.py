@@ -345,8 +345,9 @@ def build_datasets(
     """Build a registered dataset or a user's ``pkg.module:function``.
 
     ``samples``, ``shape`` and ``classes`` size ``synthetic``; ``hf`` says where ``hf`` loads from;
-    ``image_size`` resizes ``imagefolder`` and ``hf`` images. Call it under
-    ``accelerator.main_process_first()``: downloads then happen once per machine.
+    ``image_size`` resizes ``imagefolder`` and ``hf`` images. Call it on one process first, the
+    others after it (``accel_ddp.components.local_main_first``, with ``main_first=download``): two
+    processes downloading into one ``data_dir`` at once would write the same files.
 
         >>> bundle = build_datasets("digits", data_dir="data", download=False)
         >>> bundle.num_classes, bundle.input_shape
