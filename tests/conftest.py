@@ -17,6 +17,7 @@ import os
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 # The GPUs this machine offers the suite, before it hides them (None: all of them).
@@ -107,6 +108,28 @@ def launch(script_args: list[str], nproc: int = 2, env: dict[str, str] | None = 
     return subprocess.run(cmd, env=_env(env), capture_output=True, text=True, timeout=timeout, cwd=cwd or REPO)
 
 
+def launch_together(*launches: dict) -> list[subprocess.CompletedProcess]:
+    """``launch(**kwargs)`` for each dict, all at once (each gets its own free port): independent launches
+    that a test compares keep both cores busy while each launcher and its workers start up."""
+    with ThreadPoolExecutor(len(launches)) as pool:
+        return list(pool.map(lambda kwargs: launch(**kwargs), launches))
+
+
+def launcher_env(launch_args: list[str]) -> dict[str, str]:
+    """What `accelerate launch LAUNCH_ARGS script.py` adds to its torchrun workers' environment, without a launch.
+
+    Accelerate's own code computes it, as the launcher does: its argument parser, the config file
+    (``_validate_launch_command``) and ``prepare_multi_gpu_env``. Forked ranks given this ``env``
+    (``run_ranks`` adds torchrun's RANK, WORLD_SIZE, MASTER_*) see what launched workers see.
+    """
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    args, _, _ = _validate_launch_command(launch_command_parser().parse_args([*launch_args, "train.py"]))
+    assert args.multi_gpu or args.use_fsdp, "not a torchrun launch: the simple launcher sets other variables"
+    return {name: value for name, value in prepare_multi_gpu_env(args).items() if os.environ.get(name) != value}
+
+
 def run_single(script_args: list[str], env: dict[str, str] | None = None, timeout: float = 240,
                script: str | os.PathLike = TRAIN_SCRIPT) -> subprocess.CompletedProcess:
     """`python train.py ARGS`: one process, no launcher (faults as in ``launch``)."""
@@ -160,6 +183,17 @@ def check(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
         f"exit {result.returncode}\nSTDOUT:\n{result.stdout[-4000:]}\nSTDERR:\n{result.stderr[-6000:]}"
     )
     return result
+
+
+@pytest.fixture
+def launcher_store():
+    """A TCPStore as torchrun's agent hosts it, and the environment it gives its workers to share it."""
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    env = {"TORCHELASTIC_USE_AGENT_STORE": "True", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port),
+           "TORCHELASTIC_RUN_ID": "test", "TORCHELASTIC_RESTART_COUNT": "0"}
+    yield store, env
 
 
 @pytest.fixture

@@ -26,6 +26,7 @@ from tests.conftest import (
     gpu_count,
     gpu_env,
     launch,
+    launcher_env,
     load_weights,
     read_metrics,
     read_summary,
@@ -354,12 +355,14 @@ FSDP_ON_CPU = ("Accelerate 1.15 applies FSDP only with GPU backends: on CPU, whe
                "replicas, so there is no FSDP to smoke-test without a GPU")
 
 
-@pytest.mark.slow
 def test_fsdp_config_on_cpu_trains_ddp_replicas_as_documented(tmp_path, tiny_args):
-    """The reason the FSDP smoke test needs GPUs, checked rather than assumed."""
+    """The reason the FSDP smoke test needs GPUs, checked rather than assumed: two ranks with the environment
+    `accelerate launch --config_file fsdp_4gpu.yaml --num_processes 2` gives its workers (Accelerate's own code
+    computes it: conftest.launcher_env) train plain DDP replicas."""
+    env = launcher_env(["--config_file", str(FSDP), "--num_processes", "2", "--mixed_precision", "no"])
+    assert (env["ACCELERATE_USE_FSDP"], env["FSDP_VERSION"]) == ("true", "2")  # the launcher asks for FSDP2
     out = tmp_path / "run"
-    check(launch([*tiny_args, "--output_dir", str(out)],
-                 launch_args=["--config_file", str(FSDP), "--mixed_precision", "no"]))
+    train_ranks([*tiny_args, "--output_dir", str(out)], env=env)
     summary = read_summary(out)
     assert (summary["distributed_type"], summary["world_size"]) == ("MULTI_CPU", 2)
 
