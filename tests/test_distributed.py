@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 
@@ -10,9 +11,10 @@ import torch
 
 from accel_ddp import TrainConfig, train
 from tests.conftest import (
-    SCRIPTS,
+    CPU_2PROC,
     check,
     launch,
+    launcher_env,
     load_weights,
     read_metrics,
     read_summary,
@@ -205,14 +207,31 @@ def test_only_the_main_process_writes(tmp_path):
     assert len([r for r in records if "eval_accuracy" in r]) == 2  # one eval per epoch
 
 
-@pytest.mark.slow
-def test_lone_processes_are_refused(tmp_path):
-    """A script that made Accelerate's state without CPU/gloo: the 2 launched ranks never met."""
-    result = launch(["--dataset", "synthetic", "--output_dir", str(tmp_path)], script=SCRIPTS / "premade_state.py")
-    assert result.returncode != 0
-    # One error line; the launcher's failure summary names the error too (accel_ddp/failure.py).
-    assert result.stderr.count("accel_ddp: error: the launcher started 2 processes but they formed a group of 1") == 1
-    assert "LaunchError: the launcher started 2 processes but they formed a group of 1" in result.stderr
+def _premade_state_then_main(args: list[str], error_files: str) -> int:
+    """A script that builds Accelerate's state without asking for CPU before calling accel_ddp: on a machine
+    without GPUs each rank torchrun started then becomes a lone world of 1, and accel_ddp must refuse to train."""
+    from accelerate import PartialState
+
+    from accel_ddp.loop import main
+
+    os.environ["TORCHELASTIC_ERROR_FILE"] = f"{error_files}{os.environ['RANK']}.json"  # torchrun's, one per worker
+    PartialState()  # no cpu=True
+    return main(args)
+
+
+def test_lone_processes_are_refused(tmp_path, capfd, launcher_store):
+    """The 2 ranks never met. Forked ranks get what `accelerate launch --config_file cpu_2proc.yaml` gives its
+    workers: Accelerate's variables (conftest.launcher_env), torchrun's and its store (launcher_store)."""
+    _, env = launcher_store
+    env.update(launcher_env(["--config_file", str(CPU_2PROC), "--num_processes", "2"]))
+    args = ["--dataset", "synthetic", "--output_dir", str(tmp_path)]
+    assert run_ranks(lambda: _premade_state_then_main(args, str(tmp_path / "error")), env=env) == [2, 2]
+    # One error line; the launcher's failure summary names the error too: it prints each rank's error file.
+    assert capfd.readouterr().err.count(
+        "accel_ddp: error: the launcher started 2 processes but they formed a group of 1") == 1
+    for rank in (0, 1):
+        recorded = json.loads((tmp_path / f"error{rank}.json").read_text())["message"]["message"]
+        assert recorded.startswith("LaunchError: the launcher started 2 processes but they formed a group of 1")
     assert not (tmp_path / "metrics.jsonl").exists()
 
 

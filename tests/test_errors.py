@@ -15,7 +15,6 @@ import sys
 import time
 
 import pytest
-from torch.distributed import TCPStore
 
 from accel_ddp.loop import main
 from accel_ddp.world import single_process_trap
@@ -114,15 +113,6 @@ def test_bad_input_goes_into_the_launchers_error_file_without_a_traceback(tmp_pa
 
 
 # ----------------------------------------------------------------------------- one line per launch
-
-
-@pytest.fixture
-def launcher_store():
-    """A TCPStore as torchrun's agent hosts it, and the environment it gives its workers to share it."""
-    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    env = {"TORCHELASTIC_USE_AGENT_STORE": "True", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port),
-           "TORCHELASTIC_RUN_ID": "test", "TORCHELASTIC_RESTART_COUNT": "0"}
-    yield store, env
 
 
 def _main_with_faults(args: list[str], **fault) -> int:
