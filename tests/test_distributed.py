@@ -245,10 +245,10 @@ def test_default_run_trains_digits_to_95_percent(tmp_path):
 
 
 @pytest.mark.slow
-def test_module_launch_and_plain_python(tmp_path):
+def test_plain_python(tmp_path):
+    """`python train.py`: one process, no launcher. Its pair, `accelerate launch -m accel_ddp train`, is launched in
+    test_doctor.py after `accelerate config` (one launch for both)."""
     args = ["--dataset", "synthetic", "--synthetic_samples", "64", "--synthetic_shape", "4",
             "--global_batch_size", "16", "--epochs", "1"]
-    check(launch(["train", *args, "--output_dir", str(tmp_path / "m")], script="accel_ddp", launch_args=["-m"]))
-    assert read_summary(tmp_path / "m")["world_size"] == 2
     check(run_single([*args, "--output_dir", str(tmp_path / "p")]))
     assert read_summary(tmp_path / "p")["world_size"] == 1

@@ -20,7 +20,7 @@ from accel_ddp import cli, doctor
 from accel_ddp.doctor import ERROR, NOTE, WARNING, diagnose
 from accel_ddp.launch_config import load_launch_config
 from accel_ddp.machine import MachineFacts, cpu_has_bf16_units, software_versions
-from tests.conftest import CPU_2PROC, REPO, launch, read_summary
+from tests.conftest import CPU_2PROC, REPO, launch, launch_together, read_summary
 
 CONFIGS = REPO / "accelerate_configs"
 CPU_ONLY = MachineFacts(gpu_count=0, nccl_available=False, cpu_count=2)
@@ -533,15 +533,23 @@ def test_accelerate_config_answers_in_the_docs_give_the_shipped_configs(tmp_path
 @pytest.mark.slow
 @pytest.mark.parametrize("answers", ["multi-CPU", "multi-GPU"])
 def test_accelerate_config_then_accelerate_launch_without_config_file(tmp_path, answers):
-    """The usual Accelerate workflow: the real `accelerate config` writes the default config in HF_HOME."""
+    """The usual Accelerate workflow: the real `accelerate config` writes the default config in HF_HOME.
+
+    The multi-GPU answers launch the package as a module (`accelerate launch -m accel_ddp train`): the one
+    launch that shows both this workflow and the module entry point (test_distributed.py runs plain python).
+    """
     env = {**os.environ, "HF_HOME": str(tmp_path / "hf")}
     answer_accelerate_config(MULTI_CPU_TRAP if answers == "multi-CPU" else ANSWERS["cpu_2proc.yaml"],
                              [sys.executable, "-m", "accelerate.commands.accelerate_cli", "config"], env)
     assert (tmp_path / "hf" / "accelerate" / "default_config.yaml").is_file()
     out = tmp_path / "out"
-    result = launch(["--dataset", "synthetic", "--synthetic_samples", "64", "--synthetic_shape", "4",
-                     "--epochs", "1", "--global_batch_size", "16", "--output_dir", str(out)],
-                    config_file=None, env={"HF_HOME": env["HF_HOME"]})
+    args = ["--dataset", "synthetic", "--synthetic_samples", "64", "--synthetic_shape", "4",
+            "--epochs", "1", "--global_batch_size", "16", "--output_dir", str(out)]
+    if answers == "multi-CPU":
+        result = launch(args, config_file=None, env={"HF_HOME": env["HF_HOME"]})
+    else:
+        result = launch(["train", *args], script="accel_ddp", launch_args=["-m"], config_file=None,
+                        env={"HF_HOME": env["HF_HOME"]})
     if answers == "multi-CPU":  # Accelerate's simple launcher: one process, refused before training
         assert result.returncode != 0
         lines = [line for line in result.stderr.splitlines() if line.startswith("accel_ddp: error:")]
@@ -580,8 +588,9 @@ def test_the_traps_the_doctor_flags_really_start_one_process(tmp_path):
         "NO": ([], make_config(tmp_path, distributed_type="NO")),
         "--cpu": (["--cpu"], make_config(tmp_path)),
     }
-    for name, (flags, path) in cases.items():
-        result = launch([], script=probe, launch_args=["--config_file", path, *flags], timeout=180)
+    results = launch_together(*({"script_args": [], "script": probe, "launch_args": ["--config_file", path, *flags],
+                                 "timeout": 180} for flags, path in cases.values()))
+    for (name, (flags, path)), result in zip(cases.items(), results, strict=True):
         assert result.returncode == 0, result.stderr[-3000:]
         # Two ranks share the pipe and a print's text and newline are separate writes: match, don't split lines.
         worlds = re.findall(r"PROBE world=\d+ rank=\d+ trapped=(?:True|False)", result.stdout)
