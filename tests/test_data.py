@@ -912,7 +912,18 @@ def _image_splits(folder: Path, n_train: int, n_test: int, bad_rows: tuple[int, 
     return folder
 
 
-def test_an_image_that_does_not_decode_mid_epoch_stops_every_rank_with_one_line(tmp_path, capfd):
+@pytest.fixture
+def quick_orphan_workers(monkeypatch):
+    """A DataLoader worker notices its rank died every 5 s (torch's MP_STATUS_CHECK_INTERVAL); until it exits
+    it holds the dead rank's gloo sockets, which it inherited, so the other rank's collective fails only then.
+    Forked ranks and their workers inherit this 0.2 s: a failed rank's peer stops within a second, not after 5."""
+    import torch.utils.data._utils.worker
+
+    monkeypatch.setattr(torch.utils.data._utils.worker, "MP_STATUS_CHECK_INTERVAL", 0.2)
+
+
+def test_an_image_that_does_not_decode_mid_epoch_stops_every_rank_with_one_line(tmp_path, capfd,
+                                                                                 quick_orphan_workers):
     """Found by a DataLoader worker of rank 1 at step 4: that rank names the row and exits 2, rank 0 stops too,
     and the checkpoint of step 2 is untouched."""
     from accel_ddp.checkpoint import list_checkpoints, read_checkpoint
@@ -1149,7 +1160,8 @@ def _image_shards(folder: Path, sizes: list[int], n_test: int) -> Path:
     return folder
 
 
-def test_streaming_cli_run_on_uneven_files_resumes_and_counts_eval_exactly(tmp_path, quick_stream_ends):
+def test_streaming_cli_run_on_uneven_files_resumes_and_counts_eval_exactly(tmp_path, quick_stream_ends,
+                                                                          quick_orphan_workers):
     """3 files of different sizes over 2 ranks: no hang, the same steps on both; a failed run resumes from its
     checkpoint's stream positions; the eval split (odd-sized) is counted exactly."""
     data = _image_shards(tmp_path / "d", [50, 90, 30], n_test=13)
