@@ -410,7 +410,7 @@ def test_two_runs_started_together_into_one_folder(tmp_path, capfd):
     def standalone_run() -> int:  # each forked "rank" becomes an independent 1-process run
         for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
             os.environ.pop(name, None)
-        faults.install(step_delay=0.2)  # the winner is still training when the loser looks
+        faults.install(step_delay=0.1)  # the winner is still training (>= 1.6 s) when the loser looks
         together.wait(timeout=60)
         return main([*ARGS, "--max_steps", "16", "--output_dir", str(out)])
 
