@@ -188,6 +188,7 @@ def _train_with_audited_writes(log_prefix: str, args: list[str]) -> int:
     return main(args)
 
 
+@pytest.mark.curves
 def test_only_the_main_process_writes(tmp_path):
     out = tmp_path / "run"
     args = ["--dataset", "synthetic", "--synthetic_samples", "128", "--synthetic_shape", "6", "--hidden_size", "8",

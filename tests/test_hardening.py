@@ -496,6 +496,7 @@ def test_output_dir_from_yaml_must_be_text_and_utf8(tmp_path, capsys):
     assert "is not valid UTF-8" in lines[1]
 
 
+@pytest.mark.curves
 def test_a_failing_plot_warns_and_the_run_still_succeeds(tmp_path, capfd):
     def run() -> int:
         import accel_ddp.tracking

@@ -315,6 +315,7 @@ def test_plotted_values_are_the_metrics_jsonl_values(tmp_path):
     assert decode_png(tmp_path / "curves.png") == (1100, 700)
 
 
+@pytest.mark.curves
 def test_plot_and_summary_of_a_real_run(tmp_path, tiny_args, capsys):
     out = tmp_path / "run"
     train_ranks([*tiny_args, "--log_every", "1", "--eval_every", "4", "--output_dir", str(out)], world_size=1)

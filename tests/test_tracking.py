@@ -172,6 +172,7 @@ def test_tensorboard_missing_is_one_clear_error(monkeypatch, tmp_path):
     assert "tensorboard" not in resolve_report_to("all")  # all = the installed ones
 
 
+@pytest.mark.curves
 def test_training_with_tracking_all_writes_csv_tensorboard_and_curves(tmp_path, tiny_args):
     pytest.importorskip("tensorboard", reason="--report_to tensorboard needs the tensorboard package")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -436,6 +437,7 @@ def test_an_unexpected_error_in_a_main_process_decision_ends_every_rank(tmp_path
 # ----------------------------------------------------------------------------- model card
 
 
+@pytest.mark.curves
 def test_model_card_names_model_data_layout_metrics_command_and_curves(tmp_path, tiny_args):
     out = tmp_path / "run"
     args = [*tiny_args, "--output_dir", str(out)]
