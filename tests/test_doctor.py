@@ -12,6 +12,7 @@ import re
 import socket
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import yaml
@@ -20,7 +21,7 @@ from accel_ddp import cli, doctor
 from accel_ddp.doctor import ERROR, NOTE, WARNING, diagnose
 from accel_ddp.launch_config import load_launch_config
 from accel_ddp.machine import MachineFacts, cpu_has_bf16_units, software_versions
-from tests.conftest import CPU_2PROC, REPO, launch, launch_together, read_summary
+from tests.conftest import CPU_2PROC, REPO, launch_together, read_summary
 
 CONFIGS = REPO / "accelerate_configs"
 CPU_ONLY = MachineFacts(gpu_count=0, nccl_available=False, cpu_count=2)
@@ -501,8 +502,10 @@ def answer_accelerate_config(answers: list[tuple], command: list[str], env: dict
         child.expect_exact(prompt)
         if isinstance(answer, int):  # a menu: wait until it reads raw keys (it hides the cursor), then pick
             child.expect_exact("\x1b[?25l")
+            child.delaybeforesend = 0.05  # pexpect's default: the menu's tty.setraw (TCSAFLUSH) must come first
             child.send(f"{answer}\r")
         else:
+            child.delaybeforesend = None  # input() reads from the moment its prompt is out
             child.sendline(answer)
     child.expect(pexpect.EOF)
     child.close()
@@ -519,48 +522,54 @@ for path in sys.argv[1:]:
 
 
 @pytest.mark.slow
-def test_accelerate_config_answers_in_the_docs_give_the_shipped_configs(tmp_path):
-    """One interpreter answers the four questionnaires (one `accelerate config` run each would cost 4 starts)."""
+def test_accelerate_config_as_the_docs_answer_it_then_accelerate_launch_without_config_file(tmp_path):
+    """The docs' answers give the shipped configs; and the usual Accelerate workflow, where the real
+    `accelerate config` writes the default config in HF_HOME and `accelerate launch` reads it.
+
+    The three questionnaires run at once: one interpreter answers the four docs questionnaires (one
+    `accelerate config` run each would cost 4 starts), two real `accelerate config` runs write a default config
+    each (multi-CPU: the trap; multi-GPU: cpu_2proc's answers). Then both launches run at once: the multi-GPU one
+    starts the package as a module (`accelerate launch -m accel_ddp train`), the one launch that shows both this
+    workflow and the module entry point (test_distributed.py runs plain python).
+    """
     written = {name: tmp_path / name for name in ANSWERS}
-    answer_accelerate_config([pair for answers in ANSWERS.values() for pair in answers],
-                             [sys.executable, "-c", CONFIG_COMMAND, *map(str, written.values())], dict(os.environ))
+    homes = {"multi-CPU": tmp_path / "hf_multi_cpu", "multi-GPU": tmp_path / "hf_multi_gpu"}
+    accelerate_config = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "config"]
+    sessions = [
+        ([pair for answers in ANSWERS.values() for pair in answers],
+         [sys.executable, "-c", CONFIG_COMMAND, *map(str, written.values())], dict(os.environ)),
+        (MULTI_CPU_TRAP, accelerate_config, {**os.environ, "HF_HOME": str(homes["multi-CPU"])}),
+        (ANSWERS["cpu_2proc.yaml"], accelerate_config, {**os.environ, "HF_HOME": str(homes["multi-GPU"])}),
+    ]
+    with ThreadPoolExecutor(len(sessions)) as pool:
+        list(pool.map(lambda session: answer_accelerate_config(*session), sessions))
+
     for name, path in written.items():
         got, shipped = load_launch_config(str(path)), load_launch_config(str(CONFIGS / name))
         differs = {key for key in got.keys() | shipped.keys() if got.get(key) != shipped.get(key)}
         assert differs == DIFFERENCES[name], (name, {key: (got.get(key), shipped.get(key)) for key in differs})
+    for home in homes.values():
+        assert (home / "accelerate" / "default_config.yaml").is_file()
 
+    outs = {answers: tmp_path / f"out_{answers}" for answers in homes}
+    args = {answers: ["--dataset", "synthetic", "--synthetic_samples", "64", "--synthetic_shape", "4", "--epochs", "1",
+                      "--global_batch_size", "16", "--output_dir", str(out)] for answers, out in outs.items()}
+    trapped, multi_gpu = launch_together(
+        {"script_args": args["multi-CPU"], "config_file": None, "env": {"HF_HOME": str(homes["multi-CPU"])}},
+        {"script_args": ["train", *args["multi-GPU"]], "script": "accel_ddp", "launch_args": ["-m"],
+         "config_file": None, "env": {"HF_HOME": str(homes["multi-GPU"])}})
 
-@pytest.mark.slow
-@pytest.mark.parametrize("answers", ["multi-CPU", "multi-GPU"])
-def test_accelerate_config_then_accelerate_launch_without_config_file(tmp_path, answers):
-    """The usual Accelerate workflow: the real `accelerate config` writes the default config in HF_HOME.
-
-    The multi-GPU answers launch the package as a module (`accelerate launch -m accel_ddp train`): the one
-    launch that shows both this workflow and the module entry point (test_distributed.py runs plain python).
-    """
-    env = {**os.environ, "HF_HOME": str(tmp_path / "hf")}
-    answer_accelerate_config(MULTI_CPU_TRAP if answers == "multi-CPU" else ANSWERS["cpu_2proc.yaml"],
-                             [sys.executable, "-m", "accelerate.commands.accelerate_cli", "config"], env)
-    assert (tmp_path / "hf" / "accelerate" / "default_config.yaml").is_file()
-    out = tmp_path / "out"
-    args = ["--dataset", "synthetic", "--synthetic_samples", "64", "--synthetic_shape", "4",
-            "--epochs", "1", "--global_batch_size", "16", "--output_dir", str(out)]
-    if answers == "multi-CPU":
-        result = launch(args, config_file=None, env={"HF_HOME": env["HF_HOME"]})
-    else:
-        result = launch(["train", *args], script="accel_ddp", launch_args=["-m"], config_file=None,
-                        env={"HF_HOME": env["HF_HOME"]})
-    if answers == "multi-CPU":  # Accelerate's simple launcher: one process, refused before training
-        assert result.returncode != 0
-        lines = [line for line in result.stderr.splitlines() if line.startswith("accel_ddp: error:")]
-        assert len(lines) == 1, result.stderr[-3000:]
-        assert lines[0].startswith("accel_ddp: error: accelerate launch started 1 process, but its config asks for "
-                                   "several (distributed_type MULTI_CPU without mpirun")
-        assert "returned non-zero exit status 2" in result.stderr  # the launcher names the worker's exit code
-        assert not out.exists()
-    else:  # torchrun: two ranks of a gloo group trained
-        assert result.returncode == 0, result.stderr[-3000:]
-        assert read_summary(out)["world_size"] == 2
+    # multi-CPU: Accelerate's simple launcher, one process, refused before training
+    assert trapped.returncode != 0
+    lines = [line for line in trapped.stderr.splitlines() if line.startswith("accel_ddp: error:")]
+    assert len(lines) == 1, trapped.stderr[-3000:]
+    assert lines[0].startswith("accel_ddp: error: accelerate launch started 1 process, but its config asks for "
+                               "several (distributed_type MULTI_CPU without mpirun")
+    assert "returned non-zero exit status 2" in trapped.stderr  # the launcher names the worker's exit code
+    assert not outs["multi-CPU"].exists()
+    # multi-GPU: torchrun, two ranks of a gloo group trained
+    assert multi_gpu.returncode == 0, multi_gpu.stderr[-3000:]
+    assert read_summary(outs["multi-GPU"])["world_size"] == 2
 
 
 # ----------------------------------------------------------------------------- the traps are real
