@@ -71,7 +71,8 @@ class TrainConfig:
         "dataset: digits, mnist, fashion_mnist, cifar10, imagefolder, hf, synthetic or 'pkg.module:function'",
     )
     data_dir: str = _opt("data", "folder holding (or receiving, with --download) the dataset files")
-    download: bool = _opt(False, "download the dataset into --data_dir if missing (one process per machine, the main process first)")
+    download: bool = _opt(
+        False, "download the dataset into --data_dir if missing (one process per machine, the main process first)")
     loader: str = _opt(
         "auto", "auto (the device loader where the training set is tensors in memory and fits, else a DataLoader), "
         "device or dataloader"

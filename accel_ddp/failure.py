@@ -30,6 +30,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+from accel_ddp.files import atomic_write_text
 from accel_ddp.validation import ConfigError
 
 PRINT_WAIT_S = 10.0  # how long a rank that lost the election waits for the winner's line, at most
@@ -117,9 +118,8 @@ def write_error_file(message: str, callstack: str | None = None) -> None:
         return
     data = {"message": {"message": message, "extraInfo": {"py_callstack": callstack or message,
                                                           "timestamp": str(int(time.time()))}}}
-    try:
-        with open(path, "w", encoding="utf-8") as fh:
-            json.dump(data, fh)
+    try:  # renamed into place: torchrun may SIGTERM us mid-write, and its agent fails on a half-written file
+        atomic_write_text(path, json.dumps(data))
     except OSError:  # the summary then says <N/A>; the error itself is on stderr
         pass
 

@@ -15,7 +15,7 @@ from typing import Any
 
 def atomic_write_text(path: str, text: str) -> None:
     """Write ``text`` to ``path`` through a temporary file renamed into place: a reader sees the old file or the new."""
-    tmp = f"{path}.tmp"
+    tmp = f"{path}.tmp{os.getpid()}"  # one per writer
     with open(tmp, "w", encoding="utf-8") as fh:
         fh.write(text)
     os.replace(tmp, path)

@@ -252,3 +252,20 @@ def test_exit_process_ends_cleanly_with_a_collective_still_in_flight():
         assert result.returncode == 3, result.stderr
         assert result.stdout.splitlines() == ["unflushed line", "atexit handler ran"]
         assert "terminate called" not in result.stderr
+
+
+def test_the_error_file_is_renamed_into_place(tmp_path, monkeypatch):
+    """torchrun may SIGTERM a rank while it writes its error file, and the agent fails on a half-written one:
+    the file appears whole or not at all."""
+    import accel_ddp.files as files
+    from accel_ddp.failure import write_error_file
+
+    path = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
+    renamed = []
+    real_replace = os.replace
+    monkeypatch.setattr(files.os, "replace", lambda src, dst: (renamed.append(dst), real_replace(src, dst)))
+    write_error_file("accel_ddp: error: x", "Traceback ...")
+    assert renamed == [str(path)]
+    assert json.loads(path.read_text())["message"]["message"] == "accel_ddp: error: x"
+    assert [p.name for p in tmp_path.iterdir()] == ["error.json"]
