@@ -31,7 +31,8 @@ from __future__ import annotations
 import inspect
 import math
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any, NamedTuple
 
 import torch
@@ -190,21 +191,14 @@ class Task:
         Bad input (no loss, a non-scalar loss, no logits to evaluate) then ends the run with one
         line before it writes anything, instead of at the first step. The RNG state is restored.
         """
-        was_training = model.training
-        model.eval()
-        devices = [batch_device(batch)] if batch_device(batch).type == "cuda" else []
-        try:
-            with torch.random.fork_rng(devices=devices):
-                outputs = self.forward(model, batch)
-                if self.loss_fn is not None:
-                    self.user_loss(outputs, batch)
-                else:
-                    self.default_loss(outputs, batch)
-                if evaluates:
-                    self.eval_stats(outputs, batch)
-        finally:
-            model.train(was_training)
-
+        with _probing(model, batch):
+            outputs = self.forward(model, batch)
+            if self.loss_fn is not None:
+                self.user_loss(outputs, batch)
+            else:
+                self.default_loss(outputs, batch)
+            if evaluates:
+                self.eval_stats(outputs, batch)
 
     @torch.no_grad()
     def check_logits(self, model: torch.nn.Module, batch: Sequence[torch.Tensor]) -> None:
@@ -212,14 +206,8 @@ class Task:
 
         Shapes only, the same on every rank: a mismatch ends every rank with one line naming both.
         """
-        was_training = model.training
-        model.eval()
-        devices = [batch_device(batch)] if batch_device(batch).type == "cuda" else []
-        try:
-            with torch.random.fork_rng(devices=devices):
-                outputs = self.forward(model, batch)
-        finally:
-            model.train(was_training)
+        with _probing(model, batch):
+            outputs = self.forward(model, batch)
         logits, labels = logits_of(outputs), batch[1]
         if logits is None:
             raise ConfigError(f"the model returned {type(outputs).__name__} from forward; expected a tensor of logits "
@@ -393,6 +381,19 @@ def scale_gradients(parameters, factor: torch.Tensor) -> None:
             groups.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
     for (device, dtype), grads in groups.items():
         torch._foreach_mul_(grads, factor.to(device=device, dtype=dtype))
+
+
+@contextmanager
+def _probing(model: torch.nn.Module, batch: Any) -> Iterator[None]:
+    """A set-up probe's forward: the model in eval mode, torch's RNG state (CPU, and the batch's GPU) restored."""
+    was_training = model.training
+    model.eval()
+    devices = [batch_device(batch)] if batch_device(batch).type == "cuda" else []
+    try:
+        with torch.random.fork_rng(devices=devices):
+            yield
+    finally:
+        model.train(was_training)
 
 
 def batch_device(batch: Any) -> torch.device:
