@@ -39,16 +39,17 @@ def read_metrics(output_dir: str) -> list[dict[str, Any]]:
     path = os.path.join(output_dir, METRICS_NAME)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no {METRICS_NAME} in {output_dir}; point at a run's --output_dir")
-    records = []
     with open(path, encoding="utf-8") as fh:
-        for line in fh:
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(record, dict):
-                records.append(record)
-    return records
+        return [record for record in map(parse_record, fh) if record is not None]
+
+
+def parse_record(line: str) -> dict[str, Any] | None:
+    """One ``metrics.jsonl`` line as a record, or None for a line a crash cut short (or anything not a record)."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    return record if isinstance(record, dict) else None
 
 
 def read_curves(output_dir: str) -> dict[str, tuple[list[int], list[float]]]:

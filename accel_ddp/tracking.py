@@ -27,7 +27,7 @@ import yaml
 from accel_ddp.failure import main_process_decides
 from accel_ddp.files import atomic_write_text
 from accel_ddp.outputs import CONFIG_NAME, CURVES_NAME, METRICS_NAME, SUMMARY_NAME, TRACKERS_NAME
-from accel_ddp.report import plot_run, read_metrics
+from accel_ddp.report import parse_record, plot_run, read_metrics
 from accel_ddp.trackers import RUN_IDS, GuardedTracker, flat_hparams
 
 
@@ -48,11 +48,8 @@ def _finite_or_null(value: Any) -> Any:
 
 def _logged_by(line: str, step: int) -> bool:
     """Is ``line`` a complete record of a step up to ``step``? A run killed mid-write leaves half a line."""
-    try:
-        record = json.loads(line)
-    except ValueError:
-        return False
-    return isinstance(record, dict) and isinstance(record.get("step", 0), int) and record.get("step", 0) <= step
+    record = parse_record(line)
+    return record is not None and isinstance(record.get("step", 0), int) and record.get("step", 0) <= step
 
 
 class RunRecorder:
