@@ -57,6 +57,18 @@ def resolve(name: str, table: dict[str, Callable[..., Any]], kind: str, call_wit
     return fn
 
 
+def describe(fn: Callable[..., Any]) -> str:
+    """How an error line names a user's function: ``pkg.module:function`` (as ``--loss`` takes it), or its class.
+
+        >>> describe(os.path.join)
+        'posixpath:join'
+    """
+    qualname, module = getattr(fn, "__qualname__", None), getattr(fn, "__module__", None)
+    if qualname is None or module is None:  # an object with __call__, e.g. a Transformers data collator
+        return f"{type(fn).__name__} object"
+    return f"{module}:{qualname}"
+
+
 def _check_signature(fn: Callable[..., Any], name: str, kind: str, call_with: tuple[str, ...], expected: str) -> None:
     if not call_with:
         return

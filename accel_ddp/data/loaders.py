@@ -7,6 +7,7 @@ loader, whose source has no random access, keeps every rank in step instead).
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -18,6 +19,7 @@ from accel_ddp.data.host_loader import HostLoader, default_num_workers, readable
 from accel_ddp.data.in_memory import as_in_memory, is_in_memory
 from accel_ddp.data.mapped import is_arrow_dataset
 from accel_ddp.data.sampler import GlobalBatchSampler
+from accel_ddp.registry import describe
 from accel_ddp.validation import ConfigError
 
 __all__ = ["Loaders", "build_eval_loader", "build_loaders", "build_train_loader", "choose_loader", "data_seed",
@@ -116,7 +118,9 @@ def build_loaders(
     ``max_steps``). All draw their order from the accelerator's ``data_seed``. Evaluation runs on a
     prepared DataLoader (``gather_for_metrics`` counts each eval sample exactly once), except next to
     the device training loader, where an in-memory eval set is sliced per rank on the device
-    (:class:`DeviceEvalLoader`, summed over ranks).
+    (:class:`DeviceEvalLoader`, summed over ranks). A ``collate_fn`` makes every batch, for training
+    and evaluation: the device loader, which batches tensors itself, is then not used (see
+    :func:`collate_route`).
 
         train_loader, eval_loader, *_ = build_loaders(
             accelerator, train_ds, eval_ds, per_device_batch_size=32, global_batch_size=64)
@@ -134,6 +138,8 @@ def build_loaders(
             accelerator=accelerator)
     else:
         kind = choose_loader(loader, train_dataset, device_loader_max_mb)
+        if kind == "device" and collate_fn is not None:
+            kind = collate_route(loader, collate_fn, accelerator.is_main_process)
         make = DeviceLoader if kind == "device" else HostLoader
         extra = {} if kind == "device" else {"num_workers": num_workers, "collate_fn": collate_fn}
         train_loader = make(train_dataset, per_device_batch_size, global_batch_size, seed=seed, rank=rank,
@@ -147,6 +153,24 @@ def build_loaders(
     elif eval_dataset is not None:
         eval_loader = accelerator.prepare(build_eval_loader(eval_dataset, eval_batch_size, num_workers, collate_fn))
     return Loaders(train_loader, eval_loader, kind, source, train_loader.steps_per_epoch)
+
+
+def collate_route(loader: str, collate_fn: Callable, is_main_process: bool) -> str:
+    """``"dataloader"`` for a run whose in-memory training set has a ``collate_fn``, or bad input (``--loader device``).
+
+    The device loader gathers whole batches from tensors on the device; calling a user's function
+    on each batch's list of samples would put per-sample Python work on every step. So a
+    ``collate_fn`` takes the DataLoader path (training, and evaluation through a DataLoader), with
+    one note, rather than being left out.
+    """
+    name = describe(collate_fn)
+    if loader == "device":
+        raise ConfigError(f"--loader device batches the in-memory tensors on the device and never calls the "
+                          f"collate_fn {name}; use --loader auto or --loader dataloader with it, or drop it")
+    if is_main_process:
+        print(f"accel_ddp: note: the collate_fn {name} makes the batches, so this in-memory training set goes "
+              "through a DataLoader (--loader dataloader), not the device loader", file=sys.stderr, flush=True)
+    return "dataloader"
 
 
 def data_source(dataset) -> str:
