@@ -316,6 +316,9 @@ def _check_task(cfg: TrainConfig) -> None:
                               "--task causal_lm")
     if cfg.packing and cfg.task != "causal_lm":
         raise ConfigError("--packing only applies to --task causal_lm; drop it")
+    if cfg.task == "causal_lm" and cfg.max_length < 2:  # else loss 0.0 and perplexity 1.0 over no token at all
+        raise ConfigError(f"--max_length {cfg.max_length} with --task causal_lm leaves no next token to predict "
+                          "(each sequence predicts its tokens after the first); use --max_length 2 or more")
     if cfg.model_config is not None:
         if cfg.model != _default("model"):
             raise ConfigError(f"--model {cfg.model} and --model_config {cfg.model_config}: give one of them "

@@ -60,9 +60,9 @@ from accel_ddp.run_dir import (
     stop_if_finished,
 )
 from accel_ddp.startup import StartupClock
-from accel_ddp.tasks import LossAccumulator, Task, build_task
+from accel_ddp.tasks import Task, build_task
 from accel_ddp.tracking import RunRecorder
-from accel_ddp.update import build_update
+from accel_ddp.update import LossAccumulator, build_update
 from accel_ddp.validation import ConfigError
 from accel_ddp.weights import export_weights, load_weights
 from accel_ddp.world import LaunchError, build_accelerator, prepare
@@ -269,6 +269,8 @@ def fit(run: Run) -> FitResult:
     def stop_if_not_finite(step: int) -> None:  # collective; before every save and evaluation, at a bad log line
         if (bad := watch.first_bad_step(step)) is not None:
             fail(NonFiniteLoss(bad, run.checkpoints.last_saved_folder))
+        if (problem := losses.empty_sum_problem()) is not None:  # a sum over 0 items trained as a raw sum: exit 2
+            fail(ConfigError(problem))
 
     def save(step: int) -> str:  # a nan/inf state is never saved
         stop_if_not_finite(step)

@@ -17,7 +17,7 @@ for ``causal_lm``, the next-token cross-entropy summed over the tokens whose ``l
 
 Token-exact averaging. A ``(sum, num_items)`` loss gives each optimizer step the gradient of
 ``total loss / total items`` over its whole global batch (every accumulation micro-step, every
-rank), not a mean of per-micro-batch means: see :class:`LossAccumulator`.
+rank), not a mean of per-micro-batch means: see :class:`accel_ddp.update.LossAccumulator`.
 
 Evaluation. Each eval batch gives per-sample statistics (loss sum, items, correct), gathered
 so that each sample (or token) counts exactly once at any world size: ``eval_loss`` is
@@ -39,7 +39,8 @@ import torch
 import torch.nn.functional as F
 from accelerate.utils import extract_model_from_parallel
 
-from accel_ddp.update import build_backward
+from accel_ddp.registry import describe
+from accel_ddp.update import empty_sum
 from accel_ddp.validation import ConfigError
 
 IGNORE_INDEX = -100  # labels that count for nothing: padding, prompts (PyTorch's and Transformers' convention)
@@ -105,6 +106,7 @@ class Task:
         self.held_back = self.held_back if loss_fn is None else frozenset()  # a user loss may need everything
         self._keep: set[str] | None = None  # dict keys passed to the model, decided at the first dict batch
         self._kept_all = False
+        self._grad_checked = False  # the first training loss is checked for a grad_fn
 
     # ---- how a batch reaches the model
 
@@ -135,14 +137,25 @@ class Task:
     def training_loss(self, model: torch.nn.Module, batch: Any) -> Loss:
         """Forward one micro-batch and return its loss (the loop backpropagates it)."""
         outputs = self.forward(model, batch)
-        return self.user_loss(outputs, batch) if self.loss_fn is not None else self.default_loss(outputs, batch)
+        loss = self.user_loss(outputs, batch) if self.loss_fn is not None else self.default_loss(outputs, batch)
+        if not self._grad_checked:  # the first micro-step: an attribute read, no sync (the probe runs without grad)
+            self._grad_checked = True
+            if torch.is_grad_enabled() and not loss.value.requires_grad:
+                raise ConfigError(f"{self.loss_name()} returned a loss detached from the model (no grad_fn: made "
+                                  "with .item(), .detach(), torch.tensor(...) or under torch.no_grad()); return the "
+                                  "loss tensor computed from the outputs")
+        return loss
+
+    def loss_name(self) -> str:
+        return "the model" if self.loss_fn is None else f"the loss function {describe(self.loss_fn)}"
 
     def user_loss(self, outputs: Any, batch: Any) -> Loss:
         result = self.loss_fn(outputs, batch)
-        name = getattr(self.loss_fn, "__name__", "loss_fn")
+        name = describe(self.loss_fn)
         if isinstance(result, (tuple, list)) and len(result) == 2:
             total, items = result
             _check_scalar(total, name, "a (sum, num_items) pair whose sum is")
+            _check_count(items, name)
             return Loss(total.reshape(()), torch.as_tensor(items, device=total.device).detach().reshape(()))
         _check_scalar(result, name, "")
         return Loss(result.reshape(()))
@@ -194,7 +207,9 @@ class Task:
         with _probing(model, batch):
             outputs = self.forward(model, batch)
             if self.loss_fn is not None:
-                self.user_loss(outputs, batch)
+                loss = self.user_loss(outputs, batch)
+                if loss.items is not None and loss.items.item() == 0 and loss.value.item() != 0:
+                    raise ConfigError(empty_sum(self.loss_name()))
             else:
                 self.default_loss(outputs, batch)
             if evaluates:
@@ -295,94 +310,6 @@ def build_task(name: str, loss_fn: Callable[[Any, Any], Any] | None = None, metr
     return TASKS[name](loss_fn, metrics, memory_format)
 
 
-class LossAccumulator:
-    """Backpropagates each micro-step's loss and completes each optimizer step's gradient.
-
-    Means (tuple batches, models' own losses, user means): ``accelerator.backward(mean)``, as
-    Accelerate's examples do. Micro-batches have equal sizes, so the mean over micro-steps and
-    ranks is the global batch's mean: the semantics (and bits) of the loop before tasks existed.
-
-    ``(sum, num_items)`` losses: micro-batches hold different numbers of items (tokens), so a mean
-    of their means would weigh a token in a short micro-batch more than one in a long one. The
-    step's gradient must be ``grad(sum of all sums) / (all items)`` over every micro-step and
-    rank. The item count is only known after each forward (a user loss decides what counts), so
-    instead of looking ahead at the step's micro-batches (the Transformers Trainer's way) we
-    backpropagate ``sum / nominal`` at each micro-step, add up the items on the device, and at the
-    step's last micro-step multiply the gradients by ``world_size * accumulation * nominal /
-    global_items``: DDP (and FSDP) averaged them over ranks, Accelerate divided each backward by
-    ``accumulation``; the factor undoes both and divides by the true count. One scalar all-reduce
-    per optimizer step, on the device (no host sync). ``nominal`` (the global batch size) only keeps
-    the backpropagated values near the magnitude of a per-sample mean (fp16 loss scaling, fp16
-    gradient compression); it cancels out.
-    """
-
-    def __init__(self, accelerator, accumulation: int, nominal_items: int):
-        self.accelerator = accelerator
-        self._backward = build_backward(accelerator)  # accelerator.backward, without its division by 1
-        self.accumulation = accumulation
-        self.nominal = float(nominal_items)
-        device = accelerator.device
-        self.summed: bool | None = None  # decided by the first micro-step: means or (sum, num_items)
-        self.step_items = torch.zeros((), device=device, dtype=torch.float64)  # this rank, this step
-        self.running = torch.zeros(2, device=device, dtype=torch.float64)  # since the last log: loss sum, items
-        self.running_mean = torch.zeros((), device=device)  # since the last log: means, as the loop always summed
-        self.steps_since_log = 0
-
-    def backward(self, loss: Loss) -> None:
-        summed = loss.items is not None
-        if self.summed is None:
-            self.summed = summed
-        elif summed != self.summed:
-            raise ConfigError("the loss switched between a mean and a (sum, num_items) pair; return one kind")
-        if summed:
-            self.step_items += loss.items
-            self.running += torch.stack([loss.value.detach().double(), loss.items.double()])
-            self._backward(loss.value / self.nominal)
-        else:
-            self._backward(loss.value)
-            mean = loss.value.detach()  # summed over steps, averaged over ranks
-            self.running_mean += mean if self.accumulation == 1 else mean / self.accumulation
-
-    def finish_step(self, model: torch.nn.Module) -> None:
-        """At the optimizer step's last micro-step (gradients synced), before clipping and the update."""
-        self.steps_since_log += 1
-        if not self.summed:
-            return
-        acc = self.accelerator
-        global_items = acc.reduce(self.step_items, reduction="sum") if acc.num_processes > 1 else self.step_items
-        # An all-ignored global batch has zero gradients: keep them zero rather than 0/0.
-        factor = acc.num_processes * self.accumulation * self.nominal / global_items.clamp_min(1)
-        scale_gradients(model.parameters(), factor)
-        self.step_items.zero_()
-
-    @property
-    def running_loss(self) -> torch.Tensor:
-        """The loss summed since the last log line (a device scalar; nan or inf once any micro-step's was)."""
-        return self.running[0] if self.summed else self.running_mean
-
-    def mean_since_log(self) -> float:
-        """The mean training loss since the last call, over every rank (one host sync)."""
-        if self.summed:
-            loss_sum, items = self.accelerator.reduce(self.running, reduction="sum").tolist()
-            mean = loss_sum / max(items, 1)
-        else:
-            mean = self.accelerator.reduce(self.running_mean, "mean").item() / max(self.steps_since_log, 1)
-        self.running.zero_()
-        self.running_mean.zero_()
-        self.steps_since_log = 0
-        return mean
-
-
-def scale_gradients(parameters, factor: torch.Tensor) -> None:
-    """Multiply every gradient by ``factor`` (a device scalar), one fused kernel per device and dtype."""
-    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for p in parameters:
-        if p.grad is not None:
-            groups.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
-    for (device, dtype), grads in groups.items():
-        torch._foreach_mul_(grads, factor.to(device=device, dtype=dtype))
-
-
 @contextmanager
 def _probing(model: torch.nn.Module, batch: Any) -> Iterator[None]:
     """A set-up probe's forward: the model in eval mode, torch's RNG state (CPU, and the batch's GPU) restored."""
@@ -403,9 +330,24 @@ def batch_device(batch: Any) -> torch.device:
 
 def _check_scalar(value: Any, name: str, what: str) -> None:
     if not isinstance(value, torch.Tensor) or value.numel() != 1:
-        got = f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
-        raise ConfigError(f"the loss function {name} returned {what} {got}, not a scalar; return a mean "
+        raise ConfigError(f"the loss function {name} returned {what} {_shown(value)}, not a scalar; return a mean "
                           "(e.g. losses.mean()) or a (losses.sum(), num_items) pair".replace("  ", " "))
+
+
+def _check_count(items: Any, name: str) -> None:
+    """``num_items`` of a ``(sum, num_items)`` loss: a number or a one-element tensor, not a flag or a list."""
+    number = isinstance(items, (int, float)) and not isinstance(items, bool)
+    if not (number or isinstance(items, torch.Tensor) and items.numel() == 1 and items.dtype != torch.bool):
+        raise ConfigError(f"the loss function {name} returned a (sum, num_items) pair whose num_items is "
+                          f"{_shown(items)}, not a count; return the number of items the sum adds up, e.g. "
+                          "(losses.sum(), mask.sum())")
+
+
+def _shown(value: Any) -> str:
+    """A returned value as an error line shows it: a tensor's shape (and dtype), else its type and value."""
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}" + (" (bool)" if value.dtype == torch.bool else "")
+    return f"{type(value).__name__} {value!r}"[:80] if isinstance(value, (str, int, float)) else type(value).__name__
 
 
 def _warn_once(message: str) -> None:

@@ -15,16 +15,33 @@ Where none of that can apply (one device or plain DDP, no fp16 loss scaler, a pl
 multi-tensor norm, bit for bit what ``torch.nn.utils.clip_grad_norm_`` computes, and, without
 accumulation, ``build_backward`` calls ``loss.backward()`` (dividing by 1 changes no bit). Everywhere
 else (FSDP, DeepSpeed, XLA, fp16, accumulation) they call Accelerate's methods.
+
+:class:`LossAccumulator` backpropagates each micro-step's loss (a mean, or a ``(sum, num_items)``
+pair made token-exact over the whole global batch) and keeps the running loss for the log lines.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import DistributedType
+
+from accel_ddp.validation import ConfigError
+
+if TYPE_CHECKING:
+    from accel_ddp.tasks import Loss
+
+
+def empty_sum(loss: str = "the loss function") -> str:
+    """The error line for a ``(sum, num_items)`` loss whose sum is not 0 over 0 items."""
+    return (f"{loss} returned a (sum, num_items) pair with a non-zero sum over num_items 0 (a sum over no items is "
+            "0); return the count of the items the sum adds up, e.g. (losses[mask].sum(), mask.sum())")
+
 
 # Distributed types whose optimizer step and clipping Accelerate does nothing special for (no sharding, no XLA).
 PLAIN_TYPES = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
@@ -96,3 +113,115 @@ def build_backward(accelerator: Accelerator) -> Callable[[torch.Tensor], None]:
     plain = (accelerator.gradient_accumulation_steps == 1 and accelerator.scaler is None
              and accelerator.distributed_type in PLAIN_TYPES)
     return torch.Tensor.backward if plain else accelerator.backward
+
+
+class LossAccumulator:
+    """Backpropagates each micro-step's loss and completes each optimizer step's gradient.
+
+    Means (tuple batches, models' own losses, user means): ``accelerator.backward(mean)``, as
+    Accelerate's examples do. Micro-batches have equal sizes, so the mean over micro-steps and
+    ranks is the global batch's mean: the semantics (and bits) of the loop before tasks existed.
+
+    ``(sum, num_items)`` losses: micro-batches hold different numbers of items (tokens), so a mean
+    of their means would weigh a token in a short micro-batch more than one in a long one. The
+    step's gradient must be ``grad(sum of all sums) / (all items)`` over every micro-step and
+    rank. The item count is only known after each forward (a user loss decides what counts), so
+    instead of looking ahead at the step's micro-batches (the Transformers Trainer's way) we
+    backpropagate ``sum / nominal`` at each micro-step, add up the items on the device, and at the
+    step's last micro-step multiply the gradients by ``world_size * accumulation * nominal /
+    global_items``: DDP (and FSDP) averaged them over ranks, Accelerate divided each backward by
+    ``accumulation``; the factor undoes both and divides by the true count. One scalar all-reduce
+    per optimizer step, on the device (no host sync). ``nominal`` (the global batch size) only keeps
+    the backpropagated values near the magnitude of a per-sample mean (fp16 loss scaling, fp16
+    gradient compression); it cancels out.
+
+    A micro-batch whose sum is not 0 over 0 items is a broken loss (the count left out, or
+    counting the wrong thing): the step would train on the raw sum. It is counted on the device
+    with the running sums and refused (bad input, exit 2) where the loop syncs anyway: at a log
+    line (:meth:`mean_since_log`) and before every save, evaluation and the final export
+    (:meth:`empty_sum_problem`). No step's state is saved or reported in between.
+    """
+
+    def __init__(self, accelerator, accumulation: int, nominal_items: int):
+        self.accelerator = accelerator
+        self._backward = build_backward(accelerator)  # accelerator.backward, without its division by 1
+        self.accumulation = accumulation
+        self.nominal = float(nominal_items)
+        device = accelerator.device
+        self.summed: bool | None = None  # decided by the first micro-step: means or (sum, num_items)
+        self.step_items = torch.zeros((), device=device, dtype=torch.float64)  # this rank, this step
+        # Since the last log line: loss sum, items, and micro-steps with a non-zero sum over no items.
+        self.running = torch.zeros(3, device=device, dtype=torch.float64)
+        self.running_mean = torch.zeros((), device=device)  # since the last log: means, as the loop always summed
+        self.steps_since_log = 0
+
+    def backward(self, loss: Loss) -> None:
+        summed = loss.items is not None
+        if self.summed is None:
+            self.summed = summed
+        elif summed != self.summed:
+            raise ConfigError("the loss switched between a mean and a (sum, num_items) pair; return one kind")
+        if summed:
+            value, items = loss.value.detach().double(), loss.items.double()
+            self.step_items += items
+            self.running += torch.stack([value, items, ((items == 0) & (value != 0)).double()])
+            self._backward(loss.value / self.nominal)
+        else:
+            self._backward(loss.value)
+            mean = loss.value.detach()  # summed over steps, averaged over ranks
+            self.running_mean += mean if self.accumulation == 1 else mean / self.accumulation
+
+    def finish_step(self, model: torch.nn.Module) -> None:
+        """At the optimizer step's last micro-step (gradients synced), before clipping and the update."""
+        self.steps_since_log += 1
+        if not self.summed:
+            return
+        acc = self.accelerator
+        global_items = acc.reduce(self.step_items, reduction="sum") if acc.num_processes > 1 else self.step_items
+        # An all-ignored global batch has zero gradients: keep them zero rather than 0/0.
+        factor = acc.num_processes * self.accumulation * self.nominal / global_items.clamp_min(1)
+        scale_gradients(model.parameters(), factor)
+        self.step_items.zero_()
+
+    @property
+    def running_loss(self) -> torch.Tensor:
+        """The loss summed since the last log line (a device scalar; nan or inf once any micro-step's was)."""
+        return self.running[0] if self.summed else self.running_mean
+
+    def mean_since_log(self) -> float:
+        """The mean training loss since the last call, over every rank (one host sync).
+
+        nan when some micro-step's sum was not 0 over 0 items: the loop then stops, and
+        :meth:`empty_sum_problem` (whose count this call leaves as it is) says why.
+        """
+        if self.summed:
+            loss_sum, items, empty_sums = self.accelerator.reduce(self.running, reduction="sum").tolist()
+            if empty_sums:
+                return math.nan
+            mean = loss_sum / max(items, 1)
+        else:
+            mean = self.accelerator.reduce(self.running_mean, "mean").item() / max(self.steps_since_log, 1)
+        self.running.zero_()
+        self.running_mean.zero_()
+        self.steps_since_log = 0
+        return mean
+
+    def empty_sum_problem(self) -> str | None:
+        """Whether some rank's loss had a non-zero sum over 0 items since the last log line (collective; the loop
+        asks before every save, evaluation and the final export, where it syncs anyway)."""
+        if not self.summed:  # the same on every rank: the first micro-step decided it
+            return None
+        empty_sums = self.running[2:]
+        if self.accelerator.num_processes > 1:
+            empty_sums = self.accelerator.reduce(empty_sums, reduction="sum")
+        return empty_sum() if empty_sums.item() else None
+
+
+def scale_gradients(parameters, factor: torch.Tensor) -> None:
+    """Multiply every gradient by ``factor`` (a device scalar), one fused kernel per device and dtype."""
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for p in parameters:
+        if p.grad is not None:
+            groups.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
+    for (device, dtype), grads in groups.items():
+        torch._foreach_mul_(grads, factor.to(device=device, dtype=dtype))

@@ -33,8 +33,8 @@ def build(workload: str):
     from accel_ddp.meters import EpochTimer, progress_bar
     from accel_ddp.models import build_lr_scheduler, build_model, build_optimizer
     from accel_ddp.preemption import LossWatch, PreemptionWatcher
-    from accel_ddp.tasks import LossAccumulator, build_task
-    from accel_ddp.update import build_update
+    from accel_ddp.tasks import build_task
+    from accel_ddp.update import LossAccumulator, build_update
 
     accelerator = Accelerator(cpu=not torch.cuda.is_available(), step_scheduler_with_optimizer=False)
     device = accelerator.device

@@ -444,7 +444,8 @@ def _bad_text_runs(corpus: Path, out: Path) -> dict[str, tuple[list[str], str]]:
             [*lm, "--text_column", "body"],
             "hf: no text column 'body'; the columns are text, id; name the text with --text_column"),
         "non-scalar loss": ([*lm, "--loss", "tests.test_tasks:per_sample_losses"],
-                            "the loss function per_sample_losses returned a tensor of shape (2,), not a scalar"),
+                            "the loss function tests.test_tasks:per_sample_losses returned a tensor of shape (2,), "
+                            "not a scalar"),
         "no loss": (["--dataset", "tests.test_tasks:build_sequences", "--model", "tests.test_tasks:build_lossless",
                      "--global_batch_size", "8", "--output_dir", str(out)],
                     "holds no loss for a dict batch (does the batch hold 'labels'?); give a loss with --loss"),
