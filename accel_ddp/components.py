@@ -22,7 +22,7 @@ from accel_ddp.data import HFSource, build_datasets
 from accel_ddp.data.loaders import first_samples
 from accel_ddp.data.text import PadCollate, TextOptions, build_text, has_tokenizer, pad_token_id
 from accel_ddp.models import MODELS, build_model, build_transformers_model, is_pretrained_folder
-from accel_ddp.registry import resolve
+from accel_ddp.registry import describe, resolve
 from accel_ddp.tasks import Task
 from accel_ddp.validation import ConfigError
 
@@ -67,6 +67,9 @@ def resolve_data(cfg: TrainConfig, accelerator: Accelerator, train_dataset, eval
         input_shape = None
     elif input_shape is None:
         input_shape = tuple(train_dataset[0][0].shape)
+    if eval_dataset is not None and not isinstance(eval_dataset, IterableDataset) and len(eval_dataset) == 0:
+        raise ConfigError(f"the eval set ({type(eval_dataset).__name__}) holds no samples, so there is nothing to "
+                          "evaluate; give it samples, or train without one (no eval_dataset)")
     if cfg.debug and not streamed:  # a small subset: errors show up in seconds
         train_dataset = Subset(train_dataset, range(min(len(train_dataset), DEBUG_MAX_STEPS * cfg.global_batch_size)))
         if eval_dataset is not None:
@@ -134,16 +137,34 @@ def _infer_num_classes(dataset: Dataset) -> int:
 
 
 def probe_task(task: Task, accelerator: Accelerator, model, data: Data, evaluates: bool) -> None:
-    """One forward of two training samples: a missing or non-scalar loss, or logits that do not fit the labels,
-    is bad input, reported before any write.
+    """One forward of two training samples: a collate_fn that makes no batch, a missing or non-scalar loss,
+    logits that do not fit the labels, a metric that returns no numbers, is bad input, reported before any write.
 
     Tuple samples with the default cross-entropy only need their shapes checked: the model runs without
     torch.compile's wrapper, which would otherwise compile an extra graph for it.
     """
     collate = data.collate_fn or torch.utils.data.default_collate
     with torch.random.fork_rng(devices=[]):  # a sample's augmentation draws: the run's RNG stream stays as it was
-        batch = send_to_device(collate(first_samples(data.train, 2)), accelerator.device)
-    if data.input_shape is not None and task.loss_fn is None:
-        task.check_logits(getattr(model, "_orig_mod", model), batch)
-    else:
-        task.check(model, batch, evaluates)
+        batch = collate(first_samples(data.train, 2))
+    if (problem := not_a_batch(batch)) is not None:
+        raise ConfigError(f"the collate_fn {describe(collate)} returned {problem}, not a batch; return a tuple "
+                          "(inputs, labels, ...) or a dict of tensors (torch.utils.data.default_collate makes one)")
+    batch = send_to_device(batch, accelerator.device)
+    shapes_only = data.input_shape is not None and task.loss_fn is None
+    task.check(getattr(model, "_orig_mod", model) if shapes_only else model, batch, evaluates, shapes_only)
+
+
+def not_a_batch(batch: Any) -> str | None:
+    """What a collate_fn returned if it is no batch the tasks take (None: it is one): a tuple or list holding a
+    tensor, or a mapping (a dict, Transformers' BatchEncoding) holding one."""
+    values = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, (tuple, list)) else None
+    if values is not None and any(isinstance(value, torch.Tensor) for value in values):
+        return None
+    if batch is None:
+        return "None"
+    if isinstance(batch, torch.Tensor):
+        return f"one tensor of shape {tuple(batch.shape)}"
+    if isinstance(batch, (tuple, list, Mapping)):
+        inside = {type(value).__name__ for value in values}
+        return f"a {type(batch).__name__} of {len(batch)} without a tensor ({', '.join(sorted(inside)) or 'empty'})"
+    return f"a {type(batch).__name__}"

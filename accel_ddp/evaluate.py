@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 from accelerate import Accelerator
 
-from accel_ddp.tasks import EVAL_FIELDS, IGNORE_INDEX, Task, build_task
+from accel_ddp.tasks import EVAL_FIELDS, IGNORE_INDEX, Task, build_task, metric_values, per_item
 
 
 @torch.no_grad()
@@ -24,6 +23,13 @@ def evaluate(accelerator: Accelerator, model: torch.nn.Module, loader, task: Tas
     own share and one all-reduce adds the sums. Either way the sums stay on the device until the
     end: one host sync per evaluation, not per batch. The sums are float64: per-sample float32
     values add up exactly, so the result does not depend on how the set was split over ranks.
+    A figure with nothing to count (no eval item) is None.
+
+    With a user loss (``task.loss_fn``) ``eval_loss`` is that loss, item-weighted: each rank adds
+    up ``(sum, num_items)`` (a mean counts as ``mean x samples`` over the batch's samples) over its
+    own samples, without the repeats of a prepared DataLoader's last batch (see
+    :func:`real_samples`), and one all-reduce adds the ranks' sums. The task's other figures
+    (``eval_accuracy``, ...) are reported where the outputs fit them (``Task.eval_fits``).
     User metrics (``task.metrics``) start from fresh copies and see every rank's outputs and batch.
     """
     task = task or build_task("classification")
@@ -31,30 +37,64 @@ def evaluate(accelerator: Accelerator, model: torch.nn.Module, loader, task: Tas
     model.eval()
     sharded = getattr(loader, "sums_across_ranks", False)
     sums = torch.zeros(len(EVAL_FIELDS), device=accelerator.device, dtype=torch.float64)
+    user_sums = torch.zeros(2, device=accelerator.device, dtype=torch.float64)  # this rank's: loss sum, items
     count = 0  # a host-side int: sample counts need no device sync
-    metrics = [copy.deepcopy(metric) for metric in task.metrics]
+    metrics = task.fresh_metrics()
     for batch in loader:
         outputs = task.forward(model, batch)
-        stats = task.eval_stats(outputs, batch)
+        size = _batch_size((outputs, batch))
+        fits = task.eval_fits(outputs, batch)
+        stats = task.eval_stats(outputs, batch) if fits else sums.new_zeros(size, len(EVAL_FIELDS))
         if not sharded:
             stats = accelerator.gather_for_metrics(stats)
         sums += stats.sum(dim=0)
         count += len(stats)
+        if task.loss_fn is not None:
+            real = size if sharded else real_samples(accelerator, len(stats), size)
+            if real:
+                user_sums += task.eval_loss_sums(*first_samples((outputs, batch), size, real), real)
         if metrics:
             gathered_outputs, gathered_batch = gather_exactly_once(accelerator, (outputs, batch), sharded)
             for metric in metrics:
                 metric.update(gathered_outputs, gathered_batch)
-    totals = torch.cat([sums, sums.new_tensor([count])])
-    if sharded and accelerator.num_processes > 1:
-        totals = accelerator.reduce(totals, reduction="sum")
+    totals = torch.cat([sums, sums.new_tensor([count]), user_sums])
+    if accelerator.num_processes > 1 and (sharded or task.loss_fn is not None):
+        summed = accelerator.reduce(totals, reduction="sum")  # each rank's own share, or the user loss only
+        totals = summed if sharded else torch.cat([totals[:-2], summed[-2:]])
     model.train(was_training)
-    *values, count = totals.tolist()
-    results = task.summarize(dict(zip(EVAL_FIELDS, values, strict=True)), int(count))
+    *values, count, user_loss, user_items = totals.tolist()
+    if task.stats_left_out:
+        results = {"eval_loss": None, "eval_samples": int(count)}
+    else:
+        results = task.summarize(dict(zip(EVAL_FIELDS, values, strict=True)), int(count))
+    if task.loss_fn is not None:
+        results["eval_loss"] = per_item(user_loss, user_items)
     for metric in metrics:
-        for name, value in metric.compute().items():
-            value = value.item() if isinstance(value, torch.Tensor) else value
+        for name, value in metric_values(metric).items():
             results[name if name.startswith("eval_") else f"eval_{name}"] = value
     return results
+
+
+def real_samples(accelerator: Accelerator, gathered: int, size: int) -> int:
+    """How many of this rank's ``size`` samples in a prepared DataLoader's batch are not repeats.
+
+    With ``even_batches`` (Accelerate's default, which the loop keeps) every rank gets a batch of the
+    same size, and the last global batch is completed at its end with samples from the start of the
+    set (``BatchSamplerShard._iter_with_no_split`` in accelerate/data_loader.py);
+    ``gather_for_metrics`` keeps the first ``remainder`` rows of the ranks' batches laid end to end in
+    rank order (``Accelerator.gather_for_metrics``). So of the ``gathered`` rows it kept, rank ``r``
+    holds rows ``r * size ...``: its first ``gathered - r * size`` samples (between 0 and ``size``)
+    are real. A batch-level user loss is computed on those only: per-sample results could be cut
+    after the gather, a batch's sum cannot.
+    """
+    return min(max(gathered - accelerator.process_index * size, 0), size)
+
+
+def first_samples(tree: Any, batch_size: int, count: int) -> Any:
+    """``tree`` (outputs, batch) with every per-sample tensor cut to its first ``count`` samples; the rest as is."""
+    if count == batch_size:
+        return tree
+    return _map_per_sample(tree, batch_size, lambda x, key: x[:count], keep_others=True)
 
 
 def gather_exactly_once(accelerator: Accelerator, tree: Any, sharded: bool) -> Any:
@@ -92,15 +132,21 @@ def _batch_size(tree: Any) -> int:
     return next(len(v) for v in values if isinstance(v, torch.Tensor))
 
 
-def _map_per_sample(tree: Any, batch_size: int, fn, key: str | None = None) -> Any:
-    """Apply ``fn(tensor, key)`` to the per-sample tensors in nested tuples, lists, dicts and ModelOutputs."""
+def _map_per_sample(tree: Any, batch_size: int, fn, key: str | None = None, keep_others: bool = False) -> Any:
+    """Apply ``fn(tensor, key)`` to the per-sample tensors in nested tuples, lists, dicts and ModelOutputs.
+
+    Other values become None (dropped from mappings), or with ``keep_others`` stay as they are.
+    """
+    def other(value: Any) -> Any:
+        return value if keep_others else None
+
     if isinstance(tree, torch.Tensor):
-        return fn(tree, key) if tree.ndim >= 1 and len(tree) == batch_size else None
+        return fn(tree, key) if tree.ndim >= 1 and len(tree) == batch_size else other(tree)
     if isinstance(tree, Mapping):
-        mapped = {k: _map_per_sample(v, batch_size, fn, k) for k, v in tree.items()}
-        mapped = {k: v for k, v in mapped.items() if v is not None}
+        mapped = {k: _map_per_sample(v, batch_size, fn, k, keep_others) for k, v in tree.items()}
+        mapped = {k: v for k, v in mapped.items() if v is not None or keep_others}
         # A Transformers ModelOutput keeps its class (outputs.logits still works); other mappings become dicts.
         return type(tree)(**mapped) if hasattr(tree, "to_tuple") else mapped
     if isinstance(tree, (tuple, list)):
-        return type(tree)(_map_per_sample(v, batch_size, fn, key) for v in tree)
-    return None
+        return type(tree)(_map_per_sample(v, batch_size, fn, key, keep_others) for v in tree)
+    return other(tree)

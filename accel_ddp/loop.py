@@ -401,6 +401,7 @@ def evaluate_and_log(run: Run, step: int, epoch: int) -> dict[str, Any]:
     run.recorder.log({"step": step, "epoch": epoch, **metrics})
     if run.accelerator.is_main_process:
         shown = " ".join(f"{k} {v:.4f}" for k, v in metrics.items() if isinstance(v, float))
+        shown = shown if metrics.get("eval_loss") is not None else f"no eval items {shown}".strip()  # a null loss
         tqdm.write(f"step {step} epoch {epoch}: {shown} ({metrics['eval_samples']} samples)")
     return metrics
 

@@ -28,8 +28,10 @@ and next-token ``eval_accuracy``. User metric objects (``train(..., metrics=[...
 
 from __future__ import annotations
 
+import copy
 import inspect
 import math
+import numbers
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -39,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from accelerate.utils import extract_model_from_parallel
 
+from accel_ddp.failure import first_line
 from accel_ddp.registry import describe
 from accel_ddp.update import empty_sum
 from accel_ddp.validation import ConfigError
@@ -107,6 +110,7 @@ class Task:
         self._keep: set[str] | None = None  # dict keys passed to the model, decided at the first dict batch
         self._kept_all = False
         self._grad_checked = False  # the first training loss is checked for a grad_fn
+        self._fits: bool | None = None  # whether the task's eval statistics fit the outputs (eval_fits)
 
     # ---- how a batch reaches the model
 
@@ -172,66 +176,109 @@ class Task:
 
     # ---- evaluation
 
-    def eval_stats(self, outputs: Any, batch: Any) -> torch.Tensor:
-        """``(B, 3)`` float64 per sample: loss sum, items, correct (here: cross-entropy, 1, hit)."""
-        logits, labels = self._logits_and_labels(outputs, batch)
-        losses = F.cross_entropy(logits.float(), labels, reduction="none")
-        hits = logits.argmax(dim=-1) == labels
-        return torch.stack([losses.double(), torch.ones_like(losses, dtype=torch.float64), hits.double()], dim=1)
+    metric_names = ("eval_accuracy",)  # what the task's statistics add to eval_loss and eval_samples
 
-    def summarize(self, totals: dict[str, float], samples: int) -> dict[str, Any]:
-        """The eval metrics from the summed statistics (the summary.json keys)."""
-        items = max(totals["items"], 1)
-        return {"eval_loss": totals["loss_sum"] / items, "eval_accuracy": totals["correct"] / items,
-                "eval_samples": samples}
-
-    def _logits_and_labels(self, outputs: Any, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def stats_problem(self, outputs: Any, batch: Any) -> str | None:
+        """Why this task's per-sample statistics cannot come from these outputs and batch; None when they can."""
         logits, labels = logits_of(outputs), labels_of(batch)
         if logits is None:
-            raise ConfigError(f"{type(outputs).__name__} from the model holds no logits to evaluate; return a "
-                              "tensor or an output with .logits, or train without an eval set")
-        if labels is None:
-            raise ConfigError("an eval batch holds no labels (a tuple's second element or a 'labels' key); "
-                              "add them to the dataset or the collate_fn")
-        return logits, labels
+            return f"{type(outputs).__name__} from the model holds no logits"
+        if not isinstance(labels, torch.Tensor):
+            return "the batch holds no labels (a tuple's second element or a 'labels' key)"
+        soft = labels.is_floating_point() and labels.shape == logits.shape  # class probabilities
+        ids = not labels.is_floating_point() and labels.ndim == 1
+        if logits.ndim != 2 or not (soft or ids) or len(logits) != len(labels):
+            return (f"the model's logits of shape {tuple(logits.shape)} do not fit labels of shape "
+                    f"{tuple(labels.shape)} ({self.name} takes (batch, classes) logits and (batch,) class ids)")
+        return None
+
+    def eval_fits(self, outputs: Any, batch: Any) -> bool:
+        """Whether this task's statistics (``eval_accuracy``, ...) come from these outputs; decided at the first batch.
+
+        Without a loss of the user's they must (there would be no ``eval_loss``): bad input otherwise.
+        With one, ``eval_loss`` is that loss, and statistics that do not fit are left out, with one note.
+        """
+        if self._fits is None:
+            problem = self.stats_problem(outputs, batch)
+            if problem is not None and self.loss_fn is None:
+                raise ConfigError(f"{problem}, so the {self.name} task has no eval_loss; give a loss of your own "
+                                  "(--loss or loss_fn=; eval_loss is then that loss), the --task of these outputs, "
+                                  "or no eval set")
+            if problem is not None:
+                _warn_once(f"{problem}: {', '.join(self.metric_names)} left out of the evaluation; eval_loss is "
+                           f"{describe(self.loss_fn)}", kind="note")
+            self._fits = problem is None
+        return self._fits
+
+    @property
+    def stats_left_out(self) -> bool:
+        """True once :meth:`eval_fits` found that this task's statistics do not fit the model's outputs."""
+        return self._fits is False
+
+    def eval_stats(self, outputs: Any, batch: Any) -> torch.Tensor:
+        """``(B, 3)`` float64 per sample: loss sum, items, correct (here: cross-entropy, 1, hit)."""
+        logits, labels = logits_of(outputs), labels_of(batch)
+        losses = F.cross_entropy(logits.float(), labels, reduction="none")
+        targets = labels.argmax(dim=-1) if labels.is_floating_point() else labels  # probabilities: the likeliest
+        hits = logits.argmax(dim=-1) == targets
+        return torch.stack([losses.double(), torch.ones_like(losses, dtype=torch.float64), hits.double()], dim=1)
+
+    def eval_loss_sums(self, outputs: Any, batch: Any, samples: int) -> torch.Tensor:
+        """``(2,)`` float64: the user's loss over a batch of ``samples`` samples as (sum, items); a mean counts as
+        ``mean x samples`` over ``samples`` items."""
+        loss = self.user_loss(outputs, batch)
+        value = loss.value.detach().double()
+        if loss.items is None:
+            return torch.stack([value * samples, value.new_tensor(float(samples))])
+        return torch.stack([value, loss.items.double()])
+
+    def summarize(self, totals: dict[str, float], samples: int) -> dict[str, Any]:
+        """The eval metrics from the summed statistics (the summary.json keys); None where no item was counted."""
+        return {"eval_loss": per_item(totals["loss_sum"], totals["items"]),
+                "eval_accuracy": per_item(totals["correct"], totals["items"]), "eval_samples": samples}
+
+    # ---- user metrics
+
+    def fresh_metrics(self) -> list[Any]:
+        """Copies of the metric objects for one evaluation (``copy.deepcopy``); one that cannot be copied is named."""
+        copies = []
+        for metric in self.metrics:
+            try:
+                copies.append(copy.deepcopy(metric))
+            except Exception as err:  # noqa: BLE001 - whatever the object holds (files, locks, sockets)
+                raise ConfigError(
+                    f"metric {type(metric).__name__} cannot be copied (copy.deepcopy raised {type(err).__name__}: "
+                    f"{first_line(err)}); each evaluation starts from a fresh copy of it: keep open files, locks and "
+                    "threads out of it (open them in compute()), or give it a __deepcopy__") from None
+        return copies
 
     # ---- the check before anything is written
 
     @torch.no_grad()
-    def check(self, model: torch.nn.Module, batch: Any, evaluates: bool) -> None:
-        """Run the model once on a small batch in eval mode and check the loss (and eval statistics).
+    def check(self, model: torch.nn.Module, batch: Any, evaluates: bool, shapes_only: bool = False) -> None:
+        """Run the model once on a small batch in eval mode and check the loss, eval statistics and metrics.
 
-        Bad input (no loss, a non-scalar loss, no logits to evaluate) then ends the run with one
-        line before it writes anything, instead of at the first step. The RNG state is restored.
+        Bad input (no loss, a non-scalar loss or count, no logits to evaluate, a metric that returns no
+        numbers) then ends the run with one line before it writes anything, instead of at the first step
+        or evaluation. ``shapes_only``: ``(input, label)`` batches with the default cross-entropy only
+        need the logits to fit the labels. The RNG state is restored.
         """
         with _probing(model, batch):
             outputs = self.forward(model, batch)
-            if self.loss_fn is not None:
+            if shapes_only:
+                _check_logit_shapes(outputs, batch[1])
+            elif self.loss_fn is not None:
                 loss = self.user_loss(outputs, batch)
                 if loss.items is not None and loss.items.item() == 0 and loss.value.item() != 0:
                     raise ConfigError(empty_sum(self.loss_name()))
             else:
                 self.default_loss(outputs, batch)
             if evaluates:
-                self.eval_stats(outputs, batch)
-
-    @torch.no_grad()
-    def check_logits(self, model: torch.nn.Module, batch: Sequence[torch.Tensor]) -> None:
-        """``(input, label)`` batches with the default cross-entropy: the model's logits must fit the labels.
-
-        Shapes only, the same on every rank: a mismatch ends every rank with one line naming both.
-        """
-        with _probing(model, batch):
-            outputs = self.forward(model, batch)
-        logits, labels = logits_of(outputs), batch[1]
-        if logits is None:
-            raise ConfigError(f"the model returned {type(outputs).__name__} from forward; expected a tensor of logits "
-                              f"(batch, num_classes) for labels of shape {tuple(labels.shape)}")
-        soft_labels = labels.is_floating_point() and labels.shape == logits.shape  # class probabilities
-        if logits.ndim != 2 or (labels.ndim != 1 and not soft_labels) or logits.shape[0] != labels.shape[0]:
-            raise ConfigError(f"the model's output has shape {tuple(logits.shape)} but the labels have shape "
-                              f"{tuple(labels.shape)}; the model must return logits of shape "
-                              f"({labels.shape[0]}, num_classes)")
+                if self.eval_fits(outputs, batch):
+                    self.eval_stats(outputs, batch)
+                for metric in self.fresh_metrics():  # on this rank's probe batch: what compute() returns
+                    metric.update(outputs, batch)
+                    metric_values(metric)
 
 
 class SequenceClassificationTask(Task):
@@ -258,6 +305,19 @@ class CausalLMTask(Task):
                                 ignore_index=IGNORE_INDEX)
         return Loss(total, (labels != IGNORE_INDEX).sum())
 
+    metric_names = ("eval_perplexity", "eval_accuracy", "eval_tokens")
+
+    def stats_problem(self, outputs: Any, batch: Any) -> str | None:
+        logits, labels = logits_of(outputs), self._token_labels(batch)
+        if logits is None:
+            return f"{type(outputs).__name__} from the model holds no logits"
+        if labels is None:
+            return "the batch holds no 'input_ids' or 'labels'"
+        if logits.ndim != 3 or tuple(logits.shape[:2]) != tuple(labels.shape):
+            return (f"the model's logits of shape {tuple(logits.shape)} do not fit token labels of shape "
+                    f"{tuple(labels.shape)} (causal_lm takes (batch, length, vocabulary) logits)")
+        return None
+
     def eval_stats(self, outputs: Any, batch: Any) -> torch.Tensor:
         """Per sequence: summed next-token loss, tokens counted, tokens predicted right."""
         logits, labels = self._shifted(outputs, batch)
@@ -267,21 +327,26 @@ class CausalLMTask(Task):
         return torch.stack([losses.double().sum(1), valid.double().sum(1), hits.double().sum(1)], dim=1)
 
     def summarize(self, totals: dict[str, float], samples: int) -> dict[str, Any]:
-        loss = totals["loss_sum"] / max(totals["items"], 1)
-        return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 700.0)),  # exp overflows past ~709
-                "eval_accuracy": totals["correct"] / max(totals["items"], 1), "eval_samples": samples,
-                "eval_tokens": int(totals["items"])}
+        loss = per_item(totals["loss_sum"], totals["items"])  # None: no token to predict in the whole eval set
+        return {"eval_loss": loss, "eval_perplexity": None if loss is None else math.exp(min(loss, 700.0)),
+                "eval_accuracy": per_item(totals["correct"], totals["items"]), "eval_samples": samples,
+                "eval_tokens": int(totals["items"])}  # exp overflows past ~709
+
+    def _token_labels(self, batch: Any) -> torch.Tensor | None:
+        """``labels``, else ``input_ids`` with padding (``attention_mask`` 0) ignored; unshifted."""
+        labels = labels_of(batch)
+        if labels is None and isinstance(batch, Mapping) and "input_ids" in batch:
+            labels = batch["input_ids"]
+            if "attention_mask" in batch:
+                labels = labels.masked_fill(batch["attention_mask"] == 0, IGNORE_INDEX)
+        return labels
 
     def _shifted(self, outputs: Any, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
         logits = logits_of(outputs)
         if logits is None:
             raise ConfigError(f"{type(outputs).__name__} from the model holds no logits for --task causal_lm; "
                               "return (B, T, vocab) logits, or give your own --loss")
-        labels = labels_of(batch)
-        if labels is None and isinstance(batch, Mapping) and "input_ids" in batch:
-            labels = batch["input_ids"]
-            if "attention_mask" in batch:
-                labels = labels.masked_fill(batch["attention_mask"] == 0, IGNORE_INDEX)
+        labels = self._token_labels(batch)
         if labels is None:
             raise ConfigError("a causal_lm batch needs 'input_ids' (or 'labels'); tokenize the text column "
                               "(--text_column) or return them from the dataset")
@@ -347,12 +412,52 @@ def _shown(value: Any) -> str:
     """A returned value as an error line shows it: a tensor's shape (and dtype), else its type and value."""
     if isinstance(value, torch.Tensor):
         return f"a tensor of shape {tuple(value.shape)}" + (" (bool)" if value.dtype == torch.bool else "")
+    if isinstance(value, (list, tuple)):
+        return f"a {type(value).__name__} of {len(value)}"
     return f"{type(value).__name__} {value!r}"[:80] if isinstance(value, (str, int, float)) else type(value).__name__
 
 
-def _warn_once(message: str) -> None:
-    """A warning from the first rank only (every rank sees the same batches); callers make it once."""
+def _warn_once(message: str, kind: str = "warning") -> None:
+    """A warning (or note) from the first rank only (every rank sees the same batches); callers make it once."""
     from accelerate import PartialState
 
     if PartialState().is_main_process:
-        print(f"accel_ddp: warning: {message}", file=sys.stderr, flush=True)
+        print(f"accel_ddp: {kind}: {message}", file=sys.stderr, flush=True)
+
+
+def per_item(total: float, items: float) -> float | None:
+    """``total / items``; None when nothing was counted (an empty eval set, or texts without a token to predict)."""
+    return total / items if items else None
+
+
+def metric_values(metric: Any) -> dict[str, Any]:
+    """``metric.compute()``: a dict of numbers (one-element tensors become numbers, None stays None), else bad input."""
+    values, name = metric.compute(), type(metric).__name__
+    if not isinstance(values, Mapping):
+        raise ConfigError(f"metric {name}: compute() returned {_shown(values)}, not a dict of numbers; return "
+                          "e.g. {'top5': hits / seen}")
+    checked = {}
+    for key, value in values.items():
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            value = value.item()
+        if value is not None and not isinstance(value, numbers.Real):
+            raise ConfigError(f"metric {name}: compute() returned {key!r} as {_shown(value)}, not a number; return "
+                              "one number per key (e.g. a tensor's .mean().item(), or one key per class)")
+        checked[key] = value
+    return checked
+
+
+def _check_logit_shapes(outputs: Any, labels: torch.Tensor) -> None:
+    """``(input, label)`` batches with the default cross-entropy: the model's logits must fit the labels.
+
+    Shapes only, the same on every rank: a mismatch ends every rank with one line naming both.
+    """
+    logits = logits_of(outputs)
+    if logits is None:
+        raise ConfigError(f"the model returned {type(outputs).__name__} from forward; expected a tensor of logits "
+                          f"(batch, num_classes) for labels of shape {tuple(labels.shape)}")
+    soft_labels = labels.is_floating_point() and labels.shape == logits.shape  # class probabilities
+    if logits.ndim != 2 or (labels.ndim != 1 and not soft_labels) or logits.shape[0] != labels.shape[0]:
+        raise ConfigError(f"the model's output has shape {tuple(logits.shape)} but the labels have shape "
+                          f"{tuple(labels.shape)}; the model must return logits of shape "
+                          f"({labels.shape[0]}, num_classes)")

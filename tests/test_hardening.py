@@ -554,7 +554,7 @@ def bad_dataset(data_dir, download):
                                    "required argument: 'in_features')"),
     ("--model", "user_models:returns_a_number", "--model user_models:returns_a_number returned int; it must return "
                                                 "a torch.nn.Module"),
-    # Checked before training on two samples (tasks.Task.check_logits): a batch of 2.
+    # Checked before training on two samples (tasks.Task.check, shapes only): a batch of 2.
     ("--model", "user_models:three_d_output", "the model's output has shape (2, 10, 2) but the labels have shape "
                                               "(2,); the model must return logits of shape (2, num_classes)"),
     ("--model", "user_models:TupleOut", "the model returned tuple from forward; expected a tensor of logits "

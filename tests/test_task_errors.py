@@ -111,3 +111,269 @@ def test_max_length_1_for_a_causal_lm_is_refused(tmp_path, capfd):
     assert main(["--task", "causal_lm", "--max_length", "1", "--dataset", "hf", "--output_dir", str(out)]) == 2
     one_error(capfd, "--max_length 1 with --task causal_lm leaves no next token to predict", "--max_length 2 or more")
     assert nothing_written(out)
+
+
+# ----------------------------------------------------------------------------- a collate_fn that makes no batch
+
+
+def returns_none(samples):
+    return None
+
+
+def returns_the_samples(samples):
+    return list(samples)
+
+
+@pytest.mark.parametrize("collate, what", [
+    ("returns_none", "returned None, not a batch"),
+    ("returns_the_samples", "returned a list of 2 without a tensor (tuple), not a batch"),
+])
+def test_a_collate_fn_that_returns_no_batch_is_named_at_start_up(tmp_path, capfd, collate, what):
+    out = tmp_path / "out"
+    args = [*TINY, "--loader", "dataloader", "--collate_fn", f"tests.test_task_errors:{collate}",
+            "--output_dir", str(out)]
+    assert main_ranks(args) == [2, 2]
+    one_error(capfd, f"the collate_fn tests.test_task_errors:{collate} {what}; return a tuple (inputs, labels, ...)")
+    assert nothing_written(out)
+
+
+# ----------------------------------------------------------------------------- eval_loss is the user's loss
+
+VOCAB, LENGTH = 11, 6
+
+
+class TokenModel(torch.nn.Module):
+    """A user's own token-level model: (B, T) token ids in, (B, T, VOCAB) logits out."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.head = torch.nn.Embedding(VOCAB, 8), torch.nn.Linear(8, VOCAB)
+
+    def forward(self, tokens):
+        return self.head(torch.tanh(self.embed(tokens)))
+
+
+def token_sum(outputs, batch):
+    """The user's loss: cross-entropy summed over the tokens whose label is not -100, and their count."""
+    labels = batch[1]
+    loss = F.cross_entropy(outputs.flatten(0, 1), labels.flatten(), reduction="sum", ignore_index=-100)
+    return loss, (labels != -100).sum()
+
+
+def token_mean(outputs, batch):
+    return F.cross_entropy(outputs.flatten(0, 1), batch[1].flatten(), ignore_index=-100)
+
+
+def token_sets(count: int, seed: int) -> torch.utils.data.TensorDataset:
+    """Token sequences whose labels are the tokens shifted by one; a varying number of them ignored (-100)."""
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, VOCAB, (count, LENGTH), generator=generator)
+    labels = (tokens + 1) % VOCAB
+    cut = torch.randint(1, LENGTH + 1, (count, 1), generator=generator)
+    labels[torch.arange(LENGTH) >= cut] = -100
+    return torch.utils.data.TensorDataset(tokens, labels)
+
+
+def _evaluate_tokens(loss_fn, world: int, count: int = 37, batch_size: int = 4) -> list[dict]:
+    from accel_ddp import TrainConfig
+    from accel_ddp.data.loaders import build_eval_loader
+    from accel_ddp.evaluate import evaluate
+    from accel_ddp.tasks import build_task
+    from accel_ddp.world import build_accelerator
+    from tests.conftest import run_ranks
+
+    def fn():
+        accelerator, _, _ = build_accelerator(TrainConfig(global_batch_size=2))
+        torch.manual_seed(0)
+        model = accelerator.prepare(TokenModel())
+        loader = accelerator.prepare(build_eval_loader(token_sets(count, seed=1), batch_size, 0))
+        return evaluate(accelerator, model, loader, build_task("classification", loss_fn=loss_fn))
+
+    return run_ranks(fn, world_size=world)
+
+
+@pytest.mark.parametrize("loss_fn", [token_sum, token_mean])
+def test_eval_loss_is_the_user_loss_item_weighted_each_sample_once_at_any_world_size(loss_fn, capfd):
+    """37 sequences in batches of 4 on 2 ranks: the DataLoader repeats samples 0-2 in the last batch; the user's
+    batch-level loss is computed without them. A (sum, items) loss is token-weighted; a mean counts per sample."""
+    one, (rank0, rank1) = _evaluate_tokens(loss_fn, 1)[0], _evaluate_tokens(loss_fn, 2)
+    torch.manual_seed(0)
+    model = TokenModel().eval()
+    tokens, labels = token_sets(37, seed=1).tensors
+    with torch.no_grad():
+        if loss_fn is token_sum:  # every token once
+            expected = token_sum(model(tokens), (tokens, labels))
+            expected = (expected[0] / expected[1]).item()
+        else:  # each batch's mean counted once per sample of it
+            batches = [(tokens[i:i + 4], labels[i:i + 4]) for i in range(0, 37, 4)]
+            expected = sum(token_mean(model(x), (x, y)).item() * len(x) for x, y in batches) / 37
+    for result in (one, rank0, rank1):
+        assert result["eval_samples"] == 37
+        assert result["eval_loss"] == pytest.approx(expected, rel=1e-6), result
+        assert "eval_accuracy" not in result  # (B, T, V) logits are not (batch, classes)
+    assert rank0 == rank1
+    notes = [line for line in capfd.readouterr().err.splitlines() if "accel_ddp: note:" in line]
+    assert notes and all(note == notes[0] for note in notes)  # one per evaluating process (here: 3)
+    assert "eval_accuracy left out of the evaluation; eval_loss is tests.test_task_errors:" in notes[0]
+
+
+def test_a_token_level_model_with_its_own_loss_trains_and_reports_that_loss_without_a_traceback(tmp_path, capfd):
+    """The default task's cross-entropy does not fit (B, T, V) logits: once a traceback at start-up; now eval_loss
+    is the user's token-weighted loss, eval_accuracy is left out (null) with one note."""
+    from accel_ddp import TrainConfig, train
+    from tests.conftest import read_metrics, read_summary, run_ranks
+
+    def fn():
+        torch.manual_seed(0)
+        config = TrainConfig(global_batch_size=8, epochs=2, lr=0.05, output_dir=str(tmp_path))
+        return train(config, model=TokenModel(), train_dataset=token_sets(64, 0), eval_dataset=token_sets(21, 1),
+                     loss_fn=token_sum)
+
+    rank0, rank1 = run_ranks(fn)
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "accel_ddp: error" not in err
+    notes = [line for line in err.splitlines() if "accel_ddp: note:" in line]
+    assert notes == ["accel_ddp: note: the model's logits of shape (2, 6, 11) do not fit labels of shape (2, 6) "
+                     "(classification takes (batch, classes) logits and (batch,) class ids): eval_accuracy left out "
+                     "of the evaluation; eval_loss is tests.test_task_errors:token_sum"]
+    evals = [record for record in read_metrics(tmp_path) if "eval_loss" in record]
+    assert len(evals) == 2 and all("eval_accuracy" not in record for record in evals)
+    assert evals[-1]["eval_loss"] < evals[0]["eval_loss"]  # the user's loss, evaluated, went down
+    summary = read_summary(tmp_path)
+    assert summary["eval_accuracy"] is None and summary["eval_samples"] == 21
+    assert summary["eval_loss"] == rank0["eval_loss"] == rank1["eval_loss"] == evals[-1]["eval_loss"]
+
+
+def smoothed(outputs, batch):
+    return F.cross_entropy(outputs, batch[1], label_smoothing=0.3)
+
+
+def test_a_user_loss_on_class_logits_is_eval_loss_and_the_task_still_reports_accuracy():
+    from accel_ddp import TrainConfig
+    from accel_ddp.data.loaders import build_eval_loader
+    from accel_ddp.evaluate import evaluate
+    from accel_ddp.tasks import build_task
+    from accel_ddp.world import build_accelerator
+    from tests.conftest import run_ranks
+
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(37, 5, generator=generator)
+    y = (x[:, 0] > 0).long()
+
+    def fn():
+        accelerator, _, _ = build_accelerator(TrainConfig(global_batch_size=2))
+        torch.manual_seed(0)
+        model = accelerator.prepare(torch.nn.Linear(5, 3))
+        loader = accelerator.prepare(build_eval_loader(torch.utils.data.TensorDataset(x, y), 4, 0))
+        return [evaluate(accelerator, model, loader, build_task("classification", loss_fn=fn))
+                for fn in (None, smoothed)]
+
+    (default, user), _ = run_ranks(fn)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(5, 3)
+    with torch.no_grad():
+        logits = model(x)
+        expected = sum(smoothed(logits[i:i + 4], (x, y[i:i + 4])).item() * len(y[i:i + 4]) for i in range(0, 37, 4))
+    assert user["eval_loss"] == pytest.approx(expected / 37, rel=1e-6)
+    assert default["eval_loss"] == pytest.approx(F.cross_entropy(logits, y).item(), rel=1e-6)
+    assert user["eval_loss"] != pytest.approx(default["eval_loss"], rel=1e-3)
+    assert user["eval_accuracy"] == default["eval_accuracy"] == (logits.argmax(1) == y).double().mean().item()
+
+
+# ----------------------------------------------------------------------------- evaluations with nothing to count
+
+
+def test_eval_texts_without_a_token_to_predict_report_null_not_zero(tmp_path, capfd):
+    """One-token eval texts: nothing to predict. Not loss 0.0 and perplexity 1.0: null, and the line says so."""
+    pytest.importorskip("transformers")
+    from accel_ddp import TrainConfig, train
+    from tests.conftest import read_metrics, read_summary, run_ranks
+    from tests.test_tasks import Sequences, tiny_gpt
+
+    def fn():
+        torch.manual_seed(0)
+        config = TrainConfig(task="causal_lm", global_batch_size=8, max_steps=4, output_dir=str(tmp_path))
+        return train(config, model=tiny_gpt(), train_dataset=Sequences(32), eval_dataset=Sequences(9, 1, 1, 1))
+
+    summary = run_ranks(fn)[0]
+    for figures in (summary, read_summary(tmp_path), read_metrics(tmp_path)[-1]):
+        assert figures["eval_samples"] == 9 and figures["eval_tokens"] == 0
+        assert figures["eval_loss"] is figures["eval_perplexity"] is figures["eval_accuracy"] is None, figures
+    assert "step 4 epoch 0: no eval items (9 samples)" in capfd.readouterr().out
+
+
+def empty_eval(data_dir, download):
+    from accel_ddp.data import DatasetBundle
+
+    x = torch.randn(32, 4)
+    return DatasetBundle(torch.utils.data.TensorDataset(x, (x[:, 0] > 0).long()),
+                         torch.utils.data.TensorDataset(x[:0], torch.zeros(0, dtype=torch.long)), 2, (4,))
+
+
+def test_an_empty_eval_set_is_refused_at_start_up(tmp_path, capfd):
+    out = tmp_path / "out"
+    args = ["--dataset", "tests.test_task_errors:empty_eval", "--global_batch_size", "8", "--output_dir", str(out)]
+    assert main_ranks(args) == [2, 2]
+    one_error(capfd, "the eval set (TensorDataset) holds no samples, so there is nothing to evaluate; give it "
+                     "samples, or train without one")
+    assert nothing_written(out)
+
+
+# ----------------------------------------------------------------------------- user metrics
+
+
+class Counts:
+    """A metric whose compute() returns ``value``; ``lock`` makes it one that cannot be deep-copied."""
+
+    def __init__(self, value, lock: bool = False):
+        import threading
+
+        self.value, self.seen = value, 0
+        self.lock = threading.Lock() if lock else None
+
+    def update(self, outputs, batch):
+        self.seen += len(batch[1])
+
+    def compute(self):
+        return {"seen": torch.tensor(self.seen), "extra": self.value}  # a one-element tensor is a number
+
+
+@pytest.mark.parametrize("metric, message", [
+    (Counts([1, 2]), "metric Counts: compute() returned 'extra' as a list of 2, not a number; return one number"),
+    (Counts(torch.ones(3)), "metric Counts: compute() returned 'extra' as a tensor of shape (3,), not a number"),
+    (Counts("high"), "metric Counts: compute() returned 'extra' as str 'high', not a number"),
+    (Counts(1.0, lock=True), "metric Counts cannot be copied (copy.deepcopy raised TypeError: cannot pickle "
+                             "'_thread.lock' object); each evaluation starts from a fresh copy of it"),
+])
+def test_a_metric_that_returns_no_numbers_or_cannot_be_copied_is_named_at_start_up(tmp_path, metric, message):
+    from accel_ddp import TrainConfig, train
+    from accel_ddp.validation import ConfigError
+    from tests.conftest import run_ranks
+
+    def fn():
+        x = torch.randn(32, 4)
+        data = torch.utils.data.TensorDataset(x, (x[:, 0] > 0).long())
+        try:
+            train(TrainConfig(global_batch_size=8, output_dir=str(tmp_path / "out")), train_dataset=data,
+                  eval_dataset=data, metrics=[metric])
+        except ConfigError as err:
+            return str(err)
+
+    rank0, rank1 = run_ranks(fn)
+    assert rank0 == rank1 and rank0.startswith(message), rank0
+    assert nothing_written(tmp_path / "out")
+
+
+def test_a_metric_of_one_element_tensors_and_none_is_reported_as_numbers_and_null(tmp_path):
+    from accel_ddp import TrainConfig, train
+    from tests.conftest import read_summary, run_ranks
+
+    def fn():
+        x = torch.randn(32, 4)
+        data = torch.utils.data.TensorDataset(x, (x[:, 0] > 0).long())
+        return train(TrainConfig(global_batch_size=8, epochs=1, output_dir=str(tmp_path)), train_dataset=data,
+                     eval_dataset=data, metrics=[Counts(None)])
+
+    summary = run_ranks(fn, world_size=1)[0]
+    assert summary["eval_seen"] == 32 and type(summary["eval_seen"]) is int and summary["eval_extra"] is None
+    assert read_summary(tmp_path)["eval_extra"] is None
