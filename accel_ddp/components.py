@@ -17,6 +17,7 @@ from accelerate import Accelerator
 from accelerate.utils import send_to_device
 from torch.utils.data import Dataset, IterableDataset, Subset
 
+from accel_ddp import label_check
 from accel_ddp.config import DEBUG_MAX_STEPS, TEXT_TASKS, TrainConfig
 from accel_ddp.data import HFSource, build_datasets
 from accel_ddp.data.loaders import first_samples
@@ -136,12 +137,15 @@ def _infer_num_classes(dataset: Dataset) -> int:
     raise ConfigError("cannot tell the number of classes of train_dataset; pass model= built for it")
 
 
-def probe_task(task: Task, accelerator: Accelerator, model, data: Data, evaluates: bool) -> None:
+def probe_task(task: Task, accelerator: Accelerator, model, data: Data, evaluates: bool, loaders=None) -> None:
     """One forward of two training samples: a collate_fn that makes no batch, a missing or non-scalar loss,
-    logits that do not fit the labels, a metric that returns no numbers, is bad input, reported before any write.
+    logits that do not fit the labels, a metric that returns no numbers, labels or token ids the model cannot
+    take, is bad input, reported before any write.
 
     Tuple samples with the default cross-entropy only need their shapes checked: the model runs without
-    torch.compile's wrapper, which would otherwise compile an extra graph for it.
+    torch.compile's wrapper, which would otherwise compile an extra graph for it. With ``loaders``, the
+    labels the probe found out of range are checked over the in-memory sets now, and over each host
+    batch of the other loaders later (:mod:`accel_ddp.label_check`).
     """
     collate = data.collate_fn or torch.utils.data.default_collate
     with torch.random.fork_rng(devices=[]):  # a sample's augmentation draws: the run's RNG stream stays as it was
@@ -149,9 +153,15 @@ def probe_task(task: Task, accelerator: Accelerator, model, data: Data, evaluate
     if (problem := not_a_batch(batch)) is not None:
         raise ConfigError(f"the collate_fn {describe(collate)} returned {problem}, not a batch; return a tuple "
                           "(inputs, labels, ...) or a dict of tensors (torch.utils.data.default_collate makes one)")
+    forward = label_check.forward_ranges(task, model)
+    if (line := label_check.problem(forward, batch, lambda row: f"training sample {row}")) is not None:
+        raise ConfigError(line)  # before the forward that it would crash
     batch = send_to_device(batch, accelerator.device)
     shapes_only = data.input_shape is not None and task.loss_fn is None
-    task.check(getattr(model, "_orig_mod", model) if shapes_only else model, batch, evaluates, shapes_only)
+    outputs = task.check(getattr(model, "_orig_mod", model) if shapes_only else model, batch, evaluates, shapes_only)
+    if loaders is not None:
+        figures = label_check.figure_ranges(task, outputs, batch)
+        label_check.check_before_training(task, forward, figures, data, loaders)
 
 
 def not_a_batch(batch: Any) -> str | None:

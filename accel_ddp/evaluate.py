@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sized
 from typing import Any
 
 import torch
 from accelerate import Accelerator
+from accelerate.utils import send_to_device
 
-from accel_ddp.tasks import EVAL_FIELDS, IGNORE_INDEX, Task, build_task, metric_values, per_item
+from accel_ddp.data.bundle import DataError
+from accel_ddp.task_checks import metric_values
+from accel_ddp.tasks import EVAL_FIELDS, IGNORE_INDEX, Task, build_task, per_item
 
 
 @torch.no_grad()
@@ -40,7 +43,9 @@ def evaluate(accelerator: Accelerator, model: torch.nn.Module, loader, task: Tas
     user_sums = torch.zeros(2, device=accelerator.device, dtype=torch.float64)  # this rank's: loss sum, items
     count = 0  # a host-side int: sample counts need no device sync
     metrics = task.fresh_metrics()
-    for batch in loader:
+    check = getattr(loader, "batch_check", None)  # labels the model cannot take (accel_ddp.label_check)
+    for index, batch in enumerate(loader):
+        batch = _on_device(accelerator, loader, index, batch, check)
         outputs = task.forward(model, batch)
         size = _batch_size((outputs, batch))
         fits = task.eval_fits(outputs, batch)
@@ -73,6 +78,24 @@ def evaluate(accelerator: Accelerator, model: torch.nn.Module, loader, task: Tas
         for name, value in metric_values(metric).items():
             results[name if name.startswith("eval_") else f"eval_{name}"] = value
     return results
+
+
+def _on_device(accelerator: Accelerator, loader, index: int, batch: Any, check) -> Any:
+    """An eval batch checked on the host (``check(batch, where)``), then copied to the device."""
+    if check is not None:
+        def where(row: int) -> str:  # Accelerate's BatchSamplerShard deals batch b * world + rank to this rank
+            size, rank = _batch_size((None, batch)), accelerator.process_index
+            total = len(loader.dataset) if isinstance(getattr(loader, "dataset", None), Sized) else 0
+            if not total:
+                return f"sample {row} of eval batch {index} on rank {rank}"
+            return f"eval sample {((index * accelerator.num_processes + rank) * size + row) % total}"
+
+        try:
+            check(batch, where)
+        except DataError as err:
+            err.only_this_rank = True  # no other rank holds this batch: this one says what is wrong
+            raise
+    return batch if accelerator.device.type == "cpu" else send_to_device(batch, accelerator.device, non_blocking=True)
 
 
 def real_samples(accelerator: Accelerator, gathered: int, size: int) -> int:

@@ -180,7 +180,7 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
                                 fused=use_fused_optimizer(cfg.optimizer, accelerator.device.type, accelerator.is_fsdp2))
     scheduler = build_lr_scheduler(optimizer, cfg.lr_schedule, cfg.warmup_steps, plan.total_steps)
     model, optimizer, scheduler = prepare(accelerator, model, optimizer, scheduler)
-    probe_task(task, accelerator, model, data, evaluates=eval_loader is not None)
+    probe_task(task, accelerator, model, data, evaluates=eval_loader is not None, loaders=loaders)
     startup.mark("optimizer_and_prepare")
 
     # The input is checked. Before anything is written: the folder is created, and ours alone until we exit.

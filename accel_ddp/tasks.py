@@ -28,10 +28,8 @@ and next-token ``eval_accuracy``. User metric objects (``train(..., metrics=[...
 
 from __future__ import annotations
 
-import copy
 import inspect
 import math
-import numbers
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -41,8 +39,8 @@ import torch
 import torch.nn.functional as F
 from accelerate.utils import extract_model_from_parallel
 
-from accel_ddp.failure import first_line
 from accel_ddp.registry import describe
+from accel_ddp.task_checks import check_count, check_scalar, fresh_copies, metric_values
 from accel_ddp.update import empty_sum
 from accel_ddp.validation import ConfigError
 
@@ -158,10 +156,10 @@ class Task:
         name = describe(self.loss_fn)
         if isinstance(result, (tuple, list)) and len(result) == 2:
             total, items = result
-            _check_scalar(total, name, "a (sum, num_items) pair whose sum is")
-            _check_count(items, name)
+            check_scalar(total, name, "a (sum, num_items) pair whose sum is")
+            check_count(items, name)
             return Loss(total.reshape(()), torch.as_tensor(items, device=total.device).detach().reshape(()))
-        _check_scalar(result, name, "")
+        check_scalar(result, name, "")
         return Loss(result.reshape(()))
 
     def default_loss(self, outputs: Any, batch: Any) -> Loss:
@@ -205,10 +203,15 @@ class Task:
                                   "(--loss or loss_fn=; eval_loss is then that loss), the --task of these outputs, "
                                   "or no eval set")
             if problem is not None:
-                _warn_once(f"{problem}: {', '.join(self.metric_names)} left out of the evaluation; eval_loss is "
-                           f"{describe(self.loss_fn)}", kind="note")
+                self.leave_out_stats(problem)
             self._fits = problem is None
         return self._fits
+
+    def leave_out_stats(self, reason: str) -> None:
+        """With a user loss: this task's figures do not fit this model or data; say so once and leave them out."""
+        _warn_once(f"{reason}: {', '.join(self.metric_names)} left out of the evaluation; eval_loss is "
+                   f"{describe(self.loss_fn)}", kind="note")
+        self._fits = False
 
     @property
     def stats_left_out(self) -> bool:
@@ -241,27 +244,18 @@ class Task:
 
     def fresh_metrics(self) -> list[Any]:
         """Copies of the metric objects for one evaluation (``copy.deepcopy``); one that cannot be copied is named."""
-        copies = []
-        for metric in self.metrics:
-            try:
-                copies.append(copy.deepcopy(metric))
-            except Exception as err:  # noqa: BLE001 - whatever the object holds (files, locks, sockets)
-                raise ConfigError(
-                    f"metric {type(metric).__name__} cannot be copied (copy.deepcopy raised {type(err).__name__}: "
-                    f"{first_line(err)}); each evaluation starts from a fresh copy of it: keep open files, locks and "
-                    "threads out of it (open them in compute()), or give it a __deepcopy__") from None
-        return copies
+        return fresh_copies(self.metrics)
 
     # ---- the check before anything is written
 
     @torch.no_grad()
-    def check(self, model: torch.nn.Module, batch: Any, evaluates: bool, shapes_only: bool = False) -> None:
+    def check(self, model: torch.nn.Module, batch: Any, evaluates: bool, shapes_only: bool = False) -> Any:
         """Run the model once on a small batch in eval mode and check the loss, eval statistics and metrics.
 
         Bad input (no loss, a non-scalar loss or count, no logits to evaluate, a metric that returns no
         numbers) then ends the run with one line before it writes anything, instead of at the first step
         or evaluation. ``shapes_only``: ``(input, label)`` batches with the default cross-entropy only
-        need the logits to fit the labels. The RNG state is restored.
+        need the logits to fit the labels. The RNG state is restored. Returns the model's outputs.
         """
         with _probing(model, batch):
             outputs = self.forward(model, batch)
@@ -274,11 +268,11 @@ class Task:
             else:
                 self.default_loss(outputs, batch)
             if evaluates:
-                if self.eval_fits(outputs, batch):
-                    self.eval_stats(outputs, batch)
+                self.eval_fits(outputs, batch)  # shapes: its labels' range is checked next (accel_ddp.label_check)
                 for metric in self.fresh_metrics():  # on this rank's probe batch: what compute() returns
                     metric.update(outputs, batch)
                     metric_values(metric)
+        return outputs
 
 
 class SequenceClassificationTask(Task):
@@ -393,30 +387,6 @@ def batch_device(batch: Any) -> torch.device:
     return next(v.device for v in values if isinstance(v, torch.Tensor))
 
 
-def _check_scalar(value: Any, name: str, what: str) -> None:
-    if not isinstance(value, torch.Tensor) or value.numel() != 1:
-        raise ConfigError(f"the loss function {name} returned {what} {_shown(value)}, not a scalar; return a mean "
-                          "(e.g. losses.mean()) or a (losses.sum(), num_items) pair".replace("  ", " "))
-
-
-def _check_count(items: Any, name: str) -> None:
-    """``num_items`` of a ``(sum, num_items)`` loss: a number or a one-element tensor, not a flag or a list."""
-    number = isinstance(items, (int, float)) and not isinstance(items, bool)
-    if not (number or isinstance(items, torch.Tensor) and items.numel() == 1 and items.dtype != torch.bool):
-        raise ConfigError(f"the loss function {name} returned a (sum, num_items) pair whose num_items is "
-                          f"{_shown(items)}, not a count; return the number of items the sum adds up, e.g. "
-                          "(losses.sum(), mask.sum())")
-
-
-def _shown(value: Any) -> str:
-    """A returned value as an error line shows it: a tensor's shape (and dtype), else its type and value."""
-    if isinstance(value, torch.Tensor):
-        return f"a tensor of shape {tuple(value.shape)}" + (" (bool)" if value.dtype == torch.bool else "")
-    if isinstance(value, (list, tuple)):
-        return f"a {type(value).__name__} of {len(value)}"
-    return f"{type(value).__name__} {value!r}"[:80] if isinstance(value, (str, int, float)) else type(value).__name__
-
-
 def _warn_once(message: str, kind: str = "warning") -> None:
     """A warning (or note) from the first rank only (every rank sees the same batches); callers make it once."""
     from accelerate import PartialState
@@ -428,23 +398,6 @@ def _warn_once(message: str, kind: str = "warning") -> None:
 def per_item(total: float, items: float) -> float | None:
     """``total / items``; None when nothing was counted (an empty eval set, or texts without a token to predict)."""
     return total / items if items else None
-
-
-def metric_values(metric: Any) -> dict[str, Any]:
-    """``metric.compute()``: a dict of numbers (one-element tensors become numbers, None stays None), else bad input."""
-    values, name = metric.compute(), type(metric).__name__
-    if not isinstance(values, Mapping):
-        raise ConfigError(f"metric {name}: compute() returned {_shown(values)}, not a dict of numbers; return "
-                          "e.g. {'top5': hits / seen}")
-    checked = {}
-    for key, value in values.items():
-        if isinstance(value, torch.Tensor) and value.numel() == 1:
-            value = value.item()
-        if value is not None and not isinstance(value, numbers.Real):
-            raise ConfigError(f"metric {name}: compute() returned {key!r} as {_shown(value)}, not a number; return "
-                              "one number per key (e.g. a tensor's .mean().item(), or one key per class)")
-        checked[key] = value
-    return checked
 
 
 def _check_logit_shapes(outputs: Any, labels: torch.Tensor) -> None:

@@ -7,6 +7,7 @@ known (the start-up probe where it can), or a figure reported as missing (null),
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -377,3 +378,178 @@ def test_a_metric_of_one_element_tensors_and_none_is_reported_as_numbers_and_nul
     summary = run_ranks(fn, world_size=1)[0]
     assert summary["eval_seen"] == 32 and type(summary["eval_seen"]) is int and summary["eval_extra"] is None
     assert read_summary(tmp_path)["eval_extra"] is None
+
+
+# ----------------------------------------------------------------------------- labels the model cannot take
+
+
+def _classes(count: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(count, 4, generator=generator)
+    return x, torch.randint(0, 10, (count,), generator=generator)
+
+
+def bad_train_label(data_dir, download):
+    """10 classes, but training sample 37 is labelled 12."""
+    from accel_ddp.data import DatasetBundle
+
+    (x, y), (ex, ey) = _classes(64, 0), _classes(16, 1)
+    y[37] = 12
+    return DatasetBundle(torch.utils.data.TensorDataset(x, y), torch.utils.data.TensorDataset(ex, ey), 10, (4,))
+
+
+def bad_eval_label(data_dir, download):
+    """10 classes, but eval sample 5 is labelled -3."""
+    from accel_ddp.data import DatasetBundle
+
+    (x, y), (ex, ey) = _classes(64, 0), _classes(16, 1)
+    ey[5] = -3
+    return DatasetBundle(torch.utils.data.TensorDataset(x, y), torch.utils.data.TensorDataset(ex, ey), 10, (4,))
+
+
+@pytest.mark.parametrize("dataset, loader, message", [
+    ("bad_train_label", "auto", "training sample 37 has label 12, outside the model's 10 classes (0 to 9); fix the "
+                                "label or give the model 13 outputs or more"),
+    ("bad_train_label", "dataloader", "training sample 37 has label 12, outside the model's 10 classes"),
+    ("bad_eval_label", "auto", "eval sample 5 has label -3, outside the model's 10 classes (0 to 9); fix the label "
+                               "(-100 is ignored)"),
+])
+def test_an_in_memory_label_the_model_cannot_take_is_named_at_start_up_on_every_rank(tmp_path, capfd, dataset,
+                                                                                       loader, message):
+    """Once an IndexError on one rank and a gloo traceback on the other (on CUDA a device-side assert)."""
+    out = tmp_path / "out"
+    args = ["--dataset", f"tests.test_task_errors:{dataset}", "--hidden_size", "8", "--global_batch_size", "8",
+            "--loader", loader, "--output_dir", str(out)]
+    assert main_ranks(args) == [2, 2]
+    one_error(capfd, message)
+    assert nothing_written(out)
+
+
+class Rows(torch.utils.data.Dataset):
+    """A map-style dataset read per sample (the DataLoader path, labels seen batch by batch)."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor):
+        self.x, self.y = x, y
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, index: int):
+        return self.x[index], self.y[index]
+
+
+BAD_POSITION = 3 * 8 + 5  # step 4 (0-based 3) of epoch 0 with 2 ranks x 4: micro-step 3 of rank (29 // 4) % 2 = 1
+
+
+def bad_row_label(data_dir, download):
+    from accel_ddp.data import DatasetBundle
+    from accel_ddp.data.sampler import epoch_order
+
+    (x, y), (ex, ey) = _classes(64, 0), _classes(16, 1)
+    y[int(epoch_order(64, 64, seed=0, epoch=0)[BAD_POSITION])] = 10
+    return DatasetBundle(Rows(x, y), Rows(ex, ey), 10, (4,))
+
+
+def test_a_label_out_of_range_on_the_dataloader_path_is_named_by_the_rank_that_reads_it(tmp_path, capfd):
+    """Checked on the host before the copy to the device: no device sync; that rank exits 2 with one line."""
+    from accel_ddp.data.sampler import epoch_order
+    from accel_ddp.loop import main
+    from tests.conftest import run_ranks
+    from tests.multiproc import RankFailed
+
+    out = tmp_path / "out"
+    args = ["--dataset", "tests.test_task_errors:bad_row_label", "--hidden_size", "8", "--global_batch_size", "8",
+            "--num_workers", "0", "--checkpointing_steps", "2", "--output_dir", str(out)]
+
+    def run() -> int:
+        code = main(args)
+        (tmp_path / f"exit{os.environ.get('RANK')}").write_text(str(code))
+        return code
+
+    with pytest.raises(RankFailed) as failed:  # rank 0 waited for rank 1 in a collective: gloo tells it rank 1 left
+        run_ranks(run, grace=20)
+    assert set(failed.value.failures) == {0} and (tmp_path / "exit1").read_text() == "2"
+    index = int(epoch_order(64, 64, seed=0, epoch=0)[BAD_POSITION])
+    lines = [line for line in error_lines(capfd.readouterr().err) if line.startswith("accel_ddp: error")]
+    assert lines == [f"accel_ddp: error: training sample {index} (epoch 0, optimizer step 4, rank 1) has label 10, "
+                     "outside the model's 10 classes (0 to 9); fix the label or give the model 11 outputs or more"]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000002"]  # step 4 was never saved
+
+
+def bad_eval_row(data_dir, download):
+    from accel_ddp.data import DatasetBundle
+
+    (x, y), (ex, ey) = _classes(64, 0), _classes(16, 1)
+    ey[11] = 30
+    return DatasetBundle(Rows(x, y), Rows(ex, ey), 10, (4,))
+
+
+def test_an_eval_label_out_of_range_on_the_eval_dataloader_is_named_before_the_copy(tmp_path, capfd):
+    from accel_ddp.loop import main
+
+    out = tmp_path / "out"
+    args = ["--dataset", "tests.test_task_errors:bad_eval_row", "--hidden_size", "8", "--global_batch_size", "8",
+            "--eval_batch_size", "4", "--num_workers", "0", "--output_dir", str(out)]
+    assert main(args) == 2
+    one_error(capfd, "eval sample 11 has label 30, outside the model's 10 classes (0 to 9)")
+    assert not (out / "model.safetensors").exists() and not (out / "summary.json").exists()
+
+
+def regression(outputs, batch):
+    """A user's loss on integer targets beyond the model's outputs: what the labels mean is its business."""
+    return F.mse_loss(outputs[:, 0], batch[1].float())
+
+
+def test_with_a_users_loss_labels_beyond_the_outputs_leave_the_task_figures_out_with_a_note(tmp_path, capfd):
+    from accel_ddp import TrainConfig, train
+    from tests.conftest import run_ranks
+
+    def fn():
+        (x, y), (ex, ey) = _classes(64, 0), _classes(16, 1)
+        y, ey = y % 2, ey % 2
+        y[3], ey[4] = 15, 20
+        config = TrainConfig(model="mlp", hidden_size=8, global_batch_size=8, epochs=1, output_dir=str(tmp_path))
+        return train(config, model=torch.nn.Linear(4, 2), train_dataset=torch.utils.data.TensorDataset(x, y),
+                     eval_dataset=torch.utils.data.TensorDataset(ex, ey), loss_fn=regression)
+
+    summary = run_ranks(fn)[0]
+    assert summary["eval_accuracy"] is None and summary["eval_loss"] > 0 and summary["eval_samples"] == 16
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "accel_ddp: error" not in err
+    assert [line for line in err.splitlines() if "accel_ddp: note" in line] == [
+        "accel_ddp: note: eval sample 4 has label 20, outside the model's 2 classes (0 to 1); fix the label or give "
+        "the model 21 outputs or more: eval_accuracy left out of the evaluation; eval_loss is "
+        "tests.test_task_errors:regression"]
+
+
+def token_sets_beyond(data_dir, download):
+    """causal_lm samples with token ids up to 47; sample 21 holds 47."""
+    pytest.importorskip("transformers")
+    from accel_ddp.data import DatasetBundle
+    from tests.test_tasks import Sequences
+
+    train, evals = Sequences(40), Sequences(8, seed=1)
+    for rows in (train.rows, evals.rows):
+        for row in rows:
+            row.clamp_(max=30)
+    train.rows[21][1] = 47
+    return DatasetBundle(train, evals, 2, (16,))
+
+
+def small_vocabulary_gpt(num_classes, input_shape):
+    from tests.test_tasks import tiny_gpt
+
+    return tiny_gpt(vocab=40)
+
+
+def test_token_ids_beyond_the_models_vocabulary_are_named_before_the_embedding_fails(tmp_path, capfd):
+    from accel_ddp.loop import main
+
+    out = tmp_path / "out"
+    args = ["--task", "causal_lm", "--dataset", "tests.test_task_errors:token_sets_beyond", "--model",
+            "tests.test_task_errors:small_vocabulary_gpt", "--global_batch_size", "40", "--num_workers", "0",
+            "--output_dir", str(out)]
+    assert main(args) == 2
+    one_error(capfd, "training sample 21 (epoch 0, optimizer step 1, rank 0) has token id 47 in 'input_ids', "
+                     "outside the model's vocabulary of 40 (its embedding size); tokenize with the model's own "
+                     "tokenizer (--tokenizer), or resize its embeddings")

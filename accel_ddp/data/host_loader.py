@@ -147,15 +147,24 @@ class HostLoader(GlobalBatchLoader):
             generator=torch.Generator().manual_seed(seed),
         )
 
+    batch_check = None  # set after the start-up probe: check(batch, where) on each host batch (accel_ddp.label_check)
+
     def __iter__(self) -> Iterator[Any]:
-        epoch = self.sampler.epoch
+        epoch, first = self.sampler.epoch, self.sampler.start
         on_cpu = self.device.type == "cpu"
         if not on_cpu:
             from accelerate.utils import send_to_device
         try:
-            for batch in self.loader:
+            for micro_step, batch in enumerate(self.loader, start=first):
+                if self.batch_check is not None:  # on the host, before the copy: no device sync
+                    self.batch_check(batch, lambda row, step=micro_step: self._sample_name(epoch, step, row))
                 yield batch if on_cpu else send_to_device(batch, self.device, non_blocking=True)
         except DataError as err:
             err.only_this_rank = True  # no other rank reads this batch: this one must say what went wrong
             raise
         self.sampler.set_epoch(epoch + 1)
+
+    def _sample_name(self, epoch: int, micro_step: int, row: int) -> str:
+        index = int(self.sampler.rank_indices(epoch)[micro_step, row])
+        step = epoch * self.steps_per_epoch + micro_step // self.accumulation + 1
+        return f"training sample {index} (epoch {epoch}, optimizer step {step}, rank {self.sampler.rank})"

@@ -203,3 +203,15 @@ def is_in_memory(dataset: Dataset) -> bool:
     return isinstance(dataset, InMemoryDataset) or (
         isinstance(dataset, TensorDataset) and len(dataset.tensors) == 2
     )
+
+
+def in_memory_labels(dataset: Dataset) -> torch.Tensor | None:
+    """The labels of a dataset :func:`as_in_memory` takes, as stored (without copying its inputs), or None."""
+    if isinstance(dataset, InMemoryDataset):
+        return dataset.labels
+    if isinstance(dataset, TensorDataset) and len(dataset.tensors) == 2:
+        return dataset.tensors[1]
+    if isinstance(dataset, Subset):
+        inner = in_memory_labels(dataset.dataset)
+        return None if inner is None else inner[torch.as_tensor(list(dataset.indices), dtype=torch.long)]
+    return None

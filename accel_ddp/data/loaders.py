@@ -151,7 +151,9 @@ def build_loaders(
         eval_loader = DeviceEvalLoader(eval_dataset, eval_batch_size, rank=rank, world_size=world,
                                        device=accelerator.device)
     elif eval_dataset is not None:
-        eval_loader = accelerator.prepare(build_eval_loader(eval_dataset, eval_batch_size, num_workers, collate_fn))
+        # Batches stay on the host: evaluate() checks their labels there (loader.batch_check), then copies them.
+        eval_loader = accelerator.prepare_data_loader(
+            build_eval_loader(eval_dataset, eval_batch_size, num_workers, collate_fn), device_placement=False)
     return Loaders(train_loader, eval_loader, kind, source, train_loader.steps_per_epoch)
 
 

@@ -117,6 +117,8 @@ class StreamingLoader:
     Registers its checkpoint hooks with ``accelerator`` (a JSON file per rank; nothing unpickled).
     """
 
+    batch_check = None  # set after the start-up probe: check(batch, where) on each host batch (accel_ddp.label_check)
+
     def __init__(self, source: StreamSource, per_device_batch_size: int, global_batch_size: int, *,
                  max_steps: int | None, seed: int, rank: int = 0, world_size: int = 1,
                  device: torch.device | str = "cpu", num_workers: int | None = None,
@@ -205,6 +207,8 @@ class StreamingLoader:
         try:
             for _ in range(self.accumulation):
                 step.append(next(batches))
+                if self.batch_check is not None:  # on the host, before the copy; every rank then stops at this step
+                    self.batch_check(step[-1][0], self._example_name)
         except StopIteration:
             return step, _ENDED, None, None
         except DataError as err:
@@ -214,6 +218,10 @@ class StreamingLoader:
         except Exception as err:  # noqa: BLE001 - a bug (a user's collate_fn, ours): raised once every rank knows
             return step, _FAILED, None, err
         return step, _HAVE, None, None
+
+    def _example_name(self, row: int) -> str:
+        return (f"streaming: example {row} of a micro-batch of rank {self.rank} at optimizer step "
+                f"{self.steps_in_pass + 1} of pass {self.data_epoch}")
 
     def _agree(self, status: int) -> int:
         """The worst status over the ranks: one CPU all-reduce per optimizer step."""
