@@ -83,9 +83,14 @@ def first_out_of_range(ranges: list[IdRange], batch: Any) -> tuple[IdRange, int,
         values = _field(batch, found.key)
         if not isinstance(values, torch.Tensor) or values.is_floating_point() or values.dtype == torch.bool:
             continue
-        bad = (values >= found.limit) | ((values < 0) & (values != IGNORE_INDEX))
-        if not bool(bad.any()):
+        if values.numel() == 0:
             continue
+        low, high = (int(v) for v in torch.aminmax(values))  # one pass; the mask below only when one is bad
+        if low == IGNORE_INDEX:  # padding and prompts count for nothing: the smallest id that counts
+            low = int(values.masked_fill(values == IGNORE_INDEX, 0).min())
+        if 0 <= low and high < found.limit:
+            continue
+        bad = (values >= found.limit) | ((values < 0) & (values != IGNORE_INDEX))
         per_row = (lambda t: t.reshape(len(t), -1)) if values.ndim else (lambda t: t.reshape(1, 1))
         rows, ids = per_row(bad), per_row(values)
         row = int(rows.any(dim=1).nonzero()[0])

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.conftest import main_ranks
+from tests.test_data import quick_stream_ends  # noqa: F401 - a fixture
 
 TINY = ["--dataset", "synthetic", "--synthetic_samples", "64", "--synthetic_shape", "4", "--hidden_size", "8",
         "--global_batch_size", "16", "--epochs", "1"]
@@ -553,3 +554,44 @@ def test_token_ids_beyond_the_models_vocabulary_are_named_before_the_embedding_f
     one_error(capfd, "training sample 21 (epoch 0, optimizer step 1, rank 0) has token id 47 in 'input_ids', "
                      "outside the model's vocabulary of 40 (its embedding size); tokenize with the model's own "
                      "tokenizer (--tokenizer), or resize its embeddings")
+
+
+def _decode_with_a_bad_label(columns, where):
+    return [(torch.tensor([float(i)]), 12 if i == 24 else i % 10) for i in columns["idx"]]
+
+
+@pytest.mark.usefixtures("quick_stream_ends")
+def test_a_label_out_of_range_while_streaming_stops_every_rank_at_the_same_step_with_one_line(tmp_path):
+    """Rank 1's third micro-batch holds example 24, labelled 12 for a model of 10 classes: checked on the host before
+    the copy, reported like bad data (every rank stops before that step, with rank 1's line)."""
+    from tests.conftest import run_ranks
+    from tests.test_data import _write_shards
+
+    files = _write_shards(tmp_path / "s", [20, 20, 20, 20])  # rank 1 reads files 1 and 3: examples 20.. first
+
+    def run():
+        import datasets
+        from accelerate import PartialState
+
+        from accel_ddp.data.bundle import DataError
+        from accel_ddp.data.streaming import StreamingLoader, StreamSource
+        from accel_ddp.label_check import IdRange, batch_check
+
+        state = PartialState(cpu=True)
+        stream = datasets.load_dataset("parquet", data_files=files, split="train", streaming=True)
+        loader = StreamingLoader(StreamSource(stream, _decode_with_a_bad_label, 0), 2, 4, max_steps=10, seed=0,
+                                 rank=state.process_index, world_size=2, num_workers=0)
+        loader.batch_check = batch_check([IdRange(1, 10, "classes")])
+        trained = 0
+        try:
+            for _ in loader:
+                trained += 1
+        except DataError as err:
+            return trained, str(err)
+        return trained, None
+
+    (steps0, line0), (steps1, line1) = run_ranks(run, grace=5)
+    assert (steps0, steps1) == (2, 2)
+    assert line0 == line1 == ("streaming: example 0 of a micro-batch of rank 1 at optimizer step 3 of pass 0 has "
+                              "label 12, outside the model's 10 classes (0 to 9); fix the label or give the model 13 "
+                              "outputs or more")
