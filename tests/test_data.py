@@ -1403,3 +1403,19 @@ def test_a_collate_fn_with_loader_device_is_one_line_and_exit_2(tmp_path, capfd)
                      "the collate_fn tests.test_data:doubling_collate; use --loader auto or --loader dataloader "
                      "with it, or drop it"]
     assert not out.exists()
+
+
+def test_a_collate_fn_makes_the_memory_mapped_paths_training_and_eval_batches(tmp_path, monkeypatch):
+    folder = tmp_path / "d"
+    folder.mkdir()
+    hf_image_dataset(48, 0, size=8).to_parquet(str(folder / "train.parquet"))
+    hf_image_dataset(20, 1, size=8).to_parquet(str(folder / "test.parquet"))
+    common = ["--dataset", "hf", "--data_dir", str(folder), "--device_loader_max_mb", "0", "--num_workers", "1",
+              "--global_batch_size", "16", "--epochs", "1"]
+    monkeypatch.setenv("COLLATE_LOG", str(tmp_path / "calls"))
+    collated = train_ranks([*common, "--collate_fn", "tests.test_data:doubling_collate", "--output_dir",
+                            str(tmp_path / "collated")], world_size=1)[0]
+    plain = train_ranks([*common, "--output_dir", str(tmp_path / "plain")], world_size=1)[0]
+    assert collated["data_source"] == "memory_mapped" and collated["loader"] == "dataloader"
+    assert (tmp_path / "calls.0").read_text().split() == ["2", "16", "16", "16", "20"]  # probe, 3 steps, 1 eval batch
+    assert collated["eval_loss"] != plain["eval_loss"]
