@@ -22,7 +22,9 @@ rank), not a mean of per-micro-batch means: see :class:`accel_ddp.update.LossAcc
 Evaluation. Each eval batch gives per-sample statistics (loss sum, items, correct), gathered
 so that each sample (or token) counts exactly once at any world size: ``eval_loss`` is
 item-weighted; ``classification`` adds ``eval_accuracy``, ``causal_lm`` ``eval_perplexity``
-and next-token ``eval_accuracy``. User metric objects (``train(..., metrics=[...])``) get
+and next-token ``eval_accuracy``. With a user loss, ``eval_loss`` is that loss (see
+:func:`accel_ddp.evaluate.evaluate`), and the task's figures are reported where the outputs fit
+them (:meth:`Task.eval_fits`). User metric objects (``train(..., metrics=[...])``) get
 ``update(outputs, batch)`` with every rank's outputs and batch gathered, then ``compute() -> dict``.
 """
 
