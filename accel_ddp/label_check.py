@@ -115,19 +115,30 @@ def check_before_training(task: Task, forward: list[IdRange], figures: list[IdRa
     mean), and an in-memory eval set beyond them leaves the task's figures out (one note) instead.
     """
     user_loss = task.loss_fn is not None
-    if (line := _in_memory_problem(forward + ([] if user_loss else figures), data.train, "training")) is not None:
+    training = forward if user_loss else merged(forward, figures)
+    evaluation = merged(forward, figures)
+    if (line := _in_memory_problem(training, data.train, "training")) is not None:
         raise ConfigError(line)
     if (line := _in_memory_problem(forward, data.eval, "eval")) is not None:
         raise ConfigError(line)
-    if figures and (line := _in_memory_problem(figures, data.eval, "eval")) is not None:
+    if (line := _in_memory_problem(evaluation, data.eval, "eval")) is not None:  # beyond the task's figures
         if not user_loss:
             raise ConfigError(line)
         task.leave_out_stats(line)
-        figures = []
+        evaluation = forward
     if hasattr(loaders.train, "batch_check"):  # the DataLoader path and streaming; the device loader was checked
-        loaders.train.batch_check = batch_check(forward + ([] if user_loss else figures))
+        loaders.train.batch_check = batch_check(training)
     if loaders.eval is not None and not getattr(loaders.eval, "sums_across_ranks", False):  # evaluate() calls it
-        loaders.eval.batch_check = batch_check(forward + figures)
+        loaders.eval.batch_check = batch_check(evaluation)
+
+
+def merged(forward: list[IdRange], figures: list[IdRange]) -> list[IdRange]:
+    """Both lists, one range per place in the batch: the smaller limit where both name it."""
+    ranges: dict[int | str, IdRange] = {}
+    for found in forward + figures:
+        if found.key not in ranges or found.limit < ranges[found.key].limit:
+            ranges[found.key] = found
+    return list(ranges.values())
 
 
 def _in_memory_problem(ranges: list[IdRange], dataset, split: str) -> str | None:
