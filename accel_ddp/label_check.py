@@ -50,13 +50,15 @@ class IdRange(NamedTuple):
 
 def forward_ranges(task: Task, model: torch.nn.Module) -> list[IdRange]:
     """What the forward itself needs, from the model object: its input embedding's size (``input_ids``), and a
-    Transformers classifier's ``config.num_labels`` (``labels``, from which it computes its own loss)."""
+    Transformers classifier's ``num_labels`` (``labels``, from which it computes its own loss)."""
     module = extract_model_from_parallel(model)
     ranges = []
     embeddings = module.get_input_embeddings() if callable(getattr(module, "get_input_embeddings", None)) else None
     if isinstance(embeddings, torch.nn.Embedding):
         ranges.append(IdRange("input_ids", embeddings.num_embeddings, "vocabulary"))
-    num_labels = getattr(getattr(module, "config", None), "num_labels", None)
+    # Transformers' classifiers (sequence, token) set self.num_labels and compute their loss from `labels`; a
+    # config's num_labels alone says nothing (every config has one, 2 by default).
+    num_labels = getattr(module, "num_labels", None)
     if task.name != "causal_lm" and isinstance(num_labels, int) and num_labels > 1:  # 1: a regression head
         ranges.append(IdRange("labels", num_labels, "classes"))
     return ranges

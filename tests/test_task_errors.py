@@ -595,3 +595,41 @@ def test_a_label_out_of_range_while_streaming_stops_every_rank_at_the_same_step_
     assert line0 == line1 == ("streaming: example 0 of a micro-batch of rank 1 at optimizer step 3 of pass 0 has "
                               "label 12, outside the model's 10 classes (0 to 9); fix the label or give the model 13 "
                               "outputs or more")
+
+
+class TextLabels(torch.utils.data.Dataset):
+    """Dict samples for a Transformers classifier: 8 token ids and a class label; ``bad`` maps index -> label."""
+
+    def __init__(self, count: int, bad: dict[int, int]):
+        self.count, self.bad = count, bad
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, index: int):
+        return {"input_ids": torch.arange(8) % 20 + index % 3, "labels": torch.tensor(self.bad.get(index, index % 2))}
+
+
+def text_with_a_bad_label(data_dir, download):
+    from accel_ddp.data import DatasetBundle
+
+    return DatasetBundle(TextLabels(32, {0: 3}), TextLabels(8, {}), 2, (8,))
+
+
+def tiny_classifier(num_classes, input_shape):
+    from transformers import GPT2Config, GPT2ForSequenceClassification
+
+    config = GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=32, n_positions=16, num_labels=2, pad_token_id=0)
+    return GPT2ForSequenceClassification(config)
+
+
+def test_a_label_beyond_a_transformers_classifiers_num_labels_is_named_before_its_forward(tmp_path, capfd):
+    """The model computes its own loss from `labels`: the start-up forward would be an IndexError traceback."""
+    pytest.importorskip("transformers")
+    out = tmp_path / "out"
+    args = ["--task", "sequence_classification", "--dataset", "tests.test_task_errors:text_with_a_bad_label",
+            "--model", "tests.test_task_errors:tiny_classifier", "--global_batch_size", "8", "--output_dir", str(out)]
+    assert main_ranks(args) == [2, 2]
+    one_error(capfd, "training sample 0 has label 3, outside the model's 2 classes (0 to 1); fix the label or give "
+                     "the model 4 outputs or more")
+    assert nothing_written(out)
