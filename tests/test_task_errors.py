@@ -633,3 +633,22 @@ def test_a_label_beyond_a_transformers_classifiers_num_labels_is_named_before_it
     one_error(capfd, "training sample 0 has label 3, outside the model's 2 classes (0 to 1); fix the label or give "
                      "the model 4 outputs or more")
     assert nothing_written(out)
+
+
+def summed_cross_entropy(outputs, batch):
+    return F.cross_entropy(outputs, batch[1], reduction="sum"), torch.tensor(len(batch[1]))
+
+
+def test_the_check_for_a_sum_over_no_items_adds_no_host_sync_per_step(tmp_path):
+    """The flag is counted on the device with the running sums: 16 more steps add no .item()-like call."""
+    from tests.conftest import run_ranks
+    from tests.test_overhead import TINY as OVERHEAD
+    from tests.test_overhead import _count_host_syncs
+
+    def counts(steps: int, name: str):
+        args = [*OVERHEAD, "--loss", "tests.test_task_errors:summed_cross_entropy", "--max_steps", str(steps),
+                "--log_every", "1000", "--eval_every", "1000", "--output_dir", str(tmp_path / name)]
+        return run_ranks(lambda: _count_host_syncs(args), world_size=2)
+
+    short, long = counts(8, "short"), counts(24, "long")
+    assert short == long, (short, long)
