@@ -212,6 +212,8 @@ class StreamingLoader:
         except _data_errors() as err:  # the source failed (a damaged file, a lost connection): one line
             return step, _FAILED, _read_failure(err, self.files, self.rank), None
         except Exception as err:  # noqa: BLE001 - a bug (a user's collate_fn, ours): raised once every rank knows
+            if _undecodable_text(err):  # the data's fault: text that is not UTF-8
+                return step, _FAILED, _read_failure(err, self.files, self.rank), None
             return step, _FAILED, None, err
         return step, _HAVE, None, None
 
@@ -308,6 +310,13 @@ def _data_errors() -> tuple[type[Exception], ...]:
     return OSError, pyarrow.ArrowException, DatasetsError
 
 
+def _undecodable_text(err: Exception) -> bool:
+    """Text that is not UTF-8, met while reading: a UnicodeDecodeError, or, from a DataLoader worker, the
+    RuntimeError torch re-raises it as (``ExceptionWrapper.reraise`` cannot rebuild a UnicodeDecodeError)."""
+    return isinstance(err, UnicodeDecodeError) or (
+        type(err) is RuntimeError and str(err).startswith("Caught UnicodeDecodeError in DataLoader worker"))
+
+
 def _read_failure(err: Exception, files: str | None, rank: int | None = None) -> str:
     """One line for a read that failed: the damaged local file when one is found, else the error's last line."""
     from accel_ddp.data.hf_source import damaged_file
@@ -332,7 +341,7 @@ def build_stream(data_dir: str, source, image_size: int | None) -> DatasetBundle
     import datasets
 
     from accel_ddp.data.hf import STATS_SAMPLE, _uint8_stats
-    from accel_ddp.data.hf_source import _input_column, _label_column, load_splits
+    from accel_ddp.data.hf_source import _input_column, _label_column, empty_split, load_splits
     from accel_ddp.data.mapped import ImageRows, MappedDataset, image_mode, open_image
 
     train, eval_stream = load_splits(data_dir, source, streaming=True)
@@ -350,8 +359,11 @@ def build_stream(data_dir: str, source, image_size: int | None) -> DatasetBundle
         eval_rows = [] if raw_eval is None else list(raw_eval)
     except Exception as err:  # a damaged file among the first ones: named before training
         raise ConfigError(_read_failure(err, files)) from None
+    where = source.name or data_dir
     if not head:
-        raise ConfigError("--streaming: the training stream is empty")
+        raise ConfigError(empty_split(source.train_split, where, "--hf_train_split"))
+    if eval_stream is not None and not eval_rows:  # the other paths refuse an empty eval split too
+        raise ConfigError(empty_split(str(eval_stream.split or source.eval_split or "eval"), where, "--hf_eval_split"))
     label_ids, num_classes = _stream_labels(train.features[label_col], head + eval_rows, label_col)
     first = open_image(head[0][input_col])
     mode, size = image_mode(first), (image_size, image_size) if image_size else first.size
@@ -376,12 +388,17 @@ def _stream_labels(feature, rows: list[dict], column: str) -> tuple[dict[str, in
 
     if isinstance(feature, datasets.ClassLabel):
         return None, feature.num_classes
+    from accel_ddp.data.hf import MAX_CLASSES, check_class_names, too_many_ids
+
     values = [row[column] for row in rows]
     if all(isinstance(v, int) for v in values):
         if min(values) < 0:
             raise ConfigError(f"hf: labels in {column!r} must be class ids 0, 1, 2, ...; got {min(values)}")
+        if max(values) >= MAX_CLASSES:
+            raise ConfigError(too_many_ids(max(values), column, "among the first training rows and the eval split"))
         return None, max(values) + 1
     names = sorted({str(v) for v in values})
+    check_class_names(len(names), column)
     return {name: i for i, name in enumerate(names)}, len(names)
 
 
