@@ -6,6 +6,7 @@ Every file is written here, in a temporary folder; nothing is downloaded.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -273,3 +274,87 @@ def test_text_that_is_not_utf8_met_mid_stream_stops_every_rank_with_one_line_nam
     (steps0, error0), (steps1, error1) = run_ranks(run, grace=5)
     assert steps0 == steps1 < 20 and error0 == error1  # both stopped at the same step, with the same line
     assert f"{data / 'rows.jsonl'} line 31 is not UTF-8 text" in error0
+
+
+# ----------------------------------------------------------------------------- a streaming resume on other data
+
+
+def _read_stream(folder: Path, *, buffer: int, steps: int, save_to: Path | None = None,
+                 resume_from: Path | None = None) -> list[int]:
+    """The example ids one rank reads from the parquet shards in ``folder`` (micro-batches of 2), saving its
+    position after ``steps`` micro-batches, or resuming from a saved one."""
+    import datasets
+
+    from accel_ddp.data.streaming import StreamingLoader, StreamSource
+
+    datasets.config.SLEEP_TIME_ON_THREADS_SHUTDOWN = 0.2  # as test_data's quick_stream_ends
+    files = sorted(str(p) for p in folder.glob("*.parquet"))
+    stream = datasets.load_dataset("parquet", data_files=files, split="train", streaming=True)
+    loader = StreamingLoader(StreamSource(stream, _decode_idx, buffer, files=str(folder)), 2, 2, max_steps=40,
+                             seed=0, num_workers=0)
+    batches = loader
+    if resume_from is not None:
+        loader._load_hook([], str(resume_from))
+        batches = loader.skip_first_batches(steps)
+    seen = []
+    for x, _ in batches:
+        if loader.data_epoch > 0:  # the first pass is over
+            break
+        seen += x[:, 0].long().tolist()
+        if save_to is not None and len(seen) == 2 * steps:
+            loader._save_hook([], [], str(save_to))
+            break
+    return seen
+
+
+def _shards(folder: Path, sizes: list[int]) -> Path:
+    import datasets
+
+    folder.mkdir()
+    start = 0
+    for k, size in enumerate(sizes):
+        datasets.Dataset.from_dict({"idx": list(range(start, start + size))}).to_parquet(str(folder / f"{k}.parquet"))
+        start += size
+    return folder
+
+
+@pytest.mark.parametrize("change", ["shuffle buffer", "data folder"])
+def test_a_streaming_resume_after_changing_the_buffer_or_the_data_restarts_the_pass_with_a_warning(tmp_path, capfd,
+                                                                                                  change):
+    """The saved reader positions belong to the stream they were made from: on another one datasets'
+    load_state_dict raised KeyError 'shard_idx' or 'ex_iterable_idx', or an IndexError (another number of files).
+    The checkpoint records what the positions were made from; the pass starts over, said once."""
+    data = _shards(tmp_path / "d", [20, 20])
+    saved = tmp_path / "checkpoint"
+    saved.mkdir()
+    _read_stream(data, buffer=8, steps=5, save_to=saved)
+    assert json.loads((saved / "data_state_rank0.json").read_text())["made_from"] == {
+        "source": os.path.realpath(data), "num_shards": 2, "shuffle_buffer": 8}
+    other = data if change == "shuffle buffer" else _shards(tmp_path / "e", [10, 10, 10])
+    capfd.readouterr()
+    first_pass = _read_stream(other, buffer=0 if change == "shuffle buffer" else 8, steps=5, resume_from=saved)
+    warnings = [line for line in capfd.readouterr().err.splitlines() if "starts over" in line]
+    expected = ("--shuffle_buffer 8, this run has 0" if change == "shuffle buffer" else
+                f"the data from {os.path.realpath(data)}, this run has {os.path.realpath(other)}; files (shards) 2, "
+                "this run has 3")
+    assert len(warnings) == 1 and expected in warnings[0], warnings
+    assert sorted(first_pass) == list(range(30 if change == "data folder" else 40))  # the whole pass, once each
+    capfd.readouterr()
+    _read_stream(data, buffer=8, steps=5, resume_from=saved)  # the same stream: no warning, the position holds
+    assert "starts over" not in capfd.readouterr().err
+
+
+def test_a_streaming_run_resumed_with_another_shuffle_buffer_continues_from_the_command_line(tmp_path, capfd):
+    from tests.conftest import train_ranks
+    from tests.test_data import _image_shards
+
+    data = _image_shards(tmp_path / "d", [40, 40], n_test=4)
+    common = ["--dataset", "hf", "--data_dir", str(data), "--streaming", "--global_batch_size", "8",
+              "--num_workers", "0", "--output_dir", str(tmp_path / "run")]
+    train_ranks([*common, "--max_steps", "4", "--checkpointing_steps", "4", "--shuffle_buffer", "16"])
+    capfd.readouterr()
+    summaries = train_ranks([*common, "--max_steps", "8", "--shuffle_buffer", "0", "--resume_from_checkpoint", "auto"])
+    assert [(s["resumed_from_step"], s["optimizer_steps"]) for s in summaries] == [(4, 8), (4, 8)]
+    err = capfd.readouterr().err
+    assert err.count("--shuffle_buffer 16, this run has 0: pass 0 of the stream starts over") == 1 and \
+        "Traceback" not in err
