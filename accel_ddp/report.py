@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import yaml
@@ -22,6 +23,7 @@ from accel_ddp.outputs import (
     TENSORBOARD_SUBDIR,
     WEIGHTS_NAME,
 )
+from accel_ddp.validation import ConfigError
 
 # ----------------------------------------------------------------------------- curves.png
 
@@ -35,12 +37,24 @@ CURVES = (
 
 
 def read_metrics(output_dir: str) -> list[dict[str, Any]]:
-    """The records of ``metrics.jsonl``; a line cut short by a crash is skipped."""
+    """The records of ``metrics.jsonl``; a line cut short by a crash is skipped, one that is not UTF-8 is a
+    ConfigError (``metrics_lines``)."""
     path = os.path.join(output_dir, METRICS_NAME)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no {METRICS_NAME} in {output_dir}; point at a run's --output_dir")
-    with open(path, encoding="utf-8") as fh:
-        return [record for record in map(parse_record, fh) if record is not None]
+    return [record for record in map(parse_record, metrics_lines(path)) if record is not None]
+
+
+def metrics_lines(path: str) -> Iterator[str]:
+    """The lines of a ``metrics.jsonl``, as text. A crash can cut a line short, but only damage makes bytes that are
+    not UTF-8: that is a ConfigError naming the line, not a record quietly dropped (nor a UnicodeDecodeError)."""
+    with open(path, "rb") as fh:
+        for number, raw in enumerate(fh, start=1):
+            try:
+                yield raw.decode("utf-8")
+            except UnicodeDecodeError:
+                raise ConfigError(f"{path} line {number} is not UTF-8 text, so the file is damaged; delete that line "
+                                  "(or move the file aside: the run then writes a new one)") from None
 
 
 def parse_record(line: str) -> dict[str, Any] | None:
