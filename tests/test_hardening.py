@@ -486,6 +486,33 @@ def test_a_bad_output_dir_is_one_line_and_exit_2_before_training(open_dir, capfd
     assert blocker.read_text() == "keep me" and os.listdir(open_dir / "ro") == []
 
 
+@pytest.mark.parametrize("name, kind, resume", [("checkpoints", "a file", False), ("checkpoints", "a file", True),
+                                                ("metrics.jsonl", "a folder", False),
+                                                ("model.safetensors", "a folder", False)])
+def test_a_file_where_the_run_keeps_a_folder_or_the_reverse_is_one_line_before_training(tmp_path, capfd, name, kind,
+                                                                                       resume):
+    """OUTPUT_DIR/checkpoints as a file was a FileExistsError at the first save, after training (and with auto,
+    'no checkpoint in ...; starting from scratch'); a folder named metrics.jsonl an IsADirectoryError."""
+    out = tmp_path / "run"
+    out.mkdir()
+    blocker = out / name
+    blocker.write_text("keep me") if kind == "a file" else blocker.mkdir()
+    capfd.readouterr()
+
+    def run() -> int:
+        faults.install(fail_at=(1, 0))  # had training started, this would be a traceback and exit 1
+        return main([*ARGS, "--max_steps", "4", "--output_dir", str(out),
+                     *(["--resume_from_checkpoint", "auto"] if resume else [])])
+
+    assert run_ranks(run) == [2, 2]
+    err = capfd.readouterr().err
+    (line,) = error_lines(err)
+    other = "a folder" if kind == "a file" else "a file"
+    assert line == (f"accel_ddp: error: --output_dir {out}: {blocker} is {kind}, not {other} (the run writes {name} "
+                    "there); move it out of the way, or give another --output_dir")
+    assert "Traceback" not in err and sorted(os.listdir(out)) == [name]
+
+
 def test_output_dir_from_yaml_must_be_text_and_utf8(tmp_path, capsys):
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text("output_dir: 123\n")
