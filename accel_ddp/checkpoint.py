@@ -46,12 +46,21 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import RNG_STATE_NAME, SCALER_NAME
+from accelerate.utils import RNG_STATE_NAME, SCALER_NAME, gather_object
 from accelerate.utils import load as accelerate_load
 from accelerate.utils.constants import FSDP_MODEL_NAME, OPTIMIZER_NAME, SCHEDULER_NAME
 
 from accel_ddp.failure import first_line, main_process_decides
-from accel_ddp.files import file_sha256, fingerprint, fsync_dir, relative_files, remove_dir, set_aside
+from accel_ddp.files import (
+    WriteFailed,
+    file_sha256,
+    fingerprint,
+    fsync_dir,
+    relative_files,
+    remove_dir,
+    set_aside,
+    write_failure,
+)
 from accel_ddp.outputs import CHECKPOINTS_DIR, MARKER_NAME, SUMMARY_NAME, WEIGHTS_NAME
 from accel_ddp.validation import ConfigError
 from accel_ddp.weights import load_weights, plain_state_dict
@@ -242,19 +251,44 @@ class CheckpointManager:
             return final
         acc = self.accelerator
         tmp = os.path.join(self.root, f".tmp-{checkpoint_name(step)}")
-        if acc.is_main_process:
-            os.makedirs(self.root, exist_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)  # left by a crashed save of this same step
-            os.makedirs(tmp)
-        acc.wait_for_everyone()
-        acc.save_state(tmp)  # each rank writes its RNG state; the main process everything else
-        acc.wait_for_everyone()  # every rank has finished writing
-        if acc.is_main_process:
-            self._seal(tmp, final, step)
-            self._prune(keep=final)
-        acc.wait_for_everyone()  # nobody goes on (or exits) before the checkpoint is in place
+        # Each stage ends in a collective that carries its outcome: a write the file system refuses (a full disk)
+        # on any rank stops every rank with one line, the unsealed folder removed and the earlier checkpoints as
+        # they were. The main process's stages are its decisions; each rank writes its own RNG file.
+        self._on_main_then_all(lambda: self._writing(step, tmp, lambda: _fresh_folder(tmp)))
+        try:
+            acc.save_state(tmp)  # each rank writes its RNG state; the main process everything else
+            mine = None
+        except Exception as err:
+            mine = write_failure(err, tmp)
+            if mine is None:
+                raise
+        problems = [why for why in gather_object([mine]) if why]  # every rank has written, or knows who could not
+        if problems:
+            if acc.is_main_process:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise WriteFailed(self._cannot_save(step, problems[0]))
+        self._on_main_then_all(lambda: self._writing(step, tmp, lambda: (self._seal(tmp, final, step),
+                                                                         self._prune(keep=final))))
         self.last_saved_step, self.last_saved_folder = step, final
         return final
+
+    def _writing(self, step: int, tmp: str, call: Callable[[], Any]) -> None:
+        """``call()`` on the main process; a write the file system refuses removes ``tmp`` and is a WriteFailed."""
+        try:
+            call()
+        except Exception as err:
+            why = write_failure(err, tmp)
+            if why is None:
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise WriteFailed(self._cannot_save(step, why)) from err
+
+    def _cannot_save(self, step: int, why: str) -> str:
+        intact = f" ({os.path.basename(self.last_saved_folder)}, the last checkpoint, is intact)" \
+            if self.last_saved_folder else ""
+        return (f"cannot save the checkpoint of step {step} in {self.root}: {why}; free space there (a lower "
+                f"--keep_last keeps fewer checkpoints) or give another --output_dir, then resume with "
+                f"--resume_from_checkpoint auto{intact}")
 
     def _seal(self, tmp: str, final: str, step: int) -> None:
         files = {name: fingerprint(os.path.join(tmp, name)) for name in relative_files(tmp)}
@@ -434,6 +468,15 @@ class CheckpointManager:
 
     def _on_main_then_all(self, fn: Callable[[], Any]) -> Any:
         return main_process_decides(self.accelerator, fn)  # one reader of the file system
+
+
+def _fresh_folder(path: str) -> None:
+    """An empty folder at ``path``: whatever a crashed save of the same step left there goes first."""
+    if os.path.isdir(path):
+        shutil.rmtree(path)
+    elif os.path.lexists(path):
+        os.remove(path)
+    os.makedirs(path)
 
 
 def _warn(message: str) -> None:

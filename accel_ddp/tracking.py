@@ -25,7 +25,7 @@ from typing import Any
 import yaml
 
 from accel_ddp.failure import main_process_decides
-from accel_ddp.files import atomic_write_text
+from accel_ddp.files import OUTPUTS_FIX, atomic_write_text, written
 from accel_ddp.outputs import CONFIG_NAME, CURVES_NAME, METRICS_NAME, SUMMARY_NAME, TRACKERS_NAME
 from accel_ddp.report import metrics_lines, parse_record, plot_run, read_metrics
 from accel_ddp.trackers import RUN_IDS, GuardedTracker, flat_hparams
@@ -88,13 +88,23 @@ class RunRecorder:
         if step and os.path.exists(path):
             kept = [line if line.endswith("\n") else line + "\n" for line in metrics_lines(path)
                     if _logged_by(line, step)]
-            atomic_write_text(path, "".join(kept))
+            written(lambda: atomic_write_text(path, "".join(kept)), METRICS_NAME, self.output_dir, OUTPUTS_FIX)
         # Appending lets a resumed run extend the curve; a fresh run starts the file anew.
         self._metrics = open(path, "a" if step else "w", encoding="utf-8")
 
     def write_config(self, resolved: dict[str, Any]) -> None:
-        if self.enabled:
-            atomic_write_text(os.path.join(self.output_dir, CONFIG_NAME), yaml.safe_dump(resolved, sort_keys=False))
+        self._write(CONFIG_NAME, yaml.safe_dump(resolved, sort_keys=False))
+
+    def _write(self, name: str, text: str) -> None:
+        """``OUTPUT_DIR/name`` from the main process; a write the file system refuses is a WriteFailed on every rank
+        (collective when given an accelerator)."""
+        def write() -> None:
+            written(lambda: atomic_write_text(os.path.join(self.output_dir, name), text), name, self.output_dir,
+                    OUTPUTS_FIX)
+        if self._state is not None:
+            main_process_decides(self._state, lambda: write() if self.enabled else None)
+        elif self.enabled:
+            write()
 
     def start_trackers(self, project: str, resolved: dict[str, Any], start_step: int) -> None:
         """Start the trackers on the main process, the resolved config as their hyperparameters (collective).
@@ -123,7 +133,8 @@ class RunRecorder:
         self._accelerator.init_trackers(project, config=flat_hparams(resolved))  # starts them: main process only
         state = {t.name: kept for t in trackers if (kept := t.saved_state())}
         if state:
-            atomic_write_text(os.path.join(self.output_dir, TRACKERS_NAME), json.dumps(state, indent=2) + "\n")
+            path, text = os.path.join(self.output_dir, TRACKERS_NAME), json.dumps(state, indent=2) + "\n"
+            written(lambda: atomic_write_text(path, text), TRACKERS_NAME, self.output_dir, OUTPUTS_FIX)
         for tracker in trackers:
             if start_step and not tracker.continued:
                 why = (f"{TRACKERS_NAME} holds no run of it" if tracker.name in RUN_IDS
@@ -134,8 +145,10 @@ class RunRecorder:
         if self.enabled:
             if self._metrics is None:  # used without rewind(): extend whatever is there
                 self._metrics = open(os.path.join(self.output_dir, METRICS_NAME), "a", encoding="utf-8")
-            self._metrics.write(_json_line({"time": round(time.time(), 3), **record}) + "\n")
-            self._metrics.flush()
+            line = _json_line({"time": round(time.time(), 3), **record}) + "\n"
+            # Main process only, mid-run: no collective here (the other ranks stop when its process ends).
+            written(lambda: (self._metrics.write(line), self._metrics.flush()), METRICS_NAME, self.output_dir,
+                    OUTPUTS_FIX)
         if self._trackers_started:  # each tracker's failures stay inside it (GuardedTracker)
             values = {k: v for k, v in record.items() if k != "step"}
             self._accelerator.log(values, step=record.get("step"))
@@ -155,8 +168,7 @@ class RunRecorder:
 
     def write_summary(self, summary: dict[str, Any], step: int) -> None:
         """``summary.json``, and the summary to each tracker at the run's last optimizer ``step``."""
-        if self.enabled:
-            atomic_write_text(os.path.join(self.output_dir, SUMMARY_NAME), _json_line(summary, indent=2) + "\n")
+        self._write(SUMMARY_NAME, _json_line(summary, indent=2) + "\n")
         if self._trackers_started and self.enabled:
             for tracker in self._accelerator.trackers:
                 if isinstance(tracker, GuardedTracker):
@@ -164,7 +176,10 @@ class RunRecorder:
 
     def close(self) -> None:
         if self._metrics is not None:
-            self._metrics.close()
+            try:
+                self._metrics.close()
+            except OSError:  # its last write failed (a full disk) and was reported then; every line is flushed
+                pass
             self._metrics = None
 
 
