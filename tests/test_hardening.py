@@ -279,14 +279,14 @@ def test_an_explicit_lying_checkpoint_is_exit_2_and_nothing_is_touched(stopped_a
 
 def test_an_import_failure_while_reading_a_checkpoint_is_not_called_damage(stopped_at_20, monkeypatch):
     """torch failing to import its own code is a broken environment: surfaced, not a reason to skip checkpoints."""
-    from accel_ddp import checkpoint
+    from accel_ddp import manifest
 
     def broken_load(*args, **kwargs):
         raise ModuleNotFoundError("No module named 'torch.utils.serialization'")
 
-    monkeypatch.setattr(checkpoint, "accelerate_load", broken_load)
+    monkeypatch.setattr(manifest, "accelerate_load", broken_load)
     with pytest.raises(ModuleNotFoundError):
-        checkpoint.read_checkpoint(str(ckpt(stopped_at_20, 20)))
+        manifest.read_checkpoint(str(ckpt(stopped_at_20, 20)))
 
 
 def test_unreadable_checkpoint_file_is_damaged_and_auto_falls_back(stopped_at_20, thirty_steps, open_dir, capfd):
