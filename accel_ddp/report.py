@@ -53,8 +53,13 @@ def metrics_lines(path: str) -> Iterator[str]:
             try:
                 yield raw.decode("utf-8")
             except UnicodeDecodeError:
-                raise ConfigError(f"{path} line {number} is not UTF-8 text, so the file is damaged; delete that line "
-                                  "(or move the file aside: the run then writes a new one)") from None
+                raise ConfigError(damaged_line(path, number)) from None
+
+
+def damaged_line(path: str, number: int) -> str:
+    """The one line for a line of a file the run wrote (metrics.jsonl, metrics.csv) that is not UTF-8."""
+    return (f"{path} line {number} is not UTF-8 text, so the file is damaged; delete that line (or move the file "
+            "aside: the run then writes a new one)")
 
 
 def parse_record(line: str) -> dict[str, Any] | None:

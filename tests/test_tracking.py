@@ -495,21 +495,25 @@ def _snapshot(folder: Path) -> dict[str, tuple[bytes, int]]:
             for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
-@pytest.mark.parametrize("tracking", [[], ["--with_tracking", "--report_to", "csv"]], ids=["no trackers", "csv"])
-def test_a_metrics_jsonl_that_is_not_utf8_stops_the_resume_on_every_rank_and_nothing_is_touched(tmp_path, tiny_args,
-                                                                                               capfd, tracking):
-    """The resume read it as UTF-8 (a UnicodeDecodeError traceback with trackers), or dropped the line quietly."""
+@pytest.mark.parametrize("damaged, tracking", [("metrics.jsonl", []), ("metrics.jsonl", ["--report_to", "csv"]),
+                                               ("metrics.csv", ["--report_to", "csv"])])
+def test_a_metrics_file_that_is_not_utf8_stops_the_resume_on_every_rank_and_nothing_is_touched(tmp_path, tiny_args,
+                                                                                               capfd, damaged,
+                                                                                               tracking):
+    """The resume read metrics.jsonl as UTF-8 (a UnicodeDecodeError traceback with trackers), or dropped the line
+    quietly; metrics.csv was 'csv failed to start (UnicodeDecodeError ...); check csv's settings'."""
     out = tmp_path / "run"
-    args = [*tiny_args, *tracking, "--log_every", "1", "--checkpointing_steps", "2", "--output_dir", str(out)]
+    args = [*tiny_args, *(["--with_tracking", *tracking] if tracking else []), "--log_every", "1",
+            "--checkpointing_steps", "2", "--output_dir", str(out)]
     assert main_ranks([*args, "--max_steps", "4"]) == [0, 0]
-    lines = (out / "metrics.jsonl").read_bytes().splitlines(keepends=True)
-    (out / "metrics.jsonl").write_bytes(b"".join(lines[:1] + [lines[1].replace(b'"loss"', b'"lo\xffss"')] + lines[2:]))
+    lines = (out / damaged).read_bytes().splitlines(keepends=True)
+    (out / damaged).write_bytes(b"".join(lines[:1] + [lines[1].replace(b"0", b"\xff", 1)] + lines[2:]))
     before = _snapshot(out)
     capfd.readouterr()
     assert main_ranks([*args, "--max_steps", "8", "--resume_from_checkpoint", "auto"]) == [2, 2]
     err = capfd.readouterr().err
     (line,) = [line for line in err.splitlines() if line.startswith("accel_ddp: error")]
-    assert line == (f"accel_ddp: error: {out / 'metrics.jsonl'} line 2 is not UTF-8 text, so the file is damaged; "
+    assert line == (f"accel_ddp: error: {out / damaged} line 2 is not UTF-8 text, so the file is damaged; "
                     "delete that line (or move the file aside: the run then writes a new one)")
     assert "Traceback" not in err and _snapshot(out) == before
 
