@@ -358,3 +358,21 @@ def test_a_streaming_run_resumed_with_another_shuffle_buffer_continues_from_the_
     err = capfd.readouterr().err
     assert err.count("--shuffle_buffer 16, this run has 0: pass 0 of the stream starts over") == 1 and \
         "Traceback" not in err
+
+
+# ----------------------------------------------------------------------------- the built-in image folders
+
+
+def test_an_image_folder_with_an_empty_eval_folder_or_one_image_is_one_line(tmp_path):
+    """The same rules as --dataset hf's splits: an empty val/ was an evaluation of 0 samples, one image and no
+    val/ a training set of none."""
+    from tests.test_data import write_png_classes
+
+    write_png_classes(tmp_path / "a" / "train", ["cat", "dog"], per_class=3)
+    (tmp_path / "a" / "val" / "cat").mkdir(parents=True)
+    with pytest.raises(ConfigError, match=f"imagefolder: {tmp_path / 'a' / 'val'} holds no images; put images in its "
+                                          "class folders, or remove it"):
+        build_datasets("imagefolder", str(tmp_path / "a"), download=False)
+    write_png_classes(tmp_path / "b", ["cat"], per_class=1)
+    with pytest.raises(ConfigError, match=f"imagefolder: {tmp_path / 'b'} holds 1 image and no eval folder"):
+        build_datasets("imagefolder", str(tmp_path / "b"), download=False)
