@@ -164,7 +164,7 @@ def _read_json(path: str) -> Any:
     try:
         with open(path, encoding="utf-8") as fh:
             return json.load(fh)
-    except (OSError, json.JSONDecodeError):
+    except (OSError, ValueError):  # JSONDecodeError and UnicodeDecodeError (a damaged file) are ValueErrors
         return None
 
 
@@ -183,9 +183,12 @@ def format_summary(output_dir: str) -> str:
         raise FileNotFoundError(f"no readable {SUMMARY_NAME} in {output_dir}; point at a finished run's --output_dir")
     config = {}
     config_path = os.path.join(output_dir, CONFIG_NAME)
-    if os.path.isfile(config_path):
+    try:  # the config's rows are left out of a table whose config.yaml is missing or damaged
         with open(config_path, encoding="utf-8") as fh:
             config = yaml.safe_load(fh) or {}
+    except (OSError, ValueError, yaml.YAMLError):
+        config = {}
+    config = config if isinstance(config, dict) else {}
     rows = [(name, _format_value(config[name])) for name in _CONFIG_ROWS if name in config]
     rows += [(label, _format_value(summary[key], fmt)) for key, label, fmt in _SUMMARY_ROWS if key in summary]
     known = {key for key, _, _ in _SUMMARY_ROWS}

@@ -571,3 +571,25 @@ def test_a_damaged_trackers_json_stops_the_resume_on_every_rank_before_anything_
     (line,) = [line for line in err.splitlines() if line.startswith("accel_ddp: error")]
     assert f"{out / 'trackers.json'} is damaged (its wandb entry ['new'] is not an object of run ids)" in line
     assert "Traceback" not in err and _snapshot(out) == before
+
+
+def test_reading_back_a_run_with_damaged_files_is_one_line_or_leaves_out_what_is_damaged(tmp_path, capsys):
+    """`accel-ddp summary` and `plot` read summary.json, config.yaml and metrics.jsonl as UTF-8: a damaged one was
+    a UnicodeDecodeError traceback."""
+    from accel_ddp import cli
+
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "summary.json").write_text(json.dumps({"world_size": 2, "optimizer_steps": 4}))
+    (out / "config.yaml").write_bytes(b"model: caf\xe9\n")
+    (out / "metrics.jsonl").write_bytes(b'{"step": 1, "loss": 2.0}\n{"step": 2, "loss": \xff}\n')
+    assert cli.main(["summary", str(out)]) == 0  # the config's rows left out
+    table = capsys.readouterr().out
+    assert "optimizer steps" in table and "model" not in table
+    assert cli.main(["plot", str(out)]) == 2
+    assert capsys.readouterr().err.strip() == (f"accel-ddp: error: {out / 'metrics.jsonl'} line 2 is not UTF-8 text, "
+                                               "so the file is damaged; delete that line (or move the file aside: the "
+                                               "run then writes a new one)")
+    (out / "summary.json").write_bytes(b'{"world_size": \xff}')
+    assert cli.main(["summary", str(out)]) == 2
+    assert f"no readable summary.json in {out}" in capsys.readouterr().err
