@@ -24,9 +24,13 @@ OUTPUTS_FIX = ("free space there or give another --output_dir (a copy of this on
 
 
 class WriteFailed(ConfigError):
-    """The file system refused a write (full, over quota, read-only, failing): not a bug, one line and exit 2."""
+    """The file system refused a write (full, over quota, read-only, failing): not a bug, one line and exit 2.
 
-    only_this_rank = True  # met by the main process mid-run: it prints it (accel_ddp.failure.report_bad_input)
+    Raised on every rank where the write's outcome is shared (a collective); ``only_this_rank`` where only the main
+    process knows (a metrics line mid-run): it prints the line itself (``accel_ddp.failure.report_bad_input``).
+    """
+
+    only_this_rank = False
 
 
 def atomic_write_text(path: str, text: str) -> None:

@@ -25,7 +25,7 @@ from typing import Any
 import yaml
 
 from accel_ddp.failure import main_process_decides
-from accel_ddp.files import OUTPUTS_FIX, atomic_write_text, written
+from accel_ddp.files import OUTPUTS_FIX, WriteFailed, atomic_write_text, written
 from accel_ddp.outputs import CONFIG_NAME, CURVES_NAME, METRICS_NAME, SUMMARY_NAME, TRACKERS_NAME
 from accel_ddp.report import metrics_lines, parse_record, plot_run, read_metrics
 from accel_ddp.trackers import RUN_IDS, GuardedTracker, flat_hparams
@@ -146,9 +146,12 @@ class RunRecorder:
             if self._metrics is None:  # used without rewind(): extend whatever is there
                 self._metrics = open(os.path.join(self.output_dir, METRICS_NAME), "a", encoding="utf-8")
             line = _json_line({"time": round(time.time(), 3), **record}) + "\n"
-            # Main process only, mid-run: no collective here (the other ranks stop when its process ends).
-            written(lambda: (self._metrics.write(line), self._metrics.flush()), METRICS_NAME, self.output_dir,
-                    OUTPUTS_FIX)
+            try:
+                written(lambda: (self._metrics.write(line), self._metrics.flush()), METRICS_NAME, self.output_dir,
+                        OUTPUTS_FIX)
+            except WriteFailed as err:  # main process only, mid-run: no collective here
+                err.only_this_rank = True  # it says so; the other ranks stop when its process has ended
+                raise
         if self._trackers_started:  # each tracker's failures stay inside it (GuardedTracker)
             values = {k: v for k, v in record.items() if k != "step"}
             self._accelerator.log(values, step=record.get("step"))

@@ -432,6 +432,7 @@ def test_a_rank_rng_file_that_would_not_restore_is_damage_and_auto_resumes_exact
     err = capfd.readouterr().err
     (line,) = [line for line in err.splitlines() if line.startswith("accel_ddp: error")]
     assert f"--resume_from_checkpoint {folder}: {lying} {problem}" in line and "Traceback" not in err
+    assert err.count("accel_ddp: error") == 1
     assert line.endswith("; resume from an older checkpoint, or use auto, which skips damaged ones")
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
 

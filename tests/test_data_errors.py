@@ -232,7 +232,7 @@ def test_bad_data_is_one_line_and_exit_2_on_every_rank_before_anything_is_writte
                        str(out), *extra]) == [2, 2]
     err = capfd.readouterr().err
     lines = [line for line in err.splitlines() if line.startswith("accel_ddp: error:")]
-    assert len(lines) == 1 and "Traceback" not in err, err
+    assert len(lines) == 1 == err.count("accel_ddp: error:") and "Traceback" not in err, err
     assert expected in lines[0] and "; " in lines[0]  # the problem, then the fix
     assert not os.path.exists(out)
 

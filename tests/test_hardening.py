@@ -542,8 +542,13 @@ def _fill(folder: Path) -> None:
             assert err.errno == errno.ENOSPC
 
 
+def _lines_after_bars(err: str) -> list[str]:
+    """Each error line, also one printed right after a progress bar's (on the same line)."""
+    return ["accel_ddp: error:" + part.splitlines()[0] for part in err.split("accel_ddp: error:")[1:]]
+
+
 def _full_disk_line(err: str, out: Path, step: int, intact: int) -> str:
-    (line,) = error_lines(err)
+    (line,) = _lines_after_bars(err)
     assert line.startswith(f"accel_ddp: error: cannot save the checkpoint of step {step} in {out / 'checkpoints'}: "
                            "the file system is full (")
     assert line.endswith("free space there (a lower --keep_last keeps fewer checkpoints) or give another "
@@ -664,8 +669,8 @@ def test_a_full_disk_while_writing_the_runs_files_is_one_line_and_the_checkpoint
         assert set(failed.value.failures) == {1} and (tmp_path / "exit0").read_text() == "2"
     else:
         assert run_ranks(run) == [2, 2]
-    err = capfd.readouterr().err  # mid-run, the line may follow the progress bar's on the same line
-    (line,) = ["accel_ddp: error:" + part.splitlines()[0] for part in err.split("accel_ddp: error:")[1:]]
+    err = capfd.readouterr().err
+    (line,) = _lines_after_bars(err)
     assert line.startswith(f"accel_ddp: error: cannot write {what} in {out}: the file system is full (")
     assert line.endswith("; free space there or give another --output_dir (a copy of this one), then resume with "
                          "--resume_from_checkpoint auto: it continues from the last checkpoint")

@@ -513,6 +513,7 @@ def test_a_metrics_file_that_is_not_utf8_stops_the_resume_on_every_rank_and_noth
     assert main_ranks([*args, "--max_steps", "8", "--resume_from_checkpoint", "auto"]) == [2, 2]
     err = capfd.readouterr().err
     (line,) = [line for line in err.splitlines() if line.startswith("accel_ddp: error")]
+    assert err.count("accel_ddp: error") == 1
     assert line == (f"accel_ddp: error: {out / damaged} line 2 is not UTF-8 text, so the file is damaged; "
                     "delete that line (or move the file aside: the run then writes a new one)")
     assert "Traceback" not in err and _snapshot(out) == before
@@ -569,6 +570,7 @@ def test_a_damaged_trackers_json_stops_the_resume_on_every_rank_before_anything_
     assert main_ranks([*args, "--max_steps", "8", "--resume_from_checkpoint", "auto"]) == [2, 2]
     err = capfd.readouterr().err
     (line,) = [line for line in err.splitlines() if line.startswith("accel_ddp: error")]
+    assert err.count("accel_ddp: error") == 1
     assert f"{out / 'trackers.json'} is damaged (its wandb entry ['new'] is not an object of run ids)" in line
     assert "Traceback" not in err and _snapshot(out) == before
 
