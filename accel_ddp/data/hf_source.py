@@ -7,7 +7,9 @@
   folder of images (``train/<class>/*.png``, as the ``imagefolder`` builder reads it).
 
 Opened as ``datasets.Dataset`` (Arrow files, memory-mapped), or as ``datasets.IterableDataset``
-for streaming. A damaged parquet or Arrow file is named in one line (:func:`damaged_file`).
+for streaming. A file that does not load is named in one line (:func:`damaged_file`): a damaged
+parquet or Arrow file, a CSV or JSON file that is not UTF-8 (its line), a file or split without
+rows; so is a split of 0 rows, or one row without an eval split to hold a tenth out of.
 """
 
 from __future__ import annotations

@@ -23,7 +23,8 @@ What holds on this path (each tested in tests/test_data.py):
   shuffle buffers (and batches prefetched but not trained on) are skipped for that pass, and the
   workers' interleaving restarts, so the order after a resume differs from an uninterrupted run's.
   With ``--shuffle_buffer 0`` and one worker the resumed order is the uninterrupted one. The same
-  world size and worker count are needed; otherwise the pass restarts from its beginning (warned).
+  world size, worker count, ``--shuffle_buffer`` and data (source and number of files, recorded
+  with each position) are needed; otherwise the pass restarts from its beginning (warned).
 - Global-batch invariance, as on the other paths, does not hold: which examples a rank reads
   depends on the world size.
 - There is no epoch length: ``--max_steps`` sets the run's length; the loop sees one long epoch. A
