@@ -12,23 +12,27 @@ Layout under ``OUTPUT_DIR/checkpoints/``:
     .tmp-step_00000140/            a save in progress, or one a crash interrupted: never loaded
 
 Saving (``CheckpointManager.save``, collective): every rank writes into the ``.tmp-`` folder; a
-barrier; the main process hashes and fsyncs every file, writes ``checkpoint.json``, renames the
-folder into place (atomic on POSIX) and only then prunes checkpoints beyond ``--keep_last``, never
-the one just written nor any newer one. A crash at any point leaves every earlier checkpoint as it
-was. A folder already holding the step (a damaged one ``auto`` skipped) is renamed ``*.damaged``.
-Accelerate's own ``total_limit`` rotation is not used: it deletes the oldest checkpoint before the
-new one is written, and writes in place.
+gather of each rank's outcome; the main process hashes and fsyncs every file, writes
+``checkpoint.json``, renames the folder into place (atomic on POSIX) and only then prunes
+checkpoints beyond ``--keep_last``, never the one just written nor any newer one. A crash at any
+point leaves every earlier checkpoint as it was; a write the file system refuses (a full disk) on
+any rank is one line on every rank (``WriteFailed``), the ``.tmp-`` folder removed. A folder
+already holding the step (a damaged one ``auto`` skipped) is renamed ``*.damaged``. Accelerate's
+own ``total_limit`` rotation is not used: it deletes the oldest checkpoint before the new one is
+written, and writes in place.
 
 Resuming (``CheckpointManager.resume``): ``auto`` takes the newest folder that ``read_checkpoint``
-trusts (files match ``checkpoint.json``, which lists every file the format needs; its step is the
-folder's and the scheduler's); a damaged one is skipped with a warning, an explicit damaged path is
-exit 2. A checkpoint past the run's total step count, or an explicit older one while intact newer
-ones exist, is refused: resuming would overwrite them. The run's hyperparameters win over the
-checkpoint's (``flags_in_force``, with a warning). The training position is the
-optimizer step alone: epochs have a fixed number of steps, so the loop recomputes the epoch and
-fast-forwards the loader. Accelerate's ``load_state`` reads optimizer, scheduler, scaler and RNG
-files through ``accelerate.utils.load``, i.e. ``torch.load(weights_only=True)`` with NumPy's RNG
-types allow-listed; we never register custom objects (Accelerate unpickles those with
+trusts (``manifest.py``: files match ``checkpoint.json``, which lists every file the format needs;
+its step is the folder's and the scheduler's; every rank's RNG file applies); a damaged one is
+skipped with a warning, an explicit damaged path is exit 2. After ``load_state`` every rank checks
+that its generators are those of its RNG file (Accelerate skips one it cannot apply without a word),
+and the main process warns once if some are not. A checkpoint past the run's total step count, or an
+explicit older one while intact newer ones exist, is refused: resuming would overwrite them. The
+run's hyperparameters win over the checkpoint's (``flags_in_force``, with a warning). The training
+position is the optimizer step alone: epochs have a fixed number of steps, so the loop recomputes
+the epoch and fast-forwards the loader. Accelerate's ``load_state`` reads optimizer, scheduler,
+scaler and RNG files through ``accelerate.utils.load``, i.e. ``torch.load(weights_only=True)`` with
+NumPy's RNG types allow-listed; we never register custom objects (Accelerate unpickles those with
 ``weights_only=False``): the position lives in JSON. Signals and exit codes: ``preemption.py``.
 """
 
@@ -36,22 +40,28 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import RNG_STATE_NAME, SCALER_NAME
-from accelerate.utils import load as accelerate_load
-from accelerate.utils.constants import FSDP_MODEL_NAME, OPTIMIZER_NAME, SCHEDULER_NAME
+from accelerate.utils import gather_object
 
 from accel_ddp.failure import first_line, main_process_decides
-from accel_ddp.files import file_sha256, fingerprint, fsync_dir, relative_files, remove_dir, set_aside
+from accel_ddp.files import WriteFailed, fingerprint, fsync_dir, relative_files, remove_dir, set_aside, write_failure
+from accel_ddp.manifest import (  # noqa: F401 - CorruptCheckpoint, checkpoint_name, ...: this module's interface too
+    _STEP_DIR,
+    CorruptCheckpoint,
+    checkpoint_name,
+    list_checkpoints,
+    read_checkpoint,
+    rng_file,
+    rng_not_restored,
+)
 from accel_ddp.outputs import CHECKPOINTS_DIR, MARKER_NAME, SUMMARY_NAME, WEIGHTS_NAME
 from accel_ddp.validation import ConfigError
 from accel_ddp.weights import load_weights, plain_state_dict
@@ -62,127 +72,6 @@ FORMAT_VERSION = 1
 MUST_MATCH = ("global_batch_size", "steps_per_epoch", "optimizer")
 # Recorded in every checkpoint.json; a resume with other values warns, and this run's values are in force.
 HYPERPARAMETERS = ("lr", "lr_schedule", "warmup_steps", "weight_decay", "max_grad_norm")
-_STEP_DIR = re.compile(r"^step_(\d{8,})$")
-SCHEDULER_FILE = f"{SCHEDULER_NAME}.bin"
-
-
-class CorruptCheckpoint(ConfigError):
-    """A file of a checkpoint is missing, truncated or altered since it was saved."""
-
-
-def checkpoint_name(step: int) -> str:
-    return f"step_{step:08d}"
-
-
-def list_checkpoints(root: str) -> list[tuple[int, str]]:
-    """``(step, folder)`` of every complete checkpoint (one with its marker) under ``root``, oldest first."""
-    if not os.path.isdir(root):
-        return []
-    try:
-        names = os.listdir(root)
-    except OSError as err:
-        raise ConfigError(f"cannot list {root} ({err.strerror}); fix its permissions") from None
-    found = []
-    for name in names:
-        match = _STEP_DIR.match(name)
-        if match and os.path.isfile(os.path.join(root, name, MARKER_NAME)):
-            found.append((int(match.group(1)), os.path.join(root, name)))
-    return sorted(found)
-
-
-def read_checkpoint(folder: str) -> dict[str, Any]:
-    """The checkpoint's ``checkpoint.json``, once the folder proves to be what it says.
-
-    Every file it lists has its recorded size and sha256; it lists every file the format needs; its
-    step is the folder's (``step_00000020`` holds step 20) and the scheduler's own step count. Raises
-    ``CorruptCheckpoint`` naming the first problem; a file we may not read counts as damaged too.
-    """
-    marker = os.path.join(folder, MARKER_NAME)
-    if not os.path.isfile(marker):
-        raise CorruptCheckpoint(f"{folder} is incomplete: it has no {MARKER_NAME}, so its save never finished")
-    try:
-        with open(marker, encoding="utf-8") as fh:
-            meta = json.load(fh)
-        files = {name: (int(f["bytes"]), str(f["sha256"])) for name, f in meta["files"].items()}
-        if type(meta["step"]) is not int:
-            raise TypeError("step")
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        raise CorruptCheckpoint(f"{marker} is unreadable or malformed") from None
-    for name, (size, digest) in sorted(files.items()):
-        path = os.path.join(folder, name)
-        if not os.path.isfile(path):
-            raise CorruptCheckpoint(f"{path} is missing")
-        if os.path.getsize(path) != size:
-            raise CorruptCheckpoint(f"{path} is truncated or altered ({os.path.getsize(path)} bytes, {size} saved)")
-        try:
-            actual = file_sha256(path)
-        except OSError as err:  # e.g. permissions: we cannot vouch for what we cannot read
-            raise CorruptCheckpoint(f"{path} cannot be read ({err.strerror})") from None
-        if actual != digest:
-            raise CorruptCheckpoint(f"{path} is corrupt (its sha256 differs from the one recorded when it was saved)")
-    missing = _required_files(meta, files)
-    if missing:
-        raise CorruptCheckpoint(f"{marker} does not list {', '.join(missing)}, which every checkpoint holds")
-    _check_step(folder, meta)
-    return meta
-
-
-def _required_files(meta: dict[str, Any], listed: Iterable[str]) -> list[str]:
-    """What ``accelerator.save_state`` writes for our run that ``listed`` lacks: weights, optimizer, schedule,
-    one RNG file per rank (and the fp16 scaler).
-
-    Under FSDP Accelerate writes the model and optimizer its own way (``pytorch_model_fsdp_0/`` and
-    ``optimizer_0/`` for a sharded state dict, single ``.bin`` files for a full one), so there we ask for
-    a file of each kind rather than our ``model.safetensors`` and ``optimizer.bin``.
-    """
-    listed = set(listed)
-    world = meta.get("world_size")
-    ranks = world if type(world) is int and world > 0 else 1
-    needed = [SCHEDULER_FILE, *(f"{RNG_STATE_NAME}_{rank}.pkl" for rank in range(ranks))]
-    if meta.get("mixed_precision") == "fp16":
-        needed.append(SCALER_NAME)
-    missing = [name for name in needed if name not in listed]
-    if meta.get("distributed_type") == "FSDP":
-        for prefix in (FSDP_MODEL_NAME, OPTIMIZER_NAME):
-            if not any(name.startswith(prefix) for name in listed):
-                missing.append(f"{prefix}* (FSDP)")
-    else:
-        missing += [name for name in (WEIGHTS_NAME, f"{OPTIMIZER_NAME}.bin") if name not in listed]
-    return missing
-
-
-def _check_step(folder: str, meta: dict[str, Any]) -> None:
-    """The recorded step must be the folder's, the scheduler's, and on an optimizer-step boundary for Accelerate."""
-    step = meta["step"]
-    name = _STEP_DIR.match(os.path.basename(os.path.normpath(folder)))
-    if name and int(name.group(1)) != step:
-        raise CorruptCheckpoint(f"{folder}: its {MARKER_NAME} says step {step}, its name says step "
-                                f"{int(name.group(1))}")
-    if step < 1:
-        raise CorruptCheckpoint(f"{folder}: its {MARKER_NAME} says step {step}; checkpoints start at step 1")
-    scheduler = _load_state(os.path.join(folder, SCHEDULER_FILE))
-    scheduler_step = scheduler.get("last_epoch") if isinstance(scheduler, dict) else None
-    if scheduler_step != step:
-        raise CorruptCheckpoint(f"{folder}: its {MARKER_NAME} says step {step}, its {SCHEDULER_FILE} has "
-                                f"stepped {scheduler_step} times")
-    accumulation = meta.get("grad_accum_steps")
-    rng = _load_state(os.path.join(folder, f"{RNG_STATE_NAME}_0.pkl"))
-    micro_steps = rng.get("step") if isinstance(rng, dict) else None
-    if type(accumulation) is int and accumulation > 0 and (type(micro_steps) is not int or micro_steps % accumulation):
-        raise CorruptCheckpoint(f"{folder}: Accelerate's step counter ({micro_steps}) is not on an optimizer-step "
-                                f"boundary of {accumulation} micro-steps")
-
-
-def _load_state(path: str) -> Any:
-    """A small state file saved by Accelerate, read as ``load_state`` will: ``torch.load(weights_only=True)``."""
-    try:
-        return accelerate_load(path, map_location="cpu")
-    except ImportError:  # torch could not import its own code: this environment is broken, not the file
-        raise
-    except Exception as err:  # unpickling refused, truncated, unreadable: all mean we cannot resume from it
-        raise CorruptCheckpoint(f"{path} cannot be loaded ({type(err).__name__}: {first_line(err)})") from None
-
-
 @contextmanager
 def flags_in_force(optimizer: Any, scheduler: Any) -> Iterator[None]:
     """Keep this run's hyperparameters across a ``load_state`` inside the block.
@@ -242,19 +131,44 @@ class CheckpointManager:
             return final
         acc = self.accelerator
         tmp = os.path.join(self.root, f".tmp-{checkpoint_name(step)}")
-        if acc.is_main_process:
-            os.makedirs(self.root, exist_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)  # left by a crashed save of this same step
-            os.makedirs(tmp)
-        acc.wait_for_everyone()
-        acc.save_state(tmp)  # each rank writes its RNG state; the main process everything else
-        acc.wait_for_everyone()  # every rank has finished writing
-        if acc.is_main_process:
-            self._seal(tmp, final, step)
-            self._prune(keep=final)
-        acc.wait_for_everyone()  # nobody goes on (or exits) before the checkpoint is in place
+        # Each stage ends in a collective that carries its outcome: a write the file system refuses (a full disk)
+        # on any rank stops every rank with one line, the unsealed folder removed and the earlier checkpoints as
+        # they were. The main process's stages are its decisions; each rank writes its own RNG file.
+        self._on_main_then_all(lambda: self._writing(step, tmp, lambda: _fresh_folder(tmp)))
+        try:
+            acc.save_state(tmp)  # each rank writes its RNG state; the main process everything else
+            mine = None
+        except Exception as err:
+            mine = write_failure(err, tmp)
+            if mine is None:
+                raise
+        problems = [why for why in gather_object([mine]) if why]  # every rank has written, or knows who could not
+        if problems:
+            if acc.is_main_process:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise WriteFailed(self._cannot_save(step, problems[0]))
+        self._on_main_then_all(lambda: self._writing(step, tmp, lambda: (self._seal(tmp, final, step),
+                                                                         self._prune(keep=final))))
         self.last_saved_step, self.last_saved_folder = step, final
         return final
+
+    def _writing(self, step: int, tmp: str, call: Callable[[], Any]) -> None:
+        """``call()`` on the main process; a write the file system refuses removes ``tmp`` and is a WriteFailed."""
+        try:
+            call()
+        except Exception as err:
+            why = write_failure(err, tmp)
+            if why is None:
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise WriteFailed(self._cannot_save(step, why)) from err
+
+    def _cannot_save(self, step: int, why: str) -> str:
+        intact = f" ({os.path.basename(self.last_saved_folder)}, the last checkpoint, is intact)" \
+            if self.last_saved_folder else ""
+        return (f"cannot save the checkpoint of step {step} in {self.root}: {why}; free space there (a lower "
+                f"--keep_last keeps fewer checkpoints) or give another --output_dir, then resume with "
+                f"--resume_from_checkpoint auto{intact}")
 
     def _seal(self, tmp: str, final: str, step: int) -> None:
         files = {name: fingerprint(os.path.join(tmp, name)) for name in relative_files(tmp)}
@@ -315,8 +229,8 @@ class CheckpointManager:
         folder, meta = choice
         self._check_compatible(folder, meta)
         acc = self.accelerator
-        rng_file = os.path.join(folder, f"{RNG_STATE_NAME}_{acc.process_index}.pkl")
-        has_rng = os.path.isfile(rng_file)
+        own_rng = rng_file(folder, acc.process_index)
+        has_rng = os.path.isfile(own_rng)
         try:
             acc.load_state(folder)
         except (ConfigError, torch.OutOfMemoryError):
@@ -325,16 +239,37 @@ class CheckpointManager:
             raise ConfigError(f"--resume_from_checkpoint {folder}: cannot load it ({type(err).__name__}: "
                               f"{first_line(err)}); resume from another checkpoint") from err
         acc.step = 0  # checkpoints sit on optimizer-step boundaries: the accumulation counter restarts there
-        missing_rng = int(acc.reduce(torch.tensor(0 if has_rng else 1, device=acc.device), "sum").item())
-        if missing_rng and acc.is_main_process:
-            _warn(f"{folder} holds no RNG state for {missing_rng} of this run's {acc.num_processes} ranks "
-                  f"(it was saved by {meta.get('world_size')}); those ranks keep their seeded RNG, so random "
-                  "layers such as dropout will not replay the original run exactly")
+        # Before anything draws a random number: did load_state restore this rank's RNGs? It skips an RNG file it
+        # cannot load or apply with an INFO log line only (huggingface/accelerate#4283).
+        mine = rng_not_restored(own_rng) if has_rng else None
+        self._say_if_not_exact(folder, meta, gather_object([(has_rng, mine)]))
         if acc.is_main_process:
             epoch = meta["step"] // self.run_facts["steps_per_epoch"]
             print(f"accel_ddp: resumed from {folder} (optimizer step {meta['step']}, epoch {epoch})", flush=True)
         self.last_saved_step, self.last_saved_folder = meta["step"], folder
         return meta["step"]
+
+    def _say_if_not_exact(self, folder: str, meta: dict[str, Any], ranks: list[tuple[bool, list[str] | None]]) -> None:
+        """One loud warning (main process) when some rank's random streams do not continue the checkpoint's.
+
+        A warning, not a refusal: weights, optimizer, schedule and data position are restored exactly, only
+        dropout and random augmentation on those ranks differ from the original run's; and a cause that is not
+        damage (another Accelerate, the GPUs a rank sees) would refuse every checkpoint alike.
+        """
+        missing = [rank for rank, (has, _) in enumerate(ranks) if not has]
+        differ = [f"rank {rank}'s {os.path.basename(rng_file(folder, rank))} ({', '.join(gens)})"
+                  for rank, (has, gens) in enumerate(ranks) if has and gens]
+        if not self.accelerator.is_main_process or not (missing or differ):
+            return
+        why = []
+        if missing:
+            why.append(f"it holds no RNG state for rank{'s' * (len(missing) > 1)} {', '.join(map(str, missing))} "
+                       f"(it was saved by {meta.get('world_size')} ranks): those keep their seeded RNG")
+        if differ:
+            why.append(f"load_state did not restore the generators of {'; '.join(differ)}")
+        _warn(f"the resume from {folder} is not exact: {'; '.join(why)}; random layers such as dropout and random "
+              f"augmentation on those ranks differ from the original run's from step {meta['step']} on (weights, "
+              "optimizer, schedule and data position are restored exactly)")
 
     def _choose(self, spec: str) -> tuple[str, dict[str, Any]] | None:
         if spec == "auto":
@@ -434,6 +369,15 @@ class CheckpointManager:
 
     def _on_main_then_all(self, fn: Callable[[], Any]) -> Any:
         return main_process_decides(self.accelerator, fn)  # one reader of the file system
+
+
+def _fresh_folder(path: str) -> None:
+    """An empty folder at ``path``: whatever a crashed save of the same step left there goes first."""
+    if os.path.isdir(path):
+        shutil.rmtree(path)
+    elif os.path.lexists(path):
+        os.remove(path)
+    os.makedirs(path)
 
 
 def _warn(message: str) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import yaml
@@ -22,6 +23,7 @@ from accel_ddp.outputs import (
     TENSORBOARD_SUBDIR,
     WEIGHTS_NAME,
 )
+from accel_ddp.validation import ConfigError
 
 # ----------------------------------------------------------------------------- curves.png
 
@@ -35,12 +37,29 @@ CURVES = (
 
 
 def read_metrics(output_dir: str) -> list[dict[str, Any]]:
-    """The records of ``metrics.jsonl``; a line cut short by a crash is skipped."""
+    """The records of ``metrics.jsonl``; a line cut short by a crash is skipped, one that is not UTF-8 is a
+    ConfigError (``metrics_lines``)."""
     path = os.path.join(output_dir, METRICS_NAME)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no {METRICS_NAME} in {output_dir}; point at a run's --output_dir")
-    with open(path, encoding="utf-8") as fh:
-        return [record for record in map(parse_record, fh) if record is not None]
+    return [record for record in map(parse_record, metrics_lines(path)) if record is not None]
+
+
+def metrics_lines(path: str) -> Iterator[str]:
+    """The lines of a ``metrics.jsonl``, as text. A crash can cut a line short, but only damage makes bytes that are
+    not UTF-8: that is a ConfigError naming the line, not a record quietly dropped (nor a UnicodeDecodeError)."""
+    with open(path, "rb") as fh:
+        for number, raw in enumerate(fh, start=1):
+            try:
+                yield raw.decode("utf-8")
+            except UnicodeDecodeError:
+                raise ConfigError(damaged_line(path, number)) from None
+
+
+def damaged_line(path: str, number: int) -> str:
+    """The one line for a line of a file the run wrote (metrics.jsonl, metrics.csv) that is not UTF-8."""
+    return (f"{path} line {number} is not UTF-8 text, so the file is damaged; delete that line (or move the file "
+            "aside: the run then writes a new one)")
 
 
 def parse_record(line: str) -> dict[str, Any] | None:
@@ -145,7 +164,7 @@ def _read_json(path: str) -> Any:
     try:
         with open(path, encoding="utf-8") as fh:
             return json.load(fh)
-    except (OSError, json.JSONDecodeError):
+    except (OSError, ValueError):  # JSONDecodeError and UnicodeDecodeError (a damaged file) are ValueErrors
         return None
 
 
@@ -164,9 +183,12 @@ def format_summary(output_dir: str) -> str:
         raise FileNotFoundError(f"no readable {SUMMARY_NAME} in {output_dir}; point at a finished run's --output_dir")
     config = {}
     config_path = os.path.join(output_dir, CONFIG_NAME)
-    if os.path.isfile(config_path):
+    try:  # the config's rows are left out of a table whose config.yaml is missing or damaged
         with open(config_path, encoding="utf-8") as fh:
             config = yaml.safe_load(fh) or {}
+    except (OSError, ValueError, yaml.YAMLError):
+        config = {}
+    config = config if isinstance(config, dict) else {}
     rows = [(name, _format_value(config[name])) for name in _CONFIG_ROWS if name in config]
     rows += [(label, _format_value(summary[key], fmt)) for key, label, fmt in _SUMMARY_ROWS if key in summary]
     known = {key for key, _, _ in _SUMMARY_ROWS}

@@ -29,7 +29,21 @@ from typing import Any
 from accelerate import Accelerator
 
 from accel_ddp.failure import main_process_decides
-from accel_ddp.outputs import LOCK_NAME, SUMMARY_NAME, WEIGHTS_NAME
+from accel_ddp.outputs import (
+    CHECKPOINTS_DIR,
+    CONFIG_NAME,
+    CSV_NAME,
+    CURVES_NAME,
+    LOCK_NAME,
+    METRICS_NAME,
+    MODEL_CARD_NAME,
+    PRETRAINED_SUBDIR,
+    PROFILE_SUBDIR,
+    SUMMARY_NAME,
+    TENSORBOARD_SUBDIR,
+    TRACKERS_NAME,
+    WEIGHTS_NAME,
+)
 from accel_ddp.validation import ConfigError
 
 
@@ -89,6 +103,7 @@ def check_output_dir(path: str) -> None:
     if os.path.exists(path):
         if not os.path.isdir(path):
             raise ConfigError(f"--output_dir {path} is a file, not a folder; give a folder path")
+        _check_names(path)
         nearest = path
     else:
         nearest = os.path.dirname(os.path.abspath(path))
@@ -100,6 +115,23 @@ def check_output_dir(path: str) -> None:
     if not os.access(nearest, os.W_OK | os.X_OK):
         raise ConfigError(f"--output_dir {path}: cannot create or write it ({nearest} is not writable); give a "
                           "folder you can write, or fix its permissions")
+
+
+# What the run writes under OUTPUT_DIR: these are folders, every other name of outputs.py a file.
+FOLDERS = (CHECKPOINTS_DIR, PRETRAINED_SUBDIR, PROFILE_SUBDIR, TENSORBOARD_SUBDIR)
+FILES = (CONFIG_NAME, METRICS_NAME, SUMMARY_NAME, WEIGHTS_NAME, CURVES_NAME, CSV_NAME, TRACKERS_NAME,
+         MODEL_CARD_NAME, LOCK_NAME)
+
+
+def _check_names(path: str) -> None:
+    """A file where the run keeps a folder (``checkpoints``), or a folder where it writes a file: found at the
+    first save or write otherwise, a traceback after training."""
+    for name in FOLDERS + FILES:
+        where = os.path.join(path, name)
+        if os.path.exists(where) and os.path.isdir(where) != (name in FOLDERS):
+            kind, other = ("a file", "a folder") if name in FOLDERS else ("a folder", "a file")
+            raise ConfigError(f"--output_dir {path}: {where} is {kind}, not {other} (the run writes {name} there); "
+                              "move it out of the way, or give another --output_dir")
 
 
 def claim_output_dir(accelerator: Accelerator, path: str) -> OutputLock:

@@ -25,6 +25,7 @@ from accel_ddp.config import ACCELERATE_TRACKERS
 from accel_ddp.failure import main_process_decides
 from accel_ddp.files import atomic_write_text
 from accel_ddp.outputs import CSV_NAME, METRICS_NAME, TENSORBOARD_SUBDIR
+from accel_ddp.report import damaged_line
 from accel_ddp.validation import ConfigError
 
 
@@ -52,10 +53,15 @@ class CSVTracker(GeneralTracker):
     def start(self) -> None:
         os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
         if os.path.isfile(self.path):
-            with open(self.path, newline="", encoding="utf-8") as fh:
-                reader = csv.DictReader(fh)
-                self.columns = list(reader.fieldnames or ["step"])
-                self.rows = list(reader)
+            with open(self.path, "rb") as fh:
+                raw = fh.read()
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as err:  # damage: the run only writes UTF-8
+                raise ConfigError(damaged_line(self.path, raw.count(b"\n", 0, err.start) + 1)) from None
+            reader = csv.DictReader(io.StringIO(text, newline=""))
+            self.columns = list(reader.fieldnames or ["step"])
+            self.rows = list(reader)
             if self.keep_until is not None:
                 kept = [r for r in self.rows if r.get("step", "").isdigit() and int(r["step"]) <= self.keep_until]
                 if len(kept) < len(self.rows):
@@ -220,6 +226,9 @@ class GuardedTracker(GeneralTracker):
         try:
             self.inner = _new_tracker(self.name, self.run)
             self.inner.start()
+        except ConfigError:  # one line of its own (a damaged metrics.csv)
+            self.inner = None
+            raise
         except Exception as err:  # noqa: BLE001 - each tracker raises its own types; all mean "cannot start"
             self.inner = None
             raise ConfigError(self._cannot_start(err)) from err

@@ -25,10 +25,11 @@ from typing import Any
 import yaml
 
 from accel_ddp.failure import main_process_decides
-from accel_ddp.files import atomic_write_text
+from accel_ddp.files import OUTPUTS_FIX, WriteFailed, atomic_write_text, written
 from accel_ddp.outputs import CONFIG_NAME, CURVES_NAME, METRICS_NAME, SUMMARY_NAME, TRACKERS_NAME
-from accel_ddp.report import parse_record, plot_run, read_metrics
+from accel_ddp.report import metrics_lines, parse_record, plot_run, read_metrics
 from accel_ddp.trackers import RUN_IDS, GuardedTracker, flat_hparams
+from accel_ddp.validation import ConfigError
 
 
 def _json_line(record: dict[str, Any], indent: int | None = None) -> str:
@@ -64,6 +65,7 @@ class RunRecorder:
     def __init__(self, output_dir: str, is_main_process: bool, accelerator: Any = None):
         self.output_dir = output_dir
         self.enabled = is_main_process
+        self._state = accelerator  # collective decisions (rewind), when given
         self._accelerator = accelerator if accelerator is not None and accelerator.log_with else None
         self._trackers_started = False
         self._metrics = None
@@ -72,21 +74,37 @@ class RunRecorder:
 
     def rewind(self, step: int) -> None:
         """Drop metric records after ``step``: a fresh run (0) starts an empty file, a resumed one
-        forgets the steps logged after its checkpoint, which the resumed run will log again."""
-        if not self.enabled:
-            return
+        forgets the steps logged after its checkpoint, which the resumed run will log again.
+
+        Collective when given an accelerator: a damaged metrics.jsonl is a ConfigError on every rank."""
+        if self._state is not None:
+            main_process_decides(self._state, lambda: self._rewind(step))
+        elif self.enabled:
+            self._rewind(step)
+
+    def _rewind(self, step: int) -> None:
         self.close()
         path = os.path.join(self.output_dir, METRICS_NAME)
         if step and os.path.exists(path):
-            with open(path, encoding="utf-8", errors="replace") as fh:
-                kept = [line if line.endswith("\n") else line + "\n" for line in fh if _logged_by(line, step)]
-            atomic_write_text(path, "".join(kept))
+            kept = [line if line.endswith("\n") else line + "\n" for line in metrics_lines(path)
+                    if _logged_by(line, step)]
+            written(lambda: atomic_write_text(path, "".join(kept)), METRICS_NAME, self.output_dir, OUTPUTS_FIX)
         # Appending lets a resumed run extend the curve; a fresh run starts the file anew.
         self._metrics = open(path, "a" if step else "w", encoding="utf-8")
 
     def write_config(self, resolved: dict[str, Any]) -> None:
-        if self.enabled:
-            atomic_write_text(os.path.join(self.output_dir, CONFIG_NAME), yaml.safe_dump(resolved, sort_keys=False))
+        self._write(CONFIG_NAME, yaml.safe_dump(resolved, sort_keys=False))
+
+    def _write(self, name: str, text: str) -> None:
+        """``OUTPUT_DIR/name`` from the main process; a write the file system refuses is a WriteFailed on every rank
+        (collective when given an accelerator)."""
+        def write() -> None:
+            written(lambda: atomic_write_text(os.path.join(self.output_dir, name), text), name, self.output_dir,
+                    OUTPUTS_FIX)
+        if self._state is not None:
+            main_process_decides(self._state, lambda: write() if self.enabled else None)
+        elif self.enabled:
+            write()
 
     def start_trackers(self, project: str, resolved: dict[str, Any], start_step: int) -> None:
         """Start the trackers on the main process, the resolved config as their hyperparameters (collective).
@@ -102,19 +120,21 @@ class RunRecorder:
 
     def _start_trackers(self, project: str, resolved: dict[str, Any], start_step: int) -> None:
         saved, logged = {}, set()
+        trackers = [t for t in self._accelerator.log_with if isinstance(t, GuardedTracker)]
         if start_step:  # what the interrupted attempt kept of its tracker runs, and what it sent them after start_step
-            saved = _read_json(os.path.join(self.output_dir, TRACKERS_NAME))
+            saved = read_tracker_runs(os.path.join(self.output_dir, TRACKERS_NAME), [t.name for t in trackers],
+                                      start_step)
             has_metrics = os.path.isfile(os.path.join(self.output_dir, METRICS_NAME))
             records = read_metrics(self.output_dir) if has_metrics else []
             logged = {(r["step"], frozenset(k for k in r if k not in ("time", "step")))
                       for r in records if isinstance(r.get("step"), int) and r["step"] > start_step}
-        trackers = [t for t in self._accelerator.log_with if isinstance(t, GuardedTracker)]
         for tracker in trackers:
             tracker.prepare(start_step, saved.get(tracker.name, {}), logged)
         self._accelerator.init_trackers(project, config=flat_hparams(resolved))  # starts them: main process only
         state = {t.name: kept for t in trackers if (kept := t.saved_state())}
         if state:
-            atomic_write_text(os.path.join(self.output_dir, TRACKERS_NAME), json.dumps(state, indent=2) + "\n")
+            path, text = os.path.join(self.output_dir, TRACKERS_NAME), json.dumps(state, indent=2) + "\n"
+            written(lambda: atomic_write_text(path, text), TRACKERS_NAME, self.output_dir, OUTPUTS_FIX)
         for tracker in trackers:
             if start_step and not tracker.continued:
                 why = (f"{TRACKERS_NAME} holds no run of it" if tracker.name in RUN_IDS
@@ -125,8 +145,13 @@ class RunRecorder:
         if self.enabled:
             if self._metrics is None:  # used without rewind(): extend whatever is there
                 self._metrics = open(os.path.join(self.output_dir, METRICS_NAME), "a", encoding="utf-8")
-            self._metrics.write(_json_line({"time": round(time.time(), 3), **record}) + "\n")
-            self._metrics.flush()
+            line = _json_line({"time": round(time.time(), 3), **record}) + "\n"
+            try:
+                written(lambda: (self._metrics.write(line), self._metrics.flush()), METRICS_NAME, self.output_dir,
+                        OUTPUTS_FIX)
+            except WriteFailed as err:  # main process only, mid-run: no collective here
+                err.only_this_rank = True  # it says so; the other ranks stop when its process has ended
+                raise
         if self._trackers_started:  # each tracker's failures stay inside it (GuardedTracker)
             values = {k: v for k, v in record.items() if k != "step"}
             self._accelerator.log(values, step=record.get("step"))
@@ -146,8 +171,7 @@ class RunRecorder:
 
     def write_summary(self, summary: dict[str, Any], step: int) -> None:
         """``summary.json``, and the summary to each tracker at the run's last optimizer ``step``."""
-        if self.enabled:
-            atomic_write_text(os.path.join(self.output_dir, SUMMARY_NAME), _json_line(summary, indent=2) + "\n")
+        self._write(SUMMARY_NAME, _json_line(summary, indent=2) + "\n")
         if self._trackers_started and self.enabled:
             for tracker in self._accelerator.trackers:
                 if isinstance(tracker, GuardedTracker):
@@ -155,16 +179,35 @@ class RunRecorder:
 
     def close(self) -> None:
         if self._metrics is not None:
-            self._metrics.close()
+            try:
+                self._metrics.close()
+            except OSError:  # its last write failed (a full disk) and was reported then; every line is flushed
+                pass
             self._metrics = None
 
 
-def _read_json(path: str) -> dict[str, Any]:
+def read_tracker_runs(path: str, names: list[str], start_step: int) -> dict[str, dict[str, str]]:
+    """``trackers.json``'s run of each tracker in ``names`` that reopens runs (``RUN_IDS``); {} without the file.
+
+    A file that is not what ``_start_trackers`` writes (not JSON, not UTF-8, an entry that is no object of
+    text ids) is a ConfigError: guessing would start new tracker runs, or hand a tracker a garbled id.
+    """
+    reopened = [name for name in names if name in RUN_IDS]
+    if not reopened or not os.path.exists(path):
+        return {}
     try:
         with open(path, encoding="utf-8") as fh:
             data = json.load(fh)
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
+        problem = None if isinstance(data, dict) else f"it holds a JSON {type(data).__name__}, not an object"
+    except (OSError, ValueError) as err:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        data, problem = {}, f"{type(err).__name__}: {str(err).splitlines()[0][:120]}"
+    for name in reopened:
+        entry = data.get(name, {}) if problem is None else {}
+        if not isinstance(entry, dict) or not all(isinstance(v, str) and v for v in entry.values()):
+            problem = f"its {name} entry {entry!r:.80} is not an object of run ids"
+    if problem:
+        raise ConfigError(f"{path} is damaged ({problem}); delete it to start new {' and '.join(reopened)} runs from "
+                          f"step {start_step} (this run's metrics.jsonl keeps every step), or restore it")
+    return data
 
 

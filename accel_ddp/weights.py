@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from accel_ddp.failure import first_line
+from accel_ddp.failure import first_line, main_process_decides
+from accel_ddp.files import OUTPUTS_FIX, written
 from accel_ddp.outputs import WEIGHTS_NAME
 from accel_ddp.validation import ConfigError
 
@@ -103,13 +104,20 @@ def export_weights(accelerator: Accelerator, model: torch.nn.Module, output_dir:
     """
     state = plain_state_dict(accelerator.get_state_dict(model))
     path = os.path.join(output_dir, WEIGHTS_NAME)
-    if accelerator.is_main_process:
+
+    def write() -> None:
         # safetensors refuses tensors that share storage; clone into plain contiguous CPU copies.
         tensors = {name: t.detach().to("cpu").contiguous().clone() for name, t in state.items()}
         tmp = f"{path}.tmp"
-        save_file(tensors, tmp, metadata={"format": "pt"})
-        os.replace(tmp, path)
-    accelerator.wait_for_everyone()
+        try:
+            save_file(tensors, tmp, metadata={"format": "pt"})
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):  # what a refused write left: never loaded, but it takes the space
+                os.remove(tmp)
+
+    # The main process writes; every rank gets its outcome (a full disk: one line on every rank).
+    main_process_decides(accelerator, lambda: written(write, WEIGHTS_NAME, output_dir, OUTPUTS_FIX))
     return path
 
 

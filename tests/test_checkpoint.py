@@ -375,6 +375,125 @@ def test_damaged_checkpoints_are_named_and_auto_falls_back(reference, tmp_path, 
     assert_same_weights(out, reference)
 
 
+# ----------------------------------------------------------------------------- every rank's RNG state (issue 20)
+
+
+def _rewrite_rng_file(folder: Path, rank: int, content: bytes) -> Path:
+    """Replace a rank's RNG file and record its new size and sha256 in checkpoint.json: a checkpoint that lies."""
+    path = folder / f"random_states_{rank}.pkl"
+    path.write_bytes(content)
+    meta = json.loads((folder / MARKER_NAME).read_text())
+    meta["files"][path.name] = {"bytes": len(content), "sha256": hashlib.sha256(content).hexdigest()}
+    (folder / MARKER_NAME).write_text(json.dumps(meta))
+    return path
+
+
+def _torch_saved(obj) -> bytes:
+    import io
+
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def _rng_contents(rng_file: Path) -> dict[str, bytes]:
+    """Lying contents for a rank's RNG file, each intact by hash once recorded: what torch cannot load, what
+    lacks states, and what torch loads (weights_only, NumPy allow-listed) but no generator accepts."""
+    import numpy as np
+
+    states = torch.load(rng_file, weights_only=False)  # the test's own file
+    return {
+        "not loadable": b"not an RNG state",
+        "no numpy or torch state": _torch_saved({"step": states["step"], "random_state": states["random_state"]}),
+        "a numpy state that does not apply": _torch_saved(
+            {**states, "numpy_random_seed": ("MT19937", np.zeros(3, dtype=np.uint32), 0, 0, 0.0)}),
+    }
+
+
+@pytest.mark.parametrize("kind, problem", [
+    ("not loadable", "cannot be loaded (UnpicklingError"),
+    ("no numpy or torch state", "holds no NumPy, torch CPU RNG state"),
+    ("a numpy state that does not apply", "holds RNG states that do not apply (IndexError"),
+])
+def test_a_rank_rng_file_that_would_not_restore_is_damage_and_auto_resumes_exactly_from_the_one_before(
+        reference, tmp_path, capfd, kind, problem):
+    """Rank 1's random_states_1.pkl replaced, its hash rewritten to match. Accelerate's load_state caught the
+    failure to load or apply it and logged it at INFO only (huggingface/accelerate#4283): rank 1 went on with its
+    seeded RNG, other dropout masks, and the resumed weights were not the uninterrupted run's."""
+    out = tmp_path / "run"
+    shutil.copytree(reference / "checkpoints", out / "checkpoints", ignore=shutil.ignore_patterns("step_00000032"))
+    folder = out / "checkpoints" / "step_00000028"
+    lying = _rewrite_rng_file(folder, 1, _rng_contents(folder / "random_states_1.pkl")[kind])
+    args = [*ARGS, "--checkpointing_steps", "4", "--keep_last", "3", "--output_dir", str(out)]
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    capfd.readouterr()
+    assert main_ranks([*args, "--resume_from_checkpoint", str(folder)]) == [2, 2]
+    (out / ".lock").unlink()  # the run's lock, taken before it resumes: nothing else was written
+    err = capfd.readouterr().err
+    (line,) = [line for line in err.splitlines() if line.startswith("accel_ddp: error")]
+    assert f"--resume_from_checkpoint {folder}: {lying} {problem}" in line and "Traceback" not in err
+    assert err.count("accel_ddp: error") == 1
+    assert line.endswith("; resume from an older checkpoint, or use auto, which skips damaged ones")
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+
+    assert main_ranks([*args, "--resume_from_checkpoint", "auto"]) == [0, 0]
+    result = capfd.readouterr()
+    assert f"skipping a damaged checkpoint: {lying} {problem}" in result.err
+    assert f"resumed from {out / 'checkpoints' / 'step_00000024'}" in result.out
+    assert_same_weights(out, reference)  # dropout on both ranks replayed the original masks
+
+
+def test_rng_states_that_load_state_does_not_apply_are_one_loud_warning_and_the_run_goes_on(reference, tmp_path,
+                                                                                           capfd):
+    """A file that checks out but that Accelerate does not apply on some rank (here its NumPy setter fails on rank
+    1, as another Accelerate or another device could): every rank compares its generators with its file after
+    load_state; the main process says, once, which rank, which file, which generators, and that the resume is not
+    exact. Weights, optimizer and schedule are restored: the run goes on."""
+    import types
+
+    import accelerate.checkpointing
+    import numpy as np
+
+    out = tmp_path / "run"
+    shutil.copytree(reference / "checkpoints", out / "checkpoints", ignore=shutil.ignore_patterns("step_00000032"))
+
+    def resume_with_rank_1_failing_to_apply() -> int:
+        from accel_ddp.loop import main
+
+        if os.environ["RANK"] == "1":
+            def set_state(state):
+                raise ValueError("state is not a legacy MT19937 state")
+            accelerate.checkpointing.np = types.SimpleNamespace(
+                random=types.SimpleNamespace(set_state=set_state, get_state=np.random.get_state))
+        return main([*ARGS, "--checkpointing_steps", "4", "--keep_last", "3", "--output_dir", str(out),
+                     "--resume_from_checkpoint", "auto"])
+
+    capfd.readouterr()
+    assert run_ranks(resume_with_rank_1_failing_to_apply) == [0, 0]
+    result = capfd.readouterr()
+    warnings = [line for line in result.err.splitlines() if "is not exact" in line]
+    folder = out / "checkpoints" / "step_00000028"
+    # NumPy's state was not set either, but nothing drew from it since set_seed: it equals the saved one. Torch's,
+    # set after NumPy's by load_accelerator_state, was skipped: dropout drew from it.
+    assert warnings == [f"accel_ddp: warning: the resume from {folder} is not exact: load_state did not restore the "
+                        "generators of rank 1's random_states_1.pkl (torch CPU); random layers such as "
+                        "dropout and random augmentation on those ranks differ from the original run's from step 28 "
+                        "on (weights, optimizer, schedule and data position are restored exactly)"]
+    assert read_summary(out)["optimizer_steps"] == STEPS
+    got, expected = load_weights(out), load_weights(reference)
+    assert any(not torch.equal(got[k], expected[k]) for k in expected)  # what the warning said: not exact
+
+
+def test_an_exact_resume_says_nothing_about_rng_states(reference, tmp_path, capfd):
+    out = tmp_path / "run"
+    shutil.copytree(reference / "checkpoints", out / "checkpoints", ignore=shutil.ignore_patterns("step_00000032"))
+    printed = resume([*ARGS, "--checkpointing_steps", "4", "--keep_last", "3", "--output_dir", str(out),
+                      "--resume_from_checkpoint", "auto"], capfd)
+    assert f"resumed from {out / 'checkpoints' / 'step_00000028'}" in printed
+    assert "not exact" not in capfd.readouterr().err
+    assert_same_weights(out, reference)
+
+
 def test_checkpoint_of_another_model_names_the_mismatched_keys(reference, tmp_path, capfd):
     capfd.readouterr()
     checkpoint = reference / "checkpoints" / "step_00000024"
@@ -399,7 +518,15 @@ def test_resume_with_another_world_size_continues_under_the_global_batch(saved_b
     capfd.readouterr()
     assert main_ranks([*args, "--output_dir", str(resumed), "--resume_from_checkpoint",
                        str(original / "checkpoints" / "step_00000010")], world_size=resumed_by) == [0] * resumed_by
-    assert f"was saved by {saved_by} ranks, this run has {resumed_by}" in capfd.readouterr().err
+    err = capfd.readouterr().err
+    assert f"was saved by {saved_by} ranks, this run has {resumed_by}" in err
+    folder = original / "checkpoints" / "step_00000010"
+    not_exact = [line for line in err.splitlines() if "is not exact" in line]  # rank 1 has no RNG file of its own
+    assert not_exact == ([] if resumed_by < saved_by else [
+        f"accel_ddp: warning: the resume from {folder} is not exact: it holds no RNG state for rank 1 (it was saved "
+        "by 1 ranks): those keep their seeded RNG; random layers such as dropout and random augmentation on those "
+        "ranks differ from the original run's from step 10 on (weights, optimizer, schedule and data position are "
+        "restored exactly)"])
     summary = read_summary(resumed)
     assert (summary["world_size"], summary["resumed_from_step"], summary["optimizer_steps"]) == (resumed_by, 10, 24)
     got, expected = load_weights(resumed), load_weights(original)

@@ -7,6 +7,7 @@ Every run here is forked ranks of a gloo group (tests/multiproc.py), not a launc
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import json
@@ -14,6 +15,7 @@ import multiprocessing
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -277,14 +279,14 @@ def test_an_explicit_lying_checkpoint_is_exit_2_and_nothing_is_touched(stopped_a
 
 def test_an_import_failure_while_reading_a_checkpoint_is_not_called_damage(stopped_at_20, monkeypatch):
     """torch failing to import its own code is a broken environment: surfaced, not a reason to skip checkpoints."""
-    from accel_ddp import checkpoint
+    from accel_ddp import manifest
 
     def broken_load(*args, **kwargs):
         raise ModuleNotFoundError("No module named 'torch.utils.serialization'")
 
-    monkeypatch.setattr(checkpoint, "accelerate_load", broken_load)
+    monkeypatch.setattr(manifest, "accelerate_load", broken_load)
     with pytest.raises(ModuleNotFoundError):
-        checkpoint.read_checkpoint(str(ckpt(stopped_at_20, 20)))
+        manifest.read_checkpoint(str(ckpt(stopped_at_20, 20)))
 
 
 def test_unreadable_checkpoint_file_is_damaged_and_auto_falls_back(stopped_at_20, thirty_steps, open_dir, capfd):
@@ -484,6 +486,199 @@ def test_a_bad_output_dir_is_one_line_and_exit_2_before_training(open_dir, capfd
     (line,) = error_lines(err)
     assert message in line and "Traceback" not in err
     assert blocker.read_text() == "keep me" and os.listdir(open_dir / "ro") == []
+
+
+@pytest.mark.parametrize("name, kind, resume", [("checkpoints", "a file", False), ("checkpoints", "a file", True),
+                                                ("metrics.jsonl", "a folder", False),
+                                                ("model.safetensors", "a folder", False)])
+def test_a_file_where_the_run_keeps_a_folder_or_the_reverse_is_one_line_before_training(tmp_path, capfd, name, kind,
+                                                                                       resume):
+    """OUTPUT_DIR/checkpoints as a file was a FileExistsError at the first save, after training (and with auto,
+    'no checkpoint in ...; starting from scratch'); a folder named metrics.jsonl an IsADirectoryError."""
+    out = tmp_path / "run"
+    out.mkdir()
+    blocker = out / name
+    blocker.write_text("keep me") if kind == "a file" else blocker.mkdir()
+    capfd.readouterr()
+
+    def run() -> int:
+        faults.install(fail_at=(1, 0))  # had training started, this would be a traceback and exit 1
+        return main([*ARGS, "--max_steps", "4", "--output_dir", str(out),
+                     *(["--resume_from_checkpoint", "auto"] if resume else [])])
+
+    assert run_ranks(run) == [2, 2]
+    err = capfd.readouterr().err
+    (line,) = error_lines(err)
+    other = "a folder" if kind == "a file" else "a file"
+    assert line == (f"accel_ddp: error: --output_dir {out}: {blocker} is {kind}, not {other} (the run writes {name} "
+                    "there); move it out of the way, or give another --output_dir")
+    assert "Traceback" not in err and sorted(os.listdir(out)) == [name]
+
+
+# ----------------------------------------------------------------------------- 4b. a full disk
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 64 MiB tmpfs of this test's own (root only, where mounts are allowed; else the test is skipped)."""
+    mount_point = tmp_path / "disk"
+    mount_point.mkdir()
+    mounted = os.geteuid() == 0 and shutil.which("mount") and subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mount_point)], capture_output=True).returncode == 0
+    if not mounted:
+        pytest.skip("needs a tmpfs of its own (root, with mount allowed); test_a_full_disk_while_saving_... fakes it")
+    yield mount_point
+    subprocess.run(["umount", "-l", str(mount_point)], capture_output=True)
+
+
+def _fill(folder: Path) -> None:
+    """Write zeros into ``folder`` until its file system is full."""
+    with open(folder / "filler", "wb") as fh:
+        try:
+            while True:
+                fh.write(bytes(1 << 20))
+                fh.flush()
+        except OSError as err:
+            assert err.errno == errno.ENOSPC
+
+
+def _lines_after_bars(err: str) -> list[str]:
+    """Each error line, also one printed right after a progress bar's (on the same line)."""
+    return ["accel_ddp: error:" + part.splitlines()[0] for part in err.split("accel_ddp: error:")[1:]]
+
+
+def _full_disk_line(err: str, out: Path, step: int, intact: int) -> str:
+    (line,) = _lines_after_bars(err)
+    assert line.startswith(f"accel_ddp: error: cannot save the checkpoint of step {step} in {out / 'checkpoints'}: "
+                           "the file system is full (")
+    assert line.endswith("free space there (a lower --keep_last keeps fewer checkpoints) or give another "
+                         "--output_dir, then resume with --resume_from_checkpoint auto "
+                         f"(step_{intact:08d}, the last checkpoint, is intact)")
+    assert "Traceback" not in err
+    return line
+
+
+def test_a_full_disk_while_saving_a_checkpoint_is_one_line_and_the_resume_loses_nothing(small_disk, thirty_steps,
+                                                                                       capfd):
+    """A real full file system: torch.save into it raised 'RuntimeError: [enforce fail at inline_container.cc:672]
+    . unexpected pos' (its errno lost in C++), a traceback on the main process while the other rank waited."""
+    from accel_ddp.checkpoint import CheckpointManager
+
+    out = small_disk / "run"
+    save = CheckpointManager.save
+
+    def fill_then_save(self, step):
+        if step == 10 and self.accelerator.is_main_process:
+            _fill(small_disk)  # something else filled the disk since the checkpoint of step 5
+        return save(self, step)
+
+    def run() -> int:
+        CheckpointManager.save = fill_then_save
+        return main([*ARGS, "--max_steps", "30", "--output_dir", str(out)])
+
+    capfd.readouterr()
+    assert run_ranks(run) == [2, 2]
+    _full_disk_line(capfd.readouterr().err, out, step=10, intact=5)
+    assert steps_of(out) == [5] and read_checkpoint(str(ckpt(out, 5)))["step"] == 5
+    assert sorted(os.listdir(out / "checkpoints")) == ["step_00000005"]  # the unsealed folder is gone
+    assert not (out / "summary.json").exists()
+    (small_disk / "filler").unlink()  # space freed: the same command, resumed, ends as the uninterrupted run
+    assert main_ranks([*ARGS, "--max_steps", "30", "--output_dir", str(out), "--resume_from_checkpoint", "auto"]) \
+        == [0, 0]
+    assert_same_weights(out, thirty_steps)
+
+
+def _statvfs_full(real):
+    """os.statvfs reporting no free block: what a full file system reports."""
+    def statvfs(path):
+        stats = real(path)
+        return os.statvfs_result((stats.f_bsize, stats.f_frsize, stats.f_blocks, 0, 0, *tuple(stats)[5:]))
+    return statvfs
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_full_disk_while_saving_a_checkpoint_is_one_line_on_every_rank_faked(tmp_path, capfd, rank):
+    """Without a tmpfs: torch.save on ``rank`` (the main process's optimizer.bin, or rank 1's RNG file) writes half
+    its file and raises what torch raises on a full disk, and the file system reports no free block."""
+    out = tmp_path / "run"
+
+    def run() -> int:
+        real_save = torch.save
+
+        def save_into_a_full_disk(obj, f, *args, **kwargs):
+            if "step_00000010" in str(f) and int(os.environ.get("RANK", "0")) == rank:
+                real_save(obj, f, *args, **kwargs)
+                Path(f).write_bytes(Path(f).read_bytes()[:100])
+                os.statvfs = _statvfs_full(os.statvfs)
+                raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 133696 vs 133588")
+            return real_save(obj, f, *args, **kwargs)
+
+        torch.save = save_into_a_full_disk
+        return main([*ARGS, "--max_steps", "30", "--output_dir", str(out)])
+
+    capfd.readouterr()
+    assert run_ranks(run) == [2, 2]
+    assert "(0 bytes free there)" in _full_disk_line(capfd.readouterr().err, out, step=10, intact=5)
+    assert sorted(os.listdir(out / "checkpoints")) == ["step_00000005"]
+    read_checkpoint(str(ckpt(out, 5)))
+    assert not (out / "summary.json").exists() and not (out / "model.safetensors").exists()
+
+
+@pytest.mark.parametrize("what", ["model.safetensors", "summary.json", "metrics.jsonl"])
+def test_a_full_disk_while_writing_the_runs_files_is_one_line_and_the_checkpoints_stay(tmp_path, capfd, what):
+    """safetensors raises SafetensorError('... No space left on device (os error 28)'), Python's writes OSError
+    ENOSPC: each was a traceback. The checkpoints stay as saved, and no half-written file is left."""
+    from safetensors import SafetensorError
+
+    out = tmp_path / "run"
+
+    def run() -> int:
+        import accel_ddp.tracking
+        import accel_ddp.weights
+
+        if what == "model.safetensors":
+            def save_file(tensors, path, metadata=None):
+                Path(path).write_bytes(b"half a file")
+                raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+            accel_ddp.weights.save_file = save_file
+        elif what == "summary.json":
+            write = accel_ddp.tracking.atomic_write_text
+
+            def atomic_write_text(path, text):
+                if path.endswith("summary.json"):
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+                return write(path, text)
+            accel_ddp.tracking.atomic_write_text = atomic_write_text
+        else:  # the line of step 24, mid-run, on the main process
+            log = RunRecorder.log
+
+            def full_at_24(self, record):
+                if record.get("step") == 24 and self.enabled and self._metrics is not None:
+                    self._metrics.close()
+                    self._metrics = open("/dev/full", "w", encoding="utf-8")  # every write: ENOSPC
+                return log(self, record)
+            RunRecorder.log = full_at_24
+        code = main([*ARGS, "--max_steps", "30", "--output_dir", str(out)])
+        (tmp_path / f"exit{os.environ['RANK']}").write_text(str(code))
+        return code
+
+    capfd.readouterr()
+    if what == "metrics.jsonl":  # the main process stops by itself; the other rank when its process has ended
+        with pytest.raises(RankFailed) as failed:
+            run_ranks(run, grace=10)
+        assert set(failed.value.failures) == {1} and (tmp_path / "exit0").read_text() == "2"
+    else:
+        assert run_ranks(run) == [2, 2]
+    err = capfd.readouterr().err
+    (line,) = _lines_after_bars(err)
+    assert line.startswith(f"accel_ddp: error: cannot write {what} in {out}: the file system is full (")
+    assert line.endswith("; free space there or give another --output_dir (a copy of this one), then resume with "
+                         "--resume_from_checkpoint auto: it continues from the last checkpoint")
+    assert steps_of(out) == ([5, 10, 15, 20] if what == "metrics.jsonl" else [5, 10, 15, 20, 25, 30])
+    for step in steps_of(out):
+        read_checkpoint(str(ckpt(out, step)))
+    assert not list(out.glob("*.tmp*")) and not (out / "summary.json").exists()
+    assert (out / "model.safetensors").exists() == (what == "summary.json")
 
 
 def test_output_dir_from_yaml_must_be_text_and_utf8(tmp_path, capsys):

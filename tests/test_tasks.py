@@ -542,3 +542,92 @@ def test_pydoc_examples_pretrain_an_lm_then_fine_tune_it_as_a_topic_classifier(d
     model = AutoModelForSequenceClassification.from_pretrained(tmp_path / "topics" / "hf_model")
     assert model.config.num_labels == len(TOPICS)
     assert len(AutoTokenizer.from_pretrained(tmp_path / "topics" / "hf_model")) == 512
+
+
+# ----------------------------------------------------------------------------- bad text data (issue 20)
+
+
+def _texts(folder: Path, rows: int, *, eval_rows: int | None = None, bad_line: int | None = None) -> Path:
+    """``folder/train.jsonl`` (and ``test.jsonl``) of labelled reviews; ``bad_line`` of train holds a Latin-1 byte."""
+    folder.mkdir(parents=True)
+    for split, count in (("train", rows), ("test", eval_rows)):
+        if count is not None:
+            lines = [json.dumps({"text": text, "label": label}).encode() + b"\n"
+                     for text, label in _sentences(count, 3)]
+            if split == "train" and bad_line is not None:
+                lines[bad_line - 1] = b'{"text": "caf\xe9 was good .", "label": "pos"}\n'
+            (folder / f"{split}.jsonl").write_bytes(b"".join(lines))
+    return folder
+
+
+def _tokenizer_without(folder: Path, *missing: str) -> Path:
+    """The corpus's word-level tokenizer without some of its special tokens ("pad", "eos")."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    special = {"pad": "[PAD]", "unk": "[UNK]", "eos": "[EOS]"}
+    tokenizer = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    kept = {name: token for name, token in special.items() if name not in missing}
+    tokenizer.train_from_iterator([text for text, _ in _sentences(200, 0)],
+                                  trainers.WordLevelTrainer(special_tokens=list(kept.values())))
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, **{f"{name}_token": token for name, token in kept.items()}
+                            ).save_pretrained(str(folder))
+    return folder
+
+
+def _classify(corpus: Path, data: Path, tokenizer: Path, out: Path, *extra: str) -> list[str]:
+    return ["--task", "sequence_classification", "--dataset", "hf", "--data_dir", str(data), "--tokenizer",
+            str(tokenizer), "--model_config", str(corpus / "gpt2.json"), "--max_length", "32", "--global_batch_size",
+            "8", "--output_dir", str(out), *extra]
+
+
+@pytest.mark.parametrize("case", ["packing too little", "not utf-8", "one row", "no pad nor eos"])
+def test_bad_text_data_is_one_line_and_exit_2_on_every_rank(corpus, datasets_cache, tmp_path, capfd, case):
+    from tests.conftest import main_ranks
+
+    out = tmp_path / "out"
+    if case == "packing too little":  # 20 short reviews make fewer than one block of 512 tokens
+        argv = lm_args(corpus, out, "--data_dir", str(_texts(tmp_path / "d", 20, eval_rows=20)), "--packing",
+                       "--max_length", "512", "--model_config", str(corpus / "gpt2_long.json"))
+        (corpus / "gpt2_long.json").write_text(json.dumps({**json.loads((corpus / "gpt2.json").read_text()),
+                                                           "n_positions": 512}))
+        message = "--packing: the texts of the train split of"
+    elif case == "not utf-8":
+        data = _texts(tmp_path / "d", 40, eval_rows=10, bad_line=7)
+        argv = _classify(corpus, data, corpus / "tokenizer", out)
+        message = f"{data / 'train.jsonl'} line 7 is not UTF-8"
+    elif case == "one row":
+        argv = _classify(corpus, _texts(tmp_path / "d", 1), corpus / "tokenizer", out)
+        message = "has 1 row and no eval split"
+    else:
+        tokenizer = _tokenizer_without(tmp_path / "tok", "pad", "eos")
+        argv = _classify(corpus, _texts(tmp_path / "d", 40, eval_rows=10), tokenizer, out)
+        message = f"--tokenizer {tokenizer} has no pad token and no end-of-text token"
+    assert main_ranks(argv, world_size=2) == [2, 2]
+    line = _one_error_line(capfd.readouterr().err)
+    assert message in line and "; " in line, line
+    assert not out.exists()
+
+
+def test_a_classifier_whose_tokenizer_has_no_pad_token_pads_with_its_eos_token(corpus, datasets_cache, tmp_path,
+                                                                               capfd):
+    """GPT2ForSequenceClassification finds each text's last token by the pad token: without one it raised
+    'Cannot handle batch sizes > 1 if no padding token is defined' at the first batch. The usual choice
+    (tokenizer.pad_token = tokenizer.eos_token) is made, said once, and saved with the final model."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from tests.conftest import train_ranks
+
+    tokenizer = _tokenizer_without(tmp_path / "tok", "pad")
+    out = tmp_path / "out"
+    summary = train_ranks(_classify(corpus, _texts(tmp_path / "d", 40, eval_rows=10), tokenizer, out,
+                                    "--max_steps", "4"), world_size=2)[0]
+    assert summary["optimizer_steps"] == 4 and summary["eval_samples"] == 10
+    notes = [line for line in capfd.readouterr().err.splitlines() if "has no pad token" in line]
+    assert notes == [f"accel_ddp: note: --tokenizer {tokenizer} has no pad token; padding with its end-of-text token "
+                     "'[EOS]' (tokenizer.pad_token = tokenizer.eos_token, the usual choice for GPT-style models)"]
+    saved = AutoTokenizer.from_pretrained(out / "hf_model")
+    assert saved.pad_token == "[EOS]"
+    assert AutoModelForSequenceClassification.from_pretrained(out / "hf_model").config.pad_token_id == \
+        saved.eos_token_id

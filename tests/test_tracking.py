@@ -485,3 +485,113 @@ def test_model_card_names_model_data_layout_metrics_command_and_curves(tmp_path,
 ])
 def test_launch_command_is_rebuilt_from_argv_and_the_launcher_environment(argv, env, expected):
     assert launch_command(argv, env) == expected
+
+
+# ----------------------------------------------------------------------------- damaged files of an earlier attempt
+
+
+def _snapshot(folder: Path) -> dict[str, tuple[bytes, int]]:
+    return {str(p.relative_to(folder)): (p.read_bytes(), p.stat().st_mtime_ns)
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("damaged, tracking", [("metrics.jsonl", []), ("metrics.jsonl", ["--report_to", "csv"]),
+                                               ("metrics.csv", ["--report_to", "csv"])])
+def test_a_metrics_file_that_is_not_utf8_stops_the_resume_on_every_rank_and_nothing_is_touched(tmp_path, tiny_args,
+                                                                                               capfd, damaged,
+                                                                                               tracking):
+    """The resume read metrics.jsonl as UTF-8 (a UnicodeDecodeError traceback with trackers), or dropped the line
+    quietly; metrics.csv was 'csv failed to start (UnicodeDecodeError ...); check csv's settings'."""
+    out = tmp_path / "run"
+    args = [*tiny_args, *(["--with_tracking", *tracking] if tracking else []), "--log_every", "1",
+            "--checkpointing_steps", "2", "--output_dir", str(out)]
+    assert main_ranks([*args, "--max_steps", "4"]) == [0, 0]
+    lines = (out / damaged).read_bytes().splitlines(keepends=True)
+    (out / damaged).write_bytes(b"".join(lines[:1] + [lines[1].replace(b"0", b"\xff", 1)] + lines[2:]))
+    before = _snapshot(out)
+    capfd.readouterr()
+    assert main_ranks([*args, "--max_steps", "8", "--resume_from_checkpoint", "auto"]) == [2, 2]
+    err = capfd.readouterr().err
+    (line,) = [line for line in err.splitlines() if line.startswith("accel_ddp: error")]
+    assert err.count("accel_ddp: error") == 1
+    assert line == (f"accel_ddp: error: {out / damaged} line 2 is not UTF-8 text, so the file is damaged; "
+                    "delete that line (or move the file aside: the run then writes a new one)")
+    assert "Traceback" not in err and _snapshot(out) == before
+
+
+@pytest.mark.parametrize("content, problem", [
+    (b'{"wandb": {"id": "abc', "JSONDecodeError"),
+    (b"\xff\xfe{}", "UnicodeDecodeError"),
+    (b"[1, 2]", "it holds a JSON list, not an object"),
+    (b'{"wandb": "abc123"}', "its wandb entry 'abc123' is not an object of run ids"),
+    (b'{"wandb": {"id": 5}}', "its wandb entry {'id': 5} is not an object of run ids"),
+])
+def test_a_damaged_trackers_json_is_one_line_naming_it_and_the_fix(tmp_path, monkeypatch, content, problem):
+    """It was read as nothing (the W&B run started anew, said to be missing from the file), or, with an entry that
+    is no object, an AttributeError traceback; a number as the id went to W&B."""
+    import accel_ddp.trackers as trackers
+
+    monkeypatch.setattr(trackers, "_new_tracker", _StubTracker)
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "trackers.json").write_bytes(content)
+
+    def resume_at(step):
+        from accelerate import Accelerator
+
+        accelerator = Accelerator(cpu=True, log_with=build_trackers(["wandb", "csv"], str(out)))
+        RunRecorder(str(out), True, accelerator=accelerator).start_trackers("p", {"lr": 0.1}, step)
+
+    with pytest.raises(RankFailed) as failed:
+        run_ranks(lambda: resume_at(4), world_size=1)
+    assert f"ConfigError: {out / 'trackers.json'} is damaged ({problem}" in str(failed.value)
+    assert "); delete it to start new wandb runs from step 4 (this run's metrics.jsonl keeps every step), or " \
+           "restore it" in str(failed.value)
+    assert (out / "trackers.json").read_bytes() == content
+    run_ranks(lambda: resume_at(0), world_size=1)  # a fresh start does not read it
+
+
+def test_a_damaged_trackers_json_stops_the_resume_on_every_rank_before_anything_is_touched(tmp_path, tiny_args,
+                                                                                          capfd, monkeypatch):
+    import accelerate.utils
+
+    import accel_ddp.trackers as trackers
+
+    monkeypatch.setattr(trackers, "_new_tracker", _StubTracker)  # W&B stands in; forked ranks inherit both
+    monkeypatch.setattr(accelerate.utils, "is_wandb_available", lambda: True)
+    out = tmp_path / "run"
+    args = [*tiny_args, "--with_tracking", "--report_to", "wandb", "--checkpointing_steps", "2", "--output_dir",
+            str(out)]
+    assert main_ranks([*args, "--max_steps", "4"]) == [0, 0]
+    assert json.loads((out / "trackers.json").read_text()) == {"wandb": {"id": "new", "project": "accel_ddp"}}
+    (out / "trackers.json").write_text('{"wandb": ["new"]}')
+    before = _snapshot(out)
+    capfd.readouterr()
+    assert main_ranks([*args, "--max_steps", "8", "--resume_from_checkpoint", "auto"]) == [2, 2]
+    err = capfd.readouterr().err
+    (line,) = [line for line in err.splitlines() if line.startswith("accel_ddp: error")]
+    assert err.count("accel_ddp: error") == 1
+    assert f"{out / 'trackers.json'} is damaged (its wandb entry ['new'] is not an object of run ids)" in line
+    assert "Traceback" not in err and _snapshot(out) == before
+
+
+def test_reading_back_a_run_with_damaged_files_is_one_line_or_leaves_out_what_is_damaged(tmp_path, capsys):
+    """`accel-ddp summary` and `plot` read summary.json, config.yaml and metrics.jsonl as UTF-8: a damaged one was
+    a UnicodeDecodeError traceback."""
+    from accel_ddp import cli
+
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "summary.json").write_text(json.dumps({"world_size": 2, "optimizer_steps": 4}))
+    (out / "config.yaml").write_bytes(b"model: caf\xe9\n")
+    (out / "metrics.jsonl").write_bytes(b'{"step": 1, "loss": 2.0}\n{"step": 2, "loss": \xff}\n')
+    assert cli.main(["summary", str(out)]) == 0  # the config's rows left out
+    table = capsys.readouterr().out
+    assert "optimizer steps" in table and "model" not in table
+    assert cli.main(["plot", str(out)]) == 2
+    assert capsys.readouterr().err.strip() == (f"accel-ddp: error: {out / 'metrics.jsonl'} line 2 is not UTF-8 text, "
+                                               "so the file is damaged; delete that line (or move the file aside: the "
+                                               "run then writes a new one)")
+    (out / "summary.json").write_bytes(b'{"world_size": \xff}')
+    assert cli.main(["summary", str(out)]) == 2
+    assert f"no readable summary.json in {out}" in capsys.readouterr().err

@@ -275,7 +275,13 @@ def build_imagefolder(data_dir: str, download: bool, image_size: int | None = No
     train.loader = functools.partial(_open_image, mode=mode)
     if root == train_dir and eval_dirs:
         eval_ = ImageFolder(eval_dirs[0], transform=train.transform, loader=train.loader, allow_empty=True)
+        if not eval_.samples:  # as an empty eval split of --dataset hf: refused, not an evaluation of nothing
+            raise ConfigError(f"imagefolder: {eval_dirs[0]} holds no images; put images in its class folders, or "
+                              "remove it (a tenth of train is then held out)")
         _use_classes_of(eval_, train)
+    elif len(train) < 2:
+        raise ConfigError(f"imagefolder: {root} holds {len(train)} image and no eval folder to evaluate on (a tenth "
+                          f"is held out when there is none); give it more images, or a {data_dir}/val/<class>/ folder")
     else:  # no separate eval folder: hold out a fixed 10% (seed 0), the same on every rank
         order = torch.randperm(len(train), generator=torch.Generator().manual_seed(0)).tolist()
         n_eval = max(len(train) // 10, 1)

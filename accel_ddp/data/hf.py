@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from accel_ddp.data.bundle import DatasetBundle
-from accel_ddp.data.hf_source import HFSource, _input_column, _label_column, load_splits
+from accel_ddp.data.hf_source import HFSource, _input_column, _label_column, bad_text_named, load_splits
 from accel_ddp.data.in_memory import InMemoryDataset
 from accel_ddp.data.mapped import (
     ArrayRows,
@@ -40,6 +40,9 @@ DECODE_CHUNK = 1024  # rows decoded per slice: bounds the PIL images alive at on
 STATS_SAMPLE = 1024  # training rows (a fixed random sample) that uint8 normalisation statistics come from
 STATS_CHUNK = 128  # images per float64 pass of the statistics (bounds its temporary memory)
 STATS_SEED = 0x5EED  # that sample's seed: apart from the data seeds people use (0, 1, 42), whose epoch 0 it would be
+# The most classes a label column of ids or names may make (docs/data-and-models.md): ImageNet-21k has 21,841. A
+# sparse id (a label of 2,000,000,000) would otherwise size the model's output layer (a MemoryError minutes later).
+MAX_CLASSES = 100_000
 
 
 def build_hf(data_dir: str, download: bool, source: HFSource | None = None, image_size: int | None = None):
@@ -51,6 +54,12 @@ def build_hf(data_dir: str, download: bool, source: HFSource | None = None, imag
         return build_stream(data_dir, source, image_size)
     train, eval_split = load_splits(data_dir, source)
     PageTrimmer(arrow_files(train) + (arrow_files(eval_split) if eval_split is not None else []))()  # load's scan
+    with bad_text_named(data_dir, source):  # label names are read here, every row of them
+        return _held(train, eval_split, source, image_size)
+
+
+def _held(train, eval_split, source: HFSource, image_size: int | None) -> DatasetBundle:
+    """The loaded splits decoded into memory, or left memory-mapped when larger than ``source.in_memory_max_mb``."""
     label_col = _label_column(train, source.label_column)
     input_col = _input_column(train, source.image_column, label_col)
     if source.in_memory_max_mb is not None and \
@@ -175,9 +184,28 @@ def _label_ids(train, eval_split, column: str) -> tuple[dict[str, int] | None, i
         high = max(pc.max(c).as_py() for c in columns)
         if low < 0 or any(not pc.all(pc.equal(c, pc.round(c))).as_py() for c in columns):
             raise ConfigError(f"hf: labels in {column!r} must be class ids 0, 1, 2, ...; got {low}..")
+        if high >= MAX_CLASSES:
+            split, c = next((name, c) for name, c in zip(("train", "eval"), columns, strict=False)
+                            if pc.max(c).as_py() == high)
+            raise ConfigError(too_many_ids(high, column, f"row {pc.index(c, high).as_py()} of the {split!r} split"))
         return None, int(high) + 1
     names = sorted({str(v) for c in columns for v in pc.unique(c).to_pylist()})
+    check_class_names(len(names), column)
     return {name: i for i, name in enumerate(names)}, len(names)
+
+
+def too_many_ids(high: Any, column: str, place: str) -> str:
+    """The one line for a class id that would make more than ``MAX_CLASSES`` classes."""
+    return (f"hf: label {high} in column {column!r} ({place}) makes {int(high) + 1:,} classes; class ids run from 0 "
+            f"to K-1 with K at most {MAX_CLASSES:,}: number the classes from 0, store the labels as text (names are "
+            "numbered in sorted order), or as a ClassLabel, which declares K")
+
+
+def check_class_names(count: int, column: str) -> None:
+    if count > MAX_CLASSES:
+        raise ConfigError(f"hf: column {column!r} holds {count:,} different labels, more than the {MAX_CLASSES:,} "
+                          "classes a label column may make; is it the label column? pick that with --label_column, "
+                          "or store the labels as a ClassLabel, which declares the classes")
 
 
 def _stored_dtype(feature) -> str | None:
@@ -258,10 +286,15 @@ def _labels(train, eval_, column: str):
         both = train_raw if eval_raw is None else np.concatenate([train_raw, eval_raw])
         if both.min() < 0 or not np.array_equal(both, np.round(both)):
             raise ConfigError(f"hf: labels in {column!r} must be class ids 0, 1, 2, ...; got {both.min()}..")
+        if both.max() >= MAX_CLASSES:
+            row = int(both.argmax())
+            split, row = ("train", row) if row < len(train_raw) else ("eval", row - len(train_raw))
+            raise ConfigError(too_many_ids(both.max().item(), column, f"row {row} of the {split!r} split"))
         num_classes = int(both.max()) + 1
         mapped = [train_raw, eval_raw]
     else:  # names: classes in sorted order, the same on every rank
         names = sorted({str(v) for v in train_raw} | ({str(v) for v in eval_raw} if eval_raw is not None else set()))
+        check_class_names(len(names), column)
         index = {name: i for i, name in enumerate(names)}
         num_classes = len(names)
         mapped = [None if raw is None else np.array([index[str(v)] for v in raw]) for raw in (train_raw, eval_raw)]

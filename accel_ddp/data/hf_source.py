@@ -7,12 +7,17 @@
   folder of images (``train/<class>/*.png``, as the ``imagefolder`` builder reads it).
 
 Opened as ``datasets.Dataset`` (Arrow files, memory-mapped), or as ``datasets.IterableDataset``
-for streaming. A damaged parquet or Arrow file is named in one line (:func:`damaged_file`).
+for streaming. A file that does not load is named in one line (:func:`damaged_file`): a damaged
+parquet or Arrow file, a CSV or JSON file that is not UTF-8 (its line), a file or split without
+rows; so is a split of 0 rows, or one row without an eval split to hold a tenth out of.
 """
 
 from __future__ import annotations
 
+import json
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, NamedTuple
 
 from accel_ddp.validation import ConfigError
@@ -22,6 +27,8 @@ LABEL_COLUMNS = ("label", "labels", "target", "targets", "class", "y", "fine_lab
 INPUT_COLUMNS = ("image", "img", "pixel_values", "pixels", "x", "input", "inputs", "features")
 FILE_BUILDERS = {".parquet": "parquet", ".arrow": "arrow", ".csv": "csv", ".json": "json", ".jsonl": "json"}
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff")
+METADATA_FILES = ("metadata.csv", "metadata.jsonl", "metadata.parquet")  # an image folder's labels (datasets' names)
+TEXT_FILES = (".csv", ".json", ".jsonl")  # read as UTF-8 text by datasets' csv and json builders
 
 
 class HFSource(NamedTuple):
@@ -48,7 +55,22 @@ def load_splits(data_dir: str, source: HFSource, streaming: bool = False) -> tup
     eval_name = source.eval_split or next((s for s in EVAL_SPLITS if s in splits), None)
     if eval_name is not None and eval_name not in splits:
         raise ConfigError(f"hf: no split {eval_name!r}; it has {', '.join(splits)}; pick one with --hf_eval_split")
-    return splits[source.train_split], splits[eval_name] if eval_name else None
+    train, eval_split = splits[source.train_split], splits[eval_name] if eval_name else None
+    if not streaming:  # a stream's length is unknown: build_stream checks what it reads
+        for name, split, flag in ((source.train_split, train, "--hf_train_split"), (eval_name, eval_split,
+                                                                                   "--hf_eval_split")):
+            if split is not None and len(split) == 0:
+                raise ConfigError(empty_split(name, source.name or data_dir, flag))
+        if eval_split is None and len(train) < 2:  # a tenth of it is held out for evaluation: at least one row each
+            raise ConfigError(f"hf: the {source.train_split!r} split of {source.name or data_dir} has {len(train)} "
+                              "row and no eval split to evaluate on (a tenth of train is held out when there is "
+                              "none); give it more rows, or an eval split (a test file beside it, or --hf_eval_split)")
+    return train, eval_split
+
+
+def empty_split(name: str, where: str, flag: str) -> str:
+    """The one line for a split without rows (an empty file, a filter that kept nothing)."""
+    return f"hf: the {name!r} split of {where} has 0 rows; give it rows, or pick another split with {flag}"
 
 
 def _load_splits(data_dir: str, source: HFSource, streaming: bool = False) -> dict[str, Any]:
@@ -97,12 +119,16 @@ def _load_local(path: str, streaming: bool = False):
         if builder is None:
             raise ConfigError(f"hf: {path}: unknown file type; give a .parquet, .csv, .arrow or .json file")
         return datasets.load_dataset(builder, data_files={"train": path}, streaming=streaming)
-    found = {os.path.splitext(f)[1].lower() for _, _, files in os.walk(path) for f in files}
+    names = [f.lower() for _, _, files in os.walk(path) for f in files]
+    found = {os.path.splitext(name)[1] for name in names}
+    # Images with a metadata.csv / .jsonl / .parquet beside them (their labels or texts) are an image folder:
+    # read as csv or json, the images would be parsed as text.
+    tables = {os.path.splitext(name)[1] for name in names if name not in METADATA_FILES}
+    if found & set(IMAGE_EXTENSIONS) and not tables & set(FILE_BUILDERS):
+        return datasets.load_dataset("imagefolder", data_dir=path, streaming=streaming)
     for ext, builder in FILE_BUILDERS.items():
         if ext in found:
             return datasets.load_dataset(builder, data_dir=path, streaming=streaming)
-    if found & set(IMAGE_EXTENSIONS):
-        return datasets.load_dataset("imagefolder", data_dir=path, streaming=streaming)
     raise ConfigError(
         f"hf: no dataset files in {os.path.abspath(path)}; expected a save_to_disk folder, "
         "parquet/csv/arrow/json files or class folders of images"
@@ -118,33 +144,108 @@ def _as_stream(loaded):
 
 
 def damaged_file(path: str) -> str | None:
-    """The first parquet or Arrow file under ``path`` that does not read, as a one-line problem and fix; else None.
+    """The first data file under ``path`` that does not read, as a one-line problem and fix; else None.
 
     Parquet: the footer (schema and row groups) must parse. Arrow: every record batch of the IPC
-    stream must be whole (read through a memory map: nothing is copied).
+    stream must be whole (read through a memory map: nothing is copied). CSV and JSON: UTF-8 text
+    (the line of the first byte that is not). Then, as the likelier cause of a failed load than a
+    file without rows, the first file without rows (``datasets`` cannot make a split of it). Called
+    once loading failed: ``datasets`` wraps these in several error types that name neither the file
+    nor the line.
     """
+    files = [path] if os.path.isfile(path) else sorted(
+        os.path.join(parent, name) for parent, _, names in os.walk(path) for name in names)
+    problems = [(file, *_file_problem(file)) for file in files]
+    for wanted in ("damaged", "empty"):
+        for file, kind, problem in problems:
+            if kind == wanted:
+                return f"hf: {os.path.abspath(file)} {problem}"
+    return None
+
+
+def _file_problem(file: str) -> tuple[str | None, str | None]:
+    """(kind, problem) of one data file: ("damaged", ...), ("empty", ...) or (None, None)."""
+    ext = os.path.splitext(file)[1].lower()
+    if os.path.basename(file) == "state.json":
+        return _saved_split_problem(file)
+    return _text_problem(file) if ext in TEXT_FILES else _table_problem(file, ext)
+
+
+def _table_problem(file: str, ext: str) -> tuple[str | None, str | None]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    files = [path] if os.path.isfile(path) else sorted(
-        os.path.join(parent, name) for parent, _, names in os.walk(path) for name in names)
-    for file in files:
-        ext = os.path.splitext(file)[1].lower()
-        try:
-            if ext == ".parquet":
-                pq.ParquetFile(file).metadata  # noqa: B018 - reading it is the check
-            elif ext == ".arrow":
-                with pa.memory_map(file) as source:
-                    reader = pa.ipc.open_stream(source)
-                    while reader.read_next_batch() is not None:
-                        pass
-        except StopIteration:
-            continue
-        except (pa.ArrowException, OSError) as err:
-            first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
-            return (f"hf: {os.path.abspath(file)} is not a readable {ext[1:]} file ({first}); re-create or "
-                    "re-download it, or move it out of --data_dir")
-    return None
+    rows = None
+    try:
+        if ext == ".parquet":
+            rows = pq.ParquetFile(file).metadata.num_rows
+        elif ext == ".arrow":
+            rows = 0
+            with pa.memory_map(file) as source:
+                reader = pa.ipc.open_stream(source)
+                while (batch := reader.read_next_batch()) is not None:
+                    rows += batch.num_rows
+    except StopIteration:
+        pass
+    except (pa.ArrowException, OSError) as err:
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+        return "damaged", (f"is not a readable {ext[1:]} file ({first}); re-create or re-download it, or move it out "
+                           "of --data_dir")
+    if rows == 0:
+        return "empty", "has 0 rows; give it rows, or move it out of --data_dir"
+    return None, None
+
+
+def _text_problem(file: str) -> tuple[str | None, str | None]:
+    """A CSV or JSON file that is not UTF-8 (the first bad line, counted from 1), or that holds no rows."""
+    rows = 0
+    try:
+        with open(file, "rb") as fh:
+            for number, line in enumerate(fh, start=1):
+                try:
+                    line.decode("utf-8")
+                except UnicodeDecodeError as err:
+                    return "damaged", (f"line {number} is not UTF-8 text (byte 0x{line[err.start]:02x} at column "
+                                       f"{err.start + 1}); save the file as UTF-8 (e.g. iconv -f latin1 -t utf-8), "
+                                       "or fix that line")
+                rows += bool(line.strip())
+    except OSError as err:
+        return "damaged", f"cannot be read ({err.strerror}); fix its permissions, or move it out of --data_dir"
+    header = 1 if file.lower().endswith(".csv") else 0
+    if rows <= header:
+        return "empty", f"has {'a header and ' if rows else ''}no rows; give it rows, or move it out of --data_dir"
+    return None, None
+
+
+def _saved_split_problem(state_file: str) -> tuple[str | None, str | None]:
+    """A ``save_to_disk`` split saved without rows: datasets 5.2 writes no Arrow file and cannot load it back."""
+    try:
+        with open(state_file, encoding="utf-8") as fh:
+            empty = json.load(fh).get("_data_files") == []
+    except (OSError, ValueError, AttributeError):
+        return None, None
+    if not empty:
+        return None, None
+    split = os.path.basename(os.path.dirname(os.path.abspath(state_file)))
+    return "empty", (f"lists no data file: split {split!r} was saved with 0 rows; save it with rows, or leave it "
+                     "out of the save_to_disk folder")
+
+
+@contextmanager
+def bad_text_named(data_dir: str, source: HFSource) -> Iterator[None]:
+    """Text that is not UTF-8 and that a reader let through (pyarrow's JSON reader stores the bytes as they are)
+    fails where it is first read, as a UnicodeDecodeError (an ArrowException through NumPy): the local file and
+    line it came from, in one line."""
+    import pyarrow as pa
+
+    try:
+        yield
+    except (UnicodeDecodeError, pa.ArrowException) as err:
+        bad = None if source.name else damaged_file(data_dir)
+        if bad is None and not isinstance(err, UnicodeDecodeError):
+            raise
+        raise ConfigError(bad or f"hf: {source.name or data_dir} holds text that is not UTF-8 ({err}); save it as "
+                          "UTF-8") from None
 
 
 def _existing_column(ds, name: str) -> str:
@@ -172,7 +273,17 @@ def _input_column(ds, requested: str | None, label_col: str) -> str | None:
     import datasets
 
     if requested is not None:
-        return _existing_column(ds, requested)
+        _existing_column(ds, requested)
+        feature = ds.features[requested]
+        if requested == label_col:
+            raise ConfigError(f"hf: --image_column {requested!r} is the label column too; name the input column "
+                              "with --image_column and the labels with --label_column")
+        if isinstance(feature, (datasets.Value, datasets.ClassLabel)):  # one number (or text) per row
+            kind = "class labels" if isinstance(feature, datasets.ClassLabel) else f"one {feature.dtype} per row"
+            raise ConfigError(f"hf: --image_column {requested!r} holds {kind}, not images or arrays; name an Image "
+                              "or array column, or leave --image_column out to use every numeric column but the "
+                              "label as the input")
+        return requested
     for name, feature in ds.features.items():
         if isinstance(feature, datasets.Image):
             return name

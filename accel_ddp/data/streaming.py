@@ -23,7 +23,8 @@ What holds on this path (each tested in tests/test_data.py):
   shuffle buffers (and batches prefetched but not trained on) are skipped for that pass, and the
   workers' interleaving restarts, so the order after a resume differs from an uninterrupted run's.
   With ``--shuffle_buffer 0`` and one worker the resumed order is the uninterrupted one. The same
-  world size and worker count are needed; otherwise the pass restarts from its beginning (warned).
+  world size, worker count, ``--shuffle_buffer`` and data (source and number of files, recorded
+  with each position) are needed; otherwise the pass restarts from its beginning (warned).
 - Global-batch invariance, as on the other paths, does not hold: which examples a rank reads
   depends on the world size.
 - There is no epoch length: ``--max_steps`` sets the run's length; the loop sees one long epoch. A
@@ -60,12 +61,14 @@ class StreamSource(IterableDataset):
 
     ``decode(columns, where)`` turns a dict of columns (one micro-batch) into a list of samples;
     ``where`` describes the examples for error messages. ``files``: the local folder or file the
-    stream reads, searched for a damaged file when a read fails.
+    stream reads, searched for a damaged file when a read fails. ``origin``: where the stream comes
+    from (the Hub name, else ``files``), recorded with each saved stream position.
     """
 
     def __init__(self, stream, decode: Callable[[dict[str, list], list[str]], list], shuffle_buffer: int,
-                 files: str | None = None, head: list[dict] | None = None):
+                 files: str | None = None, head: list[dict] | None = None, origin: str | None = None):
         self.stream, self.decode, self.shuffle_buffer, self.files = stream, decode, shuffle_buffer, files
+        self.origin = origin or (os.path.realpath(files) if files else None)
         self.head = head or []  # a few of the stream's first rows, as read at start-up
 
     def first_samples(self, count: int) -> list:
@@ -135,6 +138,10 @@ class StreamingLoader:
             stream = stream.shuffle(seed=seed, buffer_size=source.shuffle_buffer)
         self.stream = stream
         self.decode, self.collate_fn, self.files = source.decode, collate_fn, source.files
+        # What a saved position is a position in: another shuffle buffer or other files make it meaningless (and
+        # datasets' load_state_dict fail: a KeyError 'shard_idx' or an IndexError in _inner_load_state_dict).
+        self.made_from = {"source": source.origin, "num_shards": stream.num_shards,
+                          "shuffle_buffer": source.shuffle_buffer}
         workers = default_num_workers(source) if num_workers is None else num_workers
         # More readers than files would each read every file and keep a fraction of it: no faster.
         self.num_workers = min(workers, max(stream.num_shards // world_size, 1)) if workers else 0
@@ -216,6 +223,8 @@ class StreamingLoader:
         except _data_errors() as err:  # the source failed (a damaged file, a lost connection): one line
             return step, _FAILED, _read_failure(err, self.files, self.rank), None
         except Exception as err:  # noqa: BLE001 - a bug (a user's collate_fn, ours): raised once every rank knows
+            if _undecodable_text(err):  # the data's fault: text that is not UTF-8
+                return step, _FAILED, _read_failure(err, self.files, self.rank), None
             return step, _FAILED, None, err
         return step, _HAVE, None, None
 
@@ -268,7 +277,8 @@ class StreamingLoader:
 
     def _position(self) -> dict[str, Any]:
         return {"data_epoch": self.data_epoch, "steps_in_pass": self.steps_in_pass, "world_size": self.world_size,
-                "num_workers": self.num_workers, "workers": {str(w): s for w, s in self.states.items()}}
+                "num_workers": self.num_workers, "made_from": self.made_from,
+                "workers": {str(w): s for w, s in self.states.items()}}
 
     def _save_hook(self, models, weights, output_dir: str) -> None:
         with open(os.path.join(output_dir, STATE_FILE.format(rank=self.rank)), "w", encoding="utf-8") as fh:
@@ -284,12 +294,12 @@ class StreamingLoader:
                 _warn(f"{input_dir} holds no stream position: the stream starts over")
             return None
         self.data_epoch, self.steps_in_pass, self.states = saved["data_epoch"], saved["steps_in_pass"], {}
-        if (saved["world_size"], saved["num_workers"]) != (self.world_size, self.num_workers):
+        changed = self._changed_since(saved)
+        if changed:
             self.steps_in_pass = 0  # the pass is read again from its beginning, on every rank
             if self.rank == 0:
-                _warn(f"{input_dir} was saved with {saved['world_size']} ranks x {saved['num_workers']} workers, "
-                      f"this run has {self.world_size} x {self.num_workers}: pass {self.data_epoch} of the stream "
-                      "starts over, so some of its examples are trained on twice")
+                _warn(f"{input_dir} was saved with {changed}: pass {self.data_epoch} of the stream starts over, so "
+                      "some of its examples are trained on twice")
             return None
         mine = saved if self.rank == 0 else _read_position(input_dir, self.rank)
         if mine is None:
@@ -297,6 +307,23 @@ class StreamingLoader:
                          f"{self.data_epoch} starts over")
         self.states = {int(w): state for w, state in mine["workers"].items()}
         return None
+
+    def _changed_since(self, saved: dict[str, Any]) -> str | None:
+        """What makes the saved positions meaningless for this run's readers, or None. Restarting the pass (as for
+        another world size) keeps the run going: weights, optimizer and schedule are restored exactly."""
+        made_from = saved.get("made_from") or self.made_from  # older checkpoints did not record it
+        changes = [
+            _changed("ranks x workers", f"{saved['world_size']} x {saved['num_workers']}",
+                     f"{self.world_size} x {self.num_workers}"),
+            _changed("--shuffle_buffer", made_from.get("shuffle_buffer"), self.made_from["shuffle_buffer"]),
+            _changed("the data from", made_from.get("source"), self.made_from["source"]),
+            _changed("files (shards)", made_from.get("num_shards"), self.made_from["num_shards"]),
+        ]
+        return "; ".join(change for change in changes if change) or None
+
+
+def _changed(what: str, saved: Any, now: Any) -> str | None:
+    return None if saved == now else f"{what} {saved}, this run has {now}"
 
 
 def _read_position(folder: str, rank: int) -> dict[str, Any] | None:
@@ -314,6 +341,13 @@ def _data_errors() -> tuple[type[Exception], ...]:
     from datasets.exceptions import DatasetsError
 
     return OSError, pyarrow.ArrowException, DatasetsError
+
+
+def _undecodable_text(err: Exception) -> bool:
+    """Text that is not UTF-8, met while reading: a UnicodeDecodeError, or, from a DataLoader worker, the
+    RuntimeError torch re-raises it as (``ExceptionWrapper.reraise`` cannot rebuild a UnicodeDecodeError)."""
+    return isinstance(err, UnicodeDecodeError) or (
+        type(err) is RuntimeError and str(err).startswith("Caught UnicodeDecodeError in DataLoader worker"))
 
 
 def _read_failure(err: Exception, files: str | None, rank: int | None = None) -> str:
@@ -340,7 +374,7 @@ def build_stream(data_dir: str, source, image_size: int | None) -> DatasetBundle
     import datasets
 
     from accel_ddp.data.hf import STATS_SAMPLE, _uint8_stats
-    from accel_ddp.data.hf_source import _input_column, _label_column, load_splits
+    from accel_ddp.data.hf_source import _input_column, _label_column, empty_split, load_splits
     from accel_ddp.data.mapped import ImageRows, MappedDataset, image_mode, open_image
 
     train, eval_stream = load_splits(data_dir, source, streaming=True)
@@ -358,8 +392,11 @@ def build_stream(data_dir: str, source, image_size: int | None) -> DatasetBundle
         eval_rows = [] if raw_eval is None else list(raw_eval)
     except Exception as err:  # a damaged file among the first ones: named before training
         raise ConfigError(_read_failure(err, files)) from None
+    where = source.name or data_dir
     if not head:
-        raise ConfigError("--streaming: the training stream is empty")
+        raise ConfigError(empty_split(source.train_split, where, "--hf_train_split"))
+    if eval_stream is not None and not eval_rows:  # the other paths refuse an empty eval split too
+        raise ConfigError(empty_split(str(eval_stream.split or source.eval_split or "eval"), where, "--hf_eval_split"))
     label_ids, num_classes = _stream_labels(train.features[label_col], head + eval_rows, label_col)
     first = open_image(head[0][input_col])
     mode, size = image_mode(first), (image_size, image_size) if image_size else first.size
@@ -374,8 +411,9 @@ def build_stream(data_dir: str, source, image_size: int | None) -> DatasetBundle
         table = datasets.Dataset.from_list(eval_rows, features=train.features)
         eval_set = MappedDataset(table, ImageRows(**layout, mean=mean, std=std, split="eval"))
     channels = 1 if mode == "L" else 3
-    return DatasetBundle(StreamSource(train, decode, source.shuffle_buffer, files, head[:2]), eval_set, num_classes,
-                         (channels, size[1], size[0]))
+    origin = f"{source.name} ({source.config or 'default'})" if source.name else None
+    return DatasetBundle(StreamSource(train, decode, source.shuffle_buffer, files, head[:2], origin), eval_set,
+                         num_classes, (channels, size[1], size[0]))
 
 
 def _stream_labels(feature, rows: list[dict], column: str) -> tuple[dict[str, int] | None, int]:
@@ -384,12 +422,17 @@ def _stream_labels(feature, rows: list[dict], column: str) -> tuple[dict[str, in
 
     if isinstance(feature, datasets.ClassLabel):
         return None, feature.num_classes
+    from accel_ddp.data.hf import MAX_CLASSES, check_class_names, too_many_ids
+
     values = [row[column] for row in rows]
     if all(isinstance(v, int) for v in values):
         if min(values) < 0:
             raise ConfigError(f"hf: labels in {column!r} must be class ids 0, 1, 2, ...; got {min(values)}")
+        if max(values) >= MAX_CLASSES:
+            raise ConfigError(too_many_ids(max(values), column, "among the first training rows and the eval split"))
         return None, max(values) + 1
     names = sorted({str(v) for v in values})
+    check_class_names(len(names), column)
     return {name: i for i, name in enumerate(names)}, len(names)
 
 

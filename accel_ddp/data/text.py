@@ -20,6 +20,7 @@ its longest sample and adds the ``attention_mask``.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -29,6 +30,7 @@ from torch.utils.data import default_collate
 
 from accel_ddp.data.bundle import DatasetBundle
 from accel_ddp.data.hf import HFSource, _label_column, _labels, load_splits
+from accel_ddp.data.hf_source import bad_text_named
 from accel_ddp.optional import require
 from accel_ddp.validation import ConfigError
 
@@ -111,6 +113,8 @@ def build_text(data_dir: str, source: HFSource, options: TextOptions) -> tuple[D
     """(bundle of tokenized train and eval sets, tokenizer). ``num_classes`` is the class count, or the vocabulary
     size for language modelling; ``input_shape`` is ``(max_length,)``."""
     tokenizer = load_tokenizer(options.tokenizer)
+    if options.labels:  # sequence_classification pads each batch
+        _ensure_pad_token(tokenizer, options.tokenizer)
     require("datasets", "--dataset hf")
     train, eval_split = load_splits(data_dir, source)
     if eval_split is None:  # a fixed tenth of train, the same on every rank
@@ -120,15 +124,39 @@ def build_text(data_dir: str, source: HFSource, options: TextOptions) -> tuple[D
     if column not in train.column_names:
         raise ConfigError(f"hf: no text column {column!r}; the columns are {', '.join(train.column_names)}; "
                           "name the text with --text_column")
-    splits = [_tokenize(ds, tokenizer, column, options) for ds in (train, eval_split)]
-    if options.labels:
-        label_col = _label_column(train, source.label_column)
-        train_y, eval_y, num_classes = _labels(train, eval_split, label_col)
-        splits = [ds.add_column("labels", y.tolist()) for ds, y in zip(splits, (train_y, eval_y), strict=True)]
-    else:
-        num_classes = len(tokenizer)
+    with bad_text_named(data_dir, source):  # the texts and label names are read here, every row of them
+        splits = [_tokenize(ds, tokenizer, column, options) for ds in (train, eval_split)]
+        if options.labels:
+            label_col = _label_column(train, source.label_column)
+            train_y, eval_y, num_classes = _labels(train, eval_split, label_col)
+            splits = [ds.add_column("labels", y.tolist()) for ds, y in zip(splits, (train_y, eval_y), strict=True)]
+        else:
+            num_classes = len(tokenizer)
+    for name, ds in zip(("train", "eval"), splits, strict=True):
+        if options.packing and len(ds) == 0:  # every text of the split together is shorter than one block
+            raise ConfigError(f"--packing: the texts of the {name} split of {source.name or data_dir} make no whole "
+                              f"block of --max_length {options.max_length} tokens; lower --max_length, or give "
+                              "it more text")
     train_set, eval_set = (ds.with_format("torch") for ds in splits)
     return DatasetBundle(train_set, eval_set, num_classes, (options.max_length,)), tokenizer
+
+
+def _ensure_pad_token(tokenizer, name: str) -> None:
+    """A sequence classifier's batches are padded, and GPT-style classifiers find each text's last token by the
+    pad token (Transformers' GPT2ForSequenceClassification refuses a batch without one). A tokenizer without a
+    pad token pads with its end-of-text token, as Transformers users do (``tokenizer.pad_token =
+    tokenizer.eos_token``); the model's ``pad_token_id`` follows the tokenizer (models.build_transformers_model)."""
+    if tokenizer.pad_token_id is not None:
+        return
+    if tokenizer.eos_token is None:
+        raise ConfigError(f"--tokenizer {name} has no pad token and no end-of-text token, and sequence "
+                          "classification pads its batches; add one (tokenizer.add_special_tokens({'pad_token': "
+                          "'[PAD]'}), then save_pretrained) and use that folder")
+    tokenizer.pad_token = tokenizer.eos_token
+    if os.environ.get("RANK", "0") == "0":  # every rank loads the tokenizer; one note
+        print(f"accel_ddp: note: --tokenizer {name} has no pad token; padding with its end-of-text token "
+              f"{tokenizer.eos_token!r} (tokenizer.pad_token = tokenizer.eos_token, the usual choice for GPT-style "
+              "models)", file=sys.stderr, flush=True)
 
 
 def _tokenize(ds, tokenizer, column: str, options: TextOptions):
