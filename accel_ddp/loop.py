@@ -294,8 +294,9 @@ def fit(run: Run) -> FitResult:
 
     def stop_if_preempted(step: int, saved: str | None = None) -> None:
         # After an evaluation or a save, which every rank runs at the same step: a signal that came during it
-        # stops the run now, with this step's checkpoint, not at the next comparison's step.
-        if run.preemption.agree():
+        # stops the run now, with this step's checkpoint, not at the next comparison's step. After the last
+        # step the run finishes instead (what a relaunch would do).
+        if step < plan.total_steps and run.preemption.agree():
             stop(step, saved)
 
     evaluated_at = None  # the step of the last evaluation: the final weights are always evaluated once

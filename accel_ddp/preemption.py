@@ -1,10 +1,21 @@
 """How a worker ends: preemption (SIGTERM or SIGUSR1 -> every rank saves and stops), a non-finite loss, exit codes.
 
-The signal handler only records the signal. After every optimizer step the loop asks
-``PreemptionWatcher.stop_requested()`` on every rank; every quarter second or so (at a step every
-rank agreed on) it all-reduces the recorded signal (MAX) so that every rank decides at the same step;
-the loop then saves a checkpoint together and ``train()`` raises ``Preempted``. Exit codes of
-``train.py`` (each worker process):
+The signal flow. ``main()`` installs the recording handler (``PreemptionWatcher.install``) before
+it parses the options; from then on a signal is recorded, never fatal. Under torchrun a thread
+also watches the launcher (``watch_launcher``): its death is recorded like a signal. Nothing acts
+on a record at once; the ranks compare them (an all-reduce, MAX) at points every rank reaches
+together, so every rank decides the same way at the same point:
+
+- start-up: the end of each phase (``check_start_up``) and the barriers of ``local_main_first``,
+  where a first process building the data alone is interrupted by the signal (``interruptible``);
+  every rank raises ``Preempted`` with nothing saved;
+- training: after optimizer steps (``stop_requested``), every quarter second or so at a step every
+  rank agreed on; after each evaluation and each save (``agree``): the loop saves that step's
+  checkpoint together and ``train()`` raises ``Preempted``.
+
+A rank's DataLoader workers ignore the job's signals (accel_ddp/data/workers.py): torchrun and
+scancel signal them too, and torch's worker handler would let them die. Exit codes of ``train.py``
+(each worker process):
 
     0   training finished; OUTPUT_DIR/model.safetensors and summary.json written
     1   an error (a Python exception on some rank, or a rank killed)
@@ -13,18 +24,22 @@ the loop then saves a checkpoint together and ``train()`` raises ``Preempted``. 
     3   the training loss became nan or inf: every rank stopped at the same step, nothing was saved
         after the first bad step (the last checkpoint before it is intact); lower --lr, clip with
         --max_grad_norm, or rerun with --debug to see the operation that made it
-    75  preempted (EX_TEMPFAIL, "try again"): a checkpoint of the current step was saved; relaunch
-        the same command with --resume_from_checkpoint auto to continue exactly where it stopped
+    75  preempted (EX_TEMPFAIL, "try again"), or the launcher died: a checkpoint of the current step
+        was saved; relaunch the same command with --resume_from_checkpoint auto to continue exactly
+        where it stopped (stopped during start-up: nothing trained, nothing saved)
 
 ``accelerate launch`` does not pass these on: it exits 1 when the job failed or when it was
 itself signalled, and logs each worker's exit code. Batch scripts should decide to requeue from
 the signal they forwarded, not from the launcher's exit code (docs/checkpoints.md, "Exit codes").
 
 What reaches the workers: torchrun (inside ``accelerate launch``) starts each worker in its own
-session, so a signal to the launcher's process group does not reach them directly. The launcher
-forwards SIGTERM, SIGINT, SIGHUP and SIGQUIT to every worker, waits ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``
-seconds (default 30) and then SIGKILLs them. SIGUSR1 to the launcher kills it outright, leaving the
-workers orphaned, unless it runs with ``PET_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1``.
+session (``start_new_session=True`` in torch/distributed/elastic/multiprocessing/subprocess_handler/
+subprocess_handler.py), so a signal to the launcher's process group does not reach them directly.
+The launcher forwards SIGTERM, SIGINT, SIGHUP and SIGQUIT to each worker's process group
+(``os.killpg`` in ``SubprocessHandler.close``: the worker's DataLoader workers too), waits
+``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` seconds (default 30) and then SIGKILLs them. SIGUSR1 to the
+launcher kills it outright, leaving the workers orphaned (they notice, and stop), unless it runs
+with ``PET_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1``.
 """
 
 from __future__ import annotations
@@ -75,10 +90,12 @@ class Preempted(Exception):  # noqa: N818 - it is an outcome, not a failure
         self.signal_name = signal_name
 
 
-class _Interrupted(BaseException):
+class _Interrupted(KeyboardInterrupt):  # noqa: N818 - what Ctrl-C raises, for the same purpose
     """Raised by the signal handler inside ``PreemptionWatcher.interruptible``: a long start-up build gives up.
 
-    A BaseException, like KeyboardInterrupt, so that no ``except Exception`` in the build swallows it."""
+    A KeyboardInterrupt: no ``except Exception`` in the build swallows it, and libraries clean up after
+    it as after Ctrl-C (``datasets.map`` removes its unfinished cache file: ``except (Exception,
+    KeyboardInterrupt)`` in datasets/arrow_dataset.py)."""
 
 
 class PreemptionWatcher:

@@ -36,7 +36,6 @@ from tests.multiproc import RankFailed, run_ranks
 # flags after every step here (CHECK_EVERY_SECONDS = 0), so every rank stops after exactly that step.
 
 SIGNAL_AT = 5  # odd: on the streaming path the next batch is the second worker's, so the turns must continue
-KILL_AT = 4  # SIGKILL of the whole job after step 4: the checkpoint of step 3 is the newest
 SAVE_EVERY = "3"
 
 
@@ -142,16 +141,15 @@ def args_for(matrix, path: str, out: Path, *extra: str) -> list[str]:
             "--output_dir", str(out), *extra]
 
 
-def reference(matrix, path: str, *extra: str) -> Path:
+def reference(matrix, path: str) -> Path:
     """The uninterrupted run of ``path`` (once per module)."""
-    key = (path, *extra)
-    if key not in matrix["references"]:
-        out = matrix["root"] / f"reference-{path}-{len(matrix['references'])}"
-        assert main_ranks(args_for(matrix, path, out, *extra)) == [0, 0]
+    if path not in matrix["references"]:
+        out = matrix["root"] / f"reference-{path}"
+        assert main_ranks(args_for(matrix, path, out)) == [0, 0]
         summary = read_summary(out)
         assert (summary["loader"], summary["data_source"]) == EXPECTED[path]
-        matrix["references"][key] = out
-    return matrix["references"][key]
+        matrix["references"][path] = out
+    return matrix["references"][path]
 
 
 def assert_same_weights(out: Path, expected: Path) -> None:
@@ -225,10 +223,8 @@ def assert_clean(err: str) -> None:
     assert "Traceback" not in err and "killed by signal" not in err, err[-3000:]
 
 
-def assert_stopped_and_resumes(matrix, path: str, out: Path, step: int, capfd, *extra: str,
-                               reason: str = "SIGTERM received") -> None:
-    """The run stopped after ``step`` with that step's checkpoint (one line says so and why); resumed, it ends
-    with the reference's weights."""
+def assert_stopped_after(out: Path, step: int, capfd, reason: str = "SIGTERM received") -> None:
+    """The run stopped after ``step`` with that step's checkpoint, one line saying so and why, no traceback."""
     err = capfd.readouterr().err
     assert_clean(err)
     line = preempted_line(err)
@@ -237,47 +233,48 @@ def assert_stopped_and_resumes(matrix, path: str, out: Path, step: int, capfd, *
     assert [s for s, _ in list_checkpoints(str(out / "checkpoints"))][-1] == step
     read_checkpoint(str(out / "checkpoints" / f"step_{step:08d}"))  # complete, every file as recorded
     assert not (out / "summary.json").exists()
+
+
+def assert_resumes_bitwise(matrix, path: str, out: Path, step: int, *extra: str) -> None:
+    """Resumed with ``auto`` from ``step``, the run ends with the uninterrupted run's weights, bit for bit."""
     assert main_ranks(args_for(matrix, path, out, "--resume_from_checkpoint", "auto", *extra)) == [0, 0]
     assert read_summary(out)["resumed_from_step"] == step
-    assert_same_weights(out, reference(matrix, path, *extra))
+    assert_same_weights(out, reference(matrix, path))
 
 
-PATHS = ["device", "dataloader", "memory_mapped", "streaming", "causal_lm"]
+@pytest.mark.parametrize("path,sig", [("device", signal.SIGTERM), ("dataloader", signal.SIGTERM),
+                                      ("memory_mapped", signal.SIGTERM), ("streaming", signal.SIGTERM),
+                                      ("causal_lm", signal.SIGTERM), ("sequence_classification", signal.SIGUSR1)])
+def test_preempted_then_killed_a_run_resumes_bitwise_on_every_path(matrix, path, sig, tmp_path, capfd):
+    """The two cells of each path, one after the other:
 
-
-@pytest.mark.parametrize("path", [*PATHS, "sequence_classification"])
-def test_sigterm_to_every_process_of_the_job_saves_exits_75_and_resumes_bitwise(matrix, path, tmp_path, capfd):
-    """As scancel does: every rank and every DataLoader worker gets SIGTERM; the workers ignore it."""
+    1. ``sig`` to every process of the job, as scancel sends it (the DataLoader workers too, which ignore it):
+       every rank saves after step 5 and exits 75;
+    2. resumed with ``auto``, then the whole job SIGKILLed after step 7 (a node failure);
+    3. resumed with ``auto`` from the checkpoint of step 6: the uninterrupted run's weights, bit for bit.
+    """
     reference(matrix, path)
-    out = tmp_path / "run"
+    out, pids = tmp_path / "run", tmp_path / "pids"
     capfd.readouterr()
-    assert run_signalled(args_for(matrix, path, out), tmp_path / "pids", signal.SIGTERM, "job") == [75, 75]
-    assert_stopped_and_resumes(matrix, path, out, SIGNAL_AT, capfd)
+    assert run_signalled(args_for(matrix, path, out), pids, sig, "job") == [75, 75]
+    assert_stopped_after(out, SIGNAL_AT, capfd, reason=f"{signal.Signals(sig).name} received")
+    resumed = args_for(matrix, path, out, "--resume_from_checkpoint", "auto")
+    with pytest.raises(RankFailed, match="exited with code -9"):
+        run_signalled(resumed, pids, signal.SIGKILL, "job", at=2)  # this process's second step: step 7
+    assert [s for s, _ in list_checkpoints(str(out / "checkpoints"))][-2:] == [SIGNAL_AT, 6]
+    assert not (out / "summary.json").exists()
+    assert_resumes_bitwise(matrix, path, out, 6)
 
 
-@pytest.mark.parametrize("sig,target", [(signal.SIGTERM, "rank"), (signal.SIGTERM, "group"),
-                                        (signal.SIGUSR1, "group")])
-def test_a_signal_to_one_rank_or_its_process_group_stops_every_rank(matrix, sig, target, tmp_path, capfd):
+@pytest.mark.parametrize("target", ["rank", "group"])
+def test_sigterm_to_one_rank_or_its_process_group_stops_every_rank(matrix, target, tmp_path, capfd):
     """torchrun forwards the launcher's SIGTERM with os.killpg to each rank's group: its workers get it too."""
     reference(matrix, "dataloader")
     out = tmp_path / "run"
     capfd.readouterr()
-    assert run_signalled(args_for(matrix, "dataloader", out), tmp_path / "pids", sig, target) == [75, 75]
-    assert_stopped_and_resumes(matrix, "dataloader", out, SIGNAL_AT, capfd,
-                               reason=f"{signal.Signals(sig).name} received")
-
-
-@pytest.mark.parametrize("path", PATHS)
-def test_sigkill_of_the_whole_job_then_auto_resume_is_bitwise(matrix, path, tmp_path, capfd):
-    reference(matrix, path)
-    out = tmp_path / "run"
-    with pytest.raises(RankFailed, match="exited with code -9"):
-        run_signalled(args_for(matrix, path, out), tmp_path / "pids", signal.SIGKILL, "job", at=KILL_AT)
-    assert [s for s, _ in list_checkpoints(str(out / "checkpoints"))] == [int(SAVE_EVERY)]
-    capfd.readouterr()
-    assert main_ranks(args_for(matrix, path, out, "--resume_from_checkpoint", "auto")) == [0, 0]
-    assert read_summary(out)["resumed_from_step"] == int(SAVE_EVERY)
-    assert_same_weights(out, reference(matrix, path))
+    assert run_signalled(args_for(matrix, "dataloader", out), tmp_path / "pids", signal.SIGTERM, target) == [75, 75]
+    assert_stopped_after(out, SIGNAL_AT, capfd)
+    assert_resumes_bitwise(matrix, "dataloader", out, SIGNAL_AT)
 
 
 # ----------------------------------------------------------------------------- during an evaluation, a save, start-up
@@ -286,8 +283,8 @@ def test_sigkill_of_the_whole_job_then_auto_resume_is_bitwise(matrix, path, tmp_
 def test_a_signal_during_an_evaluation_finishes_it_then_saves_that_step(matrix, tmp_path, capfd):
     """The evaluation (on a DataLoader with a worker, which ignores the signal) completes and is logged; then every
     rank saves the step it evaluated and stops, not a step later."""
-    eval_every = ("--eval_every", "4")
-    reference(matrix, "dataloader", *eval_every)
+    eval_every = ("--eval_every", "4")  # the reference evaluates once an epoch: evaluations leave training alone
+    reference(matrix, "dataloader")
     out = tmp_path / "run"
 
     def during_first_evaluation(rank: int, fire) -> None:
@@ -308,7 +305,8 @@ def test_a_signal_during_an_evaluation_finishes_it_then_saves_that_step(matrix, 
                           patch=during_first_evaluation)
     assert codes == [75, 75]
     assert [r["step"] for r in read_metrics(out) if "eval_loss" in r] == [4]
-    assert_stopped_and_resumes(matrix, "dataloader", out, 4, capfd, *eval_every)
+    assert_stopped_after(out, 4, capfd)
+    assert_resumes_bitwise(matrix, "dataloader", out, 4, *eval_every)
 
 
 def test_a_signal_during_a_save_lets_it_complete_then_stops(matrix, tmp_path, capfd):
@@ -332,7 +330,8 @@ def test_a_signal_during_a_save_lets_it_complete_then_stops(matrix, tmp_path, ca
     codes = run_signalled(args_for(matrix, "dataloader", out), tmp_path / "pids", signal.SIGTERM, "job",
                           patch=while_sealing)
     assert codes == [75, 75]
-    assert_stopped_and_resumes(matrix, "dataloader", out, int(SAVE_EVERY), capfd)
+    assert_stopped_after(out, int(SAVE_EVERY), capfd)
+    assert_resumes_bitwise(matrix, "dataloader", out, int(SAVE_EVERY))
 
 
 def _start_up_stop(err: str, phase: str, out: Path) -> None:
@@ -617,7 +616,7 @@ def test_sigterm_to_the_launcher_stops_ranks_with_dataloader_workers_and_resumes
     from tests.test_checkpoint import log_of, running, wait_for_checkpoint
 
     out = tmp_path / "run"
-    with running(args_for(matrix, "dataloader", out), out, env={"FAULT_STEP_DELAY": "0.3"}) as proc:
+    with running(args_for(matrix, "dataloader", out), out, env={"FAULT_STEP_DELAY": "0.2"}) as proc:
         wait_for_checkpoint(proc, out, int(SAVE_EVERY))
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=120) == 1  # accelerate launch exits 1 when signalled; the workers exit 75
@@ -637,7 +636,7 @@ def test_sigkill_of_the_launcher_stops_its_ranks_which_save_and_exit(matrix, tmp
     from tests.test_checkpoint import log_of, running, wait_for_checkpoint
 
     out = tmp_path / "run"
-    with running(args_for(matrix, "dataloader", out), out, env={"FAULT_STEP_DELAY": "0.3"}) as proc:
+    with running(args_for(matrix, "dataloader", out), out, env={"FAULT_STEP_DELAY": "0.2"}) as proc:
         wait_for_checkpoint(proc, out, int(SAVE_EVERY))
         ranks = [rank.pid for rank in psutil.Process(proc.pid).children()]  # the launcher's children
         workers = [child.pid for pid in ranks for child in psutil.Process(pid).children()]  # theirs

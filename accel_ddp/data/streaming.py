@@ -17,12 +17,13 @@ What holds on this path (each tested in tests/test_data.py):
 - Each pass over the stream serves each example at most once across ranks, in a new order.
 - A pass that cannot fill one optimizer step on some rank, or a read that fails on one rank (a
   damaged file), stops every rank at the same step with one line naming it.
-- Resume: each rank saves its position with the checkpoint (its ``datasets`` state per DataLoader
-  worker, ``IterableDataset.state_dict()``), and a resumed run continues from there: no example
-  trained on before the checkpoint comes again in that pass. Not bitwise: examples waiting in the
-  shuffle buffers (and batches prefetched but not trained on) are skipped for that pass, and the
-  workers' interleaving restarts, so the order after a resume differs from an uninterrupted run's.
-  With ``--shuffle_buffer 0`` and one worker the resumed order is the uninterrupted one. The same
+- Resume: each rank saves its position with the checkpoint (its ``datasets`` state per reader after
+  the last batch trained on, ``IterableDataset.state_dict()``, and which reader's batch comes next
+  in the DataLoader's round-robin over its workers), and a resumed run continues from there: no
+  example trained on before the checkpoint comes again in that pass, and batches prefetched but
+  not trained on are read again. With ``--shuffle_buffer 0`` the resumed order is the uninterrupted
+  one, with any number of workers, and so are the final weights (tests/test_guarantees.py). With a
+  shuffle buffer it is not: the examples waiting in the buffers are skipped for that pass. The same
   world size and worker count are needed; otherwise the pass restarts from its beginning (warned).
 - Global-batch invariance, as on the other paths, does not hold: which examples a rank reads
   depends on the world size.
