@@ -80,8 +80,8 @@ class Preempted(Exception):  # noqa: N818 - it is an outcome, not a failure
     def __init__(self, reason: str, step: int | None, checkpoint: str | None, *, phase: str | None = None,
                  signal_name: str | None = None):
         if phase is not None:
-            text = (f"{reason} during start-up ({phase}): no optimizer step trained yet, nothing saved; relaunch the "
-                    "same command")
+            text = (f"{reason} during start-up ({phase}): no optimizer step taken in this launch, nothing saved; "
+                    "relaunch the same command")
         else:
             text = (f"{reason}: stopped after optimizer step {step} and saved {checkpoint}; relaunch with "
                     "--resume_from_checkpoint auto to continue")

@@ -338,7 +338,7 @@ def _start_up_stop(err: str, phase: str, out: Path) -> None:
     """Every rank stopped during start-up: one line names the phase, nothing was written."""
     assert_clean(err)
     assert preempted_line(err) == (f"accel_ddp: preempted: SIGTERM received during start-up ({phase}): no optimizer "
-                                   "step trained yet, nothing saved; relaunch the same command (exit code 75)")
+                                   "step taken in this launch, nothing saved; relaunch the same command (exit code 75)")
     assert not out.exists()  # the output folder is claimed only once the input is checked
 
 
@@ -464,6 +464,32 @@ def test_dataloader_workers_ignore_the_jobs_signals_and_obey_their_parents_sigte
     assert exitcode == 0  # a quiet exit, as torch's own handler gives the parent's SIGTERM
 
 
+def _start_loaders_under_fire(count: int) -> list[int]:
+    from torch.utils.data import DataLoader
+
+    from accel_ddp.data.workers import worker_options
+    from tests.helpers_data import IndexDataset
+
+    os.setpgrp()  # the sender's SIGTERMs reach this process and the workers it starts, and nothing else
+    signal.signal(signal.SIGTERM, lambda signum, frame: None)  # as the rank's recording handler
+    sender = subprocess.Popen([sys.executable, "-S", "-c", f"import os, time\nwhile True:\n    "
+                               f"os.killpg({os.getpgrp()}, 15); time.sleep(0.002)"], start_new_session=True)
+    try:
+        return [sum(1 for _ in DataLoader(IndexDataset(16), batch_size=4, num_workers=2, **worker_options(2)))
+                for _ in range(count)]
+    finally:
+        sender.kill()
+        sender.wait()
+
+
+def test_dataloader_workers_survive_the_jobs_sigterm_while_they_start():
+    """SIGTERM to the process group every 2 ms while DataLoaders start their workers (as the first evaluation's do
+    when the job is signalled): torch's handler is in place before our worker_init_fn, but the workers start with
+    the signal blocked, so none dies in between. A race: without the blocking, the first loader usually fails."""
+    [served] = run_ranks(lambda: _start_loaders_under_fire(6), world_size=1)
+    assert served == [4] * 6
+
+
 class _EndlessReads(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return 8
@@ -553,7 +579,7 @@ def _launcher(args: list[str], pids: Path, kill_at: int) -> None:
         from tests import faults
 
         rank = as_torchrun_worker(pids)
-        faults.install(step_delay=0.1)  # training goes on for seconds after the kill: time to notice it
+        faults.install(step_delay=0.2)  # training goes on for seconds after the kill: time to notice it
         steps = [0]
 
         def after_step(*_):
