@@ -47,7 +47,9 @@ from __future__ import annotations
 import _thread
 import atexit
 import os
+import select
 import signal
+import stat
 import sys
 import threading
 import time
@@ -243,6 +245,7 @@ class PreemptionWatcher:
     def _poll_parent(self, parent: int) -> None:
         while not self._stop_watching.wait(LAUNCHER_POLL_SECONDS):
             if os.getppid() != parent:  # reparented: to init, or to a subreaper
+                silence_dead_pipes()  # before the next progress-bar write could fail the run
                 self._received = self._received or LAUNCHER_DIED
                 if self._interruptible:  # a start-up build on the main thread gives up, as on a signal
                     _thread.interrupt_main(signal.SIGTERM)
@@ -258,6 +261,31 @@ class PreemptionWatcher:
         seconds_per_step = (now - last_time) / max(self._steps - last_steps, 1)
         fits = int(CHECK_EVERY_SECONDS / max(seconds_per_step, 1e-9))
         return max(1, min(fits, 2 * self._interval, MAX_CHECK_INTERVAL))
+
+
+def silence_dead_pipes(fds: tuple[int, ...] = (1, 2)) -> None:
+    """Point those of ``fds`` that are pipes nobody reads any more at /dev/null.
+
+    A launcher killed with its process group (``kill -9 -- -PGID``) takes the rest of its shell
+    pipeline with it (``accelerate launch ... | tee log``): the ranks' stdout and stderr are then pipes
+    without a reader, and their next write (the progress bar's, the exit line's) would raise
+    BrokenPipeError before the checkpoint is saved. A pipe whose read end is closed polls POLLERR.
+    """
+    if not hasattr(select, "poll"):
+        return
+    for fd in fds:
+        try:
+            if not stat.S_ISFIFO(os.fstat(fd).st_mode):
+                continue
+            poller = select.poll()
+            poller.register(fd, select.POLLOUT)
+            if not any(events & select.POLLERR for _, events in poller.poll(0)):
+                continue
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, fd)
+            os.close(devnull)
+        except OSError:  # closed, or not ours to change: the write will tell
+            continue
 
 
 def flag_group(timeout: timedelta | None = None):

@@ -14,6 +14,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -563,14 +564,24 @@ def test_a_users_worker_init_fn_runs_after_ours_also_through_accelerate_prepare(
 # ----------------------------------------------------------------------------- the launcher dies
 
 
-def _launcher(args: list[str], pids: Path, kill_at: int) -> None:
+def _launcher(args: list[str], pids: Path, kill_at: int, piped: bool) -> None:
     """torchrun as its workers see it: their parent, hosting the store they joined through; rank 1 SIGKILLs it
-    after optimizer step ``kill_at``. Each rank writes its exit code: nobody is left to hear it."""
+    after optimizer step ``kill_at``. ``piped``: the ranks' stdout and stderr are a pipe it reads (as when the
+    launcher's output goes through ``| tee``), which loses its reader with it. Each rank writes its exit code:
+    nobody is left to hear it."""
     from torch.distributed import TCPStore
 
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     env = {"TORCHELASTIC_USE_AGENT_STORE": "True", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port),
            "TORCHELASTIC_RUN_ID": "test", "TORCHELASTIC_RESTART_COUNT": "0"}
+    reader = None
+    if piped:
+        reader, writer = os.pipe()
+        out = os.dup(2)
+        threading.Thread(target=_copy, args=(reader, out), daemon=True).start()
+        for fd in (1, 2):
+            os.dup2(writer, fd)
+        os.close(writer)
 
     def orphaned_rank() -> int:
         from torch.optim.optimizer import register_optimizer_step_post_hook
@@ -578,6 +589,10 @@ def _launcher(args: list[str], pids: Path, kill_at: int) -> None:
         from accel_ddp.loop import main
         from tests import faults
 
+        if reader is not None:
+            os.close(reader)  # the launcher is the pipe's only reader
+            # print() to the pipe, not to pytest's capture, which replaced sys.stdout and sys.stderr
+            sys.stdout, sys.stderr = (open(fd, "w", buffering=1, closefd=False) for fd in (1, 2))
         rank = as_torchrun_worker(pids)
         faults.install(step_delay=0.2)  # training goes on for seconds after the kill: time to notice it
         steps = [0]
@@ -595,17 +610,25 @@ def _launcher(args: list[str], pids: Path, kill_at: int) -> None:
     run_ranks(orphaned_rank, world_size=2, env=env)
 
 
-def test_when_the_launcher_dies_every_rank_stops_after_the_same_step_saves_and_exits(matrix, tmp_path, capfd):
+def _copy(source: int, target: int) -> None:
+    while chunk := os.read(source, 65536):
+        os.write(target, chunk)
+
+
+@pytest.mark.parametrize("output", ["file", "pipe"])
+def test_when_the_launcher_dies_every_rank_stops_after_the_same_step_saves_and_exits(matrix, output, tmp_path,
+                                                                                       capfd):
     """SIGKILL of the launcher (the OOM killer, kill -9): its ranks, in sessions of their own, notice within a
-    poll, stop after the same step, save it, release the folder's lock and exit 75; the run resumes exactly."""
+    poll, stop after the same step, save it, release the folder's lock and exit 75; the run resumes exactly.
+    With the output piped through the launcher, what they print from then on goes nowhere, without failing them."""
     import fcntl
 
     reference(matrix, "dataloader")
     out, pids = tmp_path / "run", tmp_path / "pids"
     pids.mkdir()
     capfd.readouterr()
-    launcher = multiprocessing.get_context("fork").Process(target=_launcher, args=(args_for(matrix, "dataloader", out),
-                                                                                   pids, 3))
+    launcher = multiprocessing.get_context("fork").Process(
+        target=_launcher, args=(args_for(matrix, "dataloader", out), pids, 3, output == "pipe"))
     launcher.start()
     launcher.join()
     assert launcher.exitcode == -signal.SIGKILL
@@ -619,17 +642,38 @@ def test_when_the_launcher_dies_every_rank_stops_after_the_same_step_saves_and_e
     assert [(pids / f"exit{r}").read_text() for r in (0, 1)] == ["75", "75"]
     err = capfd.readouterr().err
     assert_clean(err)
-    line = preempted_line(err)
-    found = re.search(r"the launcher died \(every rank's parent process is gone\): stopped after optimizer step "
-                      r"(\d+) and saved \S+; relaunch", line)
-    assert found, line
-    step = int(found.group(1))
-    assert 3 <= step < 16 and [s for s, _ in list_checkpoints(str(out / "checkpoints"))][-1] == step
-    read_checkpoint(str(out / "checkpoints" / f"step_{step:08d}"))
+    steps = [s for s, _ in list_checkpoints(str(out / "checkpoints"))]
+    if output == "file":
+        line = preempted_line(err)
+        found = re.search(r"the launcher died \(every rank's parent process is gone\): stopped after optimizer "
+                          r"step (\d+) and saved \S+; relaunch", line)
+        assert found and steps[-1] == int(found.group(1)), line
+    assert 3 <= steps[-1] < 16  # the newest checkpoint: of the step they stopped after
+    read_checkpoint(str(out / "checkpoints" / f"step_{steps[-1]:08d}"))
     with open(out / ".lock", "w") as lock:  # released: this process can take it
         fcntl.lockf(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     assert main_ranks(args_for(matrix, "dataloader", out, "--resume_from_checkpoint", "auto")) == [0, 0]
     assert_same_weights(out, reference(matrix, "dataloader"))
+
+
+def test_outputs_nobody_reads_any_more_are_silenced_not_left_to_fail_the_save():
+    """After the launcher died with its pipeline (``accelerate launch ... | tee log``): writes to the pipe whose
+    reader is gone go to /dev/null instead of raising BrokenPipeError; a pipe still read is left alone."""
+    from accel_ddp.preemption import silence_dead_pipes
+
+    dead_read, dead = os.pipe()
+    os.close(dead_read)
+    live_read, live = os.pipe()
+    try:
+        with pytest.raises(BrokenPipeError):
+            os.write(dead, b"x")
+        silence_dead_pipes((dead, live))
+        assert os.write(dead, b"progress bar") == 12
+        os.write(live, b"still read")
+        assert os.read(live_read, 100) == b"still read"
+    finally:
+        for fd in (dead, live_read, live):
+            os.close(fd)
 
 
 # ----------------------------------------------------------------------------- through accelerate launch
