@@ -47,9 +47,7 @@ from __future__ import annotations
 import _thread
 import atexit
 import os
-import select
 import signal
-import stat
 import sys
 import threading
 import time
@@ -62,6 +60,8 @@ import torch
 import torch.distributed as dist
 from accelerate import Accelerator
 from accelerate.utils import gather_object
+
+from accel_ddp.stdio import guard_stdio, silence_dead_pipes
 
 EXIT_PREEMPTED = 75  # sysexits.h EX_TEMPFAIL: the job may be retried
 EXIT_NON_FINITE = 3  # not 75: a relaunch would diverge again
@@ -239,13 +239,14 @@ class PreemptionWatcher:
         fires when the parent *thread* exits (prctl(2)), and kills outright: no checkpoint."""
         if "TORCHELASTIC_RUN_ID" not in os.environ:
             return
+        guard_stdio()  # a launcher killed with its `| tee` leaves pipes nobody reads: writes must not fail the save
         threading.Thread(target=self._poll_parent, args=(os.getppid(),), name="accel_ddp-launcher-watch",
                          daemon=True).start()
 
     def _poll_parent(self, parent: int) -> None:
         while not self._stop_watching.wait(LAUNCHER_POLL_SECONDS):
             if os.getppid() != parent:  # reparented: to init, or to a subreaper
-                silence_dead_pipes()  # before the next progress-bar write could fail the run
+                silence_dead_pipes()  # also what C code writes there
                 self._received = self._received or LAUNCHER_DIED
                 if self._interruptible:  # a start-up build on the main thread gives up, as on a signal
                     _thread.interrupt_main(signal.SIGTERM)
@@ -261,31 +262,6 @@ class PreemptionWatcher:
         seconds_per_step = (now - last_time) / max(self._steps - last_steps, 1)
         fits = int(CHECK_EVERY_SECONDS / max(seconds_per_step, 1e-9))
         return max(1, min(fits, 2 * self._interval, MAX_CHECK_INTERVAL))
-
-
-def silence_dead_pipes(fds: tuple[int, ...] = (1, 2)) -> None:
-    """Point those of ``fds`` that are pipes nobody reads any more at /dev/null.
-
-    A launcher killed with its process group (``kill -9 -- -PGID``) takes the rest of its shell
-    pipeline with it (``accelerate launch ... | tee log``): the ranks' stdout and stderr are then pipes
-    without a reader, and their next write (the progress bar's, the exit line's) would raise
-    BrokenPipeError before the checkpoint is saved. A pipe whose read end is closed polls POLLERR.
-    """
-    if not hasattr(select, "poll"):
-        return
-    for fd in fds:
-        try:
-            if not stat.S_ISFIFO(os.fstat(fd).st_mode):
-                continue
-            poller = select.poll()
-            poller.register(fd, select.POLLOUT)
-            if not any(events & select.POLLERR for _, events in poller.poll(0)):
-                continue
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, fd)
-            os.close(devnull)
-        except OSError:  # closed, or not ours to change: the write will tell
-            continue
 
 
 def flag_group(timeout: timedelta | None = None):

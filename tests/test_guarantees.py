@@ -171,10 +171,31 @@ def send(sig: int, target: str, pids: Path) -> None:
                    check=True)
 
 
+def own_tqdm_locks() -> None:
+    """In a forked process that may be SIGKILLed: tqdm locks of its own.
+
+    tqdm's write lock is a multiprocessing RLock made in the test process and shared with every process forked
+    from it (by design: tqdm.std.TqdmDefaultWriteLock). A rank SIGKILLed during a progress-bar refresh would hold
+    it forever, and the next bar in the test process, or in any rank forked later, would wait on it forever."""
+    import tqdm.std
+
+    locks = tqdm.std.TqdmDefaultWriteLock
+    locks.th_lock = tqdm.std.TRLock()  # the copy made by fork may be held by a thread that is not here
+    if hasattr(locks, "mp_lock"):
+        del locks.mp_lock  # the next TqdmDefaultWriteLock makes a new one
+    classes = [tqdm.std.tqdm]
+    while classes:
+        cls = classes.pop()
+        classes.extend(cls.__subclasses__())
+        if "_lock" in vars(cls):
+            delattr(cls, "_lock")  # get_lock() makes a new one, with the new locks
+
+
 def as_torchrun_worker(pids: Path) -> int:
     """In a forked rank: a process group of its own, its pid recorded; flags compared after every step."""
     import accel_ddp.preemption as preemption
 
+    own_tqdm_locks()
     os.setpgrp()
     rank = int(os.environ.get("RANK", "0"))
     (pids / f"rank{rank}").write_text(str(os.getpid()))
@@ -243,10 +264,10 @@ def assert_resumes_bitwise(matrix, path: str, out: Path, step: int, *extra: str)
     assert_same_weights(out, reference(matrix, path))
 
 
-@pytest.mark.parametrize("path,sig", [("device", signal.SIGTERM), ("dataloader", signal.SIGTERM),
-                                      ("memory_mapped", signal.SIGTERM), ("streaming", signal.SIGTERM),
-                                      ("causal_lm", signal.SIGTERM), ("sequence_classification", signal.SIGUSR1)])
-def test_preempted_then_killed_a_run_resumes_bitwise_on_every_path(matrix, path, sig, tmp_path, capfd):
+@pytest.mark.parametrize("path,signame", [("device", "SIGTERM"), ("dataloader", "SIGTERM"),
+                                          ("memory_mapped", "SIGTERM"), ("streaming", "SIGTERM"),
+                                          ("causal_lm", "SIGTERM"), ("sequence_classification", "SIGUSR1")])
+def test_preempted_then_killed_a_run_resumes_bitwise_on_every_path(matrix, path, signame, tmp_path, capfd):
     """The two cells of each path, one after the other:
 
     1. ``sig`` to every process of the job, as scancel sends it (the DataLoader workers too, which ignore it):
@@ -257,8 +278,8 @@ def test_preempted_then_killed_a_run_resumes_bitwise_on_every_path(matrix, path,
     reference(matrix, path)
     out, pids = tmp_path / "run", tmp_path / "pids"
     capfd.readouterr()
-    assert run_signalled(args_for(matrix, path, out), pids, sig, "job") == [75, 75]
-    assert_stopped_after(out, SIGNAL_AT, capfd, reason=f"{signal.Signals(sig).name} received")
+    assert run_signalled(args_for(matrix, path, out), pids, getattr(signal, signame), "job") == [75, 75]
+    assert_stopped_after(out, SIGNAL_AT, capfd, reason=f"{signame} received")
     resumed = args_for(matrix, path, out, "--resume_from_checkpoint", "auto")
     with pytest.raises(RankFailed, match="exited with code -9"):
         run_signalled(resumed, pids, signal.SIGKILL, "job", at=2)  # this process's second step: step 7
@@ -656,19 +677,24 @@ def test_when_the_launcher_dies_every_rank_stops_after_the_same_step_saves_and_e
     assert_same_weights(out, reference(matrix, "dataloader"))
 
 
-def test_outputs_nobody_reads_any_more_are_silenced_not_left_to_fail_the_save():
-    """After the launcher died with its pipeline (``accelerate launch ... | tee log``): writes to the pipe whose
-    reader is gone go to /dev/null instead of raising BrokenPipeError; a pipe still read is left alone."""
-    from accel_ddp.preemption import silence_dead_pipes
+def test_outputs_nobody_reads_any_more_go_to_dev_null_instead_of_failing_the_save():
+    """After the launcher died with its pipeline (``accelerate launch ... | tee log``): a guarded stream's writes to
+    the pipe whose reader is gone go to /dev/null instead of raising BrokenPipeError; a pipe still read is left
+    alone."""
+    from accel_ddp.stdio import _DeadPipeGuard, silence_dead_pipes
 
     dead_read, dead = os.pipe()
     os.close(dead_read)
     live_read, live = os.pipe()
     try:
         with pytest.raises(BrokenPipeError):
-            os.write(dead, b"x")
-        silence_dead_pipes((dead, live))
-        assert os.write(dead, b"progress bar") == 12
+            os.write(dead, b"a progress bar")
+        with open(dead, "w", buffering=1, closefd=False) as stream:
+            guarded = _DeadPipeGuard(stream)
+            guarded.write("a progress bar\n")
+            guarded.flush()
+        assert os.write(dead, b"x") == 1  # now /dev/null
+        silence_dead_pipes((live,))
         os.write(live, b"still read")
         assert os.read(live_read, 100) == b"still read"
     finally:
