@@ -23,6 +23,7 @@ from accel_ddp.data import HFSource, build_datasets
 from accel_ddp.data.loaders import first_samples
 from accel_ddp.data.text import PadCollate, TextOptions, build_text, has_tokenizer, pad_token_id
 from accel_ddp.models import MODELS, build_model, build_transformers_model, is_pretrained_folder
+from accel_ddp.preemption import PreemptionWatcher
 from accel_ddp.registry import describe, resolve
 from accel_ddp.tasks import Task
 from accel_ddp.validation import ConfigError
@@ -41,8 +42,11 @@ class Data(NamedTuple):
     collate_fn: Callable | None = None  # dict samples: padded per batch; None: torch's default_collate
 
 
-def resolve_data(cfg: TrainConfig, accelerator: Accelerator, train_dataset, eval_dataset, collate_fn=None) -> Data:
-    """The datasets from the config (built once per machine first) or the caller, and how to batch them."""
+def resolve_data(cfg: TrainConfig, accelerator: Accelerator, train_dataset, eval_dataset, collate_fn=None, *,
+                 preemption: PreemptionWatcher | None = None) -> Data:
+    """The datasets from the config (built once per machine first) or the caller, and how to batch them.
+
+    ``preemption``: a signal during the build stops it, and every rank (``local_main_first``)."""
     tokenizer = None
     hf = HFSource(cfg.hf_name, cfg.hf_config, cfg.hf_train_split, cfg.hf_eval_split, cfg.image_column,
                   cfg.label_column, streaming=cfg.streaming, shuffle_buffer=cfg.shuffle_buffer,
@@ -52,12 +56,13 @@ def resolve_data(cfg: TrainConfig, accelerator: Accelerator, train_dataset, eval
         text = TextOptions(cfg.tokenizer or (cfg.model if has_tokenizer(cfg.model) else None), cfg.text_column,
                            cfg.max_length, cfg.packing, labels=cfg.task == "sequence_classification")
         # Tokenized on each machine's first process, then read from the datasets cache by the others.
-        bundle, tokenizer = local_main_first(accelerator, lambda: build_text(cfg.data_dir, hf, text))
+        bundle, tokenizer = local_main_first(accelerator, lambda: build_text(cfg.data_dir, hf, text),
+                                             preemption=preemption, phase="data: tokenizing")
     elif train_dataset is None:
         bundle = local_main_first(accelerator, lambda: build_datasets(  # one download per --data_dir
             cfg.dataset, cfg.data_dir, cfg.download, samples=cfg.synthetic_samples,
             shape=cfg.synthetic_shape, classes=cfg.synthetic_classes, image_size=cfg.image_size, hf=hf,
-        ), main_first=cfg.download)
+        ), main_first=cfg.download, preemption=preemption)
     if train_dataset is None:
         train_dataset, eval_dataset = bundle.train, bundle.eval
         num_classes, input_shape = bundle.num_classes, bundle.input_shape
@@ -81,7 +86,8 @@ def resolve_data(cfg: TrainConfig, accelerator: Accelerator, train_dataset, eval
     return Data(train_dataset, eval_dataset, num_classes, input_shape, tokenizer, collate_fn)
 
 
-def local_main_first(accelerator: Accelerator, build: Callable[[], T], main_first: bool = False) -> T:
+def local_main_first(accelerator: Accelerator, build: Callable[[], T], main_first: bool = False, *,
+                     preemption: PreemptionWatcher | None = None, phase: str = "data") -> T:
     """Run ``build`` on each machine's first process, then on the others (they reuse its download).
 
     ``main_first`` (``--download``): the main process goes first, alone; then the other machines'
@@ -94,17 +100,33 @@ def local_main_first(accelerator: Accelerator, build: Callable[[], T], main_firs
     Unlike ``accelerator.local_main_process_first()``, an error on a process that goes first still
     lets the others pass the barriers: they run ``build`` themselves and hit the same error, so every
     rank reports bad input and exits, instead of one rank dying inside a barrier.
+
+    With ``preemption`` (connected to the other ranks) the barriers compare preemption flags, and one
+    more follows the last build: a process waiting for the first learns there of a signal any process
+    got, a signal interrupts ``build`` where it runs (tokenizing can take minutes; torchrun SIGKILLs
+    30 s after its SIGTERM), and every rank raises ``Preempted`` at the same barrier, naming ``phase``.
+    A preemption wins over an error of ``build``: the relaunch meets the error again.
     """
     firsts = [accelerator.is_main_process, accelerator.is_local_main_process] if main_first \
         else [accelerator.is_local_main_process]
     turn = next((i for i, first in enumerate(firsts) if first), len(firsts))  # 0 goes first
-    for _ in range(turn):  # the barriers of the turns before this process's
-        accelerator.wait_for_everyone()
-    try:
-        return build()
-    finally:
-        for _ in range(turn, len(firsts)):  # every process passes every barrier, also when build fails
+    barriers = len(firsts) + (preemption is not None)
+
+    def barrier() -> None:
+        if preemption is None:
             accelerator.wait_for_everyone()
+        else:
+            preemption.check_start_up(phase)  # raises on every rank at once, so none waits at the next one
+
+    for _ in range(turn):  # the barriers of the turns before this process's
+        barrier()
+    try:
+        if preemption is None:
+            return build()
+        return preemption.interruptible(build)[1]  # interrupted: None, and the next barrier raises Preempted
+    finally:
+        for _ in range(turn, barriers):  # every process passes every barrier, also when build fails
+            barrier()
 
 
 def build_configured_model(cfg: TrainConfig, data: Data) -> torch.nn.Module:

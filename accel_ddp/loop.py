@@ -111,6 +111,7 @@ def train(
     loss_fn: Callable[[Any, Any], Any] | None = None,
     metrics: Sequence[Any] = (),
     collate_fn: Callable[[list], Any] | None = None,
+    preemption: PreemptionWatcher | None = None,
 ) -> dict[str, Any]:
     """Train on every rank of the current launch; return the summary (the same on every rank).
 
@@ -119,32 +120,44 @@ def train(
     dicts padded per batch); without ``eval_dataset`` no evaluation runs. ``loss_fn(outputs,
     batch)`` returns a mean or a ``(sum, num_items)`` pair; ``metrics`` are objects with
     ``update(outputs, batch)`` and ``compute() -> dict`` (see :mod:`accel_ddp.tasks`). On SIGTERM or
-    SIGUSR1 every rank stops after the same optimizer step, saves a checkpoint and raises ``Preempted``.
+    SIGUSR1 every rank stops after the same optimizer step, saves a checkpoint and raises ``Preempted``
+    (``preemption``: the watcher ``main()`` installed before parsing the options; None: one is installed now).
     """
     with ExitStack() as teardown:  # on any exit: signal handlers back, files closed, lock and process group gone
         try:
             run = setup(cfg, teardown, model, train_dataset, eval_dataset, loss_fn=loss_fn, metrics=metrics,
-                        collate_fn=collate_fn)
+                        collate_fn=collate_fn, preemption=preemption)
         except RunFinished as done:  # the same command again after the run ended: nothing to do, nothing touched
             return done.summary
         return finish(run, fit(run))
 
 
 def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None, eval_dataset=None, *,
-          loss_fn=None, metrics=(), collate_fn=None) -> Run:
-    """Join the process group, build data, model, optimizer and schedule, and agree on where to start."""
+          loss_fn=None, metrics=(), collate_fn=None, preemption: PreemptionWatcher | None = None) -> Run:
+    """Join the process group, build data, model, optimizer and schedule, and agree on where to start.
+
+    A preemption signal during start-up stops every rank together at the end of the phase it came in
+    (``Preempted`` with nothing saved): the ranks compare their flags there.
+    """
     started = time.perf_counter()
+    # From now on a SIGTERM means "stop, saving what was trained"; under torchrun a lost launcher means the same.
+    preemption = PreemptionWatcher().install() if preemption is None else preemption
+    teardown.callback(preemption.uninstall)
+    preemption.watch_launcher()
     startup = StartupClock()  # "imports": interpreter start, imports and option parsing, up to here
+
+    def phase_done(name: str) -> None:  # collective: every rank stops here if any got a signal
+        startup.mark(name)
+        preemption.check_start_up(name)
+
     accelerator, per_device_batch, accumulation = build_accelerator(cfg)
     teardown.callback(accelerator.end_training)
+    preemption.connect(accelerator, timedelta(seconds=cfg.ddp_timeout))  # its all-reduce waits --ddp_timeout at most
     main_process_decides(accelerator, lambda: check_output_dir(cfg.output_dir))  # a bad folder: now, not after data
     check_shared_output_dir(accelerator, cfg.output_dir)  # several machines: one folder for all of them
-    # From now on a SIGTERM means "save, then stop"; the flag's all-reduce waits --ddp_timeout at most.
-    preemption = PreemptionWatcher(accelerator, timedelta(seconds=cfg.ddp_timeout)).install()
-    teardown.callback(preemption.uninstall)
     if accelerator.is_main_process and (hazard := restart_hazard()):
         print(f"accel_ddp: warning: {hazard}", file=sys.stderr, flush=True)
-    startup.mark("process_group")
+    phase_done("process_group")
 
     if cfg.debug:
         torch.autograd.set_detect_anomaly(True)
@@ -153,9 +166,9 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
     memory_format = torch.channels_last if cfg.channels_last else torch.contiguous_format
     task = build_task(cfg.task, loss_fn or (resolve(cfg.loss, {}, kind="loss") if cfg.loss else None), metrics,
                       memory_format)
-    data = resolve_data(cfg, accelerator, train_dataset, eval_dataset, collate_fn)
+    data = resolve_data(cfg, accelerator, train_dataset, eval_dataset, collate_fn, preemption=preemption)
     train_dataset, eval_dataset = data.train, data.eval
-    startup.mark("data")
+    phase_done("data")
     if model is None:
         model = build_configured_model(cfg, data)
     if accelerator.is_fsdp2:  # before anything is built on it: what FSDP2 cannot shard or cast
@@ -163,7 +176,7 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
     if cfg.init_from:
         load_weights(model, cfg.init_from)  # every rank reads the same file before DDP wraps the model
     model = model.to(memory_format=memory_format)  # NHWC convolutions: faster on tensor cores
-    startup.mark("model")
+    phase_done("model")
 
     # The device loader where the data fits (--loader), else a DataLoader over the same order, or a stream.
     loaders = build_loaders(
@@ -174,14 +187,14 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
     )
     train_loader, eval_loader = loaders.train, loaders.eval
     plan = _plan(cfg, loaders.steps_per_epoch, per_device_batch, accumulation)
-    startup.mark("loaders")
+    phase_done("loaders")
 
     optimizer = build_optimizer(cfg.optimizer, model, cfg.lr, cfg.weight_decay,
                                 fused=use_fused_optimizer(cfg.optimizer, accelerator.device.type, accelerator.is_fsdp2))
     scheduler = build_lr_scheduler(optimizer, cfg.lr_schedule, cfg.warmup_steps, plan.total_steps)
     model, optimizer, scheduler = prepare(accelerator, model, optimizer, scheduler)
     probe_task(task, accelerator, model, data, evaluates=eval_loader is not None, loaders=loaders)
-    startup.mark("optimizer_and_prepare")
+    phase_done("optimizer_and_prepare")
 
     # The input is checked. Before anything is written: the folder is created, and ours alone until we exit.
     teardown.callback(claim_output_dir(accelerator, cfg.output_dir).release)
@@ -207,7 +220,7 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
     # Only now, with the input checked and the start point agreed, touch what earlier runs left.
     recorder.rewind(start_step)  # metrics past the checkpoint belong to the lost steps
     recorder.write_config(resolved)
-    startup.mark("resume_and_config")
+    phase_done("resume_and_config")
     return Run(cfg, accelerator, model, task, optimizer, scheduler, train_loader, eval_loader, plan, facts, recorder,
                checkpoints, preemption, start_step, started, startup, data.tokenizer)
 
@@ -276,6 +289,18 @@ def fit(run: Run) -> FitResult:
         stop_if_not_finite(step)
         return run.checkpoints.save(step)
 
+    def stop(step: int, saved: str | None = None) -> NoReturn:  # preempted: every rank saves this step, then stops
+        checkpoint = saved or save(step)
+        bar.close()
+        raise Preempted(run.preemption.reason, step, checkpoint, signal_name=run.preemption.signal_name)
+
+    def stop_if_preempted(step: int, saved: str | None = None) -> None:
+        # After an evaluation or a save, which every rank runs at the same step: a signal that came during it
+        # stops the run now, with this step's checkpoint, not at the next comparison's step. After the last
+        # step the run finishes instead (what a relaunch would do).
+        if step < plan.total_steps and run.preemption.agree():
+            stop(step, saved)
+
     evaluated_at = None  # the step of the last evaluation: the final weights are always evaluated once
     for epoch in range(step // plan.steps_per_epoch, plan.num_epochs):
         if step >= plan.total_steps:  # resumed from the last step's checkpoint
@@ -312,16 +337,15 @@ def fit(run: Run) -> FitResult:
                               "samples_per_sec": meter.rate(step)})
                 bar.set_postfix(loss=f"{mean_loss:.4f}", refresh=False)  # shown at the bar's next redraw (<= 0.1 s)
             if run.preemption.stop_requested():  # ranks compare flags every ~0.25 s: all stop after the same step
-                checkpoint = save(step)
-                bar.close()
-                raise Preempted(run.preemption.signal_name, step, checkpoint)
+                stop(step)
             if run.eval_loader is not None and cfg.eval_every and step % cfg.eval_every == 0:
                 stop_if_not_finite(step)
                 eval_metrics, evaluated_at = evaluate_and_log(run, step, epoch), step
+                stop_if_preempted(step)  # the evaluation was finished: its metrics are logged, then the step saved
                 meter.reset(step)  # evaluation time is not training throughput
                 timer.pause()
             if save_every and step % save_every == 0:
-                save(step)
+                stop_if_preempted(step, save(step))  # a signal during the save: it completes, then every rank stops
                 meter.reset(step)  # nor is checkpointing time
                 timer.pause()
             if step >= plan.total_steps:
@@ -330,8 +354,9 @@ def fit(run: Run) -> FitResult:
         if run.eval_loader is not None and not cfg.eval_every:
             stop_if_not_finite(step)
             eval_metrics, evaluated_at = evaluate_and_log(run, step, epoch), step
+            stop_if_preempted(step)
         if cfg.checkpointing_steps == "epoch" and step == (epoch + 1) * plan.steps_per_epoch:
-            save(step)
+            stop_if_preempted(step, save(step))
         meter.reset(step)  # the next log line's samples/s leaves out this epoch's evaluation and checkpoint
     bar.close()
     profiler.stop()
@@ -413,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
     exit codes are listed in ``accel_ddp/preemption.py``.
     """
     try:
-        train(parse_args(argv))
+        _parse_and_train(argv)
     except (ConfigError, LaunchError) as err:
         failure.report_bad_input(err)
         return 2
@@ -426,6 +451,18 @@ def main(argv: list[str] | None = None) -> int:
             print(f"accel_ddp: preempted: {stop} (exit code {EXIT_PREEMPTED})", file=sys.stderr, flush=True)
         return EXIT_PREEMPTED
     return 0
+
+
+def _parse_and_train(argv: list[str] | None) -> None:
+    """``train(parse_args(argv))``, with the preemption handlers installed before parsing (a signal from then on
+    is recorded, not fatal; uninstalled again when the options are bad)."""
+    preemption = PreemptionWatcher().install()
+    try:
+        cfg = parse_args(argv)
+    except BaseException:
+        preemption.uninstall()
+        raise
+    train(cfg, preemption=preemption)
 
 
 def run(argv: list[str] | None = None) -> NoReturn:

@@ -1,10 +1,21 @@
 """How a worker ends: preemption (SIGTERM or SIGUSR1 -> every rank saves and stops), a non-finite loss, exit codes.
 
-The signal handler only records the signal. After every optimizer step the loop asks
-``PreemptionWatcher.stop_requested()`` on every rank; every quarter second or so (at a step every
-rank agreed on) it all-reduces the recorded signal (MAX) so that every rank decides at the same step;
-the loop then saves a checkpoint together and ``train()`` raises ``Preempted``. Exit codes of
-``train.py`` (each worker process):
+The signal flow. ``main()`` installs the recording handler (``PreemptionWatcher.install``) before
+it parses the options; from then on a signal is recorded, never fatal. Under torchrun a thread
+also watches the launcher (``watch_launcher``): its death is recorded like a signal. Nothing acts
+on a record at once; the ranks compare them (an all-reduce, MAX) at points every rank reaches
+together, so every rank decides the same way at the same point:
+
+- start-up: the end of each phase (``check_start_up``) and the barriers of ``local_main_first``,
+  where a first process building the data alone is interrupted by the signal (``interruptible``);
+  every rank raises ``Preempted`` with nothing saved;
+- training: after optimizer steps (``stop_requested``), every quarter second or so at a step every
+  rank agreed on; after each evaluation and each save (``agree``): the loop saves that step's
+  checkpoint together and ``train()`` raises ``Preempted``.
+
+A rank's DataLoader workers ignore the job's signals (accel_ddp/data/workers.py): torchrun and
+scancel signal them too, and torch's worker handler would let them die. Exit codes of ``train.py``
+(each worker process):
 
     0   training finished; OUTPUT_DIR/model.safetensors and summary.json written
     1   an error (a Python exception on some rank, or a rank killed)
@@ -13,22 +24,27 @@ the loop then saves a checkpoint together and ``train()`` raises ``Preempted``. 
     3   the training loss became nan or inf: every rank stopped at the same step, nothing was saved
         after the first bad step (the last checkpoint before it is intact); lower --lr, clip with
         --max_grad_norm, or rerun with --debug to see the operation that made it
-    75  preempted (EX_TEMPFAIL, "try again"): a checkpoint of the current step was saved; relaunch
-        the same command with --resume_from_checkpoint auto to continue exactly where it stopped
+    75  preempted (EX_TEMPFAIL, "try again"), or the launcher died: a checkpoint of the current step
+        was saved; relaunch the same command with --resume_from_checkpoint auto to continue exactly
+        where it stopped (stopped during start-up: nothing trained, nothing saved)
 
 ``accelerate launch`` does not pass these on: it exits 1 when the job failed or when it was
 itself signalled, and logs each worker's exit code. Batch scripts should decide to requeue from
 the signal they forwarded, not from the launcher's exit code (docs/checkpoints.md, "Exit codes").
 
 What reaches the workers: torchrun (inside ``accelerate launch``) starts each worker in its own
-session, so a signal to the launcher's process group does not reach them directly. The launcher
-forwards SIGTERM, SIGINT, SIGHUP and SIGQUIT to every worker, waits ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``
-seconds (default 30) and then SIGKILLs them. SIGUSR1 to the launcher kills it outright, leaving the
-workers orphaned, unless it runs with ``PET_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1``.
+session (``start_new_session=True`` in torch/distributed/elastic/multiprocessing/subprocess_handler/
+subprocess_handler.py), so a signal to the launcher's process group does not reach them directly.
+The launcher forwards SIGTERM, SIGINT, SIGHUP and SIGQUIT to each worker's process group
+(``os.killpg`` in ``SubprocessHandler.close``: the worker's DataLoader workers too), waits
+``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` seconds (default 30) and then SIGKILLs them. SIGUSR1 to the
+launcher kills it outright, leaving the workers orphaned (they notice, and stop), unless it runs
+with ``PET_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1``.
 """
 
 from __future__ import annotations
 
+import _thread
 import atexit
 import os
 import signal
@@ -36,13 +52,16 @@ import sys
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar
 
 import torch
 import torch.distributed as dist
 from accelerate import Accelerator
 from accelerate.utils import gather_object
+
+from accel_ddp.stdio import guard_stdio, silence_dead_pipes
 
 EXIT_PREEMPTED = 75  # sysexits.h EX_TEMPFAIL: the job may be retried
 EXIT_NON_FINITE = 3  # not 75: a relaunch would diverge again
@@ -51,19 +70,41 @@ PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # SIGUSR1: what SLURM's -
 # against the launcher's 30 s between its SIGTERM and its SIGKILL and SLURM's --signal lead time (minutes).
 CHECK_EVERY_SECONDS = 0.25
 MAX_CHECK_INTERVAL = 10_000  # optimizer steps between two comparisons, at most
+LAUNCHER_DIED = 1000  # the flag's value for a lost launcher: above every signal number, so MAX keeps it
+LAUNCHER_POLL_SECONDS = 0.5  # how often a rank under torchrun checks that its launcher is alive
+T = TypeVar("T")
 
 
 class Preempted(Exception):  # noqa: N818 - it is an outcome, not a failure
-    """Raised by ``train()`` on every rank after a preemption signal, once the checkpoint is saved."""
+    """Raised by ``train()`` on every rank after a preemption signal (or the launcher's death), once the checkpoint
+    is saved; or during start-up (``phase``), before any optimizer step, with nothing saved."""
 
-    def __init__(self, signal_name: str, step: int, checkpoint: str):
-        super().__init__(f"{signal_name} received: stopped after optimizer step {step} and saved {checkpoint}; "
-                         "relaunch with --resume_from_checkpoint auto to continue")
-        self.signal_name, self.step, self.checkpoint = signal_name, step, checkpoint
+    def __init__(self, reason: str, step: int | None, checkpoint: str | None, *, phase: str | None = None,
+                 signal_name: str | None = None):
+        if phase is not None:
+            text = (f"{reason} during start-up ({phase}): no optimizer step taken in this launch, nothing saved; "
+                    "relaunch the same command")
+        else:
+            text = (f"{reason}: stopped after optimizer step {step} and saved {checkpoint}; relaunch with "
+                    "--resume_from_checkpoint auto to continue")
+        super().__init__(text)
+        self.reason, self.step, self.checkpoint, self.phase = reason, step, checkpoint, phase
+        self.signal_name = signal_name
+
+
+class _Interrupted(KeyboardInterrupt):  # noqa: N818 - what Ctrl-C raises, for the same purpose
+    """Raised by the signal handler inside ``PreemptionWatcher.interruptible``: a long start-up build gives up.
+
+    A KeyboardInterrupt: no ``except Exception`` in the build swallows it, and libraries clean up after
+    it as after Ctrl-C (``datasets.map`` removes its unfinished cache file: ``except (Exception,
+    KeyboardInterrupt)`` in datasets/arrow_dataset.py)."""
 
 
 class PreemptionWatcher:
-    """SIGTERM or SIGUSR1 on any rank -> every rank stops after the same optimizer step.
+    """SIGTERM or SIGUSR1 on any rank, or a lost launcher -> every rank stops after the same optimizer step.
+
+    ``install()`` comes first, before the options are parsed: from then on a signal is recorded, not
+    fatal. ``connect(accelerator)`` (collective) joins the ranks once their process group exists.
 
     ``stop_requested()`` is called after every optimizer step on every rank. In a process group it
     compares the ranks' flags (a 16-byte all-reduce over a CPU gloo group: no GPU synchronisation;
@@ -75,26 +116,32 @@ class PreemptionWatcher:
     for the others: on a busy 2-core host, after every step, it cost a small model a fifth of its
     steps/s (benchmarks/README.md). A signal stops every rank within about
     ``CHECK_EVERY_SECONDS`` plus one step; without a process group, after the step during which it
-    came. ``timeout`` bounds how long the all-reduce waits for a missing rank (the loop passes
-    ``--ddp_timeout``; torch's gloo default is 30 minutes). Handlers are installed only from the
-    main thread.
+    came. ``agree()`` compares at once, where every rank is at the same point anyway (a start-up
+    phase's end, after an evaluation or a save). ``timeout`` bounds how long the all-reduce waits for
+    a missing rank (the loop passes ``--ddp_timeout``; torch's gloo default is 30 minutes). Handlers
+    are installed only from the main thread.
 
-        >>> watcher = PreemptionWatcher(accelerator, timedelta(seconds=cfg.ddp_timeout)).install()
+        >>> watcher = PreemptionWatcher().install()          # first thing: signals recorded from now on
+        >>> watcher.connect(accelerator, timedelta(seconds=cfg.ddp_timeout))
         >>> if watcher.stop_requested(): ...   # after every optimizer step, on every rank
     """
 
-    def __init__(self, accelerator: Accelerator, timeout: timedelta | None = None):
+    def __init__(self, accelerator: Accelerator | None = None, timeout: timedelta | None = None):
         self.signal_name: str | None = None
-        self._received = 0
+        self._received = 0  # a signal number, or LAUNCHER_DIED
         self._previous: dict[int, Any] = {}
-        self._distributed = dist.is_available() and dist.is_initialized()
-        self._group = flag_group(timeout) if self._distributed else None
+        self._distributed = False
+        self._group = None
         self._flag = torch.zeros(2, dtype=torch.int64)  # [signal, -steps to the next comparison]: MAX suits both
         self._flag_values = self._flag.numpy()  # the same memory: read and written without a torch call
         self._steps = 0  # stop_requested() calls so far: optimizer steps of this run
         self._interval = 1  # steps between comparisons, agreed by every rank at the last one
         self._next_check = 1  # the step of the next comparison, the same on every rank
         self._last_check = (0, time.perf_counter())
+        self._interruptible = False  # inside interruptible(): the handler raises _Interrupted
+        self._stop_watching = threading.Event()
+        if accelerator is not None:
+            self.connect(accelerator, timeout)
 
     def install(self) -> PreemptionWatcher:
         if threading.current_thread() is threading.main_thread():
@@ -102,12 +149,19 @@ class PreemptionWatcher:
                 self._previous[sig] = signal.signal(sig, self._record)
         return self
 
+    def connect(self, accelerator: Accelerator, timeout: timedelta | None = None) -> PreemptionWatcher:
+        """Compare flags with the other ranks from now on (collective: every rank, once its process group exists)."""
+        self._distributed = dist.is_available() and dist.is_initialized()
+        self._group = flag_group(timeout) if self._distributed else None
+        return self
+
     def uninstall(self) -> None:
-        """Restore the previous handlers, unless a preemption is under way.
+        """Restore the previous handlers, unless a preemption is under way; stop watching the launcher.
 
         After a preemption the recording handlers stay: the launcher follows the first rank that exits
         with a SIGTERM to the others, which must not turn their exit code 75 into a kill.
         """
+        self._stop_watching.set()
         if self._received:
             return
         for sig, handler in self._previous.items():
@@ -116,24 +170,87 @@ class PreemptionWatcher:
 
     def _record(self, signum: int, frame) -> None:
         self._received = self._received or signum
+        if self._interruptible:
+            self._interruptible = False  # once: the build's own clean-up must not be interrupted again
+            raise _Interrupted
+
+    @property
+    def reason(self) -> str:
+        """What stopped the run, for its exit line: "SIGTERM received", or the launcher's death."""
+        if self._received == LAUNCHER_DIED:
+            return "the launcher died (every rank's parent process is gone)"
+        return f"{self.signal_name or signal.Signals(self._received).name} received"
+
+    def _learn(self, received: int) -> bool:
+        if received:
+            self._received = self._received or received  # a rank told by the others is preempted too
+            if received != LAUNCHER_DIED:
+                self.signal_name = signal.Signals(received).name
+        return bool(received)
 
     def stop_requested(self) -> bool:
         """After an optimizer step: True on every rank, after the same step, once any rank got a signal (collective)."""
         self._steps += 1
         if not self._distributed:
-            received = self._received
-        elif self._steps < self._next_check:
+            return self._learn(self._received)
+        if self._steps < self._next_check:
             return False
-        else:
-            self._flag_values[:] = (self._received, -self._steps_per_interval())
-            dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self._group)
-            received = int(self._flag_values[0])
-            self._interval = -int(self._flag_values[1])  # the fewest steps any rank asked for
-            self._next_check = self._steps + self._interval
-        if received:
-            self.signal_name = signal.Signals(received).name
-            self._received = self._received or received  # a rank told by the others is preempted too
-        return bool(received)
+        self._flag_values[:] = (self._received, -self._steps_per_interval())
+        dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self._group)
+        self._interval = -int(self._flag_values[1])  # the fewest steps any rank asked for
+        self._next_check = self._steps + self._interval
+        return self._learn(int(self._flag_values[0]))
+
+    def agree(self) -> bool:
+        """Compare the flags now: True on every rank once any rank got a signal (collective, in a process group)."""
+        if not self._distributed:
+            return self._learn(self._received)
+        self._flag_values[:] = (self._received, -self._interval)  # the agreed interval stays as it is
+        dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self._group)
+        return self._learn(int(self._flag_values[0]))
+
+    def check_start_up(self, phase: str) -> None:
+        """At the end of start-up phase ``phase`` (collective): every rank raises ``Preempted`` if any got a signal."""
+        if self.agree():
+            raise Preempted(self.reason, None, None, phase=phase, signal_name=self.signal_name)
+
+    def interruptible(self, build: Callable[[], T]) -> tuple[bool, T | None]:
+        """``(True, build())``, or ``(False, None)`` when a preemption signal came first or arrived during it.
+
+        For a long start-up step on one rank (tokenizing, a download) that nothing else waits on but a
+        barrier: a signal raises out of it at once, like Ctrl-C, instead of after it (torchrun SIGKILLs
+        ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` = 30 s after its SIGTERM). Never around a collective.
+        """
+        try:
+            try:
+                self._interruptible = not self._received
+                if not self._interruptible:
+                    return False, None
+                return True, build()
+            finally:
+                self._interruptible = False
+        except _Interrupted:
+            return False, None
+
+    def watch_launcher(self) -> None:
+        """Under torchrun: a thread notices within ``LAUNCHER_POLL_SECONDS`` that the launcher died (its workers are
+        in sessions of their own: a SIGKILL of the launcher's process group leaves them training) and records it
+        like a signal, so every rank stops after the same step, saves, and exits. Not PR_SET_PDEATHSIG, which
+        fires when the parent *thread* exits (prctl(2)), and kills outright: no checkpoint."""
+        if "TORCHELASTIC_RUN_ID" not in os.environ:
+            return
+        guard_stdio()  # a launcher killed with its `| tee` leaves pipes nobody reads: writes must not fail the save
+        threading.Thread(target=self._poll_parent, args=(os.getppid(),), name="accel_ddp-launcher-watch",
+                         daemon=True).start()
+
+    def _poll_parent(self, parent: int) -> None:
+        while not self._stop_watching.wait(LAUNCHER_POLL_SECONDS):
+            if os.getppid() != parent:  # reparented: to init, or to a subreaper
+                silence_dead_pipes()  # also what C code writes there
+                self._received = self._received or LAUNCHER_DIED
+                if self._interruptible:  # a start-up build on the main thread gives up, as on a signal
+                    _thread.interrupt_main(signal.SIGTERM)
+                return
 
     def _steps_per_interval(self) -> int:
         """How many of this rank's recent steps fit in CHECK_EVERY_SECONDS: at least 1, at most twice the last

@@ -7,6 +7,7 @@ One job per module, arrows pointing one way (``bundle`` and ``sampler`` depend o
     sampler.py        the global-batch permutation (seed, epoch) and position, shared by every loader
     device_loader.py  DeviceLoader / DeviceEvalLoader: an in-memory set served from the training device
     host_loader.py    HostLoader: a DataLoader over the same order, decoding in workers, batches copied to the device
+    workers.py        DataLoader workers: deaf to the job's preemption signals, dead with their rank
     mapped.py         MappedDataset: Arrow files read memory-mapped, decoded per batch
     streaming.py      StreamingLoader: a datasets.IterableDataset split over ranks, every rank in step
     hf_source.py      where Hugging Face datasets come from (Hub names, save_to_disk folders, files) and their columns

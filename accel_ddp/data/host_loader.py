@@ -36,6 +36,7 @@ from accel_ddp.data.sampler import (
     sample_seed,
     seed_global_rngs,
 )
+from accel_ddp.data.workers import worker_options
 
 
 def usable_cpus() -> int:
@@ -111,7 +112,8 @@ class HostLoader(GlobalBatchLoader):
     The same surface as :class:`~accel_ddp.data.device_loader.DeviceLoader` (``len``, ``set_epoch``,
     ``skip_first_batches``, iteration) and the same samples in the same micro-steps. Batches may be
     any structure of tensors (tuples, dicts; ``collate_fn`` builds them). Workers (``num_workers``;
-    ``None`` picks :func:`default_num_workers`) persist across epochs.
+    ``None`` picks :func:`default_num_workers`) persist across epochs and ignore the job's preemption
+    signals (:mod:`accel_ddp.data.workers`); ``worker_init_fn`` runs in each after that.
 
         >>> loader = HostLoader(dataset, per_device_batch_size=32, global_batch_size=128, seed=0, rank=r,
         ...                     world_size=2, device=accelerator.device)
@@ -130,6 +132,7 @@ class HostLoader(GlobalBatchLoader):
         device: torch.device | str = "cpu",
         num_workers: int | None = None,
         collate_fn: Callable[[list], Any] | None = None,
+        worker_init_fn: Callable[[int], None] | None = None,
     ):
         self.sampler = GlobalBatchSampler(len(dataset), per_device_batch_size, global_batch_size, seed=seed,
                                           rank=rank, world_size=world_size)
@@ -141,6 +144,7 @@ class HostLoader(GlobalBatchLoader):
             collate_fn=collate_fn,
             num_workers=workers,
             persistent_workers=workers > 0,  # no worker start-up cost at every epoch
+            **worker_options(workers, worker_init_fn),  # deaf to the job's SIGTERM, dead with this rank
             pin_memory=self.device.type == "cuda",  # page-locked host batches: the copy below overlaps compute
             # The DataLoader draws its workers' base seed from this generator, not from torch's global one:
             # the training stream (dropout) must not depend on the loader. Augmentation does not use it.

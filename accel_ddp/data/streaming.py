@@ -17,12 +17,13 @@ What holds on this path (each tested in tests/test_data.py):
 - Each pass over the stream serves each example at most once across ranks, in a new order.
 - A pass that cannot fill one optimizer step on some rank, or a read that fails on one rank (a
   damaged file), stops every rank at the same step with one line naming it.
-- Resume: each rank saves its position with the checkpoint (its ``datasets`` state per DataLoader
-  worker, ``IterableDataset.state_dict()``), and a resumed run continues from there: no example
-  trained on before the checkpoint comes again in that pass. Not bitwise: examples waiting in the
-  shuffle buffers (and batches prefetched but not trained on) are skipped for that pass, and the
-  workers' interleaving restarts, so the order after a resume differs from an uninterrupted run's.
-  With ``--shuffle_buffer 0`` and one worker the resumed order is the uninterrupted one. The same
+- Resume: each rank saves its position with the checkpoint (its ``datasets`` state per reader after
+  the last batch trained on, ``IterableDataset.state_dict()``, and which reader's batch comes next
+  in the DataLoader's round-robin over its workers), and a resumed run continues from there: no
+  example trained on before the checkpoint comes again in that pass, and batches prefetched but
+  not trained on are read again. With ``--shuffle_buffer 0`` the resumed order is the uninterrupted
+  one, with any number of workers, and so are the final weights (tests/test_guarantees.py). With a
+  shuffle buffer it is not: the examples waiting in the buffers are skipped for that pass. The same
   world size, worker count, ``--shuffle_buffer`` and data (source and number of files, recorded
   with each position) are needed; otherwise the pass restarts from its beginning (warned).
 - Global-batch invariance, as on the other paths, does not hold: which examples a rank reads
@@ -49,6 +50,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from accel_ddp.data.bundle import DataError, DatasetBundle
 from accel_ddp.data.host_loader import default_num_workers
 from accel_ddp.data.sampler import check_layout, sample_seed
+from accel_ddp.data.workers import worker_options
 from accel_ddp.failure import first_line
 from accel_ddp.validation import ConfigError
 
@@ -84,33 +86,36 @@ class StreamSource(IterableDataset):
 
 
 class _Batches(IterableDataset):
-    """Inside each DataLoader worker: its reader's share of the stream, as ``(batch, worker, position after it)``.
+    """Inside each DataLoader worker: its reader's share of the stream, as ``(batch, reader, position after it)``.
 
-    Reader ``rank * workers + worker`` of ``world_size * workers`` (``split_dataset_by_node``, done
+    Reader ``rank * workers + slot`` of ``world_size * workers`` (``split_dataset_by_node``, done
     here rather than by ``datasets``' own worker split, whose saved positions do not load back into a
-    worker in datasets 5.2: an IndexError in ``_inner_load_state_dict``). ``states`` (worker ->
-    position) resumes each reader where it was; a reader's last partial batch is dropped.
+    worker in datasets 5.2: an IndexError in ``_inner_load_state_dict``). Worker ``w`` reads slot
+    ``(w + first) % workers``: the DataLoader takes its workers' batches in turn from worker 0, so a
+    resumed pass whose next batch is slot ``first``'s continues the turns where they stopped.
+    ``states`` (slot -> position) resumes each reader where it was; a reader's last partial batch is dropped.
     """
 
     def __init__(self, stream, decode, per_device: int, rank: int, world_size: int, data_epoch: int,
-                 states: dict[int, dict]):
+                 states: dict[int, dict], first: int = 0):
         self.stream, self.decode, self.per_device, self.states = stream, decode, per_device, states
-        self.rank, self.world_size, self.data_epoch = rank, world_size, data_epoch
+        self.rank, self.world_size, self.data_epoch, self.first = rank, world_size, data_epoch, first
 
     def __iter__(self):
         from datasets.distributed import split_dataset_by_node
 
         info = torch.utils.data.get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        reader = split_dataset_by_node(self.stream, self.rank * workers + worker, self.world_size * workers)
+        slot = (worker + self.first) % workers
+        reader = split_dataset_by_node(self.stream, self.rank * workers + slot, self.world_size * workers)
         reader.set_epoch(self.data_epoch)  # a new file order and shuffle for each pass
-        if worker in self.states:
-            reader.load_state_dict(self.states[worker])
+        if slot in self.states:
+            reader.load_state_dict(self.states[slot])
         read = 0
         for columns in reader.iter(batch_size=self.per_device, drop_last_batch=True):
-            where = [f"example {read + i} read by worker {worker} of rank {self.rank}" for i in range(self.per_device)]
+            where = [f"example {read + i} read by worker {slot} of rank {self.rank}" for i in range(self.per_device)]
             read += self.per_device
-            yield self.decode(columns, where), worker, reader.state_dict()
+            yield self.decode(columns, where), slot, reader.state_dict()
 
 
 class StreamingLoader:
@@ -146,7 +151,8 @@ class StreamingLoader:
         # More readers than files would each read every file and keep a fraction of it: no faster.
         self.num_workers = min(workers, max(stream.num_shards // world_size, 1)) if workers else 0
         self.data_epoch, self.steps_in_pass = 0, 0  # passes over the stream; optimizer steps in this one
-        self.states: dict[int, dict] = {}  # DataLoader worker -> its position after the last batch trained on
+        self.states: dict[int, dict] = {}  # reader slot -> its position after the last batch trained on
+        self.next_slot = 0  # the reader whose batch comes next in the DataLoader's round-robin
         self.start = 0
         self._group = None
         if world_size > 1 and dist.is_initialized() and dist.get_backend() != "gloo":
@@ -187,8 +193,9 @@ class StreamingLoader:
                 # Counted before it is yielded: the loop saves a checkpoint after the step's last micro-batch,
                 # before it asks for the next one, and that checkpoint must hold this step.
                 self.steps_in_pass += 1
-                for batch, worker, state in step:
-                    self.states[worker] = state  # trained on once yielded: the checkpoint after this step holds it
+                for batch, slot, state in step:
+                    self.states[slot] = state  # trained on once yielded: the checkpoint after this step holds it
+                    self.next_slot = (slot + 1) % max(self.num_workers, 1)
                     micro += 1
                     yield self._to_device(batch)
             del batches  # ends the pass's workers
@@ -196,12 +203,13 @@ class StreamingLoader:
 
     def _pass_loader(self) -> DataLoader:
         batches = _Batches(self.stream, self.decode, self.per_device_batch_size, self.rank, self.world_size,
-                           self.data_epoch, dict(self.states))
+                           self.data_epoch, dict(self.states), first=self.next_slot)
         # Each DataLoader draws its workers' base seed from this generator, not from torch's global one, which
         # would shift dropout after a resume (the draws of the passes since the start are not replayed).
         generator = torch.Generator().manual_seed(sample_seed(self.seed, self.data_epoch, 0))
         return DataLoader(batches, batch_size=None, num_workers=self.num_workers, generator=generator,
-                          collate_fn=self._collate, pin_memory=self.device.type == "cuda")
+                          collate_fn=self._collate, pin_memory=self.device.type == "cuda",
+                          **worker_options(self.num_workers))  # deaf to the job's SIGTERM, dead with this rank
 
     def _collate(self, item):
         samples, worker, state = item
@@ -264,7 +272,7 @@ class StreamingLoader:
                 f"(pass {self.data_epoch}; each rank needs {self.per_device_batch_size * self.accumulation} "
                 "examples per step); give more data or a smaller --global_batch_size"
             )
-        self.data_epoch, self.steps_in_pass, self.states = self.data_epoch + 1, 0, {}
+        self.data_epoch, self.steps_in_pass, self.states, self.next_slot = self.data_epoch + 1, 0, {}, 0
 
     def _to_device(self, batch):
         if self.device.type == "cpu":
@@ -278,7 +286,7 @@ class StreamingLoader:
     def _position(self) -> dict[str, Any]:
         return {"data_epoch": self.data_epoch, "steps_in_pass": self.steps_in_pass, "world_size": self.world_size,
                 "num_workers": self.num_workers, "made_from": self.made_from,
-                "workers": {str(w): s for w, s in self.states.items()}}
+                "workers": {str(w): s for w, s in self.states.items()}, "next_worker": self.next_slot}
 
     def _save_hook(self, models, weights, output_dir: str) -> None:
         with open(os.path.join(output_dir, STATE_FILE.format(rank=self.rank)), "w", encoding="utf-8") as fh:
@@ -294,6 +302,7 @@ class StreamingLoader:
                 _warn(f"{input_dir} holds no stream position: the stream starts over")
             return None
         self.data_epoch, self.steps_in_pass, self.states = saved["data_epoch"], saved["steps_in_pass"], {}
+        self.next_slot = 0
         changed = self._changed_since(saved)
         if changed:
             self.steps_in_pass = 0  # the pass is read again from its beginning, on every rank
@@ -306,6 +315,7 @@ class StreamingLoader:
             return _warn(f"{input_dir} holds no stream position for rank {self.rank}: its share of pass "
                          f"{self.data_epoch} starts over")
         self.states = {int(w): state for w, state in mine["workers"].items()}
+        self.next_slot = int(mine.get("next_worker", 0))  # saved since the turns continue; older: worker 0
         return None
 
     def _changed_since(self, saved: dict[str, Any]) -> str | None:
