@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -209,6 +210,20 @@ def _curves_png_where_marked(request, _no_curves_png):
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(RunRecorder, "plot", _PLOT)
         yield
+
+
+@pytest.fixture(autouse=True)
+def _library_log_handlers_outlive_the_test():
+    """Transformers makes its log handler on first use, on whatever ``sys.stderr`` is then: inside a test, the
+    test's capture, closed when the test ends. A later test's forked ranks would log into the closed file ("I/O
+    operation on closed file" tracebacks on stderr). After each test the handler writes to the process's stderr."""
+    yield
+    hf_logging = sys.modules.get("transformers.utils.logging")
+    if hf_logging is not None:
+        for handler in hf_logging._get_library_root_logger().handlers:
+            if type(handler) is logging.StreamHandler:  # its own, not a capture handler of pytest
+                handler.stream = sys.__stderr__  # not setStream: it flushes the closed one first
+                handler.__dict__.pop("flush", None)  # Transformers bound the capture's flush to it
 
 
 @pytest.fixture
