@@ -1252,7 +1252,7 @@ def test_a_bug_in_a_collate_fn_while_streaming_is_raised_with_its_traceback_and_
     (steps0, kind0, text0, _), (steps1, kind1, text1, trace1) = run_ranks(run, grace=5)
     assert (steps0, steps1) == (2, 2)  # both stopped before the step rank 1 could not batch
     assert kind1 == "TypeError" and "_collate_with_a_bug" in trace1 and "cannot batch these samples" in text1
-    assert kind0 == "RuntimeError" and "rank 1" in text0 and "TypeError" in text0
+    assert kind0 == "PeerFailed" and "rank 1" in text0 and "TypeError" in text0  # a RuntimeError: never first
     assert "check the source" not in text0 + text1
 
 
