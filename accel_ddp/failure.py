@@ -62,6 +62,9 @@ RANK_VARS = ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "MV2_COMM_WORLD_RANK")
 WORLD_SIZE_VARS = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
 # What gloo and the store say when the other end of a connection went away (gloo/transport/tcp/pair.cc).
 _LOST_PEER = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+# The one line of a rank that lost a peer that never reported (killed, out of memory): gloo's traceback says no more.
+_LOST = ("rank {rank} lost its connection to another rank, which ended without reporting an error (killed? out of "
+         "memory?); the launcher's summary says how it ended")
 
 
 class PeerFailed(RuntimeError):
@@ -167,25 +170,18 @@ def _report_text(err: BaseException, code: int) -> str:
     if code != 1:
         return f"accel_ddp: error: {err}\n"
     if lost_peer(err):
-        return f"accel_ddp: error: {_lost(err)}\n"
+        return f"accel_ddp: error: {_LOST.format(rank=_rank())}\n"
     return "".join(traceback.format_exception(err))
-
-
-def _lost(err: BaseException) -> str:
-    """A peer died without a word (killed, out of memory): gloo's traceback would say nothing more."""
-    return (f"rank {_rank()} lost its connection to another rank, which ended without reporting an error "
-            f"(killed? out of memory?); the launcher's summary says how it ended ({type(err).__name__}: "
-            f"{first_line(err)})")
 
 
 def _write_error_file_of(made: Claim, err: BaseException) -> None:
     first = made.first
     if not made.ours:
         why = f"stopped because rank {first['rank']} failed: {first['message']}"
-        own = f"{type(err).__name__}: {first_line(err)}"
-        write_error_file(why, why if own == first["message"] else f"{why}\n(this rank then: {own})")
-    elif first["code"] == 1 and lost_peer(err):
-        write_error_file(_lost(err))
+        own = f"{type(err).__name__}: {first_line(err)}"  # worth adding where it is no mere lost connection
+        write_error_file(why, why if own == first["message"] or lost_peer(err) else f"{why}\n(this rank then: {own})")
+    elif first["code"] == 1 and lost_peer(err):  # with what gloo or the store said
+        write_error_file(f"{_LOST.format(rank=made.rank)} ({type(err).__name__}: {first_line(err)})")
     elif first["code"] == 1:
         write_error_file(f"{type(err).__name__}: {err}", "".join(traceback.format_exception(err)))
     else:  # the one line, no traceback: bad input is not a bug

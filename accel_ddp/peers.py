@@ -25,6 +25,7 @@ import time
 from datetime import timedelta
 from typing import Any
 
+PROBE_S = 0.2  # how long a probe of the store's port waits for a reset from a server that is dying
 STORE_TIMEOUT_S = 10.0  # before the group exists: how long to look for rank 0's store (it may be slower to fail)
 
 
@@ -53,13 +54,21 @@ def rank_store(rank: int, lost_peer: bool) -> tuple[Any, bool] | None:
 
 
 def listening(addr: str, port: int, seconds: float) -> bool:
-    """Does something accept connections at ``addr:port`` within ``seconds``? (A plain socket: no log lines.)"""
+    """Does a server accept connections at ``addr:port`` within ``seconds``? (A plain socket: no log lines.)
+
+    A connection the kernel queued for a process that is dying is reset when its listening socket
+    closes: the probe waits ``PROBE_S`` for that (a TCPStore server sends nothing first).
+    """
     deadline = time.monotonic() + seconds
     while True:
         try:
-            with socket.create_connection((addr, port), timeout=1.0):
-                return True
-        except OSError:
+            with socket.create_connection((addr, port), timeout=1.0) as probe:
+                probe.settimeout(PROBE_S)
+                try:
+                    return probe.recv(1) != b""
+                except TimeoutError:
+                    return True
+        except OSError:  # refused, reset
             if time.monotonic() >= deadline:
                 return False
             time.sleep(0.05)

@@ -111,13 +111,18 @@ class OneBadSample(Dataset):
         return self.dataset[index]
 
 
-def read_at(step: int, rank: int, num_samples: int, global_batch_size: int, world_size: int, seed: int = 0) -> int:
-    """The first sample ``rank`` reads at optimizer ``step`` (1-based) of epoch 0 (one micro-step per step)."""
+def reads_at(step: int, rank: int, num_samples: int, global_batch_size: int, world_size: int) -> list[int]:
+    """The samples ``rank`` reads at optimizer ``step`` (1-based) of epoch 0, seed 0 (one micro-step per step)."""
     from accel_ddp.data.sampler import GlobalBatchSampler
 
-    sampler = GlobalBatchSampler(num_samples, global_batch_size // world_size, global_batch_size, seed=seed, rank=rank,
+    sampler = GlobalBatchSampler(num_samples, global_batch_size // world_size, global_batch_size, seed=0, rank=rank,
                                  world_size=world_size)
-    return int(sampler.rank_indices(0)[step - 1][0])
+    return sampler.rank_indices(0)[step - 1].tolist()
+
+
+def read_at(step: int, rank: int, num_samples: int, global_batch_size: int, world_size: int) -> int:
+    """The first sample ``rank`` reads at optimizer ``step`` of epoch 0 (``reads_at``)."""
+    return reads_at(step, rank, num_samples, global_batch_size, world_size)[0]
 
 
 def one_bad_sample(data_dir: str, download: bool) -> DatasetBundle:
@@ -127,6 +132,15 @@ def one_bad_sample(data_dir: str, download: bool) -> DatasetBundle:
 
     bundle = build_synthetic(data_dir, download, samples=4096, shape=(6,))
     return bundle._replace(train=OneBadSample(bundle.train, read_at(3, 1, 4096, 16, 2)))
+
+
+def sequences_one_bad(data_dir: str, download: bool) -> DatasetBundle:
+    """tests.test_tasks' token sequences (causal_lm) of which the one rank 1 of 2 reads at step 3 (global batch 8,
+    seed 0) does not decode."""
+    from tests.test_tasks import build_sequences
+
+    bundle = build_sequences(data_dir, download)
+    return bundle._replace(train=OneBadSample(bundle.train, read_at(3, 1, len(bundle.train), 8, 2)))
 
 
 # ----------------------------------------------------------------------------- files of images

@@ -8,13 +8,11 @@ election on a TCPStore hosted here, as torchrun hosts it; two launches show what
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
 import signal
 import subprocess
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -22,8 +20,9 @@ import pytest
 
 from accel_ddp.loop import main
 from accel_ddp.world import single_process_trap
-from tests import faults, helpers_data
-from tests.conftest import SCRIPTS, free_port, launch_together, main_ranks, run_ranks, run_single
+from tests import helpers_data
+from tests.conftest import SCRIPTS, free_port, launch_together, main_ranks, run_single
+from tests.helpers_ranks import C10D_UNSHARED, assert_quiet, error_lines, launch_ranks, recorded
 from tests.multiproc import RankFailed
 
 BASE = ["--dataset", "synthetic", "--synthetic_samples", "64", "--synthetic_shape", "4", "--epochs", "1",
@@ -119,12 +118,6 @@ def test_bad_input_goes_into_the_launchers_error_file_without_a_traceback(tmp_pa
 
 # ----------------------------------------------------------------------------- one report per launch
 
-# The environment torchrun's agent gives its workers, beyond RANK, WORLD_SIZE and MASTER_* (torch/distributed/
-# elastic/agent/server/local_elastic_agent.py, _start_workers): "static" shares its store (launcher_store hosts
-# one here as the agent does); "c10d" with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 does not, and rank 0 hosts the
-# group's (forked ranks form their group over env://, as launched workers do).
-C10D_UNSHARED = {"TORCHELASTIC_USE_AGENT_STORE": "False", "TORCHELASTIC_RUN_ID": "test",
-                 "TORCHELASTIC_RESTART_COUNT": "0"}
 TRAINING = ["--dataset", "synthetic", "--synthetic_samples", "4096", "--synthetic_shape", "6", "--global_batch_size",
             "16", "--epochs", "50"]  # far longer than any test waits: a rank that is not stopped hangs the test
 
@@ -134,78 +127,12 @@ def torchrun_env(request, launcher_store) -> dict[str, str]:
     return launcher_store[1] if request.param == "static" else C10D_UNSHARED
 
 
-def _launched(folder, args: list[str], patch=None, **fault) -> int:
-    """``main(args)`` on a forked rank as torchrun runs it: with its own error file (and its pid for
-    ``_torchrun_watching``). Then a marker line, in one write: two processes' ``print`` calls interleave (the text
-    and the newline are two writes to stderr)."""
-    rank = int(os.environ["RANK"])
-    os.environ["TORCHELASTIC_ERROR_FILE"] = str(folder / f"error{rank}.json")
-    faults.install(**fault)
-    if patch is not None:
-        patch(rank)
-    (folder / f"pid{rank}").write_text(str(os.getpid()))
-    code = main(args)
-    os.write(2, f"rank {rank} returned {code}\n".encode())
-    return code
-
-
-@contextlib.contextmanager
-def _torchrun_watching(folder):
-    """What torchrun's agent does every ``monitor_interval`` (0.1 s): once a rank's process has ended, SIGTERM the
-    others (torch/distributed/elastic/agent/server/api.py ``_invoke_run``; here on any exit, all of ours fail)."""
-    done = threading.Event()
-
-    def watch() -> None:
-        while not done.wait(0.1):
-            pids = [int(path.read_text()) for path in folder.glob("pid*")]
-            if any(_ended(pid) for pid in pids):
-                for pid in pids:
-                    if not _ended(pid):
-                        with contextlib.suppress(ProcessLookupError):
-                            os.kill(pid, signal.SIGTERM)
-                return
-
-    watcher = threading.Thread(target=watch, daemon=True)
-    watcher.start()
-    try:
-        yield
-    finally:
-        done.set()
-        watcher.join()
-
-
-def _ended(pid: int) -> bool:
-    """Has ``pid`` exited (a zombie until run_ranks reaps it)?"""
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except OSError:
-        return True
-
-
-def _launch_ranks(folder, args: list[str], env: dict[str, str], patch=None, **fault) -> list[int]:
-    """``_launched`` on two forked ranks, watched as torchrun watches its workers."""
-    with _torchrun_watching(folder):
-        return run_ranks(lambda: _launched(folder, args, patch, **fault), env=env, timeout=60)
-
-
-def _recorded(folder, rank: int) -> dict[str, str]:
-    """What rank ``rank`` wrote into its torchelastic error file: message and py_callstack."""
-    entry = json.loads((folder / f"error{rank}.json").read_text())["message"]
-    return {"message": entry["message"], "callstack": entry["extraInfo"]["py_callstack"]}
-
-
-def _quiet(err: str) -> None:
-    """No rank printed a traceback of its own, nor torch a C++ one (a store gone from under a client)."""
-    assert "Traceback" not in err and "frame #" not in err and "Connection closed by peer" not in err, err
-
-
 def test_two_ranks_report_bad_input_once_without_rank_tracebacks(tmp_path, capfd):
     """Forked ranks, no launcher store: they agree on rank 0's, the group's (a c10d launch that does not share)."""
     assert main_ranks([*BASE, "--dataset", "imagenet22k", "--output_dir", str(tmp_path)]) == [2, 2]
     err = capfd.readouterr().err
     assert err.count("accel_ddp: error: unknown dataset 'imagenet22k'") == 1
-    _quiet(err)
+    assert_quiet(err)
 
 
 @pytest.mark.parametrize("late_rank", [0, 1])
@@ -215,14 +142,14 @@ def test_whichever_rank_fails_first_prints_the_one_line(tmp_path, capfd, torchru
     both exit 2, and the other's error file says why. Which one: with torchrun's store, the first to fail; without
     it, before the process group exists, rank 0 (it hosts the store the other waits for)."""
     args = [*BASE, "--lr", "-1", "--output_dir", str(tmp_path)]
-    codes = _launch_ranks(tmp_path, args, torchrun_env, report_delay=(1.0, late_rank))
+    codes = launch_ranks(tmp_path, args, torchrun_env, report_delay=(1.0, late_rank))
     assert codes == [2, 2]
     err = capfd.readouterr().err
-    assert _error_lines_of(err) == ["accel_ddp: error: --lr must be > 0, got -1.0; try --lr 3e-3"]
-    _quiet(err)
+    assert error_lines(err) == ["accel_ddp: error: --lr must be > 0, got -1.0; try --lr 3e-3"]
+    assert_quiet(err)
     first = 0 if torchrun_env is C10D_UNSHARED else 1 - late_rank
-    assert _recorded(tmp_path, first)["message"] == "ConfigError: --lr must be > 0, got -1.0; try --lr 3e-3"
-    assert _recorded(tmp_path, 1 - first)["message"] == \
+    assert recorded(tmp_path, first)["message"] == "ConfigError: --lr must be > 0, got -1.0; try --lr 3e-3"
+    assert recorded(tmp_path, 1 - first)["message"] == \
         f"stopped because rank {first} failed: ConfigError: --lr must be > 0, got -1.0; try --lr 3e-3"
 
 
@@ -238,24 +165,11 @@ def test_the_rank_about_to_print_outlives_the_launchers_sigterm(tmp_path, capfd,
 
     args = [*BASE, "--lr", "-1", "--output_dir", str(tmp_path)]
     # Rank 1 fails half a second late, so rank 0 is first: it prints.
-    assert _launch_ranks(tmp_path, args, torchrun_env, sigterm_first, report_delay=(0.5, 1)) == [2, 2]
+    assert launch_ranks(tmp_path, args, torchrun_env, sigterm_first, report_delay=(0.5, 1)) == [2, 2]
     err = capfd.readouterr().err.splitlines()
     line = err.index("accel_ddp: error: --lr must be > 0, got -1.0; try --lr 3e-3")
     assert line < err.index("rank 1 returned 2"), err
     assert sum(entry.startswith("accel_ddp: error:") for entry in err) == 1
-
-
-def _error_lines_of(err: str) -> list[str]:
-    """The lines (split at newlines only: a progress bar's carriage returns do not end a line) that are an error."""
-    return [line for line in err.split("\n") if line.startswith("accel_ddp: error:")]
-
-
-def _no_exit_before_everyone_reported(rank: int) -> None:
-    """A rank waits for every other to report before it exits: with no bound, a rank that cannot learn of the
-    failure (its collective never fails) hangs the test instead of being let go after ACK_WAIT_S."""
-    import accel_ddp.failure as failure
-
-    failure.ACK_WAIT_S = 3600.0
 
 
 @pytest.mark.parametrize("failing_rank", [0, 1])
@@ -264,27 +178,27 @@ def test_a_rank_whose_peer_failed_stops_quietly_with_its_exit_code(tmp_path, cap
     learns at once (not at the failing rank's exit, which waits for it), prints nothing and exits 1 too; its error
     file names the failing rank. Rank 0 failing is the case where it hosts the store (c10d)."""
     args = [*TRAINING, "--output_dir", str(tmp_path)]
-    codes = _launch_ranks(tmp_path, args, torchrun_env, _no_exit_before_everyone_reported, fail_at=(3, failing_rank))
+    codes = launch_ranks(tmp_path, args, torchrun_env, fail_at=(3, failing_rank))
     assert codes == [1, 1]
     err = capfd.readouterr().err
     assert err.count("Traceback (most recent call last)") == 1
     assert f"InjectedFailure: injected failure on rank {failing_rank} at step 3" in err
     assert "Connection closed by peer" not in err and "DistBackendError" not in err and "frame #" not in err
     injected = f"InjectedFailure: injected failure on rank {failing_rank} at step 3"
-    assert _recorded(tmp_path, failing_rank)["message"] == injected
-    assert _recorded(tmp_path, failing_rank)["callstack"].startswith("Traceback (most recent call last)")
-    assert _recorded(tmp_path, 1 - failing_rank)["message"] == f"stopped because rank {failing_rank} failed: {injected}"
+    assert recorded(tmp_path, failing_rank)["message"] == injected
+    assert recorded(tmp_path, failing_rank)["callstack"].startswith("Traceback (most recent call last)")
+    assert recorded(tmp_path, 1 - failing_rank)["message"] == f"stopped because rank {failing_rank} failed: {injected}"
     assert not (tmp_path / "summary.json").exists()
 
 
 def test_a_nan_loss_on_one_rank_is_one_line_and_exit_3_on_every_rank(tmp_path, capfd, torchrun_env):
     args = [*TRAINING, "--model", "tests.faults:nan_mlp", "--output_dir", str(tmp_path)]
-    codes = _launch_ranks(tmp_path, args, torchrun_env, _no_exit_before_everyone_reported, nan_at=(3, 1))
+    codes = launch_ranks(tmp_path, args, torchrun_env, nan_at=(3, 1))
     assert codes == [3, 3]
     err = capfd.readouterr().err
-    (line,) = _error_lines_of(err)
+    (line,) = error_lines(err)
     assert line.startswith("accel_ddp: error: the training loss became nan or inf at optimizer step 3;")
-    _quiet(err)
+    assert_quiet(err)
 
 
 @pytest.mark.parametrize("store, killed", [("static", 1), ("c10d", 1), ("c10d", 0)])
@@ -297,18 +211,18 @@ def test_a_rank_killed_outright_stops_the_other_at_once_without_a_traceback(tmp_
     args = [*TRAINING, "--output_dir", str(tmp_path)]
     env = launcher_store[1] if store == "static" else C10D_UNSHARED
     with pytest.raises(RankFailed) as failed:
-        _launch_ranks(tmp_path, args, env, _no_exit_before_everyone_reported, kill_at=(3, killed))
+        launch_ranks(tmp_path, args, env, kill_at=(3, killed))
     assert "exited with code -9" in failed.value.failures[killed] and 1 - killed not in failed.value.failures
     err = capfd.readouterr().err
     assert f"rank {1 - killed} returned 1" in err
     lost = f"rank {1 - killed} lost its connection to another rank, which ended without reporting an error"
-    lines = _error_lines_of(err)
+    lines = error_lines(err)
     if (store, killed) == ("c10d", 0):
         assert lines == []
     else:
         assert len(lines) == 1 and lines[0].startswith(f"accel_ddp: error: {lost}")
-    assert _recorded(tmp_path, 1 - killed)["message"].startswith(lost)
-    _quiet(err)
+    assert recorded(tmp_path, 1 - killed)["message"].startswith(lost)
+    assert_quiet(err)
 
 
 def _summary(stderr: str) -> dict[int, dict[str, str]]:
@@ -324,34 +238,44 @@ def _summary(stderr: str) -> dict[int, dict[str, str]]:
     return entries
 
 
-RENDEZVOUS = {  # accelerate launch's flags and environment for each kind of rendezvous
-    "static": {},  # the shipped configs' (its store shared with the workers)
-    "c10d": {"launch_args": ["--rdzv_backend", "c10d"], "env": {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}},
-}
+def _rendezvous(kind: str) -> dict:
+    """accelerate launch's flags and environment for a kind of rendezvous: "static", the shipped configs' (its
+    store shared with the workers), or "c10d" as docs/checkpoints.md launches it. On one machine Accelerate passes
+    torchrun no rendezvous endpoint (accelerate/utils/launch.py, prepare_multi_gpu_env), so every c10d launch
+    meets at localhost:29400 unless told otherwise: each gets its own port (torchrun reads PET_RDZV_ENDPOINT)."""
+    if kind == "static":
+        return {}
+    return {"launch_args": ["--rdzv_backend", "c10d"],
+            "env": {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "PET_RDZV_ENDPOINT": f"127.0.0.1:{free_port()}"}}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("rendezvous", ["static", "c10d"])
 def test_every_launch_prints_the_one_line(tmp_path, rendezvous):
     """10 launches with bad input on both ranks (issue 20: 2 of 10 c10d launches printed no line), half of them
-    with rank 0 a second late (the failing order: rank 1 exits first). Each prints the line exactly once, at the
-    start of a line, and the launcher's summary has both ranks' exit code 2 and why."""
-    kind = RENDEZVOUS[rendezvous]
-    runs = [{"script_args": [*BASE, "--lr", "nan", "--output_dir", str(tmp_path / str(i))],
-             "launch_args": kind.get("launch_args"),
-             "env": {**kind.get("env", {}), **({"FAULT_REPORT_DELAY": "1:0"} if i % 2 else {})}} for i in range(10)]
+    with rank 0 a second late (the failing order that lost it: rank 1 exited first, torchrun SIGTERMed rank 0).
+    Each prints the line exactly once, at the start of a line, and the launcher's summary has both ranks' exit
+    code 2 and why. Five launches at a time keep both cores busy through the interpreters' start-up."""
+    runs = []
+    for i in range(10):
+        kind = _rendezvous(rendezvous)
+        runs.append({"script_args": [*BASE, "--lr", "nan", "--output_dir", str(tmp_path / str(i))],
+                     "launch_args": kind.get("launch_args"),
+                     "env": {**kind.get("env", {}), **({"FAULT_REPORT_DELAY": "1:0"} if i % 2 else {})}})
     results = [result for batch in (runs[:5], runs[5:]) for result in launch_together(*batch)]
     line = "accel_ddp: error: --lr must be a finite number, got nan; give a finite number, e.g. --lr 0.003"
     for i, result in enumerate(results):
-        assert _error_lines_of(result.stderr) == [line], (i, result.stderr[-3000:])
+        assert error_lines(result.stderr) == [line], (i, result.stderr[-3000:])
         assert result.stderr.count("Traceback (most recent call last)") == 1  # the launcher's own ChildFailedError
         summary = _summary(result.stderr)
         first = next(rank for rank, entry in summary.items() if not entry["traceback"].startswith("stopped"))
         assert {entry["exitcode"] for entry in summary.values()} == {"2"}, (i, summary)
         assert summary[first]["traceback"] == line.replace("accel_ddp: error: ", "ConfigError: ")
         assert summary[1 - first]["traceback"].startswith(f"stopped because rank {first} failed: ConfigError: ")
-        if i % 2:
-            assert first == 1  # rank 0 was late
+        if rendezvous == "c10d":
+            assert first == 0  # no group yet, no shared store: rank 0 hosts one, which the other waits for
+        elif i % 2:
+            assert first == 1  # torchrun's store: the first to fail, and rank 0 was late
 
 
 def _bad_sample_args(tmp_path) -> list[str]:
@@ -372,10 +296,11 @@ def test_a_mid_run_failure_is_reported_once_at_the_start_of_a_line_under_the_pro
     for result in (bug, bad):
         assert "step/s]" in result.stderr or "s/step]" in result.stderr  # the bar was drawn
         assert "Connection closed by peer" not in result.stderr and "frame #" not in result.stderr
-    assert bug.stderr.count("Traceback (most recent call last)") == 2  # rank 1's, and the launcher's own
-    assert "\nTraceback (most recent call last):\n" in bug.stderr.split("ChildFailedError")[0]
+    printed = bug.stderr.split("torch.distributed.elastic.multiprocessing.errors.ChildFailedError:")[0]
+    assert printed.count("Traceback (most recent call last)") == 2  # rank 1's, then the launcher's own
+    assert "\nTraceback (most recent call last):\n" in printed  # rank 1's starts a line
     assert "InjectedFailure: injected failure on rank 1 at step 3" in bug.stderr
-    (line,) = _error_lines_of(bad.stderr)
+    (line,) = error_lines(bad.stderr)
     assert helpers_data.BAD_SAMPLE_MESSAGE in line
     for result, code, why in ((bug, "1", "InjectedFailure: injected failure on rank 1 at step 3"),
                               (bad, "2", "DataError: ")):
