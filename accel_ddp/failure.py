@@ -37,6 +37,7 @@ result, or raises the same ConfigError.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -105,19 +106,27 @@ def claim(err: BaseException, code: int) -> Claim:
     rank, world = _rank(), world_size()
     mine = {"rank": rank, "code": code, "message": f"{type(err).__name__}: {first_line(err)}"}
     made = Claim(rank, world, mine, stop=_Recorder().install() if world > 1 else None)
-    found = rank_store(rank, lost_peer(err)) if world > 1 else None
-    if found is not None:
-        made.store, made.hosts = found
-        made.key = f"accel_ddp/failure/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/" \
-                   f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    if world > 1:
         try:
-            if isinstance(err, PeerFailed):  # the failing rank claims at about the same time: let it
-                _wait_for(made.store, [f"{made.key}/first"], ACK_WAIT_S)
-            made.first = json.loads(made.store.compare_set(f"{made.key}/first", "", json.dumps(mine)))
-        except (RuntimeError, ValueError):  # the store's host was killed: report, a second line beats none
+            _agree(made, err)
+        except (RuntimeError, OSError, ValueError):  # the store's host was killed: report, a second line beats none
             made.store, made.first = None, mine
-    err._accel_ddp_claim = made
+    with contextlib.suppress(AttributeError):  # an exception type without a __dict__: claimed again in report
+        err._accel_ddp_claim = made
     return made
+
+
+def _agree(made: Claim, err: BaseException) -> None:
+    """``made.first``: whatever rank recorded its failure first on the ranks' store (this one, when no other did)."""
+    found = rank_store(made.rank, lost_peer(err))
+    if found is None:
+        return
+    made.store, made.hosts = found
+    made.key = f"accel_ddp/failure/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/" \
+               f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    if isinstance(err, PeerFailed):  # the failing rank claims at about the same time: let it
+        _wait_for(made.store, [f"{made.key}/first"], ACK_WAIT_S)
+    made.first = json.loads(made.store.compare_set(f"{made.key}/first", "", json.dumps(made.first)))
 
 
 def report(err: BaseException, code: int) -> int:
