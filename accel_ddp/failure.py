@@ -87,6 +87,7 @@ class Claim:
     key: str = ""
     hosts: bool = False  # this process serves the store: it must leave last
     stop: _Recorder | None = None  # the launcher's SIGTERM, recorded from the claim on (several ranks)
+    nccl: bool = False  # the process group runs NCCL: its connections are left alone
 
     @property
     def ours(self) -> bool:
@@ -105,7 +106,7 @@ def claim(err: BaseException, code: int) -> Claim:
         return made
     rank, world = _rank(), world_size()
     mine = {"rank": rank, "code": code, "message": f"{type(err).__name__}: {first_line(err)}"}
-    made = Claim(rank, world, mine, stop=_Recorder().install() if world > 1 else None)
+    made = Claim(rank, world, mine, stop=_Recorder().install() if world > 1 else None, nccl=_nccl())
     if world > 1:
         try:
             _agree(made, err)
@@ -133,7 +134,7 @@ def report(err: BaseException, code: int) -> int:
     """``main()``'s failure path: the launch's one report, or silence; returns the exit code to use."""
     made = claim(err, code)
     stop = made.stop
-    if made.world_size > 1 and not _uses_cuda():
+    if made.world_size > 1 and not made.nccl:
         close_peer_connections()  # the ranks waiting for this one in a collective fail now, and report
     _write_error_file_of(made, err)
     # First with a lost connection: a rank died without a word; nobody is left to wait for (or they stop alike).
@@ -154,11 +155,12 @@ def lost_peer(err: BaseException) -> bool:
     return isinstance(err, (DistNetworkError, PeerFailed)) or any(text in str(err) for text in _LOST_PEER)
 
 
-def _uses_cuda() -> bool:
-    """NCCL needs CUDA. Its connections are left alone: what NCCL's watchdog makes of them is untested."""
-    import torch
+def _nccl() -> bool:
+    """Does the process group run NCCL? Its connections are left alone: what NCCL's watchdog (which may abort
+    the process) makes of a shut socket is untested here (no two GPUs); its peers learn at this rank's exit."""
+    import torch.distributed as dist
 
-    return torch.cuda.is_initialized()
+    return dist.is_available() and dist.is_initialized() and "nccl" in str(dist.get_backend())
 
 
 def _prints(made: Claim, err: BaseException) -> bool:
