@@ -122,6 +122,9 @@ def train(
     batch)`` returns a mean or a ``(sum, num_items)`` pair; ``metrics`` are objects with
     ``update(outputs, batch)`` and ``compute() -> dict`` (see :mod:`accel_ddp.tasks`). On SIGTERM or
     SIGUSR1 every rank stops after the same optimizer step, saves a checkpoint and raises ``Preempted``.
+    An error in a launch of several ranks is recorded on the ranks' store before the process group goes
+    (:func:`accel_ddp.failure.claim`); from then on this process records SIGTERM and SIGUSR1 instead of
+    dying of them: the launcher is stopping every rank, and ``main()`` reports, then exits.
     """
     with ExitStack() as teardown:  # on any exit: signal handlers back, files closed, lock and process group gone
         try:
