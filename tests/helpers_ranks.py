@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import multiprocessing
 import os
 import signal
-import threading
+import time
 
 from tests import faults
 from tests.multiproc import run_ranks
@@ -36,7 +37,8 @@ def launched(folder, args: list[str], patch=None, **fault) -> int:
     faults.install(**fault)
     if patch is not None:
         patch(rank)
-    (folder / f"pid{rank}").write_text(str(os.getpid()))
+    (folder / f"pid{rank}.tmp").write_text(str(os.getpid()))
+    os.replace(folder / f"pid{rank}.tmp", folder / f"pid{rank}")  # whole, for the watcher
     code = main(args)
     os.write(2, f"rank {rank} returned {code}\n".encode())
     return code
@@ -45,26 +47,33 @@ def launched(folder, args: list[str], patch=None, **fault) -> int:
 @contextlib.contextmanager
 def torchrun_watching(folder):
     """What torchrun's agent does every ``monitor_interval`` (0.1 s): once a rank's process has ended, SIGTERM the
-    others (torch/distributed/elastic/agent/server/api.py ``_invoke_run``; here on any exit, all of ours fail)."""
-    done = threading.Event()
+    others (torch/distributed/elastic/agent/server/api.py ``_invoke_run``; here on any exit, all of ours fail).
 
-    def watch() -> None:
-        while not done.wait(0.1):
-            pids = [int(path.read_text()) for path in folder.glob("pid*")]
+    A process of its own, not a thread: the test process forks the ranks meanwhile, and a child forked while
+    another thread runs can crash (a rank died of SIGSEGV reading ``os.environ`` with a watcher thread).
+    """
+    watcher = multiprocessing.get_context("fork").Process(target=_watch, args=(folder,), daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        watcher.terminate()
+        watcher.join()
+
+
+def _watch(folder) -> None:
+    try:
+        while True:
+            time.sleep(0.1)
+            pids = [int(path.read_text()) for path in folder.glob("pid*") if not path.suffix]  # renamed in whole
             if any(_ended(pid) for pid in pids):
                 for pid in pids:
                     if not _ended(pid):
                         with contextlib.suppress(ProcessLookupError):
                             os.kill(pid, signal.SIGTERM)
                 return
-
-    watcher = threading.Thread(target=watch, daemon=True)
-    watcher.start()
-    try:
-        yield
     finally:
-        done.set()
-        watcher.join()
+        os._exit(0)
 
 
 def _ended(pid: int) -> bool:
