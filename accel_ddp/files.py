@@ -27,7 +27,7 @@ class WriteFailed(ConfigError):
     """The file system refused a write (full, over quota, read-only, failing): not a bug, one line and exit 2.
 
     Raised on every rank where the write's outcome is shared (a collective); ``only_this_rank`` where only the main
-    process knows (a metrics line mid-run): it prints the line itself (``accel_ddp.failure.report_bad_input``).
+    process knows (a metrics line mid-run): it prints the line itself (``accel_ddp.failure.report``).
     """
 
     only_this_rank = False

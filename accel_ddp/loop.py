@@ -15,6 +15,7 @@ import math
 import os
 import sys
 import time
+import traceback
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -100,6 +101,7 @@ class Run:
     started: float  # time.perf_counter() when train() began
     startup: StartupClock  # process start -> first optimizer step, by phase (summary.json's startup_sec)
     tokenizer: Any = None  # text tasks: saved beside a Transformers model's final weights
+    bar: Any = None  # the progress bar (tqdm): closed by the teardown, so an error never shares its line
 
 
 def train(
@@ -122,6 +124,9 @@ def train(
     ``update(outputs, batch)`` and ``compute() -> dict`` (see :mod:`accel_ddp.tasks`). On SIGTERM or
     SIGUSR1 every rank stops after the same optimizer step, saves a checkpoint and raises ``Preempted``
     (``preemption``: the watcher ``main()`` installed before parsing the options; None: one is installed now).
+    An error in a launch of several ranks is recorded on the ranks' store before the process group goes
+    (:func:`accel_ddp.failure.claim`); from then on this process records SIGTERM and SIGUSR1 instead of
+    dying of them: the launcher is stopping every rank, and ``main()`` reports, then exits.
     """
     with ExitStack() as teardown:  # on any exit: signal handlers back, files closed, lock and process group gone
         try:
@@ -153,6 +158,7 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
     accelerator, per_device_batch, accumulation = build_accelerator(cfg)
     teardown.callback(accelerator.end_training)
     preemption.connect(accelerator, timedelta(seconds=cfg.ddp_timeout))  # its all-reduce waits --ddp_timeout at most
+    teardown.push(_claim_failure)  # before the group goes: the ranks it then stops know that they are not first
     main_process_decides(accelerator, lambda: check_output_dir(cfg.output_dir))  # a bad folder: now, not after data
     check_shared_output_dir(accelerator, cfg.output_dir)  # several machines: one folder for all of them
     if accelerator.is_main_process and (hazard := restart_hazard()):
@@ -221,8 +227,10 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
     recorder.rewind(start_step)  # metrics past the checkpoint belong to the lost steps
     recorder.write_config(resolved)
     phase_done("resume_and_config")
+    bar = progress_bar(plan.total_steps, start_step, accelerator.is_local_main_process)
+    teardown.callback(bar.close)  # first on an error: the bar's line ends before any rank prints the error
     return Run(cfg, accelerator, model, task, optimizer, scheduler, train_loader, eval_loader, plan, facts, recorder,
-               checkpoints, preemption, start_step, started, startup, data.tokenizer)
+               checkpoints, preemption, start_step, started, startup, data.tokenizer, bar)
 
 
 def _plan(cfg: TrainConfig, steps_in_epoch: int, per_device_batch: int, accumulation: int) -> Plan:
@@ -268,22 +276,18 @@ def fit(run: Run) -> FitResult:
     step = run.start_step  # epochs have a fixed number of steps, so the step alone says where we are
     eval_metrics: dict[str, Any] = {}
     losses = LossAccumulator(accelerator, plan.accumulation, cfg.global_batch_size)  # backward, logged mean
-    bar = progress_bar(plan.total_steps, step, accelerator.is_local_main_process)
+    bar = run.bar
     meter = ThroughputMeter(cfg.global_batch_size, step)  # samples/s between log lines
     timer = EpochTimer(cfg.global_batch_size)  # per-epoch step-time percentiles and data-wait share
     profiler = StepProfiler(cfg.profile, cfg.output_dir, accelerator.process_index)
     update = build_update(accelerator, model, optimizer, cfg.max_grad_norm)  # clip, step, zero_grad
     watch = LossWatch(accelerator, step)  # a nan/inf loss is noticed at the next sync point, named by its first step
 
-    def fail(error: Exception) -> NoReturn:  # the progress bar's line ends first: the error gets a line of its own
-        bar.close()
-        raise error
-
     def stop_if_not_finite(step: int) -> None:  # collective; before every save and evaluation, at a bad log line
         if (bad := watch.first_bad_step(step)) is not None:
-            fail(NonFiniteLoss(bad, run.checkpoints.last_saved_folder))
+            raise NonFiniteLoss(bad, run.checkpoints.last_saved_folder)
         if (problem := losses.empty_sum_problem()) is not None:  # a sum over 0 items trained as a raw sum: exit 2
-            fail(ConfigError(problem))
+            raise ConfigError(problem)
 
     def save(step: int) -> str:  # a nan/inf state is never saved
         stop_if_not_finite(step)
@@ -313,8 +317,8 @@ def fit(run: Run) -> FitResult:
             with accelerator.accumulate(model):
                 loss = run.task.training_loss(model, batch)  # a mean, or a (sum, num_items) pair
                 if cfg.debug and watch.any_rank(loss.value):  # debug syncs per step: stop before a nan backward
-                    fail(NonFiniteLoss(step + 1, run.checkpoints.last_saved_folder,
-                                       trace_non_finite(accelerator, model, loss.value)))
+                    raise NonFiniteLoss(step + 1, run.checkpoints.last_saved_folder,
+                                        trace_non_finite(accelerator, model, loss.value))
                 losses.backward(loss)
                 if accelerator.sync_gradients:  # the step's last micro-step: gradients are synced
                     losses.finish_step(model)  # (sum, num_items): the gradient of total loss / total items
@@ -432,24 +436,22 @@ def evaluate_and_log(run: Run, step: int, epoch: int) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """CLI entry point: bad input is one line on stderr per launch (``accel_ddp.failure``) and exit code 2.
+    """CLI entry point: returns the exit code; a failure is reported once per launch (``accel_ddp.failure``).
 
-    Preemption (SIGTERM or SIGUSR1) saves a checkpoint and exits with ``EXIT_PREEMPTED`` (75); the
-    exit codes are listed in ``accel_ddp/preemption.py``.
+    Bad input is one line on stderr and exit code 2, a nan/inf loss one line and 3, anything else
+    its traceback and 1; a rank stopped by another rank's failure prints nothing and exits with that
+    rank's code. Preemption (SIGTERM or SIGUSR1) saves a checkpoint and exits with ``EXIT_PREEMPTED``
+    (75); the exit codes are listed in ``accel_ddp/preemption.py``.
     """
     try:
         _parse_and_train(argv)
-    except (ConfigError, LaunchError) as err:
-        failure.report_bad_input(err)
-        return 2
-    except NonFiniteLoss as err:
-        failure.report_bad_input(err)  # one line per launch, like bad input: it is no bug of ours
-        return EXIT_NON_FINITE
     except Preempted as stop:
         ignore_preemption_signals()  # exiting with 75: the launcher's follow-up SIGTERM must not make it a kill
         if os.environ.get("RANK", "0") == "0":
             print(f"accel_ddp: preempted: {stop} (exit code {EXIT_PREEMPTED})", file=sys.stderr, flush=True)
         return EXIT_PREEMPTED
+    except Exception as err:  # noqa: BLE001 - every failure gets its exit code and, once per launch, its report
+        return failure.report(err, exit_code(err))
     return 0
 
 
@@ -465,17 +467,29 @@ def _parse_and_train(argv: list[str] | None) -> None:
     train(cfg, preemption=preemption)
 
 
+def exit_code(err: Exception) -> int:
+    """The exit code of a run that raised ``err``: 2 bad input, 3 a nan/inf loss, 1 anything else."""
+    if isinstance(err, (ConfigError, LaunchError)):
+        return 2
+    return EXIT_NON_FINITE if isinstance(err, NonFiniteLoss) else 1
+
+
+def _claim_failure(kind, err, tb) -> None:
+    """``train()``'s teardown, on an error: claim it (``failure.claim``) while the process group still stands."""
+    if isinstance(err, Exception) and not isinstance(err, Preempted):
+        failure.claim(err, exit_code(err))
+
+
 def run(argv: list[str] | None = None) -> NoReturn:
     """The script entry point (``python train.py``, ``accel-ddp train``): ``main()``, then exit.
 
-    An unexpected exception is printed as Python would (and goes into the launcher's failure
-    summary with its rank) and exits 1. The exit goes through ``exit_process`` so that a
-    successful run cannot abort during interpreter teardown.
+    The exit goes through ``exit_process`` so that a successful run cannot abort during interpreter
+    teardown.
     """
     try:
         code = main(argv)
-    except Exception as err:  # noqa: BLE001 - reported like an uncaught exception, then the same safe exit
-        failure.report_unexpected(err)
+    except Exception:  # noqa: BLE001 - the report itself failed: Python's traceback, then the same safe exit
+        traceback.print_exc()
         code = 1
     exit_process(code)
 

@@ -159,13 +159,15 @@ class PreemptionWatcher:
         """Restore the previous handlers, unless a preemption is under way; stop watching the launcher.
 
         After a preemption the recording handlers stay: the launcher follows the first rank that exits
-        with a SIGTERM to the others, which must not turn their exit code 75 into a kill.
+        with a SIGTERM to the others, which must not turn their exit code 75 into a kill. A handler
+        installed after ours stays too: a failing rank's (``failure.claim``) records SIGTERM until it reported.
         """
         self._stop_watching.set()
         if self._received:
             return
         for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+            if signal.getsignal(sig) == self._record:
+                signal.signal(sig, handler)
         self._previous.clear()
 
     def _record(self, signum: int, frame) -> None:

@@ -18,16 +18,13 @@ from accelerate import Accelerator, DataLoaderConfiguration, PartialState
 from accelerate.utils import DDPCommunicationHookType, DistributedDataParallelKwargs, DistributedType
 
 from accel_ddp.config import TrainConfig
+from accel_ddp.failure import WORLD_SIZE_VARS
 from accel_ddp.preflight import build_fsdp_plugin, check_launch_devices
 from accel_ddp.trackers import tracking_kwargs
 
 
 class LaunchError(RuntimeError):
     """The processes did not form the world the launcher announced."""
-
-
-# Where a launcher puts the world size: torchrun, then MPI's (the names Accelerate reads for MULTI_CPU).
-_WORLD_SIZE_VARS = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
 
 
 def single_process_trap(env=os.environ) -> str | None:
@@ -40,7 +37,7 @@ def single_process_trap(env=os.environ) -> str | None:
     (accelerate/utils/launch.py, ``prepare_simple_launcher_cmd_env``; huggingface/accelerate#2741).
     The process cannot know how many were meant, so it cannot train on them: it refuses.
     """
-    simple_launcher = "ACCELERATE_USE_CPU" in env and not any(name in env for name in _WORLD_SIZE_VARS)
+    simple_launcher = "ACCELERATE_USE_CPU" in env and not any(name in env for name in WORLD_SIZE_VARS)
     if not (simple_launcher and "MASTER_ADDR" in env and "MASTER_PORT" in env):
         return None
     return ("accelerate launch started 1 process, but its config asks for several (distributed_type MULTI_CPU "

@@ -5,9 +5,10 @@ wrapper script tests/scripts/faulty_train.py). accel_ddp itself has no test hook
     install(fail_at=(10, 1), once=path)   ... only while `path` does not exist (it creates it): one crash
     install(crash_in_checkpoint=12)       the main process SIGKILLs itself in the middle of saving step 12
     install(step_delay=0.15)              sleep after each optimizer step, so a test can signal a live run
-    install(report_delay=(3, 0))          rank 0 reports bad input 3 s late (another rank fails and exits first)
-    install(print_delay=(3, 0))           rank 0 prints the error line 3 s after it was elected to print it
+    install(report_delay=(3, 0))          rank 0 starts its failure report 3 s late (another rank reports first)
+    install(print_delay=(3, 0))           rank 0 prints its report (error line, traceback) 3 s late
     install(nan_at=(7, 1))                with --model tests.faults:nan_mlp: rank 1's output is nan at step 7
+    install(kill_at=(3, 1))               rank 1 SIGKILLs itself right after optimizer step 3 (the OOM killer)
 
 The step hook wraps the LR scheduler's ``step``, which the loop calls exactly once per optimizer
 step (a tested invariant), so ``scheduler.last_epoch`` is the optimizer step just finished.
@@ -33,12 +34,13 @@ class InjectedFailure(RuntimeError):
 
 def install(fail_at: tuple[int, int] | None = None, once: str | None = None, crash_in_checkpoint: int | None = None,
             step_delay: float = 0.0, report_delay: tuple[float, int] | None = None,
-            print_delay: tuple[float, int] | None = None, nan_at: tuple[int, int] | None = None) -> None:
+            print_delay: tuple[float, int] | None = None, nan_at: tuple[int, int] | None = None,
+            kill_at: tuple[int, int] | None = None) -> None:
     import accel_ddp.checkpoint as checkpoint
     import accel_ddp.failure as failure
     import accel_ddp.loop as loop
 
-    if fail_at is not None or step_delay:
+    if fail_at is not None or step_delay or kill_at is not None:
         build = loop.build_lr_scheduler
 
         def build_with_fault(*args, **kwargs):
@@ -47,7 +49,7 @@ def install(fail_at: tuple[int, int] | None = None, once: str | None = None, cra
             scheduler.__class__ = type("FaultyScheduler", (type(scheduler),), {"step": _faulty_step})
             return scheduler
 
-        _STEP_FAULT.update(fail_at=fail_at, once=once, step_delay=step_delay)
+        _STEP_FAULT.update(fail_at=fail_at, once=once, step_delay=step_delay, kill_at=kill_at)
         loop.build_lr_scheduler = build_with_fault
     if nan_at is not None:
         _NAN_AT.update(step=nan_at[0], rank=nan_at[1])
@@ -61,9 +63,9 @@ def install(fail_at: tuple[int, int] | None = None, once: str | None = None, cra
 
         checkpoint.CheckpointManager._seal = seal_or_die
     if report_delay is not None:
-        failure.report_bad_input = _delayed(failure.report_bad_input, *report_delay)
+        failure.report = _delayed(failure.report, *report_delay)
     if print_delay is not None:
-        failure.print_error_line = _delayed(failure.print_error_line, *print_delay)
+        failure.print_report = _delayed(failure.print_report, *print_delay)
 
 
 def _delayed(fn, seconds: float, rank: int):
@@ -123,10 +125,12 @@ def _faulty_step(scheduler, *args, **kwargs) -> None:
     _after_step(scheduler.last_epoch, **_STEP_FAULT)
 
 
-def _after_step(step: int, fail_at, once: str | None, step_delay: float) -> None:
+def _after_step(step: int, fail_at, once: str | None, step_delay: float, kill_at=None) -> None:
     if step_delay:
         time.sleep(step_delay)
     rank = int(os.environ.get("RANK", "0"))
+    if kill_at == (step, rank):
+        os.kill(os.getpid(), signal.SIGKILL)
     if fail_at != (step, rank):
         return
     if once is not None:

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, Subset, TensorDataset
 
-from accel_ddp.data.bundle import DatasetBundle
+from accel_ddp.data.bundle import DataError, DatasetBundle
 from accel_ddp.data.hf import HFSource, build_hf
 from accel_ddp.data.in_memory import InMemoryDataset
 from accel_ddp.failure import first_line
@@ -239,8 +239,12 @@ def build_cifar10(data_dir: str, download: bool) -> DatasetBundle:
 def _open_image(path: str, mode: str):
     from PIL import Image
 
-    with open(path, "rb") as fh:
-        return Image.open(fh).convert(mode)
+    try:
+        with open(path, "rb") as fh:
+            return Image.open(fh).convert(mode)
+    except Exception as err:  # PIL raises several types (UnidentifiedImageError, OSError, SyntaxError, ...)
+        raise DataError(f"imagefolder: {path} does not decode as an image ({type(err).__name__}: {first_line(err)}); "
+                        "replace or remove that file") from None
 
 
 EVAL_FOLDERS = ("val", "validation", "test", "eval")

@@ -51,7 +51,7 @@ from accel_ddp.data.bundle import DataError, DatasetBundle
 from accel_ddp.data.host_loader import default_num_workers
 from accel_ddp.data.sampler import check_layout, sample_seed
 from accel_ddp.data.workers import worker_options
-from accel_ddp.failure import first_line
+from accel_ddp.failure import PeerFailed, first_line
 from accel_ddp.validation import ConfigError
 
 STATE_FILE = "data_state_rank{rank}.json"  # each rank's stream position, in every checkpoint folder
@@ -262,8 +262,8 @@ class StreamingLoader:
         if problems:
             raise DataError(problems[0])
         rank, what = next((rank, what) for rank, (_, what) in enumerate(every) if what)
-        raise RuntimeError(f"streaming: rank {rank} failed while reading its training data ({what}); "
-                           "its traceback says where")
+        raise PeerFailed(rank, f"streaming: rank {rank} failed while reading its training data ({what}); "
+                               "its traceback says where")
 
     def _end_pass(self) -> None:
         if self.steps_in_pass == 0:
