@@ -1,5 +1,5 @@
-"""Lets `accelerate launch ... train.py` work from a clone; the code lives in accel_ddp/loop.py."""
-from accel_ddp.loop import run
+"""Lets `accelerate launch ... train.py` work from a clone; the command lives in accel_ddp/cli/train.py."""
+from accel_ddp.cli.train import run
 
 if __name__ == "__main__":
     run()

@@ -5,7 +5,7 @@
 """
 
 from accel_ddp.config import TrainConfig
-from accel_ddp.validation import ConfigError
+from accel_ddp.util.validation import ConfigError
 
 __all__ = ["ConfigError", "TrainConfig", "exit_process", "train"]
 __version__ = "0.2.0"
@@ -17,7 +17,7 @@ def __getattr__(name: str):
 
         return train
     if name == "exit_process":
-        from accel_ddp.preemption import exit_process
+        from accel_ddp.lifecycle.preemption import exit_process
 
         return exit_process
     raise AttributeError(f"module 'accel_ddp' has no attribute {name!r}")

@@ -1,5 +1,5 @@
 import sys
 
-from accel_ddp.cli import main
+from accel_ddp.cli.commands import main
 
 sys.exit(main())

@@ -17,7 +17,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-from accel_ddp.validation import INT_MAX, ConfigError, check_range, checked_type, show
+from accel_ddp.util.validation import INT_MAX, ConfigError, check_range, checked_type, show
 
 
 def _opt(default: Any, help: str, low: float | None = None, high: float | None = None) -> Any:
@@ -46,7 +46,7 @@ ACCELERATE_TRACKERS = ("tensorboard", "wandb", "mlflow", "comet_ml", "aim", "cle
 REPORT_TO = (*ACCELERATE_TRACKERS, "csv", "all")
 COMM_HOOKS = ("none", "fp16", "bf16")
 LOADERS = ("auto", "device", "dataloader")
-# --task: what a batch and a loss mean (accel_ddp/tasks.py); the text tasks read text with a tokenizer.
+# --task: what a batch and a loss mean (accel_ddp/tasks/protocol.py); the text tasks read text with a tokenizer.
 TASKS = ("classification", "sequence_classification", "causal_lm")
 TEXT_TASKS = ("sequence_classification", "causal_lm")
 # Old spellings that keep working for one release, each with a warning naming the new one.

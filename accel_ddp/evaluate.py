@@ -10,8 +10,8 @@ from accelerate import Accelerator
 from accelerate.utils import send_to_device
 
 from accel_ddp.data.bundle import DataError
-from accel_ddp.task_checks import metric_values
-from accel_ddp.tasks import EVAL_FIELDS, IGNORE_INDEX, Task, build_task, per_item
+from accel_ddp.tasks.protocol import EVAL_FIELDS, IGNORE_INDEX, Task, build_task, per_item
+from accel_ddp.tasks.user_code import metric_values
 
 
 @torch.no_grad()
@@ -43,7 +43,7 @@ def evaluate(accelerator: Accelerator, model: torch.nn.Module, loader, task: Tas
     user_sums = torch.zeros(2, device=accelerator.device, dtype=torch.float64)  # this rank's: loss sum, items
     count = 0  # a host-side int: sample counts need no device sync
     metrics = task.fresh_metrics()
-    check = getattr(loader, "batch_check", None)  # labels the model cannot take (accel_ddp.label_check)
+    check = getattr(loader, "batch_check", None)  # labels the model cannot take (accel_ddp.tasks.labels)
     for index, batch in enumerate(loader):
         batch = _on_device(accelerator, loader, index, batch, check)
         outputs = task.forward(model, batch)

@@ -15,7 +15,6 @@ import math
 import os
 import sys
 import time
-import traceback
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -28,45 +27,50 @@ from accelerate.utils import set_seed
 from torch.utils.data import Dataset
 from tqdm.auto import tqdm
 
-from accel_ddp import failure
-from accel_ddp.checkpoint import HYPERPARAMETERS, CheckpointManager, flags_in_force
-from accel_ddp.command_line import parse_args
-from accel_ddp.components import build_configured_model, probe_task, resolve_data
+from accel_ddp.checkpoint.manager import HYPERPARAMETERS, CheckpointManager, flags_in_force
+from accel_ddp.checkpoint.weights import export_weights, load_weights
 from accel_ddp.config import DEBUG_MAX_STEPS, TrainConfig
 from accel_ddp.data import build_loaders
+from accel_ddp.data.resolve import resolve_data
+from accel_ddp.distributed.preflight import check_fsdp, check_shared_output_dir
+from accel_ddp.distributed.world import build_accelerator, prepare
 from accel_ddp.evaluate import evaluate
-from accel_ddp.failure import main_process_decides
-from accel_ddp.meters import EpochTimer, StepProfiler, ThroughputMeter, largest, memory_record, progress_bar, timed
-from accel_ddp.model_card import launch_command, write_model_card
-from accel_ddp.models import build_lr_scheduler, build_optimizer, export_pretrained, use_fused_optimizer
-from accel_ddp.preemption import (
-    EXIT_NON_FINITE,
-    EXIT_PREEMPTED,
+from accel_ddp.lifecycle import failure
+from accel_ddp.lifecycle.failure import main_process_decides
+from accel_ddp.lifecycle.preemption import (
     LossWatch,
     NonFiniteLoss,
     Preempted,
     PreemptionWatcher,
-    exit_process,
-    ignore_preemption_signals,
     restart_hazard,
     trace_non_finite,
 )
-from accel_ddp.preflight import check_fsdp, check_shared_output_dir
-from accel_ddp.registry import resolve
-from accel_ddp.run_dir import (
+from accel_ddp.models import build_configured_model, export_pretrained
+from accel_ddp.optim import build_lr_scheduler, build_optimizer, use_fused_optimizer
+from accel_ddp.outputs.model_card import launch_command, write_model_card
+from accel_ddp.outputs.run_dir import (
     RunFinished,
     check_output_dir,
     claim_output_dir,
     refuse_to_overwrite_finished,
     stop_if_finished,
 )
-from accel_ddp.startup import StartupClock
-from accel_ddp.tasks import Task, build_task
-from accel_ddp.tracking import RunRecorder
-from accel_ddp.update import LossAccumulator, build_update
-from accel_ddp.validation import ConfigError
-from accel_ddp.weights import export_weights, load_weights
-from accel_ddp.world import LaunchError, build_accelerator, prepare
+from accel_ddp.step import LossAccumulator, build_update
+from accel_ddp.tasks.probe import probe_task
+from accel_ddp.tasks.protocol import Task, build_task
+from accel_ddp.tracking.meters import (
+    EpochTimer,
+    StepProfiler,
+    ThroughputMeter,
+    largest,
+    memory_record,
+    progress_bar,
+    timed,
+)
+from accel_ddp.tracking.recorder import RunRecorder
+from accel_ddp.tracking.startup import StartupClock
+from accel_ddp.util.registry import resolve
+from accel_ddp.util.validation import ConfigError
 
 
 @dataclass
@@ -121,11 +125,11 @@ def train(
     label)`` pairs or dicts of tensors (``model(**batch)``), batched by ``collate_fn`` (default:
     dicts padded per batch); without ``eval_dataset`` no evaluation runs. ``loss_fn(outputs,
     batch)`` returns a mean or a ``(sum, num_items)`` pair; ``metrics`` are objects with
-    ``update(outputs, batch)`` and ``compute() -> dict`` (see :mod:`accel_ddp.tasks`). On SIGTERM or
+    ``update(outputs, batch)`` and ``compute() -> dict`` (see :mod:`accel_ddp.tasks.protocol`). On SIGTERM or
     SIGUSR1 every rank stops after the same optimizer step, saves a checkpoint and raises ``Preempted``
     (``preemption``: the watcher ``main()`` installed before parsing the options; None: one is installed now).
     An error in a launch of several ranks is recorded on the ranks' store before the process group goes
-    (:func:`accel_ddp.failure.claim`); from then on this process records SIGTERM and SIGUSR1 instead of
+    (:func:`accel_ddp.lifecycle.failure.claim`); from then on this process records SIGTERM and SIGUSR1 instead of
     dying of them: the launcher is stopping every rank, and ``main()`` reports, then exits.
     """
     with ExitStack() as teardown:  # on any exit: signal handlers back, files closed, lock and process group gone
@@ -435,64 +439,7 @@ def evaluate_and_log(run: Run, step: int, epoch: int) -> dict[str, Any]:
     return metrics
 
 
-def main(argv: list[str] | None = None) -> int:
-    """CLI entry point: returns the exit code; a failure is reported once per launch (``accel_ddp.failure``).
-
-    Bad input is one line on stderr and exit code 2, a nan/inf loss one line and 3, anything else
-    its traceback and 1; a rank stopped by another rank's failure prints nothing and exits with that
-    rank's code. Preemption (SIGTERM or SIGUSR1) saves a checkpoint and exits with ``EXIT_PREEMPTED``
-    (75); the exit codes are listed in ``accel_ddp/preemption.py``.
-    """
-    try:
-        _parse_and_train(argv)
-    except Preempted as stop:
-        ignore_preemption_signals()  # exiting with 75: the launcher's follow-up SIGTERM must not make it a kill
-        if os.environ.get("RANK", "0") == "0":
-            print(f"accel_ddp: preempted: {stop} (exit code {EXIT_PREEMPTED})", file=sys.stderr, flush=True)
-        return EXIT_PREEMPTED
-    except Exception as err:  # noqa: BLE001 - every failure gets its exit code and, once per launch, its report
-        return failure.report(err, exit_code(err))
-    return 0
-
-
-def _parse_and_train(argv: list[str] | None) -> None:
-    """``train(parse_args(argv))``, with the preemption handlers installed before parsing (a signal from then on
-    is recorded, not fatal; uninstalled again when the options are bad)."""
-    preemption = PreemptionWatcher().install()
-    try:
-        cfg = parse_args(argv)
-    except BaseException:
-        preemption.uninstall()
-        raise
-    train(cfg, preemption=preemption)
-
-
-def exit_code(err: Exception) -> int:
-    """The exit code of a run that raised ``err``: 2 bad input, 3 a nan/inf loss, 1 anything else."""
-    if isinstance(err, (ConfigError, LaunchError)):
-        return 2
-    return EXIT_NON_FINITE if isinstance(err, NonFiniteLoss) else 1
-
-
 def _claim_failure(kind, err, tb) -> None:
     """``train()``'s teardown, on an error: claim it (``failure.claim``) while the process group still stands."""
     if isinstance(err, Exception) and not isinstance(err, Preempted):
-        failure.claim(err, exit_code(err))
-
-
-def run(argv: list[str] | None = None) -> NoReturn:
-    """The script entry point (``python train.py``, ``accel-ddp train``): ``main()``, then exit.
-
-    The exit goes through ``exit_process`` so that a successful run cannot abort during interpreter
-    teardown.
-    """
-    try:
-        code = main(argv)
-    except Exception:  # noqa: BLE001 - the report itself failed: Python's traceback, then the same safe exit
-        traceback.print_exc()
-        code = 1
-    exit_process(code)
-
-
-if __name__ == "__main__":
-    run()
+        failure.claim(err, failure.exit_code(err))

@@ -20,16 +20,21 @@ import math
 import os
 import shutil
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.utils.data import Dataset
 
-from accel_ddp.optional import require
-from accel_ddp.outputs import PRETRAINED_SUBDIR
-from accel_ddp.registry import resolve
-from accel_ddp.validation import ConfigError
-from accel_ddp.weights import plain_state_dict
+from accel_ddp.checkpoint.weights import plain_state_dict
+from accel_ddp.config import TEXT_TASKS, TrainConfig
+from accel_ddp.outputs.names import PRETRAINED_SUBDIR
+from accel_ddp.util.optional import require
+from accel_ddp.util.registry import resolve
+from accel_ddp.util.validation import ConfigError
+
+if TYPE_CHECKING:
+    from accel_ddp.data.resolve import Data
 
 
 def build_mlp(num_classes: int, input_shape: tuple[int, ...], hidden_size: int = 256) -> nn.Module:
@@ -234,58 +239,31 @@ def export_pretrained(accelerator, model: nn.Module, tokenizer: Any, output_dir:
     return final
 
 
-def use_fused_optimizer(name: str, device_type: str, fsdp2: bool = False) -> bool:
-    """Whether ``build_optimizer`` should ask for the fused (one-kernel) implementation.
-
-    On CUDA, yes, except SGD under FSDP2: FSDP2's parameters are DTensors, and torch 2.14 has a
-    DTensor rule for the fused Adam/AdamW kernels only (``torch/distributed/tensor/_ops/_pointwise_ops.py``),
-    so fused SGD stops with ``NotImplementedError ... aten._fused_sgd_.default``. The multi-tensor
-    (``foreach``) SGD it gets instead has DTensor rules and the same arithmetic.
-    """
-    return device_type == "cuda" and not (fsdp2 and name == "sgd")
-
-
-def build_optimizer(
-    name: str, model: nn.Module, lr: float, weight_decay: float, fused: bool = False
-) -> torch.optim.Optimizer:
-    """``sgd`` (momentum 0.9, Nesterov) or ``adamw``; biases and norms get no weight decay.
-
-    ``fused`` (the loop sets it from ``use_fused_optimizer``) updates all parameters in one kernel instead of a
-    launch per tensor. Otherwise the multi-tensor (``foreach``) implementation, asked for
-    explicitly: torch picks it by itself only for CUDA tensors, and on the CPU it nearly halves
-    an AdamW step against the per-tensor loop (mnist_cnn: 6.8 -> 3.7 ms; see benchmarks/README.md).
-    """
-    extra = {"fused": True} if fused else {"foreach": True}
-    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    if name == "sgd":
-        return torch.optim.SGD(groups, lr=lr, momentum=0.9, nesterov=True, **extra)
-    if name == "adamw":
-        return torch.optim.AdamW(groups, lr=lr, **extra)
-    raise ConfigError(f"unknown optimizer {name!r}; choose sgd or adamw")
+def build_configured_model(cfg: TrainConfig, data: Data) -> torch.nn.Module:
+    """The model named by --model / --model_config: a Transformers model, a built-in one or the user's builder."""
+    if os.path.isdir(cfg.model) and not is_pretrained_folder(cfg.model):
+        raise ConfigError(f"--model {cfg.model}: a folder without a config.json; give a folder written by "
+                          "save_pretrained (a run's final model is OUTPUT_DIR/hf_model)")
+    transformers_model = cfg.model_config is not None or is_pretrained_folder(cfg.model) or (
+        cfg.model not in MODELS and ":" not in cfg.model and "/" in cfg.model)  # a Hub id: org/name
+    if transformers_model:
+        return build_transformers_model(
+            cfg.task, None if cfg.model_config else cfg.model, cfg.model_config, num_labels=data.num_classes,
+            tokenizer=data.tokenizer, max_length=cfg.max_length if data.tokenizer is not None else None)
+    if cfg.task in TEXT_TASKS and ":" not in cfg.model:
+        raise ConfigError(f"--task {cfg.task} needs a Transformers model: --model FOLDER (save_pretrained) or "
+                          f"--model_config config.json, or your own --model pkg.module:function")
+    if data.input_shape is None and ":" not in cfg.model:
+        raise ConfigError(f"--model {cfg.model} takes (input, label) samples, but the dataset yields dicts; give a "
+                          "model that takes them (model=, a Transformers folder, or pkg.module:function)")
+    return build_model(cfg.model, data.num_classes or _infer_num_classes(data.train), data.input_shape,
+                       cfg.hidden_size, width=cfg.width)
 
 
-def lr_multiplier(step: int, schedule: str, warmup_steps: int, total_steps: int) -> float:
-    """Factor on the peak LR before optimizer step ``step`` (0-based): linear warmup, then decay to 0."""
-    if step < warmup_steps:
-        return (step + 1) / (warmup_steps + 1)
-    if schedule == "constant":
-        return 1.0
-    progress = (step - warmup_steps) / max(total_steps - warmup_steps, 1)
-    progress = min(progress, 1.0)
-    if schedule == "linear":
-        return 1.0 - progress
-    if schedule == "cosine":
-        return 0.5 * (1.0 + math.cos(math.pi * progress))
-    raise ConfigError(f"unknown lr schedule {schedule!r}; choose constant, linear or cosine")
-
-
-def build_lr_scheduler(
-    optimizer: torch.optim.Optimizer, schedule: str, warmup_steps: int, total_steps: int
-) -> torch.optim.lr_scheduler.LambdaLR:
-    """A LambdaLR that must be stepped exactly once per optimizer step (the loop does that)."""
-    lr_multiplier(0, schedule, warmup_steps, total_steps)  # reject an unknown name now, not at step 1
-    return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: lr_multiplier(step, schedule, warmup_steps, total_steps)
-    )
+def _infer_num_classes(dataset: Dataset) -> int:
+    if hasattr(dataset, "classes"):
+        return len(dataset.classes)
+    tensors = getattr(dataset, "tensors", None)
+    if tensors is not None and len(tensors) >= 2:
+        return int(tensors[1].max()) + 1
+    raise ConfigError("cannot tell the number of classes of train_dataset; pass model= built for it")

@@ -40,8 +40,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from accel_ddp.data import build_datasets, epoch_order, steps_per_epoch  # noqa: E402  (no Accelerate import)
-from accel_ddp.models import build_model, build_optimizer  # noqa: E402
-from accel_ddp.startup import process_age  # noqa: E402
+from accel_ddp.models import build_model  # noqa: E402
+from accel_ddp.optim import build_optimizer  # noqa: E402
+from accel_ddp.tracking.startup import process_age  # noqa: E402
 
 
 def load(args, device: torch.device):

@@ -294,7 +294,7 @@ def fast_bf16_here() -> bool:
     """Whether bf16 autocast beats fp32 on this machine: a bf16-capable GPU, or CPU bf16 units (AMX/AVX512-BF16)."""
     import torch
 
-    from accel_ddp.machine import MachineFacts
+    from accel_ddp.cli.machine import MachineFacts
 
     if torch.cuda.is_available():
         return torch.cuda.is_bf16_supported()

@@ -23,8 +23,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 from accelerate import PartialState  # noqa: E402
 
-from accel_ddp.command_line import parse_args  # noqa: E402
-from accel_ddp.loop import run  # noqa: E402
+from accel_ddp.cli.args import parse_args  # noqa: E402
+from accel_ddp.cli.train import run  # noqa: E402
 
 if torch.cuda.is_available():
     os.environ["ACCELERATE_BYPASS_DEVICE_MAP"] = "true"

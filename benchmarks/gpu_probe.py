@@ -25,10 +25,11 @@ import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
 from accel_ddp import exit_process  # noqa: E402
-from accel_ddp.command_line import parse_args  # noqa: E402
-from accel_ddp.models import build_model, build_optimizer, use_fused_optimizer  # noqa: E402
-from accel_ddp.preemption import flag_group  # noqa: E402
-from accel_ddp.world import build_accelerator  # noqa: E402
+from accel_ddp.cli.args import parse_args  # noqa: E402
+from accel_ddp.distributed.world import build_accelerator  # noqa: E402
+from accel_ddp.lifecycle.preemption import flag_group  # noqa: E402
+from accel_ddp.models import build_model
+from accel_ddp.optim import build_optimizer, use_fused_optimizer  # noqa: E402
 
 
 def _outcome(fn) -> str:

@@ -97,7 +97,8 @@ def run_worker(args: argparse.Namespace) -> None:
     from torch.utils.data import DataLoader
 
     from accel_ddp.data import MNIST_MEAN, MNIST_STD, InMemoryDataset, build_loaders
-    from accel_ddp.models import build_model, build_optimizer
+    from accel_ddp.models import build_model
+    from accel_ddp.optim import build_optimizer
 
     cuda = torch.cuda.is_available()
     world = PartialState(cpu=not cuda).num_processes

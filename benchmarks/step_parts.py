@@ -30,11 +30,12 @@ def build(workload: str):
     from accelerate import Accelerator
 
     from accel_ddp.data import DeviceLoader, build_datasets
-    from accel_ddp.meters import EpochTimer, progress_bar
-    from accel_ddp.models import build_lr_scheduler, build_model, build_optimizer
-    from accel_ddp.preemption import LossWatch, PreemptionWatcher
-    from accel_ddp.tasks import build_task
-    from accel_ddp.update import LossAccumulator, build_update
+    from accel_ddp.lifecycle.preemption import LossWatch, PreemptionWatcher
+    from accel_ddp.models import build_model
+    from accel_ddp.optim import build_lr_scheduler, build_optimizer
+    from accel_ddp.step import LossAccumulator, build_update
+    from accel_ddp.tasks.protocol import build_task
+    from accel_ddp.tracking.meters import EpochTimer, progress_bar
 
     accelerator = Accelerator(cpu=not torch.cuda.is_available(), step_scheduler_with_optimizer=False)
     device = accelerator.device

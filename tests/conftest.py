@@ -39,7 +39,7 @@ import torch._dynamo  # noqa: E402,F401 - torch.optim imports it on first use: ~
 import accel_ddp.loop  # noqa: E402,F401 - torch, Accelerate and the package, for every forked rank
 from tests.multiproc import free_port, run_ranks  # noqa: E402
 
-_PLOT = accel_ddp.tracking.RunRecorder.plot  # writes curves.png; see _no_curves_png
+_PLOT = accel_ddp.tracking.recorder.RunRecorder.plot  # writes curves.png; see _no_curves_png
 
 REPO = Path(__file__).resolve().parents[1]
 CPU_2PROC = REPO / "accelerate_configs" / "cpu_2proc.yaml"
@@ -151,7 +151,7 @@ def run_python(code: str, env: dict[str, str | None] | None = None,
 def train_ranks(args: list[str], world_size: int = 2, env: dict[str, str] | None = None,
                 timeout: float = 120) -> list[dict]:
     """``train(parse_args(args))`` on forked ranks of a gloo group (or one plain process); summaries by rank."""
-    from accel_ddp.command_line import parse_args
+    from accel_ddp.cli.args import parse_args
     from accel_ddp.loop import train
 
     return run_ranks(lambda: train(parse_args(args)), world_size, timeout=timeout, env=env)
@@ -160,7 +160,7 @@ def train_ranks(args: list[str], world_size: int = 2, env: dict[str, str] | None
 def main_ranks(args: list[str], world_size: int = 2, env: dict[str, str] | None = None,
                timeout: float = 120) -> list[int]:
     """The CLI's ``main(args)`` on forked ranks: each rank's exit code (2 for bad input, 75 preempted, ...)."""
-    from accel_ddp.loop import main
+    from accel_ddp.cli.train import main
 
     return run_ranks(lambda: main(args), world_size, timeout=timeout, env=env)
 
@@ -192,7 +192,7 @@ def check(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
 def _no_curves_png():
     """Forked runs leave out curves.png: ~0.3 s of Agg rendering on the main rank at the end of each of ~90 runs
     that no assertion looks at (a failed plot only warns). Tests marked ``curves`` plot; launched runs always do."""
-    from accel_ddp.tracking import RunRecorder
+    from accel_ddp.tracking.recorder import RunRecorder
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(RunRecorder, "plot", lambda self: None)
@@ -205,7 +205,7 @@ def _curves_png_where_marked(request, _no_curves_png):
     if request.node.get_closest_marker("curves") is None:
         yield
         return
-    from accel_ddp.tracking import RunRecorder
+    from accel_ddp.tracking.recorder import RunRecorder
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(RunRecorder, "plot", _PLOT)

@@ -36,8 +36,8 @@ def install(fail_at: tuple[int, int] | None = None, once: str | None = None, cra
             step_delay: float = 0.0, report_delay: tuple[float, int] | None = None,
             print_delay: tuple[float, int] | None = None, nan_at: tuple[int, int] | None = None,
             kill_at: tuple[int, int] | None = None) -> None:
-    import accel_ddp.checkpoint as checkpoint
-    import accel_ddp.failure as failure
+    import accel_ddp.checkpoint.manager as checkpoint
+    import accel_ddp.lifecycle.failure as failure
     import accel_ddp.loop as loop
 
     if fail_at is not None or step_delay or kill_at is not None:

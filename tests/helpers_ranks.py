@@ -30,7 +30,7 @@ def launched(folder, args: list[str], patch=None, **fault) -> int:
     ``torchrun_watching``); ``patch(rank)`` and ``faults.install(**fault)`` first. Then a marker line,
     ``rank N returned CODE``, in one write: two processes' ``print`` calls interleave (the text and the newline
     are two writes to stderr)."""
-    from accel_ddp.loop import main
+    from accel_ddp.cli.train import main
 
     rank = int(os.environ["RANK"])
     os.environ["TORCHELASTIC_ERROR_FILE"] = str(folder / f"error{rank}.json")
@@ -100,7 +100,7 @@ def launch_ranks(folder, args: list[str], env: dict[str, str] | None = None, pat
 
 def unbounded_wait() -> None:
     """A failing rank waits for every other to report before it exits, here without the bound (ACK_WAIT_S)."""
-    import accel_ddp.failure as failure
+    import accel_ddp.lifecycle.failure as failure
 
     failure.ACK_WAIT_S = 3600.0
 

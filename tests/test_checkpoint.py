@@ -38,15 +38,15 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from accel_ddp.checkpoint import (
+from accel_ddp.checkpoint.manager import (
     MARKER_NAME,
     CheckpointManager,
     CorruptCheckpoint,
     list_checkpoints,
     read_checkpoint,
 )
-from accel_ddp.loop import main
-from accel_ddp.preemption import PreemptionWatcher
+from accel_ddp.cli.train import main
+from accel_ddp.lifecycle.preemption import PreemptionWatcher
 from tests import faults
 from tests.conftest import (
     CPU_2PROC,
@@ -458,7 +458,7 @@ def test_rng_states_that_load_state_does_not_apply_are_one_loud_warning_and_the_
     shutil.copytree(reference / "checkpoints", out / "checkpoints", ignore=shutil.ignore_patterns("step_00000032"))
 
     def resume_with_rank_1_failing_to_apply() -> int:
-        from accel_ddp.loop import main
+        from accel_ddp.cli.train import main
 
         if os.environ["RANK"] == "1":
             def set_state(state):

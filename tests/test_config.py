@@ -9,9 +9,9 @@ import yaml
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from accel_ddp.command_line import parse_args
+from accel_ddp.cli.args import parse_args
 from accel_ddp.config import TrainConfig
-from accel_ddp.validation import ConfigError
+from accel_ddp.util.validation import ConfigError
 from tests.conftest import REPO
 
 
@@ -222,7 +222,7 @@ def test_any_cli_value_gives_a_config_or_one_config_error(flags):
 
 
 def test_every_field_is_a_flag_with_help():
-    from accel_ddp.command_line import build_parser
+    from accel_ddp.cli.args import build_parser
 
     help_text = build_parser().format_help()
     for name in TrainConfig.__dataclass_fields__:

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch.utils.data import Subset, TensorDataset
 
 from accel_ddp import TrainConfig, train
-from accel_ddp.command_line import parse_args
+from accel_ddp.cli.args import parse_args
 from accel_ddp.data import (
     CIFAR10_MEAN,
     CIFAR10_STD,
@@ -43,7 +43,7 @@ from accel_ddp.data.in_memory import CROP_PADDING, crop_flip
 from accel_ddp.data.loaders import data_source
 from accel_ddp.data.mapped import MappedDataset
 from accel_ddp.data.sampler import epoch_order
-from accel_ddp.validation import ConfigError
+from accel_ddp.util.validation import ConfigError
 from tests import faults, helpers_data
 from tests.conftest import REPO, load_weights, main_ranks, read_metrics, read_summary, run_ranks, train_ranks
 from tests.helpers_data import hf_image_dataset, image_shards, write_png_classes
@@ -549,7 +549,7 @@ def test_download_runs_on_one_process_when_machines_share_the_data_dir(tmp_path)
         import torchvision.datasets
         from accelerate import Accelerator
 
-        from accel_ddp.components import resolve_data
+        from accel_ddp.data.resolve import resolve_data
 
         def fake_download(root, train, download):  # slow enough that a second downloader would overlap it
             with open(calls, "a", encoding="utf-8") as fh:

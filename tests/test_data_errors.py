@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from accel_ddp.data import HFSource, build_datasets
-from accel_ddp.validation import ConfigError
+from accel_ddp.util.validation import ConfigError
 from tests.conftest import main_ranks, run_ranks
 from tests.test_data import hf_image_dataset
 

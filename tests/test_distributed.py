@@ -79,7 +79,7 @@ def test_lr_schedule_steps_once_per_optimizer_step(layouts):
 
 
 def layouts_lr(step: int) -> float:
-    from accel_ddp.models import lr_multiplier
+    from accel_ddp.optim import lr_multiplier
 
     return 0.05 * lr_multiplier(step, "cosine", warmup_steps=3, total_steps=30)
 
@@ -129,8 +129,8 @@ def test_same_samples_per_step_for_any_world_size_and_accumulation(tmp_path):
 
 def _prepare_from_a_rank_seeded_init() -> dict:
     """Each rank builds its model from a different seed; what prepare leaves on every rank."""
+    from accel_ddp.distributed.world import build_accelerator
     from accel_ddp.models import build_model
-    from accel_ddp.world import build_accelerator
 
     accelerator, _, _ = build_accelerator(TrainConfig(global_batch_size=8))
     torch.manual_seed(100 + accelerator.process_index)
@@ -173,7 +173,7 @@ def test_eval_counts_each_sample_once_with_an_odd_eval_set(tmp_path):
 
 def _train_with_audited_writes(log_prefix: str, args: list[str]) -> int:
     """main(args) while logging every file this rank opens for writing or renames into LOG_PREFIX_rank<R>.log."""
-    from accel_ddp.loop import main
+    from accel_ddp.cli.train import main
 
     log = open(f"{log_prefix}_rank{os.environ.get('RANK', '0')}.log", "w", buffering=1)
 
@@ -213,7 +213,7 @@ def _premade_state_then_main(args: list[str], error_files: str) -> int:
     without GPUs each rank torchrun started then becomes a lone world of 1, and accel_ddp must refuse to train."""
     from accelerate import PartialState
 
-    from accel_ddp.loop import main
+    from accel_ddp.cli.train import main
 
     os.environ["TORCHELASTIC_ERROR_FILE"] = f"{error_files}{os.environ['RANK']}.json"  # torchrun's, one per worker
     PartialState()  # no cpu=True

@@ -17,10 +17,11 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import yaml
 
-from accel_ddp import cli, doctor
-from accel_ddp.doctor import ERROR, NOTE, WARNING, diagnose
-from accel_ddp.launch_config import load_launch_config
-from accel_ddp.machine import MachineFacts, cpu_has_bf16_units, software_versions
+from accel_ddp.cli import commands as cli
+from accel_ddp.cli import doctor
+from accel_ddp.cli.doctor import ERROR, NOTE, WARNING, diagnose
+from accel_ddp.cli.launch_config import load_launch_config
+from accel_ddp.cli.machine import MachineFacts, cpu_has_bf16_units, software_versions
 from tests.conftest import CPU_2PROC, REPO, launch_together, read_summary
 
 CONFIGS = REPO / "accelerate_configs"
@@ -578,7 +579,7 @@ def test_accelerate_config_as_the_docs_answer_it_then_accelerate_launch_without_
 PROBE = """
 import os, torch
 from accelerate import PartialState
-from accel_ddp.world import single_process_trap
+from accel_ddp.distributed.world import single_process_trap
 trapped = single_process_trap() is not None  # what train.py checks before it joins a group
 state = PartialState(cpu=not torch.cuda.is_available())
 print(f"PROBE world={state.num_processes} rank={state.process_index} trapped={trapped}", flush=True)

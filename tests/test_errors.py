@@ -1,7 +1,7 @@
 """Bad input: one clear line, exit code 2, nothing already saved is touched; how a process ends.
 
 Several ranks: exactly one error line per launch whichever rank fails first, and the launcher's
-failure summary names each failing rank's real error (accel_ddp/failure.py). Forked ranks show the
+failure summary names each failing rank's real error (accel_ddp/lifecycle/failure.py). Forked ranks show the
 election on a TCPStore hosted here, as torchrun hosts it; two launches show what only torchrun does
 (it SIGTERMs the others when the first rank exits, and prints the summary).
 """
@@ -18,8 +18,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from accel_ddp.loop import main
-from accel_ddp.world import single_process_trap
+from accel_ddp.cli.train import main
+from accel_ddp.distributed.world import single_process_trap
 from tests import helpers_data
 from tests.conftest import SCRIPTS, free_port, launch_together, main_ranks, run_single
 from tests.helpers_ranks import C10D_UNSHARED, assert_quiet, error_lines, launch_ranks, recorded
@@ -158,7 +158,7 @@ def test_whichever_rank_fails_first_prints_the_one_line(tmp_path, capfd, torchru
 def test_the_rank_about_to_print_outlives_the_launchers_sigterm(tmp_path, capfd, torchrun_env):
     """torchrun's SIGTERM reaches rank 0 just before it prints (here it sends it to itself): the line still comes,
     rank 0 exits 2, and rank 1 exits only after the line is out."""
-    import accel_ddp.failure as failure
+    import accel_ddp.lifecycle.failure as failure
 
     def sigterm_first(rank: int) -> None:
         if rank == 0:
@@ -360,8 +360,8 @@ def test_exit_process_ends_cleanly_with_a_collective_still_in_flight():
 def test_the_error_file_is_renamed_into_place(tmp_path, monkeypatch):
     """torchrun may SIGTERM a rank while it writes its error file, and the agent fails on a half-written one:
     the file appears whole or not at all."""
-    import accel_ddp.files as files
-    from accel_ddp.failure import write_error_file
+    import accel_ddp.outputs.files as files
+    from accel_ddp.lifecycle.failure import write_error_file
 
     path = tmp_path / "error.json"
     monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))

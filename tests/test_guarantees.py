@@ -27,7 +27,7 @@ import psutil
 import pytest
 import torch
 
-from accel_ddp.checkpoint import list_checkpoints, read_checkpoint
+from accel_ddp.checkpoint.manager import list_checkpoints, read_checkpoint
 from accel_ddp.data.hf import STATS_SAMPLE, stats_rows
 from tests import helpers_data
 from tests.conftest import load_weights, main_ranks, read_metrics, read_summary
@@ -200,7 +200,7 @@ def own_tqdm_locks() -> None:
 
 def as_torchrun_worker(pids: Path) -> int:
     """In a forked rank: a process group of its own, its pid recorded; flags compared after every step."""
-    import accel_ddp.preemption as preemption
+    import accel_ddp.lifecycle.preemption as preemption
 
     own_tqdm_locks()
     os.setpgrp()
@@ -219,7 +219,7 @@ def run_signalled(args: list[str], pids: Path, sig: int, target: str, at: int = 
     def rank_main() -> int:
         from torch.optim.optimizer import register_optimizer_step_post_hook
 
-        from accel_ddp.loop import main
+        from accel_ddp.cli.train import main
 
         rank = as_torchrun_worker(pids)
 
@@ -345,7 +345,7 @@ def test_a_signal_during_a_save_lets_it_complete_then_stops(matrix, tmp_path, ca
     out = tmp_path / "run"
 
     def while_sealing(rank: int, fire) -> None:
-        from accel_ddp.checkpoint import CheckpointManager
+        from accel_ddp.checkpoint.manager import CheckpointManager
 
         seal = CheckpointManager._seal
 
@@ -377,9 +377,9 @@ def test_a_signal_while_the_first_process_tokenizes_interrupts_it_and_every_rank
     args = args_for(matrix, "causal_lm", tmp_path / "run")
 
     def slow_tokenizing(rank: int, fire) -> None:
-        import accel_ddp.components as components
+        import accel_ddp.data.resolve as resolve
 
-        build_text = components.build_text
+        build_text = resolve.build_text
 
         def slow(*a, **kw):
             # From a process of its own (not this one: it is about to sleep), half a second from now.
@@ -395,7 +395,7 @@ def test_a_signal_while_the_first_process_tokenizes_interrupts_it_and_every_rank
                 time.sleep(0.01)
             return sorted((tmp_path / "pids").glob("rank*"))
 
-        components.build_text = slow
+        resolve.build_text = slow
 
     capfd.readouterr()
     assert run_signalled(args, tmp_path / "pids", signal.SIGTERM, "job", patch=slow_tokenizing) == [75, 75]
@@ -409,9 +409,9 @@ def test_a_rank_signalled_while_it_waits_for_the_first_process_stops_every_rank_
     args = args_for(matrix, "causal_lm", tmp_path / "run")
 
     def signal_the_waiting_rank(rank: int, fire) -> None:
-        import accel_ddp.components as components
+        import accel_ddp.data.resolve as resolve
 
-        build_text = components.build_text
+        build_text = resolve.build_text
 
         def build(*a, **kw):
             if rank == 1:  # its own build comes second: the signal came while it waited
@@ -424,7 +424,7 @@ def test_a_rank_signalled_while_it_waits_for_the_first_process_stops_every_rank_
             (tmp_path / "built").touch()
             return build_text(*a, **kw)
 
-        components.build_text = build
+        resolve.build_text = build
 
     capfd.readouterr()
     assert run_signalled(args, tmp_path / "pids", signal.SIGTERM, "rank", patch=signal_the_waiting_rank) == [75, 75]
@@ -614,7 +614,7 @@ def _launcher(args: list[str], pids: Path, kill_at: int, piped: bool) -> None:
     def orphaned_rank() -> int:
         from torch.optim.optimizer import register_optimizer_step_post_hook
 
-        from accel_ddp.loop import main
+        from accel_ddp.cli.train import main
         from tests import faults
 
         if reader is not None:
@@ -688,7 +688,7 @@ def test_outputs_nobody_reads_any_more_go_to_dev_null_instead_of_failing_the_sav
     """After the launcher died with its pipeline (``accelerate launch ... | tee log``): a guarded stream's writes to
     the pipe whose reader is gone go to /dev/null instead of raising BrokenPipeError; a pipe still read is left
     alone."""
-    from accel_ddp.stdio import _DeadPipeGuard, silence_dead_pipes
+    from accel_ddp.lifecycle.stdio import _DeadPipeGuard, silence_dead_pipes
 
     dead_read, dead = os.pipe()
     os.close(dead_read)
@@ -853,7 +853,7 @@ def test_a_bad_sample_is_one_line_and_exit_2_on_every_rank(paths, path, tmp_path
         assert first == 1
     assert not (out / "summary.json").exists() and not (out / "model.safetensors").exists()
     if path == "mapped":  # the checkpoint of step 2, saved before, is intact
-        from accel_ddp.checkpoint import list_checkpoints, read_checkpoint
+        from accel_ddp.checkpoint.manager import list_checkpoints, read_checkpoint
 
         assert [step for step, _ in list_checkpoints(out / "checkpoints")] == [2]
         read_checkpoint(str(out / "checkpoints" / "step_00000002"))  # every file as saved (sizes and sha256)

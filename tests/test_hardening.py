@@ -25,18 +25,18 @@ import pytest
 import torch
 import yaml
 
-from accel_ddp.checkpoint import (
+from accel_ddp.checkpoint.manager import (
     MARKER_NAME,
     CheckpointManager,
     CorruptCheckpoint,
     list_checkpoints,
     read_checkpoint,
 )
-from accel_ddp.files import file_sha256
-from accel_ddp.loop import main
-from accel_ddp.preemption import LossWatch
-from accel_ddp.run_dir import OutputLock
-from accel_ddp.tracking import RunRecorder
+from accel_ddp.cli.train import main
+from accel_ddp.lifecycle.preemption import LossWatch
+from accel_ddp.outputs.files import file_sha256
+from accel_ddp.outputs.run_dir import OutputLock
+from accel_ddp.tracking.recorder import RunRecorder
 from tests import faults
 from tests.conftest import load_weights, main_ranks, read_metrics, read_summary
 from tests.multiproc import RankFailed, run_ranks
@@ -279,7 +279,7 @@ def test_an_explicit_lying_checkpoint_is_exit_2_and_nothing_is_touched(stopped_a
 
 def test_an_import_failure_while_reading_a_checkpoint_is_not_called_damage(stopped_at_20, monkeypatch):
     """torch failing to import its own code is a broken environment: surfaced, not a reason to skip checkpoints."""
-    from accel_ddp import manifest
+    from accel_ddp.checkpoint import manifest
 
     def broken_load(*args, **kwargs):
         raise ModuleNotFoundError("No module named 'torch.utils.serialization'")
@@ -562,7 +562,7 @@ def test_a_full_disk_while_saving_a_checkpoint_is_one_line_and_the_resume_loses_
                                                                                        capfd):
     """A real full file system: torch.save into it raised 'RuntimeError: [enforce fail at inline_container.cc:672]
     . unexpected pos' (its errno lost in C++), a traceback on the main process while the other rank waited."""
-    from accel_ddp.checkpoint import CheckpointManager
+    from accel_ddp.checkpoint.manager import CheckpointManager
 
     out = small_disk / "run"
     save = CheckpointManager.save
@@ -633,22 +633,22 @@ def test_a_full_disk_while_writing_the_runs_files_is_one_line_and_the_checkpoint
     out = tmp_path / "run"
 
     def run() -> int:
-        import accel_ddp.tracking
-        import accel_ddp.weights
+        import accel_ddp.checkpoint.weights
+        import accel_ddp.tracking.recorder
 
         if what == "model.safetensors":
             def save_file(tensors, path, metadata=None):
                 Path(path).write_bytes(b"half a file")
                 raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
-            accel_ddp.weights.save_file = save_file
+            accel_ddp.checkpoint.weights.save_file = save_file
         elif what == "summary.json":
-            write = accel_ddp.tracking.atomic_write_text
+            write = accel_ddp.tracking.recorder.atomic_write_text
 
             def atomic_write_text(path, text):
                 if path.endswith("summary.json"):
                     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
                 return write(path, text)
-            accel_ddp.tracking.atomic_write_text = atomic_write_text
+            accel_ddp.tracking.recorder.atomic_write_text = atomic_write_text
         else:  # the line of step 24, mid-run, on the main process
             log = RunRecorder.log
 
@@ -694,12 +694,12 @@ def test_output_dir_from_yaml_must_be_text_and_utf8(tmp_path, capsys):
 @pytest.mark.curves
 def test_a_failing_plot_warns_and_the_run_still_succeeds(tmp_path, capfd):
     def run() -> int:
-        import accel_ddp.tracking
+        import accel_ddp.tracking.recorder
 
         def broken_plot(output_dir):
             raise RuntimeError("font cache exploded")
 
-        accel_ddp.tracking.plot_run = broken_plot
+        accel_ddp.tracking.recorder.plot_run = broken_plot
         return main([*ARGS, "--max_steps", "4", "--output_dir", str(tmp_path / "run")])
 
     capfd.readouterr()

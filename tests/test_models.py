@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from accel_ddp.models import MODELS, ResNet18, build_model
-from accel_ddp.validation import ConfigError
+from accel_ddp.util.validation import ConfigError
 
 
 def wide_linear(num_classes: int, input_shape: tuple[int, ...]) -> nn.Module:

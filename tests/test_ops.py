@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from accel_ddp import cli
-from accel_ddp.report import CURVES, build_curves_figure, read_curves
+from accel_ddp.cli import commands as cli
+from accel_ddp.tracking.report import CURVES, build_curves_figure, read_curves
 from tests.conftest import (
     REPO,
     TRAIN_SCRIPT,

@@ -18,10 +18,10 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
-from accel_ddp.command_line import parse_args
+from accel_ddp.cli.args import parse_args
 from accel_ddp.data.builtin import read_digits
-from accel_ddp.startup import StartupClock, process_age
-from accel_ddp.update import build_clip
+from accel_ddp.step import build_clip
+from accel_ddp.tracking.startup import StartupClock, process_age
 from tests.conftest import REPO, free_port, load_weights, read_metrics, run_ranks, train_ranks
 
 TINY = ["--dataset", "synthetic", "--synthetic_samples", "512", "--synthetic_shape", "6", "--model", "mlp",
@@ -77,7 +77,7 @@ def _train_until_preempted(args: list[str], signal_after: int) -> tuple[int, int
     the signal, step the rank stopped after, the signal it reports, the checkpoint it saved)."""
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
-    import accel_ddp.preemption as preemption
+    import accel_ddp.lifecycle.preemption as preemption
     from accel_ddp.loop import train
 
     preemption.CHECK_EVERY_SECONDS = 0.02  # compare flags often, so that a short run shows several comparisons
@@ -111,7 +111,7 @@ def test_ranks_compare_flags_now_and_then_not_after_every_step(tmp_path):
     def count_all_reduces():
         import torch.distributed as dist
 
-        import accel_ddp.preemption as preemption
+        import accel_ddp.lifecycle.preemption as preemption
         from accel_ddp.loop import train
 
         calls = [0]
@@ -156,8 +156,9 @@ def test_backward_and_update_give_the_weights_of_accelerates_methods():
     def both_ways():
         from accelerate import Accelerator
 
-        from accel_ddp.models import build_model, build_optimizer
-        from accel_ddp.update import build_backward, build_update
+        from accel_ddp.models import build_model
+        from accel_ddp.optim import build_optimizer
+        from accel_ddp.step import build_backward, build_update
 
         accelerator = Accelerator(cpu=True)
         assert build_backward(accelerator) is torch.Tensor.backward
@@ -303,7 +304,9 @@ def _imports_at_load(module: str) -> set[str]:
     return found
 
 
-@pytest.mark.parametrize("module", ["accel_ddp.models", "accel_ddp.data", "accel_ddp.config", "accel_ddp.startup"])
+@pytest.mark.parametrize(
+    "module", ["accel_ddp.models", "accel_ddp.data", "accel_ddp.config", "accel_ddp.tracking.startup"]
+)
 def test_light_modules_import_no_accelerate(module):
     """benchmarks/bare_ddp.py builds its model and data with these: they must not pull in Accelerate."""
     assert "accelerate" not in _imports_at_load(module)

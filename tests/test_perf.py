@@ -14,13 +14,14 @@ from safetensors.torch import load_file
 from torch import nn
 from torch.utils.data import TensorDataset
 
-import accel_ddp.preemption
+import accel_ddp.lifecycle.preemption
 from accel_ddp import TrainConfig, train
-from accel_ddp.command_line import parse_args
+from accel_ddp.checkpoint.weights import load_weights
+from accel_ddp.cli.args import parse_args
+from accel_ddp.distributed.world import build_accelerator
 from accel_ddp.loop import setup
-from accel_ddp.models import build_model, build_optimizer, use_fused_optimizer
-from accel_ddp.weights import load_weights
-from accel_ddp.world import build_accelerator
+from accel_ddp.models import build_model
+from accel_ddp.optim import build_optimizer, use_fused_optimizer
 from tests.conftest import check, gpu_env, launch, read_metrics, read_summary, run_python, train_ranks
 from tests.multiproc import RankFailed, run_ranks
 
@@ -101,7 +102,7 @@ class _NcclLikeDist:
 
 
 def _flag_with_a_late_rank(output_dir: str) -> str:
-    accel_ddp.preemption.dist = _NcclLikeDist()  # this forked rank only: the flag gets its own gloo group
+    accel_ddp.lifecycle.preemption.dist = _NcclLikeDist()  # this forked rank only: the flag gets its own gloo group
     args = ["--dataset", "synthetic", "--synthetic_samples", "64", "--synthetic_shape", "4", "--model", "mlp",
             "--hidden_size", "8", "--global_batch_size", "16", "--ddp_timeout", "3", "--output_dir", output_dir]
     with ExitStack() as teardown:
@@ -254,7 +255,7 @@ def test_tf32_switches_on_with_cuda():
     result = check(run_python(
         "import torch\n"
         "from accel_ddp import TrainConfig\n"
-        "from accel_ddp.world import build_accelerator\n"
+        "from accel_ddp.distributed.world import build_accelerator\n"
         "build_accelerator(TrainConfig(tf32=True))\n"
         "print('tf32', torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)\n",
         env=gpu_env()))

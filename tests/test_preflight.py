@@ -1,4 +1,4 @@
-"""Preflight checks (accel_ddp/preflight.py) on a CPU machine, with GPUs, drivers and FSDP faked.
+"""Preflight checks (accel_ddp/distributed/preflight.py) on a CPU machine, with GPUs, drivers and FSDP faked.
 
 What each guards against happens only on GPU machines or clusters: two ranks on one GPU (NCCL's
 "Duplicate GPU detected"), a CUDA build of torch on a driver too old for it (a quiet fall back to
@@ -17,11 +17,17 @@ import pytest
 import torch
 from torch import nn
 
-import accel_ddp.preflight as preflight
-from accel_ddp.doctor import ERROR
-from accel_ddp.loop import main
-from accel_ddp.machine import MachineFacts
-from accel_ddp.preflight import DeviceError, build_fsdp_plugin, check_fsdp, check_launch_devices, unusable_gpus
+import accel_ddp.distributed.preflight as preflight
+from accel_ddp.cli.doctor import ERROR
+from accel_ddp.cli.machine import MachineFacts
+from accel_ddp.cli.train import main
+from accel_ddp.distributed.preflight import (
+    DeviceError,
+    build_fsdp_plugin,
+    check_fsdp,
+    check_launch_devices,
+    unusable_gpus,
+)
 from tests.conftest import CPU_2PROC, REPO
 from tests.multiproc import run_ranks
 from tests.test_doctor import check_file, only

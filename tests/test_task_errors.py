@@ -1,4 +1,4 @@
-"""Bad input to a task (accel_ddp/tasks.py, evaluate.py, update.py): a user's loss, collate_fn or metric that
+"""Bad input to a task (accel_ddp/tasks/protocol.py, evaluate.py, update.py): a user's loss, collate_fn or metric that
 returns the wrong thing, labels the model cannot take, evaluations with nothing to count.
 
 Each is one line ``accel_ddp: error: ...`` naming the value and the fix, exit code 2, as early as it can be
@@ -107,7 +107,7 @@ def test_a_loss_detached_from_the_model_is_one_line_at_the_first_step(tmp_path, 
 
 def test_max_length_1_for_a_causal_lm_is_refused(tmp_path, capfd):
     """One token per sequence leaves nothing to predict: today's run would report loss 0.0 and perplexity 1.0."""
-    from accel_ddp.loop import main
+    from accel_ddp.cli.train import main
 
     out = tmp_path / "out"
     assert main(["--task", "causal_lm", "--max_length", "1", "--dataset", "hf", "--output_dir", str(out)]) == 2
@@ -179,9 +179,9 @@ def token_sets(count: int, seed: int) -> torch.utils.data.TensorDataset:
 def _evaluate_tokens(loss_fn, world: int, count: int = 37, batch_size: int = 4) -> list[dict]:
     from accel_ddp import TrainConfig
     from accel_ddp.data.loaders import build_eval_loader
+    from accel_ddp.distributed.world import build_accelerator
     from accel_ddp.evaluate import evaluate
-    from accel_ddp.tasks import build_task
-    from accel_ddp.world import build_accelerator
+    from accel_ddp.tasks.protocol import build_task
     from tests.conftest import run_ranks
 
     def fn():
@@ -253,9 +253,9 @@ def smoothed(outputs, batch):
 def test_a_user_loss_on_class_logits_is_eval_loss_and_the_task_still_reports_accuracy():
     from accel_ddp import TrainConfig
     from accel_ddp.data.loaders import build_eval_loader
+    from accel_ddp.distributed.world import build_accelerator
     from accel_ddp.evaluate import evaluate
-    from accel_ddp.tasks import build_task
-    from accel_ddp.world import build_accelerator
+    from accel_ddp.tasks.protocol import build_task
     from tests.conftest import run_ranks
 
     generator = torch.Generator().manual_seed(0)
@@ -349,7 +349,7 @@ class Counts:
 ])
 def test_a_metric_that_returns_no_numbers_or_cannot_be_copied_is_named_at_start_up(tmp_path, metric, message):
     from accel_ddp import TrainConfig, train
-    from accel_ddp.validation import ConfigError
+    from accel_ddp.util.validation import ConfigError
     from tests.conftest import run_ranks
 
     def fn():
@@ -453,8 +453,8 @@ def bad_row_label(data_dir, download):
 
 def test_a_label_out_of_range_on_the_dataloader_path_is_named_by_the_rank_that_reads_it(tmp_path, capfd):
     """Checked on the host before the copy to the device: no device sync; that rank exits 2 with one line."""
+    from accel_ddp.cli.train import main
     from accel_ddp.data.sampler import epoch_order
-    from accel_ddp.loop import main
     from tests.conftest import run_ranks
     from tests.multiproc import RankFailed
 
@@ -486,7 +486,7 @@ def bad_eval_row(data_dir, download):
 
 
 def test_an_eval_label_out_of_range_on_the_eval_dataloader_is_named_before_the_copy(tmp_path, capfd):
-    from accel_ddp.loop import main
+    from accel_ddp.cli.train import main
 
     out = tmp_path / "out"
     args = ["--dataset", "tests.test_task_errors:bad_eval_row", "--hidden_size", "8", "--global_batch_size", "8",
@@ -544,7 +544,7 @@ def small_vocabulary_gpt(num_classes, input_shape):
 
 
 def test_token_ids_beyond_the_models_vocabulary_are_named_before_the_embedding_fails(tmp_path, capfd):
-    from accel_ddp.loop import main
+    from accel_ddp.cli.train import main
 
     out = tmp_path / "out"
     args = ["--task", "causal_lm", "--dataset", "tests.test_task_errors:token_sets_beyond", "--model",
@@ -575,7 +575,7 @@ def test_a_label_out_of_range_while_streaming_stops_every_rank_at_the_same_step_
 
         from accel_ddp.data.bundle import DataError
         from accel_ddp.data.streaming import StreamingLoader, StreamSource
-        from accel_ddp.label_check import IdRange, batch_check
+        from accel_ddp.tasks.labels import IdRange, batch_check
 
         state = PartialState(cpu=True)
         stream = datasets.load_dataset("parquet", data_files=files, split="train", streaming=True)

@@ -1,4 +1,4 @@
-"""The task protocol (accel_ddp/tasks.py): dict batches, Transformers models, user losses and metrics,
+"""The task protocol (accel_ddp/tasks/protocol.py): dict batches, Transformers models, user losses and metrics,
 token-exact accumulation, exact eval counts, text data, resume and outputs of Transformers runs.
 
 Multi-process tests run on forked gloo ranks (tests/multiproc.py). transformers is imported here, in the
@@ -21,7 +21,7 @@ from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
 
 from accel_ddp import TrainConfig, train  # noqa: E402
 from accel_ddp.data.text import PadCollate  # noqa: E402
-from accel_ddp.tasks import IGNORE_INDEX  # noqa: E402
+from accel_ddp.tasks.protocol import IGNORE_INDEX  # noqa: E402
 from tests.conftest import load_weights, run_ranks  # noqa: E402
 
 VOCAB = 48
@@ -119,9 +119,9 @@ class SeenCounter:
 def _evaluate_lm(world: int, count: int = 23, batch_size: int = 4) -> list[dict]:
     def fn():
         from accel_ddp.data.loaders import build_eval_loader
+        from accel_ddp.distributed.world import build_accelerator
         from accel_ddp.evaluate import evaluate
-        from accel_ddp.tasks import build_task
-        from accel_ddp.world import build_accelerator
+        from accel_ddp.tasks.protocol import build_task
 
         accelerator, _, _ = build_accelerator(TrainConfig(global_batch_size=2))
         torch.manual_seed(0)
@@ -270,7 +270,7 @@ def test_crash_mid_epoch_then_resume_is_bitwise_exact_for_a_pretrained_lm_folder
     """A save_pretrained folder (with dropout, so the RNG state matters) fine-tuned on variable-length padded text."""
     from transformers import AutoTokenizer
 
-    from accel_ddp.command_line import parse_args
+    from accel_ddp.cli.args import parse_args
     from accel_ddp.loop import train as train_cli
     from tests import faults
     from tests.conftest import train_ranks
@@ -425,7 +425,7 @@ def _one_error_line(stderr: str) -> str:
                                                       "folder written by save_pretrained"),
 ])
 def test_bad_task_options_are_one_line_and_exit_2(tmp_path, capfd, extra, message):
-    from accel_ddp.loop import main
+    from accel_ddp.cli.train import main
 
     out = tmp_path / "out"
     assert main([*TINY, *extra, "--output_dir", str(out)]) == 2
@@ -469,7 +469,7 @@ def test_without_transformers_text_is_one_line_with_the_install_command_and_imag
         corpus, tmp_path, capfd, monkeypatch):
     import sys
 
-    from accel_ddp.loop import main
+    from accel_ddp.cli.train import main
 
     monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` now raises ImportError
     assert main(lm_args(corpus, tmp_path / "lm")) == 2

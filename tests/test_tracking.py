@@ -17,12 +17,12 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from accel_ddp.command_line import parse_args
+from accel_ddp.cli.args import parse_args
 from accel_ddp.config import ACCELERATE_TRACKERS
-from accel_ddp.model_card import launch_command
-from accel_ddp.trackers import CSVTracker, build_trackers, resolve_report_to
-from accel_ddp.tracking import RunRecorder
-from accel_ddp.validation import ConfigError
+from accel_ddp.outputs.model_card import launch_command
+from accel_ddp.tracking.recorder import RunRecorder
+from accel_ddp.tracking.trackers import CSVTracker, build_trackers, resolve_report_to
+from accel_ddp.util.validation import ConfigError
 from tests import faults
 from tests.conftest import main_ranks, read_metrics, read_summary, run_ranks, train_ranks
 from tests.multiproc import RankFailed
@@ -301,7 +301,7 @@ class _StubTracker(CSVTracker):
 
 
 def test_a_resume_says_which_trackers_start_a_new_run(tmp_path, capfd, monkeypatch):
-    import accel_ddp.trackers as trackers
+    import accel_ddp.tracking.trackers as trackers
 
     monkeypatch.setattr(trackers, "_new_tracker", _StubTracker)
     out = tmp_path / "run"
@@ -328,7 +328,7 @@ def test_a_resume_says_which_trackers_start_a_new_run(tmp_path, capfd, monkeypat
 
 
 def test_wandb_and_mlflow_are_built_to_reopen_the_kept_run(tmp_path, monkeypatch):
-    from accel_ddp.trackers import TrackerRun, _new_tracker
+    from accel_ddp.tracking.trackers import TrackerRun, _new_tracker
 
     monkeypatch.delenv("WANDB_DIR", raising=False)
     monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
@@ -422,7 +422,7 @@ def test_an_unexpected_error_in_a_main_process_decision_ends_every_rank(tmp_path
     """main_process_decides (tracker start, checkpoint choice): the other ranks must not wait in the broadcast."""
     from accelerate import PartialState
 
-    from accel_ddp.failure import main_process_decides
+    from accel_ddp.lifecycle.failure import main_process_decides
 
     def decide_badly():
         state = PartialState(cpu=True)
@@ -529,7 +529,7 @@ def test_a_metrics_file_that_is_not_utf8_stops_the_resume_on_every_rank_and_noth
 def test_a_damaged_trackers_json_is_one_line_naming_it_and_the_fix(tmp_path, monkeypatch, content, problem):
     """It was read as nothing (the W&B run started anew, said to be missing from the file), or, with an entry that
     is no object, an AttributeError traceback; a number as the id went to W&B."""
-    import accel_ddp.trackers as trackers
+    import accel_ddp.tracking.trackers as trackers
 
     monkeypatch.setattr(trackers, "_new_tracker", _StubTracker)
     out = tmp_path / "run"
@@ -555,7 +555,7 @@ def test_a_damaged_trackers_json_stops_the_resume_on_every_rank_before_anything_
                                                                                           capfd, monkeypatch):
     import accelerate.utils
 
-    import accel_ddp.trackers as trackers
+    import accel_ddp.tracking.trackers as trackers
 
     monkeypatch.setattr(trackers, "_new_tracker", _StubTracker)  # W&B stands in; forked ranks inherit both
     monkeypatch.setattr(accelerate.utils, "is_wandb_available", lambda: True)
@@ -578,7 +578,7 @@ def test_a_damaged_trackers_json_stops_the_resume_on_every_rank_before_anything_
 def test_reading_back_a_run_with_damaged_files_is_one_line_or_leaves_out_what_is_damaged(tmp_path, capsys):
     """`accel-ddp summary` and `plot` read summary.json, config.yaml and metrics.jsonl as UTF-8: a damaged one was
     a UnicodeDecodeError traceback."""
-    from accel_ddp import cli
+    from accel_ddp.cli import commands as cli
 
     out = tmp_path / "run"
     out.mkdir()

@@ -32,9 +32,9 @@ from torch.utils.data import Dataset, Subset, TensorDataset
 from accel_ddp.data.bundle import DataError, DatasetBundle
 from accel_ddp.data.hf import HFSource, build_hf
 from accel_ddp.data.in_memory import InMemoryDataset
-from accel_ddp.failure import first_line
-from accel_ddp.registry import resolve
-from accel_ddp.validation import ConfigError
+from accel_ddp.lifecycle.failure import first_line
+from accel_ddp.util.registry import resolve
+from accel_ddp.util.validation import ConfigError
 
 MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
 FASHION_MNIST_MEAN, FASHION_MNIST_STD = 0.2860, 0.3530
@@ -356,7 +356,7 @@ def build_datasets(
 
     ``samples``, ``shape`` and ``classes`` size ``synthetic``; ``hf`` says where ``hf`` loads from;
     ``image_size`` resizes ``imagefolder`` and ``hf`` images. Call it on one process first, the
-    others after it (``accel_ddp.components.local_main_first``, with ``main_first=download``): two
+    others after it (``accel_ddp.data.resolve.local_main_first``, with ``main_first=download``): two
     processes downloading into one ``data_dir`` at once would write the same files.
 
         >>> bundle = build_datasets("digits", data_dir="data", download=False)

@@ -6,7 +6,7 @@ from typing import NamedTuple
 
 from torch.utils.data import Dataset
 
-from accel_ddp.validation import ConfigError
+from accel_ddp.util.validation import ConfigError
 
 
 class DatasetBundle(NamedTuple):

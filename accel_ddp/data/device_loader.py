@@ -22,7 +22,7 @@ from torch.utils.data import Dataset
 
 from accel_ddp.data.in_memory import as_in_memory, crop_flip_params
 from accel_ddp.data.sampler import GlobalBatchLoader, GlobalBatchSampler
-from accel_ddp.validation import ConfigError
+from accel_ddp.util.validation import ConfigError
 
 
 class DeviceLoader(GlobalBatchLoader):

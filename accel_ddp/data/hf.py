@@ -34,7 +34,7 @@ from accel_ddp.data.mapped import (
     image_mode,
     open_image,
 )
-from accel_ddp.validation import ConfigError
+from accel_ddp.util.validation import ConfigError
 
 DECODE_CHUNK = 1024  # rows decoded per slice: bounds the PIL images alive at once
 STATS_SAMPLE = 1024  # training rows (a fixed random sample) that uint8 normalisation statistics come from

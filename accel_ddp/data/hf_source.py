@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, NamedTuple
 
-from accel_ddp.validation import ConfigError
+from accel_ddp.util.validation import ConfigError
 
 EVAL_SPLITS = ("test", "validation", "valid", "val", "eval")
 LABEL_COLUMNS = ("label", "labels", "target", "targets", "class", "y", "fine_label", "coarse_label")

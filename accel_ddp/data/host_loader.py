@@ -151,7 +151,7 @@ class HostLoader(GlobalBatchLoader):
             generator=torch.Generator().manual_seed(seed),
         )
 
-    batch_check = None  # set after the start-up probe: check(batch, where) on each host batch (accel_ddp.label_check)
+    batch_check = None  # set after the start-up probe: check(batch, where) on each host batch (accel_ddp.tasks.labels)
 
     def __iter__(self) -> Iterator[Any]:
         epoch, first = self.sampler.epoch, self.sampler.start

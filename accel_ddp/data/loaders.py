@@ -20,8 +20,8 @@ from accel_ddp.data.in_memory import as_in_memory, is_in_memory
 from accel_ddp.data.mapped import is_arrow_dataset
 from accel_ddp.data.sampler import GlobalBatchSampler
 from accel_ddp.data.workers import worker_options
-from accel_ddp.registry import describe
-from accel_ddp.validation import ConfigError
+from accel_ddp.util.registry import describe
+from accel_ddp.util.validation import ConfigError
 
 __all__ = ["Loaders", "build_eval_loader", "build_loaders", "build_train_loader", "choose_loader", "data_seed",
            "data_source", "default_num_workers", "first_samples", "skip_first_batches", "usable_cpus"]

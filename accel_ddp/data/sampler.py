@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from torch.utils.data import Sampler
 
-from accel_ddp.validation import ConfigError
+from accel_ddp.util.validation import ConfigError
 
 _MASK64 = (1 << 64) - 1
 

@@ -51,8 +51,8 @@ from accel_ddp.data.bundle import DataError, DatasetBundle
 from accel_ddp.data.host_loader import default_num_workers
 from accel_ddp.data.sampler import check_layout, sample_seed
 from accel_ddp.data.workers import worker_options
-from accel_ddp.failure import PeerFailed, first_line
-from accel_ddp.validation import ConfigError
+from accel_ddp.lifecycle.failure import PeerFailed, first_line
+from accel_ddp.util.validation import ConfigError
 
 STATE_FILE = "data_state_rank{rank}.json"  # each rank's stream position, in every checkpoint folder
 _HAVE, _ENDED, _FAILED = 0, 1, 2  # what each rank reports before a step; the all-reduce takes the largest
@@ -125,7 +125,7 @@ class StreamingLoader:
     Registers its checkpoint hooks with ``accelerator`` (a JSON file per rank; nothing unpickled).
     """
 
-    batch_check = None  # set after the start-up probe: check(batch, where) on each host batch (accel_ddp.label_check)
+    batch_check = None  # set after the start-up probe: check(batch, where) on each host batch (accel_ddp.tasks.labels)
 
     def __init__(self, source: StreamSource, per_device_batch_size: int, global_batch_size: int, *,
                  max_steps: int | None, seed: int, rank: int = 0, world_size: int = 1,

@@ -31,11 +31,11 @@ from torch.utils.data import default_collate
 from accel_ddp.data.bundle import DatasetBundle
 from accel_ddp.data.hf import HFSource, _label_column, _labels, load_splits
 from accel_ddp.data.hf_source import bad_text_named
-from accel_ddp.optional import require
-from accel_ddp.validation import ConfigError
+from accel_ddp.util.optional import require
+from accel_ddp.util.validation import ConfigError
 
 DEFAULT_TEXT_COLUMN = "text"
-LABEL_PAD = -100  # padded label positions count for nothing in the loss (accel_ddp.tasks.IGNORE_INDEX)
+LABEL_PAD = -100  # padded label positions count for nothing in the loss (accel_ddp.tasks.protocol.IGNORE_INDEX)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json", "spiece.model")
 
 

@@ -41,7 +41,8 @@ import threading
 from collections.abc import Callable
 
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
-_JOB_SIGNALS = {signal.SIGTERM, signal.SIGUSR1}  # accel_ddp.preemption.PREEMPTION_SIGNALS (no torch import here)
+# accel_ddp.lifecycle.preemption.PREEMPTION_SIGNALS, written out: this module imports no torch.
+_JOB_SIGNALS = {signal.SIGTERM, signal.SIGUSR1}
 
 
 class WorkerInit:

@@ -8,6 +8,6 @@ from tests import faults  # noqa: E402
 
 faults.install_from_env()
 
-from accel_ddp.loop import run  # noqa: E402
+from accel_ddp.cli.train import run  # noqa: E402
 
 run(sys.argv[1:])

@@ -1,0 +1,392 @@
+"""Checkpoints: atomic saves, keep-last-N, exact resume (weight files: ``weights.py``).
+
+Layout under ``OUTPUT_DIR/checkpoints/``:
+
+    step_00000120/                 one complete checkpoint (a folder only gets this name once complete)
+        model.safetensors          unwrapped weights, the same keys as OUTPUT_DIR/model.safetensors
+        optimizer.bin              \\
+        scheduler.bin               } accelerator.save_state (scaler.pt too under fp16)
+        random_states_<rank>.pkl   /  one per rank: Python, NumPy, torch and CUDA RNG states
+        checkpoint.json            the completion marker, written last: step, epoch, run facts, and the
+                                   size and sha256 of every other file
+    .tmp-step_00000140/            a save in progress, or one a crash interrupted: never loaded
+
+Saving (``CheckpointManager.save``, collective): every rank writes into the ``.tmp-`` folder; a
+gather of each rank's outcome; the main process hashes and fsyncs every file, writes
+``checkpoint.json``, renames the folder into place (atomic on POSIX) and only then prunes
+checkpoints beyond ``--keep_last``, never the one just written nor any newer one. A crash at any
+point leaves every earlier checkpoint as it was; a write the file system refuses (a full disk) on
+any rank is one line on every rank (``WriteFailed``), the ``.tmp-`` folder removed. A folder
+already holding the step (a damaged one ``auto`` skipped) is renamed ``*.damaged``. Accelerate's
+own ``total_limit`` rotation is not used: it deletes the oldest checkpoint before the new one is
+written, and writes in place.
+
+Resuming (``CheckpointManager.resume``): ``auto`` takes the newest folder that ``read_checkpoint``
+trusts (``manifest.py``: files match ``checkpoint.json``, which lists every file the format needs;
+its step is the folder's and the scheduler's; every rank's RNG file applies); a damaged one is
+skipped with a warning, an explicit damaged path is exit 2. After ``load_state`` every rank checks
+that its generators are those of its RNG file (Accelerate skips one it cannot apply without a word),
+and the main process warns once if some are not. A checkpoint past the run's total step count, or an
+explicit older one while intact newer ones exist, is refused: resuming would overwrite them. The
+run's hyperparameters win over the checkpoint's (``flags_in_force``, with a warning). The training
+position is the optimizer step alone: epochs have a fixed number of steps, so the loop recomputes
+the epoch and fast-forwards the loader. Accelerate's ``load_state`` reads optimizer, scheduler,
+scaler and RNG files through ``accelerate.utils.load``, i.e. ``torch.load(weights_only=True)`` with
+NumPy's RNG types allow-listed; we never register custom objects (Accelerate unpickles those with
+``weights_only=False``): the position lives in JSON. Signals and exit codes: ``preemption.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import gather_object
+
+from accel_ddp.checkpoint.manifest import (  # noqa: F401 - CorruptCheckpoint, checkpoint_name, ...: this module's interface too
+    _STEP_DIR,
+    CorruptCheckpoint,
+    checkpoint_name,
+    list_checkpoints,
+    read_checkpoint,
+    rng_file,
+    rng_not_restored,
+)
+from accel_ddp.checkpoint.weights import load_weights, plain_state_dict
+from accel_ddp.lifecycle.failure import first_line, main_process_decides
+from accel_ddp.outputs.files import (
+    WriteFailed,
+    fingerprint,
+    fsync_dir,
+    relative_files,
+    remove_dir,
+    set_aside,
+    write_failure,
+)
+from accel_ddp.outputs.names import CHECKPOINTS_DIR, MARKER_NAME, SUMMARY_NAME, WEIGHTS_NAME
+from accel_ddp.util.validation import ConfigError
+
+FORMAT_VERSION = 1
+# Run facts that decide what an optimizer step means; a checkpoint made with other values cannot continue.
+# A stream has no epoch length: its steps_per_epoch is the run's --max_steps, which a longer run raises.
+MUST_MATCH = ("global_batch_size", "steps_per_epoch", "optimizer")
+# Recorded in every checkpoint.json; a resume with other values warns, and this run's values are in force.
+HYPERPARAMETERS = ("lr", "lr_schedule", "warmup_steps", "weight_decay", "max_grad_norm")
+@contextmanager
+def flags_in_force(optimizer: Any, scheduler: Any) -> Iterator[None]:
+    """Keep this run's hyperparameters across a ``load_state`` inside the block.
+
+    ``load_state`` restores the optimizer's param groups (lr, weight decay, betas, ...) and the schedule's
+    peak LR from the checkpoint, while the schedule's shape and clipping come from the flags: a mix nobody
+    asked for. Here the flags win, all of them, and the LR is recomputed for the restored step. Unchanged
+    flags give back the very floats the checkpoint holds, so an unchanged resume stays bitwise exact.
+
+        >>> with flags_in_force(optimizer, scheduler):
+        ...     step = checkpoints.resume("auto")
+    """
+    fresh = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+    schedule = getattr(scheduler, "scheduler", scheduler)  # Accelerate's AcceleratedScheduler wraps it
+    base_lrs = list(schedule.base_lrs)
+    yield
+    for group, values in zip(optimizer.param_groups, fresh, strict=True):
+        group.update(values)
+    schedule.base_lrs = base_lrs
+    if lambdas := getattr(schedule, "lr_lambdas", None):  # LambdaLR: lr = peak x multiplier(step)
+        lrs = [base * fn(schedule.last_epoch) for base, fn in zip(base_lrs, lambdas, strict=True)]
+        for group, lr in zip(optimizer.param_groups, lrs, strict=True):
+            group["lr"] = lr
+        schedule._last_lr = lrs
+
+
+class CheckpointManager:
+    """Saves and restores the full training state of one run under ``OUTPUT_DIR/checkpoints``.
+
+    ``save``, ``resume`` and ``check_fresh_start`` are collective: every rank calls them at the same
+    point. ``run_facts`` (world size, global batch, steps per epoch, ...) go into every
+    ``checkpoint.json`` and are compared on resume.
+
+        >>> checkpoints = CheckpointManager(accelerator, "outputs/run", keep_last=3, run_facts=facts)
+        >>> step = checkpoints.resume("auto")           # 0 when there is nothing to resume
+        >>> checkpoints.save(step)                       # -> "outputs/run/checkpoints/step_00000100"
+    """
+
+    def __init__(self, accelerator: Accelerator, output_dir: str, keep_last: int, run_facts: dict[str, Any]):
+        self.accelerator = accelerator
+        self.root = os.path.join(output_dir, CHECKPOINTS_DIR)
+        self.keep_last = keep_last
+        self.run_facts = dict(run_facts)
+        self.last_saved_step: int | None = None
+        self.last_saved_folder: str | None = None  # the newest checkpoint this run saved or resumed from
+        # We write and read the weights ourselves, without DDP's "module." prefix, so that a checkpoint
+        # loads at any world size and a mismatch is reported key by key.
+        accelerator.register_save_state_pre_hook(self._unwrapped_weights_hook)
+        accelerator.register_load_state_pre_hook(self._load_weights_hook)
+
+    # ---- saving
+
+    def save(self, step: int) -> str:
+        """Save the full training state after optimizer ``step``; returns the checkpoint folder."""
+        final = os.path.join(self.root, checkpoint_name(step))
+        if step == self.last_saved_step:  # e.g. preempted right after a scheduled save, or right after resuming
+            return final
+        acc = self.accelerator
+        tmp = os.path.join(self.root, f".tmp-{checkpoint_name(step)}")
+        # Each stage ends in a collective that carries its outcome: a write the file system refuses (a full disk)
+        # on any rank stops every rank with one line, the unsealed folder removed and the earlier checkpoints as
+        # they were. The main process's stages are its decisions; each rank writes its own RNG file.
+        self._on_main_then_all(lambda: self._writing(step, tmp, lambda: _fresh_folder(tmp)))
+        try:
+            acc.save_state(tmp)  # each rank writes its RNG state; the main process everything else
+            mine = None
+        except Exception as err:
+            mine = write_failure(err, tmp)
+            if mine is None:
+                raise
+        problems = [why for why in gather_object([mine]) if why]  # every rank has written, or knows who could not
+        if problems:
+            if acc.is_main_process:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise WriteFailed(self._cannot_save(step, problems[0]))
+        self._on_main_then_all(lambda: self._writing(step, tmp, lambda: (self._seal(tmp, final, step),
+                                                                         self._prune(keep=final))))
+        self.last_saved_step, self.last_saved_folder = step, final
+        return final
+
+    def _writing(self, step: int, tmp: str, call: Callable[[], Any]) -> None:
+        """``call()`` on the main process; a write the file system refuses removes ``tmp`` and is a WriteFailed."""
+        try:
+            call()
+        except Exception as err:
+            why = write_failure(err, tmp)
+            if why is None:
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise WriteFailed(self._cannot_save(step, why)) from err
+
+    def _cannot_save(self, step: int, why: str) -> str:
+        intact = f" ({os.path.basename(self.last_saved_folder)}, the last checkpoint, is intact)" \
+            if self.last_saved_folder else ""
+        return (f"cannot save the checkpoint of step {step} in {self.root}: {why}; free space there (a lower "
+                f"--keep_last keeps fewer checkpoints) or give another --output_dir, then resume with "
+                f"--resume_from_checkpoint auto{intact}")
+
+    def _seal(self, tmp: str, final: str, step: int) -> None:
+        files = {name: fingerprint(os.path.join(tmp, name)) for name in relative_files(tmp)}
+        steps_per_epoch = self.run_facts["steps_per_epoch"]
+        meta = {"format": FORMAT_VERSION, "step": step, "epoch": step // steps_per_epoch,
+                "step_in_epoch": step % steps_per_epoch, **self.run_facts,
+                "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "files": files}
+        marker = os.path.join(tmp, MARKER_NAME)
+        with open(marker, "w", encoding="utf-8") as fh:
+            json.dump(meta, fh, indent=2)
+            fh.flush()
+            os.fsync(fh.fileno())
+        if os.path.exists(final):  # a damaged checkpoint of this step, which auto skipped: kept, under another name
+            aside = set_aside(final)
+            _warn(f"{final} was damaged; moved it to {aside} and saved step {step} in its place")
+        os.rename(tmp, final)
+        fsync_dir(self.root)
+
+    def _prune(self, keep: str) -> None:
+        """Delete all but the newest ``keep_last`` checkpoints up to ``keep`` (the one just saved).
+
+        Newer ones are never ours to delete: they can only be damaged ones that ``auto`` skipped (a resume
+        from an older step with intact newer checkpoints is refused), left for their owner to look at.
+        """
+        saved = int(_STEP_DIR.match(os.path.basename(keep)).group(1))
+        complete = [path for step, path in list_checkpoints(self.root) if step <= saved]
+        for path in complete[: max(len(complete) - self.keep_last, 0)]:
+            if path != keep:
+                remove_dir(path)
+        for name in os.listdir(self.root):  # debris of saves or deletions a crash interrupted
+            if name.startswith((".tmp-", ".trash-")):
+                shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
+
+    def _unwrapped_weights_hook(self, models, weights, output_dir) -> None:
+        for i, model in enumerate(models[: len(weights)]):
+            weights[i] = plain_state_dict(self.accelerator.unwrap_model(model, keep_torch_compile=False).state_dict())
+
+    # ---- resuming
+
+    def check_fresh_start(self) -> None:
+        """Refuse to start from scratch over the checkpoints of an earlier run in the same folder."""
+        def refuse_existing() -> None:
+            existing = list_checkpoints(self.root)
+            if existing:
+                raise ConfigError(
+                    f"{self.root} already holds checkpoints (newest {os.path.basename(existing[-1][1])}); "
+                    "continue that run with --resume_from_checkpoint auto, or pick another --output_dir")
+        self._on_main_then_all(refuse_existing)
+
+    def resume(self, spec: str) -> int:
+        """Restore the state named by ``spec`` (``auto`` or a checkpoint folder) on every rank.
+
+        Returns the optimizer step to continue after; 0 when ``auto`` found no checkpoint.
+        """
+        choice = self._on_main_then_all(lambda: self._choose(spec))
+        if choice is None:
+            return 0
+        folder, meta = choice
+        self._check_compatible(folder, meta)
+        acc = self.accelerator
+        own_rng = rng_file(folder, acc.process_index)
+        has_rng = os.path.isfile(own_rng)
+        try:
+            acc.load_state(folder)
+        except (ConfigError, torch.OutOfMemoryError):
+            raise
+        except Exception as err:  # torch.load or load_state_dict refused a file the manifest vouched for
+            raise ConfigError(f"--resume_from_checkpoint {folder}: cannot load it ({type(err).__name__}: "
+                              f"{first_line(err)}); resume from another checkpoint") from err
+        acc.step = 0  # checkpoints sit on optimizer-step boundaries: the accumulation counter restarts there
+        # Before anything draws a random number: did load_state restore this rank's RNGs? It skips an RNG file it
+        # cannot load or apply with an INFO log line only (huggingface/accelerate#4283).
+        mine = rng_not_restored(own_rng) if has_rng else None
+        self._say_if_not_exact(folder, meta, gather_object([(has_rng, mine)]))
+        if acc.is_main_process:
+            epoch = meta["step"] // self.run_facts["steps_per_epoch"]
+            print(f"accel_ddp: resumed from {folder} (optimizer step {meta['step']}, epoch {epoch})", flush=True)
+        self.last_saved_step, self.last_saved_folder = meta["step"], folder
+        return meta["step"]
+
+    def _say_if_not_exact(self, folder: str, meta: dict[str, Any], ranks: list[tuple[bool, list[str] | None]]) -> None:
+        """One loud warning (main process) when some rank's random streams do not continue the checkpoint's.
+
+        A warning, not a refusal: weights, optimizer, schedule and data position are restored exactly, only
+        dropout and random augmentation on those ranks differ from the original run's; and a cause that is not
+        damage (another Accelerate, the GPUs a rank sees) would refuse every checkpoint alike.
+        """
+        missing = [rank for rank, (has, _) in enumerate(ranks) if not has]
+        differ = [f"rank {rank}'s {os.path.basename(rng_file(folder, rank))} ({', '.join(gens)})"
+                  for rank, (has, gens) in enumerate(ranks) if has and gens]
+        if not self.accelerator.is_main_process or not (missing or differ):
+            return
+        why = []
+        if missing:
+            why.append(f"it holds no RNG state for rank{'s' * (len(missing) > 1)} {', '.join(map(str, missing))} "
+                       f"(it was saved by {meta.get('world_size')} ranks): those keep their seeded RNG")
+        if differ:
+            why.append(f"load_state did not restore the generators of {'; '.join(differ)}")
+        _warn(f"the resume from {folder} is not exact: {'; '.join(why)}; random layers such as dropout and random "
+              f"augmentation on those ranks differ from the original run's from step {meta['step']} on (weights, "
+              "optimizer, schedule and data position are restored exactly)")
+
+    def _choose(self, spec: str) -> tuple[str, dict[str, Any]] | None:
+        if spec == "auto":
+            candidates = list_checkpoints(self.root)
+            if not candidates:
+                print(f"accel_ddp: no checkpoint in {self.root}; starting from scratch", flush=True)
+                return None
+            for _, folder in reversed(candidates):
+                try:
+                    meta = read_checkpoint(folder)
+                except CorruptCheckpoint as err:
+                    _warn(f"skipping a damaged checkpoint: {err}; falling back to the previous one")
+                    continue
+                self._check_within_run(folder, meta)
+                return folder, meta
+            raise ConfigError(f"--resume_from_checkpoint auto: all {len(candidates)} checkpoints in {self.root} "
+                              "are damaged (see the warnings above); move them away to start from scratch")
+        if not os.path.isdir(spec):
+            raise ConfigError(f"--resume_from_checkpoint {spec}: no such folder; give a checkpoint folder "
+                              f"(e.g. {os.path.join(self.root, checkpoint_name(100))}) or auto")
+        if not os.path.isfile(os.path.join(spec, MARKER_NAME)) and os.path.isdir(os.path.join(spec, CHECKPOINTS_DIR)):
+            raise ConfigError(f"--resume_from_checkpoint {spec} is a run folder; give one of its "
+                              f"{CHECKPOINTS_DIR}/step_* folders, or --output_dir {spec} with auto")
+        try:
+            meta = read_checkpoint(spec)
+        except CorruptCheckpoint as err:
+            raise ConfigError(f"--resume_from_checkpoint {spec}: {err}; resume from an older checkpoint, or use "
+                              "auto, which skips damaged ones") from None
+        self._check_within_run(spec, meta)
+        self._refuse_to_mix_runs(spec)
+        self._refuse_to_overwrite_newer(spec, meta["step"])
+        return spec, meta
+
+    def _refuse_to_mix_runs(self, spec: str) -> None:
+        """Branching off another run's checkpoint goes into a folder of its own: this folder's checkpoints,
+        metrics and final outputs would otherwise be rewound, mixed with that run's, pruned or overwritten."""
+        if os.path.realpath(os.path.dirname(os.path.normpath(spec))) == os.path.realpath(self.root):
+            return  # one of this folder's own checkpoints
+        output_dir = os.path.dirname(self.root)
+        held = [f"{CHECKPOINTS_DIR}/"] if list_checkpoints(self.root) else []
+        held += [SUMMARY_NAME] if os.path.isfile(os.path.join(output_dir, SUMMARY_NAME)) else []
+        if held:
+            raise ConfigError(f"--resume_from_checkpoint {spec} belongs to another run, and --output_dir {output_dir} "
+                              f"already holds one ({', '.join(held)}); branch off into an empty --output_dir")
+
+    def _check_within_run(self, folder: str, meta: dict[str, Any]) -> None:
+        """A checkpoint past this run's last step belongs to a longer run: resuming an older one instead would
+        overwrite that run's model.safetensors and summary.json, so refuse rather than skip it."""
+        total = self.run_facts.get("total_steps")
+        if total is not None and meta["step"] > total:
+            raise ConfigError(f"--resume_from_checkpoint {folder}: it holds step {meta['step']}, past this run's "
+                              f"last step {total} (were --epochs or --max_steps lowered?); resume with the options "
+                              "of the run that saved it, or give another --output_dir")
+
+    def _refuse_to_overwrite_newer(self, spec: str, step: int) -> None:
+        """Going back to an older checkpoint would overwrite (and prune) this folder's intact newer ones."""
+        for newer_step, folder in list_checkpoints(self.root):
+            if newer_step <= step:
+                continue
+            try:
+                read_checkpoint(folder)
+            except CorruptCheckpoint:
+                continue  # damaged: auto would skip it too; it is set aside, not deleted, if this run reaches it
+            raise ConfigError(f"--resume_from_checkpoint {spec}: {self.root} holds a newer checkpoint, "
+                              f"{os.path.basename(folder)}, that this run would overwrite; continue from the newest "
+                              "with auto, or give this run another --output_dir")
+
+    def _check_compatible(self, folder: str, meta: dict[str, Any]) -> None:
+        streams = meta.get("loader") == self.run_facts.get("loader") == "streaming"
+        for key in MUST_MATCH:
+            if key in meta and meta[key] != self.run_facts.get(key) and not (streams and key == "steps_per_epoch"):
+                raise ConfigError(f"--resume_from_checkpoint {folder}: it was made with {key} {meta[key]}, this run "
+                                  f"has {self.run_facts.get(key)}; resume with the options of the run that saved it")
+        if not self.accelerator.is_main_process:
+            return
+        if meta.get("world_size") != self.run_facts.get("world_size"):
+            _warn(f"{folder} was saved by {meta.get('world_size')} ranks, this run has "
+                  f"{self.run_facts.get('world_size')}: the global batch keeps each step's samples, so training "
+                  "continues equivalently (equal within float tolerance, not bitwise)")
+        changed = [f"{key} {meta[key]} -> {self.run_facts[key]}" for key in HYPERPARAMETERS
+                   if key in meta and key in self.run_facts and meta[key] != self.run_facts[key]]
+        if changed:
+            _warn(f"{folder} was saved with other hyperparameters ({', '.join(changed)}): this run's values are in "
+                  f"force from step {meta['step']} on (the schedule continues at that step), and config.yaml "
+                  "records them")
+        for key, why in (("seed", "the data order"), ("total_steps", "the learning-rate schedule")):
+            if key in meta and meta[key] != self.run_facts.get(key):
+                _warn(f"{folder} was saved with {key} {meta[key]}, this run has {self.run_facts.get(key)}: "
+                      f"{why} after the resume differs from the original run's")
+
+    def _load_weights_hook(self, models, input_dir) -> None:
+        for i, model in enumerate(models):
+            name = WEIGHTS_NAME if i == 0 else WEIGHTS_NAME.replace(".", f"_{i}.")
+            load_weights(self.accelerator.unwrap_model(model, keep_torch_compile=False),
+                         os.path.join(input_dir, name), source="--resume_from_checkpoint")
+        models.clear()  # loaded: Accelerate would expect DDP's "module." keys
+
+    def _on_main_then_all(self, fn: Callable[[], Any]) -> Any:
+        return main_process_decides(self.accelerator, fn)  # one reader of the file system
+
+
+def _fresh_folder(path: str) -> None:
+    """An empty folder at ``path``: whatever a crashed save of the same step left there goes first."""
+    if os.path.isdir(path):
+        shutil.rmtree(path)
+    elif os.path.lexists(path):
+        os.remove(path)
+    os.makedirs(path)
+
+
+def _warn(message: str) -> None:
+    print(f"accel_ddp: warning: {message}", file=sys.stderr, flush=True)

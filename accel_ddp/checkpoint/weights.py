@@ -1,0 +1,126 @@
+"""Model weights as files: safetensors in, safetensors out, whatever wrapped the model that wrote them.
+
+    load_weights(model, "outputs/pretrain/model.safetensors")   # --init_from; every key and shape checked
+    export_weights(accelerator, model, "outputs/run")            # the final OUTPUT_DIR/model.safetensors
+
+Keys are always the plain model's: no DDP ``module.`` prefix, no torch.compile ``_orig_mod.``
+(``plain_state_dict``), so a file loads at any world size, compiled or not. This module imports no
+Accelerate (``models.py`` uses it).
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from accel_ddp.lifecycle.failure import first_line, main_process_decides
+from accel_ddp.outputs.files import OUTPUTS_FIX, written
+from accel_ddp.outputs.names import WEIGHTS_NAME
+from accel_ddp.util.validation import ConfigError
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+
+
+def load_weights(model: torch.nn.Module, path: str, source: str = "--init_from") -> None:
+    """Copy a safetensors file into ``model`` (unwrapped); every key and shape must match.
+
+    A file written by a DDP-wrapped model (keys ``module.*``) or by a compiled one (``_orig_mod.``,
+    as earlier versions wrote under ``--compile``) is accepted too, and ``model`` may be compiled.
+
+        >>> load_weights(model, "outputs/pretrain/model.safetensors")
+    """
+    if not os.path.isfile(path):
+        raise ConfigError(f"{source} {path}: no such file; give a .safetensors weights file such as "
+                          "OUTPUT_DIR/model.safetensors")
+    try:
+        state = load_file(path)
+    except Exception as err:  # safetensors raises its own error types for truncated or foreign files
+        raise ConfigError(f"{source} {path}: not a readable safetensors file ({first_line(err)}); "
+                          "the file is damaged or of another format") from None
+    own = model.state_dict()
+    own_names = {plain_name(k): k for k in own}  # plain name -> the model's own (compiled regions keep _orig_mod.)
+    expected = {plain: own[k] for plain, k in own_names.items()}
+    state = plain_state_dict(state)
+    if state and all(k.startswith("module.") for k in state) and not any(k.startswith("module.") for k in expected):
+        state = {k.removeprefix("module."): v for k, v in state.items()}
+    _fill_tied(state, expected)
+    missing = sorted(expected.keys() - state.keys())
+    unexpected = sorted(state.keys() - expected.keys())
+    reshaped = sorted(k for k in expected.keys() & state.keys() if expected[k].shape != state[k].shape)
+    if missing or unexpected or reshaped:
+        problems = []
+        if missing:
+            problems.append(f"missing keys {_few(missing)}")
+        if unexpected:
+            problems.append(f"unexpected keys {_few(unexpected)}")
+        if reshaped:
+            problems.append("shape mismatch " + ", ".join(
+                f"{k} {tuple(state[k].shape)} vs model {tuple(expected[k].shape)}" for k in reshaped[:3]))
+        raise ConfigError(f"{source} {path} holds the weights of a different model: {'; '.join(problems)}; "
+                          "use the --model and sizes (e.g. --hidden_size) of the run that wrote it")
+    model.load_state_dict({own_names[k]: v for k, v in state.items()})
+
+
+def plain_name(key: str) -> str:
+    """A state-dict key without torch.compile's ``_orig_mod.`` components: the name in the uncompiled model."""
+    return key.replace("_orig_mod.", "")
+
+
+def plain_state_dict(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` with ``plain_name`` keys: weights load into a model whether or not it (or the writer) was compiled.
+
+    An OrderedDict, as ``state_dict()`` returns: Accelerate's ``save`` removes tied-weight aliases
+    (which safetensors refuses) only from an OrderedDict.
+    """
+    if not any("_orig_mod." in k for k in state):
+        return state
+    return OrderedDict((plain_name(k), v) for k, v in state.items())
+
+
+def _fill_tied(state: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    """Add the tied aliases a file leaves out: Accelerate's save_state (like safetensors' save_model) stores a
+    tensor shared by several names once, e.g. a language model's output layer tied to its embedding."""
+    by_storage = {(t.untyped_storage().data_ptr(), t.storage_offset(), t.shape): name
+                  for name, t in expected.items() if name in state}
+    for name, tensor in expected.items():
+        alias = by_storage.get((tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tensor.shape))
+        if name not in state and alias is not None:
+            state[name] = state[alias]
+
+
+def export_weights(accelerator: Accelerator, model: torch.nn.Module, output_dir: str) -> str:
+    """Write the unwrapped model's weights to ``output_dir/model.safetensors``.
+
+    Every rank must call this (``get_state_dict`` is collective under sharded strategies); only
+    the main process writes, into a temporary file renamed into place, so a crash mid-write
+    never leaves a truncated ``model.safetensors`` behind. Keys are the uncompiled model's:
+    Accelerate 1.15's ``get_state_dict`` keeps the ``torch.compile`` wrapper (``_orig_mod.`` keys)
+    under ``--compile``, which a plain model could not load.
+    """
+    state = plain_state_dict(accelerator.get_state_dict(model))
+    path = os.path.join(output_dir, WEIGHTS_NAME)
+
+    def write() -> None:
+        # safetensors refuses tensors that share storage; clone into plain contiguous CPU copies.
+        tensors = {name: t.detach().to("cpu").contiguous().clone() for name, t in state.items()}
+        tmp = f"{path}.tmp"
+        try:
+            save_file(tensors, tmp, metadata={"format": "pt"})
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):  # what a refused write left: never loaded, but it takes the space
+                os.remove(tmp)
+
+    # The main process writes; every rank gets its outcome (a full disk: one line on every rank).
+    main_process_decides(accelerator, lambda: written(write, WEIGHTS_NAME, output_dir, OUTPUTS_FIX))
+    return path
+
+
+def _few(keys: list[str], limit: int = 5) -> str:
+    shown = ", ".join(keys[:limit])
+    return f"{shown} (+{len(keys) - limit} more)" if len(keys) > limit else shown

@@ -1,0 +1,70 @@
+"""The training command: ``python train.py``, ``accel-ddp train``, ``accelerate launch train.py``.
+
+``main()`` parses the options and trains, and turns every outcome into an exit code (a failure is
+reported once per launch: :mod:`accel_ddp.lifecycle.failure`); ``run()`` exits with it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from typing import NoReturn
+
+from accel_ddp.cli.args import parse_args
+from accel_ddp.lifecycle import failure
+from accel_ddp.lifecycle.preemption import (
+    EXIT_PREEMPTED,
+    Preempted,
+    PreemptionWatcher,
+    exit_process,
+    ignore_preemption_signals,
+)
+from accel_ddp.loop import train
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI entry point: returns the exit code; a failure is reported once per launch (``accel_ddp.lifecycle.failure``).
+
+    Bad input is one line on stderr and exit code 2, a nan/inf loss one line and 3, anything else
+    its traceback and 1; a rank stopped by another rank's failure prints nothing and exits with that
+    rank's code. Preemption (SIGTERM or SIGUSR1) saves a checkpoint and exits with ``EXIT_PREEMPTED``
+    (75); the exit codes are listed in ``accel_ddp/lifecycle/preemption.py``.
+    """
+    try:
+        _parse_and_train(argv)
+    except Preempted as stop:
+        ignore_preemption_signals()  # exiting with 75: the launcher's follow-up SIGTERM must not make it a kill
+        if os.environ.get("RANK", "0") == "0":
+            print(f"accel_ddp: preempted: {stop} (exit code {EXIT_PREEMPTED})", file=sys.stderr, flush=True)
+        return EXIT_PREEMPTED
+    except Exception as err:  # noqa: BLE001 - every failure gets its exit code and, once per launch, its report
+        return failure.report(err, failure.exit_code(err))
+    return 0
+
+
+def _parse_and_train(argv: list[str] | None) -> None:
+    """``train(parse_args(argv))``, with the preemption handlers installed before parsing (a signal from then on
+    is recorded, not fatal; uninstalled again when the options are bad)."""
+    preemption = PreemptionWatcher().install()
+    try:
+        cfg = parse_args(argv)
+    except BaseException:
+        preemption.uninstall()
+        raise
+    train(cfg, preemption=preemption)
+
+
+def run(argv: list[str] | None = None) -> NoReturn:
+    """The script entry point (``python train.py``, ``accel-ddp train``): ``main()``, then exit.
+
+    The exit goes through ``exit_process`` so that a successful run cannot abort during interpreter
+    teardown.
+    """
+    try:
+        code = main(argv)
+    except Exception:  # noqa: BLE001 - the report itself failed: Python's traceback, then the same safe exit
+        traceback.print_exc()
+        code = 1
+    exit_process(code)
+

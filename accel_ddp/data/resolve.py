@@ -1,0 +1,123 @@
+"""What a run trains and evaluates on: the datasets from the config (built once per machine first) or the
+caller's, and how to batch them.
+
+    data = resolve_data(cfg, accelerator, train_dataset, eval_dataset)   # built once per machine, or the caller's
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple, TypeVar
+
+from accelerate import Accelerator
+from torch.utils.data import Dataset, IterableDataset, Subset
+
+from accel_ddp.config import DEBUG_MAX_STEPS, TEXT_TASKS, TrainConfig
+from accel_ddp.data import HFSource, build_datasets
+from accel_ddp.data.text import PadCollate, TextOptions, build_text, has_tokenizer, pad_token_id
+from accel_ddp.lifecycle.preemption import PreemptionWatcher
+from accel_ddp.util.registry import resolve
+from accel_ddp.util.validation import ConfigError
+
+T = TypeVar("T")
+
+
+class Data(NamedTuple):
+    """The datasets of a run and what the model and the loaders need to know about them."""
+
+    train: Dataset
+    eval: Dataset | None
+    num_classes: int | None  # None: read from the dataset if a built-in model needs it
+    input_shape: tuple[int, ...] | None  # one (input, label) sample's input shape; None for dict samples
+    tokenizer: Any = None  # text tasks: the tokenizer (saved beside a Transformers model)
+    collate_fn: Callable | None = None  # dict samples: padded per batch; None: torch's default_collate
+
+
+def resolve_data(cfg: TrainConfig, accelerator: Accelerator, train_dataset, eval_dataset, collate_fn=None, *,
+                 preemption: PreemptionWatcher | None = None) -> Data:
+    """The datasets from the config (built once per machine first) or the caller, and how to batch them.
+
+    ``preemption``: a signal during the build stops it, and every rank (``local_main_first``)."""
+    tokenizer = None
+    hf = HFSource(cfg.hf_name, cfg.hf_config, cfg.hf_train_split, cfg.hf_eval_split, cfg.image_column,
+                  cfg.label_column, streaming=cfg.streaming, shuffle_buffer=cfg.shuffle_buffer,
+                  # in memory below the threshold (the device loader can serve it), memory-mapped above
+                  in_memory_max_mb=math.inf if cfg.loader == "device" else cfg.device_loader_max_mb)
+    if train_dataset is None and cfg.task in TEXT_TASKS and cfg.dataset == "hf":
+        text = TextOptions(cfg.tokenizer or (cfg.model if has_tokenizer(cfg.model) else None), cfg.text_column,
+                           cfg.max_length, cfg.packing, labels=cfg.task == "sequence_classification")
+        # Tokenized on each machine's first process, then read from the datasets cache by the others.
+        bundle, tokenizer = local_main_first(accelerator, lambda: build_text(cfg.data_dir, hf, text),
+                                             preemption=preemption, phase="data: tokenizing")
+    elif train_dataset is None:
+        bundle = local_main_first(accelerator, lambda: build_datasets(  # one download per --data_dir
+            cfg.dataset, cfg.data_dir, cfg.download, samples=cfg.synthetic_samples,
+            shape=cfg.synthetic_shape, classes=cfg.synthetic_classes, image_size=cfg.image_size, hf=hf,
+        ), main_first=cfg.download, preemption=preemption)
+    if train_dataset is None:
+        train_dataset, eval_dataset = bundle.train, bundle.eval
+        num_classes, input_shape = bundle.num_classes, bundle.input_shape
+    else:
+        num_classes, input_shape = None, None
+    streamed = isinstance(train_dataset, IterableDataset)  # a stream has no [0]: its bundle gave the shape
+    if not streamed and isinstance(train_dataset[0], Mapping):  # dict samples: no single input shape
+        input_shape = None
+    elif input_shape is None:
+        input_shape = tuple(train_dataset[0][0].shape)
+    if eval_dataset is not None and not isinstance(eval_dataset, IterableDataset) and len(eval_dataset) == 0:
+        raise ConfigError(f"the eval set ({type(eval_dataset).__name__}) holds no samples, so there is nothing to "
+                          "evaluate; give it samples, or train without one (no eval_dataset)")
+    if cfg.debug and not streamed:  # a small subset: errors show up in seconds
+        train_dataset = Subset(train_dataset, range(min(len(train_dataset), DEBUG_MAX_STEPS * cfg.global_batch_size)))
+        if eval_dataset is not None:
+            eval_dataset = Subset(eval_dataset, range(min(len(eval_dataset), 4 * cfg.global_batch_size)))
+    collate_fn = collate_fn or (resolve(cfg.collate_fn, {}, kind="collate_fn") if cfg.collate_fn else None)
+    if collate_fn is None and input_shape is None:  # dict samples, maybe of different lengths
+        collate_fn = PadCollate(pad_token_id(tokenizer))
+    return Data(train_dataset, eval_dataset, num_classes, input_shape, tokenizer, collate_fn)
+
+
+def local_main_first(accelerator: Accelerator, build: Callable[[], T], main_first: bool = False, *,
+                     preemption: PreemptionWatcher | None = None, phase: str = "data") -> T:
+    """Run ``build`` on each machine's first process, then on the others (they reuse its download).
+
+    ``main_first`` (``--download``): the main process goes first, alone; then the other machines'
+    first processes; then the rest. Not a file lock (``flock`` is unreliable or off on the network
+    file systems a shared ``--data_dir`` lives on): with one ``--data_dir`` for every machine, their
+    first processes would otherwise download into the same files at once, one machine reading a
+    file another is still writing; now the main process downloads and the others find the files.
+    A ``--data_dir`` local to each machine still gets one download per machine.
+
+    Unlike ``accelerator.local_main_process_first()``, an error on a process that goes first still
+    lets the others pass the barriers: they run ``build`` themselves and hit the same error, so every
+    rank reports bad input and exits, instead of one rank dying inside a barrier.
+
+    With ``preemption`` (connected to the other ranks) the barriers compare preemption flags, and one
+    more follows the last build: a process waiting for the first learns there of a signal any process
+    got, a signal interrupts ``build`` where it runs (tokenizing can take minutes; torchrun SIGKILLs
+    30 s after its SIGTERM), and every rank raises ``Preempted`` at the same barrier, naming ``phase``.
+    A preemption wins over an error of ``build``: the relaunch meets the error again.
+    """
+    firsts = [accelerator.is_main_process, accelerator.is_local_main_process] if main_first \
+        else [accelerator.is_local_main_process]
+    turn = next((i for i, first in enumerate(firsts) if first), len(firsts))  # 0 goes first
+    barriers = len(firsts) + (preemption is not None)
+
+    def barrier() -> None:
+        if preemption is None:
+            accelerator.wait_for_everyone()
+        else:
+            preemption.check_start_up(phase)  # raises on every rank at once, so none waits at the next one
+
+    for _ in range(turn):  # the barriers of the turns before this process's
+        barrier()
+    try:
+        if preemption is None:
+            return build()
+        return preemption.interruptible(build)[1]  # interrupted: None, and the next barrier raises Preempted
+    finally:
+        for _ in range(turn, barriers):  # every process passes every barrier, also when build fails
+            barrier()
+
+

@@ -1,0 +1,108 @@
+"""The world of processes a run trains in: checked against the launch, joined, and the model wrapped for it.
+
+    accelerator, per_device, accumulation = build_accelerator(cfg)   # the group formed, the batch layout derived
+    model, optimizer, scheduler = prepare(accelerator, model, optimizer, scheduler)
+
+A launch that started fewer processes than its config asked for (Accelerate's simple launcher)
+is a ``LaunchError``, never a quiet single-process run.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from typing import Any
+
+import torch
+from accelerate import Accelerator, DataLoaderConfiguration, PartialState
+from accelerate.utils import DDPCommunicationHookType, DistributedDataParallelKwargs, DistributedType
+
+from accel_ddp.config import TrainConfig
+from accel_ddp.distributed.preflight import build_fsdp_plugin, check_launch_devices
+from accel_ddp.lifecycle.failure import WORLD_SIZE_VARS
+from accel_ddp.tracking.trackers import tracking_kwargs
+from accel_ddp.util.validation import LaunchError
+
+
+def single_process_trap(env=os.environ) -> str | None:
+    """Why this lone process is not the world its launch config asked for, or None.
+
+    Accelerate's simple launcher (``distributed_type: MULTI_CPU`` without mpirun, ``NO``, or
+    ``--cpu``) starts ONE process whatever ``num_processes`` says, and it marks it: it always sets
+    ``ACCELERATE_USE_CPU``, and ``MASTER_ADDR``/``MASTER_PORT`` only when the config asked for more
+    than one process or machine; no world size, since neither torchrun nor mpirun started it
+    (accelerate/utils/launch.py, ``prepare_simple_launcher_cmd_env``; huggingface/accelerate#2741).
+    The process cannot know how many were meant, so it cannot train on them: it refuses.
+    """
+    simple_launcher = "ACCELERATE_USE_CPU" in env and not any(name in env for name in WORLD_SIZE_VARS)
+    if not (simple_launcher and "MASTER_ADDR" in env and "MASTER_PORT" in env):
+        return None
+    return ("accelerate launch started 1 process, but its config asks for several (distributed_type MULTI_CPU "
+            "without mpirun, NO, or --cpu start just one); use distributed_type: MULTI_GPU, which trains on CPU over "
+            "gloo when there is no GPU (answer multi-GPU in `accelerate config`, or launch with --config_file "
+            "accelerate_configs/cpu_2proc.yaml); for one process, num_processes: 1 and no MASTER_ADDR set")
+
+
+def build_accelerator(cfg: TrainConfig) -> tuple[Accelerator, int, int]:
+    """Join the process group and derive (per-device batch, accumulation) from the world size.
+
+    Without a GPU we must ask for CPU ourselves: Accelerate only forms a gloo group for a
+    torchrun launch when the script requests CPU; otherwise it would start N lone processes.
+    """
+    if cfg.debug:
+        os.environ["ACCELERATE_DEBUG_MODE"] = "1"  # cross-rank shape checks on every collective
+    cpu = not torch.cuda.is_available()
+    check_launch_devices(cuda_available=not cpu)  # one process per GPU; GPUs this torch cannot use
+    if not cpu and cfg.tf32:  # TF32 tensor cores for fp32 matmuls/convs: ~8x on Ampere+, 10-bit mantissa
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    if problem := single_process_trap():
+        raise LaunchError(problem)
+    state = PartialState(cpu=cpu, timeout=timedelta(seconds=cfg.ddp_timeout))
+    launched_world = int(os.environ.get("WORLD_SIZE", "1"))
+    if state.num_processes != launched_world:
+        raise LaunchError(
+            f"the launcher started {launched_world} processes but they formed a group of "
+            f"{state.num_processes}; launch with an accelerate config of distributed_type MULTI_GPU "
+            "(see accelerate_configs/README.md), not MULTI_CPU without mpirun"
+        )
+    per_device, accumulation = cfg.batch_layout(state.num_processes)
+    accelerator = Accelerator(
+        cpu=cpu,
+        gradient_accumulation_steps=accumulation,
+        # Accelerate would otherwise step the schedule num_processes times per optimizer step.
+        step_scheduler_with_optimizer=False,
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=cfg.seed, non_blocking=not cpu),
+        kwargs_handlers=[ddp_kwargs(cfg)],
+        dynamo_backend="inductor" if cfg.compile else None,
+        fsdp_plugin=build_fsdp_plugin(cuda_available=not cpu),  # FSDP2 launches: gradients reduced in fp32
+        # --with_tracking: the trackers of --report_to (a missing package stops every rank here, before any data)
+        **(tracking_kwargs(state, cfg.report_to, cfg.output_dir, cfg.tracker_project_name, cfg.run_name)
+           if cfg.with_tracking else {}),
+    )
+    return accelerator, per_device, accumulation
+
+
+def ddp_kwargs(cfg: TrainConfig) -> DistributedDataParallelKwargs:
+    """The DistributedDataParallel options from the config (Accelerate applies them in ``prepare``)."""
+    return DistributedDataParallelKwargs(
+        bucket_cap_mb=cfg.ddp_bucket_cap_mb,
+        gradient_as_bucket_view=cfg.ddp_gradient_as_bucket_view,
+        static_graph=cfg.ddp_static_graph,
+        find_unused_parameters=cfg.ddp_find_unused_parameters,
+        comm_hook=DDPCommunicationHookType("no" if cfg.ddp_comm_hook == "none" else cfg.ddp_comm_hook),
+    )
+
+
+def prepare(accelerator: Accelerator, model: torch.nn.Module, optimizer, scheduler) -> tuple[Any, Any, Any]:
+    """``accelerator.prepare``, without the 1-rank DDP Accelerate gives a CPU model launched as one process.
+
+    Accelerate wraps every ``MULTI_CPU`` model in DistributedDataParallel, one process included (a
+    launcher's ``LOCAL_RANK`` makes a CPU run ``MULTI_CPU``; its GPU branch asks for two processes):
+    a 1-rank DDP copies each gradient into its buckets and all-reduces it with itself, a fifth of a
+    small model's step. Such a run trains the plain model, as ``python train.py`` does (same bits).
+    """
+    if accelerator.distributed_type == DistributedType.MULTI_CPU and accelerator.num_processes == 1:
+        model = accelerator.prepare_model(model, evaluation_mode=True)  # mixed precision and compile, no DDP
+        return (model, *accelerator.prepare(optimizer, scheduler))
+    return accelerator.prepare(model, optimizer, scheduler)

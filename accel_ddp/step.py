@@ -1,0 +1,227 @@
+"""The backward and the optimizer update (clip, step, zero_grad) without Accelerate's per-call work where it adds
+nothing.
+
+Accelerate's ``AcceleratedOptimizer.step`` looks for the ``lomo_optim`` package twice per call
+(``importlib.util.find_spec`` over ``sys.path``, not cached), its ``zero_grad`` inspects the
+optimizer's signature on every call, and ``Accelerator.clip_grad_norm_`` compares torch versions
+and sorts DTensor gradients from plain ones on every call; torch's own ``clip_grad_norm_`` then
+groups the gradients by device and dtype twice. Together about 0.3 ms of host time per optimizer
+step, a tenth of a small model's step on two CPU ranks (docs/performance.md, "Framework tax").
+``Accelerator.backward`` divides every loss by the accumulation steps, 1 included: one more
+operation forward and one more node backward (~50 us of the same step).
+
+Where none of that can apply (one device or plain DDP, no fp16 loss scaler, a plain
+``AcceleratedOptimizer``) ``build_update`` steps the torch optimizer itself and clips with one
+multi-tensor norm, bit for bit what ``torch.nn.utils.clip_grad_norm_`` computes, and, without
+accumulation, ``build_backward`` calls ``loss.backward()`` (dividing by 1 changes no bit). Everywhere
+else (FSDP, DeepSpeed, XLA, fp16, accumulation) they call Accelerate's methods.
+
+:class:`LossAccumulator` backpropagates each micro-step's loss (a mean, or a ``(sum, num_items)``
+pair made token-exact over the whole global batch) and keeps the running loss for the log lines.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+from accelerate import Accelerator
+from accelerate.optimizer import AcceleratedOptimizer
+from accelerate.utils import DistributedType
+
+from accel_ddp.util.validation import ConfigError
+
+if TYPE_CHECKING:
+    from accel_ddp.tasks.protocol import Loss
+
+
+def empty_sum(loss: str = "the loss function") -> str:
+    """The error line for a ``(sum, num_items)`` loss whose sum is not 0 over 0 items."""
+    return (f"{loss} returned a (sum, num_items) pair with a non-zero sum over num_items 0 (a sum over no items is "
+            "0); return the count of the items the sum adds up, e.g. (losses[mask].sum(), mask.sum())")
+
+
+# Distributed types whose optimizer step and clipping Accelerate does nothing special for (no sharding, no XLA).
+PLAIN_TYPES = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
+
+
+def build_update(
+    accelerator: Accelerator, model: torch.nn.Module, optimizer, max_grad_norm: float
+) -> Callable[[], None]:
+    """The update at the end of an optimizer step: clip to ``max_grad_norm`` (0: no clipping), step, zero_grad.
+
+    Call it once per optimizer step, when ``accelerator.sync_gradients`` is true (after the last
+    micro-step's backward), with the model and optimizer ``accelerator.prepare`` returned.
+
+        >>> update = build_update(accelerator, model, optimizer, max_grad_norm=1.0)
+        >>> if accelerator.sync_gradients:
+        ...     update()
+    """
+    plain = (type(optimizer) is AcceleratedOptimizer and optimizer.scaler is None
+             and accelerator.distributed_type in PLAIN_TYPES)
+    if not plain:
+        def accelerate_update() -> None:
+            if max_grad_norm > 0:
+                accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        return accelerate_update
+
+    torch_optimizer = optimizer.optimizer
+    params = [p for p in model.parameters() if p.requires_grad]
+    clip = build_clip(params, max_grad_norm) if max_grad_norm > 0 else None
+
+    def update() -> None:
+        if clip is not None:
+            clip()
+        torch_optimizer.step()
+        torch_optimizer.zero_grad(set_to_none=True)
+
+    return update
+
+
+def build_clip(params: list[torch.nn.Parameter], max_norm: float) -> Callable[[], torch.Tensor]:
+    """Clip the gradients of ``params`` to a global L2 norm of ``max_norm``; returns the norm before clipping.
+
+    ``torch.nn.utils.clip_grad_norm_``'s arithmetic, the same bits, without its per-call grouping
+    where every parameter shares one device and dtype (the common case); otherwise torch's. No host
+    sync: the scale factor stays on the device.
+    """
+    if len({(p.device, p.dtype) for p in params}) > 1:
+        return lambda: torch.nn.utils.clip_grad_norm_(params, max_norm)
+
+    def clip() -> torch.Tensor:
+        grads = [p.grad for p in params if p.grad is not None]
+        if not grads:
+            return torch.zeros(())
+        total = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0)), 2.0)
+        torch._foreach_mul_(grads, torch.clamp(max_norm / (total + 1e-6), max=1.0))
+        return total
+
+    return clip
+
+
+def build_backward(accelerator: Accelerator) -> Callable[[torch.Tensor], None]:
+    """``accelerator.backward``, or ``Tensor.backward`` where Accelerate would only divide the loss by 1.
+
+        >>> backward = build_backward(accelerator)
+        >>> backward(loss)
+    """
+    plain = (accelerator.gradient_accumulation_steps == 1 and accelerator.scaler is None
+             and accelerator.distributed_type in PLAIN_TYPES)
+    return torch.Tensor.backward if plain else accelerator.backward
+
+
+class LossAccumulator:
+    """Backpropagates each micro-step's loss and completes each optimizer step's gradient.
+
+    Means (tuple batches, models' own losses, user means): ``accelerator.backward(mean)``, as
+    Accelerate's examples do. Micro-batches have equal sizes, so the mean over micro-steps and
+    ranks is the global batch's mean: the semantics (and bits) of the loop before tasks existed.
+
+    ``(sum, num_items)`` losses: micro-batches hold different numbers of items (tokens), so a mean
+    of their means would weigh a token in a short micro-batch more than one in a long one. The
+    step's gradient must be ``grad(sum of all sums) / (all items)`` over every micro-step and
+    rank. The item count is only known after each forward (a user loss decides what counts), so
+    instead of looking ahead at the step's micro-batches (the Transformers Trainer's way) we
+    backpropagate ``sum / nominal`` at each micro-step, add up the items on the device, and at the
+    step's last micro-step multiply the gradients by ``world_size * accumulation * nominal /
+    global_items``: DDP (and FSDP) averaged them over ranks, Accelerate divided each backward by
+    ``accumulation``; the factor undoes both and divides by the true count. One scalar all-reduce
+    per optimizer step, on the device (no host sync). ``nominal`` (the global batch size) only keeps
+    the backpropagated values near the magnitude of a per-sample mean (fp16 loss scaling, fp16
+    gradient compression); it cancels out.
+
+    A micro-batch whose sum is not 0 over 0 items is a broken loss (the count left out, or
+    counting the wrong thing): the step would train on the raw sum. It is counted on the device
+    with the running sums and refused (bad input, exit 2) where the loop syncs anyway: at a log
+    line (:meth:`mean_since_log`) and before every save, evaluation and the final export
+    (:meth:`empty_sum_problem`). No step's state is saved or reported in between.
+    """
+
+    def __init__(self, accelerator, accumulation: int, nominal_items: int):
+        self.accelerator = accelerator
+        self._backward = build_backward(accelerator)  # accelerator.backward, without its division by 1
+        self.accumulation = accumulation
+        self.nominal = float(nominal_items)
+        device = accelerator.device
+        self.summed: bool | None = None  # decided by the first micro-step: means or (sum, num_items)
+        self.step_items = torch.zeros((), device=device, dtype=torch.float64)  # this rank, this step
+        # Since the last log line: loss sum, items, and micro-steps with a non-zero sum over no items.
+        self.running = torch.zeros(3, device=device, dtype=torch.float64)
+        self.running_mean = torch.zeros((), device=device)  # since the last log: means, as the loop always summed
+        self.steps_since_log = 0
+
+    def backward(self, loss: Loss) -> None:
+        summed = loss.items is not None
+        if self.summed is None:
+            self.summed = summed
+        elif summed != self.summed:
+            raise ConfigError("the loss switched between a mean and a (sum, num_items) pair; return one kind")
+        if summed:
+            value, items = loss.value.detach().double(), loss.items.double()
+            self.step_items += items
+            self.running += torch.stack([value, items, value.abs() * (items == 0)])  # 3 small ops, no sync
+            self._backward(loss.value / self.nominal)
+        else:
+            self._backward(loss.value)
+            mean = loss.value.detach()  # summed over steps, averaged over ranks
+            self.running_mean += mean if self.accumulation == 1 else mean / self.accumulation
+
+    def finish_step(self, model: torch.nn.Module) -> None:
+        """At the optimizer step's last micro-step (gradients synced), before clipping and the update."""
+        self.steps_since_log += 1
+        if not self.summed:
+            return
+        acc = self.accelerator
+        global_items = acc.reduce(self.step_items, reduction="sum") if acc.num_processes > 1 else self.step_items
+        # An all-ignored global batch has zero gradients: keep them zero rather than 0/0.
+        factor = acc.num_processes * self.accumulation * self.nominal / global_items.clamp_min(1)
+        scale_gradients(model.parameters(), factor)
+        self.step_items.zero_()
+
+    @property
+    def running_loss(self) -> torch.Tensor:
+        """The loss summed since the last log line (a device scalar; nan or inf once any micro-step's was)."""
+        return self.running[0] if self.summed else self.running_mean
+
+    def mean_since_log(self) -> float:
+        """The mean training loss since the last call, over every rank (one host sync).
+
+        nan when some micro-step's sum was not 0 over 0 items: the loop then stops, and
+        :meth:`empty_sum_problem` (whose count this call leaves as it is) says why.
+        """
+        if self.summed:
+            loss_sum, items, empty_sums = self.accelerator.reduce(self.running, reduction="sum").tolist()
+            if empty_sums:
+                return math.nan
+            mean = loss_sum / max(items, 1)
+        else:
+            mean = self.accelerator.reduce(self.running_mean, "mean").item() / max(self.steps_since_log, 1)
+        self.running.zero_()
+        self.running_mean.zero_()
+        self.steps_since_log = 0
+        return mean
+
+    def empty_sum_problem(self) -> str | None:
+        """Whether some rank's loss had a non-zero sum over 0 items since the last log line (collective; the loop
+        asks before every save, evaluation and the final export, where it syncs anyway)."""
+        if not self.summed:  # the same on every rank: the first micro-step decided it
+            return None
+        empty_sums = self.running[2:]
+        if self.accelerator.num_processes > 1:
+            empty_sums = self.accelerator.reduce(empty_sums, reduction="sum")
+        return empty_sum() if empty_sums.item() else None
+
+
+def scale_gradients(parameters, factor: torch.Tensor) -> None:
+    """Multiply every gradient by ``factor`` (a device scalar), one fused kernel per device and dtype."""
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for p in parameters:
+        if p.grad is not None:
+            groups.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
+    for (device, dtype), grads in groups.items():
+        torch._foreach_mul_(grads, factor.to(device=device, dtype=dtype))

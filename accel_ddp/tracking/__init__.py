@@ -1,0 +1,1 @@
+"""accel_ddp.tracking.recorder."""

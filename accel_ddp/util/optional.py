@@ -1,0 +1,24 @@
+"""Optional dependencies: imported only when a feature asks for them, else one line with the install command."""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+from accel_ddp.util.validation import ConfigError
+
+EXTRAS = {"transformers": "nlp", "tokenizers": "nlp", "tensorboard": "tracking"}  # package -> setup.cfg extra
+
+
+def require(package: str, feature: str) -> ModuleType:
+    """Import ``package`` for ``feature`` (e.g. ``"--tokenizer"``), or raise a ConfigError saying how to install it.
+
+        >>> require("math", "--lr").pi > 3
+        True
+    """
+    try:
+        return importlib.import_module(package)
+    except ImportError:
+        extra = EXTRAS.get(package)
+        how = f"pip install 'accel_ddp[{extra}]' (or pip install {package})" if extra else f"pip install {package}"
+        raise ConfigError(f"{feature} needs the {package} package, which is not installed; {how}") from None
