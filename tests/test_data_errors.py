@@ -346,9 +346,9 @@ def test_a_streaming_resume_after_changing_the_buffer_or_the_data_restarts_the_p
 
 def test_a_streaming_run_resumed_with_another_shuffle_buffer_continues_from_the_command_line(tmp_path, capfd):
     from tests.conftest import train_ranks
-    from tests.test_data import _image_shards
+    from tests.helpers_data import image_shards
 
-    data = _image_shards(tmp_path / "d", [40, 40], n_test=4)
+    data = image_shards(tmp_path / "d", [40, 40], n_test=4)
     common = ["--dataset", "hf", "--data_dir", str(data), "--streaming", "--global_batch_size", "8",
               "--num_workers", "0", "--output_dir", str(tmp_path / "run")]
     train_ranks([*common, "--max_steps", "4", "--checkpointing_steps", "4", "--shuffle_buffer", "16"])
