@@ -663,12 +663,9 @@ def test_a_full_disk_while_writing_the_runs_files_is_one_line_and_the_checkpoint
         return code
 
     capfd.readouterr()
-    if what == "metrics.jsonl":  # the main process stops by itself; the other rank when its process has ended
-        with pytest.raises(RankFailed) as failed:
-            run_ranks(run, grace=10)
-        assert set(failed.value.failures) == {1} and (tmp_path / "exit0").read_text() == "2"
-    else:
-        assert run_ranks(run) == [2, 2]
+    # metrics.jsonl: only the main process meets the write; it reports, and the other rank, which learns of it at
+    # its next collective, exits quietly with the same code (accel_ddp.lifecycle.failure).
+    assert run_ranks(run) == [2, 2]
     err = capfd.readouterr().err
     (line,) = _lines_after_bars(err)
     assert line.startswith(f"accel_ddp: error: cannot write {what} in {out}: the file system is full (")

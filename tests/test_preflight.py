@@ -68,10 +68,10 @@ def _gpus_torch_cannot_use() -> None:
 def _assert_refused(outcomes, tmp_path, *words: str) -> None:
     codes = [code for code, _ in outcomes]
     assert codes == [2] * len(outcomes)
-    lines = outcomes[0][1].strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("accel_ddp: error: "), outcomes[0][1]
+    # One line in all, from the rank that failed first (accel_ddp.lifecycle.failure): every other rank is quiet.
+    lines = [line for _, err in outcomes for line in err.strip().splitlines()]
+    assert len(lines) == 1 and lines[0].startswith("accel_ddp: error: "), outcomes
     assert all(word in lines[0] for word in words), lines[0]
-    assert all(err == "" for _, err in outcomes[1:])  # one line in all: from rank 0
     assert not any(tmp_path.iterdir())  # refused before anything was written
 
 

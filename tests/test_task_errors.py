@@ -456,7 +456,6 @@ def test_a_label_out_of_range_on_the_dataloader_path_is_named_by_the_rank_that_r
     from accel_ddp.cli.train import main
     from accel_ddp.data.sampler import epoch_order
     from tests.conftest import run_ranks
-    from tests.multiproc import RankFailed
 
     out = tmp_path / "out"
     args = ["--dataset", "tests.test_task_errors:bad_row_label", "--hidden_size", "8", "--global_batch_size", "8",
@@ -467,9 +466,8 @@ def test_a_label_out_of_range_on_the_dataloader_path_is_named_by_the_rank_that_r
         (tmp_path / f"exit{os.environ.get('RANK')}").write_text(str(code))
         return code
 
-    with pytest.raises(RankFailed) as failed:  # rank 0 waited for rank 1 in a collective: gloo tells it rank 1 left
-        run_ranks(run, grace=20)
-    assert set(failed.value.failures) == {0} and (tmp_path / "exit1").read_text() == "2"
+    # Rank 1 reports; rank 0, waiting for it in a collective, learns of it and exits quietly with its code.
+    assert run_ranks(run, grace=20) == [2, 2]
     index = int(epoch_order(64, 64, seed=0, epoch=0)[BAD_POSITION])
     lines = [line for line in error_lines(capfd.readouterr().err) if line.startswith("accel_ddp: error")]
     assert lines == [f"accel_ddp: error: training sample {index} (epoch 0, optimizer step 4, rank 1) has label 10, "
