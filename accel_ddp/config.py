@@ -256,18 +256,26 @@ class TrainConfig:
             (16, 2)
         """
         per_device = self.per_device_batch_size or self.global_batch_size // world_size
-        if per_device == 0 or self.global_batch_size % (world_size * per_device) != 0:
-            raise ConfigError(
-                f"--global_batch_size {self.global_batch_size} is not divisible by world size {world_size} "
-                f"x --per_device_batch_size {per_device}; pick a global batch that is a multiple of "
-                f"{world_size * max(per_device, 1)}"
-            )
-        return per_device, self.global_batch_size // (world_size * per_device)
+        return per_device, accumulation_steps(per_device, self.global_batch_size, world_size)
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
         out["synthetic_shape"] = list(self.synthetic_shape)
         return out
+
+
+def accumulation_steps(per_device_batch_size: int, global_batch_size: int, world_size: int) -> int:
+    """Micro-steps per optimizer step of a batch layout: ``global = world_size * per_device * accumulation``.
+
+    The one place the layout is derived and checked (``TrainConfig.batch_layout``, the samplers built from it).
+    """
+    if per_device_batch_size <= 0 or global_batch_size % (world_size * per_device_batch_size) != 0:
+        raise ConfigError(
+            f"--global_batch_size {global_batch_size} is not divisible by world size {world_size} "
+            f"x --per_device_batch_size {per_device_batch_size}; pick a global batch that is a multiple of "
+            f"{world_size * max(per_device_batch_size, 1)}"
+        )
+    return global_batch_size // (world_size * per_device_batch_size)
 
 
 def warn_deprecated(old: str, new: str) -> None:

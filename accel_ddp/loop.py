@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 from accelerate import Accelerator
@@ -27,7 +27,8 @@ from accelerate.utils import set_seed
 from torch.utils.data import Dataset
 from tqdm.auto import tqdm
 
-from accel_ddp.checkpoint.manager import HYPERPARAMETERS, CheckpointManager, flags_in_force
+from accel_ddp.checkpoint.manager import HYPERPARAMETERS, CheckpointManager
+from accel_ddp.checkpoint.start import where_to_start
 from accel_ddp.checkpoint.weights import export_weights, load_weights
 from accel_ddp.config import DEBUG_MAX_STEPS, TrainConfig
 from accel_ddp.data import build_loaders
@@ -45,6 +46,7 @@ from accel_ddp.lifecycle.preemption import (
     restart_hazard,
     trace_non_finite,
 )
+from accel_ddp.lifecycle.stops import StopPoints
 from accel_ddp.models import build_configured_model, export_pretrained
 from accel_ddp.optim import build_lr_scheduler, build_optimizer, use_fused_optimizer
 from accel_ddp.outputs.model_card import launch_command, write_model_card
@@ -52,16 +54,12 @@ from accel_ddp.outputs.run_dir import (
     RunFinished,
     check_output_dir,
     claim_output_dir,
-    refuse_to_overwrite_finished,
-    stop_if_finished,
 )
-from accel_ddp.step import LossAccumulator, build_update
+from accel_ddp.step import TrainStep
 from accel_ddp.tasks.probe import probe_task
 from accel_ddp.tasks.protocol import Task, build_task
 from accel_ddp.tracking.meters import (
     EpochTimer,
-    StepProfiler,
-    ThroughputMeter,
     largest,
     memory_record,
     progress_bar,
@@ -69,8 +67,8 @@ from accel_ddp.tracking.meters import (
 )
 from accel_ddp.tracking.recorder import RunRecorder
 from accel_ddp.tracking.startup import StartupClock
+from accel_ddp.tracking.step_log import StepLog
 from accel_ddp.util.registry import resolve
-from accel_ddp.util.validation import ConfigError
 
 
 @dataclass
@@ -159,14 +157,7 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
         startup.mark(name)
         preemption.check_start_up(name)
 
-    accelerator, per_device_batch, accumulation = build_accelerator(cfg)
-    teardown.callback(accelerator.end_training)
-    preemption.connect(accelerator, timedelta(seconds=cfg.ddp_timeout))  # its all-reduce waits --ddp_timeout at most
-    teardown.push(_claim_failure)  # before the group goes: the ranks it then stops know that they are not first
-    main_process_decides(accelerator, lambda: check_output_dir(cfg.output_dir))  # a bad folder: now, not after data
-    check_shared_output_dir(accelerator, cfg.output_dir)  # several machines: one folder for all of them
-    if accelerator.is_main_process and (hazard := restart_hazard()):
-        print(f"accel_ddp: warning: {hazard}", file=sys.stderr, flush=True)
+    accelerator, per_device_batch, accumulation = _join(cfg, teardown, preemption)
     phase_done("process_group")
 
     if cfg.debug:
@@ -177,25 +168,17 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
     task = build_task(cfg.task, loss_fn or (resolve(cfg.loss, {}, kind="loss") if cfg.loss else None), metrics,
                       memory_format)
     data = resolve_data(cfg, accelerator, train_dataset, eval_dataset, collate_fn, preemption=preemption)
-    train_dataset, eval_dataset = data.train, data.eval
     phase_done("data")
-    if model is None:
-        model = build_configured_model(cfg, data)
-    if accelerator.is_fsdp2:  # before anything is built on it: what FSDP2 cannot shard or cast
-        check_fsdp(model, channels_last=cfg.channels_last, mixed_precision=accelerator.mixed_precision)
-    if cfg.init_from:
-        load_weights(model, cfg.init_from)  # every rank reads the same file before DDP wraps the model
-    model = model.to(memory_format=memory_format)  # NHWC convolutions: faster on tensor cores
+    model = _model(cfg, accelerator, model, data, memory_format)
     phase_done("model")
 
     # The device loader where the data fits (--loader), else a DataLoader over the same order, or a stream.
     loaders = build_loaders(
-        accelerator, train_dataset, eval_dataset, per_device_batch_size=per_device_batch,
+        accelerator, data.train, data.eval, per_device_batch_size=per_device_batch,
         global_batch_size=cfg.global_batch_size, eval_batch_size=cfg.eval_batch_size, loader=cfg.loader,
         num_workers=0 if cfg.debug else cfg.num_workers, device_loader_max_mb=cfg.device_loader_max_mb,
         collate_fn=data.collate_fn, max_steps=cfg.max_steps,
     )
-    train_loader, eval_loader = loaders.train, loaders.eval
     plan = _plan(cfg, loaders.steps_per_epoch, per_device_batch, accumulation)
     phase_done("loaders")
 
@@ -203,28 +186,18 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
                                 fused=use_fused_optimizer(cfg.optimizer, accelerator.device.type, accelerator.is_fsdp2))
     scheduler = build_lr_scheduler(optimizer, cfg.lr_schedule, cfg.warmup_steps, plan.total_steps)
     model, optimizer, scheduler = prepare(accelerator, model, optimizer, scheduler)
-    probe_task(task, accelerator, model, data, evaluates=eval_loader is not None, loaders=loaders)
+    probe_task(task, accelerator, model, data, evaluates=loaders.eval is not None, loaders=loaders)
     phase_done("optimizer_and_prepare")
 
     # The input is checked. Before anything is written: the folder is created, and ours alone until we exit.
     teardown.callback(claim_output_dir(accelerator, cfg.output_dir).release)
     recorder = RunRecorder(cfg.output_dir, accelerator.is_main_process, accelerator=accelerator)
     teardown.callback(recorder.close)
-    if cfg.resume_from_checkpoint:
-        stop_if_finished(accelerator, cfg.output_dir, plan.total_steps, cfg.global_batch_size)
-
     facts = _run_facts(cfg, accelerator, plan, loaders.kind, loaders.source)
     checkpoints = CheckpointManager(accelerator, cfg.output_dir, cfg.keep_last,
                                     {**facts, "seed": cfg.seed, "optimizer": cfg.optimizer, "model": cfg.model,
                                      **{name: getattr(cfg, name) for name in HYPERPARAMETERS}})
-    if cfg.resume_from_checkpoint:  # weights, optimizer, schedule, scaler and every rank's RNG
-        with flags_in_force(optimizer, scheduler):  # ... but this run's lr, schedule, decay win (with a warning)
-            start_step = checkpoints.resume(cfg.resume_from_checkpoint)
-    else:
-        checkpoints.check_fresh_start()
-        start_step = 0
-    if start_step == 0:
-        refuse_to_overwrite_finished(accelerator, cfg.output_dir)
+    start_step = where_to_start(cfg, accelerator, checkpoints, optimizer, scheduler, plan.total_steps)
     resolved = {**cfg.to_dict(), "resolved": facts}
     recorder.start_trackers(cfg.tracker_project_name, resolved, start_step)  # one that cannot start: exit 2 here
     # Only now, with the input checked and the start point agreed, touch what earlier runs left.
@@ -233,8 +206,32 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
     phase_done("resume_and_config")
     bar = progress_bar(plan.total_steps, start_step, accelerator.is_local_main_process)
     teardown.callback(bar.close)  # first on an error: the bar's line ends before any rank prints the error
-    return Run(cfg, accelerator, model, task, optimizer, scheduler, train_loader, eval_loader, plan, facts, recorder,
+    return Run(cfg, accelerator, model, task, optimizer, scheduler, loaders.train, loaders.eval, plan, facts, recorder,
                checkpoints, preemption, start_step, started, startup, data.tokenizer, bar)
+
+
+def _join(cfg: TrainConfig, teardown: ExitStack, preemption: PreemptionWatcher) -> tuple[Accelerator, int, int]:
+    """The process group and the Accelerator (with the run's batch layout), checked before any data is touched."""
+    accelerator, per_device_batch, accumulation = build_accelerator(cfg)
+    teardown.callback(accelerator.end_training)
+    preemption.connect(accelerator, timedelta(seconds=cfg.ddp_timeout))  # its all-reduce waits --ddp_timeout at most
+    teardown.push(_claim_failure)  # before the group goes: the ranks it then stops know that they are not first
+    main_process_decides(accelerator, lambda: check_output_dir(cfg.output_dir))  # a bad folder: now, not after data
+    check_shared_output_dir(accelerator, cfg.output_dir)  # several machines: one folder for all of them
+    if accelerator.is_main_process and (hazard := restart_hazard()):
+        print(f"accel_ddp: warning: {hazard}", file=sys.stderr, flush=True)
+    return accelerator, per_device_batch, accumulation
+
+
+def _model(cfg: TrainConfig, accelerator: Accelerator, model, data, memory_format) -> torch.nn.Module:
+    """The caller's model or the configured one, checked for FSDP2, with ``--init_from``'s weights, in its layout."""
+    if model is None:
+        model = build_configured_model(cfg, data)
+    if accelerator.is_fsdp2:  # before anything is built on it: what FSDP2 cannot shard or cast
+        check_fsdp(model, channels_last=cfg.channels_last, mixed_precision=accelerator.mixed_precision)
+    if cfg.init_from:
+        load_weights(model, cfg.init_from)  # every rank reads the same file before DDP wraps the model
+    return model.to(memory_format=memory_format)  # NHWC convolutions: faster on tensor cores
 
 
 def _plan(cfg: TrainConfig, steps_in_epoch: int, per_device_batch: int, accumulation: int) -> Plan:
@@ -273,105 +270,73 @@ def fit(run: Run) -> FitResult:
     """The training loop, from ``run.start_step`` to the last optimizer step.
 
     ``micro_step`` = one forward/backward per rank; ``step`` = one optimizer step over the global batch.
+    Every rank takes the same branches at the same step: evaluations, saves and stops are collective.
     """
-    cfg, accelerator, model, optimizer, scheduler = run.cfg, run.accelerator, run.model, run.optimizer, run.scheduler
-    plan, recorder = run.plan, run.recorder
+    cfg, accelerator, plan = run.cfg, run.accelerator, run.plan
     save_every = 0 if cfg.checkpointing_steps in (None, "epoch") else int(cfg.checkpointing_steps)
     step = run.start_step  # epochs have a fixed number of steps, so the step alone says where we are
-    eval_metrics: dict[str, Any] = {}
-    losses = LossAccumulator(accelerator, plan.accumulation, cfg.global_batch_size)  # backward, logged mean
-    bar = run.bar
-    meter = ThroughputMeter(cfg.global_batch_size, step)  # samples/s between log lines
-    timer = EpochTimer(cfg.global_batch_size)  # per-epoch step-time percentiles and data-wait share
-    profiler = StepProfiler(cfg.profile, cfg.output_dir, accelerator.process_index)
-    update = build_update(accelerator, model, optimizer, cfg.max_grad_norm)  # clip, step, zero_grad
     watch = LossWatch(accelerator, step)  # a nan/inf loss is noticed at the next sync point, named by its first step
-
-    def stop_if_not_finite(step: int) -> None:  # collective; before every save and evaluation, at a bad log line
-        if (bad := watch.first_bad_step(step)) is not None:
-            raise NonFiniteLoss(bad, run.checkpoints.last_saved_folder)
-        if (problem := losses.empty_sum_problem()) is not None:  # a sum over 0 items trained as a raw sum: exit 2
-            raise ConfigError(problem)
-
-    def save(step: int) -> str:  # a nan/inf state is never saved
-        stop_if_not_finite(step)
-        return run.checkpoints.save(step)
-
-    def stop(step: int, saved: str | None = None) -> NoReturn:  # preempted: every rank saves this step, then stops
-        checkpoint = saved or save(step)
-        bar.close()
-        raise Preempted(run.preemption.reason, step, checkpoint, signal_name=run.preemption.signal_name)
-
-    def stop_if_preempted(step: int, saved: str | None = None) -> None:
-        # After an evaluation or a save, which every rank runs at the same step: a signal that came during it
-        # stops the run now, with this step's checkpoint, not at the next comparison's step. After the last
-        # step the run finishes instead (what a relaunch would do).
-        if step < plan.total_steps and run.preemption.agree():
-            stop(step, saved)
-
+    steps = TrainStep(accelerator, run.model, run.task, run.optimizer, run.scheduler, plan.accumulation,
+                      cfg.global_batch_size, cfg.max_grad_norm, step, check_loss=_debug_check(run, watch))
+    stops = StopPoints(run.checkpoints, run.preemption, watch, steps.losses, run.bar, plan.total_steps)
+    log = StepLog(run, steps.losses)
+    eval_metrics: dict[str, Any] = {}
     evaluated_at = None  # the step of the last evaluation: the final weights are always evaluated once
+
+    def evaluate_now(epoch: int) -> None:
+        nonlocal eval_metrics, evaluated_at
+        stops.if_not_finite(step)
+        eval_metrics, evaluated_at = evaluate_and_log(run, step, epoch), step
+        stops.if_preempted(step)  # the evaluation was finished: its metrics are logged, then the step saved
+
     for epoch in range(step // plan.steps_per_epoch, plan.num_epochs):
         if step >= plan.total_steps:  # resumed from the last step's checkpoint
             break
-        model.train()
+        run.model.train()
         # A new permutation each epoch, identical on every rank; a resumed epoch skips what was trained on.
         skip = (step - epoch * plan.steps_per_epoch) * plan.accumulation
-        timer.start_epoch()
-        for batch in timed(_epoch_batches(run.train_loader, epoch, skip), timer):
-            with accelerator.accumulate(model):
-                loss = run.task.training_loss(model, batch)  # a mean, or a (sum, num_items) pair
-                if cfg.debug and watch.any_rank(loss.value):  # debug syncs per step: stop before a nan backward
-                    raise NonFiniteLoss(step + 1, run.checkpoints.last_saved_folder,
-                                        trace_non_finite(accelerator, model, loss.value))
-                losses.backward(loss)
-                if accelerator.sync_gradients:  # the step's last micro-step: gradients are synced
-                    losses.finish_step(model)  # (sum, num_items): the gradient of total loss / total items
-                    update()  # clip (--max_grad_norm), optimizer step, zero_grad
-            if not accelerator.sync_gradients:
+        log.timer.start_epoch()
+        for batch in timed(_epoch_batches(run.train_loader, epoch, skip), log.timer):
+            if not steps.micro_step(batch):  # forward, backward; on the step's last micro-step the update
                 continue
-            scheduler.step()  # exactly once per optimizer step
-            step += 1
-            watch.after_step(losses.running_loss)
-            timer.step_done()
-            if step == run.start_step + 1:
-                run.startup.mark("first_step")
-            profiler.step()
-            bar.update(1)
-            if step % cfg.log_every == 0 or step == plan.total_steps:
-                mean_loss = losses.mean_since_log()  # only here do we sync with the host: .item() stalls the GPU
-                if not math.isfinite(mean_loss):
-                    stop_if_not_finite(step)
-                recorder.log({"step": step, "epoch": epoch, "loss": mean_loss, "lr": scheduler.get_last_lr()[0],
-                              "samples_per_sec": meter.rate(step)})
-                bar.set_postfix(loss=f"{mean_loss:.4f}", refresh=False)  # shown at the bar's next redraw (<= 0.1 s)
+            step = steps.step
+            watch.after_step(steps.losses.running_loss)
+            log.step_done(step, epoch, on_bad_loss=stops.if_not_finite)
             if run.preemption.stop_requested():  # ranks compare flags every ~0.25 s: all stop after the same step
-                stop(step)
+                stops.stop(step)
             if run.eval_loader is not None and cfg.eval_every and step % cfg.eval_every == 0:
-                stop_if_not_finite(step)
-                eval_metrics, evaluated_at = evaluate_and_log(run, step, epoch), step
-                stop_if_preempted(step)  # the evaluation was finished: its metrics are logged, then the step saved
-                meter.reset(step)  # evaluation time is not training throughput
-                timer.pause()
+                evaluate_now(epoch)
+                log.paused(step)
             if save_every and step % save_every == 0:
-                stop_if_preempted(step, save(step))  # a signal during the save: it completes, then every rank stops
-                meter.reset(step)  # nor is checkpointing time
-                timer.pause()
+                stops.if_preempted(step, stops.save(step))  # a signal during the save: it completes, then all stop
+                log.paused(step)
             if step >= plan.total_steps:
                 break
-        recorder.log({"step": step, "epoch": epoch, **timer.end_epoch(), **memory_record(accelerator)})
+        log.epoch_done(step, epoch)
         if run.eval_loader is not None and not cfg.eval_every:
-            stop_if_not_finite(step)
-            eval_metrics, evaluated_at = evaluate_and_log(run, step, epoch), step
-            stop_if_preempted(step)
+            evaluate_now(epoch)
         if cfg.checkpointing_steps == "epoch" and step == (epoch + 1) * plan.steps_per_epoch:
-            stop_if_preempted(step, save(step))
-        meter.reset(step)  # the next log line's samples/s leaves out this epoch's evaluation and checkpoint
-    bar.close()
-    profiler.stop()
-    stop_if_not_finite(step)  # before finish() exports the weights
+            stops.if_preempted(step, stops.save(step))
+        log.meter.reset(step)  # the next log line's samples/s leaves out this epoch's evaluation and checkpoint
+    log.close()
+    stops.if_not_finite(step)  # before finish() exports the weights
     if run.eval_loader is not None and evaluated_at != step:  # also a run resumed from its last step's checkpoint
         eval_metrics = evaluate_and_log(run, step, plan.num_epochs - 1)
-    return FitResult(step, eval_metrics, timer)
+    return FitResult(step, eval_metrics, log.timer)
+
+
+def _debug_check(run: Run, watch: LossWatch) -> Callable[[torch.Tensor, int], None] | None:
+    """``--debug``: every micro-step's loss is checked on every rank (a sync per step), so a nan/inf stops the run
+    before its backward, with a trace of the operation that made it; None otherwise (checked at sync points)."""
+    if not run.cfg.debug:
+        return None
+
+    def check(loss: torch.Tensor, step: int) -> None:
+        if watch.any_rank(loss):
+            raise NonFiniteLoss(step, run.checkpoints.last_saved_folder, trace_non_finite(run.accelerator, run.model,
+                                                                                          loss))
+
+    return check
 
 
 def finish(run: Run, result: FitResult) -> dict[str, Any]:

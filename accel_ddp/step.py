@@ -225,3 +225,40 @@ def scale_gradients(parameters, factor: torch.Tensor) -> None:
             groups.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
     for (device, dtype), grads in groups.items():
         torch._foreach_mul_(grads, factor.to(device=device, dtype=dtype))
+
+
+class TrainStep:
+    """One micro-step on this rank: forward and loss, backward (gradients all-reduced on the step's last), and
+    there the token-exact rescale, clip, optimizer step, zero_grad and the schedule's step.
+
+        steps = TrainStep(accelerator, model, task, optimizer, scheduler, accumulation, global_batch, max_grad_norm,
+                          start_step)
+        for batch in loader:
+            if steps.micro_step(batch):   # True: optimizer step ``steps.step`` was taken
+                ...
+    """
+
+    def __init__(self, accelerator: Accelerator, model, task, optimizer, scheduler, accumulation: int,
+                 global_batch_size: int, max_grad_norm: float, start_step: int = 0,
+                 check_loss: Callable[[torch.Tensor, int], None] | None = None):
+        self.accelerator, self.model, self.task, self.scheduler = accelerator, model, task, scheduler
+        self.losses = LossAccumulator(accelerator, accumulation, global_batch_size)  # backward, logged mean
+        self.update = build_update(accelerator, model, optimizer, max_grad_norm)  # clip, step, zero_grad
+        self.step = start_step  # optimizer steps done
+        self.check_loss = check_loss  # --debug: (each micro-step's loss, the step it belongs to) before its backward
+
+    def micro_step(self, batch) -> bool:
+        """Forward and backward ``batch``; the optimizer step where it completes one (returns True)."""
+        with self.accelerator.accumulate(self.model):
+            loss = self.task.training_loss(self.model, batch)  # a mean, or a (sum, num_items) pair
+            if self.check_loss is not None:
+                self.check_loss(loss.value, self.step + 1)
+            self.losses.backward(loss)
+            if self.accelerator.sync_gradients:  # the step's last micro-step: gradients are synced
+                self.losses.finish_step(self.model)  # (sum, num_items): the gradient of total loss / total items
+                self.update()  # clip (--max_grad_norm), optimizer step, zero_grad
+        if not self.accelerator.sync_gradients:
+            return False
+        self.scheduler.step()  # exactly once per optimizer step
+        self.step += 1
+        return True

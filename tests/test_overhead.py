@@ -259,15 +259,16 @@ def test_log_lines_leave_out_the_evaluation_between_epochs(tmp_path):
     """The throughput meter restarts after each epoch's evaluation: the next log line's samples/s is training only."""
     def run():
         import accel_ddp.loop as loop
+        import accel_ddp.tracking.step_log as step_log
 
         resets = []
 
-        class Meter(loop.ThroughputMeter):
+        class Meter(step_log.ThroughputMeter):
             def reset(self, step: int) -> None:
                 resets.append(step)
                 super().reset(step)
 
-        loop.ThroughputMeter = Meter
+        step_log.ThroughputMeter = Meter
         loop.train(parse_args([*TINY, "--synthetic_samples", "128", "--epochs", "2", "--output_dir",
                                str(tmp_path)]))
         return resets

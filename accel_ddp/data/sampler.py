@@ -30,6 +30,7 @@ import numpy as np
 import torch
 from torch.utils.data import Sampler
 
+from accel_ddp.config import accumulation_steps
 from accel_ddp.util.validation import ConfigError
 
 _MASK64 = (1 << 64) - 1
@@ -58,16 +59,6 @@ def epoch_order(num_samples: int, num_used: int, seed: int, epoch: int) -> torch
     generator = torch.Generator(device=device)
     generator.manual_seed(seed + epoch)
     return torch.randperm(num_samples, generator=generator)[:num_used]
-
-
-def check_layout(per_device_batch_size: int, global_batch_size: int, world_size: int) -> int:
-    """Gradient accumulation steps of this layout; a clear error when the global batch does not split evenly."""
-    if per_device_batch_size <= 0 or global_batch_size % (world_size * per_device_batch_size) != 0:
-        raise ConfigError(
-            f"--global_batch_size {global_batch_size} is not divisible by world size {world_size} "
-            f"x --per_device_batch_size {per_device_batch_size}"
-        )
-    return global_batch_size // (world_size * per_device_batch_size)
 
 
 def sample_seed(seed: int, epoch: int, position: int, *stream: int) -> int:
@@ -143,7 +134,7 @@ class GlobalBatchSampler(Sampler[list[int]]):
 
     def __init__(self, num_samples: int, per_device_batch_size: int, global_batch_size: int, *, seed: int,
                  rank: int = 0, world_size: int = 1):
-        self.accumulation = check_layout(per_device_batch_size, global_batch_size, world_size)
+        self.accumulation = accumulation_steps(per_device_batch_size, global_batch_size, world_size)
         self.steps_per_epoch = steps_per_epoch(num_samples, global_batch_size)
         self.num_samples, self.per_device_batch_size, self.global_batch_size = (
             num_samples, per_device_batch_size, global_batch_size)

@@ -47,9 +47,10 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset
 
+from accel_ddp.config import accumulation_steps
 from accel_ddp.data.bundle import DataError, DatasetBundle
 from accel_ddp.data.host_loader import default_num_workers
-from accel_ddp.data.sampler import check_layout, sample_seed
+from accel_ddp.data.sampler import sample_seed
 from accel_ddp.data.workers import worker_options
 from accel_ddp.lifecycle.failure import PeerFailed, first_line
 from accel_ddp.util.validation import ConfigError
@@ -133,7 +134,7 @@ class StreamingLoader:
                  collate_fn: Callable | None = None, accelerator=None):
         if max_steps is None:
             raise ConfigError("--streaming: a stream has no length to count epochs by; set --max_steps")
-        self.accumulation = check_layout(per_device_batch_size, global_batch_size, world_size)
+        self.accumulation = accumulation_steps(per_device_batch_size, global_batch_size, world_size)
         self.steps_per_epoch = max_steps  # the loop's epoch is the whole run
         self.per_device_batch_size, self.rank, self.world_size = per_device_batch_size, rank, world_size
         self.seed = seed
