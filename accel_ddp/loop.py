@@ -36,6 +36,7 @@ from accel_ddp.distributed.preflight import check_fsdp, check_shared_output_dir
 from accel_ddp.distributed.world import build_accelerator, prepare
 from accel_ddp.evaluate import evaluate
 from accel_ddp.lifecycle import failure
+from accel_ddp.lifecycle.anomaly import AnomalyGuard, RolledBack, roll_back
 from accel_ddp.lifecycle.failure import main_process_decides
 from accel_ddp.lifecycle.preemption import (
     LossWatch,
@@ -106,6 +107,7 @@ class Run:
     startup: StartupClock  # process start -> first optimizer step, by phase (summary.json's startup_sec)
     tokenizer: Any = None  # text tasks: saved beside a Transformers model's final weights
     bar: Any = None  # the progress bar (tqdm): closed by the teardown, so an error never shares its line
+    anomalies: AnomalyGuard | None = None  # --on_anomaly skip|rollback, --spike_factor (None: the loop as it was)
 
 
 def train(
@@ -138,7 +140,11 @@ def train(
                         collate_fn=collate_fn, preemption=preemption)
         except RunFinished as done:  # the same command again after the run ended: nothing to do, nothing touched
             return done.summary
-        return finish(run, fit(run))
+        while True:
+            try:
+                return finish(run, fit(run))
+            except RolledBack as back:  # --on_anomaly rollback: every rank reloads the checkpoint and trains on
+                run.start_step = roll_back(run.checkpoints, run.recorder, run.bar, back)
 
 
 def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None, eval_dataset=None, *,
@@ -233,8 +239,10 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
     phase_done("resume_and_config")
     bar = progress_bar(plan.total_steps, start_step, accelerator.is_local_main_process)
     teardown.callback(bar.close)  # first on an error: the bar's line ends before any rank prints the error
+    anomalies = AnomalyGuard(cfg, accelerator, recorder, start_step) \
+        if cfg.on_anomaly != "stop" or cfg.spike_factor else None
     return Run(cfg, accelerator, model, task, optimizer, scheduler, train_loader, eval_loader, plan, facts, recorder,
-               checkpoints, preemption, start_step, started, startup, data.tokenizer, bar)
+               checkpoints, preemption, start_step, started, startup, data.tokenizer, bar, anomalies)
 
 
 def _plan(cfg: TrainConfig, steps_in_epoch: int, per_device_batch: int, accumulation: int) -> Plan:
@@ -279,15 +287,25 @@ def fit(run: Run) -> FitResult:
     save_every = 0 if cfg.checkpointing_steps in (None, "epoch") else int(cfg.checkpointing_steps)
     step = run.start_step  # epochs have a fixed number of steps, so the step alone says where we are
     eval_metrics: dict[str, Any] = {}
-    losses = LossAccumulator(accelerator, plan.accumulation, cfg.global_batch_size)  # backward, logged mean
+    guard = run.anomalies  # --on_anomaly skip|rollback: bad steps' updates left out (lifecycle/anomaly.py)
+    if guard is not None:
+        guard.restart(step)
+    skipping = guard if guard is not None and guard.skips else None  # stop + --spike_factor: log lines only
+    losses = LossAccumulator(accelerator, plan.accumulation, cfg.global_batch_size, skipping)  # backward, logged mean
     bar = run.bar
     meter = ThroughputMeter(cfg.global_batch_size, step)  # samples/s between log lines
     timer = EpochTimer(cfg.global_batch_size)  # per-epoch step-time percentiles and data-wait share
     profiler = StepProfiler(cfg.profile, cfg.output_dir, accelerator.process_index)
-    update = build_update(accelerator, model, optimizer, cfg.max_grad_norm)  # clip, step, zero_grad
+    update = build_update(accelerator, model, optimizer, cfg.max_grad_norm, skipping)  # clip, step, zero_grad
     watch = LossWatch(accelerator, step)  # a nan/inf loss is noticed at the next sync point, named by its first step
 
+    def last_saved() -> tuple[int, str] | None:
+        folder = run.checkpoints.last_saved_folder
+        return None if folder is None else (run.checkpoints.last_saved_step, folder)
+
     def stop_if_not_finite(step: int) -> None:  # collective; before every save and evaluation, at a bad log line
+        if guard is not None:  # the skipped steps' lines and records; stop or roll back (syncs here anyway)
+            guard.resolve(step, last_saved())
         if (bad := watch.first_bad_step(step)) is not None:
             raise NonFiniteLoss(bad, run.checkpoints.last_saved_folder)
         if (problem := losses.empty_sum_problem()) is not None:  # a sum over 0 items trained as a raw sum: exit 2
@@ -327,6 +345,8 @@ def fit(run: Run) -> FitResult:
                 if accelerator.sync_gradients:  # the step's last micro-step: gradients are synced
                     losses.finish_step(model)  # (sum, num_items): the gradient of total loss / total items
                     update()  # clip (--max_grad_norm), optimizer step, zero_grad
+                    if skipping is not None:
+                        losses.end_step()  # a skipped step's loss stays out of the logged mean
             if not accelerator.sync_gradients:
                 continue
             scheduler.step()  # exactly once per optimizer step
@@ -338,7 +358,10 @@ def fit(run: Run) -> FitResult:
             profiler.step()
             bar.update(1)
             if step % cfg.log_every == 0 or step == plan.total_steps:
-                mean_loss = losses.mean_since_log()  # only here do we sync with the host: .item() stalls the GPU
+                skipped = guard.resolve(step, last_saved()) if guard is not None else 0  # one D2H copy more
+                mean_loss = losses.mean_since_log(skipped)  # only here do we sync with the host: .item() stalls the GPU
+                if guard is not None:
+                    guard.after_log(step, mean_loss, last_saved())  # --spike_factor: on the all-reduced loss
                 if not math.isfinite(mean_loss):
                     stop_if_not_finite(step)
                 recorder.log({"step": step, "epoch": epoch, "loss": mean_loss, "lr": scheduler.get_last_lr()[0],
@@ -394,6 +417,7 @@ def finish(run: Run, result: FitResult) -> dict[str, Any]:
         **_startup_figures(run),
         "lr_scheduler_steps": run.scheduler.scheduler.last_epoch,
         "resumed_from_step": run.start_step,
+        **(run.anomalies.summary() if run.anomalies is not None else {}),  # skipped steps, rollbacks
         **largest(memory_record(run.accelerator)),  # peak_rss_mb, peak_worker_rss_mb: max over ranks (MiB)
     }
     run.recorder.write_summary(summary, result.step)  # and to the trackers
