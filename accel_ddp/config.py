@@ -146,8 +146,7 @@ class TrainConfig:
     lr_schedule: str = _opt("cosine", "decay after warmup: constant, linear or cosine (to 0 at the last step)")
     max_grad_norm: float = _opt(1.0, "clip the global gradient L2 norm to this; 0 disables clipping", low=0)
     seed: int = _opt(0, "seed for model init, data order and every rank's RNG", low=0, high=SEED_MAX)
-
-    # --- bad steps (docs/long-runs.md) ---
+    # Bad steps (docs/long-runs.md): what a nan/inf or spiking step does.
     on_anomaly: str = _opt("stop", "a nan/inf loss or gradient norm (or a spike): stop (exit 3), skip its update "
                            "on every rank, or rollback to the last checkpoint and leave its step out")
     spike_factor: float = _opt(0.0, "also an anomaly: a logged loss above this x the median of the last "

@@ -33,9 +33,8 @@ import torch
 
 from accel_ddp.lifecycle.preemption import NonFiniteLoss
 from accel_ddp.outputs.files import atomic_write_text
+from accel_ddp.outputs.names import ANOMALIES_NAME
 from accel_ddp.util.validation import ConfigError
-
-ANOMALIES_NAME = "anomalies.json"  # run-level: never rewound with metrics.jsonl
 
 
 class AnomalyStop(NonFiniteLoss):
