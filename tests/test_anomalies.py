@@ -296,3 +296,25 @@ def test_a_skipped_step_of_a_fused_optimizer_changes_no_bit(name):
     assert all((a == b).all() for a, b in zip(skipped, reference, strict=True))
     if name == "adamw":
         assert all(int(s["step"]) == 3 for s in fused.state.values())  # skipped steps did not count
+
+
+def sum_loss(outputs, batch):
+    """``--loss tests.test_anomalies:sum_loss``: a (sum, num_items) loss (the token-exact path)."""
+    import torch
+    import torch.nn.functional as F
+
+    return F.cross_entropy(outputs, batch[1], reduction="sum"), torch.tensor(batch[1].numel())
+
+
+@pytest.mark.parametrize("extra", [
+    ["--per_device_batch_size", "8"],  # 2 micro-steps per step: accelerator.backward, no_sync
+    ["--max_grad_norm", "0"],  # no clipping: the guard computes the norm itself
+    ["--loss", "tests.test_anomalies:sum_loss", "--per_device_batch_size", "8", "--with_tracking",
+     "--report_to", "csv"],  # (sum, num_items), rescaled after the items' all-reduce; the records reach a tracker
+], ids=["accumulation", "no_clipping", "summed_loss"])
+def test_skip_on_every_update_path_equals_the_run_without_that_update(tmp_path, extra):
+    args = [*ARGS, "--max_steps", "8", *extra]
+    assert ranks([*args, "--on_anomaly", "skip", "--output_dir", str(tmp_path / "skip")]) == [0, 0]
+    assert ranks([*args, "--output_dir", str(tmp_path / "ref")], bad=None, drop_update_at=BAD[0]) == [0, 0]
+    assert_same_weights(tmp_path / "skip", tmp_path / "ref")
+    assert [r["step"] for r in anomaly_records(tmp_path / "skip")] == [BAD[0]]
