@@ -19,6 +19,7 @@ import pytest
 from accel_ddp.cli.train import main
 from tests import faults
 from tests.conftest import load_weights, read_metrics, read_summary
+from tests.helpers_anomaly import fused_skip_equals_never_stepping
 from tests.multiproc import RankFailed, run_ranks
 
 ARGS = ["--dataset", "synthetic", "--synthetic_samples", "256", "--synthetic_shape", "1", "8", "8",
@@ -247,56 +248,21 @@ def test_a_loss_spike_rolls_back_to_before_it_or_stops(tmp_path, capfd, mode):
         {"kind": "spike", "steps": [7], "to_step": 6}]
 
 
-class _Guard:
-    """decide() answers from a list: True = the step is bad."""
-
-    def __init__(self, answers):
-        self.answers = list(answers)
-
-    def decide(self, norm):
-        import torch
-
-        return torch.tensor(self.answers.pop(0))
-
-
 @pytest.mark.parametrize("name", ["adamw", "sgd"])
 def test_a_skipped_step_of_a_fused_optimizer_changes_no_bit(name):
     """The CUDA path (found_inf on the device), with torch's fused CPU kernels: skip, train == train, the first
     step skipped included (fused SGD would keep uninitialised momentum buffers: they start as zeros)."""
-    import torch
+    assert fused_skip_equals_never_stepping(name)
 
-    from accel_ddp.optim import build_optimizer
-    from accel_ddp.step import _guarded_update, build_norm
 
-    answers = [True, False, True, False, False]  # the first step skipped, and one mid-run
-    draw = torch.Generator().manual_seed(1)
-    shapes = [(8, 4), (8,), (2, 8), (2,)]
-    grads = [[torch.randn(shape, generator=draw) for shape in shapes] for _ in answers]
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["adamw", "sgd"])
+def test_a_skipped_step_of_a_fused_cuda_optimizer_changes_no_bit_without_a_host_sync(name):
+    from tests.conftest import check, gpu_env, run_python
 
-    def run(guarded: bool):
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
-        optimizer = build_optimizer(name, model, lr=0.1, weight_decay=0.1, fused=True)
-        params = list(model.parameters())
-        update = _guarded_update(optimizer, params, build_norm(params), _Guard(answers)) if guarded else None
-        for bad, step_grads in zip(answers, grads, strict=True):
-            if bad and not guarded:  # the reference: that step's update never happened
-                continue
-            for p, g in zip(params, step_grads, strict=True):
-                p.grad = g * float("nan") if bad else g.clone()
-            if guarded:
-                update()
-            else:
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-        return [p.detach().clone() for p in params], optimizer
-
-    (skipped, fused), (reference, _) = run(True), run(False)
-    assert all(torch.isfinite(p).all() for p in skipped)
-    assert all((a == b).all() for a, b in zip(skipped, reference, strict=True))
-    if name == "adamw":
-        assert all(int(s["step"]) == 3 for s in fused.state.values())  # skipped steps did not count
-
+    result = check(run_python("from tests.helpers_anomaly import fused_skip_equals_never_stepping as f; "
+                              f"print(f({name!r}, 'cuda'))", env=gpu_env()))
+    assert result.stdout.strip().splitlines()[-1] == "True", result.stdout + result.stderr
 
 def sum_loss(outputs, batch):
     """``--loss tests.test_anomalies:sum_loss``: a (sum, num_items) loss (the token-exact path)."""
