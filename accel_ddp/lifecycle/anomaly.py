@@ -86,6 +86,7 @@ class AnomalyGuard:
         self.pending: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (step, bad, norm) not yet read
         self.last_bad_flag = torch.zeros((), dtype=torch.bool, device=self.device)
         self.skipped_since_log = 0
+        self.logged_at = step  # the last log line's step: a spike's window starts after it
         self.history = [(s, loss) for s, loss in self.history if s <= step]  # a rollback forgets the replayed
 
     def poisoned(self, loss: torch.Tensor) -> torch.Tensor:
@@ -128,7 +129,7 @@ class AnomalyGuard:
 
     def after_log(self, step: int, mean_loss: float, last_saved: tuple[int, str] | None) -> None:
         """At a log line, with the logged (all-reduced) loss: the spike check, then the loss joins the median."""
-        since = self.history[-1][0] if self.history else step - 1
+        since, self.logged_at = self.logged_at, step
         self.skipped_since_log = 0
         if not math.isfinite(mean_loss):
             return
@@ -144,9 +145,11 @@ class AnomalyGuard:
     def _found(self, found: list[tuple[int, str]], kind: str, last_saved: tuple[int, str] | None) -> None:
         """New anomalies at ``found`` steps (identical on every rank): count, record, then go on, roll back or stop."""
         first = found[0][0]
-        for s, _ in found:
+        # In a row: anomalous steps with no trained step between them; a spike's window counts once.
+        for s in [first] if kind == "spike" else [s for s, _ in found]:
             self.in_a_row = self.in_a_row + 1 if self.last_bad == s - 1 else 1
             self.last_bad = s
+        self.last_bad = found[-1][0]
         action = "skip" if self.mode == "skip" and kind != "spike" else self.mode
         if action == "rollback" and (last_saved is None or last_saved[0] >= first):
             action = "stop"  # nothing to go back to: the weights after the bad step are all there is
@@ -203,8 +206,11 @@ def read_anomalies(path: str) -> dict[str, Any]:
 
 
 def _span(steps: Iterable[int]) -> str:
+    """``5``, ``5-7`` (consecutive) or ``5, 7``."""
     steps = list(steps)
-    return str(steps[0]) if len(steps) == 1 else f"{steps[0]}-{steps[-1]}"
+    if len(steps) == 1:
+        return str(steps[0])
+    return f"{steps[0]}-{steps[-1]}" if steps == list(range(steps[0], steps[-1] + 1)) else ", ".join(map(str, steps))
 
 
 def roll_back(checkpoints, recorder, bar, back: RolledBack) -> int:
