@@ -46,6 +46,7 @@ ACCELERATE_TRACKERS = ("tensorboard", "wandb", "mlflow", "comet_ml", "aim", "cle
 REPORT_TO = (*ACCELERATE_TRACKERS, "csv", "all")
 COMM_HOOKS = ("none", "fp16", "bf16")
 LOADERS = ("auto", "device", "dataloader")
+ON_ANOMALY = ("stop", "skip", "rollback")  # what a nan/inf or spiking step does (accel_ddp/lifecycle/anomaly.py)
 # --task: what a batch and a loss mean (accel_ddp/tasks/protocol.py); the text tasks read text with a tokenizer.
 TASKS = ("classification", "sequence_classification", "causal_lm")
 TEXT_TASKS = ("sequence_classification", "causal_lm")
@@ -145,6 +146,13 @@ class TrainConfig:
     lr_schedule: str = _opt("cosine", "decay after warmup: constant, linear or cosine (to 0 at the last step)")
     max_grad_norm: float = _opt(1.0, "clip the global gradient L2 norm to this; 0 disables clipping", low=0)
     seed: int = _opt(0, "seed for model init, data order and every rank's RNG", low=0, high=SEED_MAX)
+    # Bad steps (docs/long-runs.md): what a nan/inf or spiking step does.
+    on_anomaly: str = _opt("stop", "a nan/inf loss or gradient norm (or a spike): stop (exit 3), skip its update "
+                           "on every rank, or rollback to the last checkpoint and leave its step out")
+    spike_factor: float = _opt(0.0, "also an anomaly: a logged loss above this x the median of the last "
+                               "--spike_window logged losses (0: off; with stop or rollback)", low=0)
+    spike_window: int = _opt(20, "logged losses (log lines) in the --spike_factor median", low=1)
+    max_anomalies: int = _opt(5, "stop (exit 3) after this many anomalous steps in a row", low=1)
 
     # --- evaluation, logging, outputs ---
     eval_every: int = _opt(0, "evaluate every N optimizer steps; 0 = at the end of each epoch", low=0)
@@ -202,7 +210,7 @@ class TrainConfig:
                 warn_deprecated(f"--{name} {old}", f"--{name} {new}")
                 setattr(self, name, new)
         for name, choices in (("loader", LOADERS), ("optimizer", OPTIMIZERS), ("lr_schedule", LR_SCHEDULES),
-                              ("ddp_comm_hook", COMM_HOOKS)):
+                              ("ddp_comm_hook", COMM_HOOKS), ("on_anomaly", ON_ANOMALY)):
             if getattr(self, name) not in choices:
                 raise ConfigError(f"--{name} {show(getattr(self, name))} is unknown; "
                                   f"choose one of {', '.join(choices)}")
@@ -223,6 +231,12 @@ class TrainConfig:
                                          and 0 < int(value) <= INT_MAX):
                 raise ConfigError(f"--checkpointing_steps must be a positive step count or 'epoch', got {show(value)}")
             self.checkpointing_steps = value
+        if self.spike_factor and self.on_anomaly == "skip":  # a spike is seen at a log line, after its updates
+            raise ConfigError(f"--spike_factor {self.spike_factor:g} with --on_anomaly skip: a spike is found at a "
+                              "log line, once its steps are trained; use --on_anomaly rollback (or stop)")
+        if self.spike_factor and self.spike_factor <= 1:
+            raise ConfigError(f"--spike_factor must be > 1 (a loss that many times the median), got "
+                              f"{self.spike_factor:g}; e.g. --spike_factor 3, or 0 for no spike check")
         _check_task(self)
         _check_data(self)
         if self.init_from is not None and not self.init_from.endswith(".safetensors"):

@@ -37,6 +37,7 @@ from accel_ddp.distributed.preflight import check_fsdp, check_shared_output_dir
 from accel_ddp.distributed.world import build_accelerator, prepare
 from accel_ddp.evaluate import evaluate
 from accel_ddp.lifecycle import failure
+from accel_ddp.lifecycle.anomaly import AnomalyGuard, RolledBack, roll_back
 from accel_ddp.lifecycle.failure import main_process_decides
 from accel_ddp.lifecycle.preemption import (
     LossWatch,
@@ -104,6 +105,7 @@ class Run:
     startup: StartupClock  # process start -> first optimizer step, by phase (summary.json's startup_sec)
     tokenizer: Any = None  # text tasks: saved beside a Transformers model's final weights
     bar: Any = None  # the progress bar (tqdm): closed by the teardown, so an error never shares its line
+    anomalies: AnomalyGuard | None = None  # --on_anomaly skip|rollback, --spike_factor (None: the loop as it was)
 
 
 def train(
@@ -136,7 +138,11 @@ def train(
                         collate_fn=collate_fn, preemption=preemption)
         except RunFinished as done:  # the same command again after the run ended: nothing to do, nothing touched
             return done.summary
-        return finish(run, fit(run))
+        while True:
+            try:
+                return finish(run, fit(run))
+            except RolledBack as back:  # --on_anomaly rollback: every rank reloads the checkpoint and trains on
+                run.start_step = roll_back(run.checkpoints, run.recorder, run.bar, back)
 
 
 def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None, eval_dataset=None, *,
@@ -206,8 +212,10 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
     phase_done("resume_and_config")
     bar = progress_bar(plan.total_steps, start_step, accelerator.is_local_main_process)
     teardown.callback(bar.close)  # first on an error: the bar's line ends before any rank prints the error
+    anomalies = AnomalyGuard(cfg, accelerator, recorder, start_step) \
+        if cfg.on_anomaly != "stop" or cfg.spike_factor else None
     return Run(cfg, accelerator, model, task, optimizer, scheduler, loaders.train, loaders.eval, plan, facts, recorder,
-               checkpoints, preemption, start_step, started, startup, data.tokenizer, bar)
+               checkpoints, preemption, start_step, started, startup, data.tokenizer, bar, anomalies)
 
 
 def _join(cfg: TrainConfig, teardown: ExitStack, preemption: PreemptionWatcher) -> tuple[Accelerator, int, int]:
@@ -276,10 +284,14 @@ def fit(run: Run) -> FitResult:
     save_every = 0 if cfg.checkpointing_steps in (None, "epoch") else int(cfg.checkpointing_steps)
     step = run.start_step  # epochs have a fixed number of steps, so the step alone says where we are
     watch = LossWatch(accelerator, step)  # a nan/inf loss is noticed at the next sync point, named by its first step
+    guard = run.anomalies  # --on_anomaly skip|rollback: bad steps' updates left out (lifecycle/anomaly.py)
+    if guard is not None:
+        guard.restart(step)
     steps = TrainStep(accelerator, run.model, run.task, run.optimizer, run.scheduler, plan.accumulation,
-                      cfg.global_batch_size, cfg.max_grad_norm, step, check_loss=_debug_check(run, watch))
-    stops = StopPoints(run.checkpoints, run.preemption, watch, steps.losses, run.bar, plan.total_steps)
-    log = StepLog(run, steps.losses)
+                      cfg.global_batch_size, cfg.max_grad_norm, step, check_loss=_debug_check(run, watch),
+                      guard=guard if guard is not None and guard.skips else None)  # stop + --spike_factor: logs only
+    stops = StopPoints(run.checkpoints, run.preemption, watch, steps.losses, run.bar, plan.total_steps, guard)
+    log = StepLog(run, steps.losses, guard)
     eval_metrics: dict[str, Any] = {}
     evaluated_at = None  # the step of the last evaluation: the final weights are always evaluated once
 
@@ -301,7 +313,7 @@ def fit(run: Run) -> FitResult:
                 continue
             step = steps.step
             watch.after_step(steps.losses.running_loss)
-            log.step_done(step, epoch, on_bad_loss=stops.if_not_finite)
+            log.step_done(step, epoch, on_bad_loss=stops.if_not_finite, last_saved=stops.last_saved)
             if run.preemption.stop_requested():  # ranks compare flags every ~0.25 s: all stop after the same step
                 stops.stop(step)
             if run.eval_loader is not None and cfg.eval_every and step % cfg.eval_every == 0:
@@ -359,6 +371,7 @@ def finish(run: Run, result: FitResult) -> dict[str, Any]:
         **_startup_figures(run),
         "lr_scheduler_steps": run.scheduler.scheduler.last_epoch,
         "resumed_from_step": run.start_step,
+        **(run.anomalies.summary() if run.anomalies is not None else {}),  # skipped steps, rollbacks
         **largest(memory_record(run.accelerator)),  # peak_rss_mb, peak_worker_rss_mb: max over ranks (MiB)
     }
     run.recorder.write_summary(summary, result.step)  # and to the trackers

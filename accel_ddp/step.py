@@ -48,7 +48,7 @@ PLAIN_TYPES = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MU
 
 
 def build_update(
-    accelerator: Accelerator, model: torch.nn.Module, optimizer, max_grad_norm: float
+    accelerator: Accelerator, model: torch.nn.Module, optimizer, max_grad_norm: float, guard=None
 ) -> Callable[[], None]:
     """The update at the end of an optimizer step: clip to ``max_grad_norm`` (0: no clipping), step, zero_grad.
 
@@ -58,14 +58,19 @@ def build_update(
         >>> update = build_update(accelerator, model, optimizer, max_grad_norm=1.0)
         >>> if accelerator.sync_gradients:
         ...     update()
+
+    ``guard`` (``--on_anomaly skip|rollback``: an ``AnomalyGuard``): the update is left out, on every rank, of a
+    step whose all-reduced gradient norm ``guard.decide`` finds bad (see accel_ddp/lifecycle/anomaly.py).
     """
     plain = (type(optimizer) is AcceleratedOptimizer and optimizer.scaler is None
              and accelerator.distributed_type in PLAIN_TYPES)
     if not plain:
         def accelerate_update() -> None:
-            if max_grad_norm > 0:
-                accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
-            optimizer.step()
+            if max_grad_norm > 0 or guard is not None:  # inf: the global norm (FSDP: over every shard), no scaling
+                norm = accelerator.clip_grad_norm_(model.parameters(), max_grad_norm or math.inf)
+            # The guard's decision on this path: one host sync per step (FSDP, DeepSpeed: no found_inf hand-off).
+            if guard is None or not bool(guard.decide(norm)):
+                optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
         return accelerate_update
@@ -73,6 +78,8 @@ def build_update(
     torch_optimizer = optimizer.optimizer
     params = [p for p in model.parameters() if p.requires_grad]
     clip = build_clip(params, max_grad_norm) if max_grad_norm > 0 else None
+    if guard is not None:
+        return _guarded_update(torch_optimizer, params, clip or build_norm(params), guard)
 
     def update() -> None:
         if clip is not None:
@@ -81,6 +88,49 @@ def build_update(
         torch_optimizer.zero_grad(set_to_none=True)
 
     return update
+
+
+def _guarded_update(torch_optimizer, params, clip: Callable[[], torch.Tensor], guard) -> Callable[[], None]:
+    """The plain update, left out where ``guard.decide`` (on the clipped norm) says so.
+
+    A fused optimizer (CUDA) takes the decision as its ``found_inf`` flag, on the device: float32, exactly 1.0 to
+    skip (its kernels compare ``== 1``; GradScaler hands it the same way, torch/amp/grad_scaler.py), no host sync.
+    Its step counter goes +1 then -1, Adam's moments and the weight decay are untouched. Fused SGD allocates its
+    momentum buffers uninitialised on its first step (torch/optim/sgd.py ``_fused_sgd``, ``torch.empty_like``)
+    and keeps them even when the kernel skipped: they start as zeros here instead (``0.9 * 0 + g == g``, the
+    bits of its own first step). Other optimizers (multi-tensor, the CPU's) reject ``found_inf``: one ``bool()``
+    per step, free on the CPU, whose kernels have run by the time the host gets there.
+    """
+    fused = bool(torch_optimizer.defaults.get("fused")) and getattr(torch_optimizer, "_step_supports_amp_scaling",
+                                                                   False)
+    if fused and isinstance(torch_optimizer, torch.optim.SGD):
+        for group in torch_optimizer.param_groups:
+            for p in group["params"]:
+                if group["momentum"] and "momentum_buffer" not in torch_optimizer.state[p]:
+                    torch_optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p)
+
+    def update() -> None:
+        bad = guard.decide(clip())
+        if fused:
+            torch_optimizer.found_inf = bad.float()
+            try:
+                torch_optimizer.step()
+            finally:
+                del torch_optimizer.found_inf
+        elif not bool(bad):
+            torch_optimizer.step()
+        torch_optimizer.zero_grad(set_to_none=True)
+
+    return update
+
+
+def build_norm(params: list[torch.nn.Parameter]) -> Callable[[], torch.Tensor]:
+    """The global L2 norm of the gradients of ``params``, not clipping (``--max_grad_norm 0`` with a guard)."""
+    def norm() -> torch.Tensor:
+        grads = [p.grad for p in params if p.grad is not None]
+        return torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+
+    return norm
 
 
 def build_clip(params: list[torch.nn.Parameter], max_norm: float) -> Callable[[], torch.Tensor]:
@@ -142,8 +192,9 @@ class LossAccumulator:
     (:meth:`empty_sum_problem`). No step's state is saved or reported in between.
     """
 
-    def __init__(self, accelerator, accumulation: int, nominal_items: int):
+    def __init__(self, accelerator, accumulation: int, nominal_items: int, guard=None):
         self.accelerator = accelerator
+        self.guard = guard  # --on_anomaly skip|rollback: a skipped step's loss stays out of the logged mean
         self._backward = build_backward(accelerator)  # accelerator.backward, without its division by 1
         self.accumulation = accumulation
         self.nominal = float(nominal_items)
@@ -154,6 +205,8 @@ class LossAccumulator:
         self.running = torch.zeros(3, device=device, dtype=torch.float64)
         self.running_mean = torch.zeros((), device=device)  # since the last log: means, as the loop always summed
         self.steps_since_log = 0
+        if guard is not None:  # this step's share of running / running_mean, added by end_step unless skipped
+            self._step_running, self._step_mean = torch.zeros_like(self.running), torch.zeros_like(self.running_mean)
 
     def backward(self, loss: Loss) -> None:
         summed = loss.items is not None
@@ -161,15 +214,27 @@ class LossAccumulator:
             self.summed = summed
         elif summed != self.summed:
             raise ConfigError("the loss switched between a mean and a (sum, num_items) pair; return one kind")
+        trained = loss.value if self.guard is None else self.guard.poisoned(loss.value)
+        running, running_mean = (self.running, self.running_mean) if self.guard is None else \
+            (self._step_running, self._step_mean)
         if summed:
             value, items = loss.value.detach().double(), loss.items.double()
             self.step_items += items
-            self.running += torch.stack([value, items, value.abs() * (items == 0)])  # 3 small ops, no sync
-            self._backward(loss.value / self.nominal)
+            running += torch.stack([value, items, value.abs() * (items == 0)])  # 3 small ops, no sync
+            self._backward(trained / self.nominal)
         else:
-            self._backward(loss.value)
+            self._backward(trained)
             mean = loss.value.detach()  # summed over steps, averaged over ranks
-            self.running_mean += mean if self.accumulation == 1 else mean / self.accumulation
+            running_mean += mean if self.accumulation == 1 else mean / self.accumulation
+
+    def end_step(self) -> None:
+        """With a guard, after the update: the step's loss joins the running sums unless its update was skipped
+        (device-side ``where``: no sync, and a nan of a skipped step does not spread)."""
+        skipped = self.guard.last_bad_flag
+        self.running += torch.where(skipped, 0.0, self._step_running)
+        self.running_mean += torch.where(skipped, 0.0, self._step_mean)
+        self._step_running.zero_()
+        self._step_mean.zero_()
 
     def finish_step(self, model: torch.nn.Module) -> None:
         """At the optimizer step's last micro-step (gradients synced), before clipping and the update."""
@@ -188,8 +253,9 @@ class LossAccumulator:
         """The loss summed since the last log line (a device scalar; nan or inf once any micro-step's was)."""
         return self.running[0] if self.summed else self.running_mean
 
-    def mean_since_log(self) -> float:
-        """The mean training loss since the last call, over every rank (one host sync).
+    def mean_since_log(self, skipped: int = 0) -> float:
+        """The mean training loss since the last call, over every rank (one host sync), leaving out the
+        ``skipped`` steps (``--on_anomaly``; nan when every step was).
 
         nan when some micro-step's sum was not 0 over 0 items: the loop then stops, and
         :meth:`empty_sum_problem` (whose count this call leaves as it is) says why.
@@ -198,9 +264,10 @@ class LossAccumulator:
             loss_sum, items, empty_sums = self.accelerator.reduce(self.running, reduction="sum").tolist()
             if empty_sums:
                 return math.nan
-            mean = loss_sum / max(items, 1)
+            mean = loss_sum / max(items, 1) if skipped < self.steps_since_log else math.nan
         else:
-            mean = self.accelerator.reduce(self.running_mean, "mean").item() / max(self.steps_since_log, 1)
+            trained = self.steps_since_log - skipped
+            mean = self.accelerator.reduce(self.running_mean, "mean").item() / trained if trained else math.nan
         self.running.zero_()
         self.running_mean.zero_()
         self.steps_since_log = 0
@@ -240,10 +307,12 @@ class TrainStep:
 
     def __init__(self, accelerator: Accelerator, model, task, optimizer, scheduler, accumulation: int,
                  global_batch_size: int, max_grad_norm: float, start_step: int = 0,
-                 check_loss: Callable[[torch.Tensor, int], None] | None = None):
+                 check_loss: Callable[[torch.Tensor, int], None] | None = None, guard=None):
         self.accelerator, self.model, self.task, self.scheduler = accelerator, model, task, scheduler
-        self.losses = LossAccumulator(accelerator, accumulation, global_batch_size)  # backward, logged mean
-        self.update = build_update(accelerator, model, optimizer, max_grad_norm)  # clip, step, zero_grad
+        # guard (--on_anomaly skip|rollback): a bad step's update is left out on every rank, its loss off the log
+        self.guard = guard
+        self.losses = LossAccumulator(accelerator, accumulation, global_batch_size, guard)  # backward, logged mean
+        self.update = build_update(accelerator, model, optimizer, max_grad_norm, guard)  # clip, step, zero_grad
         self.step = start_step  # optimizer steps done
         self.check_loss = check_loss  # --debug: (each micro-step's loss, the step it belongs to) before its backward
 
@@ -257,6 +326,8 @@ class TrainStep:
             if self.accelerator.sync_gradients:  # the step's last micro-step: gradients are synced
                 self.losses.finish_step(self.model)  # (sum, num_items): the gradient of total loss / total items
                 self.update()  # clip (--max_grad_norm), optimizer step, zero_grad
+                if self.guard is not None:
+                    self.losses.end_step()  # a skipped step's loss stays out of the logged mean
         if not self.accelerator.sync_gradients:
             return False
         self.scheduler.step()  # exactly once per optimizer step

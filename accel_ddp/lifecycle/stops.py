@@ -18,12 +18,20 @@ class StopPoints:
     ``if_preempted`` (after an evaluation or a save)."""
 
     def __init__(self, checkpoints: Any, preemption: PreemptionWatcher, watch: LossWatch, losses: Any,
-                 bar: Any, total_steps: int):
+                 bar: Any, total_steps: int, guard: Any = None):
         self.checkpoints, self.preemption, self.watch, self.losses = checkpoints, preemption, watch, losses
         self.bar, self.total_steps = bar, total_steps
+        self.guard = guard  # --on_anomaly / --spike_factor (lifecycle.anomaly.AnomalyGuard), or None
+
+    def last_saved(self) -> tuple[int, str] | None:
+        """(step, folder) of the newest checkpoint this run saved or resumed from, or None."""
+        folder = self.checkpoints.last_saved_folder
+        return None if folder is None else (self.checkpoints.last_saved_step, folder)
 
     def if_not_finite(self, step: int) -> None:
         """Before every save and evaluation, at a log line whose loss is not finite, and before the export."""
+        if self.guard is not None:  # the skipped steps' lines and records; stop or roll back (syncs here anyway)
+            self.guard.resolve(step, self.last_saved())
         if (bad := self.watch.first_bad_step(step)) is not None:
             raise NonFiniteLoss(bad, self.checkpoints.last_saved_folder)
         if (problem := self.losses.empty_sum_problem()) is not None:  # a sum over 0 items trained as a raw sum

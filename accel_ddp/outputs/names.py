@@ -10,6 +10,7 @@
     OUTPUT_DIR/tensorboard/         with the tensorboard tracker
     OUTPUT_DIR/wandb/               with the wandb tracker (unless WANDB_DIR says elsewhere)
     OUTPUT_DIR/trackers.json        the W&B and MLflow run ids a resumed run continues
+    OUTPUT_DIR/anomalies.json       --on_anomaly skip|rollback: the steps left out, which a resumed run leaves out too
     OUTPUT_DIR/README.md            the model card: model, data, batch layout, final metrics, launch command
     OUTPUT_DIR/profile/rank<R>.json with --profile: one Chrome trace per rank
     OUTPUT_DIR/checkpoints/step_00000100/   full training state; checkpoint.json is its completion marker
@@ -25,6 +26,7 @@ CURVES_NAME = "curves.png"
 CSV_NAME = "metrics.csv"
 TENSORBOARD_SUBDIR = "tensorboard"  # Accelerate's TensorBoardTracker writes to logging_dir/<its run name>
 TRACKERS_NAME = "trackers.json"
+ANOMALIES_NAME = "anomalies.json"  # run-level (lifecycle/anomaly.py): never rewound with metrics.jsonl
 MODEL_CARD_NAME = "README.md"
 PROFILE_SUBDIR = "profile"
 CHECKPOINTS_DIR = "checkpoints"

@@ -18,15 +18,17 @@ from accel_ddp.tracking.meters import EpochTimer, StepProfiler, ThroughputMeter,
 
 
 class StepLog:
-    def __init__(self, run: Any, losses: Any):
+    def __init__(self, run: Any, losses: Any, guard: Any = None):
         cfg = run.cfg
         self.run, self.losses = run, losses
+        self.guard = guard  # --on_anomaly / --spike_factor: skipped steps left out of the mean, spikes judged
         self.log_every, self.total_steps = cfg.log_every, run.plan.total_steps
         self.meter = ThroughputMeter(cfg.global_batch_size, run.start_step)  # samples/s between log lines
         self.timer = EpochTimer(cfg.global_batch_size)  # per-epoch step-time percentiles and data-wait share
         self.profiler = StepProfiler(cfg.profile, cfg.output_dir, run.accelerator.process_index)
 
-    def step_done(self, step: int, epoch: int, on_bad_loss: Callable[[int], None]) -> None:
+    def step_done(self, step: int, epoch: int, on_bad_loss: Callable[[int], None],
+                  last_saved: Callable[[], Any] = lambda: None) -> None:
         """After optimizer ``step``: timers, the bar, and at a log step the log line (``on_bad_loss`` first where
         the loss is not finite: it raises on every rank, which all reach the same log step)."""
         run = self.run
@@ -36,7 +38,11 @@ class StepLog:
         self.profiler.step()
         run.bar.update(1)
         if step % self.log_every == 0 or step == self.total_steps:
-            mean_loss = self.losses.mean_since_log()  # only here do we sync with the host: .item() stalls the GPU
+            guard = self.guard
+            skipped = guard.resolve(step, last_saved()) if guard is not None else 0  # one D2H copy more
+            mean_loss = self.losses.mean_since_log(skipped)  # the one host sync: .item() stalls the GPU
+            if guard is not None:
+                guard.after_log(step, mean_loss, last_saved())  # --spike_factor: on the all-reduced loss
             if not math.isfinite(mean_loss):
                 on_bad_loss(step)
             run.recorder.log({"step": step, "epoch": epoch, "loss": mean_loss, "lr": run.scheduler.get_last_lr()[0],

@@ -1,0 +1,222 @@
+"""``--on_anomaly skip|rollback``: a step whose loss or gradient norm is not finite (or, with ``--spike_factor``,
+whose logged loss spiked) is not trained on, on any rank; every decision is recorded in ``OUTPUT_DIR/anomalies.json``.
+
+Where the decision comes from, and what it costs:
+
+- Per step, the decision is taken on the gradient norm after DDP's all-reduce (``step.build_update``). The
+  gradients are then the same on every rank, and the norm is computed from them by the same kernels, so every
+  rank takes the same decision without a collective of its own. A non-finite *local* loss is made a non-finite
+  gradient on its rank (:meth:`AnomalyGuard.poisoned`, one multiply), which the all-reduce carries to all.
+- With a fused optimizer (CUDA) the decision stays on the device: the optimizer's ``found_inf`` flag, the one
+  GradScaler hands it (torch/amp/grad_scaler.py ``_maybe_opt_step``; torch/optim/adam.py reads
+  ``getattr(self, "found_inf", None)``), makes its kernel return before it writes anything. Otherwise (the
+  multi-tensor optimizers the CPU uses) one ``bool()`` of the flag per step: a no-op sync on the CPU, whose
+  kernels run synchronously. The host reads the per-step flags where the loop syncs anyway (:meth:`resolve`: at
+  log lines, before saves and evaluations), prints one line per anomaly and writes its record.
+- Spikes are judged at log lines on the logged loss (already all-reduced: the same float on every rank); that
+  loss's updates are already applied, so a spike can only be stopped at or rolled back.
+
+``rollback``: every rank reloads the last checkpoint from before the first bad step and replays from there with
+the bad steps' updates left out; ``anomalies.json`` holds those steps, so a resumed run leaves out the same ones.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from accel_ddp.lifecycle.preemption import NonFiniteLoss
+from accel_ddp.outputs.files import atomic_write_text
+from accel_ddp.outputs.names import ANOMALIES_NAME
+from accel_ddp.util.validation import ConfigError
+
+
+class AnomalyStop(NonFiniteLoss):
+    """Too many anomalies in a row (``--max_anomalies``), a spike under ``stop``, or a rollback with no checkpoint
+    before the bad step: every rank stops with the non-finite loss's exit code (3)."""
+
+    def __init__(self, message: str, step: int, checkpoint: str | None):
+        Exception.__init__(self, message)
+        self.step, self.checkpoint = step, checkpoint
+
+
+class RolledBack(Exception):  # noqa: N818 - an outcome, caught by train()
+    """Raised on every rank by :meth:`AnomalyGuard.resolve` under ``rollback``: reload ``folder`` and train again."""
+
+    def __init__(self, folder: str, step: int):
+        super().__init__(f"rollback to {folder}")
+        self.folder, self.step = folder, step
+
+
+class AnomalyGuard:
+    """The per-step skip decision, the host's view of it, and ``anomalies.json`` (one per run, built by ``setup``).
+
+        >>> guard = AnomalyGuard(cfg, accelerator, recorder, start_step)
+        >>> bad = guard.decide(grad_norm)      # in the update, once per optimizer step: a device bool
+        >>> guard.resolve(step, last_saved)    # where the loop syncs: lines, records, rollback or stop
+    """
+
+    def __init__(self, cfg, accelerator, recorder, start_step: int):
+        if accelerator.scaler is not None and cfg.on_anomaly != "stop":
+            raise ConfigError(f"--on_anomaly {cfg.on_anomaly} with --mixed_precision fp16 is not supported (its "
+                              "loss scaler skips steps by itself); use --mixed_precision bf16 or --on_anomaly stop")
+        self.mode, self.spike_factor, self.spike_window = cfg.on_anomaly, cfg.spike_factor, cfg.spike_window
+        self.skips = self.mode != "stop"  # stop with --spike_factor: only the log lines' spike check
+        self.max_anomalies = cfg.max_anomalies
+        self.accelerator, self.main = accelerator, accelerator.is_main_process
+        self.path = os.path.join(cfg.output_dir, ANOMALIES_NAME)
+        self.recorder = recorder
+        self.known = read_anomalies(self.path) if start_step else {"skipped": {}, "rollbacks": []}
+        if not start_step and self.main and os.path.exists(self.path):  # a fresh start: an earlier run's choices go
+            os.remove(self.path)
+        self.device = accelerator.device
+        self.history: list[tuple[int, float]] = []  # (step, logged loss) of the last --spike_window log lines
+        self.in_a_row, self.last_bad = 0, None
+        self.restart(start_step)
+
+    def restart(self, step: int) -> None:
+        """At the start of ``fit``, also after a rollback: steps counted from ``step``, nothing pending."""
+        self.step = step  # the optimizer step decide() is called for, minus 1
+        self.pending: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (step, bad, norm) not yet read
+        self.last_bad_flag = torch.zeros((), dtype=torch.bool, device=self.device)
+        self.skipped_since_log = 0
+        self.logged_at = step  # the last log line's step: a spike's window starts after it
+        self.history = [(s, loss) for s, loss in self.history if s <= step]  # a rollback forgets the replayed
+
+    def poisoned(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss``, times nan where it is not finite: its rank's gradients turn nan, and DDP's all-reduce spreads
+        that to every rank, so the step is skipped everywhere (an inf loss can have finite gradients)."""
+        return loss * torch.where(torch.isfinite(loss.detach()), 1.0, math.nan).to(loss.dtype)
+
+    def decide(self, grad_norm: torch.Tensor) -> torch.Tensor:
+        """Once per optimizer step, with the all-reduced gradient norm: a device bool, True = do not update."""
+        self.step += 1
+        bad = ~torch.isfinite(grad_norm.detach())
+        if str(self.step) in self.known["skipped"]:  # a recorded choice (rollback, resume): a host fact, no sync
+            bad = torch.ones((), dtype=torch.bool, device=self.device)
+        self.pending.append((self.step, bad, grad_norm.detach()))
+        self.last_bad_flag = bad
+        return bad
+
+    def resolve(self, step: int, last_saved: tuple[int, str] | None) -> int:
+        """Read the pending decisions (one D2H copy, where the loop syncs anyway): a line and a record per new
+        anomaly; stop after --max_anomalies in a row; under rollback raise ``RolledBack``. Returns how many of the
+        steps since the last log line were skipped (they are left out of the logged loss)."""
+        if not self.pending:
+            return self.skipped_since_log
+        flags = torch.stack([torch.stack([bad.double(), norm.double()]) for _, bad, norm in self.pending]).tolist()
+        steps = [s for s, _, _ in self.pending]
+        self.pending = []
+        new = []
+        for s, (bad, norm) in zip(steps, flags, strict=True):
+            if not bad:
+                continue
+            self.skipped_since_log += 1
+            if str(s) in self.known["skipped"]:  # replayed: recorded when it was found
+                action = "rollback" if any(s in back["steps"] for back in self.known["rollbacks"]) else "skip"
+                self.log({"step": s, "anomaly": self.known["skipped"][str(s)], "action": action, "replayed": True})
+            else:
+                new.append((s, f"gradient norm {norm}"))
+        if new:
+            self._found(new, "non_finite", last_saved)
+        return self.skipped_since_log
+
+    def after_log(self, step: int, mean_loss: float, last_saved: tuple[int, str] | None) -> None:
+        """At a log line, with the logged (all-reduced) loss: the spike check, then the loss joins the median."""
+        since, self.logged_at = self.logged_at, step
+        self.skipped_since_log = 0
+        if not math.isfinite(mean_loss):
+            return
+        if self.spike_factor and len(self.history) >= self.spike_window:
+            median = statistics.median(loss for _, loss in self.history[-self.spike_window:])
+            if mean_loss > self.spike_factor * median:
+                window = [s for s in range(since + 1, step + 1) if str(s) not in self.known["skipped"]]
+                what = f"loss {mean_loss:.6g} > {self.spike_factor:g} x median {median:.6g}"
+                self._found([(s, what) for s in window], "spike", last_saved)
+                return
+        self.history = [*self.history, (step, mean_loss)][-self.spike_window:]
+
+    def _found(self, found: list[tuple[int, str]], kind: str, last_saved: tuple[int, str] | None) -> None:
+        """New anomalies at ``found`` steps (identical on every rank): count, record, then go on, roll back or stop."""
+        first = found[0][0]
+        # In a row: anomalous steps with no trained step between them; a spike's window counts once.
+        for s in [first] if kind == "spike" else [s for s, _ in found]:
+            self.in_a_row = self.in_a_row + 1 if self.last_bad == s - 1 else 1
+            self.last_bad = s
+        self.last_bad = found[-1][0]
+        action = "skip" if self.mode == "skip" and kind != "spike" else self.mode
+        if action == "rollback" and (last_saved is None or last_saved[0] >= first):
+            action = "stop"  # nothing to go back to: the weights after the bad step are all there is
+        if self.in_a_row >= self.max_anomalies:
+            action = "stop"
+        for s, what in found:
+            self.known["skipped"][str(s)] = kind
+            self.log({"step": s, "anomaly": kind, "action": action, "detail": what})
+        steps = _span([s for s, _ in found])
+        checkpoint = last_saved[1] if last_saved else None
+        if action == "stop":
+            why = (f"{self.in_a_row} anomalies in a row (--max_anomalies {self.max_anomalies})"
+                   if self.in_a_row >= self.max_anomalies else "no checkpoint from before it to roll back to"
+                   if self.mode == "rollback" else "--on_anomaly stop")
+            kept = f"the last checkpoint, {checkpoint}, is from before it" if checkpoint else "no checkpoint was saved"
+            raise AnomalyStop(f"{kind.replace('_', '-')} step {steps} ({found[0][1]}): {why}; every rank stopped and "
+                              f"{kept}; lower --lr, clip with --max_grad_norm, or rerun with --debug to see where",
+                              first, checkpoint)
+        if action == "rollback":
+            self.known["rollbacks"].append({"steps": [s for s, _ in found], "kind": kind, "to_step": last_saved[0]})
+        self._write()
+        if self.main:
+            done = (f"rolled every rank back to {checkpoint}, leaving out step {steps}" if action == "rollback"
+                    else "skipped its update on every rank")
+            print(f"accel_ddp: anomaly: {kind.replace('_', '-')} at optimizer step {steps} ({found[0][1]}); {done} "
+                  f"({self.in_a_row} in a row, at most --max_anomalies {self.max_anomalies})", flush=True)
+        if action == "rollback":
+            raise RolledBack(checkpoint, last_saved[0])
+
+    def log(self, record: dict[str, Any]) -> None:
+        self.recorder.log(record)  # main process only (the recorder's rule)
+
+    def _write(self) -> None:
+        if self.main:
+            atomic_write_text(self.path, json.dumps(self.known, indent=2, sort_keys=True) + "\n")
+
+    def summary(self) -> dict[str, int]:
+        """summary.json's counts: steps trained without their update, and rollbacks, over the whole run."""
+        return {"anomaly_skipped_steps": len(self.known["skipped"]), "anomaly_rollbacks": len(self.known["rollbacks"])}
+
+
+def read_anomalies(path: str) -> dict[str, Any]:
+    """``anomalies.json`` of a resumed run ({} when absent); a damaged one is bad input (exit 2)."""
+    if not os.path.exists(path):
+        return {"skipped": {}, "rollbacks": []}
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+        if not isinstance(data.get("skipped"), dict) or not isinstance(data.get("rollbacks"), list):
+            raise ValueError("expected 'skipped' and 'rollbacks'")
+        return data
+    except (OSError, ValueError, AttributeError) as err:
+        raise ConfigError(f"{path} is damaged ({err}); restore it, or delete it to forget the recorded skips") from err
+
+
+def _span(steps: Iterable[int]) -> str:
+    """``5``, ``5-7`` (consecutive) or ``5, 7``."""
+    steps = list(steps)
+    if len(steps) == 1:
+        return str(steps[0])
+    return f"{steps[0]}-{steps[-1]}" if steps == list(range(steps[0], steps[-1] + 1)) else ", ".join(map(str, steps))
+
+
+def roll_back(checkpoints, recorder, bar, back: RolledBack) -> int:
+    """Every rank: reload ``back.folder`` (weights, optimizer, schedule, RNGs) and forget the metrics after it;
+    the step to train on from (``fit`` replays from there, leaving out the recorded steps)."""
+    step = checkpoints.resume(back.folder)
+    recorder.rewind(step)
+    bar.n = step  # tqdm's count: the replayed steps are counted again
+    return step

@@ -1,0 +1,288 @@
+"""--on_anomaly skip|rollback on two forked ranks: a non-finite batch at optimizer step K on one rank.
+
+The fault is injected here, in the ranks' own process (as tests/faults.py does): ``bad_step_mlp``'s training
+forward is nan during optimizer step K on one rank, K read from the LR scheduler (restored by a checkpoint, so a
+rollback or a resume meets the bad batch again at the same step).
+
+The reference for "skip" is precise: the same run on clean data whose optimizer ``step()`` call of step K is
+dropped on every rank (the schedule, the data order and every other step unchanged).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import pytest
+
+from accel_ddp.cli.train import main
+from tests import faults
+from tests.conftest import load_weights, read_metrics, read_summary
+from tests.helpers_anomaly import fused_skip_equals_never_stepping
+from tests.multiproc import RankFailed, run_ranks
+
+ARGS = ["--dataset", "synthetic", "--synthetic_samples", "256", "--synthetic_shape", "1", "8", "8",
+        "--model", "tests.test_anomalies:bad_step_mlp", "--global_batch_size", "32", "--max_steps", "10",
+        "--log_every", "2", "--lr", "0.01"]
+BAD = (5, 1)  # optimizer step, rank
+_FAULT: dict = {}  # this rank's: the step and rank to poison, the scheduler that says which step runs
+
+
+def bad_step_mlp(num_classes: int, input_shape: tuple[int, ...]):
+    """A small mlp whose training output is nan during optimizer step _FAULT["step"] on rank _FAULT["rank"]."""
+    from accel_ddp.models import build_mlp
+
+    model = build_mlp(num_classes, input_shape, hidden_size=16)
+
+    def poison(module, args, output):
+        scheduler = _FAULT.get("scheduler")
+        if module.training and scheduler is not None and \
+                (scheduler.last_epoch + 1, int(os.environ.get("RANK", "0"))) == (_FAULT.get("step"), _FAULT["rank"]):
+            return output * _FAULT.get("factor", float("nan"))
+        return output
+
+    model.register_forward_hook(poison)
+    return model
+
+
+def install(bad: tuple[int, int] | None = BAD, drop_update_at: int | None = None, kill_after: int | None = None,
+            factor: float = float("nan")):
+    """In a rank: multiply the output of step ``bad`` by ``factor``; drop the optimizer's step() call of
+    ``drop_update_at`` (the reference); SIGKILL every rank right after optimizer step ``kill_after``."""
+    import accel_ddp.loop as loop
+
+    _FAULT.update(step=bad[0] if bad else None, rank=bad[1] if bad else None, factor=factor)
+    build_scheduler, build_optimizer = loop.build_lr_scheduler, loop.build_optimizer
+
+    def scheduler_seen(*args, **kwargs):
+        scheduler = _FAULT["scheduler"] = build_scheduler(*args, **kwargs)
+        if kill_after is not None:
+            step = type(scheduler).step
+
+            def step_then_die(self, *a, **k):
+                step(self, *a, **k)
+                if self.last_epoch == kill_after:
+                    os.kill(os.getpid(), signal.SIGKILL)
+
+            scheduler.__class__ = type("Dying", (type(scheduler),), {"step": step_then_die})
+        return scheduler
+
+    def optimizer_dropping(*args, **kwargs):
+        optimizer = build_optimizer(*args, **kwargs)
+        if drop_update_at is not None:
+            calls, step = [0], type(optimizer).step
+
+            def maybe_step(self, *a, **k):
+                calls[0] += 1
+                return None if calls[0] == drop_update_at else step(self, *a, **k)
+
+            # A subclass, not an attribute: the LR scheduler wraps the bound method.
+            optimizer.__class__ = type("Dropping", (type(optimizer),), {"step": maybe_step})
+        return optimizer
+
+    loop.build_lr_scheduler, loop.build_optimizer = scheduler_seen, optimizer_dropping
+
+
+def ranks(args: list[str], **fault) -> list[int]:
+    def rank() -> int:
+        install(**fault)
+        return main(args)
+
+    return run_ranks(rank, world_size=2)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The clean run without step BAD's update, and the skip run with the bad batch (one of each)."""
+    ref, skipped = tmp_path_factory.mktemp("ref"), tmp_path_factory.mktemp("skip")
+    assert ranks([*ARGS, "--output_dir", str(ref)], bad=None, drop_update_at=BAD[0]) == [0, 0]
+    assert ranks([*ARGS, "--on_anomaly", "skip", "--output_dir", str(skipped)]) == [0, 0]
+    return ref, skipped
+
+
+def assert_same_weights(a, b) -> None:
+    wa, wb = load_weights(a), load_weights(b)
+    assert wa.keys() == wb.keys() and all((wa[k] == wb[k]).all() for k in wa), "weights differ"
+
+
+def anomaly_records(out) -> list[dict]:
+    return [r for r in read_metrics(out) if "anomaly" in r]
+
+
+def test_stop_is_todays_behaviour(tmp_path, capfd):
+    assert ranks([*ARGS, "--output_dir", str(tmp_path)]) == [3, 3]
+    assert "the training loss became nan or inf at optimizer step 5" in capfd.readouterr().err
+    assert not (tmp_path / "anomalies.json").exists()
+
+
+def test_skip_leaves_out_exactly_the_bad_steps_update_on_every_rank(reference, capfd):
+    ref, skipped = reference
+    assert_same_weights(skipped, ref)
+    summary = read_summary(skipped)
+    assert (summary["anomaly_skipped_steps"], summary["anomaly_rollbacks"]) == (1, 0)
+    assert summary["optimizer_steps"] == 10 and summary["lr_scheduler_steps"] == 10  # the schedule moved on
+    (record,) = anomaly_records(skipped)
+    assert (record["step"], record["anomaly"], record["action"]) == (5, "non_finite", "skip")
+    assert json.loads((skipped / "anomalies.json").read_text()) == {"skipped": {"5": "non_finite"}, "rollbacks": []}
+    losses = [r["loss"] for r in read_metrics(skipped) if "loss" in r]
+    assert len(losses) == 5 and all(isinstance(x, float) for x in losses)  # the nan step is out of the mean
+
+
+def test_skip_prints_one_line_on_the_main_process(tmp_path, capfd):
+    capfd.readouterr()
+    assert ranks([*ARGS, "--on_anomaly", "skip", "--max_steps", "6", "--output_dir", str(tmp_path)]) == [0, 0]
+    out = capfd.readouterr()
+    lines = [line for line in (out.out + out.err).splitlines() if line.startswith("accel_ddp: anomaly:")]
+    assert lines == ["accel_ddp: anomaly: non-finite at optimizer step 5 (gradient norm nan); skipped its update "
+                     "on every rank (1 in a row, at most --max_anomalies 5)"]
+
+
+def test_max_anomalies_in_a_row_stops_as_today(tmp_path, capfd):
+    def rank() -> int:
+        install()
+        _FAULT["step"] = None
+        # Every training forward of rank 1 is nan from step 3 on.
+        import accel_ddp.loop as loop
+        sched = loop.build_lr_scheduler
+
+        def seen(*a, **k):
+            s = sched(*a, **k)
+            _FAULT["scheduler"] = type("Late", (), {"last_epoch": property(lambda self: 2 if s.last_epoch >= 2
+                                                                             else -9)})()
+            _FAULT["step"] = 3
+            return s
+
+        loop.build_lr_scheduler = seen
+        return main([*ARGS, "--on_anomaly", "skip", "--max_anomalies", "3", "--log_every", "1",
+                     "--output_dir", str(tmp_path)])
+
+    capfd.readouterr()
+    assert run_ranks(rank, world_size=2) == [3, 3]
+    err = capfd.readouterr().err
+    assert "non-finite step 5 (gradient norm nan): 3 anomalies in a row (--max_anomalies 3); every rank stopped" \
+        in err
+    assert "Traceback" not in err and err.count("accel_ddp: error:") == 1
+    assert [r["action"] for r in anomaly_records(tmp_path)] == ["skip", "skip", "stop"]
+    assert not (tmp_path / "model.safetensors").exists()
+
+
+def test_rollback_replays_without_the_bad_step_then_a_kill_and_resume_is_bitwise(reference, tmp_path, capfd):
+    _, skipped = reference
+    args = [*ARGS, "--on_anomaly", "rollback", "--checkpointing_steps", "2"]
+    whole = tmp_path / "whole"
+    capfd.readouterr()
+    assert ranks([*args, "--output_dir", str(whole)]) == [0, 0]
+    printed = capfd.readouterr().out
+    assert printed.count("accel_ddp: anomaly:") == 1
+    assert f"rolled every rank back to {whole / 'checkpoints' / 'step_00000004'}, leaving out step 5" in printed
+    assert_same_weights(whole, skipped)  # rolled back to step 4, replayed 5 without its update: the skip run
+    summary = read_summary(whole)
+    assert (summary["anomaly_skipped_steps"], summary["anomaly_rollbacks"]) == (1, 1)
+    assert [(r["step"], r["action"]) for r in anomaly_records(whole)] == [(5, "rollback")]  # the replay's record
+    assert [r["step"] for r in read_metrics(whole) if "loss" in r] == [2, 4, 6, 8, 10]  # each step logged once
+
+    killed = tmp_path / "killed"
+    with pytest.raises(RankFailed) as failed:
+        ranks([*args, "--output_dir", str(killed)], kill_after=7)  # after the rollback and step 6's checkpoint
+    assert all("exited with code -9" in text for text in failed.value.failures.values())
+    assert json.loads((killed / "anomalies.json").read_text())["skipped"] == {"5": "non_finite"}
+    assert ranks([*args, "--resume_from_checkpoint", "auto", "--output_dir", str(killed)]) == [0, 0]
+    assert_same_weights(killed, whole)
+    assert read_summary(killed)["resumed_from_step"] == 6
+    assert read_summary(killed)["anomaly_rollbacks"] == 1
+
+
+def test_rollback_without_a_checkpoint_before_the_bad_step_stops(tmp_path, capfd):
+    capfd.readouterr()
+    assert ranks([*ARGS, "--on_anomaly", "rollback", "--output_dir", str(tmp_path)]) == [3, 3]
+    err = capfd.readouterr().err
+    assert "no checkpoint from before it to roll back to; every rank stopped and no checkpoint was saved" in err
+    assert "Traceback" not in err and err.count("accel_ddp: error:") == 1
+
+
+def test_inf_loss_with_finite_gradients_is_skipped_on_every_rank(tmp_path):
+    """A constant +inf loss on rank 1 has finite gradients: the guard's poison makes them nan, so both skip."""
+    args = [*ARGS, "--model", "mlp", "--hidden_size", "16", "--loss", "tests.faults:inf_loss", "--max_steps", "6"]
+
+    def rank(out, **fault) -> int:
+        faults._LOSS_CALLS[0] = 0
+        if fault.get("nan"):
+            faults.install(nan_at=(3, 1))
+        install(bad=None, drop_update_at=fault.get("drop"))
+        return main([*args, "--on_anomaly", "skip" if fault.get("nan") else "stop", "--output_dir", str(out)])
+
+    assert run_ranks(lambda: rank(tmp_path / "skip", nan=True), world_size=2) == [0, 0]
+    assert run_ranks(lambda: rank(tmp_path / "ref", drop=3), world_size=2) == [0, 0]
+    assert_same_weights(tmp_path / "skip", tmp_path / "ref")
+    assert read_summary(tmp_path / "skip")["anomaly_skipped_steps"] == 1
+
+
+def test_spike_factor_with_skip_is_refused():
+    from accel_ddp.config import TrainConfig
+    from accel_ddp.util.validation import ConfigError
+
+    with pytest.raises(ConfigError, match="--spike_factor 3 with --on_anomaly skip"):
+        TrainConfig(on_anomaly="skip", spike_factor=3.0)
+    with pytest.raises(ConfigError, match="--on_anomaly 'later' is unknown"):
+        TrainConfig(on_anomaly="later")
+
+
+@pytest.mark.parametrize("mode", ["rollback", "stop"])
+def test_a_loss_spike_rolls_back_to_before_it_or_stops(tmp_path, capfd, mode):
+    """Step 7's loss on rank 1 is ~1000x (finite): the logged loss (all-reduced, the same on both ranks) is above
+    5 x the median of the last 3. rollback: back to step 6's checkpoint, step 7 left out; the weights are those of
+    the clean run without step 7's update."""
+    args = [*ARGS, "--log_every", "1", "--spike_factor", "5", "--spike_window", "3", "--checkpointing_steps", "2",
+            "--on_anomaly", mode]
+    capfd.readouterr()
+    codes = ranks([*args, "--output_dir", str(tmp_path / "spike")], bad=(7, 1), factor=1000.0)
+    printed = capfd.readouterr()
+    if mode == "stop":
+        assert codes == [3, 3]
+        assert "spike step 7 (loss " in printed.err and "--on_anomaly stop; every rank stopped" in printed.err
+        return
+    assert codes == [0, 0]
+    assert "accel_ddp: anomaly: spike at optimizer step 7 (loss " in printed.out
+    assert ranks([*ARGS, "--output_dir", str(tmp_path / "ref")], bad=None, drop_update_at=7) == [0, 0]
+    assert_same_weights(tmp_path / "spike", tmp_path / "ref")
+    assert json.loads((tmp_path / "spike" / "anomalies.json").read_text())["rollbacks"] == [
+        {"kind": "spike", "steps": [7], "to_step": 6}]
+
+
+@pytest.mark.parametrize("name", ["adamw", "sgd"])
+def test_a_skipped_step_of_a_fused_optimizer_changes_no_bit(name):
+    """The CUDA path (found_inf on the device), with torch's fused CPU kernels: skip, train == train, the first
+    step skipped included (fused SGD would keep uninitialised momentum buffers: they start as zeros)."""
+    assert fused_skip_equals_never_stepping(name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["adamw", "sgd"])
+def test_a_skipped_step_of_a_fused_cuda_optimizer_changes_no_bit_without_a_host_sync(name):
+    from tests.conftest import check, gpu_env, run_python
+
+    result = check(run_python("from tests.helpers_anomaly import fused_skip_equals_never_stepping as f; "
+                              f"print(f({name!r}, 'cuda'))", env=gpu_env()))
+    assert result.stdout.strip().splitlines()[-1] == "True", result.stdout + result.stderr
+
+def sum_loss(outputs, batch):
+    """``--loss tests.test_anomalies:sum_loss``: a (sum, num_items) loss (the token-exact path)."""
+    import torch
+    import torch.nn.functional as F
+
+    return F.cross_entropy(outputs, batch[1], reduction="sum"), torch.tensor(batch[1].numel())
+
+
+@pytest.mark.parametrize("extra", [
+    ["--per_device_batch_size", "8"],  # 2 micro-steps per step: accelerator.backward, no_sync
+    ["--max_grad_norm", "0"],  # no clipping: the guard computes the norm itself
+    ["--loss", "tests.test_anomalies:sum_loss", "--per_device_batch_size", "8", "--with_tracking",
+     "--report_to", "csv"],  # (sum, num_items), rescaled after the items' all-reduce; the records reach a tracker
+], ids=["accumulation", "no_clipping", "summed_loss"])
+def test_skip_on_every_update_path_equals_the_run_without_that_update(tmp_path, extra):
+    args = [*ARGS, "--max_steps", "8", *extra]
+    assert ranks([*args, "--on_anomaly", "skip", "--output_dir", str(tmp_path / "skip")]) == [0, 0]
+    assert ranks([*args, "--output_dir", str(tmp_path / "ref")], bad=None, drop_update_at=BAD[0]) == [0, 0]
+    assert_same_weights(tmp_path / "skip", tmp_path / "ref")
+    assert [r["step"] for r in anomaly_records(tmp_path / "skip")] == [BAD[0]]
