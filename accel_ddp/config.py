@@ -152,7 +152,26 @@ class TrainConfig:
     log_every: int = _opt(10, "write a metrics line every N optimizer steps", low=1)
     output_dir: str = _opt("outputs/run", "where config.yaml, metrics.jsonl, summary.json and weights go")
     checkpointing_steps: str | None = _opt(None, "save full state every N optimizer steps, or 'epoch'")
-    keep_last: int = _opt(3, "keep this many newest complete checkpoints", low=1)
+    keep_last: int = _opt(3, "keep this many newest complete checkpoints (and the best one besides them)", low=1)
+    # --- the best model and early stopping (the Hugging Face Trainer's names: docs/checkpoints.md) ---
+    metric_for_best_model: str | None = _opt(
+        None, "evaluation metric that ranks checkpoints, e.g. loss or accuracy ('eval_' is prepended); default loss "
+        "when --load_best_model_at_end or --early_stopping_patience is given"
+    )
+    greater_is_better: bool | None = _opt(
+        None, "a higher --metric_for_best_model is better; default false for names ending in loss or perplexity, "
+        "else true"
+    )
+    load_best_model_at_end: bool = _opt(
+        False, "export the best evaluated checkpoint's weights as OUTPUT_DIR/model.safetensors (summary: best_step)"
+    )
+    early_stopping_patience: int | None = _opt(
+        None, "stop every rank after this many evaluations in a row without improving --metric_for_best_model",
+        low=1
+    )
+    early_stopping_threshold: float = _opt(
+        0.0, "--early_stopping_patience: an improvement must exceed this (absolute) to restart the count", low=0
+    )
     resume_from_checkpoint: str | None = _opt(
         None, "checkpoint folder to resume from, or 'auto' for the newest complete one in --output_dir (or start fresh)"
     )
@@ -225,6 +244,7 @@ class TrainConfig:
             self.checkpointing_steps = value
         _check_task(self)
         _check_data(self)
+        _check_best_model(self)
         if self.init_from is not None and not self.init_from.endswith(".safetensors"):
             raise ConfigError(f"--init_from {show(self.init_from)}: expected a .safetensors weights file, "
                               "e.g. OUTPUT_DIR/model.safetensors")
@@ -345,6 +365,30 @@ def _check_data(cfg: TrainConfig) -> None:
     if cfg.task in TEXT_TASKS:
         raise ConfigError(f"--streaming with --task {cfg.task}: text is tokenized once into a memory-mapped dataset, "
                           "which reads a batch at a time at any size; drop --streaming")
+
+
+def _check_best_model(cfg: TrainConfig) -> None:
+    """--load_best_model_at_end needs every checkpoint at an evaluation (the Trainer's rule), or the best is lost."""
+    if cfg.early_stopping_threshold and not cfg.early_stopping_patience:
+        raise ConfigError("--early_stopping_threshold has no effect without --early_stopping_patience; add "
+                          "--early_stopping_patience K")
+    if cfg.greater_is_better is not None and not (cfg.metric_for_best_model or cfg.load_best_model_at_end
+                                                  or cfg.early_stopping_patience):
+        raise ConfigError("--greater_is_better has no effect without --metric_for_best_model; add "
+                          "--metric_for_best_model NAME")
+    if not cfg.load_best_model_at_end:
+        return
+    save, every = cfg.checkpointing_steps, cfg.eval_every
+    if save is None:
+        raise ConfigError("--load_best_model_at_end exports the best checkpoint, but no checkpoint is saved; add "
+                          "--checkpointing_steps (a multiple of --eval_every, or 'epoch' with --eval_every 0)")
+    if save == "epoch" and every:
+        raise ConfigError(f"--load_best_model_at_end with --checkpointing_steps epoch evaluates at the end of each "
+                          f"epoch: drop --eval_every {every}, or save every N steps with N a multiple of it")
+    if save != "epoch" and (not every or int(save) % every):
+        raise ConfigError(f"--load_best_model_at_end: --checkpointing_steps {save} must be a multiple of --eval_every "
+                          f"({every or 'unset: evaluates per epoch'}), so that every checkpoint is evaluated; e.g. "
+                          f"--eval_every {save}")
 
 
 def field_types() -> dict[str, Any]:

@@ -27,6 +27,7 @@ from accelerate.utils import set_seed
 from torch.utils.data import Dataset
 from tqdm.auto import tqdm
 
+from accel_ddp.checkpoint.best import BestModel
 from accel_ddp.checkpoint.manager import HYPERPARAMETERS, CheckpointManager, flags_in_force
 from accel_ddp.checkpoint.weights import export_weights, load_weights
 from accel_ddp.config import DEBUG_MAX_STEPS, TrainConfig
@@ -217,6 +218,8 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
     checkpoints = CheckpointManager(accelerator, cfg.output_dir, cfg.keep_last,
                                     {**facts, "seed": cfg.seed, "optimizer": cfg.optimizer, "model": cfg.model,
                                      **{name: getattr(cfg, name) for name in HYPERPARAMETERS}})
+    # The best model and early stopping (checkpoint/best.py): stored with each checkpoint, restored by resume.
+    checkpoints.best = BestModel.from_config(cfg, plan.steps_per_epoch, plan.total_steps)
     if cfg.resume_from_checkpoint:  # weights, optimizer, schedule, scaler and every rank's RNG
         with flags_in_force(optimizer, scheduler):  # ... but this run's lr, schedule, decay win (with a warning)
             start_step = checkpoints.resume(cfg.resume_from_checkpoint)
@@ -310,6 +313,7 @@ def fit(run: Run) -> FitResult:
             stop(step, saved)
 
     evaluated_at = None  # the step of the last evaluation: the final weights are always evaluated once
+    best = run.checkpoints.best  # --metric_for_best_model, --early_stopping_patience (checkpoint/best.py)
     for epoch in range(step // plan.steps_per_epoch, plan.num_epochs):
         if step >= plan.total_steps:  # resumed from the last step's checkpoint
             break
@@ -349,6 +353,8 @@ def fit(run: Run) -> FitResult:
             if run.eval_loader is not None and cfg.eval_every and step % cfg.eval_every == 0:
                 stop_if_not_finite(step)
                 eval_metrics, evaluated_at = evaluate_and_log(run, step, epoch), step
+                if best and best.after_eval(eval_metrics, step):  # early stopping: the same step on every rank
+                    break
                 stop_if_preempted(step)  # the evaluation was finished: its metrics are logged, then the step saved
                 meter.reset(step)  # evaluation time is not training throughput
                 timer.pause()
@@ -359,9 +365,13 @@ def fit(run: Run) -> FitResult:
             if step >= plan.total_steps:
                 break
         recorder.log({"step": step, "epoch": epoch, **timer.end_epoch(), **memory_record(accelerator)})
+        if best and best.stopped_at is not None:  # early stopping (checkpoint/best.py)
+            break
         if run.eval_loader is not None and not cfg.eval_every:
             stop_if_not_finite(step)
             eval_metrics, evaluated_at = evaluate_and_log(run, step, epoch), step
+            if best and best.after_eval(eval_metrics, step):  # early stopping (checkpoint/best.py)
+                break
             stop_if_preempted(step)
         if cfg.checkpointing_steps == "epoch" and step == (epoch + 1) * plan.steps_per_epoch:
             stop_if_preempted(step, save(step))
@@ -371,11 +381,16 @@ def fit(run: Run) -> FitResult:
     stop_if_not_finite(step)  # before finish() exports the weights
     if run.eval_loader is not None and evaluated_at != step:  # also a run resumed from its last step's checkpoint
         eval_metrics = evaluate_and_log(run, step, plan.num_epochs - 1)
+        if best:
+            best.after_eval(eval_metrics, step)  # the final weights are a best-model candidate
     return FitResult(step, eval_metrics, timer)
 
 
 def finish(run: Run, result: FitResult) -> dict[str, Any]:
     """Export the final weights, write summary.json and curves.png; return the summary."""
+    best = run.checkpoints.best
+    if best:  # --load_best_model_at_end: the best checkpoint's weights become the final ones (checkpoint/best.py)
+        best.load_best(run.accelerator, run.model, run.checkpoints.root, result.step)
     export_weights(run.accelerator, run.model, run.cfg.output_dir)
     export_pretrained(run.accelerator, run.model, run.tokenizer, run.cfg.output_dir)  # Transformers: hf_model/
     timing = result.timer.totals()
@@ -395,6 +410,7 @@ def finish(run: Run, result: FitResult) -> dict[str, Any]:
         "lr_scheduler_steps": run.scheduler.scheduler.last_epoch,
         "resumed_from_step": run.start_step,
         **largest(memory_record(run.accelerator)),  # peak_rss_mb, peak_worker_rss_mb: max over ranks (MiB)
+        **(best.summary(result.step) if best else {}),  # best_step, final_weights_step, stopped_early
     }
     run.recorder.write_summary(summary, result.step)  # and to the trackers
     run.recorder.plot()  # OUTPUT_DIR/curves.png

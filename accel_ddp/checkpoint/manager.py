@@ -125,6 +125,7 @@ class CheckpointManager:
         self.run_facts = dict(run_facts)
         self.last_saved_step: int | None = None
         self.last_saved_folder: str | None = None  # the newest checkpoint this run saved or resumed from
+        self.best = None  # a best.BestModel: its records go into checkpoint.json, its checkpoint is never pruned
         # We write and read the weights ourselves, without DDP's "module." prefix, so that a checkpoint
         # loads at any world size and a mismatch is reported key by key.
         accelerator.register_save_state_pre_hook(self._unwrapped_weights_hook)
@@ -183,7 +184,8 @@ class CheckpointManager:
         steps_per_epoch = self.run_facts["steps_per_epoch"]
         meta = {"format": FORMAT_VERSION, "step": step, "epoch": step // steps_per_epoch,
                 "step_in_epoch": step % steps_per_epoch, **self.run_facts,
-                "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "files": files}
+                "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "files": files,
+                **({"best": self.best.state()} if self.best else {})}
         marker = os.path.join(tmp, MARKER_NAME)
         with open(marker, "w", encoding="utf-8") as fh:
             json.dump(meta, fh, indent=2)
@@ -203,8 +205,10 @@ class CheckpointManager:
         """
         saved = int(_STEP_DIR.match(os.path.basename(keep)).group(1))
         complete = [path for step, path in list_checkpoints(self.root) if step <= saved]
+        best = os.path.join(self.root, checkpoint_name(self.best.kept_step)) \
+            if self.best and self.best.kept_step is not None else None
         for path in complete[: max(len(complete) - self.keep_last, 0)]:
-            if path != keep:
+            if path not in (keep, best):  # the best checkpoint is kept besides the newest keep_last
                 remove_dir(path)
         for name in os.listdir(self.root):  # debris of saves or deletions a crash interrupted
             if name.startswith((".tmp-", ".trash-")):
@@ -255,6 +259,8 @@ class CheckpointManager:
             epoch = meta["step"] // self.run_facts["steps_per_epoch"]
             print(f"accel_ddp: resumed from {folder} (optimizer step {meta['step']}, epoch {epoch})", flush=True)
         self.last_saved_step, self.last_saved_folder = meta["step"], folder
+        if self.best:
+            self.best.restore(meta)  # the best so far and the patience counter continue
         return meta["step"]
 
     def _say_if_not_exact(self, folder: str, meta: dict[str, Any], ranks: list[tuple[bool, list[str] | None]]) -> None:
