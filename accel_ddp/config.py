@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import sys
 import typing
 from dataclasses import dataclass, field
@@ -232,6 +233,7 @@ class TrainConfig:
         for name in ("dataset", "model", "output_dir"):
             if not getattr(self, name).strip():
                 raise ConfigError(f"--{name} is empty; give a {'folder' if name == 'output_dir' else 'name'}")
+        _check_urls(self)
         if not self.synthetic_shape or any(d < 1 for d in self.synthetic_shape):
             raise ConfigError(f"--synthetic_shape must be one or more positive sizes, got "
                               f"{show(list(self.synthetic_shape))}; e.g. --synthetic_shape 1 28 28")
@@ -365,6 +367,25 @@ def _check_data(cfg: TrainConfig) -> None:
     if cfg.task in TEXT_TASKS:
         raise ConfigError(f"--streaming with --task {cfg.task}: text is tokenized once into a memory-mapped dataset, "
                           "which reads a batch at a time at any size; drop --streaming")
+
+
+URL_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+PATH_FLAGS = ("output_dir", "resume_from_checkpoint", "init_from")
+
+
+def _check_urls(cfg: TrainConfig) -> None:
+    """A URL is a local path (``file://``) or refused: Accelerate's save_state would write ``s3://b/r`` into a
+    local folder named ``s3:/b/r`` (``os.makedirs``/``Path``, accelerate/accelerator.py), silently."""
+    for name in PATH_FLAGS:
+        value = getattr(cfg, name)
+        match = URL_SCHEME.match(value) if isinstance(value, str) else None
+        if match is None:
+            continue
+        if match.group(1).lower() == "file":
+            setattr(cfg, name, value[len(match.group(0)):] or "/")  # file:///abs/path -> /abs/path
+            continue
+        raise ConfigError(f"--{name} {value}: {match.group(1)}:// URLs are not supported yet (only local folders "
+                          "and file://); write to a local or shared folder and copy it to the store afterwards")
 
 
 def _check_best_model(cfg: TrainConfig) -> None:
