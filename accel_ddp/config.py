@@ -153,6 +153,9 @@ class TrainConfig:
     log_every: int = _opt(10, "write a metrics line every N optimizer steps", low=1)
     output_dir: str = _opt("outputs/run", "where config.yaml, metrics.jsonl, summary.json and weights go")
     checkpointing_steps: str | None = _opt(None, "save full state every N optimizer steps, or 'epoch'")
+    async_checkpointing: bool = _opt(
+        False, "copy the state to host memory at each save and write it in a background thread while training goes on"
+    )
     keep_last: int = _opt(3, "keep this many newest complete checkpoints (and the best one besides them)", low=1)
     # --- the best model and early stopping (the Hugging Face Trainer's names: docs/checkpoints.md) ---
     metric_for_best_model: str | None = _opt(

@@ -27,6 +27,7 @@ from accelerate.utils import set_seed
 from torch.utils.data import Dataset
 from tqdm.auto import tqdm
 
+from accel_ddp.checkpoint.async_save import AsyncSaver, check_async_checkpointing
 from accel_ddp.checkpoint.best import BestModel
 from accel_ddp.checkpoint.manager import HYPERPARAMETERS, CheckpointManager, flags_in_force
 from accel_ddp.checkpoint.weights import export_weights, load_weights
@@ -220,6 +221,9 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
                                      **{name: getattr(cfg, name) for name in HYPERPARAMETERS}})
     # The best model and early stopping (checkpoint/best.py): stored with each checkpoint, restored by resume.
     checkpoints.best = BestModel.from_config(cfg, plan.steps_per_epoch, plan.total_steps)
+    if cfg.async_checkpointing:  # writes in a background thread (checkpoint/async_save.py)
+        check_async_checkpointing(accelerator)
+        checkpoints.saver = AsyncSaver(checkpoints, model, optimizer, scheduler, cfg.ddp_timeout)
     if cfg.resume_from_checkpoint:  # weights, optimizer, schedule, scaler and every rank's RNG
         with flags_in_force(optimizer, scheduler):  # ... but this run's lr, schedule, decay win (with a warning)
             start_step = checkpoints.resume(cfg.resume_from_checkpoint)
@@ -302,6 +306,7 @@ def fit(run: Run) -> FitResult:
 
     def stop(step: int, saved: str | None = None) -> NoReturn:  # preempted: every rank saves this step, then stops
         checkpoint = saved or save(step)
+        run.checkpoints.wait()  # --async_checkpointing: the checkpoint is sealed before the exit
         bar.close()
         raise Preempted(run.preemption.reason, step, checkpoint, signal_name=run.preemption.signal_name)
 
@@ -383,6 +388,7 @@ def fit(run: Run) -> FitResult:
         eval_metrics = evaluate_and_log(run, step, plan.num_epochs - 1)
         if best:
             best.after_eval(eval_metrics, step)  # the final weights are a best-model candidate
+    run.checkpoints.wait()  # --async_checkpointing: the last save sealed before the final outputs
     return FitResult(step, eval_metrics, timer)
 
 

@@ -125,6 +125,7 @@ class CheckpointManager:
         self.run_facts = dict(run_facts)
         self.last_saved_step: int | None = None
         self.last_saved_folder: str | None = None  # the newest checkpoint this run saved or resumed from
+        self.saver = None  # --async_checkpointing: an async_save.AsyncSaver, which writes in a background thread
         self.best = None  # a best.BestModel: its records go into checkpoint.json, its checkpoint is never pruned
         # We write and read the weights ourselves, without DDP's "module." prefix, so that a checkpoint
         # loads at any world size and a mismatch is reported key by key.
@@ -140,6 +141,12 @@ class CheckpointManager:
             return final
         acc = self.accelerator
         tmp = os.path.join(self.root, f".tmp-{checkpoint_name(step)}")
+        if self.saver is not None:  # --async_checkpointing: the previous save sealed, this one copied and started
+            self.saver.wait()
+            self._on_main_then_all(lambda: self._writing(step, tmp, lambda: _fresh_folder(tmp)))
+            self.saver.save(step, tmp, final)
+            self.last_saved_step = step
+            return final
         # Each stage ends in a collective that carries its outcome: a write the file system refuses (a full disk)
         # on any rank stops every rank with one line, the unsealed folder removed and the earlier checkpoints as
         # they were. The main process's stages are its decisions; each rank writes its own RNG file.
@@ -160,6 +167,11 @@ class CheckpointManager:
                                                                          self._prune(keep=final))))
         self.last_saved_step, self.last_saved_folder = step, final
         return final
+
+    def wait(self) -> None:
+        """Collective: the save in flight (--async_checkpointing) sealed on every rank, or its WriteFailed."""
+        if self.saver is not None:
+            self.saver.wait()
 
     def _writing(self, step: int, tmp: str, call: Callable[[], Any]) -> None:
         """``call()`` on the main process; a write the file system refuses removes ``tmp`` and is a WriteFailed."""
