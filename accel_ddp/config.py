@@ -157,7 +157,7 @@ class TrainConfig:
         False, "copy the state to host memory at each save and write it in a background thread while training goes on"
     )
     keep_last: int = _opt(3, "keep this many newest complete checkpoints (and the best one besides them)", low=1)
-    # --- the best model and early stopping (the Hugging Face Trainer's names: docs/checkpoints.md) ---
+    # The best model and early stopping: the Hugging Face Trainer's names (docs/checkpoints.md)...
     metric_for_best_model: str | None = _opt(
         None, "evaluation metric that ranks checkpoints, e.g. loss or accuracy ('eval_' is prepended); default loss "
         "when --load_best_model_at_end or --early_stopping_patience is given"
