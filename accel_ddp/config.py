@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import sys
 import typing
 from dataclasses import dataclass, field
@@ -160,7 +161,29 @@ class TrainConfig:
     log_every: int = _opt(10, "write a metrics line every N optimizer steps", low=1)
     output_dir: str = _opt("outputs/run", "where config.yaml, metrics.jsonl, summary.json and weights go")
     checkpointing_steps: str | None = _opt(None, "save full state every N optimizer steps, or 'epoch'")
-    keep_last: int = _opt(3, "keep this many newest complete checkpoints", low=1)
+    async_checkpointing: bool = _opt(
+        False, "copy the state to host memory at each save and write it in a background thread while training goes on"
+    )
+    keep_last: int = _opt(3, "keep this many newest complete checkpoints (and the best one besides them)", low=1)
+    # The best model and early stopping: the Hugging Face Trainer's names (docs/checkpoints.md)...
+    metric_for_best_model: str | None = _opt(
+        None, "evaluation metric that ranks checkpoints, e.g. loss or accuracy ('eval_' is prepended); default loss "
+        "when --load_best_model_at_end or --early_stopping_patience is given"
+    )
+    greater_is_better: bool | None = _opt(
+        None, "a higher --metric_for_best_model is better; default false for names ending in loss or perplexity, "
+        "else true"
+    )
+    load_best_model_at_end: bool = _opt(
+        False, "export the best evaluated checkpoint's weights as OUTPUT_DIR/model.safetensors (summary: best_step)"
+    )
+    early_stopping_patience: int | None = _opt(
+        None, "stop every rank after this many evaluations in a row without improving --metric_for_best_model",
+        low=1
+    )
+    early_stopping_threshold: float = _opt(
+        0.0, "--early_stopping_patience: an improvement must exceed this (absolute) to restart the count", low=0
+    )
     resume_from_checkpoint: str | None = _opt(
         None, "checkpoint folder to resume from, or 'auto' for the newest complete one in --output_dir (or start fresh)"
     )
@@ -221,6 +244,7 @@ class TrainConfig:
         for name in ("dataset", "model", "output_dir"):
             if not getattr(self, name).strip():
                 raise ConfigError(f"--{name} is empty; give a {'folder' if name == 'output_dir' else 'name'}")
+        _check_urls(self)
         if not self.synthetic_shape or any(d < 1 for d in self.synthetic_shape):
             raise ConfigError(f"--synthetic_shape must be one or more positive sizes, got "
                               f"{show(list(self.synthetic_shape))}; e.g. --synthetic_shape 1 28 28")
@@ -239,6 +263,7 @@ class TrainConfig:
                               f"{self.spike_factor:g}; e.g. --spike_factor 3, or 0 for no spike check")
         _check_task(self)
         _check_data(self)
+        _check_best_model(self)
         if self.init_from is not None and not self.init_from.endswith(".safetensors"):
             raise ConfigError(f"--init_from {show(self.init_from)}: expected a .safetensors weights file, "
                               "e.g. OUTPUT_DIR/model.safetensors")
@@ -367,6 +392,49 @@ def _check_data(cfg: TrainConfig) -> None:
     if cfg.task in TEXT_TASKS:
         raise ConfigError(f"--streaming with --task {cfg.task}: text is tokenized once into a memory-mapped dataset, "
                           "which reads a batch at a time at any size; drop --streaming")
+
+
+URL_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+PATH_FLAGS = ("output_dir", "resume_from_checkpoint", "init_from")
+
+
+def _check_urls(cfg: TrainConfig) -> None:
+    """A URL is a local path (``file://``) or refused: Accelerate's save_state would write ``s3://b/r`` into a
+    local folder named ``s3:/b/r`` (``os.makedirs``/``Path``, accelerate/accelerator.py), silently."""
+    for name in PATH_FLAGS:
+        value = getattr(cfg, name)
+        match = URL_SCHEME.match(value) if isinstance(value, str) else None
+        if match is None:
+            continue
+        if match.group(1).lower() == "file":
+            setattr(cfg, name, value[len(match.group(0)):] or "/")  # file:///abs/path -> /abs/path
+            continue
+        raise ConfigError(f"--{name} {value}: {match.group(1)}:// URLs are not supported yet (only local folders "
+                          "and file://); write to a local or shared folder and copy it to the store afterwards")
+
+
+def _check_best_model(cfg: TrainConfig) -> None:
+    """--load_best_model_at_end needs every checkpoint at an evaluation (the Trainer's rule), or the best is lost."""
+    if cfg.early_stopping_threshold and not cfg.early_stopping_patience:
+        raise ConfigError("--early_stopping_threshold has no effect without --early_stopping_patience; add "
+                          "--early_stopping_patience K")
+    if cfg.greater_is_better is not None and not (cfg.metric_for_best_model or cfg.load_best_model_at_end
+                                                  or cfg.early_stopping_patience):
+        raise ConfigError("--greater_is_better has no effect without --metric_for_best_model; add "
+                          "--metric_for_best_model NAME")
+    if not cfg.load_best_model_at_end:
+        return
+    save, every = cfg.checkpointing_steps, cfg.eval_every
+    if save is None:
+        raise ConfigError("--load_best_model_at_end exports the best checkpoint, but no checkpoint is saved; add "
+                          "--checkpointing_steps (a multiple of --eval_every, or 'epoch' with --eval_every 0)")
+    if save == "epoch" and every:
+        raise ConfigError(f"--load_best_model_at_end with --checkpointing_steps epoch evaluates at the end of each "
+                          f"epoch: drop --eval_every {every}, or save every N steps with N a multiple of it")
+    if save != "epoch" and (not every or int(save) % every):
+        raise ConfigError(f"--load_best_model_at_end: --checkpointing_steps {save} must be a multiple of --eval_every "
+                          f"({every or 'unset: evaluates per epoch'}), so that every checkpoint is evaluated; e.g. "
+                          f"--eval_every {save}")
 
 
 def field_types() -> dict[str, Any]:

@@ -27,6 +27,8 @@ from accelerate.utils import set_seed
 from torch.utils.data import Dataset
 from tqdm.auto import tqdm
 
+from accel_ddp.checkpoint.async_save import AsyncSaver, check_async_checkpointing
+from accel_ddp.checkpoint.best import BestModel
 from accel_ddp.checkpoint.manager import HYPERPARAMETERS, CheckpointManager
 from accel_ddp.checkpoint.start import where_to_start
 from accel_ddp.checkpoint.weights import export_weights, load_weights
@@ -203,6 +205,11 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
     checkpoints = CheckpointManager(accelerator, cfg.output_dir, cfg.keep_last,
                                     {**facts, "seed": cfg.seed, "optimizer": cfg.optimizer, "model": cfg.model,
                                      **{name: getattr(cfg, name) for name in HYPERPARAMETERS}})
+    # The best model and early stopping (checkpoint/best.py): stored with each checkpoint, restored by resume.
+    checkpoints.best = BestModel.from_config(cfg, plan.steps_per_epoch, plan.total_steps)
+    if cfg.async_checkpointing:  # writes in a background thread (checkpoint/async_save.py)
+        check_async_checkpointing(accelerator)
+        checkpoints.saver = AsyncSaver(checkpoints, model, optimizer, scheduler, cfg.ddp_timeout)
     start_step = where_to_start(cfg, accelerator, checkpoints, optimizer, scheduler, plan.total_steps)
     resolved = {**cfg.to_dict(), "resolved": facts}
     recorder.start_trackers(cfg.tracker_project_name, resolved, start_step)  # one that cannot start: exit 2 here
@@ -294,12 +301,16 @@ def fit(run: Run) -> FitResult:
     log = StepLog(run, steps.losses, guard)
     eval_metrics: dict[str, Any] = {}
     evaluated_at = None  # the step of the last evaluation: the final weights are always evaluated once
+    best = run.checkpoints.best  # --metric_for_best_model, --early_stopping_patience (checkpoint/best.py)
 
-    def evaluate_now(epoch: int) -> None:
+    def evaluate_now(epoch: int) -> bool:  # True: early stopping ends the run at this step, on every rank alike
         nonlocal eval_metrics, evaluated_at
         stops.if_not_finite(step)
         eval_metrics, evaluated_at = evaluate_and_log(run, step, epoch), step
+        if best and best.after_eval(eval_metrics, step):  # decided on the gathered metrics: the same everywhere
+            return True
         stops.if_preempted(step)  # the evaluation was finished: its metrics are logged, then the step saved
+        return False
 
     for epoch in range(step // plan.steps_per_epoch, plan.num_epochs):
         if step >= plan.total_steps:  # resumed from the last step's checkpoint
@@ -317,7 +328,8 @@ def fit(run: Run) -> FitResult:
             if run.preemption.stop_requested():  # ranks compare flags every ~0.25 s: all stop after the same step
                 stops.stop(step)
             if run.eval_loader is not None and cfg.eval_every and step % cfg.eval_every == 0:
-                evaluate_now(epoch)
+                if evaluate_now(epoch):
+                    break
                 log.paused(step)
             if save_every and step % save_every == 0:
                 stops.if_preempted(step, stops.save(step))  # a signal during the save: it completes, then all stop
@@ -325,8 +337,10 @@ def fit(run: Run) -> FitResult:
             if step >= plan.total_steps:
                 break
         log.epoch_done(step, epoch)
-        if run.eval_loader is not None and not cfg.eval_every:
-            evaluate_now(epoch)
+        if best and best.stopped_at is not None:  # stopped early within the epoch
+            break
+        if run.eval_loader is not None and not cfg.eval_every and evaluate_now(epoch):
+            break
         if cfg.checkpointing_steps == "epoch" and step == (epoch + 1) * plan.steps_per_epoch:
             stops.if_preempted(step, stops.save(step))
         log.meter.reset(step)  # the next log line's samples/s leaves out this epoch's evaluation and checkpoint
@@ -334,6 +348,9 @@ def fit(run: Run) -> FitResult:
     stops.if_not_finite(step)  # before finish() exports the weights
     if run.eval_loader is not None and evaluated_at != step:  # also a run resumed from its last step's checkpoint
         eval_metrics = evaluate_and_log(run, step, plan.num_epochs - 1)
+        if best:
+            best.after_eval(eval_metrics, step)  # the final weights are a best-model candidate
+    run.checkpoints.wait()  # --async_checkpointing: the last save sealed before the final outputs
     return FitResult(step, eval_metrics, log.timer)
 
 
@@ -353,6 +370,9 @@ def _debug_check(run: Run, watch: LossWatch) -> Callable[[torch.Tensor, int], No
 
 def finish(run: Run, result: FitResult) -> dict[str, Any]:
     """Export the final weights, write summary.json and curves.png; return the summary."""
+    best = run.checkpoints.best
+    if best:  # --load_best_model_at_end: the best checkpoint's weights become the final ones (checkpoint/best.py)
+        best.load_best(run.accelerator, run.model, run.checkpoints.root, result.step)
     export_weights(run.accelerator, run.model, run.cfg.output_dir)
     export_pretrained(run.accelerator, run.model, run.tokenizer, run.cfg.output_dir)  # Transformers: hf_model/
     timing = result.timer.totals()
@@ -373,6 +393,7 @@ def finish(run: Run, result: FitResult) -> dict[str, Any]:
         "resumed_from_step": run.start_step,
         **(run.anomalies.summary() if run.anomalies is not None else {}),  # skipped steps, rollbacks
         **largest(memory_record(run.accelerator)),  # peak_rss_mb, peak_worker_rss_mb: max over ranks (MiB)
+        **(best.summary(result.step) if best else {}),  # best_step, final_weights_step, stopped_early
     }
     run.recorder.write_summary(summary, result.step)  # and to the trackers
     run.recorder.plot()  # OUTPUT_DIR/curves.png

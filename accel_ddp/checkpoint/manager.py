@@ -125,6 +125,8 @@ class CheckpointManager:
         self.run_facts = dict(run_facts)
         self.last_saved_step: int | None = None
         self.last_saved_folder: str | None = None  # the newest checkpoint this run saved or resumed from
+        self.saver = None  # --async_checkpointing: an async_save.AsyncSaver, which writes in a background thread
+        self.best = None  # a best.BestModel: its records go into checkpoint.json, its checkpoint is never pruned
         # We write and read the weights ourselves, without DDP's "module." prefix, so that a checkpoint
         # loads at any world size and a mismatch is reported key by key.
         accelerator.register_save_state_pre_hook(self._unwrapped_weights_hook)
@@ -139,6 +141,12 @@ class CheckpointManager:
             return final
         acc = self.accelerator
         tmp = os.path.join(self.root, f".tmp-{checkpoint_name(step)}")
+        if self.saver is not None:  # --async_checkpointing: the previous save sealed, this one copied and started
+            self.saver.wait()
+            self._on_main_then_all(lambda: self._writing(step, tmp, lambda: _fresh_folder(tmp)))
+            self.saver.save(step, tmp, final)
+            self.last_saved_step = step
+            return final
         # Each stage ends in a collective that carries its outcome: a write the file system refuses (a full disk)
         # on any rank stops every rank with one line, the unsealed folder removed and the earlier checkpoints as
         # they were. The main process's stages are its decisions; each rank writes its own RNG file.
@@ -159,6 +167,11 @@ class CheckpointManager:
                                                                          self._prune(keep=final))))
         self.last_saved_step, self.last_saved_folder = step, final
         return final
+
+    def wait(self) -> None:
+        """Collective: the save in flight (--async_checkpointing) sealed on every rank, or its WriteFailed."""
+        if self.saver is not None:
+            self.saver.wait()
 
     def _writing(self, step: int, tmp: str, call: Callable[[], Any]) -> None:
         """``call()`` on the main process; a write the file system refuses removes ``tmp`` and is a WriteFailed."""
@@ -183,7 +196,8 @@ class CheckpointManager:
         steps_per_epoch = self.run_facts["steps_per_epoch"]
         meta = {"format": FORMAT_VERSION, "step": step, "epoch": step // steps_per_epoch,
                 "step_in_epoch": step % steps_per_epoch, **self.run_facts,
-                "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "files": files}
+                "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "files": files,
+                **({"best": self.best.state()} if self.best else {})}
         marker = os.path.join(tmp, MARKER_NAME)
         with open(marker, "w", encoding="utf-8") as fh:
             json.dump(meta, fh, indent=2)
@@ -203,8 +217,10 @@ class CheckpointManager:
         """
         saved = int(_STEP_DIR.match(os.path.basename(keep)).group(1))
         complete = [path for step, path in list_checkpoints(self.root) if step <= saved]
+        best = os.path.join(self.root, checkpoint_name(self.best.kept_step)) \
+            if self.best and self.best.kept_step is not None else None
         for path in complete[: max(len(complete) - self.keep_last, 0)]:
-            if path != keep:
+            if path not in (keep, best):  # the best checkpoint is kept besides the newest keep_last
                 remove_dir(path)
         for name in os.listdir(self.root):  # debris of saves or deletions a crash interrupted
             if name.startswith((".tmp-", ".trash-")):
@@ -255,6 +271,8 @@ class CheckpointManager:
             epoch = meta["step"] // self.run_facts["steps_per_epoch"]
             print(f"accel_ddp: resumed from {folder} (optimizer step {meta['step']}, epoch {epoch})", flush=True)
         self.last_saved_step, self.last_saved_folder = meta["step"], folder
+        if self.best:
+            self.best.restore(meta)  # the best so far and the patience counter continue
         return meta["step"]
 
     def _say_if_not_exact(self, folder: str, meta: dict[str, Any], ranks: list[tuple[bool, list[str] | None]]) -> None:

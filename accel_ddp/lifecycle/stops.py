@@ -45,6 +45,7 @@ class StopPoints:
     def stop(self, step: int, saved: str | None = None) -> NoReturn:
         """Preempted: every rank saves this step (unless ``saved`` already holds it), then stops."""
         checkpoint = saved or self.save(step)
+        self.checkpoints.wait()  # --async_checkpointing: the checkpoint is sealed before the exit
         self.bar.close()
         raise Preempted(self.preemption.reason, step, checkpoint, signal_name=self.preemption.signal_name)
 

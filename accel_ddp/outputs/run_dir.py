@@ -158,6 +158,8 @@ def finished_summary(output_dir: str, total_steps: int, global_batch_size: int) 
     steps, batch = summary.get("optimizer_steps"), summary.get("global_batch_size")
     if type(steps) is int and steps == total_steps and batch == global_batch_size:
         return summary
+    if isinstance(summary.get("stopped_early"), dict) and batch == global_batch_size:
+        return summary  # early stopping ended it (checkpoint/best.py): a relaunch has nothing to do
     return None
 
 
