@@ -62,6 +62,7 @@ from accel_ddp.tracking.meters import (
     EpochTimer,
     StepProfiler,
     ThroughputMeter,
+    build_throughput,
     largest,
     memory_record,
     progress_bar,
@@ -267,6 +268,7 @@ class FitResult:
     step: int  # optimizer steps done
     eval_metrics: dict[str, Any]  # the last evaluation's, empty without an eval set
     timer: EpochTimer  # step times and data-wait share over the run
+    meter: ThroughputMeter  # tokens, model FLOPs and MFU over the run
 
 
 def fit(run: Run) -> FitResult:
@@ -281,7 +283,8 @@ def fit(run: Run) -> FitResult:
     eval_metrics: dict[str, Any] = {}
     losses = LossAccumulator(accelerator, plan.accumulation, cfg.global_batch_size)  # backward, logged mean
     bar = run.bar
-    meter = ThroughputMeter(cfg.global_batch_size, step)  # samples/s between log lines
+    # samples/s, real tokens/s, model FLOP/s and MFU between log lines (tracking/meters.py, tracking/flops.py)
+    meter = build_throughput(accelerator, model, cfg.global_batch_size, accelerator.mixed_precision, cfg.tf32, step)
     timer = EpochTimer(cfg.global_batch_size)  # per-epoch step-time percentiles and data-wait share
     profiler = StepProfiler(cfg.profile, cfg.output_dir, accelerator.process_index)
     update = build_update(accelerator, model, optimizer, cfg.max_grad_norm)  # clip, step, zero_grad
@@ -318,6 +321,7 @@ def fit(run: Run) -> FitResult:
         skip = (step - epoch * plan.steps_per_epoch) * plan.accumulation
         timer.start_epoch()
         for batch in timed(_epoch_batches(run.train_loader, epoch, skip), timer):
+            meter.add_batch(batch)  # host-side: the batch's shapes give its model FLOPs (cached per shape)
             with accelerator.accumulate(model):
                 loss = run.task.training_loss(model, batch)  # a mean, or a (sum, num_items) pair
                 if cfg.debug and watch.any_rank(loss.value):  # debug syncs per step: stop before a nan backward
@@ -341,8 +345,9 @@ def fit(run: Run) -> FitResult:
                 mean_loss = losses.mean_since_log()  # only here do we sync with the host: .item() stalls the GPU
                 if not math.isfinite(mean_loss):
                     stop_if_not_finite(step)
+                tokens = losses.logged_items if run.task.name == "causal_lm" else None  # real tokens, all ranks
                 recorder.log({"step": step, "epoch": epoch, "loss": mean_loss, "lr": scheduler.get_last_lr()[0],
-                              "samples_per_sec": meter.rate(step)})
+                              **meter.record(step, tokens, losses.logged_steps)})
                 bar.set_postfix(loss=f"{mean_loss:.4f}", refresh=False)  # shown at the bar's next redraw (<= 0.1 s)
             if run.preemption.stop_requested():  # ranks compare flags every ~0.25 s: all stop after the same step
                 stop(step)
@@ -371,7 +376,7 @@ def fit(run: Run) -> FitResult:
     stop_if_not_finite(step)  # before finish() exports the weights
     if run.eval_loader is not None and evaluated_at != step:  # also a run resumed from its last step's checkpoint
         eval_metrics = evaluate_and_log(run, step, plan.num_epochs - 1)
-    return FitResult(step, eval_metrics, timer)
+    return FitResult(step, eval_metrics, timer, meter)
 
 
 def finish(run: Run, result: FitResult) -> dict[str, Any]:
@@ -390,6 +395,7 @@ def finish(run: Run, result: FitResult) -> dict[str, Any]:
         "train_samples_per_sec": timing.pop("samples_per_sec", 0.0),
         **timing,  # step_time_p50_ms, step_time_p90_ms, data_wait_share, cpu_ms_per_step over the whole run
         "train_seconds": sum(result.timer.all_steps),
+        **result.meter.summary(sum(result.timer.all_steps), len(result.timer.all_steps)),  # tokens/s, FLOP/s, MFU
         "elapsed_sec": time.perf_counter() - run.started,
         **_startup_figures(run),
         "lr_scheduler_steps": run.scheduler.scheduler.last_epoch,

@@ -154,6 +154,9 @@ class LossAccumulator:
         self.running = torch.zeros(3, device=device, dtype=torch.float64)
         self.running_mean = torch.zeros((), device=device)  # since the last log: means, as the loop always summed
         self.steps_since_log = 0
+        # What the last mean_since_log counted, every rank (host numbers): throughput's real tokens (meters.py).
+        self.logged_items: float | None = None
+        self.logged_steps = 0
 
     def backward(self, loss: Loss) -> None:
         summed = loss.items is not None
@@ -199,6 +202,7 @@ class LossAccumulator:
             if empty_sums:
                 return math.nan
             mean = loss_sum / max(items, 1)
+            self.logged_items, self.logged_steps = items, self.steps_since_log  # tokens/s: no sync of its own
         else:
             mean = self.accelerator.reduce(self.running_mean, "mean").item() / max(self.steps_since_log, 1)
         self.running.zero_()
