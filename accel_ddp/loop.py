@@ -195,6 +195,7 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
         global_batch_size=cfg.global_batch_size, eval_batch_size=cfg.eval_batch_size, loader=cfg.loader,
         num_workers=0 if cfg.debug else cfg.num_workers, device_loader_max_mb=cfg.device_loader_max_mb,
         collate_fn=data.collate_fn, max_steps=cfg.max_steps,
+        memory_limit=data.memory_limit,  # the machine's budget (data/memory_budget.py): device memory left for data
     )
     train_loader, eval_loader = loaders.train, loaders.eval
     plan = _plan(cfg, loaders.steps_per_epoch, per_device_batch, accumulation)
