@@ -150,3 +150,41 @@ def test_a_sample_task_reports_counted_flops_per_sample(tmp_path):
     assert all(r["flops_per_sec"] == pytest.approx(r["samples_per_sec"] * summary["model_flops_per_sample"])
                for r in logged)
     assert read_summary(tmp_path)["flops_method"] == "counted"
+
+
+def test_the_token_count_is_all_reduced_asynchronously_beside_the_backward(tmp_path):
+    """2 ranks, 6 steps, a log line every 3: each step's token count goes out as one async all-reduce launched
+    before that step's backward (no blocking reduce per step); Accelerate's blocking reduce runs at log lines only."""
+    def fn():
+        import torch.distributed as dist
+        from accelerate import Accelerator
+
+        from accel_ddp import TrainConfig, train
+
+        events, real_all_reduce, real_reduce = [], dist.all_reduce, Accelerator.reduce
+        real_backward = torch.Tensor.backward
+
+        def all_reduce(tensor, *args, async_op=False, **kwargs):
+            if async_op and tensor.dtype == torch.float64 and tensor.ndim == 0:
+                events.append("count")
+            return real_all_reduce(tensor, *args, async_op=async_op, **kwargs)
+
+        def backward(self, *args, **kwargs):
+            events.append("backward")
+            return real_backward(self, *args, **kwargs)
+
+        def reduce(self, *args, **kwargs):
+            events.append("reduce")
+            return real_reduce(self, *args, **kwargs)
+
+        dist.all_reduce, torch.Tensor.backward, Accelerator.reduce = all_reduce, backward, reduce
+        torch.manual_seed(0)
+        config = TrainConfig(task="causal_lm", global_batch_size=8, per_device_batch_size=4, max_steps=6,
+                             optimizer="sgd", lr=0.1, log_every=3, output_dir=str(tmp_path))
+        train(config, model=tiny_gpt(), train_dataset=Sequences(48))
+        return events
+
+    events = run_ranks(fn, world_size=2)[0]
+    steps = [e for e in events if e in ("count", "backward")]
+    assert steps == ["count", "backward"] * 6
+    assert events.count("reduce") <= 2 + 4  # the 2 log lines', and a few outside the loop (summary, checks)
