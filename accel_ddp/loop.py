@@ -62,7 +62,6 @@ from accel_ddp.tracking.meters import (
     EpochTimer,
     StepProfiler,
     ThroughputMeter,
-    build_throughput,
     largest,
     memory_record,
     progress_bar,
@@ -285,7 +284,8 @@ def fit(run: Run) -> FitResult:
     losses = LossAccumulator(accelerator, plan.accumulation, cfg.global_batch_size)  # backward, logged mean
     bar = run.bar
     # samples/s, real tokens/s, model FLOP/s and MFU between log lines (tracking/meters.py, tracking/flops.py)
-    meter = build_throughput(accelerator, model, cfg.global_batch_size, accelerator.mixed_precision, cfg.tf32, step)
+    meter = ThroughputMeter.for_run(accelerator, model, cfg.global_batch_size, accelerator.mixed_precision, cfg.tf32,
+                                    step)
     timer = EpochTimer(cfg.global_batch_size)  # per-epoch step-time percentiles and data-wait share
     profiler = StepProfiler(cfg.profile, cfg.output_dir, accelerator.process_index)
     update = build_update(accelerator, model, optimizer, cfg.max_grad_norm)  # clip, step, zero_grad

@@ -166,7 +166,8 @@ class ModelFlops:
     def __init__(self, model: torch.nn.Module):
         from accelerate.utils import extract_model_from_parallel
 
-        self.model = extract_model_from_parallel(model)
+        # The plain module: a compiled one would compile again for the meta tensors (Accelerate's unwrap keeps it).
+        self.model = extract_model_from_parallel(model, keep_torch_compile=False)
         self.shape = transformer_shape(self.model)
         self.method: str | None = "6N+12LdT" if self.shape is not None else "counted"
         self._cache: dict[Any, tuple[float, int, int] | None] = {}
@@ -188,9 +189,9 @@ class ModelFlops:
             length = int(first.shape[1])
             per_token = 6 * matmul_params + 12 * layers * width * length
             return float(per_token * samples * length), samples, samples * length
-        per_sample = counted_flops(self.model, batch)
+        per_sample = counted_flops(self.model, batch)  # also a Transformers model fed images (pixel_values)
+        self.method = None if per_sample is None else "counted"
         if per_sample is None:
-            self.method = None
             return None
         positions = samples * int(first.shape[1]) if tokens_like(first) else samples
         return per_sample * samples, samples, positions

@@ -28,7 +28,7 @@ def progress_bar(total: int, initial: int, enabled: bool) -> tqdm:
 class ThroughputMeter:
     """Training throughput between two log lines, evaluation time left out: samples/s, tokens/s, model FLOP/s, MFU.
 
-        meter = build_throughput(accelerator, model, cfg.global_batch_size, cfg.mixed_precision, cfg.tf32, step)
+        meter = ThroughputMeter.for_run(accelerator, model, cfg.global_batch_size, cfg.mixed_precision, cfg.tf32, step)
         ...  # every micro-step:     meter.add_batch(batch)      (host-side shapes: no sync)
         ...  # at a log line:        record.update(meter.record(step, tokens, token_steps))
         ...  # after an evaluation:  meter.reset(step)
@@ -53,6 +53,13 @@ class ThroughputMeter:
         self.total_tokens = 0  # real tokens over the run, every rank (token tasks)
         self.token_task = False  # set by the first record() given tokens
         self.reset(step)
+
+    @classmethod
+    def for_run(cls, accelerator, model, global_batch_size: int, mixed_precision: str, tf32: bool,
+                step: int = 0) -> ThroughputMeter:
+        """The run's meter: its model's FLOPs and this rank's device peak (None off CUDA)."""
+        device_name, peak = device_peak_flops(accelerator.device, mixed_precision, tf32)
+        return cls(global_batch_size, step, accelerator.num_processes, ModelFlops(model), peak, device_name)
 
     def reset(self, step: int) -> None:
         self._step, self._time = step, time.perf_counter()
@@ -130,13 +137,6 @@ class ThroughputMeter:
         if (utilisation := mfu(per_device, self.peak)) is not None:
             out["mfu"] = utilisation
         return out
-
-
-def build_throughput(accelerator, model, global_batch_size: int, mixed_precision: str, tf32: bool,
-                     step: int = 0) -> ThroughputMeter:
-    """The run's :class:`ThroughputMeter`: its model's FLOPs and this rank's device peak (None off CUDA)."""
-    device_name, peak = device_peak_flops(accelerator.device, mixed_precision, tf32)
-    return ThroughputMeter(global_batch_size, step, accelerator.num_processes, ModelFlops(model), peak, device_name)
 
 
 class EpochTimer:
