@@ -63,6 +63,7 @@ from accel_ddp.tasks.probe import probe_task
 from accel_ddp.tasks.protocol import Task, build_task
 from accel_ddp.tracking.meters import (
     EpochTimer,
+    ThroughputMeter,
     largest,
     memory_record,
     progress_bar,
@@ -186,6 +187,7 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
         global_batch_size=cfg.global_batch_size, eval_batch_size=cfg.eval_batch_size, loader=cfg.loader,
         num_workers=0 if cfg.debug else cfg.num_workers, device_loader_max_mb=cfg.device_loader_max_mb,
         collate_fn=data.collate_fn, max_steps=cfg.max_steps,
+        memory_limit=data.memory_limit,  # the machine's budget (data/memory_budget.py): device memory left for data
     )
     plan = _plan(cfg, loaders.steps_per_epoch, per_device_batch, accumulation)
     phase_done("loaders")
@@ -279,6 +281,7 @@ class FitResult:
     step: int  # optimizer steps done
     eval_metrics: dict[str, Any]  # the last evaluation's, empty without an eval set
     timer: EpochTimer  # step times and data-wait share over the run
+    meter: ThroughputMeter  # tokens, model FLOPs and MFU over the run
 
 
 def fit(run: Run) -> FitResult:
@@ -320,6 +323,7 @@ def fit(run: Run) -> FitResult:
         skip = (step - epoch * plan.steps_per_epoch) * plan.accumulation
         log.timer.start_epoch()
         for batch in timed(_epoch_batches(run.train_loader, epoch, skip), log.timer):
+            log.meter.add_batch(batch)  # host-side: the batch's shapes give its model FLOPs (cached per shape)
             if not steps.micro_step(batch):  # forward, backward; on the step's last micro-step the update
                 continue
             step = steps.step
@@ -351,7 +355,7 @@ def fit(run: Run) -> FitResult:
         if best:
             best.after_eval(eval_metrics, step)  # the final weights are a best-model candidate
     run.checkpoints.wait()  # --async_checkpointing: the last save sealed before the final outputs
-    return FitResult(step, eval_metrics, log.timer)
+    return FitResult(step, eval_metrics, log.timer, log.meter)
 
 
 def _debug_check(run: Run, watch: LossWatch) -> Callable[[torch.Tensor, int], None] | None:
@@ -387,6 +391,7 @@ def finish(run: Run, result: FitResult) -> dict[str, Any]:
         "train_samples_per_sec": timing.pop("samples_per_sec", 0.0),
         **timing,  # step_time_p50_ms, step_time_p90_ms, data_wait_share, cpu_ms_per_step over the whole run
         "train_seconds": sum(result.timer.all_steps),
+        **result.meter.summary(sum(result.timer.all_steps), len(result.timer.all_steps)),  # tokens/s, FLOP/s, MFU
         "elapsed_sec": time.perf_counter() - run.started,
         **_startup_figures(run),
         "lr_scheduler_steps": run.scheduler.scheduler.last_epoch,

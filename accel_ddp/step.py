@@ -207,6 +207,13 @@ class LossAccumulator:
         self.steps_since_log = 0
         if guard is not None:  # this step's share of running / running_mean, added by end_step unless skipped
             self._step_running, self._step_mean = torch.zeros_like(self.running), torch.zeros_like(self.running_mean)
+        # Several plain ranks (DDP over torch.distributed): the step's item count is all-reduced asynchronously,
+        # launched after the last micro-step's forward and waited for before the rescale (overlaps the backward).
+        self._async_count = accelerator.num_processes > 1 and accelerator.distributed_type in PLAIN_TYPES
+        self._count: tuple[torch.Tensor, object] | None = None  # (the reduced count, its Work handle) in flight
+        # What the last mean_since_log counted, every rank (host numbers): throughput's real tokens (meters.py).
+        self.logged_items: float | None = None
+        self.logged_steps = 0
 
     def backward(self, loss: Loss) -> None:
         summed = loss.items is not None
@@ -221,6 +228,8 @@ class LossAccumulator:
             value, items = loss.value.detach().double(), loss.items.double()
             self.step_items += items
             running += torch.stack([value, items, value.abs() * (items == 0)])  # 3 small ops, no sync
+            if self._async_count and self.accelerator.sync_gradients:  # the step's last forward: every count known
+                self._count = self._launch_count()
             self._backward(trained / self.nominal)
         else:
             self._backward(trained)
@@ -242,11 +251,27 @@ class LossAccumulator:
         if not self.summed:
             return
         acc = self.accelerator
-        global_items = acc.reduce(self.step_items, reduction="sum") if acc.num_processes > 1 else self.step_items
+        if self._count is not None:  # launched before this step's backward, in the same order on every rank
+            global_items, work = self._count
+            work.wait()  # gloo: blocks until done (long done: it ran beside the backward); NCCL: orders the stream
+            self._count = None
+        else:
+            global_items = acc.reduce(self.step_items, reduction="sum") if acc.num_processes > 1 else self.step_items
         # An all-ignored global batch has zero gradients: keep them zero rather than 0/0.
         factor = acc.num_processes * self.accumulation * self.nominal / global_items.clamp_min(1)
         scale_gradients(model.parameters(), factor)
         self.step_items.zero_()
+
+    def _launch_count(self) -> tuple[torch.Tensor, object]:
+        """All-reduce a copy of this step's item count without waiting (``async_op=True``).
+
+        Issued on every rank between the last forward and its backward, so before DDP's bucket all-reduces on
+        the same process group: the collectives' order is the same everywhere (torch.distributed docs,
+        "Synchronous and asynchronous collective operations": ``wait()`` blocks the process for CPU
+        collectives, only the current stream for CUDA ones). Accelerate's ``reduce`` would block here.
+        """
+        count = self.step_items.clone()
+        return count, torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.SUM, async_op=True)
 
     @property
     def running_loss(self) -> torch.Tensor:
@@ -265,6 +290,7 @@ class LossAccumulator:
             if empty_sums:
                 return math.nan
             mean = loss_sum / max(items, 1) if skipped < self.steps_since_log else math.nan
+            self.logged_items, self.logged_steps = items, self.steps_since_log  # tokens/s: no sync of its own
         else:
             trained = self.steps_since_log - skipped
             mean = self.accelerator.reduce(self.running_mean, "mean").item() / trained if trained else math.nan

@@ -86,6 +86,7 @@ def main() -> None:
     parser.add_argument("--max_grad_norm", type=float, default=1.0, help="0 = no clipping")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--results_json", default=None)
+    parser.add_argument("--save_weights", default=None, help="rank 0 writes the final weights here (parity.py)")
     parser.add_argument("--data_dir", help="lm: the folder examples/pydoc_text.py lm wrote")
     parser.add_argument("--tokenizer", help="lm: its tokenizer folder")
     parser.add_argument("--model_config", help="lm: a Transformers config (examples/configs/tiny_gpt2.json)")
@@ -139,6 +140,10 @@ def main() -> None:
             "world_size": world, "global_batch_size": args.global_batch_size, "epochs": epochs,
             "startup_sec": startup.item(), "final_loss": loss.item(),
         }))
+    if rank == 0 and args.save_weights:  # the plain model's keys, as accel_ddp's model.safetensors
+        from safetensors.torch import save_model
+
+        save_model(model.module if world > 1 else model, args.save_weights)
     dist.destroy_process_group()
 
 

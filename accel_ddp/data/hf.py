@@ -34,6 +34,7 @@ from accel_ddp.data.mapped import (
     image_mode,
     open_image,
 )
+from accel_ddp.data.memory_budget import say
 from accel_ddp.util.validation import ConfigError
 
 DECODE_CHUNK = 1024  # rows decoded per slice: bounds the PIL images alive at once
@@ -63,7 +64,9 @@ def _held(train, eval_split, source: HFSource, image_size: int | None) -> Datase
     label_col = _label_column(train, source.label_column)
     input_col = _input_column(train, source.image_column, label_col)
     if source.in_memory_max_mb is not None and \
-            decoded_nbytes(train, input_col, label_col, image_size) > source.in_memory_max_mb * 2**20:
+            (nbytes := decoded_nbytes(train, input_col, label_col, image_size)) > source.in_memory_max_mb * 2**20:
+        if source.memory_limit is not None:  # over this machine's memory budget, not the flag: one line says so
+            say(source.memory_limit.note("the decoded training set", nbytes, source.in_memory_max_mb))
         return _mapped_bundle(train, eval_split, input_col, label_col, image_size)
 
     train_x, layout = _inputs(train, input_col, label_col, image_size, layout=None)

@@ -43,6 +43,7 @@ class HFSource(NamedTuple):
     in_memory_max_mb: float | None = None  # decode into memory up to this size (MiB); larger: memory-mapped
     streaming: bool = False  # read the training split as a stream (datasets.IterableDataset)
     shuffle_buffer: int = 10_000  # streaming: examples in the shuffle buffer; 0 reads in file order
+    memory_limit: Any = None  # a memory_budget.InMemoryLimit: says why a set the flag allows stays memory-mapped
 
 
 def load_splits(data_dir: str, source: HFSource, streaming: bool = False) -> tuple[Any, Any]:

@@ -18,6 +18,7 @@ from accel_ddp.data.device_loader import DeviceEvalLoader, DeviceLoader
 from accel_ddp.data.host_loader import HostLoader, default_num_workers, readable, usable_cpus
 from accel_ddp.data.in_memory import as_in_memory, is_in_memory
 from accel_ddp.data.mapped import is_arrow_dataset
+from accel_ddp.data.memory_budget import say
 from accel_ddp.data.sampler import GlobalBatchSampler
 from accel_ddp.data.workers import worker_options
 from accel_ddp.util.registry import describe
@@ -75,10 +76,12 @@ def build_eval_loader(
     )
 
 
-def choose_loader(loader: str, dataset: Dataset, device_loader_max_mb: float) -> str:
+def choose_loader(loader: str, dataset: Dataset, device_loader_max_mb: float, memory_limit=None) -> str:
     """``"device"`` or ``"dataloader"`` for ``--loader`` auto/device/dataloader and this training set.
 
-    ``auto`` takes the device loader for tensors in memory up to ``device_loader_max_mb`` MiB as stored;
+    ``auto`` takes the device loader for tensors in memory up to ``device_loader_max_mb`` MiB as stored,
+    and up to ``memory_limit.device_mb`` (a :class:`~accel_ddp.data.memory_budget.InMemoryLimit`: on a GPU
+    the device memory left for data; one line says when that, not the flag, sends the set to a DataLoader);
     ``device`` insists on it (a clear error when the dataset is not tensors in memory).
     """
     if loader not in ("auto", "device", "dataloader"):
@@ -92,7 +95,10 @@ def choose_loader(loader: str, dataset: Dataset, device_loader_max_mb: float) ->
                 "--loader dataloader, or return an accel_ddp.data.InMemoryDataset or TensorDataset from --dataset"
             )
         return "dataloader"
-    if loader == "auto" and as_in_memory(dataset).nbytes > device_loader_max_mb * 2**20:
+    limit_mb = device_loader_max_mb if memory_limit is None else min(device_loader_max_mb, memory_limit.device_mb)
+    if loader == "auto" and (nbytes := as_in_memory(dataset).nbytes) > limit_mb * 2**20:
+        if memory_limit is not None and nbytes <= device_loader_max_mb * 2**20:  # the budget, not the flag, decided
+            say(memory_limit.note("the training set", nbytes, limit_mb, instead="reading it through a DataLoader"))
         return "dataloader"
     return "device"
 
@@ -118,6 +124,7 @@ def build_loaders(
     device_loader_max_mb: float = 4096,
     collate_fn: Callable | None = None,
     max_steps: int | None = None,
+    memory_limit=None,
 ) -> Loaders:
     """Train and eval loaders, ready to iterate: batches arrive on ``accelerator.device``.
 
@@ -146,7 +153,7 @@ def build_loaders(
             world_size=world, device=accelerator.device, num_workers=num_workers, collate_fn=collate_fn,
             accelerator=accelerator)
     else:
-        kind = choose_loader(loader, train_dataset, device_loader_max_mb)
+        kind = choose_loader(loader, train_dataset, device_loader_max_mb, memory_limit)
         if kind == "device" and collate_fn is not None:
             kind = collate_route(loader, collate_fn, accelerator.is_main_process)
         make = DeviceLoader if kind == "device" else HostLoader

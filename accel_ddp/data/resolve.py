@@ -15,6 +15,7 @@ from torch.utils.data import Dataset, IterableDataset, Subset
 
 from accel_ddp.config import DEBUG_MAX_STEPS, TEXT_TASKS, TrainConfig
 from accel_ddp.data import HFSource, build_datasets
+from accel_ddp.data.memory_budget import in_memory_limit
 from accel_ddp.data.text import PadCollate, TextOptions, build_text, has_tokenizer, pad_token_id
 from accel_ddp.lifecycle.preemption import PreemptionWatcher
 from accel_ddp.util.registry import resolve
@@ -32,6 +33,7 @@ class Data(NamedTuple):
     input_shape: tuple[int, ...] | None  # one (input, label) sample's input shape; None for dict samples
     tokenizer: Any = None  # text tasks: the tokenizer (saved beside a Transformers model)
     collate_fn: Callable | None = None  # dict samples: padded per batch; None: torch's default_collate
+    memory_limit: Any = None  # memory_budget.InMemoryLimit (None with --loader device): what --loader auto holds
 
 
 def resolve_data(cfg: TrainConfig, accelerator: Accelerator, train_dataset, eval_dataset, collate_fn=None, *,
@@ -40,10 +42,12 @@ def resolve_data(cfg: TrainConfig, accelerator: Accelerator, train_dataset, eval
 
     ``preemption``: a signal during the build stops it, and every rank (``local_main_first``)."""
     tokenizer = None
+    # The machine's memory budget (cgroup-aware host memory / local ranks, device memory): collective, agreed.
+    limit = in_memory_limit(accelerator, cfg.device_loader_max_mb) if cfg.loader != "device" else None
     hf = HFSource(cfg.hf_name, cfg.hf_config, cfg.hf_train_split, cfg.hf_eval_split, cfg.image_column,
                   cfg.label_column, streaming=cfg.streaming, shuffle_buffer=cfg.shuffle_buffer,
                   # in memory below the threshold (the device loader can serve it), memory-mapped above
-                  in_memory_max_mb=math.inf if cfg.loader == "device" else cfg.device_loader_max_mb)
+                  in_memory_max_mb=math.inf if limit is None else limit.decode_mb, memory_limit=limit)
     if train_dataset is None and cfg.task in TEXT_TASKS and cfg.dataset == "hf":
         text = TextOptions(cfg.tokenizer or (cfg.model if has_tokenizer(cfg.model) else None), cfg.text_column,
                            cfg.max_length, cfg.packing, labels=cfg.task == "sequence_classification")
@@ -75,7 +79,7 @@ def resolve_data(cfg: TrainConfig, accelerator: Accelerator, train_dataset, eval
     collate_fn = collate_fn or (resolve(cfg.collate_fn, {}, kind="collate_fn") if cfg.collate_fn else None)
     if collate_fn is None and input_shape is None:  # dict samples, maybe of different lengths
         collate_fn = PadCollate(pad_token_id(tokenizer))
-    return Data(train_dataset, eval_dataset, num_classes, input_shape, tokenizer, collate_fn)
+    return Data(train_dataset, eval_dataset, num_classes, input_shape, tokenizer, collate_fn, limit)
 
 
 def local_main_first(accelerator: Accelerator, build: Callable[[], T], main_first: bool = False, *,

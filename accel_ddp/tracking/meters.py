@@ -17,6 +17,7 @@ import time
 from tqdm.auto import tqdm
 
 from accel_ddp.outputs.names import PROFILE_SUBDIR
+from accel_ddp.tracking.flops import ModelFlops, device_peak_flops, mfu
 
 
 def progress_bar(total: int, initial: int, enabled: bool) -> tqdm:
@@ -25,26 +26,117 @@ def progress_bar(total: int, initial: int, enabled: bool) -> tqdm:
 
 
 class ThroughputMeter:
-    """Training samples per second between two log lines, evaluation time left out.
+    """Training throughput between two log lines, evaluation time left out: samples/s, tokens/s, model FLOP/s, MFU.
 
-        meter = ThroughputMeter(global_batch_size=64)
-        ...  # at a log line:        record["samples_per_sec"] = meter.rate(step)
+        meter = ThroughputMeter.for_run(accelerator, model, cfg.global_batch_size, cfg.mixed_precision, cfg.tf32, step)
+        ...  # every micro-step:     meter.add_batch(batch)      (host-side shapes: no sync)
+        ...  # at a log line:        record.update(meter.record(step, tokens, token_steps))
         ...  # after an evaluation:  meter.reset(step)
+        ...  # in summary.json:      meter.summary(train_seconds, steps)
+
+    Samples count the global batch of every optimizer step (every micro-step of every rank: the
+    accumulation factor is in it, bionemo-recipes#1548 left it out). Tokens are the real tokens of a
+    token task, those its loss counts (not padding, not ignored labels), summed over the ranks where
+    the loop syncs anyway (the log line's loss all-reduce). Model FLOPs (:mod:`accel_ddp.tracking.flops`)
+    are this rank's per-sample, or per-token at its processed length, cost times the global samples or
+    real tokens: padding positions add nothing. Per device: the total over the world size. MFU needs a
+    known device peak (None on the CPU and on devices not in the table).
     """
 
-    def __init__(self, global_batch_size: int, step: int = 0):
+    def __init__(self, global_batch_size: int, step: int = 0, world_size: int = 1, flops=None,
+                 peak: float | None = None, device_name: str | None = None):
         self.global_batch_size = global_batch_size
+        self.world_size = world_size
+        self.flops = flops  # a flops.ModelFlops, or None: no FLOP figures
+        self.peak, self.device_name = peak, device_name
+        self._local = [0.0, 0, 0]  # this rank's model FLOPs, samples, positions over the run (host numbers)
+        self.total_tokens = 0  # real tokens over the run, every rank (token tasks)
+        self.token_task = False  # set by the first record() given tokens
         self.reset(step)
+
+    @classmethod
+    def for_run(cls, accelerator, model, global_batch_size: int, mixed_precision: str, tf32: bool,
+                step: int = 0) -> ThroughputMeter:
+        """The run's meter: its model's FLOPs and this rank's device peak (None off CUDA)."""
+        device_name, peak = device_peak_flops(accelerator.device, mixed_precision, tf32)
+        return cls(global_batch_size, step, accelerator.num_processes, ModelFlops(model), peak, device_name)
 
     def reset(self, step: int) -> None:
         self._step, self._time = step, time.perf_counter()
 
+    def add_batch(self, batch) -> None:
+        """One micro-batch of this rank: its FLOPs from its shapes (cached per shape)."""
+        if self.flops is not None and (counted := self.flops.of_batch(batch)) is not None:
+            for i, value in enumerate(counted):
+                self._local[i] += value
+
     def rate(self, step: int) -> float:
+        """Samples/s since the last call (or reset)."""
+        return self.record(step)["samples_per_sec"]
+
+    def record(self, step: int, tokens: float | None = None, token_steps: int = 0) -> dict[str, float]:
+        """The log line's figures since the last record (or reset). ``tokens``: the real tokens of every rank in the
+        last ``token_steps`` optimizer steps (since the previous log line), None for a sample task."""
         now = time.perf_counter()
-        samples = (step - self._step) * self.global_batch_size
-        rate = samples / max(now - self._time, 1e-9)
+        steps, seconds = step - self._step, max(now - self._time, 1e-9)
         self._step, self._time = step, now
-        return rate
+        samples = steps * self.global_batch_size
+        out = self._rates(samples, seconds)
+        if tokens is not None:
+            self.token_task = True
+            self.total_tokens += int(tokens)
+            # An evaluation between two log lines restarts the clock: count the tokens of the steps timed.
+            timed_tokens = tokens * steps / token_steps if token_steps else 0.0
+            out.update(tokens=int(tokens), **self._token_rates(timed_tokens, seconds))
+        return out
+
+    def summary(self, seconds: float, steps: int) -> dict[str, object]:
+        """summary.json's throughput over the run's ``steps`` optimizer steps in ``seconds`` of training (None: unknown
+        or not a token task)."""
+        seconds, samples = max(seconds, 1e-9), steps * self.global_batch_size
+        tokens = self.total_tokens if self.token_task else None
+        rates = self._flop_rates(samples if tokens is None else tokens, seconds, per_token=tokens is not None)
+        return {
+            "train_samples_per_sec_per_device": samples / seconds / self.world_size,
+            "train_tokens": tokens,
+            "train_tokens_per_sec": None if tokens is None else tokens / seconds,
+            "train_tokens_per_sec_per_device": None if tokens is None else tokens / seconds / self.world_size,
+            "model_flops_per_sample": self._cost(per_token=False),
+            "model_flops_per_token": self._cost(per_token=True) if self.token_task else None,
+            "flops_method": self.flops.method if self.flops is not None and self._local[0] else None,
+            "train_flops_per_sec": rates.get("flops_per_sec"),
+            "train_flops_per_sec_per_device": rates.get("flops_per_sec_per_device"),
+            "device_name": self.device_name,
+            "peak_flops": self.peak,
+            "mfu": rates.get("mfu"),
+        }
+
+    def _cost(self, per_token: bool) -> float | None:
+        """This rank's model FLOPs per sample, or per processed position (a token at its batch's length)."""
+        flops, samples, positions = self._local
+        count = positions if per_token else samples
+        return flops / count if flops and count else None
+
+    def _rates(self, samples: float, seconds: float) -> dict[str, float]:
+        out = {"samples_per_sec": samples / seconds, "samples_per_sec_per_device": samples / seconds / self.world_size}
+        out.update(self._flop_rates(samples, seconds))
+        return out
+
+    def _token_rates(self, tokens: float, seconds: float) -> dict[str, float]:
+        out = {"tokens_per_sec": tokens / seconds, "tokens_per_sec_per_device": tokens / seconds / self.world_size}
+        out.update(self._flop_rates(tokens, seconds, per_token=True))
+        return out
+
+    def _flop_rates(self, count: float, seconds: float, per_token: bool = False) -> dict[str, float]:
+        """Model FLOP/s of ``count`` samples (or real tokens) in ``seconds``; nothing where the cost is unknown."""
+        cost = self._cost(per_token=per_token)
+        if cost is None:
+            return {}
+        per_device = count * cost / seconds / self.world_size
+        out = {"flops_per_sec": per_device * self.world_size, "flops_per_sec_per_device": per_device}
+        if (utilisation := mfu(per_device, self.peak)) is not None:
+            out["mfu"] = utilisation
+        return out
 
 
 class EpochTimer:

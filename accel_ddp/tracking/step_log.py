@@ -23,7 +23,10 @@ class StepLog:
         self.run, self.losses = run, losses
         self.guard = guard  # --on_anomaly / --spike_factor: skipped steps left out of the mean, spikes judged
         self.log_every, self.total_steps = cfg.log_every, run.plan.total_steps
-        self.meter = ThroughputMeter(cfg.global_batch_size, run.start_step)  # samples/s between log lines
+        # samples/s, real tokens/s, model FLOP/s and MFU between log lines (tracking/meters.py, tracking/flops.py)
+        self.meter = ThroughputMeter.for_run(run.accelerator, run.model, cfg.global_batch_size,
+                                             run.accelerator.mixed_precision, cfg.tf32, run.start_step)
+        self.tokens = run.task.name == "causal_lm"  # a token task: its real tokens are the loss's items
         self.timer = EpochTimer(cfg.global_batch_size)  # per-epoch step-time percentiles and data-wait share
         self.profiler = StepProfiler(cfg.profile, cfg.output_dir, run.accelerator.process_index)
 
@@ -45,8 +48,9 @@ class StepLog:
                 guard.after_log(step, mean_loss, last_saved())  # --spike_factor: on the all-reduced loss
             if not math.isfinite(mean_loss):
                 on_bad_loss(step)
+            tokens = self.losses.logged_items if self.tokens else None  # real tokens, all ranks
             run.recorder.log({"step": step, "epoch": epoch, "loss": mean_loss, "lr": run.scheduler.get_last_lr()[0],
-                              "samples_per_sec": self.meter.rate(step)})
+                              **self.meter.record(step, tokens, self.losses.logged_steps)})
             run.bar.set_postfix(loss=f"{mean_loss:.4f}", refresh=False)  # shown at the bar's next redraw (<= 0.1 s)
 
     def paused(self, step: int) -> None:
