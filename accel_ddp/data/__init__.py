@@ -10,11 +10,15 @@ One job per module, arrows pointing one way (``bundle`` and ``sampler`` depend o
     workers.py        DataLoader workers: deaf to the job's preemption signals, dead with their rank
     mapped.py         MappedDataset: Arrow files read memory-mapped, decoded per batch
     streaming.py      StreamingLoader: a datasets.IterableDataset split over ranks, every rank in step
+    hf_stream.py      --streaming: a Hugging Face image stream read once at start-up for its layout and classes
     hf_source.py      where Hugging Face datasets come from (Hub names, save_to_disk folders, files) and their columns
     hf.py             Hugging Face datasets held in memory (decoded once) or memory-mapped (decoded per batch)
     text.py           text for the text tasks: tokenized once per machine, packed or padded per batch
     builtin.py        digits, MNIST, FashionMNIST, CIFAR-10, imagefolder, synthetic; the registry
     loaders.py        choosing and building the train and eval loaders
+    resolve.py        resolve_data: a TrainConfig's data, built on one process per machine first
+
+May import: util, config, lifecycle.
 """
 
 from accel_ddp.data.builtin import (

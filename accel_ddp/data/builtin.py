@@ -31,6 +31,7 @@ from torch.utils.data import Dataset, Subset, TensorDataset
 
 from accel_ddp.data.bundle import DataError, DatasetBundle
 from accel_ddp.data.hf import HFSource, build_hf
+from accel_ddp.data.hf_stream import build_stream
 from accel_ddp.data.in_memory import InMemoryDataset
 from accel_ddp.lifecycle.failure import first_line
 from accel_ddp.util.registry import resolve
@@ -368,7 +369,9 @@ def build_datasets(
     if builder is build_synthetic:
         return build_synthetic(data_dir, download, samples, shape, classes)
     if builder is build_hf:
-        result = build_hf(data_dir, download, source=hf or HFSource(), image_size=image_size)
+        source = hf or HFSource()
+        result = (build_stream(data_dir, source, image_size) if source.streaming
+                  else build_hf(data_dir, download, source=source, image_size=image_size))
     elif builder is build_imagefolder:
         result = build_imagefolder(data_dir, download, image_size=image_size)
     else:

@@ -50,7 +50,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from accel_ddp.lifecycle.peers import close_peer_connections, rank_store
-from accel_ddp.outputs.files import atomic_write_text
+from accel_ddp.util.atomic import atomic_write_text
 from accel_ddp.util.validation import ConfigError, LaunchError
 
 # How long a failing rank waits for the others to report before it exits anyway, at most: the others

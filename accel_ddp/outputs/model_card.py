@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 
 from accel_ddp.config import warn
-from accel_ddp.outputs.files import atomic_write_text
+from accel_ddp.outputs.metrics_file import read_metrics
 from accel_ddp.outputs.names import (
     CONFIG_NAME,
     CURVES_NAME,
@@ -27,7 +27,7 @@ from accel_ddp.outputs.names import (
     SUMMARY_NAME,
     WEIGHTS_NAME,
 )
-from accel_ddp.tracking.report import read_metrics
+from accel_ddp.util.atomic import atomic_write_text
 
 # (summary.json key, label): the final figures the card shows, in this order, when present
 RESULTS = (

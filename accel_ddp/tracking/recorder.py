@@ -25,10 +25,12 @@ from typing import Any
 import yaml
 
 from accel_ddp.lifecycle.failure import main_process_decides
-from accel_ddp.outputs.files import OUTPUTS_FIX, WriteFailed, atomic_write_text, written
+from accel_ddp.outputs.files import OUTPUTS_FIX, WriteFailed, written
+from accel_ddp.outputs.metrics_file import metrics_lines, parse_record, read_metrics
 from accel_ddp.outputs.names import CONFIG_NAME, CURVES_NAME, METRICS_NAME, SUMMARY_NAME, TRACKERS_NAME
-from accel_ddp.tracking.report import metrics_lines, parse_record, plot_run, read_metrics
+from accel_ddp.tracking.report import plot_run
 from accel_ddp.tracking.trackers import RUN_IDS, GuardedTracker, flat_hparams
+from accel_ddp.util.atomic import atomic_write_text
 from accel_ddp.util.validation import ConfigError
 
 

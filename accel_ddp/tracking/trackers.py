@@ -23,9 +23,9 @@ from tqdm.auto import tqdm
 
 from accel_ddp.config import ACCELERATE_TRACKERS
 from accel_ddp.lifecycle.failure import main_process_decides
-from accel_ddp.outputs.files import atomic_write_text
+from accel_ddp.outputs.metrics_file import damaged_line
 from accel_ddp.outputs.names import CSV_NAME, METRICS_NAME, TENSORBOARD_SUBDIR
-from accel_ddp.tracking.report import damaged_line
+from accel_ddp.util.atomic import atomic_write_text
 from accel_ddp.util.validation import ConfigError
 
 

@@ -1,1 +1,10 @@
-"""accel_ddp.util."""
+"""Leaf helpers every layer may use: value checks and the error types, the registry, optional packages, the one
+crash-safe write.
+
+    validation.py   ConfigError / LaunchError and the value checks behind every "accel_ddp: error:" line
+    registry.py     name -> builder lookup, ``pkg.module:function`` for a user's own
+    optional.py     an optional package, or one line naming the pip install
+    atomic.py       atomic_write_text: readers see the old file or the new, never half
+
+May import: nothing from accel_ddp (the standard library; torch and Accelerate only inside a function).
+"""
