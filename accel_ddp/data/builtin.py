@@ -33,7 +33,7 @@ from accel_ddp.data.bundle import DataError, DatasetBundle
 from accel_ddp.data.hf import HFSource, build_hf
 from accel_ddp.data.hf_stream import build_stream
 from accel_ddp.data.in_memory import InMemoryDataset
-from accel_ddp.lifecycle.failure import first_line
+from accel_ddp.util.messages import first_line
 from accel_ddp.util.registry import resolve
 from accel_ddp.util.validation import ConfigError
 
@@ -113,7 +113,7 @@ def _find_file(name: str, folders: list[str]) -> str | None:
 
 def _download_error(dataset: str, err: Exception, where: str) -> ConfigError:
     return ConfigError(
-        f"{dataset}: download failed ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); "
+        f"{dataset}: download failed ({type(err).__name__}: {first_line(err)}); "
         f"check the network, or copy the files into {where} and drop --download"
     )
 

@@ -7,7 +7,6 @@ loader, whose source has no random access, keeps every rank in step instead).
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -20,6 +19,7 @@ from accel_ddp.data.in_memory import as_in_memory, is_in_memory
 from accel_ddp.data.mapped import is_arrow_dataset
 from accel_ddp.data.sampler import GlobalBatchSampler
 from accel_ddp.data.workers import worker_options
+from accel_ddp.util.messages import note
 from accel_ddp.util.registry import describe
 from accel_ddp.util.validation import ConfigError
 
@@ -179,8 +179,8 @@ def collate_route(loader: str, collate_fn: Callable, is_main_process: bool) -> s
         raise ConfigError(f"--loader device batches the in-memory tensors on the device and never calls the "
                           f"collate_fn {name}; use --loader auto or --loader dataloader with it, or drop it")
     if is_main_process:
-        print(f"accel_ddp: note: the collate_fn {name} makes the batches, so this in-memory training set goes "
-              "through a DataLoader (--loader dataloader), not the device loader", file=sys.stderr, flush=True)
+        note(f"the collate_fn {name} makes the batches, so this in-memory training set goes "
+             "through a DataLoader (--loader dataloader), not the device loader")
     return "dataloader"
 
 

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 
@@ -51,7 +50,8 @@ from accel_ddp.data.bundle import DataError
 from accel_ddp.data.host_loader import default_num_workers
 from accel_ddp.data.sampler import check_layout, sample_seed
 from accel_ddp.data.workers import worker_options
-from accel_ddp.lifecycle.failure import PeerFailed, first_line
+from accel_ddp.lifecycle.failure import PeerFailed
+from accel_ddp.util.messages import first_line, warn
 from accel_ddp.util.validation import ConfigError
 
 STATE_FILE = "data_state_rank{rank}.json"  # each rank's stream position, in every checkpoint folder
@@ -299,7 +299,7 @@ class StreamingLoader:
         saved = _read_position(input_dir, 0)
         if saved is None:
             if self.rank == 0:
-                _warn(f"{input_dir} holds no stream position: the stream starts over")
+                warn(f"{input_dir} holds no stream position: the stream starts over")
             return None
         self.data_epoch, self.steps_in_pass, self.states = saved["data_epoch"], saved["steps_in_pass"], {}
         self.next_slot = 0
@@ -307,12 +307,12 @@ class StreamingLoader:
         if changed:
             self.steps_in_pass = 0  # the pass is read again from its beginning, on every rank
             if self.rank == 0:
-                _warn(f"{input_dir} was saved with {changed}: pass {self.data_epoch} of the stream starts over, so "
+                warn(f"{input_dir} was saved with {changed}: pass {self.data_epoch} of the stream starts over, so "
                       "some of its examples are trained on twice")
             return None
         mine = saved if self.rank == 0 else _read_position(input_dir, self.rank)
         if mine is None:
-            return _warn(f"{input_dir} holds no stream position for rank {self.rank}: its share of pass "
+            return warn(f"{input_dir} holds no stream position for rank {self.rank}: its share of pass "
                          f"{self.data_epoch} starts over")
         self.states = {int(w): state for w, state in mine["workers"].items()}
         self.next_slot = int(mine.get("next_worker", 0))  # saved since the turns continue; older: worker 0
@@ -370,7 +370,3 @@ def read_failure(err: Exception, files: str | None, rank: int | None = None) -> 
         return bad + who
     last = (str(err).strip().splitlines() or [type(err).__name__])[-1][:300]
     return f"streaming: a read of the training data failed{who} ({last}); check the source"
-
-
-def _warn(message: str) -> None:
-    print(f"accel_ddp: warning: {message}", file=sys.stderr, flush=True)

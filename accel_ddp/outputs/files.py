@@ -16,6 +16,7 @@ import shutil
 from collections.abc import Callable
 from typing import Any
 
+from accel_ddp.util.messages import first_line
 from accel_ddp.util.validation import ConfigError
 
 LOW_SPACE = 1 << 20  # bytes: below this, a write that failed without an errno failed for want of space
@@ -102,7 +103,7 @@ def write_failure(err: BaseException, folder: str) -> str | None:
     if code is not None:
         return f"the file system refused it ({os.strerror(code)})"
     if _torch_write_error(err):
-        return f"the write failed ({str(err).strip().splitlines()[0][:200]}; {_size(free)} free there)"
+        return f"the write failed ({first_line(err, 200)}; {_size(free)} free there)"
     return None
 
 
