@@ -43,7 +43,6 @@ from accel_ddp.data.loaders import (
     build_loaders,
     build_train_loader,
     choose_loader,
-    skip_first_batches,
 )
 from accel_ddp.data.mapped import MappedDataset
 from accel_ddp.data.sampler import GlobalBatchSampler, PlacedBatch, epoch_order, steps_per_epoch
@@ -54,5 +53,5 @@ __all__ = [
     "DataError", "DatasetBundle", "DeviceEvalLoader", "DeviceLoader", "GlobalBatchSampler", "HFSource", "HostLoader",
     "InMemoryDataset", "Loaders", "MappedDataset", "PlacedBatch", "SeededSamples", "StreamingLoader",
     "build_datasets", "build_eval_loader", "build_loaders", "build_train_loader", "choose_loader",
-    "default_num_workers", "epoch_order", "read_idx", "skip_first_batches", "steps_per_epoch", "usable_cpus",
+    "default_num_workers", "epoch_order", "read_idx", "steps_per_epoch", "usable_cpus",
 ]

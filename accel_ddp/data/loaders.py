@@ -24,7 +24,7 @@ from accel_ddp.util.registry import describe
 from accel_ddp.util.validation import ConfigError
 
 __all__ = ["Loaders", "build_eval_loader", "build_loaders", "build_train_loader", "choose_loader", "data_seed",
-           "data_source", "default_num_workers", "first_samples", "skip_first_batches", "usable_cpus"]
+           "data_source", "default_num_workers", "first_samples", "usable_cpus"]
 
 
 def build_train_loader(
@@ -207,14 +207,3 @@ def data_seed(accelerator) -> int:
     """The run's data seed (``DataLoaderConfiguration(data_seed=...)``), else torch's initial seed."""
     seed = getattr(getattr(accelerator, "dataloader_config", None), "data_seed", None)
     return int(seed) if seed is not None else torch.random.initial_seed()
-
-
-def skip_first_batches(accelerator, loader, num_batches: int):
-    """The rest of the current epoch after its first ``num_batches`` micro-batches, for any of our loaders.
-
-    Call ``loader.set_epoch(epoch)`` first; iterate the result for that epoch only. Another loader
-    (a DataLoader prepared by Accelerate) goes to ``accelerator.skip_first_batches``.
-    """
-    if hasattr(loader, "skip_first_batches"):
-        return loader.skip_first_batches(num_batches)
-    return accelerator.skip_first_batches(loader, num_batches)
