@@ -13,11 +13,11 @@ import dataclasses
 import math
 import os
 import re
-import sys
 import typing
 from dataclasses import dataclass, field
 from typing import Any
 
+from accel_ddp.util.messages import warn
 from accel_ddp.util.validation import INT_MAX, ConfigError, check_range, checked_type, show
 
 
@@ -47,7 +47,7 @@ ACCELERATE_TRACKERS = ("tensorboard", "wandb", "mlflow", "comet_ml", "aim", "cle
 REPORT_TO = (*ACCELERATE_TRACKERS, "csv", "all")
 COMM_HOOKS = ("none", "fp16", "bf16")
 LOADERS = ("auto", "device", "dataloader")
-ON_ANOMALY = ("stop", "skip", "rollback")  # what a nan/inf or spiking step does (accel_ddp/lifecycle/anomaly.py)
+ON_ANOMALY = ("stop", "skip", "rollback")  # what a nan/inf or spiking step does (accel_ddp/anomaly.py)
 # --task: what a batch and a loss mean (accel_ddp/tasks/protocol.py); the text tasks read text with a tokenizer.
 TASKS = ("classification", "sequence_classification", "causal_lm")
 TEXT_TASKS = ("sequence_classification", "causal_lm")
@@ -319,13 +319,7 @@ def accumulation_steps(per_device_batch_size: int, global_batch_size: int, world
 
 def warn_deprecated(old: str, new: str) -> None:
     """One line on stderr, from the first rank only (every rank parses the same command line)."""
-    warn(f"{old} is deprecated and will be removed in the next release; use {new}")
-
-
-def warn(message: str) -> None:
-    """A warning about the options: one line on stderr, from the first rank only."""
-    if os.environ.get("RANK", "0") == "0":
-        print(f"accel_ddp: warning: {message}", file=sys.stderr, flush=True)
+    warn(f"{old} is deprecated and will be removed in the next release; use {new}", ranks="first")
 
 
 def _check_tracking(cfg: TrainConfig) -> None:
@@ -344,7 +338,8 @@ def _check_tracking(cfg: TrainConfig) -> None:
         if value is not None and not str(value).strip():
             raise ConfigError(f"--{name} is empty; give a name or leave the flag out")
     if not cfg.with_tracking and cfg.report_to != "all":
-        warn(f"--report_to {cfg.report_to} has no effect without --with_tracking; add --with_tracking")
+        warn(f"--report_to {cfg.report_to} has no effect without --with_tracking; add --with_tracking",
+             ranks="first")
 
 
 def _gib(num_bytes: float) -> str:

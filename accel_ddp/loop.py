@@ -27,6 +27,7 @@ from accelerate.utils import set_seed
 from torch.utils.data import Dataset
 from tqdm.auto import tqdm
 
+from accel_ddp.anomaly import AnomalyGuard, RolledBack, roll_back
 from accel_ddp.checkpoint.async_save import AsyncSaver, check_async_checkpointing
 from accel_ddp.checkpoint.best import BestModel
 from accel_ddp.checkpoint.manager import HYPERPARAMETERS, CheckpointManager
@@ -39,7 +40,6 @@ from accel_ddp.distributed.preflight import check_fsdp, check_shared_output_dir
 from accel_ddp.distributed.world import build_accelerator, prepare
 from accel_ddp.evaluate import evaluate
 from accel_ddp.lifecycle import failure
-from accel_ddp.lifecycle.anomaly import AnomalyGuard, RolledBack, roll_back
 from accel_ddp.lifecycle.failure import main_process_decides
 from accel_ddp.lifecycle.preemption import (
     LossWatch,
@@ -294,7 +294,7 @@ def fit(run: Run) -> FitResult:
     save_every = 0 if cfg.checkpointing_steps in (None, "epoch") else int(cfg.checkpointing_steps)
     step = run.start_step  # epochs have a fixed number of steps, so the step alone says where we are
     watch = LossWatch(accelerator, step)  # a nan/inf loss is noticed at the next sync point, named by its first step
-    guard = run.anomalies  # --on_anomaly skip|rollback: bad steps' updates left out (lifecycle/anomaly.py)
+    guard = run.anomalies  # --on_anomaly skip|rollback: bad steps' updates left out (anomaly.py)
     if guard is not None:
         guard.restart(step)
     steps = TrainStep(accelerator, run.model, run.task, run.optimizer, run.scheduler, plan.accumulation,

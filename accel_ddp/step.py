@@ -31,16 +31,11 @@ from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import DistributedType
 
+from accel_ddp.util.messages import empty_sum
 from accel_ddp.util.validation import ConfigError
 
 if TYPE_CHECKING:
     from accel_ddp.tasks.protocol import Loss
-
-
-def empty_sum(loss: str = "the loss function") -> str:
-    """The error line for a ``(sum, num_items)`` loss whose sum is not 0 over 0 items."""
-    return (f"{loss} returned a (sum, num_items) pair with a non-zero sum over num_items 0 (a sum over no items is "
-            "0); return the count of the items the sum adds up, e.g. (losses[mask].sum(), mask.sum())")
 
 
 # Distributed types whose optimizer step and clipping Accelerate does nothing special for (no sharding, no XLA).
@@ -60,7 +55,7 @@ def build_update(
         ...     update()
 
     ``guard`` (``--on_anomaly skip|rollback``: an ``AnomalyGuard``): the update is left out, on every rank, of a
-    step whose all-reduced gradient norm ``guard.decide`` finds bad (see accel_ddp/lifecycle/anomaly.py).
+    step whose all-reduced gradient norm ``guard.decide`` finds bad (see accel_ddp/anomaly.py).
     """
     plain = (type(optimizer) is AcceleratedOptimizer and optimizer.scaler is None
              and accelerator.distributed_type in PLAIN_TYPES)

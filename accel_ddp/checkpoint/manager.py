@@ -41,7 +41,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -61,7 +60,7 @@ from accel_ddp.checkpoint.manifest import (  # noqa: F401 - CorruptCheckpoint, c
     rng_not_restored,
 )
 from accel_ddp.checkpoint.weights import load_weights, plain_state_dict
-from accel_ddp.lifecycle.failure import first_line, main_process_decides
+from accel_ddp.lifecycle.failure import main_process_decides
 from accel_ddp.outputs.files import (
     WriteFailed,
     fingerprint,
@@ -72,6 +71,7 @@ from accel_ddp.outputs.files import (
     write_failure,
 )
 from accel_ddp.outputs.names import CHECKPOINTS_DIR, MARKER_NAME, SUMMARY_NAME, WEIGHTS_NAME
+from accel_ddp.util.messages import first_line, warn
 from accel_ddp.util.validation import ConfigError
 
 FORMAT_VERSION = 1
@@ -205,7 +205,7 @@ class CheckpointManager:
             os.fsync(fh.fileno())
         if os.path.exists(final):  # a damaged checkpoint of this step, which auto skipped: kept, under another name
             aside = set_aside(final)
-            _warn(f"{final} was damaged; moved it to {aside} and saved step {step} in its place")
+            warn(f"{final} was damaged; moved it to {aside} and saved step {step} in its place")
         os.rename(tmp, final)
         fsync_dir(self.root)
 
@@ -293,7 +293,7 @@ class CheckpointManager:
                        f"(it was saved by {meta.get('world_size')} ranks): those keep their seeded RNG")
         if differ:
             why.append(f"load_state did not restore the generators of {'; '.join(differ)}")
-        _warn(f"the resume from {folder} is not exact: {'; '.join(why)}; random layers such as dropout and random "
+        warn(f"the resume from {folder} is not exact: {'; '.join(why)}; random layers such as dropout and random "
               f"augmentation on those ranks differ from the original run's from step {meta['step']} on (weights, "
               "optimizer, schedule and data position are restored exactly)")
 
@@ -307,7 +307,7 @@ class CheckpointManager:
                 try:
                     meta = read_checkpoint(folder)
                 except CorruptCheckpoint as err:
-                    _warn(f"skipping a damaged checkpoint: {err}; falling back to the previous one")
+                    warn(f"skipping a damaged checkpoint: {err}; falling back to the previous one")
                     continue
                 self._check_within_run(folder, meta)
                 return folder, meta
@@ -372,18 +372,18 @@ class CheckpointManager:
         if not self.accelerator.is_main_process:
             return
         if meta.get("world_size") != self.run_facts.get("world_size"):
-            _warn(f"{folder} was saved by {meta.get('world_size')} ranks, this run has "
+            warn(f"{folder} was saved by {meta.get('world_size')} ranks, this run has "
                   f"{self.run_facts.get('world_size')}: the global batch keeps each step's samples, so training "
                   "continues equivalently (equal within float tolerance, not bitwise)")
         changed = [f"{key} {meta[key]} -> {self.run_facts[key]}" for key in HYPERPARAMETERS
                    if key in meta and key in self.run_facts and meta[key] != self.run_facts[key]]
         if changed:
-            _warn(f"{folder} was saved with other hyperparameters ({', '.join(changed)}): this run's values are in "
+            warn(f"{folder} was saved with other hyperparameters ({', '.join(changed)}): this run's values are in "
                   f"force from step {meta['step']} on (the schedule continues at that step), and config.yaml "
                   "records them")
         for key, why in (("seed", "the data order"), ("total_steps", "the learning-rate schedule")):
             if key in meta and meta[key] != self.run_facts.get(key):
-                _warn(f"{folder} was saved with {key} {meta[key]}, this run has {self.run_facts.get(key)}: "
+                warn(f"{folder} was saved with {key} {meta[key]}, this run has {self.run_facts.get(key)}: "
                       f"{why} after the resume differs from the original run's")
 
     def _load_weights_hook(self, models, input_dir) -> None:
@@ -404,7 +404,3 @@ def _fresh_folder(path: str) -> None:
     elif os.path.lexists(path):
         os.remove(path)
     os.makedirs(path)
-
-
-def _warn(message: str) -> None:
-    print(f"accel_ddp: warning: {message}", file=sys.stderr, flush=True)

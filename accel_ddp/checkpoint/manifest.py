@@ -25,9 +25,9 @@ from accelerate.utils import RNG_STATE_NAME, SCALER_NAME
 from accelerate.utils import load as accelerate_load
 from accelerate.utils.constants import FSDP_MODEL_NAME, OPTIMIZER_NAME, SCHEDULER_NAME
 
-from accel_ddp.lifecycle.failure import first_line
 from accel_ddp.outputs.files import file_sha256
 from accel_ddp.outputs.names import MARKER_NAME, WEIGHTS_NAME
+from accel_ddp.util.messages import first_line
 from accel_ddp.util.validation import ConfigError
 
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")

@@ -17,9 +17,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from accel_ddp.lifecycle.failure import first_line, main_process_decides
+from accel_ddp.lifecycle.failure import main_process_decides
 from accel_ddp.outputs.files import OUTPUTS_FIX, written
 from accel_ddp.outputs.names import WEIGHTS_NAME
+from accel_ddp.util.messages import first_line
 from accel_ddp.util.validation import ConfigError
 
 if TYPE_CHECKING:

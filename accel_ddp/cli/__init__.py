@@ -1,1 +1,11 @@
-"""accel_ddp.cli.commands."""
+"""The ``accel-ddp`` commands, the command line, and the doctor.
+
+    commands.py       the `accel-ddp` entry point: train, doctor, summary, plot
+    args.py           the command line (YAML, then flags) into a TrainConfig
+    train.py          main(): train, then the exit code (failure report, preemption)
+    doctor.py         `accel-ddp doctor`: what this machine and launch config will do, before a run
+    machine.py        what the doctor reads of the machine (GPUs, CPUs, packages)
+    launch_config.py  what the doctor reads of an accelerate launch config
+
+May import: anything in the package (it is the top: nothing imports cli but ``__main__``).
+"""

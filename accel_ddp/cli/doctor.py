@@ -174,6 +174,21 @@ def _launch_commands(config_file: str | None, overrides: dict[str, Any], num_mac
             for rank in range(num_machines)]
 
 
+@dataclass(frozen=True)
+class _Launch:
+    """What the launch config (with its overrides) asks for, read once by ``diagnose`` for every check."""
+
+    dist: str
+    mixed: str
+    num_processes: int
+    num_machines: int
+    machine_rank: int
+    port: int | None
+    gpu_ids: list[int] | None
+    launcher_starts_many: bool  # torchrun starts num_processes (MULTI_GPU, FSDP, not --cpu)
+    per_machine: int
+
+
 def diagnose(config_file: str | None, facts: MachineFacts | None = None, overrides: dict[str, Any] | None = None,
              cpu: bool = False, script: str = "train.py", is_port_in_use=None) -> Report:
     """Check ``config_file`` (plus ``accelerate launch`` flag ``overrides``) against ``facts``.
@@ -214,10 +229,27 @@ def diagnose(config_file: str | None, facts: MachineFacts | None = None, overrid
         num_processes = 1
     report.summary = (f"{dist}, {num_processes} process(es) in total on {num_machines} machine(s) "
                       f"(this is machine {machine_rank}), mixed precision {mixed}")
-    launcher_starts_many = dist in ("MULTI_GPU", "FSDP") and not cpu
-    per_machine = num_processes // num_machines
+    launch = _Launch(dist, mixed, num_processes, num_machines, machine_rank, port, gpu_ids,
+                     launcher_starts_many=dist in ("MULTI_GPU", "FSDP") and not cpu,
+                     per_machine=num_processes // num_machines)
+    for check in (_check_traps, _check_machines, _check_gpus, _check_precision, _check_rendezvous):
+        check(report, config, facts, launch, cpu, is_port_in_use)
 
-    # --- the silent single-process traps: the launcher starts 1 process whatever num_processes says
+    # The command to run: the file plus the flags given here, less a --cpu flagged above.
+    report.commands = _launch_commands(source.path if source.flag else None, overrides, num_machines, script,
+                                       cpu and num_processes <= 1)
+    if num_machines > 1 and launch.launcher_starts_many:
+        report.footnotes.append(
+            f"the {num_machines} machines need --output_dir on a file system they all mount at the same path (NFS, "
+            "Lustre, ...): the main process seals each checkpoint from the files every rank wrote, and every rank "
+            "reads it back on resume; accel_ddp checks this at start and refuses a folder that is not shared")
+    return report
+
+
+def _check_traps(report: Report, config: dict[str, Any], facts: MachineFacts, launch: _Launch, cpu: bool,
+                 is_port_in_use=None) -> None:
+    """The silent single-process traps: the launcher starts 1 process whatever num_processes says."""
+    dist, num_processes = launch.dist, launch.num_processes
     if num_processes > 1:
         if cpu:
             report.add(ERROR, f"--cpu makes `accelerate launch` take its simple path: 1 process, not {num_processes}",
@@ -239,7 +271,12 @@ def diagnose(config_file: str | None, facts: MachineFacts | None = None, overrid
         report.add(WARNING, "use_cpu: true is ignored by MULTI_GPU launches: training will use the GPUs",
                    "remove use_cpu, or launch with CUDA_VISIBLE_DEVICES='' to train on CPU")
 
-    # --- num_processes is the total over all machines
+
+def _check_machines(report: Report, config: dict[str, Any], facts: MachineFacts, launch: _Launch, cpu: bool,
+                 is_port_in_use=None) -> None:
+    """num_processes is the total over all machines; each machine has its own rank."""
+    num_processes, num_machines, machine_rank = launch.num_processes, launch.num_machines, launch.machine_rank
+    launcher_starts_many, per_machine = launch.launcher_starts_many, launch.per_machine
     if not 0 <= machine_rank < num_machines:
         report.add(ERROR, f"machine_rank {machine_rank} is outside 0..{num_machines - 1}",
                    f"give each machine its own rank from 0 to {num_machines - 1} (--machine_rank on its launch line)")
@@ -253,7 +290,12 @@ def diagnose(config_file: str | None, facts: MachineFacts | None = None, overrid
                        f"num_processes is the total over all machines: set it to "
                        f"{num_machines * facts.gpu_count}")
 
-    # --- GPUs, gpu_ids, NCCL, precision
+
+def _check_gpus(report: Report, config: dict[str, Any], facts: MachineFacts, launch: _Launch, cpu: bool,
+                 is_port_in_use=None) -> None:
+    """GPUs this torch can use, gpu_ids, a process per GPU, NCCL."""
+    dist, num_processes, num_machines = launch.dist, launch.num_processes, launch.num_machines
+    gpu_ids, launcher_starts_many, per_machine = launch.gpu_ids, launch.launcher_starts_many, launch.per_machine
     if facts.unusable_gpus:
         report.add(ERROR, f"this machine has {facts.unusable_gpus} NVIDIA GPU(s) but this torch cannot use them "
                    f"({facts.cuda_problem or 'torch.cuda.is_available() is False'}); accel_ddp refuses to launch "
@@ -298,6 +340,12 @@ def diagnose(config_file: str | None, facts: MachineFacts | None = None, overrid
         if launcher_starts_many and num_processes > 1 and not facts.nccl_available:
             report.add(ERROR, "this torch has no NCCL: GPU processes cannot all-reduce",
                        "install a CUDA build of torch (pip install torch from the CUDA index)")
+
+
+def _check_precision(report: Report, config: dict[str, Any], facts: MachineFacts, launch: _Launch, cpu: bool,
+                 is_port_in_use=None) -> None:
+    """mixed_precision against this machine's GPU or CPU."""
+    mixed = launch.mixed
     if mixed not in ("no", "fp16", "bf16", "fp8"):
         report.add(ERROR, f"mixed_precision {mixed!r} is unknown", "use no, bf16 or fp16")
     elif mixed == "bf16" and facts.gpu_count and not facts.bf16_supported:
@@ -318,7 +366,12 @@ def diagnose(config_file: str | None, facts: MachineFacts | None = None, overrid
         report.add(WARNING, "mixed_precision fp8 needs Hopper GPUs and transformer_engine, MS-AMP or torchao",
                    "use bf16 unless you have set fp8 up")
 
-    # --- rendezvous address and port
+
+def _check_rendezvous(report: Report, config: dict[str, Any], facts: MachineFacts, launch: _Launch, cpu: bool,
+                 is_port_in_use=None) -> None:
+    """The rendezvous address and port."""
+    num_machines, machine_rank, port = launch.num_machines, launch.machine_rank, launch.port
+    launcher_starts_many = launch.launcher_starts_many
     _check_host(report, config.get("main_process_ip"), num_machines)
     if port is not None and not 0 <= port <= 65535:
         report.add(ERROR, f"main_process_port {port} is not a TCP port", "pick one in 1024..65535, e.g. 29500")
@@ -332,15 +385,6 @@ def diagnose(config_file: str | None, facts: MachineFacts | None = None, overrid
         else:
             report.add(WARNING, f"port {port} is already in use here (another job?); Accelerate will fall back to a "
                        "random free port", "pass --main_process_port with a free port, or 0 to always pick one")
-    # The command to run: the file plus the flags given here, less a --cpu flagged above.
-    report.commands = _launch_commands(source.path if source.flag else None, overrides, num_machines, script,
-                                       cpu and num_processes <= 1)
-    if num_machines > 1 and launcher_starts_many:
-        report.footnotes.append(
-            f"the {num_machines} machines need --output_dir on a file system they all mount at the same path (NFS, "
-            "Lustre, ...): the main process seals each checkpoint from the files every rank wrote, and every rank "
-            "reads it back on resume; accel_ddp checks this at start and refuses a folder that is not shared")
-    return report
 
 
 def _no_config_file(report: Report, facts: MachineFacts, cpu: bool) -> None:

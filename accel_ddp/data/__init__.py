@@ -10,11 +10,16 @@ One job per module, arrows pointing one way (``bundle`` and ``sampler`` depend o
     workers.py        DataLoader workers: deaf to the job's preemption signals, dead with their rank
     mapped.py         MappedDataset: Arrow files read memory-mapped, decoded per batch
     streaming.py      StreamingLoader: a datasets.IterableDataset split over ranks, every rank in step
+    hf_stream.py      --streaming: a Hugging Face image stream read once at start-up for its layout and classes
     hf_source.py      where Hugging Face datasets come from (Hub names, save_to_disk folders, files) and their columns
     hf.py             Hugging Face datasets held in memory (decoded once) or memory-mapped (decoded per batch)
     text.py           text for the text tasks: tokenized once per machine, packed or padded per batch
     builtin.py        digits, MNIST, FashionMNIST, CIFAR-10, imagefolder, synthetic; the registry
     loaders.py        choosing and building the train and eval loaders
+    memory_budget.py  how much decoded data this machine holds per rank (host, cgroup, device)
+    resolve.py        resolve_data: a TrainConfig's data, built on one process per machine first
+
+May import: util, config, lifecycle.
 """
 
 from accel_ddp.data.builtin import (
@@ -39,7 +44,6 @@ from accel_ddp.data.loaders import (
     build_loaders,
     build_train_loader,
     choose_loader,
-    skip_first_batches,
 )
 from accel_ddp.data.mapped import MappedDataset
 from accel_ddp.data.sampler import GlobalBatchSampler, PlacedBatch, epoch_order, steps_per_epoch
@@ -50,5 +54,5 @@ __all__ = [
     "DataError", "DatasetBundle", "DeviceEvalLoader", "DeviceLoader", "GlobalBatchSampler", "HFSource", "HostLoader",
     "InMemoryDataset", "Loaders", "MappedDataset", "PlacedBatch", "SeededSamples", "StreamingLoader",
     "build_datasets", "build_eval_loader", "build_loaders", "build_train_loader", "choose_loader",
-    "default_num_workers", "epoch_order", "read_idx", "skip_first_batches", "steps_per_epoch", "usable_cpus",
+    "default_num_workers", "epoch_order", "read_idx", "steps_per_epoch", "usable_cpus",
 ]

@@ -31,8 +31,9 @@ from torch.utils.data import Dataset, Subset, TensorDataset
 
 from accel_ddp.data.bundle import DataError, DatasetBundle
 from accel_ddp.data.hf import HFSource, build_hf
+from accel_ddp.data.hf_stream import build_stream
 from accel_ddp.data.in_memory import InMemoryDataset
-from accel_ddp.lifecycle.failure import first_line
+from accel_ddp.util.messages import first_line
 from accel_ddp.util.registry import resolve
 from accel_ddp.util.validation import ConfigError
 
@@ -112,7 +113,7 @@ def _find_file(name: str, folders: list[str]) -> str | None:
 
 def _download_error(dataset: str, err: Exception, where: str) -> ConfigError:
     return ConfigError(
-        f"{dataset}: download failed ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); "
+        f"{dataset}: download failed ({type(err).__name__}: {first_line(err)}); "
         f"check the network, or copy the files into {where} and drop --download"
     )
 
@@ -368,7 +369,9 @@ def build_datasets(
     if builder is build_synthetic:
         return build_synthetic(data_dir, download, samples, shape, classes)
     if builder is build_hf:
-        result = build_hf(data_dir, download, source=hf or HFSource(), image_size=image_size)
+        source = hf or HFSource()
+        result = (build_stream(data_dir, source, image_size) if source.streaming
+                  else build_hf(data_dir, download, source=source, image_size=image_size))
     elif builder is build_imagefolder:
         result = build_imagefolder(data_dir, download, image_size=image_size)
     else:

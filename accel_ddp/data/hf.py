@@ -6,7 +6,7 @@ image and the row count) fits ``in_memory_max_mb`` is decoded once into an
 :class:`~accel_ddp.data.in_memory.InMemoryDataset` (the device loader can serve it); a larger one
 stays in its Arrow files, memory-mapped, and is decoded per batch in the DataLoader's workers
 (:class:`~accel_ddp.data.mapped.MappedDataset`); ``streaming`` reads it as it streams
-(:mod:`accel_ddp.data.streaming`). Each sample is the same on every path.
+(:mod:`accel_ddp.data.hf_stream`, :mod:`accel_ddp.data.streaming`). Each sample is the same on every path.
 
 Inputs are the image column (decoded with PIL, uint8, ``(C, H, W)``), an array column, or, without
 either, every numeric column but the label (a CSV of pixels). uint8 inputs are normalised with
@@ -47,12 +47,9 @@ MAX_CLASSES = 100_000
 
 
 def build_hf(data_dir: str, download: bool, source: HFSource | None = None, image_size: int | None = None):
-    """A :class:`~accel_ddp.data.DatasetBundle` from a Hugging Face dataset, held as ``source`` says."""
+    """A :class:`~accel_ddp.data.DatasetBundle` from a Hugging Face dataset, decoded into memory or memory-mapped
+    as ``source`` says (``source.streaming``: :func:`accel_ddp.data.hf_stream.build_stream` instead)."""
     source = source or HFSource()
-    if source.streaming:
-        from accel_ddp.data.streaming import build_stream
-
-        return build_stream(data_dir, source, image_size)
     train, eval_split = load_splits(data_dir, source)
     PageTrimmer(arrow_files(train) + (arrow_files(eval_split) if eval_split is not None else []))()  # load's scan
     with bad_text_named(data_dir, source):  # label names are read here, every row of them

@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, NamedTuple
 
+from accel_ddp.util.messages import first_line
 from accel_ddp.util.validation import ConfigError
 
 EVAL_SPLITS = ("test", "validation", "valid", "val", "eval")
@@ -81,7 +82,7 @@ def _load_splits(data_dir: str, source: HFSource, streaming: bool = False) -> di
         try:
             loaded = datasets.load_dataset(source.name, source.config, streaming=streaming)
         except (ConnectionError, OSError, ValueError) as err:  # offline, unknown name, missing config
-            first = str(err).splitlines()[0] if str(err) else type(err).__name__
+            first = first_line(err)
             raise ConfigError(
                 f"hf: cannot load {source.name!r} from the Hugging Face Hub or the local cache ({first}); "
                 "check the name (and --hf_config), run once with network access to fill the cache, or "

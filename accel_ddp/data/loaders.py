@@ -7,7 +7,6 @@ loader, whose source has no random access, keeps every rank in step instead).
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -21,11 +20,12 @@ from accel_ddp.data.mapped import is_arrow_dataset
 from accel_ddp.data.memory_budget import say
 from accel_ddp.data.sampler import GlobalBatchSampler
 from accel_ddp.data.workers import worker_options
+from accel_ddp.util.messages import note
 from accel_ddp.util.registry import describe
 from accel_ddp.util.validation import ConfigError
 
 __all__ = ["Loaders", "build_eval_loader", "build_loaders", "build_train_loader", "choose_loader", "data_seed",
-           "data_source", "default_num_workers", "first_samples", "skip_first_batches", "usable_cpus"]
+           "data_source", "default_num_workers", "first_samples", "usable_cpus"]
 
 
 def build_train_loader(
@@ -186,8 +186,8 @@ def collate_route(loader: str, collate_fn: Callable, is_main_process: bool) -> s
         raise ConfigError(f"--loader device batches the in-memory tensors on the device and never calls the "
                           f"collate_fn {name}; use --loader auto or --loader dataloader with it, or drop it")
     if is_main_process:
-        print(f"accel_ddp: note: the collate_fn {name} makes the batches, so this in-memory training set goes "
-              "through a DataLoader (--loader dataloader), not the device loader", file=sys.stderr, flush=True)
+        note(f"the collate_fn {name} makes the batches, so this in-memory training set goes "
+             "through a DataLoader (--loader dataloader), not the device loader")
     return "dataloader"
 
 
@@ -214,14 +214,3 @@ def data_seed(accelerator) -> int:
     """The run's data seed (``DataLoaderConfiguration(data_seed=...)``), else torch's initial seed."""
     seed = getattr(getattr(accelerator, "dataloader_config", None), "data_seed", None)
     return int(seed) if seed is not None else torch.random.initial_seed()
-
-
-def skip_first_batches(accelerator, loader, num_batches: int):
-    """The rest of the current epoch after its first ``num_batches`` micro-batches, for any of our loaders.
-
-    Call ``loader.set_epoch(epoch)`` first; iterate the result for that epoch only. Another loader
-    (a DataLoader prepared by Accelerate) goes to ``accelerator.skip_first_batches``.
-    """
-    if hasattr(loader, "skip_first_batches"):
-        return loader.skip_first_batches(num_batches)
-    return accelerator.skip_first_batches(loader, num_batches)

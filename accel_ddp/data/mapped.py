@@ -29,6 +29,7 @@ from torch.utils.data import Dataset
 from accel_ddp.data.bundle import DataError
 from accel_ddp.data.in_memory import affine_params, normalise
 from accel_ddp.data.sampler import PlacedBatch, global_rngs_restored, sample_seed, seed_global_rngs
+from accel_ddp.util.messages import first_line
 
 GRAY_MODES = ("1", "L", "I", "I;16", "F")
 
@@ -203,7 +204,7 @@ def decode_images(values: list, mode: str, size: tuple[int, int], resize: bool, 
             path = f" ({value['path']})" if isinstance(value, dict) and value.get("path") else ""
             raise DataError(
                 f"hf: {row} of the {split!r} split{path} does not decode as an image in column {column!r} "
-                f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); fix or drop that row "
+                f"({type(err).__name__}: {first_line(err)}); fix or drop that row "
                 "(e.g. with datasets' filter) and save the dataset again"
             ) from None
         if image.size != size:

@@ -20,7 +20,6 @@ its longest sample and adds the ``attention_mask``.
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -31,6 +30,7 @@ from torch.utils.data import default_collate
 from accel_ddp.data.bundle import DatasetBundle
 from accel_ddp.data.hf import HFSource, _label_column, _labels, load_splits
 from accel_ddp.data.hf_source import bad_text_named
+from accel_ddp.util.messages import note
 from accel_ddp.util.optional import require
 from accel_ddp.util.validation import ConfigError
 
@@ -153,10 +153,9 @@ def _ensure_pad_token(tokenizer, name: str) -> None:
                           "classification pads its batches; add one (tokenizer.add_special_tokens({'pad_token': "
                           "'[PAD]'}), then save_pretrained) and use that folder")
     tokenizer.pad_token = tokenizer.eos_token
-    if os.environ.get("RANK", "0") == "0":  # every rank loads the tokenizer; one note
-        print(f"accel_ddp: note: --tokenizer {name} has no pad token; padding with its end-of-text token "
-              f"{tokenizer.eos_token!r} (tokenizer.pad_token = tokenizer.eos_token, the usual choice for GPT-style "
-              "models)", file=sys.stderr, flush=True)
+    note(f"--tokenizer {name} has no pad token; padding with its end-of-text token {tokenizer.eos_token!r} "
+         "(tokenizer.pad_token = tokenizer.eos_token, the usual choice for GPT-style models)",
+         ranks="first")  # every rank loads the tokenizer; one note
 
 
 def _tokenize(ds, tokenizer, column: str, options: TextOptions):

@@ -1,1 +1,8 @@
-"""accel_ddp.distributed."""
+"""Forming the world of processes: launch guards, preflight checks, the Accelerator and its DDP/FSDP options.
+
+    preflight.py  one process per GPU, GPUs this torch can use, the FSDP plugin
+    world.py      build_accelerator (the group formed, the batch layout derived), prepare without a 1-rank DDP
+
+May import: util, config, lifecycle, and tracking for the trackers the Accelerator is built with
+(``world.build_accelerator``; to go once the loop passes them in).
+"""

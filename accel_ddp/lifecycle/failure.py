@@ -50,7 +50,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from accel_ddp.lifecycle.peers import close_peer_connections, rank_store
-from accel_ddp.outputs.files import atomic_write_text
+from accel_ddp.util.atomic import atomic_write_text
+from accel_ddp.util.messages import error_line, first_line
 from accel_ddp.util.validation import ConfigError, LaunchError
 
 # How long a failing rank waits for the others to report before it exits anyway, at most: the others
@@ -188,9 +189,9 @@ def _prints(made: Claim, err: BaseException) -> bool:
 
 def _report_text(err: BaseException, code: int) -> str:
     if code != 1:
-        return f"accel_ddp: error: {err}\n"
+        return error_line(err)
     if lost_peer(err):
-        return f"accel_ddp: error: {_LOST.format(rank=_rank())}\n"
+        return error_line(_LOST.format(rank=_rank()))
     return "".join(traceback.format_exception(err))
 
 
@@ -291,11 +292,6 @@ def main_process_decides(state: Any, decide: Callable[[], Any]) -> Any:
     if outcome[1] is not None:
         raise ConfigError(outcome[1])
     return outcome[0]
-
-
-def first_line(err: BaseException) -> str:
-    """An error's first line, for a one-line message (at most 300 characters)."""
-    return (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
 
 
 def print_report(text: str) -> None:

@@ -62,6 +62,7 @@ from accelerate import Accelerator
 from accelerate.utils import gather_object
 
 from accel_ddp.lifecycle.stdio import guard_stdio, silence_dead_pipes
+from accel_ddp.util.messages import first_line
 
 EXIT_PREEMPTED = 75  # sysexits.h EX_TEMPFAIL: the job may be retried
 EXIT_NON_FINITE = 3  # not 75: a relaunch would diverge again
@@ -336,7 +337,7 @@ def trace_non_finite(accelerator: Accelerator, model: torch.nn.Module, loss: tor
                 params = [p for p in model.parameters() if p.requires_grad]
                 torch.autograd.grad(loss, params, allow_unused=True)
             except RuntimeError as err:
-                found = f" ({str(err).strip().splitlines()[0]})"
+                found = f" ({first_line(err)})"
         for trace in traces:
             print(f"accel_ddp: rank {accelerator.process_index}: {trace.message}", file=sys.stderr, flush=True)
     return next((text for text in gather_object([found]) if text), "")  # collective

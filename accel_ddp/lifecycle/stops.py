@@ -21,7 +21,7 @@ class StopPoints:
                  bar: Any, total_steps: int, guard: Any = None):
         self.checkpoints, self.preemption, self.watch, self.losses = checkpoints, preemption, watch, losses
         self.bar, self.total_steps = bar, total_steps
-        self.guard = guard  # --on_anomaly / --spike_factor (lifecycle.anomaly.AnomalyGuard), or None
+        self.guard = guard  # --on_anomaly / --spike_factor (anomaly.AnomalyGuard), or None
 
     def last_saved(self) -> tuple[int, str] | None:
         """(step, folder) of the newest checkpoint this run saved or resumed from, or None."""

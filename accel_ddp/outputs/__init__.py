@@ -1,1 +1,11 @@
-"""accel_ddp.outputs.names."""
+"""The run folder: its names and layout, the lock and the fresh/resume checks, crash-safe file steps, the metrics
+file's format, the model card.
+
+    names.py         every file and folder name under --output_dir
+    files.py         fsyncs, hashes, moves out of the way; a failed write explained in one line
+    metrics_file.py  reading metrics.jsonl back (the one place that knows its format)
+    run_dir.py       the lock, and whether a folder may be started, resumed or is finished
+    model_card.py    README.md of a finished run
+
+May import: util, config, lifecycle.
+"""

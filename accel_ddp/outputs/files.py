@@ -1,6 +1,7 @@
-"""File-system steps that must survive a crash: atomic writes, fsyncs, hashes, moves out of the way.
+"""File-system steps that must survive a crash: fsyncs, hashes, moves out of the way, a failed write explained.
 
-    atomic_write_text("outputs/run/summary.json", text)   # readers see the old file or the new, never half
+The atomic write itself is :func:`accel_ddp.util.atomic.atomic_write_text` (failure reports need it too).
+
     fingerprint(path)                                      # {"bytes": ..., "sha256": ...}, after an fsync
     remove_dir(folder)                                     # rename, then delete: never a half-deleted folder
 """
@@ -15,6 +16,7 @@ import shutil
 from collections.abc import Callable
 from typing import Any
 
+from accel_ddp.util.messages import first_line
 from accel_ddp.util.validation import ConfigError
 
 LOW_SPACE = 1 << 20  # bytes: below this, a write that failed without an errno failed for want of space
@@ -31,18 +33,6 @@ class WriteFailed(ConfigError):
     """
 
     only_this_rank = False
-
-
-def atomic_write_text(path: str, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file renamed into place: a reader sees the old file or the new."""
-    tmp = f"{path}.tmp{os.getpid()}"  # one per writer
-    try:
-        with open(tmp, "w", encoding="utf-8") as fh:
-            fh.write(text)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):  # a write that failed (a full disk) leaves no half file behind
-            os.remove(tmp)
 
 
 def file_sha256(path: str, fsync: bool = False) -> str:
@@ -113,7 +103,7 @@ def write_failure(err: BaseException, folder: str) -> str | None:
     if code is not None:
         return f"the file system refused it ({os.strerror(code)})"
     if _torch_write_error(err):
-        return f"the write failed ({str(err).strip().splitlines()[0][:200]}; {_size(free)} free there)"
+        return f"the write failed ({first_line(err, 200)}; {_size(free)} free there)"
     return None
 
 

@@ -16,8 +16,7 @@ from typing import Any
 
 import yaml
 
-from accel_ddp.config import warn
-from accel_ddp.outputs.files import atomic_write_text
+from accel_ddp.outputs.metrics_file import read_metrics
 from accel_ddp.outputs.names import (
     CONFIG_NAME,
     CURVES_NAME,
@@ -27,7 +26,8 @@ from accel_ddp.outputs.names import (
     SUMMARY_NAME,
     WEIGHTS_NAME,
 )
-from accel_ddp.tracking.report import read_metrics
+from accel_ddp.util.atomic import atomic_write_text
+from accel_ddp.util.messages import warn
 
 # (summary.json key, label): the final figures the card shows, in this order, when present
 RESULTS = (
@@ -143,7 +143,7 @@ def write_model_card(output_dir: str, config: dict[str, Any], summary: dict[str,
         text = render_model_card(config, summary, command, output_dir)
         atomic_write_text(path, text)
     except OSError as err:
-        warn(f"could not write {path}: {err}")
+        warn(f"could not write {path}: {err}", ranks="first")
         return None
     return path
 

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import inspect
 import math
-import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, NamedTuple
@@ -41,8 +40,9 @@ import torch
 import torch.nn.functional as F
 from accelerate.utils import extract_model_from_parallel
 
-from accel_ddp.step import empty_sum
 from accel_ddp.tasks.user_code import check_count, check_scalar, fresh_copies, metric_values
+from accel_ddp.util.messages import empty_sum, warn
+from accel_ddp.util.model_outputs import logits_of
 from accel_ddp.util.registry import describe
 from accel_ddp.util.validation import ConfigError
 
@@ -55,15 +55,6 @@ class Loss(NamedTuple):
 
     value: torch.Tensor  # a scalar that requires grad
     items: torch.Tensor | None = None  # a scalar count on the same device, or None for a mean
-
-
-def logits_of(outputs: Any) -> torch.Tensor | None:
-    """The logits of a model's output: the output itself if a tensor, else its ``logits`` field."""
-    if isinstance(outputs, torch.Tensor):
-        return outputs
-    if isinstance(outputs, Mapping):  # also Transformers' ModelOutput
-        return outputs.get("logits")
-    return getattr(outputs, "logits", None)
 
 
 def model_loss(outputs: Any) -> torch.Tensor | None:
@@ -129,8 +120,8 @@ class Task:
             self._keep = None if named is None else named - self.held_back
             dropped = sorted(k for k in batch if not self._passes(k) and k not in self.held_back)
             if dropped:
-                _warn_once(f"batch keys {', '.join(dropped)} are not arguments of "
-                           f"{type(extract_model_from_parallel(model)).__name__}.forward; they are dropped")
+                warn(f"batch keys {', '.join(dropped)} are not arguments of "
+                     f"{type(extract_model_from_parallel(model)).__name__}.forward; they are dropped", ranks="main")
         return {k: v for k, v in batch.items() if self._passes(k)}
 
     def _passes(self, key: str) -> bool:
@@ -211,8 +202,8 @@ class Task:
 
     def leave_out_stats(self, reason: str) -> None:
         """With a user loss: this task's figures do not fit this model or data; say so once and leave them out."""
-        _warn_once(f"{reason}: {', '.join(self.metric_names)} left out of the evaluation; eval_loss is "
-                   f"{describe(self.loss_fn)}", kind="note")
+        warn(f"{reason}: {', '.join(self.metric_names)} left out of the evaluation; eval_loss is "
+             f"{describe(self.loss_fn)}", kind="note", ranks="main")  # every rank sees the same batches
         self._fits = False
 
     @property
@@ -387,14 +378,6 @@ def _probing(model: torch.nn.Module, batch: Any) -> Iterator[None]:
 def batch_device(batch: Any) -> torch.device:
     values = batch.values() if isinstance(batch, Mapping) else batch
     return next(v.device for v in values if isinstance(v, torch.Tensor))
-
-
-def _warn_once(message: str, kind: str = "warning") -> None:
-    """A warning (or note) from the first rank only (every rank sees the same batches); callers make it once."""
-    from accelerate import PartialState
-
-    if PartialState().is_main_process:
-        print(f"accel_ddp: {kind}: {message}", file=sys.stderr, flush=True)
 
 
 def per_item(total: float, items: float) -> float | None:

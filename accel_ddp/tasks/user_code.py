@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from accel_ddp.lifecycle.failure import first_line
+from accel_ddp.util.messages import first_line
 from accel_ddp.util.validation import ConfigError
 
 

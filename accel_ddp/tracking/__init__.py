@@ -1,1 +1,12 @@
-"""accel_ddp.tracking.recorder."""
+"""Metrics while a run trains and reading a run back: the recorder, the trackers, the meters, the report.
+
+    recorder.py   metrics.jsonl, summary.json, config.yaml and the trackers, from the main process
+    trackers.py   --report_to's trackers (Accelerate's and the csv one), guarded so a failing one never stops a run
+    meters.py     throughput (samples/s, real tokens/s, FLOP/s, MFU), memory and the profiler
+    flops.py      model FLOPs per sample or token, the peak table per device and precision
+    step_log.py   StepLog: what each optimizer step leaves on the host (bar, timers, log lines)
+    startup.py    how long each start-up phase took
+    report.py     curves.png and the `accel-ddp summary` table, from the run folder alone
+
+May import: util, config, lifecycle, outputs.
+"""

@@ -145,7 +145,7 @@ def counted_flops(model: torch.nn.Module, batch: Any) -> float | None:
                 outputs = functional_call(model, state, (), {k: meta(v) for k, v in batch.items()})
             else:
                 outputs = functional_call(model, state, (meta(batch[0]),))
-            from accel_ddp.tasks.protocol import logits_of
+            from accel_ddp.util.model_outputs import logits_of
 
             logits = logits_of(outputs)
             trained = [p for p in params.values() if p.requires_grad]

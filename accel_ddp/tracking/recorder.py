@@ -18,17 +18,19 @@ from __future__ import annotations
 import json
 import math
 import os
-import sys
 import time
 from typing import Any
 
 import yaml
 
 from accel_ddp.lifecycle.failure import main_process_decides
-from accel_ddp.outputs.files import OUTPUTS_FIX, WriteFailed, atomic_write_text, written
+from accel_ddp.outputs.files import OUTPUTS_FIX, WriteFailed, written
+from accel_ddp.outputs.metrics_file import metrics_lines, parse_record, read_metrics
 from accel_ddp.outputs.names import CONFIG_NAME, CURVES_NAME, METRICS_NAME, SUMMARY_NAME, TRACKERS_NAME
-from accel_ddp.tracking.report import metrics_lines, parse_record, plot_run, read_metrics
+from accel_ddp.tracking.report import plot_run
 from accel_ddp.tracking.trackers import RUN_IDS, GuardedTracker, flat_hparams
+from accel_ddp.util.atomic import atomic_write_text
+from accel_ddp.util.messages import first_line, warn
 from accel_ddp.util.validation import ConfigError
 
 
@@ -165,8 +167,8 @@ class RunRecorder:
         try:
             return plot_run(self.output_dir)
         except Exception as err:  # noqa: BLE001 - a picture must never turn a finished run into a failure
-            print(f"accel_ddp: warning: could not write {CURVES_NAME} ({type(err).__name__}: {err}); the run's "
-                  f"other files are complete; rerun `accel-ddp plot {self.output_dir}`", file=sys.stderr)
+            warn(f"could not write {CURVES_NAME} ({type(err).__name__}: {err}); the run's "
+                 f"other files are complete; rerun `accel-ddp plot {self.output_dir}`")
             return None
 
     def write_summary(self, summary: dict[str, Any], step: int) -> None:
@@ -200,7 +202,7 @@ def read_tracker_runs(path: str, names: list[str], start_step: int) -> dict[str,
             data = json.load(fh)
         problem = None if isinstance(data, dict) else f"it holds a JSON {type(data).__name__}, not an object"
     except (OSError, ValueError) as err:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
-        data, problem = {}, f"{type(err).__name__}: {str(err).splitlines()[0][:120]}"
+        data, problem = {}, f"{type(err).__name__}: {first_line(err, 120)}"
     for name in reopened:
         entry = data.get(name, {}) if problem is None else {}
         if not isinstance(entry, dict) or not all(isinstance(v, str) and v for v in entry.values()):

@@ -23,9 +23,10 @@ from tqdm.auto import tqdm
 
 from accel_ddp.config import ACCELERATE_TRACKERS
 from accel_ddp.lifecycle.failure import main_process_decides
-from accel_ddp.outputs.files import atomic_write_text
+from accel_ddp.outputs.metrics_file import damaged_line
 from accel_ddp.outputs.names import CSV_NAME, METRICS_NAME, TENSORBOARD_SUBDIR
-from accel_ddp.tracking.report import damaged_line
+from accel_ddp.util.atomic import atomic_write_text
+from accel_ddp.util.messages import first_line, line
 from accel_ddp.util.validation import ConfigError
 
 
@@ -274,13 +275,14 @@ class GuardedTracker(GeneralTracker):
         except Exception as err:  # noqa: BLE001 - a tracker's trouble must not end a training run
             self.failed = True
             where = "at the end of the run" if step is None else f"at step {step}"
-            tqdm.write(f"accel_ddp: warning: tracker {self.name} failed {where} ({type(err).__name__}: "
-                       f"{_first_line(err)}); it gets no more records and the run goes on "
-                       f"({METRICS_NAME} has them all)", file=sys.stderr)  # clears the progress bar's line first
+            tqdm.write(line("warning", f"tracker {self.name} failed {where} ({type(err).__name__}: "
+                            f"{first_line(err, 200, '...')}); it gets no more records and the run goes on "
+                            f"({METRICS_NAME} has them all)"), file=sys.stderr)  # clears the progress bar's line first
 
     def _cannot_start(self, err: BaseException) -> str:
         fix = START_FIXES.get(self.name, f"check {self.name}'s settings")
-        return (f"--report_to {self.name}: it failed to start ({type(err).__name__}: {_first_line(err)}); {fix}, "
+        why = first_line(err, 200, "...")
+        return (f"--report_to {self.name}: it failed to start ({type(err).__name__}: {why}); {fix}, "
                 f"or leave {self.name} out of --report_to")
 
 
@@ -302,11 +304,6 @@ def tracking_kwargs(state: Any, report_to: str, output_dir: str, project: str = 
     """
     names = main_process_decides(state, lambda: resolve_report_to(report_to))
     return {"log_with": build_trackers(names, output_dir, project, run_name)}
-
-
-def _first_line(err: BaseException) -> str:
-    line = (str(err).strip().splitlines() or [type(err).__name__])[0]
-    return line if len(line) <= 200 else line[:197] + "..."
 
 
 def flat_hparams(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:

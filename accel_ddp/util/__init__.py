@@ -1,1 +1,12 @@
-"""accel_ddp.util."""
+"""Leaf helpers every layer may use: value checks and the error types, the registry, optional packages, the one
+crash-safe write, and the messages module (warnings, notes, error lines, which rank prints).
+
+    validation.py   ConfigError / LaunchError and the value checks behind every "accel_ddp: error:" line
+    messages.py     every console line: warning, note, error, first_line; which rank prints it
+    registry.py     name -> builder lookup, ``pkg.module:function`` for a user's own
+    optional.py     an optional package, or one line naming the pip install
+    atomic.py       atomic_write_text: readers see the old file or the new, never half
+    model_outputs.py  logits_of: a model's logits, whatever it returns
+
+May import: nothing from accel_ddp (the standard library; torch and Accelerate only inside a function).
+"""

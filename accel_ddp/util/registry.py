@@ -13,6 +13,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from accel_ddp.util.messages import first_line
 from accel_ddp.util.validation import ConfigError
 
 
@@ -49,7 +50,7 @@ def resolve(name: str, table: dict[str, Callable[..., Any]], kind: str, call_wit
                           f"{err.filename} line {err.lineno}); fix the module") from None
     except Exception as err:  # noqa: BLE001 - the user's module raised while being imported
         raise ConfigError(f"--{kind} {name}: importing module {module_name!r} raised {type(err).__name__}: "
-                          f"{_first_line(err)}; fix the module") from None
+                          f"{first_line(err, 200)}; fix the module") from None
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise ConfigError(f"--{kind} {name}: module {module_name!r} has no function {attr!r}")
@@ -81,7 +82,3 @@ def _check_signature(fn: Callable[..., Any], name: str, kind: str, call_with: tu
     except TypeError as err:
         raise ConfigError(f"--{kind} {name} cannot be called as a {kind} builder ({err}); expected "
                           f"{expected or 'a function taking ' + ', '.join(call_with)}") from None
-
-
-def _first_line(err: BaseException) -> str:
-    return (str(err).strip().splitlines() or [type(err).__name__])[0][:200]

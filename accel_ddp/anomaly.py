@@ -32,8 +32,8 @@ from typing import Any
 import torch
 
 from accel_ddp.lifecycle.preemption import NonFiniteLoss
-from accel_ddp.outputs.files import atomic_write_text
 from accel_ddp.outputs.names import ANOMALIES_NAME
+from accel_ddp.util.atomic import atomic_write_text
 from accel_ddp.util.validation import ConfigError
 
 

@@ -1,0 +1,72 @@
+"""The one place for what accel_ddp says on the console: warnings, notes, error lines, and which rank prints.
+
+    warn("--foo is deprecated ...", ranks="first")     # accel_ddp: warning: --foo is deprecated ...
+    warn("padding with <eos>", kind="note", ranks="main")
+    error_line("--lr -1: must be > 0; pass a positive number")   # accel_ddp: error: --lr -1: ...
+    first_line(err)                                    # an error's first line, for a one-line message
+
+Which rank prints (``ranks``):
+
+- ``"first"``: the process the launcher numbered 0 (``RANK`` unset or 0). For what every rank finds
+  alike before the process group exists (the command line, the config): one line, not one per rank.
+- ``"main"``: Accelerate's main process, once the group exists (every rank sees the same batches).
+- ``"every"``: each rank that finds it; for what is that rank's own (its stream position, its checkpoint
+  reads), or where only the main process calls anyway.
+
+A failing launch's ``accel_ddp: error:`` line is printed by the rank that failed first
+(:mod:`accel_ddp.lifecycle.failure`); it is formatted here.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+PREFIX = "accel_ddp"
+
+
+def first_line(err: BaseException, limit: int = 300, mark: str = "") -> str:
+    """An error's first line (its type's name when it says nothing), at most ``limit`` characters; a line cut
+    short ends with ``mark`` (e.g. "...")."""
+    line = (str(err).strip().splitlines() or [type(err).__name__])[0]
+    return line if len(line) <= limit else line[:limit - len(mark)] + mark
+
+
+def error_line(message: object) -> str:
+    """The one line of bad input: ``accel_ddp: error: <what is wrong>; <the fix>``, newline included."""
+    return line("error", message) + "\n"
+
+
+def prints(ranks: str) -> bool:
+    """Does this process print a message meant for ``ranks`` ("first", "main" or "every")?"""
+    if ranks == "every":
+        return True
+    if ranks == "first":
+        return os.environ.get("RANK", "0") == "0"
+    if ranks == "main":
+        from accelerate import PartialState  # imported here: the CLI's messages need no Accelerate
+
+        return PartialState().is_main_process
+    raise ValueError(f"ranks must be 'first', 'main' or 'every', got {ranks!r}")
+
+
+def line(kind: str, message: object) -> str:
+    """``accel_ddp: <kind>: <message>``: a warning's or note's text, for a caller that writes it its own way."""
+    return f"{PREFIX}: {kind}: {message}"
+
+
+def warn(message: str, kind: str = "warning", ranks: str = "every") -> None:
+    """``accel_ddp: <kind>: <message>`` on stderr, from the ``ranks`` that print it (see the module's docstring)."""
+    if prints(ranks):
+        print(line(kind, message), file=sys.stderr, flush=True)
+
+
+def note(message: str, ranks: str = "every") -> None:
+    """``accel_ddp: note: <message>`` on stderr: something worth knowing that needs no change."""
+    warn(message, kind="note", ranks=ranks)
+
+
+def empty_sum(loss: str = "the loss function") -> str:
+    """The error line for a ``(sum, num_items)`` loss whose sum is not 0 over 0 items."""
+    return (f"{loss} returned a (sum, num_items) pair with a non-zero sum over num_items 0 (a sum over no items is "
+            "0); return the count of the items the sum adds up, e.g. (losses[mask].sum(), mask.sum())")

@@ -1,0 +1,40 @@
+"""accel_ddp.util.messages: the one format of a warning, note and error line, and which rank prints it."""
+
+from __future__ import annotations
+
+import pytest
+
+from accel_ddp.util.messages import error_line, first_line, note, prints, warn
+
+
+def test_first_line_is_the_first_stripped_line_cut_to_its_limit():
+    assert first_line(ValueError("\n  bad value\nmore detail")) == "bad value"
+    assert first_line(KeyError()) == "KeyError"  # says nothing: its type
+    assert first_line(ValueError("x" * 400)) == "x" * 300
+    assert first_line(ValueError("x" * 400), 10, "...") == "x" * 7 + "..."
+    assert first_line(ValueError("short"), 10, "...") == "short"
+
+
+def test_lines_have_the_one_format(capsys):
+    warn("--foo is deprecated")
+    note("padding with <eos>")
+    err = capsys.readouterr().err
+    assert err == "accel_ddp: warning: --foo is deprecated\naccel_ddp: note: padding with <eos>\n"
+    assert error_line("--lr -1: must be > 0; pass a positive number") == \
+        "accel_ddp: error: --lr -1: must be > 0; pass a positive number\n"
+
+
+@pytest.mark.parametrize(("rank", "printed"), [(None, True), ("0", True), ("1", False)])
+def test_first_rank_messages_print_once_per_launch(monkeypatch, capsys, rank, printed):
+    if rank is None:
+        monkeypatch.delenv("RANK", raising=False)
+    else:
+        monkeypatch.setenv("RANK", rank)
+    warn("seen once", ranks="first")
+    assert (capsys.readouterr().err == "accel_ddp: warning: seen once\n") is printed
+    assert prints("every")
+
+
+def test_an_unknown_rank_rule_is_a_bug_not_silence():
+    with pytest.raises(ValueError, match="ranks must be"):
+        prints("all")
