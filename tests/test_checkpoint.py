@@ -19,7 +19,6 @@ tests/scripts/faulty_train.py in a launch:
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
@@ -27,13 +26,9 @@ import random
 import re
 import shutil
 import signal
-import subprocess
-import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
-import psutil
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -47,22 +42,22 @@ from accel_ddp.checkpoint.manager import (
 )
 from accel_ddp.cli.train import main
 from accel_ddp.lifecycle.preemption import PreemptionWatcher
-from tests import faults
-from tests.conftest import (
-    CPU_2PROC,
-    REPO,
-    TRAIN_SCRIPT,
-    _env,
-    _faulty_if_asked,
+from tests.helpers import faults
+from tests.helpers.checkpoints import assert_same_weights, steps_of
+from tests.helpers.multiproc import RankFailed, run_ranks
+from tests.helpers.runs import (
     check,
-    free_port,
+    kill_job,
     launch,
     load_weights,
+    log_of,
     main_ranks,
     read_metrics,
     read_summary,
+    running,
+    wait_for_checkpoint,
+    workers_of,
 )
-from tests.multiproc import RankFailed, run_ranks
 
 # 256 samples / global batch 32 = 8 optimizer steps per epoch; 4 epochs = 32 steps (about 1 s of compute).
 ARGS = ["--dataset", "synthetic", "--synthetic_samples", "256", "--synthetic_shape", "1", "8", "8",
@@ -85,71 +80,6 @@ def resume(args: list[str], capfd, world_size: int = 2) -> str:
     capfd.readouterr()
     assert main_ranks(args, world_size) == [0] * world_size
     return capfd.readouterr().out
-
-
-def assert_same_weights(output_dir: Path, reference: Path) -> None:
-    got, expected = load_weights(output_dir), load_weights(reference)
-    assert got.keys() == expected.keys()
-    for key in expected:
-        assert torch.equal(got[key], expected[key]), f"{key} differs from the uninterrupted run's"
-
-
-def steps_of(output_dir: Path) -> list[int]:
-    return [step for step, _ in list_checkpoints(str(output_dir / "checkpoints"))]
-
-
-@contextlib.contextmanager
-def running(args: list[str], out_dir: Path, env: dict[str, str] | None = None) -> Iterator[subprocess.Popen]:
-    """Like conftest.launch, but yields the running launcher so the test can signal the job.
-
-    Whatever happens in the test, no process of the job outlives it.
-    """
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CPU_2PROC),
-           "--num_processes", "2", "--main_process_port", str(free_port()), str(_faulty_if_asked(TRAIN_SCRIPT, env)),
-           *args]
-    with open(out_dir.parent / f"{out_dir.name}.log", "w") as log:
-        proc = subprocess.Popen(cmd, env=_env(env), cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        yield proc
-    finally:
-        if proc.poll() is None:
-            kill_job(proc)
-
-
-def log_of(out_dir: Path) -> str:
-    return (out_dir.parent / f"{out_dir.name}.log").read_text().replace("\r", "\n")
-
-
-def wait_for_checkpoint(proc: subprocess.Popen, out_dir: Path, step: int, timeout: float = 180) -> None:
-    marker = out_dir / "checkpoints" / f"step_{step:08d}" / MARKER_NAME
-    deadline = time.monotonic() + timeout
-    while not marker.exists():
-        assert proc.poll() is None, f"the job ended (exit {proc.returncode}) early:\n{log_of(out_dir)[-3000:]}"
-        assert time.monotonic() < deadline, f"no checkpoint of step {step} after {timeout} s"
-        time.sleep(0.02)
-
-
-def workers_of(proc: subprocess.Popen) -> dict[int, int]:
-    """{rank: pid} of the training processes under the launcher (they run in their own sessions)."""
-    found = {}
-    for child in psutil.Process(proc.pid).children(recursive=True):
-        try:
-            rank = child.environ().get("RANK")
-            if rank is not None and "train.py" in " ".join(child.cmdline()):
-                found[int(rank)] = child.pid
-        except psutil.NoSuchProcess:
-            pass
-    return found
-
-
-def kill_job(proc: subprocess.Popen) -> None:
-    """SIGKILL the launcher and every worker at once, as a node failure would."""
-    for pid in [*workers_of(proc).values(), proc.pid]:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    proc.wait(timeout=30)
 
 
 # ----------------------------------------------------------------------------- without launches

@@ -44,10 +44,11 @@ from accel_ddp.data.loaders import data_source
 from accel_ddp.data.mapped import MappedDataset
 from accel_ddp.data.sampler import epoch_order
 from accel_ddp.util.validation import ConfigError
-from tests import faults, helpers_data
-from tests.conftest import REPO, load_weights, main_ranks, read_metrics, read_summary, run_ranks, train_ranks
-from tests.helpers_data import hf_image_dataset, image_shards, write_png_classes
-from tests.multiproc import RankFailed
+from tests.helpers import data as helpers_data
+from tests.helpers import faults
+from tests.helpers.data import hf_image_dataset, image_shards, write_png_classes, write_shards
+from tests.helpers.multiproc import RankFailed, run_ranks
+from tests.helpers.runs import REPO, load_weights, main_ranks, read_metrics, read_summary, train_ranks
 
 TRAIN_SRC = (REPO / "accel_ddp" / "loop.py").read_text()
 wired = pytest.mark.skipif(
@@ -750,7 +751,7 @@ def test_device_loader_resumes_mid_epoch_to_the_same_weights(tmp_path):
 def test_dataloader_workers_with_random_reads_resume_mid_epoch_to_the_same_weights(tmp_path):
     """Augmentation drawn in DataLoader workers: a rank fails mid-epoch, the resumed run ends bit-identical
     (that the worker count changes no draw: test_augmentation_depends_on_seed_epoch_and_position_only)."""
-    common = ["--dataset", "tests.helpers_data:noisy_digits", "--model", "mnist_cnn", "--max_steps", "12",
+    common = ["--dataset", "tests.helpers.data:noisy_digits", "--model", "mnist_cnn", "--max_steps", "12",
               "--global_batch_size", "64", "--per_device_batch_size", "16", "--loader", "dataloader",
               "--checkpointing_steps", "5"]
     train_ranks([*common, "--num_workers", "1", "--output_dir", str(tmp_path / "whole")])
@@ -938,29 +939,6 @@ def test_memory_mapped_run_trains_the_weights_of_the_in_memory_run(tmp_path):
 # ----------------------------------------------------------------------------- streaming
 
 
-@pytest.fixture
-def quick_stream_ends(monkeypatch):
-    """datasets sleeps 5 s whenever a shuffled parquet stream's reader threads end (apache/arrow#45214): a
-    second of these tests' wall time per pass. A fraction of a second is plenty for these tiny files."""
-    import datasets
-
-    monkeypatch.setattr(datasets.config, "SLEEP_TIME_ON_THREADS_SHUTDOWN", 0.2)
-
-
-def _write_shards(folder: Path, sizes: list[int]) -> list[str]:
-    """Parquet files of ``sizes`` rows; row ``i`` overall has ``idx`` i."""
-    import datasets
-
-    folder.mkdir(parents=True, exist_ok=True)
-    files, start = [], 0
-    for k, size in enumerate(sizes):
-        path = folder / f"shard_{k}.parquet"
-        datasets.Dataset.from_dict({"idx": list(range(start, start + size))}).to_parquet(str(path))
-        files.append(str(path))
-        start += size
-    return files
-
-
 def _decode_idx(columns, where):
     return [(torch.tensor([float(i)]), 0) for i in columns["idx"]]
 
@@ -1008,7 +986,7 @@ def _passes(ranks: list[list[tuple[int, list[int]]]]) -> dict[int, list[int]]:
 def test_streaming_ranks_take_the_same_steps_over_uneven_shares(tmp_path, quick_stream_ends, sizes, buffer):
     """3 files over 2 ranks (every rank reads all, keeps every 2nd example) or 4 files of very different sizes:
     every rank yields a batch at every step, each example at most once per pass; the shortest share ends the pass."""
-    files = _write_shards(tmp_path / "s", sizes)
+    files = write_shards(tmp_path / "s", sizes)
     ranks = _stream(files, 2, max_steps=12, buffer=buffer, workers=0)  # read in each rank's process: no forks
     assert [len(rank) for rank in ranks] == [12, 12]
     assert [[e for e, _ in rank] for rank in ranks][0] == [[e for e, _ in rank] for rank in ranks][1]  # in step
@@ -1028,7 +1006,7 @@ def test_streaming_resumes_from_each_ranks_saved_position(tmp_path, quick_stream
     """Saved after 7 steps and resumed: nothing trained before comes again in that pass; without a shuffle buffer
     the resumed stream is the uninterrupted one (with 2 workers the 8th batch is the second worker's: the
     DataLoader's turns continue where they stopped)."""
-    files = _write_shards(tmp_path / "s", [40, 40, 40, 40])
+    files = write_shards(tmp_path / "s", [40, 40, 40, 40])
     whole = _stream(files, 2, max_steps=12, workers=workers, buffer=buffer)
     saved = tmp_path / "7"
     saved.mkdir()
@@ -1054,7 +1032,7 @@ def test_the_streaming_loader_leaves_the_global_generator_alone(tmp_path, quick_
 
     from accel_ddp.data.streaming import StreamingLoader, StreamSource
 
-    files = _write_shards(tmp_path / "s", [6])  # 3 steps of 2 per pass
+    files = write_shards(tmp_path / "s", [6])  # 3 steps of 2 per pass
 
     def worker_seeds(global_seed: int) -> list[tuple[int, int]]:
         stream = datasets.load_dataset("parquet", data_files=files, split="train", streaming=True)
@@ -1075,7 +1053,7 @@ def test_the_streaming_loader_leaves_the_global_generator_alone(tmp_path, quick_
 def test_a_streaming_checkpoint_counts_the_step_it_was_saved_after(tmp_path, quick_stream_ends):
     """Saved after a pass's only step: the position holds that step, so the resumed run starts the next pass
     instead of calling the pass too short for one optimizer step."""
-    files = _write_shards(tmp_path / "s", [3])  # one step of 2 per pass (the odd example is dropped)
+    files = write_shards(tmp_path / "s", [3])  # one step of 2 per pass (the odd example is dropped)
     saved = tmp_path / "1"
     saved.mkdir()
     _stream(files, 1, max_steps=4, workers=0, stop_after=1, save_to=saved)
@@ -1150,7 +1128,7 @@ def test_a_bug_in_a_collate_fn_while_streaming_is_raised_with_its_traceback_and_
         tmp_path, quick_stream_ends, workers):
     """Not bad data: rank 1 raises the TypeError itself, traceback and all; rank 0 stops at the same step and
     names rank 1. Neither says "check the source"."""
-    files = _write_shards(tmp_path / "s", [20, 20, 20, 20])  # rank 1 reads files 1 and 3: examples 20.. first
+    files = write_shards(tmp_path / "s", [20, 20, 20, 20])  # rank 1 reads files 1 and 3: examples 20.. first
 
     def run():
         import traceback
@@ -1218,7 +1196,7 @@ def test_a_datasets_dataset_with_a_random_transform_reads_memory_mapped_and_seed
 def test_streaming_resumed_on_another_world_size_restarts_the_pass_with_a_warning(tmp_path, quick_stream_ends,
                                                                                  capfd):
     """Reader positions belong to a world size: on another one the pass starts over (said once), nothing is lost."""
-    files = _write_shards(tmp_path / "s", [20, 20, 20, 20])
+    files = write_shards(tmp_path / "s", [20, 20, 20, 20])
     saved = tmp_path / "3"
     saved.mkdir()
     _stream(files, 2, max_steps=12, workers=0, stop_after=3, save_to=saved)  # the 1-rank run reads rank 0's
@@ -1232,7 +1210,7 @@ def test_streaming_resumed_on_another_world_size_restarts_the_pass_with_a_warnin
 def test_streaming_resumed_on_more_ranks_puts_every_rank_in_the_saved_pass(tmp_path, quick_stream_ends, capfd):
     """Saved by 2 ranks in their second pass, resumed by 3: every rank, the new one too (it has no saved position),
     restarts that same pass (one shuffle, each example at most once), said once; nobody waits on another."""
-    files = _write_shards(tmp_path / "s", [20, 20, 20, 20])  # 2 ranks: 2 files each, 20 steps of 2 per pass
+    files = write_shards(tmp_path / "s", [20, 20, 20, 20])  # 2 ranks: 2 files each, 20 steps of 2 per pass
     saved = tmp_path / "23"
     saved.mkdir()
     first = _stream(files, 2, max_steps=30, buffer=8, workers=0, stop_after=23, save_to=saved)
@@ -1251,7 +1229,7 @@ def test_packed_text_trains_memory_mapped_with_workers_and_the_same_weights_with
     pytest.importorskip("transformers")
     import datasets
 
-    from tests.test_tasks import build_word_tokenizer, lm_args
+    from tests.helpers.text import build_word_tokenizer, lm_args
 
     texts = tmp_path / "corpus" / "texts"
     texts.mkdir(parents=True)

@@ -15,8 +15,9 @@ import pytest
 
 from accel_ddp.data import HFSource, build_datasets
 from accel_ddp.util.validation import ConfigError
-from tests.conftest import main_ranks, run_ranks
-from tests.test_data import hf_image_dataset
+from tests.helpers.data import hf_image_dataset
+from tests.helpers.multiproc import run_ranks
+from tests.helpers.runs import main_ranks
 
 # The three ways --dataset hf holds a training set (docs/large-datasets.md).
 IN_MEMORY, MAPPED, STREAMING = HFSource(), HFSource(in_memory_max_mb=0), HFSource(streaming=True)
@@ -345,10 +346,10 @@ def test_a_streaming_resume_after_changing_the_buffer_or_the_data_restarts_the_p
 
 
 def test_a_streaming_run_resumed_with_another_shuffle_buffer_continues_from_the_command_line(tmp_path, capfd):
-    from tests.conftest import train_ranks
-    from tests.test_data import _image_shards
+    from tests.helpers.data import image_shards
+    from tests.helpers.runs import train_ranks
 
-    data = _image_shards(tmp_path / "d", [40, 40], n_test=4)
+    data = image_shards(tmp_path / "d", [40, 40], n_test=4)
     common = ["--dataset", "hf", "--data_dir", str(data), "--streaming", "--global_batch_size", "8",
               "--num_workers", "0", "--output_dir", str(tmp_path / "run")]
     train_ranks([*common, "--max_steps", "4", "--checkpointing_steps", "4", "--shuffle_buffer", "16"])
@@ -366,7 +367,7 @@ def test_a_streaming_run_resumed_with_another_shuffle_buffer_continues_from_the_
 def test_an_image_folder_with_an_empty_eval_folder_or_one_image_is_one_line(tmp_path):
     """The same rules as --dataset hf's splits: an empty val/ was an evaluation of 0 samples, one image and no
     val/ a training set of none."""
-    from tests.test_data import write_png_classes
+    from tests.helpers.data import write_png_classes
 
     write_png_classes(tmp_path / "a" / "train", ["cat", "dog"], per_class=3)
     (tmp_path / "a" / "val" / "cat").mkdir(parents=True)

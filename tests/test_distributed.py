@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from accel_ddp import TrainConfig, train
-from tests.conftest import (
+from tests.helpers.data import IndexDataset, IndexRecorder
+from tests.helpers.multiproc import run_ranks
+from tests.helpers.runs import (
     CPU_2PROC,
     check,
     launch,
@@ -18,11 +20,9 @@ from tests.conftest import (
     load_weights,
     read_metrics,
     read_summary,
-    run_ranks,
     run_single,
     train_ranks,
 )
-from tests.helpers_data import IndexDataset, IndexRecorder
 
 # 320 samples / global batch 32 = 10 optimizer steps per epoch, 3 epochs = 30 steps.
 EQUIV_ARGS = ["--dataset", "synthetic", "--synthetic_samples", "320", "--synthetic_shape", "12",
@@ -159,7 +159,7 @@ def test_eval_counts_each_sample_once_with_an_odd_eval_set(tmp_path):
     """Both eval paths: an in-memory shard per rank (device loader) and a padded DataLoader (gather_for_metrics)."""
     summaries = {}
     for loader in ("device", "dataloader"):
-        train_ranks(["--dataset", "tests.helpers_data:odd_eval", "--model", "tests.helpers_data:tiny_linear",
+        train_ranks(["--dataset", "tests.helpers.data:odd_eval", "--model", "tests.helpers.data:tiny_linear",
                      "--global_batch_size", "16", "--eval_batch_size", "4", "--epochs", "2", "--loader", loader,
                      "--output_dir", str(tmp_path / loader)])
         summaries[loader] = read_summary(tmp_path / loader)

@@ -22,7 +22,8 @@ from accel_ddp.cli import doctor
 from accel_ddp.cli.doctor import ERROR, NOTE, WARNING, diagnose
 from accel_ddp.cli.launch_config import load_launch_config
 from accel_ddp.cli.machine import MachineFacts, cpu_has_bf16_units, software_versions
-from tests.conftest import CPU_2PROC, REPO, launch_together, read_summary
+from tests.helpers.doctor import check_file, never_in_use, only
+from tests.helpers.runs import CPU_2PROC, REPO, launch_together, read_summary
 
 CONFIGS = REPO / "accelerate_configs"
 CPU_ONLY = MachineFacts(gpu_count=0, nccl_available=False, cpu_count=2)
@@ -31,10 +32,6 @@ FOUR_GPUS = MachineFacts(gpu_count=4, nccl_available=True, cpu_count=32, gpu_nam
 EIGHT_GPUS = MachineFacts(gpu_count=8, nccl_available=True, cpu_count=64, gpu_name="NVIDIA H100")
 EIGHT_V100 = MachineFacts(gpu_count=8, nccl_available=True, bf16_supported=False, cpu_count=64,
                           gpu_name="Tesla V100")
-
-
-def never_in_use(port: int) -> bool:
-    return False
 
 
 def make_config(tmp_path, base: str = "cpu_2proc.yaml", **changes) -> str:
@@ -48,19 +45,6 @@ def make_config(tmp_path, base: str = "cpu_2proc.yaml", **changes) -> str:
     path = tmp_path / f"{len(list(tmp_path.iterdir()))}_{base}"
     path.write_text(yaml.safe_dump(config))
     return str(path)
-
-
-def check_file(path, facts, **kwargs) -> doctor.Report:
-    kwargs.setdefault("is_port_in_use", never_in_use)
-    return diagnose(None if path is None else str(path), facts, **kwargs)  # None: what `accelerate launch` reads
-
-
-def only(report: doctor.Report, level: str, *words: str) -> doctor.Finding:
-    """The single finding of ``level`` whose line mentions every word."""
-    hits = [f for f in report.findings if f.level == level and all(w in f.line() for w in words)]
-    assert len(hits) == 1, f"expected one {level} with {words}, got:\n{report.render()}"
-    assert " -> " in hits[0].line() and hits[0].fix  # every finding says how to fix it
-    return hits[0]
 
 
 def levels(report: doctor.Report) -> list[str]:

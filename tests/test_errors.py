@@ -20,10 +20,10 @@ import pytest
 
 from accel_ddp.cli.train import main
 from accel_ddp.distributed.world import single_process_trap
-from tests import helpers_data
-from tests.conftest import SCRIPTS, free_port, launch_together, main_ranks, run_single
-from tests.helpers_ranks import C10D_UNSHARED, assert_quiet, error_lines, launch_ranks, recorded
-from tests.multiproc import RankFailed
+from tests.helpers import data as helpers_data
+from tests.helpers.multiproc import RankFailed, free_port
+from tests.helpers.ranks import C10D_UNSHARED, assert_quiet, error_lines, launch_ranks, recorded
+from tests.helpers.runs import SCRIPTS, launch_together, main_ranks, run_single
 
 BASE = ["--dataset", "synthetic", "--synthetic_samples", "64", "--synthetic_shape", "4", "--epochs", "1",
         "--global_batch_size", "16"]
@@ -194,7 +194,7 @@ def test_a_rank_whose_peer_failed_stops_quietly_with_its_exit_code(tmp_path, cap
 
 
 def test_a_nan_loss_on_one_rank_is_one_line_and_exit_3_on_every_rank(tmp_path, capfd, torchrun_env):
-    args = [*TRAINING, "--model", "tests.faults:nan_mlp", "--output_dir", str(tmp_path)]
+    args = [*TRAINING, "--model", "tests.helpers.faults:nan_mlp", "--output_dir", str(tmp_path)]
     codes = launch_ranks(tmp_path, args, torchrun_env, nan_at=(3, 1))
     assert codes == [3, 3]
     err = capfd.readouterr().err
@@ -278,7 +278,7 @@ def test_every_launch_prints_the_one_line(tmp_path, rendezvous):
 
 
 def _bad_sample_args(tmp_path) -> list[str]:
-    return ["--dataset", "tests.helpers_data:one_bad_sample", "--loader", "dataloader", "--num_workers", "0",
+    return ["--dataset", "tests.helpers.data:one_bad_sample", "--loader", "dataloader", "--num_workers", "0",
             "--global_batch_size", "16", "--epochs", "50", "--output_dir", str(tmp_path)]
 
 

@@ -29,10 +29,11 @@ import torch
 
 from accel_ddp.checkpoint.manager import list_checkpoints, read_checkpoint
 from accel_ddp.data.hf import STATS_SAMPLE, stats_rows
-from tests import helpers_data
-from tests.conftest import load_weights, main_ranks, read_metrics, read_summary
-from tests.helpers_ranks import assert_quiet, error_lines, launch_ranks, recorded
-from tests.multiproc import RankFailed, run_ranks
+from tests.helpers import data as helpers_data
+from tests.helpers.checkpoints import assert_same_weights
+from tests.helpers.multiproc import RankFailed, run_ranks
+from tests.helpers.ranks import assert_quiet, error_lines, launch_ranks, recorded
+from tests.helpers.runs import main_ranks, read_metrics, read_summary
 
 # ============================================================================= preemption and kill -9
 #
@@ -78,12 +79,12 @@ def _build_stream(root: Path) -> Path:
 
 def _build_corpus(root: Path) -> Path:
     """texts/{train,test}.json, reviews/{train,test}.csv (text, label), tokenizer/, gpt2.json (with dropout)."""
-    from tests.test_tasks import _sentences, build_word_tokenizer
+    from tests.helpers.text import build_word_tokenizer, sentences
 
     corpus = root / "corpus"
     (corpus / "texts").mkdir(parents=True)
     (corpus / "reviews").mkdir()
-    splits = {"train": _sentences(160, seed=0), "test": _sentences(21, seed=1)}
+    splits = {"train": sentences(160, seed=0), "test": sentences(21, seed=1)}
     for split, rows in splits.items():
         (corpus / "texts" / f"{split}.json").write_text("".join(json.dumps({"text": t}) + "\n" for t, _ in rows))
         (corpus / "reviews" / f"{split}.csv").write_text("review,sentiment\n" + "".join(f"{t},{y}\n" for t, y in rows))
@@ -158,13 +159,6 @@ def reference(matrix, path: str) -> Path:
         assert (summary["loader"], summary["data_source"]) == EXPECTED[path]
         matrix["references"][path] = out
     return matrix["references"][path]
-
-
-def assert_same_weights(out: Path, expected: Path) -> None:
-    got, want = load_weights(out), load_weights(expected)
-    assert got.keys() == want.keys()
-    for key in want:
-        assert torch.equal(got[key], want[key]), f"{key} differs from the uninterrupted run's"
 
 
 def send(sig: int, target: str, pids: Path) -> None:
@@ -472,7 +466,7 @@ def wait_until_gone(pids: list[int], timeout: float = 30) -> list[int]:
 
 def _workers_hear_only_their_parent() -> tuple[list[bool], int, int | None]:
     from accel_ddp.data.loaders import build_train_loader
-    from tests.helpers_data import IndexDataset
+    from tests.helpers.data import IndexDataset
 
     loader = iter(build_train_loader(IndexDataset(64), 4, 4, num_workers=2))  # 16 batches
     next(loader)
@@ -497,7 +491,7 @@ def _start_loaders_under_fire(count: int) -> list[int]:
     from torch.utils.data import DataLoader
 
     from accel_ddp.data.workers import worker_options
-    from tests.helpers_data import IndexDataset
+    from tests.helpers.data import IndexDataset
 
     os.setpgrp()  # the sender's SIGTERMs reach this process and the workers it starts, and nothing else
     signal.signal(signal.SIGTERM, lambda signum, frame: None)  # as the rank's recording handler
@@ -615,7 +609,7 @@ def _launcher(args: list[str], pids: Path, kill_at: int, piped: bool) -> None:
         from torch.optim.optimizer import register_optimizer_step_post_hook
 
         from accel_ddp.cli.train import main
-        from tests import faults
+        from tests.helpers import faults
 
         if reader is not None:
             os.close(reader)  # the launcher is the pipe's only reader
@@ -716,7 +710,7 @@ def test_outputs_nobody_reads_any_more_go_to_dev_null_instead_of_failing_the_sav
 def test_sigterm_to_the_launcher_stops_ranks_with_dataloader_workers_and_resumes_bitwise(matrix, tmp_path, capfd):
     """torchrun forwards the launcher's SIGTERM to each rank's process group (os.killpg): its DataLoader workers
     get it too, ignore it, and the ranks save and exit 75."""
-    from tests.test_checkpoint import log_of, running, wait_for_checkpoint
+    from tests.helpers.runs import log_of, running, wait_for_checkpoint
 
     out = tmp_path / "run"
     with running(args_for(matrix, "dataloader", out), out, env={"FAULT_STEP_DELAY": "0.2"}) as proc:
@@ -736,7 +730,7 @@ def test_sigterm_to_the_launcher_stops_ranks_with_dataloader_workers_and_resumes
 def test_sigkill_of_the_launcher_stops_its_ranks_which_save_and_exit(matrix, tmp_path, capfd):
     """kill -9 of `accelerate launch`: its ranks (and their DataLoader workers) do not train on; the agent's
     store dies with it, and the ranks' gloo collectives, the checkpoint's barriers included, do without it."""
-    from tests.test_checkpoint import log_of, running, wait_for_checkpoint
+    from tests.helpers.runs import log_of, running, wait_for_checkpoint
 
     out = tmp_path / "run"
     with running(args_for(matrix, "dataloader", out), out, env={"FAULT_STEP_DELAY": "0.2"}) as proc:
@@ -819,22 +813,14 @@ class Paths:
 
     def _text(self, folder, bad):  # token sequences for a GPT-2 (causal_lm), padded per batch, read by a worker
         folder.mkdir()
-        dataset = "tests.helpers_data:sequences_one_bad" if bad else "tests.test_tasks:build_sequences"
-        return ["--task", "causal_lm", "--dataset", dataset, "--model", "tests.test_tasks:build_gpt",
+        dataset = "tests.helpers.data:sequences_one_bad" if bad else "tests.helpers.text:build_sequences"
+        return ["--task", "causal_lm", "--dataset", dataset, "--model", "tests.helpers.text:build_gpt",
                 "--num_workers", "1", *BATCH], helpers_data.BAD_SAMPLE_MESSAGE
 
 
 @pytest.fixture(scope="module")
 def paths(tmp_path_factory) -> Paths:
     return Paths(tmp_path_factory.mktemp("paths"))
-
-
-@pytest.fixture
-def quick_stream_ends(monkeypatch):
-    """datasets sleeps 5 s once a parquet stream's reader threads end (apache/arrow#45214); a fraction is plenty."""
-    import datasets
-
-    monkeypatch.setattr(datasets.config, "SLEEP_TIME_ON_THREADS_SHUTDOWN", 0.2)
 
 
 @pytest.mark.parametrize("path", PATHS)

@@ -37,10 +37,10 @@ from accel_ddp.lifecycle.preemption import LossWatch
 from accel_ddp.outputs.files import file_sha256
 from accel_ddp.outputs.run_dir import OutputLock
 from accel_ddp.tracking.recorder import RunRecorder
-from tests import faults
-from tests.conftest import load_weights, main_ranks, read_metrics, read_summary
-from tests.multiproc import RankFailed, run_ranks
-from tests.test_checkpoint import assert_same_weights, steps_of
+from tests.helpers import faults
+from tests.helpers.checkpoints import assert_same_weights, steps_of
+from tests.helpers.multiproc import RankFailed, run_ranks
+from tests.helpers.runs import load_weights, main_ranks, read_metrics, read_summary
 
 # 256 samples / global batch 32 = 8 optimizer steps per epoch. A constant LR makes the run's total step
 # count irrelevant to its first steps: a run stopped at 20 and resumed to 30 must equal a 30-step run.
@@ -823,7 +823,7 @@ def test_a_nan_loss_stops_every_rank_at_the_same_step_and_saves_nothing_after_it
 
     def run() -> int:
         faults.install(nan_at=nan_at)
-        return main([*ARGS, "--model", "tests.faults:nan_mlp", "--max_steps", "20", "--log_every", log_every,
+        return main([*ARGS, "--model", "tests.helpers.faults:nan_mlp", "--max_steps", "20", "--log_every", log_every,
                      "--output_dir", str(out)])
 
     capfd.readouterr()
@@ -844,7 +844,7 @@ def test_a_nan_loss_stops_every_rank_at_the_same_step_and_saves_nothing_after_it
 def test_a_nan_loss_under_debug_names_the_operation(tmp_path, capfd):
     def run() -> int:
         faults.install(nan_at=(2, 1))
-        return main([*ARGS, "--model", "tests.faults:nan_mlp", "--max_steps", "8", "--debug",
+        return main([*ARGS, "--model", "tests.helpers.faults:nan_mlp", "--max_steps", "8", "--debug",
                      "--output_dir", str(tmp_path / "run")])
 
     capfd.readouterr()
@@ -861,7 +861,7 @@ def test_an_inf_loss_with_finite_gradients_under_debug_stops_every_rank_without_
     other rank would never join: an inf loss whose backward is finite reaches every parameter's hook."""
     def run() -> int:
         faults.install(nan_at=(2, 1))
-        return main([*ARGS, "--loss", "tests.faults:inf_loss", "--max_steps", "8", "--debug",
+        return main([*ARGS, "--loss", "tests.helpers.faults:inf_loss", "--max_steps", "8", "--debug",
                      "--output_dir", str(tmp_path / "run")])
 
     capfd.readouterr()

@@ -17,12 +17,12 @@ import torch
 
 from accel_ddp.cli import commands as cli
 from accel_ddp.tracking.report import CURVES, build_curves_figure, read_curves
-from tests.conftest import (
+from tests.helpers.multiproc import free_port
+from tests.helpers.output import decode_png, series
+from tests.helpers.runs import (
     REPO,
     TRAIN_SCRIPT,
-    _env,
     check,
-    free_port,
     gpu_count,
     gpu_env,
     launch,
@@ -30,6 +30,7 @@ from tests.conftest import (
     load_weights,
     read_metrics,
     read_summary,
+    suite_env,
     train_ranks,
 )
 
@@ -37,23 +38,6 @@ CONFIGS = REPO / "accelerate_configs"
 TWO_NODE = CONFIGS / "2node_8gpu.yaml"
 FSDP = CONFIGS / "fsdp_4gpu.yaml"
 SBATCH = CONFIGS / "slurm" / "train.sbatch"
-
-
-
-def series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
-    points = [(r["step"], r[key]) for r in records if key in r]
-    return [s for s, _ in points], [v for _, v in points]
-
-
-def decode_png(path: Path) -> tuple[int, int]:
-    from PIL import Image
-
-    with Image.open(path) as image:
-        image.load()  # a truncated or corrupt PNG raises here
-        assert image.format == "PNG"
-        extrema = image.convert("L").getextrema()
-        assert extrema[0] < extrema[1], "the image is blank"
-        return image.size
 
 
 # ----------------------------------------------------------------------------- the new launch configs
@@ -86,7 +70,7 @@ def launch_machine(rank: int, port: int, args: list[str], log: Path) -> subproce
            "--main_process_ip", "127.0.0.1", "--main_process_port", str(port), "--mixed_precision", "no",
            str(TRAIN_SCRIPT), *args]
     with open(log, "w") as out:  # files, not pipes: a full pipe would block a rank mid-collective
-        return subprocess.Popen(cmd, env=_env(), stdout=out, stderr=subprocess.STDOUT, text=True, cwd=REPO)
+        return subprocess.Popen(cmd, env=suite_env(), stdout=out, stderr=subprocess.STDOUT, text=True, cwd=REPO)
 
 
 @pytest.mark.slow
@@ -141,7 +125,7 @@ def test_usr1_to_accelerate_launch_reaches_every_rank(tmp_path):
     and waits for them (without it the launcher dies on USR1 and orphans them)."""
     probe = tmp_path / "probe.py"
     probe.write_text(SIGNAL_PROBE)
-    env = _env({"PET_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"})
+    env = suite_env({"PET_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"})
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / "cpu_2proc.yaml"),
            "--main_process_port", str(free_port()), str(probe), str(tmp_path)]
     log = tmp_path / "launch.log"
@@ -309,7 +293,7 @@ def test_plotted_values_are_the_metrics_jsonl_values(tmp_path):
         assert np.asarray(line.get_ydata()).tolist() == expected[key][1]
 
     result = subprocess.run([sys.executable, "-m", "accel_ddp", "plot", str(tmp_path)], capture_output=True,
-                            text=True, env=_env(), cwd=REPO, timeout=120)
+                            text=True, env=suite_env(), cwd=REPO, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == str(tmp_path / "curves.png")
     assert decode_png(tmp_path / "curves.png") == (1100, 700)

@@ -22,33 +22,11 @@ from accel_ddp.cli.args import parse_args
 from accel_ddp.data.builtin import read_digits
 from accel_ddp.step import build_clip
 from accel_ddp.tracking.startup import StartupClock, process_age
-from tests.conftest import REPO, free_port, load_weights, read_metrics, run_ranks, train_ranks
-
-TINY = ["--dataset", "synthetic", "--synthetic_samples", "512", "--synthetic_shape", "6", "--model", "mlp",
-        "--hidden_size", "16", "--global_batch_size", "16", "--optimizer", "sgd"]
-
+from tests.helpers.multiproc import free_port, run_ranks
+from tests.helpers.runs import REPO, load_weights, read_metrics, train_ranks
+from tests.helpers.syncs import OVERHEAD_RUN, count_host_syncs
 
 # ----------------------------------------------------------------------------- host syncs
-
-
-HOST_SYNCS = ("item", "tolist", "__bool__", "__int__", "__float__")  # what makes a device tensor's value a Python one
-
-
-def _count_host_syncs(args: list[str]) -> Counter:
-    """In a forked rank: train, counting every call that turns a tensor into a Python value."""
-    from accel_ddp.loop import train
-
-    counts: Counter = Counter()
-    for name in HOST_SYNCS:
-        original = getattr(torch.Tensor, name)
-
-        def counting(self, *a, _original=original, _name=name, **k):
-            counts[_name] += 1
-            return _original(self, *a, **k)
-
-        setattr(torch.Tensor, name, counting)
-    train(parse_args(args))
-    return counts
 
 
 def test_no_host_sync_per_optimizer_step_outside_log_steps(tmp_path):
@@ -59,9 +37,9 @@ def test_no_host_sync_per_optimizer_step_outside_log_steps(tmp_path):
     by design (no device sync; the fused AdamW accel_ddp uses on CUDA keeps them on the device).
     """
     def counts(steps: int, log_every: int, name: str) -> list[Counter]:
-        args = [*TINY, "--max_steps", str(steps), "--log_every", str(log_every), "--eval_every", "1000",
+        args = [*OVERHEAD_RUN, "--max_steps", str(steps), "--log_every", str(log_every), "--eval_every", "1000",
                 "--output_dir", str(tmp_path / name)]
-        return run_ranks(lambda: _count_host_syncs(args), world_size=2)
+        return run_ranks(lambda: count_host_syncs(args), world_size=2)
 
     short, long, logged = counts(8, 1000, "short"), counts(24, 1000, "long"), counts(24, 1, "logged")
     for rank in range(2):
@@ -97,7 +75,7 @@ def _train_until_preempted(args: list[str], signal_after: int) -> tuple[int, int
 
 
 def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step(tmp_path):
-    args = [*TINY, "--synthetic_samples", "8192", "--epochs", "1", "--output_dir", str(tmp_path)]  # 512 steps
+    args = [*OVERHEAD_RUN, "--synthetic_samples", "8192", "--epochs", "1", "--output_dir", str(tmp_path)]  # 512 steps
     results = run_ranks(lambda: _train_until_preempted(args, signal_after=40), world_size=2)
     (sent, stopped, name, saved), other = results
     assert other == results[0], f"the ranks disagree: {results}"  # same step, same signal, same checkpoint
@@ -123,7 +101,7 @@ def test_ranks_compare_flags_now_and_then_not_after_every_step(tmp_path):
 
         preemption.dist.all_reduce = counting  # the module's own reference to torch.distributed
         try:
-            train(parse_args([*TINY, "--epochs", "4", "--output_dir", str(tmp_path)]))  # 128 steps
+            train(parse_args([*OVERHEAD_RUN, "--epochs", "4", "--output_dir", str(tmp_path)]))  # 128 steps
         finally:
             preemption.dist.all_reduce = original
         return calls[0]
@@ -198,7 +176,7 @@ def test_one_process_launch_on_cpu_trains_the_plain_model_with_the_same_bits(tmp
         from accel_ddp.loop import finish, fit, setup
 
         with ExitStack() as teardown:
-            state = setup(parse_args([*TINY, "--epochs", "1", "--output_dir", out]), teardown)
+            state = setup(parse_args([*OVERHEAD_RUN, "--epochs", "1", "--output_dir", out]), teardown)
             wrapped = isinstance(state.model, torch.nn.parallel.DistributedDataParallel)
             finish(state, fit(state))
             return state.accelerator.distributed_type.value, wrapped
@@ -215,7 +193,7 @@ def test_one_process_launch_on_cpu_trains_the_plain_model_with_the_same_bits(tmp
 
 
 def test_startup_sec_is_the_slowest_ranks_process_start_to_first_step(tmp_path):
-    summaries = train_ranks([*TINY, "--epochs", "1", "--output_dir", str(tmp_path)])
+    summaries = train_ranks([*OVERHEAD_RUN, "--epochs", "1", "--output_dir", str(tmp_path)])
     assert summaries[0]["startup_sec"] == summaries[1]["startup_sec"]  # the max over ranks, on every rank
     for summary in summaries:
         phases = summary["startup_phases_sec"]
@@ -268,7 +246,7 @@ def test_log_lines_leave_out_the_evaluation_between_epochs(tmp_path):
                 super().reset(step)
 
         loop.ThroughputMeter = Meter
-        loop.train(parse_args([*TINY, "--synthetic_samples", "128", "--epochs", "2", "--output_dir",
+        loop.train(parse_args([*OVERHEAD_RUN, "--synthetic_samples", "128", "--epochs", "2", "--output_dir",
                                str(tmp_path)]))
         return resets
 

@@ -22,8 +22,8 @@ from accel_ddp.distributed.world import build_accelerator
 from accel_ddp.loop import setup
 from accel_ddp.models import build_model
 from accel_ddp.optim import build_optimizer, use_fused_optimizer
-from tests.conftest import check, gpu_env, launch, read_metrics, read_summary, run_python, train_ranks
-from tests.multiproc import RankFailed, run_ranks
+from tests.helpers.multiproc import RankFailed, run_ranks
+from tests.helpers.runs import check, gpu_env, launch, read_metrics, read_summary, run_python, train_ranks
 
 
 def _ddp_facts(flags: list[str]) -> dict:
@@ -189,7 +189,7 @@ def _export_compiled_transformer(output_dir: str) -> list[str]:
     from accelerate import Accelerator
 
     from accel_ddp.models import export_pretrained
-    from tests.test_tasks import tiny_gpt
+    from tests.helpers.text import tiny_gpt
 
     accelerator = Accelerator(cpu=True, dynamo_backend="inductor")  # as build_accelerator does for --compile
     model = accelerator.prepare(tiny_gpt())  # compiled lazily: nothing compiles before a forward
@@ -265,7 +265,7 @@ def test_tf32_switches_on_with_cuda():
 @pytest.mark.gpu
 def test_more_processes_than_gpus_stop_before_nccl(tmp_path, tiny_args):
     """Two ranks on one GPU would fail in NCCL ('Duplicate GPU detected'): every rank exits 2 first."""
-    from tests.conftest import gpu_count
+    from tests.helpers.runs import gpu_count
 
     result = launch([*tiny_args, "--output_dir", str(tmp_path)], nproc=gpu_count() + 1, env=gpu_env())
     assert result.returncode != 0

@@ -28,9 +28,9 @@ from accel_ddp.distributed.preflight import (
     check_launch_devices,
     unusable_gpus,
 )
-from tests.conftest import CPU_2PROC, REPO
-from tests.multiproc import run_ranks
-from tests.test_doctor import check_file, only
+from tests.helpers.doctor import check_file, only
+from tests.helpers.multiproc import run_ranks
+from tests.helpers.runs import CPU_2PROC, REPO
 
 CONFIGS = REPO / "accelerate_configs"
 TINY = ["--dataset", "synthetic", "--synthetic_samples", "64", "--synthetic_shape", "4", "--model", "mlp",

@@ -14,8 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.conftest import main_ranks
-from tests.test_data import quick_stream_ends  # noqa: F401 - a fixture
+from tests.helpers.runs import main_ranks
 
 TINY = ["--dataset", "synthetic", "--synthetic_samples", "64", "--synthetic_shape", "4", "--hidden_size", "8",
         "--global_batch_size", "16", "--epochs", "1"]
@@ -182,7 +181,7 @@ def _evaluate_tokens(loss_fn, world: int, count: int = 37, batch_size: int = 4) 
     from accel_ddp.distributed.world import build_accelerator
     from accel_ddp.evaluate import evaluate
     from accel_ddp.tasks.protocol import build_task
-    from tests.conftest import run_ranks
+    from tests.helpers.multiproc import run_ranks
 
     def fn():
         accelerator, _, _ = build_accelerator(TrainConfig(global_batch_size=2))
@@ -223,7 +222,8 @@ def test_a_token_level_model_with_its_own_loss_trains_and_reports_that_loss_with
     """The default task's cross-entropy does not fit (B, T, V) logits: once a traceback at start-up; now eval_loss
     is the user's token-weighted loss, eval_accuracy is left out (null) with one note."""
     from accel_ddp import TrainConfig, train
-    from tests.conftest import read_metrics, read_summary, run_ranks
+    from tests.helpers.multiproc import run_ranks
+    from tests.helpers.runs import read_metrics, read_summary
 
     def fn():
         torch.manual_seed(0)
@@ -256,7 +256,7 @@ def test_a_user_loss_on_class_logits_is_eval_loss_and_the_task_still_reports_acc
     from accel_ddp.distributed.world import build_accelerator
     from accel_ddp.evaluate import evaluate
     from accel_ddp.tasks.protocol import build_task
-    from tests.conftest import run_ranks
+    from tests.helpers.multiproc import run_ranks
 
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(37, 5, generator=generator)
@@ -289,8 +289,9 @@ def test_eval_texts_without_a_token_to_predict_report_null_not_zero(tmp_path, ca
     """One-token eval texts: nothing to predict. Not loss 0.0 and perplexity 1.0: null, and the line says so."""
     pytest.importorskip("transformers")
     from accel_ddp import TrainConfig, train
-    from tests.conftest import read_metrics, read_summary, run_ranks
-    from tests.test_tasks import Sequences, tiny_gpt
+    from tests.helpers.multiproc import run_ranks
+    from tests.helpers.runs import read_metrics, read_summary
+    from tests.helpers.text import Sequences, tiny_gpt
 
     def fn():
         torch.manual_seed(0)
@@ -350,7 +351,7 @@ class Counts:
 def test_a_metric_that_returns_no_numbers_or_cannot_be_copied_is_named_at_start_up(tmp_path, metric, message):
     from accel_ddp import TrainConfig, train
     from accel_ddp.util.validation import ConfigError
-    from tests.conftest import run_ranks
+    from tests.helpers.multiproc import run_ranks
 
     def fn():
         x = torch.randn(32, 4)
@@ -368,7 +369,8 @@ def test_a_metric_that_returns_no_numbers_or_cannot_be_copied_is_named_at_start_
 
 def test_a_metric_of_one_element_tensors_and_none_is_reported_as_numbers_and_null(tmp_path):
     from accel_ddp import TrainConfig, train
-    from tests.conftest import read_summary, run_ranks
+    from tests.helpers.multiproc import run_ranks
+    from tests.helpers.runs import read_summary
 
     def fn():
         x = torch.randn(32, 4)
@@ -455,8 +457,7 @@ def test_a_label_out_of_range_on_the_dataloader_path_is_named_by_the_rank_that_r
     """Checked on the host before the copy to the device: no device sync; that rank exits 2 with one line."""
     from accel_ddp.cli.train import main
     from accel_ddp.data.sampler import epoch_order
-    from tests.conftest import run_ranks
-    from tests.multiproc import RankFailed
+    from tests.helpers.multiproc import RankFailed, run_ranks
 
     out = tmp_path / "out"
     args = ["--dataset", "tests.test_task_errors:bad_row_label", "--hidden_size", "8", "--global_batch_size", "8",
@@ -503,7 +504,7 @@ def regression(outputs, batch):
 
 def test_with_a_users_loss_labels_beyond_the_outputs_leave_the_task_figures_out_with_a_note(tmp_path, capfd):
     from accel_ddp import TrainConfig, train
-    from tests.conftest import run_ranks
+    from tests.helpers.multiproc import run_ranks
 
     def fn():
         (x, y), (ex, ey) = _classes(64, 0), _classes(16, 1)
@@ -527,7 +528,7 @@ def token_sets_beyond(data_dir, download):
     """causal_lm samples with token ids up to 47; sample 21 holds 47."""
     pytest.importorskip("transformers")
     from accel_ddp.data import DatasetBundle
-    from tests.test_tasks import Sequences
+    from tests.helpers.text import Sequences
 
     train, evals = Sequences(40), Sequences(8, seed=1)
     for rows in (train.rows, evals.rows):
@@ -538,7 +539,7 @@ def token_sets_beyond(data_dir, download):
 
 
 def small_vocabulary_gpt(num_classes, input_shape):
-    from tests.test_tasks import tiny_gpt
+    from tests.helpers.text import tiny_gpt
 
     return tiny_gpt(vocab=40)
 
@@ -564,10 +565,10 @@ def _decode_with_a_bad_label(columns, where):
 def test_a_label_out_of_range_while_streaming_stops_every_rank_at_the_same_step_with_one_line(tmp_path):
     """Rank 1's third micro-batch holds example 24, labelled 12 for a model of 10 classes: checked on the host before
     the copy, reported like bad data (every rank stops before that step, with rank 1's line)."""
-    from tests.conftest import run_ranks
-    from tests.test_data import _write_shards
+    from tests.helpers.data import write_shards
+    from tests.helpers.multiproc import run_ranks
 
-    files = _write_shards(tmp_path / "s", [20, 20, 20, 20])  # rank 1 reads files 1 and 3: examples 20.. first
+    files = write_shards(tmp_path / "s", [20, 20, 20, 20])  # rank 1 reads files 1 and 3: examples 20.. first
 
     def run():
         import datasets
@@ -641,14 +642,14 @@ def summed_cross_entropy(outputs, batch):
 
 def test_the_check_for_a_sum_over_no_items_adds_no_host_sync_per_step(tmp_path):
     """The flag is counted on the device with the running sums: 16 more steps add no .item()-like call."""
-    from tests.conftest import run_ranks
-    from tests.test_overhead import TINY as OVERHEAD
-    from tests.test_overhead import _count_host_syncs
+    from tests.helpers.multiproc import run_ranks
+    from tests.helpers.syncs import OVERHEAD_RUN as OVERHEAD
+    from tests.helpers.syncs import count_host_syncs
 
     def counts(steps: int, name: str):
         args = [*OVERHEAD, "--loss", "tests.test_task_errors:summed_cross_entropy", "--max_steps", str(steps),
                 "--log_every", "1000", "--eval_every", "1000", "--output_dir", str(tmp_path / name)]
-        return run_ranks(lambda: _count_host_syncs(args), world_size=2)
+        return run_ranks(lambda: count_host_syncs(args), world_size=2)
 
     short, long = counts(8, "short"), counts(24, "long")
     assert short == long, (short, long)

@@ -17,36 +17,13 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
-from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
 
 from accel_ddp import TrainConfig, train  # noqa: E402
 from accel_ddp.data.text import PadCollate  # noqa: E402
 from accel_ddp.tasks.protocol import IGNORE_INDEX  # noqa: E402
-from tests.conftest import load_weights, run_ranks  # noqa: E402
-
-VOCAB = 48
-
-
-def tiny_gpt(vocab: int = VOCAB, positions: int = 32, dropout: float = 0.0) -> GPT2LMHeadModel:
-    """A two-layer GPT-2 small enough for a CPU test step in milliseconds."""
-    config = GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=vocab, n_positions=positions,
-                        resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout, bos_token_id=1, eos_token_id=1)
-    return GPT2LMHeadModel(config)
-
-
-class Sequences(torch.utils.data.Dataset):
-    """Token sequences of 3 to 16 tokens: samples are dicts {"input_ids": 1-D tensor}."""
-
-    def __init__(self, count: int, seed: int = 0, min_len: int = 3, max_len: int = 16):
-        generator = torch.Generator().manual_seed(seed)
-        lengths = torch.randint(min_len, max_len + 1, (count,), generator=generator)
-        self.rows = [torch.randint(2, VOCAB, (int(n),), generator=generator) for n in lengths]
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.rows[index]}
+from tests.helpers.multiproc import run_ranks  # noqa: E402
+from tests.helpers.runs import load_weights  # noqa: E402
+from tests.helpers.text import VOCAB, Sequences, build_word_tokenizer, lm_args, sentences, tiny_gpt  # noqa: E402
 
 
 def token_mean(outputs, batch):
@@ -152,36 +129,6 @@ def test_eval_of_an_odd_set_of_variable_length_sequences_is_exact_at_any_world_s
 
 # ----------------------------------------------------------------------------- text from files, from the CLI
 
-POSITIVE, NEGATIVE = ("good", "great", "nice", "fine", "lovely"), ("bad", "awful", "poor", "sad", "ugly")
-SUBJECTS = ("the movie", "the food", "this book", "our trip", "the music", "that game")
-
-
-def _sentences(count: int, seed: int) -> list[tuple[str, str]]:
-    """Templated reviews, labelled pos or neg by the adjectives they use."""
-    generator = torch.Generator().manual_seed(seed)
-    rows = []
-    for _ in range(count):
-        positive = bool(torch.randint(0, 2, (), generator=generator))
-        words = POSITIVE if positive else NEGATIVE
-        clauses = int(torch.randint(1, 4, (), generator=generator))
-        parts = [f"{SUBJECTS[int(torch.randint(0, len(SUBJECTS), (), generator=generator))]} was "
-                 f"{words[int(torch.randint(0, len(words), (), generator=generator))]}" for _ in range(clauses)]
-        rows.append((" and ".join(parts) + " .", "pos" if positive else "neg"))
-    return rows
-
-
-def build_word_tokenizer(texts: list[str], folder: Path) -> Path:
-    """A word-level tokenizer trained on ``texts`` (offline), saved as a Transformers tokenizer folder."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tokenizer = Tokenizer(models.WordLevel(unk_token="[UNK]"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer.train_from_iterator(texts, trainers.WordLevelTrainer(special_tokens=["[PAD]", "[UNK]", "[EOS]"]))
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="[PAD]", unk_token="[UNK]",
-                            eos_token="[EOS]").save_pretrained(str(folder))
-    return folder
-
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> Path:
@@ -189,7 +136,7 @@ def corpus(tmp_path_factory) -> Path:
     import csv
 
     root = tmp_path_factory.mktemp("corpus")
-    train, test = _sentences(400, seed=0), _sentences(101, seed=1)  # an odd eval set
+    train, test = sentences(400, seed=0), sentences(101, seed=1)  # an odd eval set
     for folder, suffix in (("texts", "json"), ("reviews", "csv")):
         (root / folder).mkdir()
         for split, rows in (("train", train), ("test", test)):
@@ -216,17 +163,10 @@ def datasets_cache(tmp_path, monkeypatch) -> Path:
     return cache
 
 
-def lm_args(corpus: Path, out: Path, *extra: str) -> list[str]:
-    return ["--task", "causal_lm", "--dataset", "hf", "--data_dir", str(corpus / "texts"),
-            "--tokenizer", str(corpus / "tokenizer"), "--model_config", str(corpus / "gpt2.json"),
-            "--max_length", "32", "--global_batch_size", "16", "--lr", "3e-3", "--log_every", "5",
-            "--output_dir", str(out), *extra]
-
-
 def test_causal_lm_from_a_config_on_text_files(corpus, datasets_cache, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tests.conftest import read_metrics, train_ranks
+    from tests.helpers.runs import read_metrics, train_ranks
 
     out = tmp_path / "lm"
     summary = train_ranks(lm_args(corpus, out, "--packing", "--epochs", "4"), world_size=2)[0]
@@ -251,7 +191,7 @@ def test_causal_lm_from_a_config_on_text_files(corpus, datasets_cache, tmp_path)
 
 
 def test_sequence_classification_on_a_csv_of_labelled_texts(corpus, datasets_cache, tmp_path):
-    from tests.conftest import train_ranks
+    from tests.helpers.runs import train_ranks
 
     args = ["--task", "sequence_classification", "--dataset", "hf", "--data_dir", str(corpus / "reviews"),
             "--text_column", "review", "--label_column", "sentiment", "--tokenizer", str(corpus / "tokenizer"),
@@ -272,9 +212,9 @@ def test_crash_mid_epoch_then_resume_is_bitwise_exact_for_a_pretrained_lm_folder
 
     from accel_ddp.cli.args import parse_args
     from accel_ddp.loop import train as train_cli
-    from tests import faults
-    from tests.conftest import train_ranks
-    from tests.multiproc import RankFailed
+    from tests.helpers import faults
+    from tests.helpers.multiproc import RankFailed
+    from tests.helpers.runs import train_ranks
 
     pretrained = tmp_path / "pretrained"
     tokenizer = AutoTokenizer.from_pretrained(corpus / "tokenizer")
@@ -333,17 +273,6 @@ def build_lossless(num_classes, input_shape):
     return LosslessModel()
 
 
-def build_sequences(data_dir, download):
-    from accel_ddp.data import DatasetBundle
-
-    return DatasetBundle(Sequences(64), Sequences(16, seed=1), num_classes=2, input_shape=(16,))
-
-
-def build_gpt(num_classes, input_shape):
-    """``--model tests.test_tasks:build_gpt``: a user builder returning a Transformers model."""
-    return tiny_gpt()
-
-
 @functools.cache
 def _pad_only_tokenizer():
     from tokenizers import Tokenizer, models
@@ -364,10 +293,10 @@ def hf_lm_collate(samples):
 
 def test_transformers_collators_work_unchanged_from_the_cli(tmp_path):
     """DataCollatorForLanguageModeling (labels made by the collator) trains exactly like the built-in padding."""
-    from tests.conftest import train_ranks
+    from tests.helpers.runs import train_ranks
 
-    base = ["--task", "causal_lm", "--dataset", "tests.test_tasks:build_sequences", "--model",
-            "tests.test_tasks:build_gpt", "--global_batch_size", "8", "--max_steps", "6", "--optimizer", "sgd"]
+    base = ["--task", "causal_lm", "--dataset", "tests.helpers.text:build_sequences", "--model",
+            "tests.helpers.text:build_gpt", "--global_batch_size", "8", "--max_steps", "6", "--optimizer", "sgd"]
     train_ranks([*base, "--output_dir", str(tmp_path / "ours")], world_size=1)
     calls = tmp_path / "calls"
     train_ranks([*base, "--collate_fn", "tests.test_tasks:hf_lm_collate", "--output_dir", str(tmp_path / "hf")],
@@ -382,7 +311,7 @@ TINY = ["--dataset", "synthetic", "--synthetic_samples", "64", "--synthetic_shap
 
 
 def test_a_user_loss_from_the_cli_trains_like_the_default(tmp_path):
-    from tests.conftest import train_ranks
+    from tests.helpers.runs import train_ranks
 
     train_ranks([*TINY, "--output_dir", str(tmp_path / "default")], world_size=1)
     train_ranks([*TINY, "--loss", "tests.test_tasks:cross_entropy", "--output_dir", str(tmp_path / "user")],
@@ -446,7 +375,7 @@ def _bad_text_runs(corpus: Path, out: Path) -> dict[str, tuple[list[str], str]]:
         "non-scalar loss": ([*lm, "--loss", "tests.test_tasks:per_sample_losses"],
                             "the loss function tests.test_tasks:per_sample_losses returned a tensor of shape (2,), "
                             "not a scalar"),
-        "no loss": (["--dataset", "tests.test_tasks:build_sequences", "--model", "tests.test_tasks:build_lossless",
+        "no loss": (["--dataset", "tests.helpers.text:build_sequences", "--model", "tests.test_tasks:build_lossless",
                      "--global_batch_size", "8", "--output_dir", str(out)],
                     "holds no loss for a dict batch (does the batch hold 'labels'?); give a loss with --loss"),
     }
@@ -455,7 +384,7 @@ def _bad_text_runs(corpus: Path, out: Path) -> dict[str, tuple[list[str], str]]:
 @pytest.mark.parametrize("case", ["missing tokenizer folder", "missing text column", "non-scalar loss", "no loss"])
 def test_bad_text_input_is_one_line_from_one_rank_exit_2_nothing_written(corpus, datasets_cache, tmp_path, capfd,
                                                                           case):
-    from tests.conftest import main_ranks
+    from tests.helpers.runs import main_ranks
 
     out = tmp_path / "out"
     argv, message = _bad_text_runs(corpus, out)[case]
@@ -519,7 +448,7 @@ def test_user_metrics_see_each_eval_sample_once_on_either_eval_loader(tmp_path, 
 def test_pydoc_examples_pretrain_an_lm_then_fine_tune_it_as_a_topic_classifier(datasets_cache, tmp_path):
     """examples/pydoc_text.py with small settings: docs/tasks.md runs the same commands at full size."""
     from examples.pydoc_text import TOPICS, write_lm, write_topics
-    from tests.conftest import REPO, train_ranks
+    from tests.helpers.runs import REPO, train_ranks
 
     lm_data, topics_data, lm_out = tmp_path / "pydoc_lm", tmp_path / "pydoc_topics", tmp_path / "lm"
     counts = write_lm(str(lm_data), vocab_size=512)
@@ -553,7 +482,7 @@ def _texts(folder: Path, rows: int, *, eval_rows: int | None = None, bad_line: i
     for split, count in (("train", rows), ("test", eval_rows)):
         if count is not None:
             lines = [json.dumps({"text": text, "label": label}).encode() + b"\n"
-                     for text, label in _sentences(count, 3)]
+                     for text, label in sentences(count, 3)]
             if split == "train" and bad_line is not None:
                 lines[bad_line - 1] = b'{"text": "caf\xe9 was good .", "label": "pos"}\n'
             (folder / f"{split}.jsonl").write_bytes(b"".join(lines))
@@ -569,7 +498,7 @@ def _tokenizer_without(folder: Path, *missing: str) -> Path:
     tokenizer = Tokenizer(models.WordLevel(unk_token="[UNK]"))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
     kept = {name: token for name, token in special.items() if name not in missing}
-    tokenizer.train_from_iterator([text for text, _ in _sentences(200, 0)],
+    tokenizer.train_from_iterator([text for text, _ in sentences(200, 0)],
                                   trainers.WordLevelTrainer(special_tokens=list(kept.values())))
     PreTrainedTokenizerFast(tokenizer_object=tokenizer, **{f"{name}_token": token for name, token in kept.items()}
                             ).save_pretrained(str(folder))
@@ -584,7 +513,7 @@ def _classify(corpus: Path, data: Path, tokenizer: Path, out: Path, *extra: str)
 
 @pytest.mark.parametrize("case", ["packing too little", "not utf-8", "one row", "no pad nor eos"])
 def test_bad_text_data_is_one_line_and_exit_2_on_every_rank(corpus, datasets_cache, tmp_path, capfd, case):
-    from tests.conftest import main_ranks
+    from tests.helpers.runs import main_ranks
 
     out = tmp_path / "out"
     if case == "packing too little":  # 20 short reviews make fewer than one block of 512 tokens
@@ -617,7 +546,7 @@ def test_a_classifier_whose_tokenizer_has_no_pad_token_pads_with_its_eos_token(c
     (tokenizer.pad_token = tokenizer.eos_token) is made, said once, and saved with the final model."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from tests.conftest import train_ranks
+    from tests.helpers.runs import train_ranks
 
     tokenizer = _tokenizer_without(tmp_path / "tok", "pad")
     out = tmp_path / "out"

@@ -23,10 +23,10 @@ from accel_ddp.outputs.model_card import launch_command
 from accel_ddp.tracking.recorder import RunRecorder
 from accel_ddp.tracking.trackers import CSVTracker, build_trackers, resolve_report_to
 from accel_ddp.util.validation import ConfigError
-from tests import faults
-from tests.conftest import main_ranks, read_metrics, read_summary, run_ranks, train_ranks
-from tests.multiproc import RankFailed
-from tests.test_ops import decode_png, series
+from tests.helpers import faults
+from tests.helpers.multiproc import RankFailed, run_ranks
+from tests.helpers.output import decode_png, series
+from tests.helpers.runs import main_ranks, read_metrics, read_summary, train_ranks
 from tools import flag_table
 
 TRACKED = ["--log_every", "2", "--eval_every", "8", "--with_tracking"]

@@ -4,7 +4,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from tests import faults  # noqa: E402
+from tests.helpers import faults  # noqa: E402
 
 faults.install_from_env()
 

@@ -15,8 +15,8 @@ import os
 import signal
 import time
 
-from tests import faults
-from tests.multiproc import run_ranks
+from tests.helpers import faults
+from tests.helpers.multiproc import run_ranks
 
 # What torchrun's agent gives its workers beyond RANK, WORLD_SIZE and MASTER_* (torch/distributed/elastic/agent/
 # server/local_elastic_agent.py, _start_workers) with --rdzv_backend c10d and TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1:

@@ -1,4 +1,4 @@
-"""Datasets and models for tests, importable as `tests.helpers_data:NAME` (the user-code path)."""
+"""Datasets and models for tests, importable as `tests.helpers.data:NAME` (the user-code path)."""
 
 from __future__ import annotations
 
@@ -137,7 +137,7 @@ def one_bad_sample(data_dir: str, download: bool) -> DatasetBundle:
 def sequences_one_bad(data_dir: str, download: bool) -> DatasetBundle:
     """tests.test_tasks' token sequences (causal_lm) of which the one rank 1 of 2 reads at step 3 (global batch 8,
     seed 0) does not decode."""
-    from tests.test_tasks import build_sequences
+    from tests.helpers.text import build_sequences
 
     bundle = build_sequences(data_dir, download)
     return bundle._replace(train=OneBadSample(bundle.train, read_at(3, 1, len(bundle.train), 8, 2)))
@@ -203,3 +203,17 @@ def image_shards(folder: Path, sizes: list[int], n_test: int,
         shard.to_parquet(str(folder / f"train-{k:05d}-of-{len(sizes):05d}.parquet"))
     hf_image_dataset(n_test, 99, size=8).to_parquet(str(folder / "test.parquet"))
     return folder
+
+
+def write_shards(folder: Path, sizes: list[int]) -> list[str]:
+    """Parquet files of ``sizes`` rows; row ``i`` overall has ``idx`` i."""
+    import datasets
+
+    folder.mkdir(parents=True, exist_ok=True)
+    files, start = [], 0
+    for k, size in enumerate(sizes):
+        path = folder / f"shard_{k}.parquet"
+        datasets.Dataset.from_dict({"idx": list(range(start, start + size))}).to_parquet(str(path))
+        files.append(str(path))
+        start += size
+    return files

@@ -7,7 +7,7 @@ wrapper script tests/scripts/faulty_train.py). accel_ddp itself has no test hook
     install(step_delay=0.15)              sleep after each optimizer step, so a test can signal a live run
     install(report_delay=(3, 0))          rank 0 starts its failure report 3 s late (another rank reports first)
     install(print_delay=(3, 0))           rank 0 prints its report (error line, traceback) 3 s late
-    install(nan_at=(7, 1))                with --model tests.faults:nan_mlp: rank 1's output is nan at step 7
+    install(nan_at=(7, 1))                with --model tests.helpers.faults:nan_mlp: rank 1's output is nan at step 7
     install(kill_at=(3, 1))               rank 1 SIGKILLs itself right after optimizer step 3 (the OOM killer)
 
 The step hook wraps the LR scheduler's ``step``, which the loop calls exactly once per optimizer
@@ -83,7 +83,7 @@ _NAN_AT: dict = {}  # this process's nan fault, set by install(nan_at=...)
 
 
 def nan_mlp(num_classes: int, input_shape: tuple[int, ...]):
-    """``--model tests.faults:nan_mlp``: a small mlp whose output is nan in the training forward of one
+    """``--model tests.helpers.faults:nan_mlp``: a small mlp whose output is nan in the training forward of one
     optimizer step on one rank (``install(nan_at=(step, rank))``; one forward per step: no accumulation)."""
     from accel_ddp.models import build_mlp
 
@@ -103,7 +103,7 @@ def nan_mlp(num_classes: int, input_shape: tuple[int, ...]):
 
 
 def inf_loss(outputs, batch):
-    """``--loss tests.faults:inf_loss``: cross-entropy, plus +inf in the training loss of one optimizer step on
+    """``--loss tests.helpers.faults:inf_loss``: cross-entropy, plus +inf in the training loss of one optimizer step on
     one rank (``install(nan_at=(step, rank))``). The inf is a constant: the backward stays finite and reaches
     every parameter, so DDP's gradient hooks fire (unlike a nan forward, which anomaly mode stops first)."""
     import torch
