@@ -13,7 +13,10 @@ skipped where there is none (``pytest -m gpu`` runs only them).
 from __future__ import annotations
 
 import logging
+import shutil
 import sys
+import tempfile
+from pathlib import Path
 
 import tests.helpers.env  # noqa: F401 - first: the GPUs hidden and the thread variables set before torch loads
 
@@ -89,6 +92,15 @@ def launcher_store():
 
 
 @pytest.fixture
+def open_dir():
+    """A folder an unprivileged child can reach (pytest's own tmp folders are private to root)."""
+    path = Path(tempfile.mkdtemp(prefix="accel_ddp_tests_"))
+    path.chmod(0o755)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
 def quick_stream_ends(monkeypatch):
     """datasets sleeps 5 s whenever a shuffled parquet stream's reader threads end (apache/arrow#45214): a
     second of a streaming test's wall time per pass. A fraction of a second is plenty for the tests' tiny files."""
@@ -100,3 +112,13 @@ def tiny_args() -> list[str]:
     """A synthetic run that takes a couple of seconds."""
     return ["--dataset", "synthetic", "--synthetic_samples", "256", "--synthetic_shape", "1", "8", "8",
             "--model", "mlp", "--hidden_size", "32", "--global_batch_size", "32", "--epochs", "2"]
+
+
+@pytest.fixture
+def quick_orphan_workers(monkeypatch):
+    """A DataLoader worker notices its rank died every 5 s (torch's MP_STATUS_CHECK_INTERVAL); until it exits
+    it holds the dead rank's gloo sockets, which it inherited, so the other rank's collective fails only then.
+    Forked ranks and their workers inherit this 0.2 s: a failed rank's peer stops within a second, not after 5."""
+    import torch.utils.data._utils.worker
+
+    monkeypatch.setattr(torch.utils.data._utils.worker, "MP_STATUS_CHECK_INTERVAL", 0.2)

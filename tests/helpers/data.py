@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gzip
+import pickle
 from pathlib import Path
 
 import numpy as np
@@ -217,3 +219,45 @@ def write_shards(folder: Path, sizes: list[int]) -> list[str]:
         files.append(str(path))
         start += size
     return files
+
+
+def write_idx(path: Path, array: np.ndarray, gz: bool = False) -> None:
+    header = bytes([0, 0, 0x08, array.ndim]) + b"".join(int(d).to_bytes(4, "big") for d in array.shape)
+    payload = header + np.ascontiguousarray(array, dtype=np.uint8).tobytes()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if gz:
+        with gzip.open(str(path) + ".gz", "wb") as fh:
+            fh.write(payload)
+    else:
+        path.write_bytes(payload)
+
+
+def write_mnist(root: Path, folder: str = "MNIST", n_train: int = 64, n_eval: int = 20, gz: bool = False):
+    rng = np.random.default_rng(0)
+    arrays = {
+        "train-images-idx3-ubyte": rng.integers(0, 256, (n_train, 28, 28), dtype=np.uint8),
+        "train-labels-idx1-ubyte": rng.integers(0, 10, n_train, dtype=np.uint8),
+        "t10k-images-idx3-ubyte": rng.integers(0, 256, (n_eval, 28, 28), dtype=np.uint8),
+        "t10k-labels-idx1-ubyte": rng.integers(0, 10, n_eval, dtype=np.uint8),
+    }
+    for name, array in arrays.items():
+        write_idx(root / folder / "raw" / name, array, gz=gz)
+    return arrays
+
+
+def write_cifar(root: Path, per_batch: int = 12, protocol: int = 2) -> dict:
+    rng = np.random.default_rng(1)
+    folder = root / "cifar-10-batches-py"
+    folder.mkdir(parents=True)
+    batches = {}
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        entry = {
+            "batch_label": name,
+            "labels": rng.integers(0, 10, per_batch).tolist(),
+            "data": rng.integers(0, 256, (per_batch, 3072), dtype=np.uint8),
+            "filenames": [f"{name}_{i}.png" for i in range(per_batch)],
+        }
+        (folder / name).write_bytes(pickle.dumps(entry, protocol=protocol))
+        batches[name] = entry
+    (folder / "batches.meta").write_bytes(pickle.dumps({"label_names": [str(i) for i in range(10)]}, protocol=2))
+    return batches

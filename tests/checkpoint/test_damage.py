@@ -8,17 +8,11 @@ Every run here is forked ranks of a gloo group (tests/multiproc.py), not a launc
 from __future__ import annotations
 
 import errno
-import fcntl
 import hashlib
 import json
-import multiprocessing
 import os
 import shutil
-import signal
 import subprocess
-import sys
-import tempfile
-import time
 from pathlib import Path
 
 import pytest
@@ -33,70 +27,13 @@ from accel_ddp.checkpoint.manager import (
     read_checkpoint,
 )
 from accel_ddp.cli.train import main
-from accel_ddp.lifecycle.preemption import LossWatch
 from accel_ddp.outputs.files import file_sha256
-from accel_ddp.outputs.run_dir import OutputLock
 from accel_ddp.tracking.recorder import RunRecorder
-from tests.helpers import faults
 from tests.helpers.checkpoints import assert_same_weights, steps_of
+from tests.helpers.files import CHECKPOINTED_ARGS as ARGS
+from tests.helpers.files import as_unprivileged, chown_tree, ckpt, edit_marker, error_lines, snapshot
 from tests.helpers.multiproc import RankFailed, run_ranks
 from tests.helpers.runs import load_weights, main_ranks, read_metrics, read_summary
-
-# 256 samples / global batch 32 = 8 optimizer steps per epoch. A constant LR makes the run's total step
-# count irrelevant to its first steps: a run stopped at 20 and resumed to 30 must equal a 30-step run.
-ARGS = ["--dataset", "synthetic", "--synthetic_samples", "256", "--synthetic_shape", "1", "8", "8",
-        "--model", "mlp", "--hidden_size", "16", "--global_batch_size", "32", "--num_workers", "0",
-        "--log_every", "4", "--lr_schedule", "constant", "--checkpointing_steps", "5", "--keep_last", "10"]
-NOBODY = 65534
-
-
-def error_lines(err: str) -> list[str]:
-    return [line for line in err.splitlines() if line.startswith("accel_ddp: error")]
-
-
-def snapshot(folder: Path) -> dict[str, tuple[str, int]]:
-    """sha256 and mtime (ns) of every file under ``folder``: equal snapshots = nothing was touched."""
-    return {str(p.relative_to(folder)): (hashlib.sha256(p.read_bytes()).hexdigest(), p.stat().st_mtime_ns)
-            for p in sorted(folder.rglob("*")) if p.is_file()}
-
-
-def ckpt(out: Path, step: int) -> Path:
-    return out / "checkpoints" / f"step_{step:08d}"
-
-
-def edit_marker(folder: Path, **changes) -> None:
-    meta = json.loads((folder / MARKER_NAME).read_text())
-    meta.update(changes)
-    (folder / MARKER_NAME).write_text(json.dumps(meta))
-
-
-def as_unprivileged() -> None:
-    """In a forked child: drop root, so that file permissions apply to it (no-op when not root)."""
-    if os.geteuid() == 0:
-        # Root's home (the venv) is private: what the run imports lazily must be loaded before.
-        import encodings.latin_1  # noqa: F401 - torch.load of the NumPy RNG state in random_states_*.pkl
-
-        import matplotlib.backends.backend_agg  # noqa: F401 - curves.png
-        import numpy.ctypeslib  # noqa: F401 - safetensors' save_file
-        import torch.utils.serialization  # noqa: F401 - torch.load of the checkpoints' small state files
-
-        os.setgid(NOBODY)
-        os.setuid(NOBODY)
-
-
-def chown_tree(path: Path) -> None:
-    if os.geteuid() == 0:
-        for p in [path, *path.rglob("*")]:
-            os.chown(p, NOBODY, NOBODY)
-
-
-@pytest.fixture
-def open_dir():
-    """A folder an unprivileged child can reach (pytest's own tmp folders are private to root)."""
-    path = Path(tempfile.mkdtemp(prefix="accel_ddp_hardening_"))
-    path.chmod(0o755)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
@@ -389,132 +326,6 @@ def test_a_start_from_scratch_never_overwrites_a_finished_run(stopped_at_20, tmp
     assert snapshot(out) == before
 
 
-# ----------------------------------------------------------------------------- 3. one run per folder
-
-
-def test_a_folder_locked_by_another_process_is_exit_2_on_every_rank_and_nothing_is_written(tmp_path, capfd):
-    out = tmp_path / "run"
-    out.mkdir()
-    with open(out / ".lock", "w") as held:
-        fcntl.lockf(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        capfd.readouterr()
-        assert main_ranks([*ARGS, "--max_steps", "4", "--output_dir", str(out)]) == [2, 2]
-    (line,) = error_lines(capfd.readouterr().err)
-    assert f"--output_dir {out} is in use by another run" in line and "give another --output_dir" in line
-    assert sorted(os.listdir(out)) == [".lock"]
-    assert (out / ".lock").read_bytes() == b""
-
-
-def test_two_runs_started_together_into_one_folder(tmp_path, capfd):
-    out = tmp_path / "run"
-    together = multiprocessing.get_context("fork").Barrier(2)
-
-    def standalone_run() -> int:  # each forked "rank" becomes an independent 1-process run
-        for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-            os.environ.pop(name, None)
-        faults.install(step_delay=0.1)  # the winner is still training (>= 1.6 s) when the loser looks
-        together.wait(timeout=60)
-        return main([*ARGS, "--max_steps", "16", "--output_dir", str(out)])
-
-    capfd.readouterr()
-    assert sorted(run_ranks(standalone_run, world_size=2)) == [0, 2]
-    err = capfd.readouterr().err  # two independent runs share it: the winner's progress bar may precede the line
-    assert err.count("accel_ddp: error: ") == 1 and f"--output_dir {out} is in use by another run" in err
-    records = [r for r in read_metrics(out) if "loss" in r]
-    assert [r["step"] for r in records] == [4, 8, 12, 16]  # one run's metrics, not two interleaved
-    assert read_summary(out)["optimizer_steps"] == 16 and steps_of(out) == [5, 10, 15]
-
-
-def test_the_lock_is_the_main_process_own_not_its_forked_workers(tmp_path):
-    """A crashed run's DataLoader workers (forked children) may outlive it by seconds: they must not hold the lock."""
-    out = tmp_path / "run"
-    worker_done = tmp_path / "worker_done"
-
-    def lock_fork_a_worker_and_exit():
-        OutputLock(str(out)).acquire()
-        if os.fork() == 0:  # the "worker": lives on after its parent
-            time.sleep(3)
-            worker_done.touch()
-            os._exit(0)
-        return "parent gone"
-
-    assert run_ranks(lock_fork_a_worker_and_exit, world_size=1) == ["parent gone"]
-    lock = OutputLock(str(out))
-    lock.acquire()  # free at once, while the worker still lives (an flock would be shared with it: refused)
-    lock.release()
-    assert not worker_done.exists()
-
-
-def test_the_lock_goes_when_its_process_is_killed(tmp_path):
-    out = tmp_path / "run"
-
-    def lock_then_die():
-        OutputLock(str(out)).acquire()
-        os.kill(os.getpid(), signal.SIGKILL)
-
-    with pytest.raises(RankFailed):
-        run_ranks(lock_then_die, world_size=1)
-    assert (out / ".lock").exists()
-    assert main_ranks([*ARGS, "--max_steps", "4", "--output_dir", str(out)], world_size=1) == [0]
-
-
-# ----------------------------------------------------------------------------- 4. output folders
-
-
-@pytest.mark.parametrize("case", ["a file", "under a file", "/proc", "read-only"])
-def test_a_bad_output_dir_is_one_line_and_exit_2_before_training(open_dir, capfd, case):
-    blocker = open_dir / "a_file"
-    blocker.write_text("keep me")
-    out, message = {
-        "a file": (blocker, f"--output_dir {blocker} is a file, not a folder"),
-        "under a file": (blocker / "run", f"--output_dir {blocker / 'run'}: part of that path is a file"),
-        "/proc": (Path("/proc/accel_ddp_run"), "--output_dir /proc/accel_ddp_run: cannot create"),
-        "read-only": (open_dir / "ro" / "run", f"--output_dir {open_dir / 'ro' / 'run'}: cannot create or write it "
-                                                f"({open_dir / 'ro'} is not writable)"),
-    }[case]
-    (open_dir / "ro").mkdir(mode=0o555)
-    chown_tree(open_dir / "ro")
-
-    def run() -> int:
-        as_unprivileged()
-        faults.install(fail_at=(1, 0))  # had training started, this would be a traceback and exit 1
-        return main([*ARGS, "--max_steps", "4", "--output_dir", str(out)])
-
-    capfd.readouterr()
-    assert run_ranks(run, world_size=1) == [2]
-    err = capfd.readouterr().err
-    (line,) = error_lines(err)
-    assert message in line and "Traceback" not in err
-    assert blocker.read_text() == "keep me" and os.listdir(open_dir / "ro") == []
-
-
-@pytest.mark.parametrize("name, kind, resume", [("checkpoints", "a file", False), ("checkpoints", "a file", True),
-                                                ("metrics.jsonl", "a folder", False),
-                                                ("model.safetensors", "a folder", False)])
-def test_a_file_where_the_run_keeps_a_folder_or_the_reverse_is_one_line_before_training(tmp_path, capfd, name, kind,
-                                                                                       resume):
-    """OUTPUT_DIR/checkpoints as a file was a FileExistsError at the first save, after training (and with auto,
-    'no checkpoint in ...; starting from scratch'); a folder named metrics.jsonl an IsADirectoryError."""
-    out = tmp_path / "run"
-    out.mkdir()
-    blocker = out / name
-    blocker.write_text("keep me") if kind == "a file" else blocker.mkdir()
-    capfd.readouterr()
-
-    def run() -> int:
-        faults.install(fail_at=(1, 0))  # had training started, this would be a traceback and exit 1
-        return main([*ARGS, "--max_steps", "4", "--output_dir", str(out),
-                     *(["--resume_from_checkpoint", "auto"] if resume else [])])
-
-    assert run_ranks(run) == [2, 2]
-    err = capfd.readouterr().err
-    (line,) = error_lines(err)
-    other = "a folder" if kind == "a file" else "a file"
-    assert line == (f"accel_ddp: error: --output_dir {out}: {blocker} is {kind}, not {other} (the run writes {name} "
-                    "there); move it out of the way, or give another --output_dir")
-    assert "Traceback" not in err and sorted(os.listdir(out)) == [name]
-
-
 # ----------------------------------------------------------------------------- 4b. a full disk
 
 
@@ -709,73 +520,6 @@ def test_a_failing_plot_warns_and_the_run_still_succeeds(tmp_path, capfd):
     assert read_summary(tmp_path / "run")["optimizer_steps"] == 4
 
 
-# ----------------------------------------------------------------------------- 6. users' functions
-
-USER_MODULE = '''
-import torch
-from torch import nn
-
-def wrong_signature(classes):
-    return nn.Linear(64, classes)
-
-def returns_a_number(num_classes, input_shape):
-    return 5
-
-def three_d_output(num_classes, input_shape):
-    return nn.Sequential(nn.Flatten(), nn.Linear(64, 2 * num_classes), nn.Unflatten(1, (num_classes, 2)))
-
-class TupleOut(nn.Module):
-    def __init__(self, num_classes, input_shape):
-        super().__init__()
-        self.fc = nn.Linear(64, num_classes)
-
-    def forward(self, x):
-        return (self.fc(x.flatten(1)),)
-
-def bad_dataset(data_dir, download):
-    data = torch.utils.data.TensorDataset(torch.zeros(64, 4), torch.zeros(64, dtype=torch.long))
-    return data, data, "ten", (4,)
-'''
-
-
-@pytest.mark.parametrize("flag, name, message", [
-    ("--model", "user_broken:build", "--model user_broken:build: module 'user_broken' has a syntax error ("),
-    ("--model", "user_raises:build", "--model user_raises:build: importing module 'user_raises' raised "
-                                     "RuntimeError: no GPU here; fix the module"),
-    ("--model", "user_models:wrong_signature", "--model user_models:wrong_signature cannot be called as a model "
-                                               "builder (missing a required argument: 'classes'); "
-                                               "expected def build(num_classes: int, input_shape"),
-    ("--model", "torch.nn:Linear", "--model torch.nn:Linear cannot be called as a model builder (missing a "
-                                   "required argument: 'in_features')"),
-    ("--model", "user_models:returns_a_number", "--model user_models:returns_a_number returned int; it must return "
-                                                "a torch.nn.Module"),
-    # Checked before training on two samples (tasks.Task.check, shapes only): a batch of 2.
-    ("--model", "user_models:three_d_output", "the model's output has shape (2, 10, 2) but the labels have shape "
-                                              "(2,); the model must return logits of shape (2, num_classes)"),
-    ("--model", "user_models:TupleOut", "the model returned tuple from forward; expected a tensor of logits "
-                                        "(batch, num_classes) for labels of shape (2,)"),
-    ("--dataset", "user_models:bad_dataset", "--dataset user_models:bad_dataset returned num_classes 'ten' and "
-                                             "input_shape (4,); expected an int and a tuple of ints"),
-    ("--dataset", "user_models:returns_a_number", "--dataset user_models:returns_a_number cannot be called as a "
-                                                  "dataset builder"),
-])
-def test_a_users_function_that_does_not_fit_is_one_line_and_exit_2_on_every_rank(tmp_path, capfd, flag, name,
-                                                                                  message):
-    (tmp_path / "user_models.py").write_text(USER_MODULE)
-    (tmp_path / "user_broken.py").write_text("def build(num_classes, input_shape:\n    return None\n")
-    (tmp_path / "user_raises.py").write_text("raise RuntimeError('no GPU here')\n")
-
-    def run() -> int:
-        sys.path.insert(0, str(tmp_path))
-        return main([*ARGS, "--max_steps", "2", "--output_dir", str(tmp_path / "run"), flag, name])
-
-    capfd.readouterr()
-    assert run_ranks(run, world_size=2) == [2, 2]
-    err = capfd.readouterr().err
-    (line,) = error_lines(err)
-    assert message in line and "Traceback" not in err
-
-
 # ----------------------------------------------------------------------------- 7. hyperparameters on resume
 
 
@@ -801,97 +545,3 @@ def test_changed_hyperparameters_on_resume_warn_once_and_are_in_force(stopped_at
     assert optimizer["param_groups"][0]["weight_decay"] == 0.1
     assert optimizer["param_groups"][0]["lr"] == pytest.approx(0.01 * (1 - 25 / 30))
     assert read_checkpoint(str(ckpt(out, 20)))["lr"] == 0.003  # the checkpoint resumed from is left as it was
-
-
-# ----------------------------------------------------------------------------- 8. a loss that turns nan
-
-
-def strict_json_lines(path: Path) -> list[dict]:
-    def refuse(name):
-        raise ValueError(f"{name} is not JSON")
-
-    return [json.loads(line, parse_constant=refuse) for line in path.read_text().splitlines()]
-
-
-@pytest.mark.parametrize("nan_at, log_every, checkpoints, kept", [
-    ((7, 1), "4", [5], "the last checkpoint, {out}/checkpoints/step_00000005, is from before it"),
-    ((5, 0), "10", [], "no checkpoint was saved"),  # found by the check before the save of step 5
-])
-def test_a_nan_loss_stops_every_rank_at_the_same_step_and_saves_nothing_after_it(tmp_path, capfd, nan_at,
-                                                                                   log_every, checkpoints, kept):
-    out = tmp_path / "run"
-
-    def run() -> int:
-        faults.install(nan_at=nan_at)
-        return main([*ARGS, "--model", "tests.helpers.faults:nan_mlp", "--max_steps", "20", "--log_every", log_every,
-                     "--output_dir", str(out)])
-
-    capfd.readouterr()
-    assert run_ranks(run, world_size=2) == [3, 3]
-    err = capfd.readouterr().err
-    (line,) = error_lines(err)
-    assert f"the training loss became nan or inf at optimizer step {nan_at[0]}; every rank stopped and " \
-           f"{kept.format(out=out)}" in line
-    assert "Traceback" not in err
-    assert steps_of(out) == checkpoints
-    for step in checkpoints:
-        read_checkpoint(str(ckpt(out, step)))
-    assert not (out / "summary.json").exists() and not (out / "model.safetensors").exists()
-    records = strict_json_lines(out / "metrics.jsonl")
-    assert all(r["step"] < nan_at[0] for r in records)
-
-
-def test_a_nan_loss_under_debug_names_the_operation(tmp_path, capfd):
-    def run() -> int:
-        faults.install(nan_at=(2, 1))
-        return main([*ARGS, "--model", "tests.helpers.faults:nan_mlp", "--max_steps", "8", "--debug",
-                     "--output_dir", str(tmp_path / "run")])
-
-    capfd.readouterr()
-    assert run_ranks(run, world_size=2) == [3, 3]
-    err = capfd.readouterr().err
-    (line,) = error_lines(err)
-    assert "the training loss became nan or inf at optimizer step 2 (Function 'LogSoftmaxBackward0' returned nan" \
-        in line
-    assert "Traceback of forward call that caused the error" in err  # torch's anomaly trace, from rank 1
-
-
-def test_an_inf_loss_with_finite_gradients_under_debug_stops_every_rank_without_a_hang(tmp_path, capfd):
-    """The debug trace's backward on the bad rank alone must not start DDP's gradient all-reduce, which the
-    other rank would never join: an inf loss whose backward is finite reaches every parameter's hook."""
-    def run() -> int:
-        faults.install(nan_at=(2, 1))
-        return main([*ARGS, "--loss", "tests.helpers.faults:inf_loss", "--max_steps", "8", "--debug",
-                     "--output_dir", str(tmp_path / "run")])
-
-    capfd.readouterr()
-    assert run_ranks(run, world_size=2, timeout=60) == [3, 3]
-    (line,) = error_lines(capfd.readouterr().err)
-    assert "the training loss became nan or inf at optimizer step 2" in line
-
-
-def test_metrics_and_summary_stay_json_with_non_finite_values(tmp_path):
-    recorder = RunRecorder(str(tmp_path), is_main_process=True)
-    recorder.rewind(0)
-    recorder.log({"step": 1, "eval_loss": float("nan"), "loss": float("inf"), "nested": {"x": -float("inf")}})
-    recorder.write_summary({"eval_loss": float("nan"), "optimizer_steps": 1}, step=1)
-    recorder.close()
-    assert strict_json_lines(tmp_path / "metrics.jsonl")[0]["eval_loss"] is None
-    summary = json.loads((tmp_path / "summary.json").read_text(), parse_constant=lambda name: 1 / 0)
-    assert summary == {"eval_loss": None, "optimizer_steps": 1}
-
-
-def test_loss_watch_names_the_first_non_finite_step_from_a_device_count():
-    class OneRank:
-        device = torch.device("cpu")
-
-        @staticmethod
-        def reduce(tensor, reduction):
-            return tensor.clone()
-
-    watch = LossWatch(OneRank(), start_step=10)  # resumed at step 10
-    running = torch.zeros(())
-    for step, loss in enumerate([0.5, 0.25, float("nan"), 1.0], start=11):
-        running += loss  # as the loop accumulates between log lines: once nan, nan until the reset
-        watch.after_step(running)
-        assert watch.first_bad_step(step) == (None if step < 13 else 13)

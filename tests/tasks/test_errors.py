@@ -69,16 +69,16 @@ def as_number(outputs, batch):
 
 
 @pytest.mark.parametrize("loss, message", [
-    ("count_is_text", "the loss function tests.test_task_errors:count_is_text returned a (sum, num_items) pair whose "
+    ("count_is_text", "the loss function tests.tasks.test_errors:count_is_text returned a (sum, num_items) pair whose "
                       "num_items is str 'many', not a count; return the number of items the sum adds up"),
-    ("count_per_sample", "the loss function tests.test_task_errors:count_per_sample returned a (sum, num_items) "
+    ("count_per_sample", "the loss function tests.tasks.test_errors:count_per_sample returned a (sum, num_items) "
                          "pair whose num_items is a tensor of shape (2,), not a count"),
-    ("count_is_zero", "the loss function tests.test_task_errors:count_is_zero returned a (sum, num_items) pair with "
+    ("count_is_zero", "the loss function tests.tasks.test_errors:count_is_zero returned a (sum, num_items) pair with "
                       "a non-zero sum over num_items 0 (a sum over no items is 0); return the count of the items"),
 ])
 def test_a_loss_whose_count_is_not_a_count_is_refused_at_start_up(tmp_path, capfd, loss, message):
     out = tmp_path / "out"
-    assert main_ranks([*TINY, "--loss", f"tests.test_task_errors:{loss}", "--output_dir", str(out)]) == [2, 2]
+    assert main_ranks([*TINY, "--loss", f"tests.tasks.test_errors:{loss}", "--output_dir", str(out)]) == [2, 2]
     one_error(capfd, message)
     assert nothing_written(out)
 
@@ -88,7 +88,7 @@ def test_a_sum_over_zero_items_in_training_stops_at_the_next_sync_before_anythin
     """No host sync per step: the flag is counted on the device and read where the loop syncs anyway."""
     out = tmp_path / "out"
     extra = ["--log_every", "1"] if when == "log line" else ["--log_every", "100", "--checkpointing_steps", "2"]
-    args = [*TINY, "--loss", "tests.test_task_errors:count_zero_in_training", *extra, "--output_dir", str(out)]
+    args = [*TINY, "--loss", "tests.tasks.test_errors:count_zero_in_training", *extra, "--output_dir", str(out)]
     assert main_ranks(args) == [2, 2]
     one_error(capfd, "returned a (sum, num_items) pair with a non-zero sum over num_items 0")
     assert not (out / "checkpoints").exists() or not any((out / "checkpoints").iterdir())
@@ -98,8 +98,8 @@ def test_a_sum_over_zero_items_in_training_stops_at_the_next_sync_before_anythin
 @pytest.mark.parametrize("loss", ["detached", "as_number"])
 def test_a_loss_detached_from_the_model_is_one_line_at_the_first_step(tmp_path, capfd, loss):
     out = tmp_path / "out"
-    assert main_ranks([*TINY, "--loss", f"tests.test_task_errors:{loss}", "--output_dir", str(out)]) == [2, 2]
-    one_error(capfd, f"the loss function tests.test_task_errors:{loss} returned a loss detached from the model "
+    assert main_ranks([*TINY, "--loss", f"tests.tasks.test_errors:{loss}", "--output_dir", str(out)]) == [2, 2]
+    one_error(capfd, f"the loss function tests.tasks.test_errors:{loss} returned a loss detached from the model "
                      "(no grad_fn")
     assert not (out / "model.safetensors").exists() and not (out / "summary.json").exists()
 
@@ -131,10 +131,10 @@ def returns_the_samples(samples):
 ])
 def test_a_collate_fn_that_returns_no_batch_is_named_at_start_up(tmp_path, capfd, collate, what):
     out = tmp_path / "out"
-    args = [*TINY, "--loader", "dataloader", "--collate_fn", f"tests.test_task_errors:{collate}",
+    args = [*TINY, "--loader", "dataloader", "--collate_fn", f"tests.tasks.test_errors:{collate}",
             "--output_dir", str(out)]
     assert main_ranks(args) == [2, 2]
-    one_error(capfd, f"the collate_fn tests.test_task_errors:{collate} {what}; return a tuple (inputs, labels, ...)")
+    one_error(capfd, f"the collate_fn tests.tasks.test_errors:{collate} {what}; return a tuple (inputs, labels, ...)")
     assert nothing_written(out)
 
 
@@ -215,7 +215,7 @@ def test_eval_loss_is_the_user_loss_item_weighted_each_sample_once_at_any_world_
     assert rank0 == rank1
     notes = [line for line in capfd.readouterr().err.splitlines() if "accel_ddp: note:" in line]
     assert notes and all(note == notes[0] for note in notes)  # one per evaluating process (here: 3)
-    assert "eval_accuracy left out of the evaluation; eval_loss is tests.test_task_errors:" in notes[0]
+    assert "eval_accuracy left out of the evaluation; eval_loss is tests.tasks.test_errors:" in notes[0]
 
 
 def test_a_token_level_model_with_its_own_loss_trains_and_reports_that_loss_without_a_traceback(tmp_path, capfd):
@@ -237,7 +237,7 @@ def test_a_token_level_model_with_its_own_loss_trains_and_reports_that_loss_with
     notes = [line for line in err.splitlines() if "accel_ddp: note:" in line]
     assert notes == ["accel_ddp: note: the model's logits of shape (2, 6, 11) do not fit labels of shape (2, 6) "
                      "(classification takes (batch, classes) logits and (batch,) class ids): eval_accuracy left out "
-                     "of the evaluation; eval_loss is tests.test_task_errors:token_sum"]
+                     "of the evaluation; eval_loss is tests.tasks.test_errors:token_sum"]
     evals = [record for record in read_metrics(tmp_path) if "eval_loss" in record]
     assert len(evals) == 2 and all("eval_accuracy" not in record for record in evals)
     assert evals[-1]["eval_loss"] < evals[0]["eval_loss"]  # the user's loss, evaluated, went down
@@ -315,7 +315,7 @@ def empty_eval(data_dir, download):
 
 def test_an_empty_eval_set_is_refused_at_start_up(tmp_path, capfd):
     out = tmp_path / "out"
-    args = ["--dataset", "tests.test_task_errors:empty_eval", "--global_batch_size", "8", "--output_dir", str(out)]
+    args = ["--dataset", "tests.tasks.test_errors:empty_eval", "--global_batch_size", "8", "--output_dir", str(out)]
     assert main_ranks(args) == [2, 2]
     one_error(capfd, "the eval set (TensorDataset) holds no samples, so there is nothing to evaluate; give it "
                      "samples, or train without one")
@@ -421,7 +421,7 @@ def test_an_in_memory_label_the_model_cannot_take_is_named_at_start_up_on_every_
                                                                                        loader, message):
     """Once an IndexError on one rank and a gloo traceback on the other (on CUDA a device-side assert)."""
     out = tmp_path / "out"
-    args = ["--dataset", f"tests.test_task_errors:{dataset}", "--hidden_size", "8", "--global_batch_size", "8",
+    args = ["--dataset", f"tests.tasks.test_errors:{dataset}", "--hidden_size", "8", "--global_batch_size", "8",
             "--loader", loader, "--output_dir", str(out)]
     assert main_ranks(args) == [2, 2]
     one_error(capfd, message)
@@ -460,7 +460,7 @@ def test_a_label_out_of_range_on_the_dataloader_path_is_named_by_the_rank_that_r
     from tests.helpers.multiproc import RankFailed, run_ranks
 
     out = tmp_path / "out"
-    args = ["--dataset", "tests.test_task_errors:bad_row_label", "--hidden_size", "8", "--global_batch_size", "8",
+    args = ["--dataset", "tests.tasks.test_errors:bad_row_label", "--hidden_size", "8", "--global_batch_size", "8",
             "--num_workers", "0", "--checkpointing_steps", "2", "--output_dir", str(out)]
 
     def run() -> int:
@@ -490,7 +490,7 @@ def test_an_eval_label_out_of_range_on_the_eval_dataloader_is_named_before_the_c
     from accel_ddp.cli.train import main
 
     out = tmp_path / "out"
-    args = ["--dataset", "tests.test_task_errors:bad_eval_row", "--hidden_size", "8", "--global_batch_size", "8",
+    args = ["--dataset", "tests.tasks.test_errors:bad_eval_row", "--hidden_size", "8", "--global_batch_size", "8",
             "--eval_batch_size", "4", "--num_workers", "0", "--output_dir", str(out)]
     assert main(args) == 2
     one_error(capfd, "eval sample 11 has label 30, outside the model's 10 classes (0 to 9)")
@@ -521,7 +521,7 @@ def test_with_a_users_loss_labels_beyond_the_outputs_leave_the_task_figures_out_
     assert [line for line in err.splitlines() if "accel_ddp: note" in line] == [
         "accel_ddp: note: eval sample 4 has label 20, outside the model's 2 classes (0 to 1); fix the label or give "
         "the model 21 outputs or more: eval_accuracy left out of the evaluation; eval_loss is "
-        "tests.test_task_errors:regression"]
+        "tests.tasks.test_errors:regression"]
 
 
 def token_sets_beyond(data_dir, download):
@@ -548,8 +548,8 @@ def test_token_ids_beyond_the_models_vocabulary_are_named_before_the_embedding_f
     from accel_ddp.cli.train import main
 
     out = tmp_path / "out"
-    args = ["--task", "causal_lm", "--dataset", "tests.test_task_errors:token_sets_beyond", "--model",
-            "tests.test_task_errors:small_vocabulary_gpt", "--global_batch_size", "40", "--num_workers", "0",
+    args = ["--task", "causal_lm", "--dataset", "tests.tasks.test_errors:token_sets_beyond", "--model",
+            "tests.tasks.test_errors:small_vocabulary_gpt", "--global_batch_size", "40", "--num_workers", "0",
             "--output_dir", str(out)]
     assert main(args) == 2
     one_error(capfd, "training sample 21 (epoch 0, optimizer step 1, rank 0) has token id 47 in 'input_ids', "
@@ -628,8 +628,8 @@ def test_a_label_beyond_a_transformers_classifiers_num_labels_is_named_before_it
     """The model computes its own loss from `labels`: the start-up forward would be an IndexError traceback."""
     pytest.importorskip("transformers")
     out = tmp_path / "out"
-    args = ["--task", "sequence_classification", "--dataset", "tests.test_task_errors:text_with_a_bad_label",
-            "--model", "tests.test_task_errors:tiny_classifier", "--global_batch_size", "8", "--output_dir", str(out)]
+    args = ["--task", "sequence_classification", "--dataset", "tests.tasks.test_errors:text_with_a_bad_label",
+            "--model", "tests.tasks.test_errors:tiny_classifier", "--global_batch_size", "8", "--output_dir", str(out)]
     assert main_ranks(args) == [2, 2]
     one_error(capfd, "training sample 0 has label 3, outside the model's 2 classes (0 to 1); fix the label or give "
                      "the model 4 outputs or more")
@@ -647,7 +647,7 @@ def test_the_check_for_a_sum_over_no_items_adds_no_host_sync_per_step(tmp_path):
     from tests.helpers.syncs import count_host_syncs
 
     def counts(steps: int, name: str):
-        args = [*OVERHEAD, "--loss", "tests.test_task_errors:summed_cross_entropy", "--max_steps", str(steps),
+        args = [*OVERHEAD, "--loss", "tests.tasks.test_errors:summed_cross_entropy", "--max_steps", str(steps),
                 "--log_every", "1000", "--eval_every", "1000", "--output_dir", str(tmp_path / name)]
         return run_ranks(lambda: count_host_syncs(args), world_size=2)
 

@@ -249,7 +249,7 @@ def test_crash_mid_epoch_then_resume_is_bitwise_exact_for_a_pretrained_lm_folder
 
 
 def cross_entropy(outputs, batch):
-    """``--loss tests.test_tasks:cross_entropy``: the default loss of tuple batches, written by a user."""
+    """``--loss tests.tasks.test_protocol:cross_entropy``: the default loss of tuple batches, written by a user."""
     return torch.nn.functional.cross_entropy(outputs.float(), batch[1])
 
 
@@ -283,7 +283,7 @@ def _pad_only_tokenizer():
 
 
 def hf_lm_collate(samples):
-    """``--collate_fn tests.test_tasks:hf_lm_collate``: Transformers' own language-modelling collator."""
+    """``--collate_fn tests.tasks.test_protocol:hf_lm_collate``: Transformers' own language-modelling collator."""
     from transformers import DataCollatorForLanguageModeling
 
     with open(os.environ["COLLATE_CALLS"], "a") as log:  # the test checks that this collator made the batches
@@ -299,8 +299,8 @@ def test_transformers_collators_work_unchanged_from_the_cli(tmp_path):
             "tests.helpers.text:build_gpt", "--global_batch_size", "8", "--max_steps", "6", "--optimizer", "sgd"]
     train_ranks([*base, "--output_dir", str(tmp_path / "ours")], world_size=1)
     calls = tmp_path / "calls"
-    train_ranks([*base, "--collate_fn", "tests.test_tasks:hf_lm_collate", "--output_dir", str(tmp_path / "hf")],
-                world_size=1, env={"COLLATE_CALLS": str(calls)})
+    train_ranks([*base, "--collate_fn", "tests.tasks.test_protocol:hf_lm_collate",
+                 "--output_dir", str(tmp_path / "hf")], world_size=1, env={"COLLATE_CALLS": str(calls)})
     assert calls.read_text().split()[:7] == ["2"] + ["8"] * 6  # the pre-training check, then one batch per step
     ours, theirs = load_weights(tmp_path / "ours"), load_weights(tmp_path / "hf")
     assert all(torch.equal(ours[key], theirs[key]) for key in ours)
@@ -314,7 +314,7 @@ def test_a_user_loss_from_the_cli_trains_like_the_default(tmp_path):
     from tests.helpers.runs import train_ranks
 
     train_ranks([*TINY, "--output_dir", str(tmp_path / "default")], world_size=1)
-    train_ranks([*TINY, "--loss", "tests.test_tasks:cross_entropy", "--output_dir", str(tmp_path / "user")],
+    train_ranks([*TINY, "--loss", "tests.tasks.test_protocol:cross_entropy", "--output_dir", str(tmp_path / "user")],
                 world_size=1)
     default, user = load_weights(tmp_path / "default"), load_weights(tmp_path / "user")
     assert all(torch.equal(user[key], default[key]) for key in default)
@@ -372,11 +372,12 @@ def _bad_text_runs(corpus: Path, out: Path) -> dict[str, tuple[list[str], str]]:
         "missing text column": (
             [*lm, "--text_column", "body"],
             "hf: no text column 'body'; the columns are text, id; name the text with --text_column"),
-        "non-scalar loss": ([*lm, "--loss", "tests.test_tasks:per_sample_losses"],
-                            "the loss function tests.test_tasks:per_sample_losses returned a tensor of shape (2,), "
-                            "not a scalar"),
-        "no loss": (["--dataset", "tests.helpers.text:build_sequences", "--model", "tests.test_tasks:build_lossless",
-                     "--global_batch_size", "8", "--output_dir", str(out)],
+        "non-scalar loss": ([*lm, "--loss", "tests.tasks.test_protocol:per_sample_losses"],
+                            "the loss function tests.tasks.test_protocol:per_sample_losses returned a tensor of "
+                            "shape (2,), not a scalar"),
+        "no loss": (["--dataset", "tests.helpers.text:build_sequences",
+                     "--model", "tests.tasks.test_protocol:build_lossless", "--global_batch_size", "8",
+                     "--output_dir", str(out)],
                     "holds no loss for a dict batch (does the batch hold 'labels'?); give a loss with --loss"),
     }
 
