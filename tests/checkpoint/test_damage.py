@@ -1,8 +1,10 @@
-"""Trust nothing on disk or on the command line: checkpoints that lie, finished runs, one run per folder,
-bad output folders, users' functions, changed hyperparameters on resume, a loss that turns nan.
+"""Trust nothing on disk: checkpoints that lie, finished runs, a full disk while saving, changed hyperparameters
+on resume.
 
-Every run here is forked ranks of a gloo group (tests/multiproc.py), not a launch. Config-level cases
-(types, ranges, YAML) live in test_config.py.
+Every run here is forked ranks of a gloo group (tests/helpers/multiproc.py), not a launch. Config-level cases
+(types, ranges, YAML) live in tests/test_config.py; the run folder's lock and bad output folders in
+tests/outputs/test_run_dir.py, users' functions in tests/tasks/test_user_code.py, a nan loss in
+tests/lifecycle/test_non_finite.py.
 """
 
 from __future__ import annotations

@@ -4,11 +4,11 @@ Every multi-process test compares final weights with one uninterrupted run (the 
 fixture). The model is ``mnist_cnn``, whose dropout makes the RNG state part of what a resume
 must restore: a resume that loses it, or re-draws a seed, ends with different weights.
 
-Runs are forked ranks of a gloo group (tests/multiproc.py) except where only a launch shows the
+Runs are forked ranks of a gloo group (tests/helpers/multiproc.py) except where only a launch shows the
 behaviour: SIGTERM to the launcher, SIGUSR1 to one worker, SIGKILL of the whole job, an elastic
 restart (``@pytest.mark.slow``). A forked run and a launched one of the same command end with
 bitwise-equal weights, so launched runs are compared with the forked reference too. Faults come
-from tests/faults.py: ``faults.install(...)`` inside a forked rank, or FAULT_* variables read by
+from tests/helpers/faults.py: ``faults.install(...)`` inside a forked rank, or FAULT_* variables read by
 tests/scripts/faulty_train.py in a launch:
 
     FAULT_STEP_DELAY=0.15            sleep after each optimizer step, so a test can signal a live run

@@ -222,7 +222,7 @@ def _premade_state_then_main(args: list[str], error_files: str) -> int:
 
 def test_lone_processes_are_refused(tmp_path, capfd, launcher_store):
     """The 2 ranks never met. Forked ranks get what `accelerate launch --config_file cpu_2proc.yaml` gives its
-    workers: Accelerate's variables (conftest.launcher_env), torchrun's and its store (launcher_store)."""
+    workers: Accelerate's variables (tests.helpers.runs.launcher_env), torchrun's and its store (launcher_store)."""
     _, env = launcher_store
     env.update(launcher_env(["--config_file", str(CPU_2PROC), "--num_processes", "2"]))
     args = ["--dataset", "synthetic", "--output_dir", str(tmp_path)]

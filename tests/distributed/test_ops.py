@@ -1,4 +1,5 @@
-"""Operations: multi-node on loopback, SLURM script, curves.png, summary table, FSDP (trackers: test_tracking.py)."""
+"""Operations: multi-node on loopback, the SLURM script, FSDP, the launch configs (trackers:
+tracking/test_trackers.py; curves.png: tracking/test_report.py)."""
 
 from __future__ import annotations
 
@@ -268,7 +269,7 @@ FSDP_ON_CPU = ("Accelerate 1.15 applies FSDP only with GPU backends: on CPU, whe
 def test_fsdp_config_on_cpu_trains_ddp_replicas_as_documented(tmp_path, tiny_args):
     """The reason the FSDP smoke test needs GPUs, checked rather than assumed: two ranks with the environment
     `accelerate launch --config_file fsdp_4gpu.yaml --num_processes 2` gives its workers (Accelerate's own code
-    computes it: conftest.launcher_env) train plain DDP replicas."""
+    computes it: runs.launcher_env) train plain DDP replicas."""
     env = launcher_env(["--config_file", str(FSDP), "--num_processes", "2", "--mixed_precision", "no"])
     assert (env["ACCELERATE_USE_FSDP"], env["FSDP_VERSION"]) == ("true", "2")  # the launcher asks for FSDP2
     out = tmp_path / "run"

@@ -137,7 +137,7 @@ def one_bad_sample(data_dir: str, download: bool) -> DatasetBundle:
 
 
 def sequences_one_bad(data_dir: str, download: bool) -> DatasetBundle:
-    """tests.test_tasks' token sequences (causal_lm) of which the one rank 1 of 2 reads at step 3 (global batch 8,
+    """tests.helpers.text's token sequences (causal_lm) of which the one rank 1 of 2 reads at step 3 (global batch 8,
     seed 0) does not decode."""
     from tests.helpers.text import build_sequences
 

@@ -1,6 +1,6 @@
 """Forked ranks run as torchrun runs its workers, and what each one reported.
 
-``launch_ranks(folder, args, env)`` runs the CLI's ``main(args)`` on two forked ranks (tests/multiproc.py)
+``launch_ranks(folder, args, env)`` runs the CLI's ``main(args)`` on two forked ranks (tests/helpers/multiproc.py)
 with what only a launch otherwise shows: each rank's own torchelastic error file, and the agent's
 SIGTERM to the other ranks once one has exited (``torchrun_watching``). ``env`` adds the launcher's
 environment: ``C10D_UNSHARED``, or conftest's ``launcher_store`` for the static rendezvous.

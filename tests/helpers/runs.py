@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parents[2]
 CPU_2PROC = REPO / "accelerate_configs" / "cpu_2proc.yaml"
 TRAIN_SCRIPT = REPO / "train.py"
 SCRIPTS = REPO / "tests" / "scripts"
-FAULTY_TRAIN = SCRIPTS / "faulty_train.py"  # train.py plus the FAULT_* injections of tests/faults.py
+FAULTY_TRAIN = SCRIPTS / "faulty_train.py"  # train.py plus the FAULT_* injections of tests/helpers/faults.py
 
 
 def suite_env(extra: dict[str, str] | None = None) -> dict[str, str]:

@@ -1,10 +1,10 @@
 """The guarantee matrix: each guarantee on each training path (DESIGN.md, "Every guarantee holds on every path").
 
 Paths: the device loader, a DataLoader with workers, memory-mapped Arrow files, streaming, and the text
-tasks (causal_lm; sequence_classification once). Runs are forked ranks (tests/multiproc.py); a launch
+tasks (causal_lm; sequence_classification once). Runs are forked ranks (tests/helpers/multiproc.py); a launch
 only where only a launch shows the behaviour.
 
-The errors section's forked ranks (tests/helpers_ranks.py) run the CLI's ``main()`` with their own torchelastic
+The errors section's forked ranks (tests/helpers/ranks.py) run the CLI's ``main()`` with their own torchelastic
 error files, and the other rank gets torchrun's SIGTERM once one has exited; what each rank prints is visible to
 ``capfd``.
 """

@@ -1,4 +1,4 @@
-"""train.py with the faults of tests/faults.py injected from FAULT_* environment variables."""
+"""train.py with the faults of tests/helpers/faults.py injected from FAULT_* environment variables."""
 import os
 import sys
 

@@ -1,7 +1,7 @@
 """The task protocol (accel_ddp/tasks/protocol.py): dict batches, Transformers models, user losses and metrics,
 token-exact accumulation, exact eval counts, text data, resume and outputs of Transformers runs.
 
-Multi-process tests run on forked gloo ranks (tests/multiproc.py). transformers is imported here, in the
+Multi-process tests run on forked gloo ranks (tests/helpers/multiproc.py). transformers is imported here, in the
 test process, so that the forked ranks start with it loaded.
 """
 
