@@ -144,3 +144,13 @@ def test_a_file_where_the_run_keeps_a_folder_or_the_reverse_is_one_line_before_t
     assert line == (f"accel_ddp: error: --output_dir {out}: {blocker} is {kind}, not {other} (the run writes {name} "
                     "there); move it out of the way, or give another --output_dir")
     assert "Traceback" not in err and sorted(os.listdir(out)) == [name]
+
+
+def test_output_dir_from_yaml_must_be_text_and_utf8(tmp_path, capsys):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("output_dir: 123\n")
+    assert main(["--config", str(recipe)]) == 2
+    assert main(["--output_dir", os.fsdecode(b"/tmp/caf\xe9")]) == 2  # a Latin-1 name
+    lines = error_lines(capsys.readouterr().err)
+    assert len(lines) == 2 and "--output_dir expects text, got 123 (int)" in lines[0]
+    assert "is not valid UTF-8" in lines[1]

@@ -11,7 +11,10 @@ import numpy as np
 import pytest
 
 from accel_ddp.cli import commands as cli
+from accel_ddp.cli.train import main
 from accel_ddp.tracking.report import CURVES, build_curves_figure, read_curves
+from tests.helpers.files import CHECKPOINTED_ARGS as ARGS
+from tests.helpers.multiproc import run_ranks
 from tests.helpers.output import decode_png, series
 from tests.helpers.runs import (
     REPO,
@@ -90,3 +93,21 @@ def test_plot_and_summary_of_a_missing_run_exit_2(tmp_path, command, capsys):
     assert cli.main([command, str(tmp_path / "nowhere")]) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "--output_dir" in err
+
+
+@pytest.mark.curves
+def test_a_failing_plot_warns_and_the_run_still_succeeds(tmp_path, capfd):
+    def run() -> int:
+        import accel_ddp.tracking.recorder
+
+        def broken_plot(output_dir):
+            raise RuntimeError("font cache exploded")
+
+        accel_ddp.tracking.recorder.plot_run = broken_plot
+        return main([*ARGS, "--max_steps", "4", "--output_dir", str(tmp_path / "run")])
+
+    capfd.readouterr()
+    assert run_ranks(run, world_size=1) == [0]
+    err = capfd.readouterr().err
+    assert "accel_ddp: warning: could not write curves.png (RuntimeError: font cache exploded)" in err
+    assert read_summary(tmp_path / "run")["optimizer_steps"] == 4
