@@ -19,7 +19,7 @@ The checks (``--only`` names):
 
     doctor              accel-ddp doctor on accelerate_configs/1gpu_debug.yaml: "ready"
     bf16_device_loader  1gpu_debug.yaml (bf16): --loader device, checkpoints every 10 steps
-    resume_bitwise      a crash at step 25 (tests/faults.py), --resume_from_checkpoint auto: final weights
+    resume_bitwise      a crash at step 25 (tests/helpers/faults.py), --resume_from_checkpoint auto: final weights
                         bitwise equal to an uninterrupted run's
     nccl_one_rank       one rank through torchrun: NCCL set-up, barrier, broadcast, all-reduce, and the
                         preemption flag's gloo sub-group next to the NCCL group (gpu_probe.py)

@@ -1,6 +1,6 @@
 """--on_anomaly skip|rollback on two forked ranks: a non-finite batch at optimizer step K on one rank.
 
-The fault is injected here, in the ranks' own process (as tests/faults.py does): ``bad_step_mlp``'s training
+The fault is injected here, in the ranks' own process (as tests/helpers/faults.py does): ``bad_step_mlp``'s training
 forward is nan during optimizer step K on one rank, K read from the LR scheduler (restored by a checkpoint, so a
 rollback or a resume meets the bad batch again at the same step).
 
@@ -17,10 +17,10 @@ import signal
 import pytest
 
 from accel_ddp.cli.train import main
-from tests import faults
-from tests.conftest import load_weights, read_metrics, read_summary
-from tests.helpers_anomaly import fused_skip_equals_never_stepping
-from tests.multiproc import RankFailed, run_ranks
+from tests.helpers import faults
+from tests.helpers.anomaly import fused_skip_equals_never_stepping
+from tests.helpers.multiproc import RankFailed, run_ranks
+from tests.helpers.runs import load_weights, read_metrics, read_summary
 
 ARGS = ["--dataset", "synthetic", "--synthetic_samples", "256", "--synthetic_shape", "1", "8", "8",
         "--model", "tests.test_anomalies:bad_step_mlp", "--global_batch_size", "32", "--max_steps", "10",
@@ -203,7 +203,8 @@ def test_rollback_without_a_checkpoint_before_the_bad_step_stops(tmp_path, capfd
 
 def test_inf_loss_with_finite_gradients_is_skipped_on_every_rank(tmp_path):
     """A constant +inf loss on rank 1 has finite gradients: the guard's poison makes them nan, so both skip."""
-    args = [*ARGS, "--model", "mlp", "--hidden_size", "16", "--loss", "tests.faults:inf_loss", "--max_steps", "6"]
+    args = [*ARGS, "--model", "mlp", "--hidden_size", "16", "--loss", "tests.helpers.faults:inf_loss",
+            "--max_steps", "6"]
 
     def rank(out, **fault) -> int:
         faults._LOSS_CALLS[0] = 0
@@ -260,9 +261,9 @@ def test_a_skipped_step_of_a_fused_optimizer_changes_no_bit(name):
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["adamw", "sgd"])
 def test_a_skipped_step_of_a_fused_cuda_optimizer_changes_no_bit_without_a_host_sync(name):
-    from tests.conftest import check, gpu_env, run_python
+    from tests.helpers.runs import check, gpu_env, run_python
 
-    result = check(run_python("from tests.helpers_anomaly import fused_skip_equals_never_stepping as f; "
+    result = check(run_python("from tests.helpers.anomaly import fused_skip_equals_never_stepping as f; "
                               f"print(f({name!r}, 'cuda'))", env=gpu_env()))
     assert result.stdout.strip().splitlines()[-1] == "True", result.stdout + result.stderr
 

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from accel_ddp.cli.args import parse_args
 from accel_ddp.config import TrainConfig
 from accel_ddp.util.validation import ConfigError
-from tests.conftest import REPO
+from tests.helpers.runs import REPO
 
 
 @pytest.mark.parametrize(

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.conftest import REPO
+from tests.helpers.runs import REPO
 
 
 def test_python_requires_is_what_the_code_needs():

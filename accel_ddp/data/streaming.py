@@ -6,7 +6,7 @@ run's seed) and split over every reader, one per DataLoader worker of every rank
 ``datasets.distributed.split_dataset_by_node``: whole files per reader when their number divides
 by the number of readers, else every reader reads all and keeps every n-th example.
 
-What holds on this path (each tested in tests/test_data.py):
+What holds on this path (each tested in tests/data/test_streaming.py):
 
 - Same steps on every rank: shares are uneven (files of different sizes, a file count that does
   not divide by the world size), so before each optimizer step every rank reads that step's
@@ -22,7 +22,7 @@ What holds on this path (each tested in tests/test_data.py):
   in the DataLoader's round-robin over its workers), and a resumed run continues from there: no
   example trained on before the checkpoint comes again in that pass, and batches prefetched but
   not trained on are read again. With ``--shuffle_buffer 0`` the resumed order is the uninterrupted
-  one, with any number of workers, and so are the final weights (tests/test_guarantees.py). With a
+  one, with any number of workers, and so are the final weights (tests/lifecycle/test_guarantees.py). With a
   shuffle buffer it is not: the examples waiting in the buffers are skipped for that pass. The same
   world size, worker count, ``--shuffle_buffer`` and data (source and number of files, recorded
   with each position) are needed; otherwise the pass restarts from its beginning (warned).

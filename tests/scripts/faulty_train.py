@@ -1,10 +1,10 @@
-"""train.py with the faults of tests/faults.py injected from FAULT_* environment variables."""
+"""train.py with the faults of tests/helpers/faults.py injected from FAULT_* environment variables."""
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from tests import faults  # noqa: E402
+from tests.helpers import faults  # noqa: E402
 
 faults.install_from_env()
 

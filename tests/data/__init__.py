@@ -1,0 +1,1 @@
+"""Tests of accel_ddp/data/."""

@@ -1,0 +1,858 @@
+"""The guarantee matrix: each guarantee on each training path (DESIGN.md, "Every guarantee holds on every path").
+
+Paths: the device loader, a DataLoader with workers, memory-mapped Arrow files, streaming, and the text
+tasks (causal_lm; sequence_classification once). Runs are forked ranks (tests/helpers/multiproc.py); a launch
+only where only a launch shows the behaviour.
+
+The errors section's forked ranks (tests/helpers/ranks.py) run the CLI's ``main()`` with their own torchelastic
+error files, and the other rank gets torchrun's SIGTERM once one has exited; what each rank prints is visible to
+``capfd``.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+import torch
+
+from accel_ddp.checkpoint.manager import list_checkpoints, read_checkpoint
+from accel_ddp.data.hf import STATS_SAMPLE, stats_rows
+from tests.helpers import data as helpers_data
+from tests.helpers.checkpoints import assert_same_weights
+from tests.helpers.multiproc import RankFailed, run_ranks
+from tests.helpers.ranks import assert_quiet, error_lines, launch_ranks, recorded
+from tests.helpers.runs import main_ranks, read_metrics, read_summary
+
+# ============================================================================= preemption and kill -9
+#
+# Each rank of these runs calls os.setpgrp() first: torchrun starts every worker in a session of its own
+# (start_new_session=True), so its DataLoader workers share its process group and a signal to that group
+# (torchrun's os.killpg, scancel) reaches them too. Rank 1 sends the signal right after optimizer step
+# SIGNAL_AT, from a short-lived process of its own session (as a launcher or scancel would: not from the
+# workers' parent, whose SIGTERM they obey), and waits for it to be sent. The ranks compare preemption
+# flags after every step here (CHECK_EVERY_SECONDS = 0), so every rank stops after exactly that step.
+
+SIGNAL_AT = 5  # odd: on the streaming path the next batch is the second worker's, so the turns must continue
+SAVE_EVERY = "3"
+
+
+def _images(n: int, seed: int, mode: str = "L"):
+    import datasets
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    shape = (8, 8) if mode == "L" else (8, 8, 3)
+    images = [Image.fromarray(rng.integers(0, 256, shape, dtype=np.uint8), mode=mode) for _ in range(n)]
+    features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(num_classes=4)})
+    return datasets.Dataset.from_dict({"image": images, "label": [i % 4 for i in range(n)]}, features=features)
+
+
+def _build_mapped(root: Path) -> Path:
+    folder = root / "mapped"
+    folder.mkdir()
+    _images(96, 0, "RGB").to_parquet(str(folder / "train.parquet"))
+    _images(20, 1, "RGB").to_parquet(str(folder / "test.parquet"))
+    return folder
+
+
+def _build_stream(root: Path) -> Path:
+    """4 files of different sizes: one per reader (2 ranks x 2 workers); a rank's first worker runs out first."""
+    folder = root / "stream"
+    folder.mkdir()
+    for k, size in enumerate([24, 40, 32, 48]):
+        _images(size, k).to_parquet(str(folder / f"train-{k:05d}-of-00004.parquet"))
+    _images(8, 99).to_parquet(str(folder / "test.parquet"))
+    return folder
+
+
+def _build_corpus(root: Path) -> Path:
+    """texts/{train,test}.json, reviews/{train,test}.csv (text, label), tokenizer/, gpt2.json (with dropout)."""
+    from tests.helpers.text import build_word_tokenizer, sentences
+
+    corpus = root / "corpus"
+    (corpus / "texts").mkdir(parents=True)
+    (corpus / "reviews").mkdir()
+    splits = {"train": sentences(160, seed=0), "test": sentences(21, seed=1)}
+    for split, rows in splits.items():
+        (corpus / "texts" / f"{split}.json").write_text("".join(json.dumps({"text": t}) + "\n" for t, _ in rows))
+        (corpus / "reviews" / f"{split}.csv").write_text("review,sentiment\n" + "".join(f"{t},{y}\n" for t, y in rows))
+    build_word_tokenizer([text for text, _ in splits["train"]], corpus / "tokenizer")
+    (corpus / "gpt2.json").write_text(json.dumps({
+        "model_type": "gpt2", "n_layer": 1, "n_head": 2, "n_embd": 16, "n_positions": 64, "vocab_size": 8,
+        "resid_pdrop": 0.1, "embd_pdrop": 0.1, "attn_pdrop": 0.1}))
+    return corpus
+
+
+SYNTHETIC = ["--dataset", "synthetic", "--synthetic_samples", "256", "--synthetic_shape", "1", "8", "8",
+             "--model", "mnist_cnn", "--global_batch_size", "32", "--epochs", "2"]  # 16 steps
+
+
+def _path_args(path: str, root: Path) -> list[str]:
+    """The options of a run on ``path`` (its data built once under ``root``), without --output_dir."""
+    if path == "device":
+        return [*SYNTHETIC, "--num_workers", "0"]
+    if path == "dataloader":  # eval on a DataLoader with a worker too
+        return [*SYNTHETIC, "--loader", "dataloader", "--num_workers", "1"]
+    if path == "memory_mapped":
+        return ["--dataset", "hf", "--data_dir", str(_data(root, "mapped", _build_mapped)), "--model", "mnist_cnn",
+                "--device_loader_max_mb", "0", "--num_workers", "1", "--global_batch_size", "16", "--epochs", "2"]
+    if path == "streaming":  # no shuffle buffer: exact; 2 workers per rank
+        return ["--dataset", "hf", "--data_dir", str(_data(root, "stream", _build_stream)), "--streaming",
+                "--shuffle_buffer", "0", "--num_workers", "2", "--model", "mnist_cnn", "--global_batch_size", "8",
+                "--max_steps", "20"]  # the first pass ends after 16 steps (rank 0's 64 rows)
+    pytest.importorskip("transformers")
+    corpus = _data(root, "corpus", _build_corpus)
+    text = ["--tokenizer", str(corpus / "tokenizer"), "--model_config", str(corpus / "gpt2.json"),
+            "--max_length", "32", "--global_batch_size", "16", "--num_workers", "1", "--max_steps", "12"]
+    if path == "causal_lm":
+        return ["--task", "causal_lm", "--dataset", "hf", "--data_dir", str(corpus / "texts"), "--packing", *text]
+    assert path == "sequence_classification"
+    return ["--task", "sequence_classification", "--dataset", "hf", "--data_dir", str(corpus / "reviews"),
+            "--text_column", "review", "--label_column", "sentiment", *text]
+
+
+def _data(root: Path, name: str, build) -> Path:
+    return root / name if (root / name).exists() else build(root)
+
+
+EXPECTED = {"device": ("device", "in_memory"), "dataloader": ("dataloader", "in_memory"),
+            "memory_mapped": ("dataloader", "memory_mapped"), "streaming": ("streaming", "streaming"),
+            "causal_lm": ("dataloader", "memory_mapped"), "sequence_classification": ("dataloader", "memory_mapped")}
+
+
+@pytest.fixture(scope="module")
+def matrix(tmp_path_factory):
+    """Data built once; a datasets cache for this module (forked ranks inherit it); streams that end quickly."""
+    import datasets
+
+    root = tmp_path_factory.mktemp("matrix")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(datasets.config, "HF_DATASETS_CACHE", str(root / "hf_cache"))
+        # datasets sleeps 5 s whenever a parquet stream's reader threads end (apache/arrow#45214)
+        patch.setattr(datasets.config, "SLEEP_TIME_ON_THREADS_SHUTDOWN", 0.2)
+        yield {"root": root, "references": {}}
+
+
+def args_for(matrix, path: str, out: Path, *extra: str) -> list[str]:
+    return [*_path_args(path, matrix["root"]), "--checkpointing_steps", SAVE_EVERY, "--log_every", "4",
+            "--output_dir", str(out), *extra]
+
+
+def reference(matrix, path: str) -> Path:
+    """The uninterrupted run of ``path`` (once per module)."""
+    if path not in matrix["references"]:
+        out = matrix["root"] / f"reference-{path}"
+        assert main_ranks(args_for(matrix, path, out)) == [0, 0]
+        summary = read_summary(out)
+        assert (summary["loader"], summary["data_source"]) == EXPECTED[path]
+        matrix["references"][path] = out
+    return matrix["references"][path]
+
+
+def send(sig: int, target: str, pids: Path) -> None:
+    """From a process of its own session: ``sig`` to this rank ("rank"), its process group ("group": its
+    DataLoader workers too) or every rank's group ("job", as scancel does). Returns once it is sent."""
+    me = os.getpid()
+    ranks = [int(p.read_text()) for p in sorted(pids.glob("rank*"))]
+    calls = {"rank": [f"os.kill({me}, {sig})"], "group": [f"os.killpg({me}, {sig})"],
+             "job": [f"os.killpg({pid}, {sig})" for pid in ranks]}[target]
+    subprocess.run([sys.executable, "-S", "-c", "import os; " + "; ".join(calls)], start_new_session=True,
+                   check=True)
+
+
+def own_tqdm_locks() -> None:
+    """In a forked process that may be SIGKILLed: tqdm locks of its own.
+
+    tqdm's write lock is a multiprocessing RLock made in the test process and shared with every process forked
+    from it (by design: tqdm.std.TqdmDefaultWriteLock). A rank SIGKILLed during a progress-bar refresh would hold
+    it forever, and the next bar in the test process, or in any rank forked later, would wait on it forever."""
+    import tqdm.std
+
+    locks = tqdm.std.TqdmDefaultWriteLock
+    locks.th_lock = tqdm.std.TRLock()  # the copy made by fork may be held by a thread that is not here
+    if hasattr(locks, "mp_lock"):
+        del locks.mp_lock  # the next TqdmDefaultWriteLock makes a new one
+    classes = [tqdm.std.tqdm]
+    while classes:
+        cls = classes.pop()
+        classes.extend(cls.__subclasses__())
+        if "_lock" in vars(cls):
+            delattr(cls, "_lock")  # get_lock() makes a new one, with the new locks
+
+
+def as_torchrun_worker(pids: Path) -> int:
+    """In a forked rank: a process group of its own, its pid recorded; flags compared after every step."""
+    import accel_ddp.lifecycle.preemption as preemption
+
+    own_tqdm_locks()
+    os.setpgrp()
+    rank = int(os.environ.get("RANK", "0"))
+    (pids / f"rank{rank}").write_text(str(os.getpid()))
+    preemption.CHECK_EVERY_SECONDS = 0  # every step: the stop comes after exactly the step of the signal
+    return rank
+
+
+def run_signalled(args: list[str], pids: Path, sig: int, target: str, at: int = SIGNAL_AT,
+                  patch=None) -> list[int]:
+    """``main(args)`` on 2 forked ranks, rank 1 sending ``sig`` to ``target`` after optimizer step ``at`` (or
+    where ``patch(rank, fire)`` arranges to call ``fire()``); each rank's exit code."""
+    pids.mkdir(exist_ok=True)
+
+    def rank_main() -> int:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        from accel_ddp.cli.train import main
+
+        rank = as_torchrun_worker(pids)
+
+        def fire():
+            send(sig, target, pids)
+
+        if patch is not None:
+            patch(rank, fire)
+        elif rank == 1:
+            steps = [0]
+
+            def after_step(*_):
+                steps[0] += 1
+                if steps[0] == at:
+                    fire()
+
+            register_optimizer_step_post_hook(after_step)
+        return main(args)
+
+    return run_ranks(rank_main, world_size=2)
+
+
+def preempted_line(err: str) -> str:
+    lines = [line for line in err.splitlines() if "accel_ddp: preempted:" in line]
+    assert len(lines) == 1, err[-3000:]
+    return lines[0][lines[0].index("accel_ddp: preempted:"):]
+
+
+def assert_clean(err: str) -> None:
+    assert "Traceback" not in err and "killed by signal" not in err, err[-3000:]
+
+
+def assert_stopped_after(out: Path, step: int, capfd, reason: str = "SIGTERM received") -> None:
+    """The run stopped after ``step`` with that step's checkpoint, one line saying so and why, no traceback."""
+    err = capfd.readouterr().err
+    assert_clean(err)
+    line = preempted_line(err)
+    assert re.search(rf"preempted: {reason}: stopped after optimizer step {step} and saved \S+step_{step:08d}; "
+                     r"relaunch with --resume_from_checkpoint auto to continue \(exit code 75\)", line), line
+    assert [s for s, _ in list_checkpoints(str(out / "checkpoints"))][-1] == step
+    read_checkpoint(str(out / "checkpoints" / f"step_{step:08d}"))  # complete, every file as recorded
+    assert not (out / "summary.json").exists()
+
+
+def assert_resumes_bitwise(matrix, path: str, out: Path, step: int, *extra: str) -> None:
+    """Resumed with ``auto`` from ``step``, the run ends with the uninterrupted run's weights, bit for bit."""
+    assert main_ranks(args_for(matrix, path, out, "--resume_from_checkpoint", "auto", *extra)) == [0, 0]
+    assert read_summary(out)["resumed_from_step"] == step
+    assert_same_weights(out, reference(matrix, path))
+
+
+@pytest.mark.parametrize("path,signame", [("device", "SIGTERM"), ("dataloader", "SIGTERM"),
+                                          ("memory_mapped", "SIGTERM"), ("streaming", "SIGTERM"),
+                                          ("causal_lm", "SIGTERM"), ("sequence_classification", "SIGUSR1")])
+def test_preempted_then_killed_a_run_resumes_bitwise_on_every_path(matrix, path, signame, tmp_path, capfd):
+    """The two cells of each path, one after the other:
+
+    1. ``sig`` to every process of the job, as scancel sends it (the DataLoader workers too, which ignore it):
+       every rank saves after step 5 and exits 75;
+    2. resumed with ``auto``, then the whole job SIGKILLed after step 7 (a node failure);
+    3. resumed with ``auto`` from the checkpoint of step 6: the uninterrupted run's weights, bit for bit.
+    """
+    reference(matrix, path)
+    out, pids = tmp_path / "run", tmp_path / "pids"
+    capfd.readouterr()
+    assert run_signalled(args_for(matrix, path, out), pids, getattr(signal, signame), "job") == [75, 75]
+    assert_stopped_after(out, SIGNAL_AT, capfd, reason=f"{signame} received")
+    resumed = args_for(matrix, path, out, "--resume_from_checkpoint", "auto")
+    with pytest.raises(RankFailed, match="exited with code -9"):
+        run_signalled(resumed, pids, signal.SIGKILL, "job", at=2)  # this process's second step: step 7
+    assert [s for s, _ in list_checkpoints(str(out / "checkpoints"))][-2:] == [SIGNAL_AT, 6]
+    assert not (out / "summary.json").exists()
+    assert_resumes_bitwise(matrix, path, out, 6)
+
+
+@pytest.mark.parametrize("target", ["rank", "group"])
+def test_sigterm_to_one_rank_or_its_process_group_stops_every_rank(matrix, target, tmp_path, capfd):
+    """torchrun forwards the launcher's SIGTERM with os.killpg to each rank's group: its workers get it too."""
+    reference(matrix, "dataloader")
+    out = tmp_path / "run"
+    capfd.readouterr()
+    assert run_signalled(args_for(matrix, "dataloader", out), tmp_path / "pids", signal.SIGTERM, target) == [75, 75]
+    assert_stopped_after(out, SIGNAL_AT, capfd)
+    assert_resumes_bitwise(matrix, "dataloader", out, SIGNAL_AT)
+
+
+# ----------------------------------------------------------------------------- during an evaluation, a save, start-up
+
+
+def test_a_signal_during_an_evaluation_finishes_it_then_saves_that_step(matrix, tmp_path, capfd):
+    """The evaluation (on a DataLoader with a worker, which ignores the signal) completes and is logged; then every
+    rank saves the step it evaluated and stops, not a step later."""
+    eval_every = ("--eval_every", "4")  # the reference evaluates once an epoch: evaluations leave training alone
+    reference(matrix, "dataloader")
+    out = tmp_path / "run"
+
+    def during_first_evaluation(rank: int, fire) -> None:
+        import accel_ddp.loop as loop
+
+        evaluate = loop.evaluate
+
+        def signalled(*args, **kwargs):
+            if rank == 1 and not (tmp_path / "fired").exists():
+                (tmp_path / "fired").touch()
+                fire()
+            return evaluate(*args, **kwargs)
+
+        loop.evaluate = signalled
+
+    capfd.readouterr()
+    codes = run_signalled(args_for(matrix, "dataloader", out, *eval_every), tmp_path / "pids", signal.SIGTERM, "job",
+                          patch=during_first_evaluation)
+    assert codes == [75, 75]
+    assert [r["step"] for r in read_metrics(out) if "eval_loss" in r] == [4]
+    assert_stopped_after(out, 4, capfd)
+    assert_resumes_bitwise(matrix, "dataloader", out, 4, *eval_every)
+
+
+def test_a_signal_during_a_save_lets_it_complete_then_stops(matrix, tmp_path, capfd):
+    """SIGTERM to every process while the main process seals the checkpoint of step 3: it is completed, and every
+    rank stops after it with exit code 75."""
+    reference(matrix, "dataloader")
+    out = tmp_path / "run"
+
+    def while_sealing(rank: int, fire) -> None:
+        from accel_ddp.checkpoint.manager import CheckpointManager
+
+        seal = CheckpointManager._seal
+
+        def signalled(self, tmp, final, step):
+            fire()  # every rank has written its files; the other rank waits in the save's last barrier
+            seal(self, tmp, final, step)
+
+        CheckpointManager._seal = signalled
+
+    capfd.readouterr()
+    codes = run_signalled(args_for(matrix, "dataloader", out), tmp_path / "pids", signal.SIGTERM, "job",
+                          patch=while_sealing)
+    assert codes == [75, 75]
+    assert_stopped_after(out, int(SAVE_EVERY), capfd)
+    assert_resumes_bitwise(matrix, "dataloader", out, int(SAVE_EVERY))
+
+
+def _start_up_stop(err: str, phase: str, out: Path) -> None:
+    """Every rank stopped during start-up: one line names the phase, nothing was written."""
+    assert_clean(err)
+    assert preempted_line(err) == (f"accel_ddp: preempted: SIGTERM received during start-up ({phase}): no optimizer "
+                                   "step taken in this launch, nothing saved; relaunch the same command (exit code 75)")
+    assert not out.exists()  # the output folder is claimed only once the input is checked
+
+
+def test_a_signal_while_the_first_process_tokenizes_interrupts_it_and_every_rank_exits_75(matrix, tmp_path, capfd):
+    """SIGTERM to every process while rank 0 tokenizes (here: a build that would take 60 s) and rank 1 waits for it:
+    the build gives up at once and both ranks stop together."""
+    args = args_for(matrix, "causal_lm", tmp_path / "run")
+
+    def slow_tokenizing(rank: int, fire) -> None:
+        import accel_ddp.data.resolve as resolve
+
+        build_text = resolve.build_text
+
+        def slow(*a, **kw):
+            # From a process of its own (not this one: it is about to sleep), half a second from now.
+            subprocess.Popen([sys.executable, "-S", "-c", f"import os, time; time.sleep(0.5); "
+                              f"[os.killpg(int(open(p).read()), 15) for p in {[str(p) for p in pids()]}]"],
+                             start_new_session=True)
+            time.sleep(60)
+            (tmp_path / "tokenized").touch()
+            return build_text(*a, **kw)
+
+        def pids():
+            while len(list((tmp_path / "pids").glob("rank*"))) < 2:
+                time.sleep(0.01)
+            return sorted((tmp_path / "pids").glob("rank*"))
+
+        resolve.build_text = slow
+
+    capfd.readouterr()
+    assert run_signalled(args, tmp_path / "pids", signal.SIGTERM, "job", patch=slow_tokenizing) == [75, 75]
+    assert not (tmp_path / "tokenized").exists()
+    _start_up_stop(capfd.readouterr().err, "data: tokenizing", tmp_path / "run")
+
+
+def test_a_rank_signalled_while_it_waits_for_the_first_process_stops_every_rank_there(matrix, tmp_path, capfd):
+    """Only rank 1, waiting in local_main_first for rank 0's build, gets SIGTERM: rank 0 learns it at the next
+    barrier (a flag comparison) and neither trains."""
+    args = args_for(matrix, "causal_lm", tmp_path / "run")
+
+    def signal_the_waiting_rank(rank: int, fire) -> None:
+        import accel_ddp.data.resolve as resolve
+
+        build_text = resolve.build_text
+
+        def build(*a, **kw):
+            if rank == 1:  # its own build comes second: the signal came while it waited
+                return build_text(*a, **kw)
+            while len(list((tmp_path / "pids").glob("rank*"))) < 2:
+                time.sleep(0.01)
+            rank1 = int((tmp_path / "pids" / "rank1").read_text())
+            subprocess.run([sys.executable, "-S", "-c", f"import os; os.kill({rank1}, 15)"], check=True,
+                           start_new_session=True)
+            (tmp_path / "built").touch()
+            return build_text(*a, **kw)
+
+        resolve.build_text = build
+
+    capfd.readouterr()
+    assert run_signalled(args, tmp_path / "pids", signal.SIGTERM, "rank", patch=signal_the_waiting_rank) == [75, 75]
+    assert (tmp_path / "built").exists()  # rank 0 got no signal: its build ran to the end
+    _start_up_stop(capfd.readouterr().err, "data: tokenizing", tmp_path / "run")
+
+
+def test_a_signal_before_the_process_group_forms_stops_every_rank_once_it_has(matrix, tmp_path, capfd):
+    args = args_for(matrix, "device", tmp_path / "run")
+
+    def before_the_group(rank: int, fire) -> None:
+        import accel_ddp.loop as loop
+
+        build_accelerator = loop.build_accelerator
+
+        def signalled(*a, **kw):
+            if rank == 1:
+                fire()
+            return build_accelerator(*a, **kw)
+
+        loop.build_accelerator = signalled
+
+    capfd.readouterr()
+    assert run_signalled(args, tmp_path / "pids", signal.SIGTERM, "rank", patch=before_the_group) == [75, 75]
+    _start_up_stop(capfd.readouterr().err, "process_group", tmp_path / "run")
+
+
+# ----------------------------------------------------------------------------- DataLoader workers
+
+
+def gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE  # dead; its new parent may not reap it
+    except psutil.NoSuchProcess:
+        return True
+
+
+def wait_until_gone(pids: list[int], timeout: float = 30) -> list[int]:
+    """The pids still alive after ``timeout`` seconds (a deadline for an outcome, not a measured speed)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not all(gone(pid) for pid in pids):
+        time.sleep(0.05)
+    return [pid for pid in pids if not gone(pid)]
+
+
+def _workers_hear_only_their_parent() -> tuple[list[bool], int, int | None]:
+    from accel_ddp.data.loaders import build_train_loader
+    from tests.helpers.data import IndexDataset
+
+    loader = iter(build_train_loader(IndexDataset(64), 4, 4, num_workers=2))  # 16 batches
+    next(loader)
+    workers = list(loader._workers)
+    job = "; ".join(f"os.kill({w.pid}, {sig})" for w in workers for sig in (signal.SIGTERM, signal.SIGUSR1))
+    subprocess.run([sys.executable, "-S", "-c", f"import os; {job}"], check=True)  # as torchrun's killpg would
+    time.sleep(0.5)
+    alive = [w.is_alive() for w in workers]
+    served = sum(1 for _ in loader)
+    workers[0].terminate()  # the parent's SIGTERM: torch's last resort, and multiprocessing's at exit
+    workers[0].join(30)
+    return alive, served, workers[0].exitcode
+
+
+def test_dataloader_workers_ignore_the_jobs_signals_and_obey_their_parents_sigterm():
+    [(alive, served, exitcode)] = run_ranks(_workers_hear_only_their_parent, world_size=1)
+    assert alive == [True, True] and served == 15
+    assert exitcode == 0  # a quiet exit, as torch's own handler gives the parent's SIGTERM
+
+
+def _start_loaders_under_fire(count: int) -> list[int]:
+    from torch.utils.data import DataLoader
+
+    from accel_ddp.data.workers import worker_options
+    from tests.helpers.data import IndexDataset
+
+    os.setpgrp()  # the sender's SIGTERMs reach this process and the workers it starts, and nothing else
+    signal.signal(signal.SIGTERM, lambda signum, frame: None)  # as the rank's recording handler
+    sender = subprocess.Popen([sys.executable, "-S", "-c", f"import os, time\nwhile True:\n    "
+                               f"os.killpg({os.getpgrp()}, 15); time.sleep(0.002)"], start_new_session=True)
+    try:
+        return [sum(1 for _ in DataLoader(IndexDataset(16), batch_size=4, num_workers=2, **worker_options(2)))
+                for _ in range(count)]
+    finally:
+        sender.kill()
+        sender.wait()
+
+
+def test_dataloader_workers_survive_the_jobs_sigterm_while_they_start():
+    """SIGTERM to the process group every 2 ms while DataLoaders start their workers (as the first evaluation's do
+    when the job is signalled): torch's handler is in place before our worker_init_fn, but the workers start with
+    the signal blocked, so none dies in between. A race: without the blocking, the first loader usually fails."""
+    [served] = run_ranks(lambda: _start_loaders_under_fire(6), world_size=1)
+    assert served == [4] * 6
+
+
+class _EndlessReads(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, index: int):
+        time.sleep(600)  # a read that never ends: torch's watchdog, which looks between reads, never runs
+        return torch.zeros(1), 0
+
+
+def _rank_stuck_in_a_read(pid_file: Path) -> None:
+    from accel_ddp.data.host_loader import HostLoader
+
+    batches = iter(HostLoader(_EndlessReads(), 2, 2, seed=0, num_workers=1).loader)  # its DataLoader: workers start
+    pid_file.write_text(str(batches._workers[0].pid))
+    next(batches)
+
+
+def test_a_dataloader_worker_busy_in_a_read_dies_with_its_rank(tmp_path):
+    """SIGKILL of the rank (as the OOM killer would): its worker, deaf to SIGTERM and stuck in a read, dies too."""
+    pid_file = tmp_path / "worker"
+    rank = multiprocessing.get_context("fork").Process(target=_rank_stuck_in_a_read, args=(pid_file,))
+    rank.start()
+    try:
+        while not pid_file.exists() or not pid_file.read_text():
+            assert rank.is_alive(), "the rank ended before starting its worker"
+            time.sleep(0.02)
+        worker = int(pid_file.read_text())
+        assert not gone(worker)
+        os.kill(rank.pid, signal.SIGKILL)
+        rank.join()
+        assert wait_until_gone([worker]) == [], "the worker outlived its rank"
+    finally:
+        rank.kill()
+        if pid_file.exists() and not gone(worker := int(pid_file.read_text())):
+            os.kill(worker, signal.SIGKILL)
+
+
+def _user_init(worker_id: int) -> None:
+    os.environ["TEST_USER_INIT"] = str(worker_id + 1)
+
+
+class _WorkerProbe(torch.utils.data.Dataset):
+    """Sample i: (i, SIGUSR1 ignored, SIGTERM blocked, the user's worker_init_fn ran) as seen in the worker."""
+
+    def __len__(self) -> int:
+        return 6
+
+    def __getitem__(self, index: int):
+        blocked = signal.SIGTERM in signal.pthread_sigmask(signal.SIG_BLOCK, set())
+        return torch.tensor([index, signal.getsignal(signal.SIGUSR1) == signal.SIG_IGN, blocked,
+                             int(os.environ.get("TEST_USER_INIT", "0"))]), 0
+
+
+def _probe_prepared_eval_loader() -> list[list[int]]:
+    from accelerate import Accelerator
+
+    from accel_ddp.data.loaders import build_eval_loader
+
+    accelerator = Accelerator(cpu=True)
+    loader = accelerator.prepare(build_eval_loader(_WorkerProbe(), 3, num_workers=1, worker_init_fn=_user_init))
+    return [row.tolist() for inputs, _ in loader for row in inputs]
+
+
+def test_a_users_worker_init_fn_runs_after_ours_also_through_accelerate_prepare():
+    """Accelerate's prepare re-creates the DataLoader: the workers still ignore the job's signals, then run the
+    user's worker_init_fn."""
+    [rows] = run_ranks(_probe_prepared_eval_loader, world_size=1)
+    assert rows == [[i, 1, 1, 1] for i in range(6)]
+
+
+# ----------------------------------------------------------------------------- the launcher dies
+
+
+def _launcher(args: list[str], pids: Path, kill_at: int, piped: bool) -> None:
+    """torchrun as its workers see it: their parent, hosting the store they joined through; rank 1 SIGKILLs it
+    after optimizer step ``kill_at``. ``piped``: the ranks' stdout and stderr are a pipe it reads (as when the
+    launcher's output goes through ``| tee``), which loses its reader with it. Each rank writes its exit code:
+    nobody is left to hear it."""
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    env = {"TORCHELASTIC_USE_AGENT_STORE": "True", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port),
+           "TORCHELASTIC_RUN_ID": "test", "TORCHELASTIC_RESTART_COUNT": "0"}
+    reader = None
+    if piped:
+        reader, writer = os.pipe()
+        out = os.dup(2)
+        threading.Thread(target=_copy, args=(reader, out), daemon=True).start()
+        for fd in (1, 2):
+            os.dup2(writer, fd)
+        os.close(writer)
+
+    def orphaned_rank() -> int:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        from accel_ddp.cli.train import main
+        from tests.helpers import faults
+
+        if reader is not None:
+            os.close(reader)  # the launcher is the pipe's only reader
+            # print() to the pipe, not to pytest's capture, which replaced sys.stdout and sys.stderr
+            sys.stdout, sys.stderr = (open(fd, "w", buffering=1, closefd=False) for fd in (1, 2))
+        rank = as_torchrun_worker(pids)
+        faults.install(step_delay=0.2)  # training goes on for seconds after the kill: time to notice it
+        steps = [0]
+
+        def after_step(*_):
+            steps[0] += 1
+            if steps[0] == kill_at and rank == 1:
+                os.kill(os.getppid(), signal.SIGKILL)
+
+        register_optimizer_step_post_hook(after_step)
+        code = main(args)
+        (pids / f"exit{rank}").write_text(str(code))
+        return code
+
+    run_ranks(orphaned_rank, world_size=2, env=env)
+
+
+def _copy(source: int, target: int) -> None:
+    while chunk := os.read(source, 65536):
+        os.write(target, chunk)
+
+
+@pytest.mark.parametrize("output", ["file", "pipe"])
+def test_when_the_launcher_dies_every_rank_stops_after_the_same_step_saves_and_exits(matrix, output, tmp_path,
+                                                                                       capfd):
+    """SIGKILL of the launcher (the OOM killer, kill -9): its ranks, in sessions of their own, notice within a
+    poll, stop after the same step, save it, release the folder's lock and exit 75; the run resumes exactly.
+    With the output piped through the launcher, what they print from then on goes nowhere, without failing them."""
+    import fcntl
+
+    reference(matrix, "dataloader")
+    out, pids = tmp_path / "run", tmp_path / "pids"
+    pids.mkdir()
+    capfd.readouterr()
+    launcher = multiprocessing.get_context("fork").Process(
+        target=_launcher, args=(args_for(matrix, "dataloader", out), pids, 3, output == "pipe"))
+    launcher.start()
+    launcher.join()
+    assert launcher.exitcode == -signal.SIGKILL
+    ranks = [int((pids / f"rank{r}").read_text()) for r in (0, 1)]
+    try:
+        assert wait_until_gone(ranks, timeout=60) == [], "a rank trains on without its launcher"
+    finally:
+        for pid in ranks:
+            if not gone(pid):
+                os.kill(pid, signal.SIGKILL)
+    assert [(pids / f"exit{r}").read_text() for r in (0, 1)] == ["75", "75"]
+    err = capfd.readouterr().err
+    assert_clean(err)
+    steps = [s for s, _ in list_checkpoints(str(out / "checkpoints"))]
+    if output == "file":
+        line = preempted_line(err)
+        found = re.search(r"the launcher died \(every rank's parent process is gone\): stopped after optimizer "
+                          r"step (\d+) and saved \S+; relaunch", line)
+        assert found and steps[-1] == int(found.group(1)), line
+    assert 3 <= steps[-1] < 16  # the newest checkpoint: of the step they stopped after
+    read_checkpoint(str(out / "checkpoints" / f"step_{steps[-1]:08d}"))
+    with open(out / ".lock", "w") as lock:  # released: this process can take it
+        fcntl.lockf(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    assert main_ranks(args_for(matrix, "dataloader", out, "--resume_from_checkpoint", "auto")) == [0, 0]
+    assert_same_weights(out, reference(matrix, "dataloader"))
+
+
+def test_outputs_nobody_reads_any_more_go_to_dev_null_instead_of_failing_the_save():
+    """After the launcher died with its pipeline (``accelerate launch ... | tee log``): a guarded stream's writes to
+    the pipe whose reader is gone go to /dev/null instead of raising BrokenPipeError; a pipe still read is left
+    alone."""
+    from accel_ddp.lifecycle.stdio import _DeadPipeGuard, silence_dead_pipes
+
+    dead_read, dead = os.pipe()
+    os.close(dead_read)
+    live_read, live = os.pipe()
+    try:
+        with pytest.raises(BrokenPipeError):
+            os.write(dead, b"a progress bar")
+        with open(dead, "w", buffering=1, closefd=False) as stream:
+            guarded = _DeadPipeGuard(stream)
+            guarded.write("a progress bar\n")
+            guarded.flush()
+        assert os.write(dead, b"x") == 1  # now /dev/null
+        silence_dead_pipes((live,))
+        os.write(live, b"still read")
+        assert os.read(live_read, 100) == b"still read"
+    finally:
+        for fd in (dead, live_read, live):
+            os.close(fd)
+
+
+# ----------------------------------------------------------------------------- through accelerate launch
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_launcher_stops_ranks_with_dataloader_workers_and_resumes_bitwise(matrix, tmp_path, capfd):
+    """torchrun forwards the launcher's SIGTERM to each rank's process group (os.killpg): its DataLoader workers
+    get it too, ignore it, and the ranks save and exit 75."""
+    from tests.helpers.runs import log_of, running, wait_for_checkpoint
+
+    out = tmp_path / "run"
+    with running(args_for(matrix, "dataloader", out), out, env={"FAULT_STEP_DELAY": "0.2"}) as proc:
+        wait_for_checkpoint(proc, out, int(SAVE_EVERY))
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 1  # accelerate launch exits 1 when signalled; the workers exit 75
+    log = log_of(out)
+    assert "killed by signal" not in log and "DataLoader worker" not in log, log[-3000:]
+    step = int(re.search(r"preempted: SIGTERM received: stopped after optimizer step (\d+) .* \(exit code 75\)",
+                         log).group(1))
+    assert [s for s, _ in list_checkpoints(str(out / "checkpoints"))][-1] == step
+    assert main_ranks(args_for(matrix, "dataloader", out, "--resume_from_checkpoint", "auto")) == [0, 0]
+    assert_same_weights(out, reference(matrix, "dataloader"))
+
+
+@pytest.mark.slow
+def test_sigkill_of_the_launcher_stops_its_ranks_which_save_and_exit(matrix, tmp_path, capfd):
+    """kill -9 of `accelerate launch`: its ranks (and their DataLoader workers) do not train on; the agent's
+    store dies with it, and the ranks' gloo collectives, the checkpoint's barriers included, do without it."""
+    from tests.helpers.runs import log_of, running, wait_for_checkpoint
+
+    out = tmp_path / "run"
+    with running(args_for(matrix, "dataloader", out), out, env={"FAULT_STEP_DELAY": "0.2"}) as proc:
+        wait_for_checkpoint(proc, out, int(SAVE_EVERY))
+        ranks = [rank.pid for rank in psutil.Process(proc.pid).children()]  # the launcher's children
+        workers = [child.pid for pid in ranks for child in psutil.Process(pid).children()]  # theirs
+        proc.kill()
+        proc.wait(timeout=30)
+    try:
+        assert len(ranks) == 2 and workers and wait_until_gone(ranks + workers, timeout=60) == [], log_of(out)[-3000:]
+    finally:
+        for pid in ranks + workers:
+            if not gone(pid):
+                os.kill(pid, signal.SIGKILL)
+    log = log_of(out)
+    step = int(re.search(r"preempted: the launcher died \(every rank's parent process is gone\): stopped after "
+                         r"optimizer step (\d+)", log).group(1))
+    assert "Traceback" not in log and [s for s, _ in list_checkpoints(str(out / "checkpoints"))][-1] == step
+    assert main_ranks(args_for(matrix, "dataloader", out, "--resume_from_checkpoint", "auto")) == [0, 0]
+    assert_same_weights(out, reference(matrix, "dataloader"))
+
+
+PATHS = ["device", "workers", "mapped", "streaming", "text"]
+
+
+# ============================================================================ errors
+#
+# (a) A sample that does not decode, met by rank 1 at optimizer step 3 (one rank only): exactly one
+#     `accel_ddp: error:` line naming it, every rank exits 2, no traceback anywhere, no hang. On the device loader
+#     path every sample is decoded into memory before training: there the bad sample is met by every rank at
+#     start-up, which is the earliest it can be known.
+# (b) An exception on rank 1 right after step 2: every rank stops promptly (none is let go before every rank
+#     reported: a rank that cannot learn of the failure hangs the test), the failing rank's traceback is shown
+#     once, the other rank prints nothing, both exit 1, and the other's error file names rank 1.
+
+BATCH = ["--global_batch_size", "8", "--max_steps", "60"]  # far more steps than a test lets a run take
+
+
+class Paths:
+    """Each path's data, built once per module in ``root``: ``args(path, bad)`` and the bad sample's name."""
+
+    def __init__(self, root):
+        self.root, self.built = root, {}
+
+    def args(self, path: str, bad: bool) -> tuple[list[str], str]:
+        key = (path, bad or path in ("workers", "mapped", "streaming"))  # (b) stops before their bad sample
+        if key not in self.built:
+            self.built[key] = getattr(self, f"_{path}")(self.root / f"{path}-{int(key[1])}", key[1])
+        return self.built[key]
+
+    def _device(self, folder, bad):  # hf, small enough to decode into memory: the device loader
+        helpers_data.image_splits(folder, 40, 8, bad_rows=(13,) if bad else ())
+        return ["--dataset", "hf", "--data_dir", str(folder), "--loader", "device", *BATCH], \
+            "hf: row 13 of the 'train' split does not decode as an image"
+
+    def _workers(self, folder, bad):  # an image folder: decoded per sample by a DataLoader worker
+        from torchvision.datasets import ImageFolder
+
+        helpers_data.write_png_classes(folder / "train", ["a", "b"], per_class=20, size=(8, 8))
+        helpers_data.write_png_classes(folder / "val", ["a", "b"], per_class=2, size=(8, 8))
+        path = ImageFolder(str(folder / "train")).samples[helpers_data.read_at(3, 1, 40, 8, 2)][0]
+        with open(path, "wb") as fh:
+            fh.write(b"not an image")
+        return ["--dataset", "imagefolder", "--data_dir", str(folder), "--num_workers", "1", *BATCH], \
+            f"imagefolder: {path} does not decode as an image"
+
+    def _mapped(self, folder, bad):  # hf above the in-memory threshold: memory-mapped, decoded in a worker
+        rows = STATS_SAMPLE + 100  # start-up decodes 1024 rows for the normalisation: the bad one is not among them
+        decoded_first = set(stats_rows(rows).tolist())
+        row = next(row for step in range(3, rows // 8) for row in helpers_data.reads_at(step, 1, rows, 8, 2)
+                   if row not in decoded_first)  # rank 1 meets it at step 3 or later
+        helpers_data.image_splits(folder, rows, 16, bad_rows=(row,))
+        return ["--dataset", "hf", "--data_dir", str(folder), "--device_loader_max_mb", "0", "--num_workers", "1",
+                "--checkpointing_steps", "2", *BATCH], f"hf: row {row} of the 'train' split does not decode"
+
+    def _streaming(self, folder, bad):  # parquet files, streamed: rank 1 reads files 1 and 3 (its 9th example)
+        helpers_data.image_shards(folder, [STATS_SAMPLE, 8, 8, 8], n_test=8, bad_rows={3: (0,)})
+        return ["--dataset", "hf", "--data_dir", str(folder), "--streaming", "--shuffle_buffer", "0",
+                "--num_workers", "1", *BATCH], "hf: example 8 read by worker 0 of rank 1 of the 'train' split does not"
+
+    def _text(self, folder, bad):  # token sequences for a GPT-2 (causal_lm), padded per batch, read by a worker
+        folder.mkdir()
+        dataset = "tests.helpers.data:sequences_one_bad" if bad else "tests.helpers.text:build_sequences"
+        return ["--task", "causal_lm", "--dataset", dataset, "--model", "tests.helpers.text:build_gpt",
+                "--num_workers", "1", *BATCH], helpers_data.BAD_SAMPLE_MESSAGE
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory) -> Paths:
+    return Paths(tmp_path_factory.mktemp("paths"))
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_bad_sample_is_one_line_and_exit_2_on_every_rank(paths, path, tmp_path, capfd, quick_stream_ends):
+    args, sample = paths.args(path, bad=True)
+    out = tmp_path / "run"
+    assert launch_ranks(tmp_path, [*args, "--output_dir", str(out)]) == [2, 2]
+    err = capfd.readouterr().err
+    lines = error_lines(err)
+    assert len(lines) == 1 and sample in lines[0], err
+    assert_quiet(err)
+    first = 0 if recorded(tmp_path, 0)["message"].startswith("DataError") else 1
+    assert recorded(tmp_path, first)["message"] == "DataError: " + lines[0].removeprefix("accel_ddp: error: ")
+    assert recorded(tmp_path, 1 - first)["message"].startswith(f"stopped because rank {first} failed: DataError: ")
+    if path not in ("device", "streaming"):  # met by rank 1 alone (a stream stops every rank with rank 1's line)
+        assert first == 1
+    assert not (out / "summary.json").exists() and not (out / "model.safetensors").exists()
+    if path == "mapped":  # the checkpoint of step 2, saved before, is intact
+        from accel_ddp.checkpoint.manager import list_checkpoints, read_checkpoint
+
+        assert [step for step, _ in list_checkpoints(out / "checkpoints")] == [2]
+        read_checkpoint(str(out / "checkpoints" / "step_00000002"))  # every file as saved (sizes and sha256)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_failing_rank_stops_every_rank_with_its_traceback_once(paths, path, tmp_path, capfd, quick_stream_ends):
+    args, _ = paths.args(path, bad=False)
+    assert launch_ranks(tmp_path, [*args, "--output_dir", str(tmp_path / "run")], fail_at=(2, 1)) == [1, 1]
+    err = capfd.readouterr().err
+    injected = "InjectedFailure: injected failure on rank 1 at step 2"
+    assert err.count("Traceback (most recent call last)") == 1 and injected in err, err
+    assert error_lines(err) == []
+    assert "Connection closed by peer" not in err and "frame #" not in err
+    assert recorded(tmp_path, 1)["message"] == injected
+    assert recorded(tmp_path, 0)["message"] == f"stopped because rank 1 failed: {injected}"

@@ -1,0 +1,304 @@
+"""What the loop does per optimizer step beyond the bare DDP loop: no host syncs, a cheap preemption check,
+an optimizer update with torch's arithmetic; start-up time; imports kept off the light paths.
+
+Speed itself is measured in benchmarks/tax.py, against the bare loop; these tests pin the behaviour.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import os
+import signal
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import TensorDataset
+
+from accel_ddp.cli.args import parse_args
+from accel_ddp.data.builtin import read_digits
+from accel_ddp.step import build_clip
+from accel_ddp.tracking.startup import StartupClock, process_age
+from tests.helpers.multiproc import free_port, run_ranks
+from tests.helpers.runs import REPO, load_weights, read_metrics, train_ranks
+from tests.helpers.syncs import OVERHEAD_RUN, count_host_syncs
+
+# ----------------------------------------------------------------------------- host syncs
+
+
+def test_no_host_sync_per_optimizer_step_outside_log_steps(tmp_path):
+    """16 more optimizer steps (same epoch, no evaluation, no checkpoint) add no .item()-like call on any rank,
+    while logging every step adds at least one per step: what a GPU run would stall on is only at log lines.
+
+    SGD, because torch's multi-tensor AdamW reads its step counters with .item() every step: CPU tensors
+    by design (no device sync; the fused AdamW accel_ddp uses on CUDA keeps them on the device).
+    """
+    def counts(steps: int, log_every: int, name: str) -> list[Counter]:
+        args = [*OVERHEAD_RUN, "--max_steps", str(steps), "--log_every", str(log_every), "--eval_every", "1000",
+                "--output_dir", str(tmp_path / name)]
+        return run_ranks(lambda: count_host_syncs(args), world_size=2)
+
+    short, long, logged = counts(8, 1000, "short"), counts(24, 1000, "long"), counts(24, 1, "logged")
+    for rank in range(2):
+        assert long[rank] == short[rank], f"rank {rank}: {short[rank]} syncs for 8 steps, {long[rank]} for 24"
+        assert logged[rank]["item"] >= long[rank]["item"] + 23  # the counting sees the log lines' syncs
+
+
+# ----------------------------------------------------------------------------- preemption
+
+
+def _train_until_preempted(args: list[str], signal_after: int) -> tuple[int, int, str, str]:
+    """In a forked rank: rank 1 sends itself SIGUSR1 right after optimizer step ``signal_after``; returns (step of
+    the signal, step the rank stopped after, the signal it reports, the checkpoint it saved)."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    import accel_ddp.lifecycle.preemption as preemption
+    from accel_ddp.loop import train
+
+    preemption.CHECK_EVERY_SECONDS = 0.02  # compare flags often, so that a short run shows several comparisons
+    steps = [0]
+
+    def after_step(*_):
+        steps[0] += 1
+        if steps[0] == signal_after and os.environ["RANK"] == "1":
+            os.kill(os.getpid(), signal.SIGUSR1)
+
+    register_optimizer_step_post_hook(after_step)
+    try:
+        train(parse_args(args))
+    except preemption.Preempted as stop:
+        return signal_after, stop.step, stop.signal_name, stop.checkpoint
+    raise AssertionError("the run finished: the signal was not acted on")
+
+
+def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step(tmp_path):
+    args = [*OVERHEAD_RUN, "--synthetic_samples", "8192", "--epochs", "1", "--output_dir", str(tmp_path)]  # 512 steps
+    results = run_ranks(lambda: _train_until_preempted(args, signal_after=40), world_size=2)
+    (sent, stopped, name, saved), other = results
+    assert other == results[0], f"the ranks disagree: {results}"  # same step, same signal, same checkpoint
+    assert name == "SIGUSR1" and sent <= stopped < 512  # after the step the signal came in, long before the end
+    assert saved == str(tmp_path / "checkpoints" / f"step_{stopped:08d}")
+    assert (Path(saved) / "model.safetensors").is_file()
+
+
+def test_ranks_compare_flags_now_and_then_not_after_every_step(tmp_path):
+    """With steps of a few ms, the flag all-reduce runs on a small share of the steps (still on every rank alike)."""
+    def count_all_reduces():
+        import torch.distributed as dist
+
+        import accel_ddp.lifecycle.preemption as preemption
+        from accel_ddp.loop import train
+
+        calls = [0]
+        original = dist.all_reduce
+
+        def counting(tensor, *args, **kwargs):
+            calls[0] += tensor.dtype == torch.int64 and tensor.numel() == 2  # the flag's shape
+            return original(tensor, *args, **kwargs)
+
+        preemption.dist.all_reduce = counting  # the module's own reference to torch.distributed
+        try:
+            train(parse_args([*OVERHEAD_RUN, "--epochs", "4", "--output_dir", str(tmp_path)]))  # 128 steps
+        finally:
+            preemption.dist.all_reduce = original
+        return calls[0]
+
+    checks = run_ranks(count_all_reduces, world_size=2)
+    assert checks[0] == checks[1] and 2 <= checks[0] < 64, checks
+
+
+# ----------------------------------------------------------------------------- optimizer update
+
+
+def test_fused_clip_gives_torch_clip_grad_norm_bits():
+    torch.manual_seed(0)
+    for scale in (1e-3, 10.0):  # a norm under the limit (no change) and one over it
+        params = [torch.nn.Parameter(torch.randn(shape)) for shape in ((7, 5), (5,), (3, 7, 2), (4,))]
+        twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+        for p, twin in zip(params[:-1], twins[:-1], strict=True):  # the last has no gradient
+            p.grad = torch.randn_like(p) * scale
+            twin.grad = p.grad.clone()
+        norm = build_clip(params, 1.0)()
+        assert torch.equal(norm, torch.nn.utils.clip_grad_norm_(twins, 1.0))
+        assert all(torch.equal(p.grad, t.grad) for p, t in zip(params[:-1], twins[:-1], strict=True))
+        assert params[-1].grad is None
+
+
+def test_backward_and_update_give_the_weights_of_accelerates_methods():
+    """build_backward + build_update's fast path (Tensor.backward, torch optimizer, fused clip) against
+    Accelerate's backward, clip_grad_norm_, step and zero_grad: the same bits. With accumulation,
+    build_backward is Accelerate's (it divides the loss)."""
+    def both_ways():
+        from accelerate import Accelerator
+
+        from accel_ddp.models import build_model
+        from accel_ddp.optim import build_optimizer
+        from accel_ddp.step import build_backward, build_update
+
+        accelerator = Accelerator(cpu=True)
+        assert build_backward(accelerator) is torch.Tensor.backward
+        weights = []
+        for fast in (True, False):
+            torch.manual_seed(0)
+            model = build_model("mlp", 3, (5,), 8)
+            model, optimizer = accelerator.prepare(model, build_optimizer("adamw", model, 0.1, 0.01))
+            update = build_update(accelerator, model, optimizer, max_grad_norm=0.5)
+            assert update.__name__ == "update"  # one process, no fp16: the torch optimizer's own step
+            data = torch.randn(16, 5), torch.randint(0, 3, (16,))
+            for _ in range(3):
+                loss = torch.nn.functional.cross_entropy(model(data[0]), data[1])
+                if fast:
+                    build_backward(accelerator)(loss)
+                    update()
+                else:
+                    accelerator.backward(loss)
+                    accelerator.clip_grad_norm_(model.parameters(), 0.5)
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+                assert all(p.grad is None for p in model.parameters())
+            weights.append([p.detach().clone() for p in model.parameters()])
+        accelerator.gradient_state.plugin_kwargs["num_steps"] = 2  # accumulation: Accelerate divides the loss
+        return build_backward(accelerator) == accelerator.backward and all(
+            torch.equal(a, b) for a, b in zip(*weights, strict=True))
+
+    assert run_ranks(both_ways, world_size=1) == [True]
+
+
+def test_one_process_launch_on_cpu_trains_the_plain_model_with_the_same_bits(tmp_path):
+    """A launcher's one CPU process (LOCAL_RANK set: Accelerate's MULTI_CPU) gets no 1-rank DDP wrap, and ends
+    with the weights of `python train.py` (no launcher at all)."""
+    def run(out: str):
+        from contextlib import ExitStack
+
+        from accel_ddp.loop import finish, fit, setup
+
+        with ExitStack() as teardown:
+            state = setup(parse_args([*OVERHEAD_RUN, "--epochs", "1", "--output_dir", out]), teardown)
+            wrapped = isinstance(state.model, torch.nn.parallel.DistributedDataParallel)
+            finish(state, fit(state))
+            return state.accelerator.distributed_type.value, wrapped
+
+    torchrun = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": "0",
+                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    assert run_ranks(lambda: run(str(tmp_path / "launched")), world_size=1, env=torchrun) == [("MULTI_CPU", False)]
+    assert run_ranks(lambda: run(str(tmp_path / "plain")), world_size=1) == [("NO", False)]
+    launched, plain = load_weights(tmp_path / "launched"), load_weights(tmp_path / "plain")
+    assert launched.keys() == plain.keys() and all(torch.equal(launched[k], plain[k]) for k in plain)
+
+
+# ----------------------------------------------------------------------------- start-up
+
+
+def test_startup_sec_is_the_slowest_ranks_process_start_to_first_step(tmp_path):
+    summaries = train_ranks([*OVERHEAD_RUN, "--epochs", "1", "--output_dir", str(tmp_path)])
+    assert summaries[0]["startup_sec"] == summaries[1]["startup_sec"]  # the max over ranks, on every rank
+    for summary in summaries:
+        phases = summary["startup_phases_sec"]
+        assert list(phases) == ["imports", "process_group", "data", "model", "loaders", "optimizer_and_prepare",
+                                "resume_and_config", "first_step"]
+        assert all(seconds >= 0 for seconds in phases.values())
+        # Forked ranks start at the fork, moments before train(): the phases add up to this rank's start-up.
+        assert 0 < sum(phases.values()) <= summary["startup_sec"] + 0.01 < 60  # phases are rounded to ms
+
+
+def test_startup_clock_counts_from_the_process_start():
+    age = process_age()
+    assert age is not None and 0 < age < 24 * 3600  # the test process started earlier today
+    clock = StartupClock()
+    clock.mark("work")
+    phases = clock.phases()
+    assert list(phases) == ["imports", "work"] and phases["imports"] >= age - 1e-3
+    assert clock.seconds() == pytest.approx(sum(phases.values()))
+
+
+# ----------------------------------------------------------------------------- measurements
+
+
+def test_epoch_records_carry_host_cpu_per_step(tmp_path):
+    data = TensorDataset(torch.randn(128, 6), torch.randint(0, 3, (128,)))
+
+    def run():
+        from accel_ddp.config import TrainConfig
+        from accel_ddp.loop import train
+        from accel_ddp.models import build_model
+
+        cfg = TrainConfig(global_batch_size=16, epochs=2, output_dir=str(tmp_path))
+        return train(cfg, model=build_model("mlp", 3, (6,), 8), train_dataset=data)
+
+    summary = run_ranks(run, world_size=1)[0]
+    epochs = [r for r in read_metrics(tmp_path) if "step_time_p50_ms" in r]
+    assert len(epochs) == 2 and all(r["cpu_ms_per_step"] > 0 for r in [*epochs, summary])
+
+
+def test_log_lines_leave_out_the_evaluation_between_epochs(tmp_path):
+    """The throughput meter restarts after each epoch's evaluation: the next log line's samples/s is training only."""
+    def run():
+        import accel_ddp.loop as loop
+        import accel_ddp.tracking.step_log as step_log
+
+        resets = []
+
+        class Meter(step_log.ThroughputMeter):
+            def reset(self, step: int) -> None:
+                resets.append(step)
+                super().reset(step)
+
+        step_log.ThroughputMeter = Meter
+        loop.train(parse_args([*OVERHEAD_RUN, "--synthetic_samples", "128", "--epochs", "2", "--output_dir",
+                               str(tmp_path)]))
+        return resets
+
+    assert run_ranks(run, world_size=1) == [[0, 8, 16]]  # at the start, then after each epoch's evaluation
+
+
+# ----------------------------------------------------------------------------- imports
+
+
+def _imports_at_load(module: str) -> set[str]:
+    """Modules that importing ``module`` (an accel_ddp module) imports at load time, its parent packages included,
+    following accel_ddp's own imports; imports inside functions are not followed (they are the lazy ones)."""
+    seen, todo, found = set(), [module], set()
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        parts = name.split(".")
+        todo += [".".join(parts[:i]) for i in range(1, len(parts))]  # the packages' __init__ run first
+        path = REPO.joinpath(*parts)
+        source = path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+        for node in ast.parse(source.read_text()).body:  # top level only
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module] if isinstance(node, ast.ImportFrom) and node.module else [])
+            for imported in names:
+                found.add(imported.split(".")[0])
+                if imported.startswith("accel_ddp"):
+                    todo.append(imported)
+                    if isinstance(node, ast.ImportFrom):  # from accel_ddp import loop: a submodule
+                        todo += [f"{imported}.{a.name}" for a in node.names
+                                 if REPO.joinpath(*imported.split("."), f"{a.name}.py").is_file()]
+    return found
+
+
+@pytest.mark.parametrize(
+    "module", ["accel_ddp.models", "accel_ddp.data", "accel_ddp.config", "accel_ddp.tracking.startup"]
+)
+def test_light_modules_import_no_accelerate(module):
+    """benchmarks/bare_ddp.py builds its model and data with these: they must not pull in Accelerate."""
+    assert "accelerate" not in _imports_at_load(module)
+
+
+def test_training_imports_no_plotting_sklearn_or_datasets_at_load():
+    """matplotlib (curves.png, at the end), scikit-learn (digits are read from its CSV) and datasets (HF sources)
+    are imported where used, not by every rank's start-up."""
+    assert not {"matplotlib", "sklearn", "datasets", "tensorboard"} & _imports_at_load("accel_ddp.loop")
+
+
+def test_digits_are_read_without_scikit_learn_as_load_digits_returns_them():
+    images, labels = read_digits()
+    assert images.shape == (1797, 8, 8) and labels.shape == (1797,)
+    digest = hashlib.sha256(images.astype(np.uint8).tobytes() + labels.astype(np.int64).tobytes()).hexdigest()
+    assert digest == "65e5b4619795efb40c1082f4c350c049e4ad552200d369b6ae99e21eef5e72c5"  # load_digits(), sklearn 1.x
