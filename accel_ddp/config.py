@@ -54,6 +54,37 @@ TEXT_TASKS = ("sequence_classification", "causal_lm")
 # Old spellings that keep working for one release, each with a warning naming the new one.
 RENAMED_FLAGS = {"fast_loader_max_mb": "device_loader_max_mb"}
 RENAMED_VALUES = {("loader", "fast"): "device"}
+DEFAULT_GLOBAL_BATCH = 64  # --global_batch_size unless --gradient_accumulation_steps derives it
+MIXED_PRECISIONS = ("no", "fp16", "bf16", "fp8")  # Accelerate's PrecisionType (accelerate/utils/dataclasses.py)
+# The Hugging Face names (run_clm_no_trainer.py, the Trainer, the accelerate examples), CLI and YAML: the one
+# table cli/args.py translates and tools/flag_table.py prints in docs/flags.md. alias -> (ours, what differs).
+# An alias takes OUR default, never the Trainer's. A name set twice in one source with two values (`--lr 3e-3
+# --learning_rate 1e-4`) is an error; across sources the usual order holds (the command line over the recipe).
+HF_ALIASES: dict[str, tuple[str, str]] = {
+    "learning_rate": ("lr", ""),
+    "num_train_epochs": ("epochs", "a whole number (2.0 is 2); for part of an epoch use --max_steps"),
+    "max_train_steps": ("max_steps", ""),
+    "per_device_train_batch_size": (
+        "per_device_batch_size", "the global batch stays the unit (64 unless --global_batch_size or "
+        "--gradient_accumulation_steps): accumulation = global / (processes x this)"),
+    "per_device_eval_batch_size": ("eval_batch_size", ""),
+    "lr_scheduler_type": ("lr_schedule", "linear, cosine, constant_with_warmup (= constant); constant only "
+                          "without warmup (the Hugging Face constant has none); the others are refused"),
+    "num_warmup_steps": ("warmup_steps", "optimizer steps, as in run_clm_no_trainer.py"),
+    "logging_steps": ("log_every", "optimizer steps; the last step is logged too"),
+    "eval_steps": ("eval_every", "alone switches to evaluating every N steps (the Trainer also needs "
+                   "--eval_strategy steps)"),
+    "save_steps": ("checkpointing_steps", "folders checkpoints/step_N kept by --keep_last; none unless given"),
+    "model_name_or_path": ("model", "also names the tokenizer unless --tokenizer is given"),
+    "tokenizer_name": ("tokenizer", ""),
+    "dataset_name": ("dataset hf --hf_name", "without an eval split a tenth of train is held out (not 5 percent)"),
+    "dataset_config_name": ("hf_config", ""),
+    "block_size": ("max_length --packing true", "causal_lm: texts concatenated and cut into blocks of this size"),
+}
+# Hugging Face names that are options of their own (their meaning is derived): listed in the same docs table.
+HF_FIELDS = ("gradient_accumulation_steps", "warmup_ratio", "mixed_precision")
+# --lr_scheduler_type values -> --lr_schedule; "constant" also needs no warmup (checked in cli/args.py).
+HF_SCHEDULES = {"linear": "linear", "cosine": "cosine", "constant_with_warmup": "constant", "constant": "constant"}
 # Old values that now set several options (CLI and YAML): `--with_tracking csv` = `--with_tracking --report_to csv`.
 EXPANDED_VALUES = {
     ("with_tracking", "none"): {"with_tracking": False},
@@ -135,15 +166,22 @@ class TrainConfig:
     # --- optimisation (units: optimizer steps, samples) ---
     epochs: int = _opt(15, "passes over the training set; ignored when --max_steps is set", low=0)
     max_steps: int | None = _opt(None, "stop after this many optimizer steps (overrides --epochs)", low=1)
-    global_batch_size: int = _opt(64, "samples per optimizer step summed over all ranks; fixed whatever the world size",
-                                    low=1)
+    global_batch_size: int | None = _opt(
+        None, f"samples per optimizer step summed over all ranks; fixed whatever the world size; default "
+        f"{DEFAULT_GLOBAL_BATCH}, or processes x per-device x --gradient_accumulation_steps", low=1)
     per_device_batch_size: int | None = _opt(
         None, "samples per forward pass on one rank; default global/world (no accumulation)", low=1
     )
+    gradient_accumulation_steps: int | None = _opt(
+        None, "micro-batches per optimizer step: the global batch is then processes x per-device x this "
+        "(resolved once the world size is known; config.yaml holds the result)", low=1, high=65536)
     lr: float = _opt(3e-3, "peak learning rate, reached after --warmup_steps")
     optimizer: str = _opt("adamw", "optimizer: sgd (momentum 0.9, nesterov) or adamw")
     weight_decay: float = _opt(0.0, "decoupled weight decay (adamw) or L2 penalty (sgd)", low=0)
     warmup_steps: int = _opt(0, "optimizer steps of linear warmup from 0 to --lr", low=0)
+    warmup_ratio: float | None = _opt(
+        None, "warmup as a fraction of the total steps, rounded up (0 <= r < 1; with --debug of the cut total); "
+        "instead of --warmup_steps", low=0)
     lr_schedule: str = _opt("cosine", "decay after warmup: constant, linear or cosine (to 0 at the last step)")
     max_grad_norm: float = _opt(1.0, "clip the global gradient L2 norm to this; 0 disables clipping", low=0)
     seed: int = _opt(0, "seed for model init, data order and every rank's RNG", low=0, high=SEED_MAX)
@@ -202,6 +240,9 @@ class TrainConfig:
         None, "--with_tracking: the run's name in the trackers; default the --output_dir folder's name"
     )
     debug: bool = _opt(False, "debug mode: anomaly detection, deterministic kernels, few steps, small data")
+    mixed_precision: str | None = _opt(
+        None, "no, fp16, bf16 or fp8; default the launch config's; given, it wins over the launch config (a note "
+        "says so)")
 
     # --- performance and distributed knobs (DDP ones follow the Hugging Face Trainer's names) ---
     ddp_bucket_cap_mb: int = _opt(25, "DDP gradient bucket size in MiB: larger = fewer, bigger all-reduces", low=1)
@@ -228,6 +269,9 @@ class TrainConfig:
             value = checked_type(f.name, getattr(self, f.name), hints[f.name], f.default)
             check_range(f.name, value, f.metadata.get("low"), f.metadata.get("high"))
             setattr(self, f.name, value)
+        if self.global_batch_size is None and self.gradient_accumulation_steps is None:
+            self.global_batch_size = DEFAULT_GLOBAL_BATCH
+        _check_hf_fields(self)
         for (name, old), new in RENAMED_VALUES.items():
             if getattr(self, name) == old:
                 warn_deprecated(f"--{name} {old}", f"--{name} {new}")
@@ -294,8 +338,39 @@ class TrainConfig:
             >>> TrainConfig(global_batch_size=64, per_device_batch_size=16).batch_layout(2)
             (16, 2)
         """
+        if self.gradient_accumulation_steps is not None:
+            self._resolve_accumulation(world_size)
         per_device = self.per_device_batch_size or self.global_batch_size // world_size
         return per_device, accumulation_steps(per_device, self.global_batch_size, world_size)
+
+    def _resolve_accumulation(self, world_size: int) -> None:
+        """--gradient_accumulation_steps N (the Hugging Face meaning): global = world x per-device x N.
+
+        Resolved into --global_batch_size and --per_device_batch_size (N unset), once, so that config.yaml
+        replays the same optimizer steps on another world size (the global batch is the unit).
+        """
+        n, per_device = self.gradient_accumulation_steps, self.per_device_batch_size
+        if per_device is not None:
+            derived = world_size * per_device * n
+            if self.global_batch_size is not None and self.global_batch_size != derived:
+                raise ConfigError(
+                    f"--gradient_accumulation_steps {n} x --per_device_batch_size {per_device} x {world_size} "
+                    f"process(es) = {derived}, but --global_batch_size {self.global_batch_size}; drop one of them")
+        else:
+            derived = self.global_batch_size or DEFAULT_GLOBAL_BATCH
+            if derived % (world_size * n):
+                raise ConfigError(
+                    f"--gradient_accumulation_steps {n}: --global_batch_size {derived} is not divisible by "
+                    f"{world_size} process(es) x {n}; give --per_device_batch_size, or a global batch that is a "
+                    f"multiple of {world_size * n}")
+            per_device = derived // (world_size * n)
+        self.global_batch_size, self.per_device_batch_size, self.gradient_accumulation_steps = derived, per_device, None
+
+    def warmup_for(self, total_steps: int) -> int:
+        """Warmup in optimizer steps: --warmup_steps, or ceil(--warmup_ratio x total steps)."""
+        if self.warmup_ratio is None:
+            return self.warmup_steps
+        return math.ceil(self.warmup_ratio * total_steps)
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -340,6 +415,23 @@ def _check_tracking(cfg: TrainConfig) -> None:
     if not cfg.with_tracking and cfg.report_to != "all":
         warn(f"--report_to {cfg.report_to} has no effect without --with_tracking; add --with_tracking",
              ranks="first")
+
+
+def _check_hf_fields(cfg: TrainConfig) -> None:
+    """The options with Hugging Face names and derived meanings (HF_FIELDS)."""
+    if cfg.warmup_ratio is not None:
+        if not cfg.warmup_ratio < 1:
+            raise ConfigError(f"--warmup_ratio must be below 1 (a fraction of the total steps), got "
+                              f"{cfg.warmup_ratio}; e.g. --warmup_ratio 0.06")
+        if cfg.warmup_steps:
+            raise ConfigError(f"--warmup_ratio {cfg.warmup_ratio} and --warmup_steps {cfg.warmup_steps} both set the "
+                              "warmup; give one of them")
+    if cfg.mixed_precision is not None and cfg.mixed_precision not in MIXED_PRECISIONS:
+        raise ConfigError(f"--mixed_precision {show(cfg.mixed_precision)} is unknown; choose one of "
+                          f"{', '.join(MIXED_PRECISIONS)}")
+    if (cfg.task in TEXT_TASKS and cfg.tokenizer is None and ":" not in cfg.model and "/" in cfg.model
+            and not os.path.exists(cfg.model)):  # a Hub id (org/name): its tokenizer, as run_clm_no_trainer.py
+        cfg.tokenizer = cfg.model
 
 
 def _gib(num_bytes: float) -> str:

@@ -194,7 +194,8 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
 
     optimizer = build_optimizer(cfg.optimizer, model, cfg.lr, cfg.weight_decay,
                                 fused=use_fused_optimizer(cfg.optimizer, accelerator.device.type, accelerator.is_fsdp2))
-    scheduler = build_lr_scheduler(optimizer, cfg.lr_schedule, cfg.warmup_steps, plan.total_steps)
+    # --warmup_ratio (issue 22): a fraction of this run's total steps, so resolved here, once the total is known
+    scheduler = build_lr_scheduler(optimizer, cfg.lr_schedule, cfg.warmup_for(plan.total_steps), plan.total_steps)
     model, optimizer, scheduler = prepare(accelerator, model, optimizer, scheduler)
     probe_task(task, accelerator, model, data, evaluates=loaders.eval is not None, loaders=loaders)
     phase_done("optimizer_and_prepare")

@@ -72,7 +72,7 @@ def test_yaml_recipe_then_cli_overrides(tmp_path):
         (["--checkpointing_steps", "\u00b2"], "positive step count or 'epoch', got '\u00b2'"),  # isdigit, not int
         (["--checkpointing_steps", "9" * 5000], "positive step count or 'epoch', got '9999"),
         (["--epochs", "three"], "invalid int value"),
-        (["--no_such_flag"], "unrecognized arguments"),
+        (["--no_such_flag"], "unknown flag --no_such_flag; see --help"),
     ],
 )
 def test_bad_values_raise_one_clear_config_error(argv, message):
@@ -87,8 +87,8 @@ def test_yaml_errors_name_the_file(tmp_path):
     with pytest.raises(ConfigError, match=r"bad.yaml: not valid YAML at line \d+"):
         parse_args(["--config", str(bad_syntax)])
     unknown = tmp_path / "unknown.yaml"
-    unknown.write_text("lr: 0.1\nlearning_rate: 0.2\n")
-    with pytest.raises(ConfigError, match="unknown key\\(s\\) learning_rate"):
+    unknown.write_text("lr: 0.1\nlearnin_rate: 0.2\n")
+    with pytest.raises(ConfigError, match="unknown key\\(s\\) learnin_rate"):
         parse_args(["--config", str(unknown)])
     with pytest.raises(ConfigError, match="no such file"):
         parse_args(["--config", str(tmp_path / "missing.yaml")])

@@ -31,7 +31,7 @@ def test_flag_table_has_every_field_once_with_its_default_and_help_under_its_sec
     assert "| `--ddp_gradient_as_bucket_view` | `true` |" in table
     headings = re.findall(r"^### (.+)$", table, re.M)
     assert headings == ["Data", "Model", "Task", "Optimisation", "Evaluation, logging, outputs",
-                        "Performance and distributed knobs", "Old spellings"]
+                        "Performance and distributed knobs", "Hugging Face names", "Old spellings"]
     sections = dict(flag_table.sections())
     assert [f.name for f in sections["model"]] == ["model", "hidden_size", "width", "model_config"]
     for old, new in RENAMED_FLAGS.items():

@@ -76,6 +76,7 @@ def table() -> str:
             out += [f"{note.rstrip(')')[0].upper()}{note.rstrip(')')[1:]}.", ""]
         out += ["| flag | default | meaning |", "| --- | --- | --- |"]
         out += [f"| `--{f.name}` | {_default(f)} | {_cell(f.metadata['help'])} |" for f in fields]
+    out += _hf_names()
     out += ["", "### Old spellings", "",
             "They keep working for one release, each with a warning naming the new one.", "",
             "| old | new |", "| --- | --- |"]
@@ -84,6 +85,20 @@ def table() -> str:
     out += [f"| `--{flag} {old}` | `{config.new_spelling(new)}` |"
             for (flag, old), new in config.EXPANDED_VALUES.items()]
     return "\n".join(out) + "\n"
+
+
+def _hf_names() -> list[str]:
+    """The Hugging Face names (config.HF_ALIASES, config.HF_FIELDS): one table, CLI and YAML alike."""
+    out = ["", "### Hugging Face names", "",
+           "The names of `run_clm_no_trainer.py`, the Trainer and the accelerate examples work too, on the command "
+           "line and as YAML keys, with our defaults. One option given twice in one place with two values (`--lr "
+           "3e-3 --learning_rate 1e-4`) is an error; config.yaml is written with our names.", "",
+           "| Hugging Face name | ours | what differs |", "| --- | --- | --- |"]
+    out += [f"| `--{alias}` | `--{ours}` | {_cell(note) or 'nothing'} |"
+            for alias, (ours, note) in config.HF_ALIASES.items()]
+    out += ["", "Options of their own under their Hugging Face names, with the meaning derived as there (rows above): "
+            + ", ".join(f"`--{name}`" for name in config.HF_FIELDS) + "."]
+    return out
 
 
 def render(page: str) -> str:

@@ -12,13 +12,24 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import os
 import re
 import sys
 import typing
 from typing import Any
 
-from accel_ddp.config import EXPANDED_VALUES, RENAMED_FLAGS, TrainConfig, field_types, new_spelling, warn_deprecated
+from accel_ddp.config import (
+    EXPANDED_VALUES,
+    HF_ALIASES,
+    HF_SCHEDULES,
+    LR_SCHEDULES,
+    RENAMED_FLAGS,
+    TrainConfig,
+    field_types,
+    new_spelling,
+    warn_deprecated,
+)
 from accel_ddp.util.validation import ConfigError, scalar_type, show
 
 
@@ -50,12 +61,43 @@ class _OneLineParser(argparse.ArgumentParser):
         one_line = message.replace("\r", "\\r").replace("\n", "\\n")
         raise ConfigError(f"{one_line}; see --help")
 
+    def parse_args(self, args=None, namespace=None):  # type: ignore[override]
+        parsed, unknown = self.parse_known_args(args, namespace)
+        if unknown:
+            self.error(_unknown_flag(unknown))
+        return parsed
+
+
+def _known_names() -> list[str]:
+    return ["config", *(f.name for f in dataclasses.fields(TrainConfig)), *HF_ALIASES]
+
+
+def did_you_mean(name: str) -> str:
+    """`` did you mean --learning_rate (= --lr)?`` for a mistyped option name, or ''."""
+    names = _known_names()
+    spelled = name.replace("-", "_")
+    match = [spelled] if spelled in names else difflib.get_close_matches(spelled, names, n=1, cutoff=0.6)
+    if not match:
+        return ""
+    alias = f" (= --{HF_ALIASES[match[0]][0]})" if match[0] in HF_ALIASES else ""
+    return f"; did you mean --{match[0]}{alias}?"
+
+
+def _unknown_flag(leftover: list[str]) -> str:
+    """What argparse could not place: the first unknown --flag with a suggestion (no prefix matching)."""
+    flag = next((arg for arg in leftover if arg.startswith("--")), None)
+    if flag is None:
+        return f"unrecognized arguments: {' '.join(leftover)}"
+    name = flag[2:].partition("=")[0]
+    return f"unknown flag --{name}{did_you_mean(name)}"
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _OneLineParser(
         prog="train.py",
         description="Data-parallel training with Accelerate. Flags override --config recipe.yaml.",
         argument_default=argparse.SUPPRESS,  # so we know which flags the user really gave
+        allow_abbrev=False,  # `--epoch 1` is a typo, not --epochs (docs.python.org/3/library/argparse.html)
     )
     parser.add_argument("--config", help="YAML recipe with any of the flags below as keys")
     hints = field_types()
@@ -71,7 +113,19 @@ def build_parser() -> argparse.ArgumentParser:
             parser.add_argument(f"--{f.name}", type=kind, help=help_text)
     for old, new in RENAMED_FLAGS.items():
         parser.add_argument(f"--{old}", type=scalar_type(hints[new])[0], help=argparse.SUPPRESS)
+    _add_aliases(parser, hints)
     return parser
+
+
+def _add_aliases(parser: argparse.ArgumentParser, hints: dict[str, Any]) -> None:
+    """The Hugging Face names (config.HF_ALIASES), in a --help group of their own."""
+    group = parser.add_argument_group("Hugging Face names", "aliases of ours, as in run_clm_no_trainer.py and the "
+                                      "Trainer (docs/flags.md#hugging-face-names)")
+    for alias, (ours, note) in HF_ALIASES.items():
+        field_name = ours.split()[0]
+        kind = {"num_train_epochs": float, "dataset_name": str, "block_size": int}.get(
+            alias, scalar_type(hints.get(field_name, str))[0])
+        group.add_argument(f"--{alias}", type=kind, help=f"= --{ours}" + (f"; {note}" if note else ""))
 
 
 def _recipe_loader() -> type:
@@ -112,14 +166,60 @@ def load_recipe(path: str) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError(f"--config {path}: expected a mapping of option: value, got {type(data).__name__}; "
                           "write one `flag: value` per line, e.g. lr: 0.01")
-    known = {f.name for f in dataclasses.fields(TrainConfig)} | set(RENAMED_FLAGS)
+    known = {f.name for f in dataclasses.fields(TrainConfig)} | set(RENAMED_FLAGS) | set(HF_ALIASES)
+    data = {key: value for key, value in data.items() if key not in REPLAYED_KEYS}  # a run's own config.yaml
     unknown = [str(key) for key in data if key not in known]  # keys may be numbers, dates, ... in YAML
     if unknown:
+        hint = did_you_mean(unknown[0]).replace("; did you mean --", "; did you mean ").replace(" (= --", " (= ")
         raise ConfigError(
-            f"--config {path}: unknown key(s) {show(', '.join(unknown))[1:-1]}; valid keys are the flags of "
+            f"--config {path}: unknown key(s) {show(', '.join(unknown))[1:-1]}{hint}; valid keys are the flags of "
             "train.py --help"
         )
     return data
+
+
+# What a run adds to its config.yaml beside the options (facts, the start-up block): read back, ignored.
+REPLAYED_KEYS = ("resolved", "startup")
+
+
+def _alias_values(alias: str, value: Any) -> dict[str, Any]:
+    """What one Hugging Face name sets, in our options."""
+    if alias == "dataset_name":
+        return {"dataset": "hf", "hf_name": value}
+    if alias == "block_size":
+        return {"max_length": value, "packing": True}
+    if alias == "num_train_epochs":
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
+            raise ConfigError(f"--num_train_epochs {show(value)}: only whole epochs here; for part of an epoch "
+                              "give --max_steps (optimizer steps)")
+        return {"epochs": int(value)}
+    if alias == "lr_scheduler_type":
+        if value not in HF_SCHEDULES:
+            raise ConfigError(f"--lr_scheduler_type {show(value)} has no equivalent here; choose one of "
+                              f"{', '.join(HF_SCHEDULES)} (or --lr_schedule {'/'.join(LR_SCHEDULES)})")
+        return {"lr_schedule": HF_SCHEDULES[value]}
+    return {HF_ALIASES[alias][0]: value}
+
+
+def _translated(values: dict[str, Any]) -> dict[str, Any]:
+    """One source's Hugging Face names replaced by ours; two names for one option with two values: ConfigError."""
+    out = {key: value for key, value in values.items() if key not in HF_ALIASES}
+    given = {key: f"--{key} {show(value)}" for key, value in out.items()}
+    for alias in (key for key in values if key in HF_ALIASES):
+        for name, value in _alias_values(alias, values[alias]).items():
+            if name in out and out[name] != value:
+                raise ConfigError(f"--{alias} {show(values[alias])} and {given[name]} both set --{name} to different "
+                                  "values; give one of them")
+            out[name], given[name] = value, f"--{alias} {show(values[alias])}"
+    return out
+
+
+def _check_constant_schedule(values: dict[str, Any], sources: list[dict[str, Any]]) -> None:
+    """The Hugging Face ``constant`` schedule has no warmup (``constant_with_warmup`` has): with one, refuse."""
+    named_constant = any(source.get("lr_scheduler_type") == "constant" for source in sources)
+    if named_constant and (values.get("warmup_steps") or values.get("warmup_ratio")):
+        raise ConfigError("--lr_scheduler_type constant means no warmup, but a warmup is set; use "
+                          "--lr_scheduler_type constant_with_warmup, or drop the warmup")
 
 
 def _renamed(values: dict[str, Any]) -> dict[str, Any]:
@@ -141,6 +241,8 @@ def _renamed(values: dict[str, Any]) -> dict[str, Any]:
 def parse_args(argv: list[str] | None = None) -> TrainConfig:
     """Defaults, then the ``--config`` recipe, then CLI flags."""
     args = vars(build_parser().parse_args(sys.argv[1:] if argv is None else argv))
-    values = _renamed(load_recipe(args.pop("config"))) if "config" in args else {}
-    values.update(_renamed(args))
+    recipe = load_recipe(args.pop("config")) if "config" in args else {}
+    values = _translated(_renamed(dict(recipe)))
+    values.update(_translated(_renamed(dict(args))))
+    _check_constant_schedule(values, [recipe, args])
     return TrainConfig(**values)

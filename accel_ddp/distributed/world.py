@@ -10,6 +10,7 @@ is a ``LaunchError``, never a quiet single-process run.
 from __future__ import annotations
 
 import os
+import sys
 from datetime import timedelta
 from typing import Any
 
@@ -21,7 +22,7 @@ from accel_ddp.config import TrainConfig
 from accel_ddp.distributed.preflight import build_fsdp_plugin, check_launch_devices
 from accel_ddp.lifecycle.failure import WORLD_SIZE_VARS
 from accel_ddp.tracking.trackers import tracking_kwargs
-from accel_ddp.util.validation import LaunchError
+from accel_ddp.util.validation import ConfigError, LaunchError
 
 
 def single_process_trap(env=os.environ) -> str | None:
@@ -52,6 +53,8 @@ def build_accelerator(cfg: TrainConfig) -> tuple[Accelerator, int, int]:
     if cfg.debug:
         os.environ["ACCELERATE_DEBUG_MODE"] = "1"  # cross-rank shape checks on every collective
     cpu = not torch.cuda.is_available()
+    if cfg.mixed_precision is not None:  # issue 22: --mixed_precision wins over the launch config (a note says so)
+        override_mixed_precision(cfg.mixed_precision, cpu, is_main=os.environ.get("RANK", "0") == "0")
     check_launch_devices(cuda_available=not cpu)  # one process per GPU; GPUs this torch cannot use
     if not cpu and cfg.tf32:  # TF32 tensor cores for fp32 matmuls/convs: ~8x on Ampere+, 10-bit mantissa
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -81,6 +84,23 @@ def build_accelerator(cfg: TrainConfig) -> tuple[Accelerator, int, int]:
            if cfg.with_tracking else {}),
     )
     return accelerator, per_device, accumulation
+
+
+def override_mixed_precision(requested: str, cpu: bool, is_main: bool, env=os.environ) -> None:
+    """Make ``--mixed_precision`` the run's precision, as the accelerate examples' flag does.
+
+    Accelerate takes the precision from ``ACCELERATE_MIXED_PRECISION`` (written by ``accelerate launch`` from
+    the launch config) when ``Accelerator`` gets none (accelerate/state.py, ``AcceleratorState.__init__``);
+    setting the variable also reaches what reads it after us (the FSDP plugin, the model card's command).
+    """
+    if cpu and requested == "fp16":  # the doctor's twin check (cli/doctor.py) for launch configs
+        raise ConfigError("--mixed_precision fp16 on CPU: Accelerate silently trains in fp32; use --mixed_precision "
+                          "bf16 or no on CPU")
+    launched = env.get("ACCELERATE_MIXED_PRECISION")
+    if is_main and launched is not None and launched != requested:
+        print(f"accel_ddp: note: --mixed_precision {requested} overrides the launch config's mixed_precision "
+              f"{launched}", file=sys.stderr, flush=True)
+    env["ACCELERATE_MIXED_PRECISION"] = requested
 
 
 def ddp_kwargs(cfg: TrainConfig) -> DistributedDataParallelKwargs:
