@@ -14,13 +14,16 @@ work. Two ways to get them, both host-only, never touching the device:
   parameter but lookup-only embedding tables (position embeddings; a token embedding counts only
   when it is tied to the output layer, whose matmul is real). nanoGPT's ``estimate_mfu`` and
   torchtitan's ``get_num_flop_per_token`` use the same formula.
-- Any other model: ``torch.utils.flop_counter.FlopCounterMode`` over one forward and backward of a
-  one-sample batch on the meta device (no memory, no compute; parameters swapped in with
-  ``torch.func.functional_call``, the model untouched). Only ops with registered formulas count
+- Any other model built of torch's, accel_ddp's or Transformers' modules:
+  ``torch.utils.flop_counter.FlopCounterMode`` over one forward and backward of a one-sample batch on
+  the meta device (no memory, no compute; parameters swapped in with ``torch.func.functional_call``,
+  the model untouched). Only ops with registered formulas count
   (matmuls, convolutions, attention), as the convention asks; the backward is counted, not taken
   as 2x the forward (a first layer computes no input gradient).
 
-The figure is computed once per batch shape and cached, so the per-micro-step cost is a dict lookup.
+A model with modules of its user's own gets no figure (null): its forward is never called outside
+training (it may count its calls, print, draw random numbers). The figure is computed once per batch
+shape and cached, so the per-micro-step cost is a dict lookup.
 """
 
 from __future__ import annotations
@@ -29,6 +32,10 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+
+# At import, not at the first batch: a process that gave up its privileges since (or lost its venv) must not fail.
+from torch.func import functional_call
+from torch.utils.flop_counter import FlopCounterMode
 
 # Peak dense (no 2:4 sparsity) FLOP/s by device, in TFLOP/s: (name tokens, full SM count, {precision: peak}).
 # Datasheets quote "with sparsity" (2x); these are half that. Most specific names first: "H100 PCIE" before
@@ -128,8 +135,6 @@ def counted_flops(model: torch.nn.Module, batch: Any) -> float | None:
     """FLOPs of one forward and backward of ``model`` on a one-sample slice of ``batch``, counted on the meta device.
 
     None when the model cannot run on meta tensors (data-dependent Python on values, say)."""
-    from torch.func import functional_call
-    from torch.utils.flop_counter import FlopCounterMode
 
     def meta(t: Any) -> Any:
         if isinstance(t, torch.Tensor):
@@ -156,6 +161,10 @@ def counted_flops(model: torch.nn.Module, batch: Any) -> float | None:
     return float(counter.get_total_flops())
 
 
+# Where the modules come from whose forward may be run once more on meta tensors to count its FLOPs.
+_SIDE_EFFECT_FREE = ("torch.nn.", "accel_ddp.", "transformers.")
+
+
 class ModelFlops:
     """The model FLOPs of a training batch, computed once per batch shape (host-side: shapes only, no sync).
 
@@ -169,7 +178,12 @@ class ModelFlops:
         # The plain module: a compiled one would compile again for the meta tensors (Accelerate's unwrap keeps it).
         self.model = extract_model_from_parallel(model, keep_torch_compile=False)
         self.shape = transformer_shape(self.model)
-        self.method: str | None = "6N+12LdT" if self.shape is not None else "counted"
+        # The meta-device count runs the model's forward once more: only code known to have no side effects of its
+        # own (torch's layers, ours, Transformers'). A user's module may count its calls or print: no figure then.
+        # A forward hook is a user's code too.
+        self.countable = all(type(m).__module__.startswith(_SIDE_EFFECT_FREE) and not m._forward_hooks
+                             and not m._forward_pre_hooks for m in self.model.modules())
+        self.method: str | None = "6N+12LdT" if self.shape is not None else "counted" if self.countable else None
         self._cache: dict[Any, tuple[float, int, int] | None] = {}
 
     def of_batch(self, batch: Any) -> tuple[float, int, int] | None:
@@ -189,6 +203,8 @@ class ModelFlops:
             length = int(first.shape[1])
             per_token = 6 * matmul_params + 12 * layers * width * length
             return float(per_token * samples * length), samples, samples * length
+        if not self.countable:
+            return None
         per_sample = counted_flops(self.model, batch)  # also a Transformers model fed images (pixel_values)
         self.method = None if per_sample is None else "counted"
         if per_sample is None:

@@ -304,7 +304,7 @@ def loop_with_both_loaders(global_batch: int, per_device: int) -> dict:
     from accelerate.utils import set_seed
     from sklearn.datasets import load_digits
 
-    from accel_ddp.data import build_loaders, skip_first_batches
+    from accel_ddp.data import build_loaders
     from accel_ddp.evaluate import evaluate
 
     world = PartialState(cpu=True).num_processes
@@ -349,7 +349,7 @@ def loop_with_both_loaders(global_batch: int, per_device: int) -> dict:
                     evals.append(evaluate(accelerator, model, loaders.eval)["eval_samples"])
             evals.append(evaluate(accelerator, model, loaders.eval)["eval_samples"])
         loaders.train.set_epoch(1)
-        resumed = [i[:, 64].long().tolist() for i, _ in skip_first_batches(accelerator, loaders.train, accumulation)]
+        resumed = [i[:, 64].long().tolist() for i, _ in loaders.train.skip_first_batches(accumulation)]
         weights = torch.cat([p.detach().flatten() for p in accelerator.unwrap_model(model).parameters()])
         results[kind] = {"kind": loaders.kind, "seen": seen, "syncs": syncs, "evals": evals, "resumed": resumed,
                          "weights": weights.tolist(), "micro_steps": len(loaders.train),
