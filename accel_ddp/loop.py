@@ -72,6 +72,7 @@ from accel_ddp.tracking.meters import (
 from accel_ddp.tracking.recorder import RunRecorder
 from accel_ddp.tracking.startup import StartupClock
 from accel_ddp.tracking.step_log import StepLog
+from accel_ddp.tracking.trackers import tracking_kwargs
 from accel_ddp.util.registry import resolve
 
 
@@ -230,7 +231,10 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
 
 def _join(cfg: TrainConfig, teardown: ExitStack, preemption: PreemptionWatcher) -> tuple[Accelerator, int, int]:
     """The process group and the Accelerator (with the run's batch layout), checked before any data is touched."""
-    accelerator, per_device_batch, accumulation = build_accelerator(cfg)
+    def trackers(state) -> dict[str, Any]:  # --with_tracking: a missing package stops every rank here, before data
+        return tracking_kwargs(state, cfg.report_to, cfg.output_dir, cfg.tracker_project_name, cfg.run_name)
+
+    accelerator, per_device_batch, accumulation = build_accelerator(cfg, trackers if cfg.with_tracking else None)
     teardown.callback(accelerator.end_training)
     preemption.connect(accelerator, timedelta(seconds=cfg.ddp_timeout))  # its all-reduce waits --ddp_timeout at most
     teardown.push(_claim_failure)  # before the group goes: the ranks it then stops know that they are not first

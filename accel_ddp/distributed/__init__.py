@@ -3,6 +3,5 @@
     preflight.py  one process per GPU, GPUs this torch can use, the FSDP plugin
     world.py      build_accelerator (the group formed, the batch layout derived), prepare without a 1-rank DDP
 
-May import: util, config, lifecycle, and tracking for the trackers the Accelerator is built with
-(``world.build_accelerator``; to go once the loop passes them in).
+May import: util, config, lifecycle (the loop passes in the trackers the Accelerator is built with).
 """

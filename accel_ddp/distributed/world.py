@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -21,7 +22,6 @@ from accelerate.utils import DDPCommunicationHookType, DistributedDataParallelKw
 from accel_ddp.config import TrainConfig
 from accel_ddp.distributed.preflight import build_fsdp_plugin, check_launch_devices
 from accel_ddp.lifecycle.failure import WORLD_SIZE_VARS
-from accel_ddp.tracking.trackers import tracking_kwargs
 from accel_ddp.util.validation import ConfigError, LaunchError
 
 
@@ -44,8 +44,12 @@ def single_process_trap(env=os.environ) -> str | None:
             "accelerate_configs/cpu_2proc.yaml); for one process, num_processes: 1 and no MASTER_ADDR set")
 
 
-def build_accelerator(cfg: TrainConfig) -> tuple[Accelerator, int, int]:
+def build_accelerator(cfg: TrainConfig, trackers: Callable[[PartialState], dict[str, Any]] | None = None
+                      ) -> tuple[Accelerator, int, int]:
     """Join the process group and derive (per-device batch, accumulation) from the world size.
+
+    ``trackers(state)``: the ``Accelerator`` keyword arguments of the run's trackers, once the group exists
+    (the loop passes ``tracking.trackers.tracking_kwargs``: forming the world knows no trackers).
 
     Without a GPU we must ask for CPU ourselves: Accelerate only forms a gloo group for a
     torchrun launch when the script requests CPU; otherwise it would start N lone processes.
@@ -79,9 +83,7 @@ def build_accelerator(cfg: TrainConfig) -> tuple[Accelerator, int, int]:
         kwargs_handlers=[ddp_kwargs(cfg)],
         dynamo_backend="inductor" if cfg.compile else None,
         fsdp_plugin=build_fsdp_plugin(cuda_available=not cpu),  # FSDP2 launches: gradients reduced in fp32
-        # --with_tracking: the trackers of --report_to (a missing package stops every rank here, before any data)
-        **(tracking_kwargs(state, cfg.report_to, cfg.output_dir, cfg.tracker_project_name, cfg.run_name)
-           if cfg.with_tracking else {}),
+        **(trackers(state) if trackers is not None else {}),
     )
     return accelerator, per_device, accumulation
 
