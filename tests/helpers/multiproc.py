@@ -54,6 +54,27 @@ def _reset_accelerate_state() -> None:
     GradientState._reset_state()
 
 
+def own_tqdm_locks() -> None:
+    """In a forked rank: tqdm locks of its own (every rank gets them: ``_child``).
+
+    tqdm's write lock is a multiprocessing RLock made in the test process and shared with every process forked
+    from it (by design: tqdm.std.TqdmDefaultWriteLock). A rank SIGKILLed during a progress-bar refresh would hold
+    it forever, and the next bar in the test process, or in any rank forked later, would wait on it forever (an
+    uninterrupted run forked after a test that SIGKILLed a rank hung at a progress-bar update)."""
+    import tqdm.std
+
+    locks = tqdm.std.TqdmDefaultWriteLock
+    locks.th_lock = tqdm.std.TRLock()  # the copy made by fork may be held by a thread that is not here
+    if hasattr(locks, "mp_lock"):
+        del locks.mp_lock  # the next TqdmDefaultWriteLock makes a new one
+    classes = [tqdm.std.tqdm]
+    while classes:
+        cls = classes.pop()
+        classes.extend(cls.__subclasses__())
+        if "_lock" in vars(cls):
+            delattr(cls, "_lock")  # get_lock() makes a new one, with the new locks
+
+
 def _child(rank: int, world_size: int, port: int, env: dict[str, str], fn: Callable[[], Any], conn) -> None:
     try:
         for name in _LAUNCH_ENV:
@@ -65,6 +86,7 @@ def _child(rank: int, world_size: int, port: int, env: dict[str, str], fn: Calla
         os.environ.update(env)
         signal.signal(signal.SIGALRM, signal.SIG_DFL)  # pytest-timeout's alarm belongs to the parent
         _reset_accelerate_state()
+        own_tqdm_locks()
         outcome = ("ok", fn())
     except BaseException:  # noqa: BLE001 - everything goes back to the parent
         outcome = ("error", traceback.format_exc())

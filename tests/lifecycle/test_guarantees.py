@@ -172,31 +172,10 @@ def send(sig: int, target: str, pids: Path) -> None:
                    check=True)
 
 
-def own_tqdm_locks() -> None:
-    """In a forked process that may be SIGKILLed: tqdm locks of its own.
-
-    tqdm's write lock is a multiprocessing RLock made in the test process and shared with every process forked
-    from it (by design: tqdm.std.TqdmDefaultWriteLock). A rank SIGKILLed during a progress-bar refresh would hold
-    it forever, and the next bar in the test process, or in any rank forked later, would wait on it forever."""
-    import tqdm.std
-
-    locks = tqdm.std.TqdmDefaultWriteLock
-    locks.th_lock = tqdm.std.TRLock()  # the copy made by fork may be held by a thread that is not here
-    if hasattr(locks, "mp_lock"):
-        del locks.mp_lock  # the next TqdmDefaultWriteLock makes a new one
-    classes = [tqdm.std.tqdm]
-    while classes:
-        cls = classes.pop()
-        classes.extend(cls.__subclasses__())
-        if "_lock" in vars(cls):
-            delattr(cls, "_lock")  # get_lock() makes a new one, with the new locks
-
-
 def as_torchrun_worker(pids: Path) -> int:
     """In a forked rank: a process group of its own, its pid recorded; flags compared after every step."""
     import accel_ddp.lifecycle.preemption as preemption
 
-    own_tqdm_locks()
     os.setpgrp()
     rank = int(os.environ.get("RANK", "0"))
     (pids / f"rank{rank}").write_text(str(os.getpid()))
