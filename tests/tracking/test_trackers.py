@@ -490,6 +490,19 @@ def test_launch_command_is_rebuilt_from_argv_and_the_launcher_environment(argv, 
 # ----------------------------------------------------------------------------- damaged files of an earlier attempt
 
 
+def _resume_refused(args: list[str], out, capfd) -> str:
+    """An ``auto`` resume of ``out`` to step 8 on 2 ranks: exit 2 on both, one error line (returned), no
+    traceback, and the folder exactly as it was."""
+    before = _snapshot(out)
+    capfd.readouterr()
+    assert main_ranks([*args, "--max_steps", "8", "--resume_from_checkpoint", "auto"]) == [2, 2]
+    err = capfd.readouterr().err
+    (line,) = [line for line in err.splitlines() if line.startswith("accel_ddp: error")]
+    assert err.count("accel_ddp: error") == 1
+    assert "Traceback" not in err and _snapshot(out) == before
+    return line
+
+
 def _snapshot(folder: Path) -> dict[str, tuple[bytes, int]]:
     return {str(p.relative_to(folder)): (p.read_bytes(), p.stat().st_mtime_ns)
             for p in sorted(folder.rglob("*")) if p.is_file()}
@@ -508,15 +521,9 @@ def test_a_metrics_file_that_is_not_utf8_stops_the_resume_on_every_rank_and_noth
     assert main_ranks([*args, "--max_steps", "4"]) == [0, 0]
     lines = (out / damaged).read_bytes().splitlines(keepends=True)
     (out / damaged).write_bytes(b"".join(lines[:1] + [lines[1].replace(b"0", b"\xff", 1)] + lines[2:]))
-    before = _snapshot(out)
-    capfd.readouterr()
-    assert main_ranks([*args, "--max_steps", "8", "--resume_from_checkpoint", "auto"]) == [2, 2]
-    err = capfd.readouterr().err
-    (line,) = [line for line in err.splitlines() if line.startswith("accel_ddp: error")]
-    assert err.count("accel_ddp: error") == 1
+    line = _resume_refused(args, out, capfd)
     assert line == (f"accel_ddp: error: {out / damaged} line 2 is not UTF-8 text, so the file is damaged; "
                     "delete that line (or move the file aside: the run then writes a new one)")
-    assert "Traceback" not in err and _snapshot(out) == before
 
 
 @pytest.mark.parametrize("content, problem", [
@@ -565,14 +572,8 @@ def test_a_damaged_trackers_json_stops_the_resume_on_every_rank_before_anything_
     assert main_ranks([*args, "--max_steps", "4"]) == [0, 0]
     assert json.loads((out / "trackers.json").read_text()) == {"wandb": {"id": "new", "project": "accel_ddp"}}
     (out / "trackers.json").write_text('{"wandb": ["new"]}')
-    before = _snapshot(out)
-    capfd.readouterr()
-    assert main_ranks([*args, "--max_steps", "8", "--resume_from_checkpoint", "auto"]) == [2, 2]
-    err = capfd.readouterr().err
-    (line,) = [line for line in err.splitlines() if line.startswith("accel_ddp: error")]
-    assert err.count("accel_ddp: error") == 1
+    line = _resume_refused(args, out, capfd)
     assert f"{out / 'trackers.json'} is damaged (its wandb entry ['new'] is not an object of run ids)" in line
-    assert "Traceback" not in err and _snapshot(out) == before
 
 
 def test_reading_back_a_run_with_damaged_files_is_one_line_or_leaves_out_what_is_damaged(tmp_path, capsys):
