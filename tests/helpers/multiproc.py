@@ -16,14 +16,19 @@ interpreter teardown, see ``accel_ddp.exit_process``).
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing
 import os
 import pickle
+import shutil
 import signal
 import socket
+import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 # What the launcher would set, or leave out, that must not leak in from the test's own environment.
@@ -75,8 +80,10 @@ def own_tqdm_locks() -> None:
             delattr(cls, "_lock")  # get_lock() makes a new one, with the new locks
 
 
-def _child(rank: int, world_size: int, port: int, env: dict[str, str], fn: Callable[[], Any], conn) -> None:
+def _child(rank: int, world_size: int, port: int, env: dict[str, str], fn: Callable[[], Any], conn,
+           stacks: tuple[str, float]) -> None:
     try:
+        _dump_stacks_if_still_running(*stacks)
         for name in _LAUNCH_ENV:
             os.environ.pop(name, None)
         if world_size > 1:
@@ -99,6 +106,22 @@ def _child(rank: int, world_size: int, port: int, env: dict[str, str], fn: Calla
         os._exit(0)
 
 
+def _dump_stacks_if_still_running(path: str, after_s: float) -> None:
+    """In a rank: every thread's stack into ``path`` if the rank still runs ``after_s`` seconds from now.
+
+    A hang is then a failure that shows where each rank waits, not only that it did."""
+    stacks = open(path, "w")  # noqa: SIM115 - open until the process ends; faulthandler writes into it
+    faulthandler.dump_traceback_later(after_s, exit=False, file=stacks)
+
+
+def _hang_report(stack_files: list[str], threads_at_fork: list[str]) -> str:
+    parts = [f"threads of the test process at fork: {threads_at_fork}"]
+    for rank, path in enumerate(stack_files):
+        text = Path(path).read_text(errors="replace").strip() if Path(path).exists() else ""
+        parts.append(f"--- rank {rank} stacks before the kill:\n{text or '(none written)'}")
+    return "\n".join(parts)
+
+
 def run_ranks(fn: Callable[[], Any], world_size: int = 2, timeout: float = 120, env: dict[str, str] | None = None,
               grace: float = 10.0) -> list[Any]:
     """Run ``fn()`` on ``world_size`` forked ranks; return their results in rank order.
@@ -110,9 +133,15 @@ def run_ranks(fn: Callable[[], Any], world_size: int = 2, timeout: float = 120, 
     ctx = multiprocessing.get_context("fork")
     port = free_port()
     procs, conns = [], []
+    # Forking a process with threads copies their locks, not the threads: note which ran, for a hang's report.
+    threads_at_fork = [thread.name for thread in threading.enumerate()]
+    stack_dir = tempfile.mkdtemp(prefix="rank-stacks-")
+    stack_files = [os.path.join(stack_dir, f"rank{rank}.txt") for rank in range(world_size)]
     for rank in range(world_size):
         parent_end, child_end = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=_child, args=(rank, world_size, port, dict(env or {}), fn, child_end), daemon=False)
+        stacks = (stack_files[rank], max(timeout - 3, 1))
+        proc = ctx.Process(target=_child, args=(rank, world_size, port, dict(env or {}), fn, child_end, stacks),
+                           daemon=False)
         proc.start()
         child_end.close()
         procs.append(proc)
@@ -146,9 +175,11 @@ def run_ranks(fn: Callable[[], Any], world_size: int = 2, timeout: float = 120, 
             conn.close()
     failures = {rank: detail for rank, (status, detail) in outcomes.items() if status == "error"}
     missing = [rank for rank in range(world_size) if rank not in outcomes]
+    report = _hang_report(stack_files, threads_at_fork) if missing and not failures else ""
+    shutil.rmtree(stack_dir, ignore_errors=True)
     if failures:
         failures.update({rank: "killed: still running after another rank failed" for rank in missing})
         raise RankFailed(failures)
     if missing:
-        raise AssertionError(f"ranks {missing} still running after {timeout:.0f} s: killed (a hang?)")
+        raise AssertionError(f"ranks {missing} still running after {timeout:.0f} s: killed (a hang?)\n{report}")
     return [outcomes[rank][1] for rank in range(world_size)]
