@@ -36,7 +36,8 @@ class Panel:
     keys: tuple[str, ...]  # one line per recorded key
     title: str
     ylabel: str
-    legend: bool = False  # each line named after its key
+    legend: bool = False  # each line named (``_label``)
+    metric: str | None = None  # the figure's task metric, which names the others
 
 
 def read_curves(output_dir: str) -> Curves:
@@ -69,7 +70,10 @@ def _eval_metrics(curves: Curves) -> list[str]:
     return sorted(key for key in curves if key.startswith("eval_") and key not in NOT_METRICS)
 
 
-def _label(key: str) -> str:
+def _label(key: str, metric: str | None = None) -> str:
+    """``eval_top5`` -> ``top5``; beside perplexity, a causal LM's accuracy is that of the next token."""
+    if key == "eval_accuracy" and metric == "eval_perplexity":
+        return "next-token accuracy"
     return key.removeprefix("eval_").replace("_", " ")
 
 
@@ -85,7 +89,7 @@ def panels(curves: Curves) -> list[Panel]:
     ]
     others = tuple(key for key in _eval_metrics(curves) if key != metric)
     if others:
-        found.append(Panel(others, "other eval metrics", "value", legend=True))
+        found.append(Panel(others, "other eval metrics", "value", legend=True, metric=metric))
     return found
 
 
@@ -139,7 +143,7 @@ def _draw_panel(ax: Any, panel: Panel, curves: Curves) -> None:
     drawn = [key for key in panel.keys if curves.get(key, ([], []))[0]]
     for key in drawn:
         steps, values = curves[key]
-        label = _label(key) if panel.legend else None
+        label = _label(key, panel.metric) if panel.legend else None
         ax.plot(steps, values, marker="o" if len(steps) <= 30 else None, markersize=3, linewidth=1.2, label=label)
     if not drawn:
         ax.text(0.5, 0.5, f"no '{panel.keys[0]}' in {METRICS_NAME}", ha="center", va="center", transform=ax.transAxes)

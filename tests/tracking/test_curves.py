@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import yaml
 
-from accel_ddp.tracking.curves import epoch_boundaries, plot_run, read_curves, run_figure
+from accel_ddp.tracking.curves import epoch_boundaries, plot_run, read_curves, run_figure, task_metric
 from tests.helpers.output import decode_png
 from tests.helpers.runs import REPO, suite_env
 
@@ -118,7 +118,7 @@ def test_causal_lm_shows_perplexity_beside_the_eval_loss_and_its_next_token_accu
     assert perplexity.get_yscale() == "log"
     assert data(curve_lines(perplexity)[0])[1] == pytest.approx([math.exp(6), math.exp(5), math.exp(4)])
     assert others.get_title() == "other eval metrics" and others.get_yscale() == "linear"
-    assert [line.get_label() for line in curve_lines(others)] == ["accuracy"]  # eval_tokens/eval_samples: counts
+    assert [line.get_label() for line in curve_lines(others)] == ["next-token accuracy"]  # eval_tokens: a count
     assert all(epoch_lines(ax) == [5, 10] for ax in figure.axes)
 
 
@@ -133,6 +133,12 @@ def test_a_single_point_no_evaluation_and_a_negative_loss_still_plot(tmp_path):
     assert metric.get_ylabel() == "accuracy" and not curve_lines(metric)
     assert all(not epoch_lines(ax) for ax in figure.axes)
     assert decode_png(Path(plot_run(str(tmp_path))))
+
+
+def test_without_accuracy_or_perplexity_the_task_metric_is_the_first_of_the_users():
+    curves = {"eval_loss": ([1], [0.5]), "eval_top5": ([1], [0.9]), "eval_f1": ([1], [0.7]), "eval_samples": ([1], [9])}
+    assert task_metric(curves) == "eval_f1"
+    assert task_metric({"eval_loss": ([1], [0.5])}) is None
 
 
 def test_a_long_run_of_short_epochs_marks_every_nth_boundary(tmp_path):
