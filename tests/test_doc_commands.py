@@ -18,7 +18,7 @@ from tools import doc_commands
 NOT_RUN = {
     "train": "it trains: seconds to hours, on GPUs or the Hub for most (the README's main run is launched by "
              "tests/distributed/test_ddp.py::test_default_run_trains_digits_to_95_percent)",
-    "train script": "it trains (examples/custom_model_and_data.py: tests/tasks/ train its functions)",
+    "train script": "it trains (examples/custom_model_and_data.py: tests/data/test_loaders.py trains its functions)",
     "sbatch": "needs SLURM",
     "pip": "installs packages", "git": "clones", "cd": "",
     "pytest": "the suite itself",
