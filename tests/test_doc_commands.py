@@ -124,6 +124,32 @@ def test_the_doctor_commands_run_as_written(doc_cmds, capsys):
         assert out.startswith("accel-ddp doctor: ") and "launch with" in out, (cmd.where, out)
 
 
+MULTI_CPU_ANSWERS = """compute_environment: LOCAL_MACHINE
+distributed_type: MULTI_CPU
+mixed_precision: 'no'
+num_machines: 1
+num_processes: 2
+machine_rank: 0
+use_cpu: true
+"""
+
+
+def test_the_doctor_transcript_is_what_the_doctor_prints_for_that_config(doc_cmds, tmp_path, monkeypatch, capsys):
+    """launch.md's `$ accel-ddp doctor` after answering multi-CPU to `accelerate config`: the same lines, but the
+    machine's own two (its GPUs and cores, the versions and platform)."""
+    from accelerate.commands.config import config_args
+
+    (shown,) = [c for c in doc_cmds if c.kind == "accel-ddp doctor" and c.output]
+    default = shown.output[0].split()[2]  # the path in its first line: Accelerate's default config
+    (tmp_path / "default_config.yaml").write_text(MULTI_CPU_ANSWERS)
+    monkeypatch.setattr(config_args, "default_config_file", str(tmp_path / "default_config.yaml"))
+    assert cli.main(shown.argv[1:]) == 1  # will not run as intended
+    printed = capsys.readouterr().out.replace(str(tmp_path / "default_config.yaml"), default).splitlines()
+    own = ("  machine:", "  software:")
+    assert [line for line in printed if not line.startswith(own)] == \
+        [line for line in shown.output if not line.startswith(own)], shown.where
+
+
 def test_the_refusals_shown_in_the_docs_are_the_ones_a_run_prints(doc_cmds, tmp_path, monkeypatch, capfd):
     refusals = [c for c in doc_cmds if kind(c) == "refused train" and c.argv[:2] == ["python", "train.py"]]
     assert refusals
