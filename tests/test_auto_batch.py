@@ -184,3 +184,48 @@ def test_bad_per_device_values_are_refused(value):
 def test_auto_with_gradient_accumulation_steps_is_refused():
     with pytest.raises(ConfigError, match="auto derives the accumulation"):
         TrainConfig(per_device_batch_size="auto", gradient_accumulation_steps=4)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_the_python_api_on_text_with_token_exact_losses(tmp_path, world):
+    """train(TrainConfig(per_device_batch_size="auto"), model=...) on causal_lm sequences of 3 to 16 tokens (each
+    micro-batch padded to its longest, a (sum, num_items) loss): the probe picks 1 and the run is the run at 1."""
+    from accel_ddp import train
+    from tests.helpers.text import Sequences, tiny_gpt
+
+    def run(out, per_device, above=None):
+        def fn():
+            torch.manual_seed(0)
+            model = tiny_gpt()
+            seen = []
+
+            def out_of_memory(module, args, kwargs):
+                size = kwargs["input_ids"].shape[0]
+                if module.training and torch.is_grad_enabled():
+                    seen.append(size)
+                    if above is not None and size > above:
+                        raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+
+            model.register_forward_pre_hook(out_of_memory, with_kwargs=True)
+            config = TrainConfig(task="causal_lm", global_batch_size=8, per_device_batch_size=per_device, max_steps=3,
+                                 optimizer="sgd", lr=0.2, lr_schedule="constant", log_every=2, output_dir=str(out))
+            return train(config, model=model, train_dataset=Sequences(96)), seen
+
+        return run_ranks(fn, world_size=world)
+
+    share = 8 // world
+    results = run(tmp_path / "auto", "auto", above=1)
+    summary = results[0][0]
+    assert (summary["per_device_batch_size"], summary["grad_accum_steps"]) == (1, share)
+    assert summary["auto_batch"]["tried"] == [size for size in (8, 4, 2, 1) if size <= share]
+    assert all(seen[-3 * share:] == [1] * 3 * share for _, seen in results)
+    run(tmp_path / "ref", 1)
+    _same_run(tmp_path / "auto", tmp_path / "ref")
+
+
+def test_the_command_line_and_the_hugging_face_name_take_auto():
+    from accel_ddp.cli.args import parse_args
+
+    assert parse_args(["--per_device_batch_size", "auto:8"]).per_device_batch_size == "auto:8"
+    assert parse_args(["--per_device_train_batch_size", "auto"]).auto_batch
+    assert parse_args(["--per_device_batch_size", "8"]).per_device_batch_size == 8
