@@ -207,7 +207,8 @@ class CheckpointManager:
             if existing:
                 raise ConfigError(
                     f"{self.root} already holds checkpoints (newest {os.path.basename(existing[-1][1])}); "
-                    "continue that run with --resume_from_checkpoint auto, or pick another --output_dir")
+                    "continue that run with --resume_from_checkpoint auto, or pick another "
+                    f"{'--checkpoint_dir' if self.store.remote else '--output_dir'}")
         self._on_main_then_all(refuse_existing)
 
     def resume(self, spec: str) -> int:

@@ -132,15 +132,17 @@ class ObjectStore:
         found: dict[int, bool] = {}
         self.fs.invalidate_cache()  # s3fs caches listings: another process (the killed run) wrote since
         try:
-            keys = self._call("list", lambda: self.fs.find(self.path, maxdepth=2), passes=FileNotFoundError)
+            # no maxdepth: s3fs lists a whole prefix in one paginated request then, and walks it folder by folder
+            # with one (s3fs/core.py _find)
+            keys = self._call("list", lambda: self.fs.find(self.path), passes=FileNotFoundError)
         except FileNotFoundError:  # nothing under the prefix yet (a bucket that is missing fails the lock first)
             keys = []
         for key in keys:
             parts = key[len(self.path):].strip("/").split("/")
-            match = _STEP_DIR.match(parts[0]) if len(parts) == 2 else None
+            match = _STEP_DIR.match(parts[0]) if len(parts) >= 2 else None
             if match:
                 step = int(match.group(1))
-                found[step] = found.get(step, False) or parts[1] == MARKER_NAME
+                found[step] = found.get(step, False) or parts[1:] == [MARKER_NAME]
         return found
 
     def sealed(self) -> list[tuple[int, str]]:

@@ -206,6 +206,12 @@ def test_auto_skips_a_damaged_object_and_an_unsealed_checkpoint_with_a_line_each
     keys = _keys(s3, prefix)
     assert _sealed_steps(s3, prefix) == [2, 4, 6, 8]
     assert any(".damaged-" in k and k.endswith("optimizer.bin") for k in keys)  # set aside, not deleted
+    # A fresh start over the store's checkpoints, from another output folder, is refused like one on disk.
+    assert main_ranks([*STORE_ARGS, "--output_dir", str(tmp_path / "other"), "--checkpoint_dir", url,
+                       "--max_steps", "8"]) == [2, 2]
+    lines = error_lines(capfd.readouterr().err)
+    assert len(lines) == 1 and f"{url} already holds checkpoints (newest step_00000008)" in lines[0], lines
+    assert "pick another --checkpoint_dir" in lines[0] and ".lock" not in _keys(s3, prefix)
 
 
 def test_a_second_run_on_the_same_prefix_is_refused_naming_the_owner(s3, tmp_path, capfd):
@@ -250,3 +256,35 @@ def test_a_file_url_store_seals_prunes_and_locks_like_a_bucket(tmp_path, capfd):
     assert main_ranks([*args, "--max_steps", "10", "--resume_from_checkpoint", "auto"]) == [2, 2]
     lines = error_lines(capfd.readouterr().err)
     assert len(lines) == 1 and "is in use by another run" in lines[0] and "host node7" in lines[0]
+
+
+def test_async_saves_to_the_store_resume_bitwise_after_a_kill(s3, reference, tmp_path):
+    """--async_checkpointing: the upload and the seal run in the writer thread; the job SIGKILLed after step 5
+    (step 4's upload done or not) resumes from the newest sealed checkpoint to the uninterrupted run's weights."""
+    prefix, out = _prefix(), tmp_path / "run"
+    args = [*STORE_ARGS, "--max_steps", "8", "--output_dir", str(out), "--checkpoint_dir", f"s3://{BUCKET}/{prefix}",
+            "--async_checkpointing"]
+
+    def killed_after_step_5() -> int:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        from accel_ddp.cli.train import main
+
+        steps = [0]
+
+        def after_step(*_):
+            steps[0] += 1
+            if steps[0] == 5:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        register_optimizer_step_post_hook(after_step)
+        return main(args)
+
+    with pytest.raises(RankFailed, match="exited with code -9"):
+        run_ranks(killed_after_step_5)
+    sealed = _sealed_steps(s3, prefix)
+    assert sealed in ([2], [2, 4])
+    assert main_ranks([*args, "--resume_from_checkpoint", "auto"]) == [0, 0]
+    assert read_summary(out)["resumed_from_step"] == sealed[-1]
+    _assert_same_weights(out, reference)
+    assert _sealed_steps(s3, prefix) == [*sealed, *(s for s in (4, 6, 8) if s > sealed[-1])]
