@@ -328,3 +328,29 @@ def test_mlflow_without_a_tracking_uri_keeps_its_store_in_the_output_folder(tmp_
     (uri, artifacts) = run_ranks(start, world_size=1)[0]
     assert uri == f"sqlite:///{out / 'mlflow.db'}" and artifacts == str(out / "mlruns")
     assert list(no_accounts.iterdir()) == []
+
+
+def test_a_snapshot_removes_only_what_is_new_and_not_a_later_runs_files(tmp_path):
+    from accel_ddp.tracking.folder_snapshot import FolderSnapshot
+
+    out = tmp_path / "run"
+    (out / "tensorboard").mkdir(parents=True)
+    (out / "tensorboard/old").write_text("kept")
+    (out / "checkpoints/step_00000004").mkdir(parents=True)
+    before = FolderSnapshot(str(out))
+    (out / "tensorboard/new").write_text("made by the failed start")
+    (out / "wandb/run-1/files").mkdir(parents=True)
+    (out / "checkpoints/step_00000004/x").write_text("no tracker writes here: not listed")
+    (out / ".lock").write_text("")
+    assert before.remove_new() == ["tensorboard/new", "wandb"]
+    assert sorted(str(p.relative_to(out)) for p in out.rglob("*")) == [
+        ".lock", "checkpoints", "checkpoints/step_00000004", "checkpoints/step_00000004/x", "tensorboard",
+        "tensorboard/old"]
+    (out / "wandb").mkdir()  # the abandoned start wrote again; at the exit it goes...
+    before.remove_new_unless_reused()
+    assert not (out / "wandb").exists()
+    (out / "wandb").mkdir()  # ...unless a later run in this process took the folder on
+    (out / "config.yaml").write_text("lr: 0.1\n")
+    os.utime(out / "config.yaml", (before.taken_at + 1, before.taken_at + 1))  # written after (clock granularity)
+    before.remove_new_unless_reused()
+    assert (out / "wandb").is_dir() and (out / "config.yaml").is_file()
