@@ -238,13 +238,17 @@ class TrainConfig:
     with_tracking: bool = _opt(False, "also log to the trackers of --report_to (metrics.jsonl is always written)")
     report_to: str = _opt(
         "all", "trackers for --with_tracking, comma-separated: " + ", ".join(REPORT_TO[:-1])
-        + "; all = every installed one, plus csv"
+        + "; all = every installed one configured to run here (docs/tracking.md), plus csv"
     )
     tracker_project_name: str = _opt(
         "accel_ddp", "--with_tracking: the project (W&B, Comet, SwanLab, Trackio) or experiment (MLflow, Aim, ClearML)"
     )
     run_name: str | None = _opt(
         None, "--with_tracking: the run's name in the trackers; default the --output_dir folder's name"
+    )
+    tracker_start_timeout: float = _opt(
+        30.0, "--with_tracking: seconds each tracker may take to start (a server that does not answer) before the "
+        "run stops with exit code 2", low=0.1, high=3600
     )
     debug: bool = _opt(False, "debug mode: anomaly detection, deterministic kernels, few steps, small data")
     mixed_precision: str | None = _opt(

@@ -225,7 +225,8 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
         checkpoints.saver = AsyncSaver(checkpoints, model, optimizer, scheduler, cfg.ddp_timeout)
     start_step = where_to_start(cfg, accelerator, checkpoints, optimizer, scheduler, plan.total_steps)
     resolved = {**cfg.to_dict(), "resolved": facts}
-    recorder.start_trackers(cfg.tracker_project_name, resolved, start_step)  # one that cannot start: exit 2 here
+    # One that cannot start (or not within --tracker_start_timeout): exit 2 here; a SIGTERM meanwhile: exit 75.
+    recorder.start_trackers(cfg.tracker_project_name, resolved, start_step, cfg.tracker_start_timeout, preemption)
     # Only now, with the input checked and the start point agreed, touch what earlier runs left.
     recorder.rewind(start_step)  # metrics past the checkpoint belong to the lost steps
     recorder.write_config(resolved)
