@@ -4,6 +4,8 @@
     args.py           the command line (YAML, then flags) into a TrainConfig
     train.py          main(): train, then the exit code (failure report, preemption)
     doctor.py         `accel-ddp doctor`: what this machine and launch config will do, before a run
+    doctor_checks.py  the doctor's checks of a launch config (traps, machines, GPUs, precision, rendezvous)
+    doctor_report.py  the doctor's findings and the report it prints
     machine.py        what the doctor reads of the machine (GPUs, CPUs, packages)
     launch_config.py  what the doctor reads of an accelerate launch config
 

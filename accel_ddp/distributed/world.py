@@ -95,7 +95,7 @@ def override_mixed_precision(requested: str, cpu: bool, is_main: bool, env=os.en
     the launch config) when ``Accelerator`` gets none (accelerate/state.py, ``AcceleratorState.__init__``);
     setting the variable also reaches what reads it after us (the FSDP plugin, the model card's command).
     """
-    if cpu and requested == "fp16":  # the doctor's twin check (cli/doctor.py) for launch configs
+    if cpu and requested == "fp16":  # the doctor's twin check (cli/doctor_checks.py) for launch configs
         raise ConfigError("--mixed_precision fp16 on CPU: Accelerate silently trains in fp32; use --mixed_precision "
                           "bf16 or no on CPU")
     launched = env.get("ACCELERATE_MIXED_PRECISION")

@@ -1,6 +1,7 @@
 """How a batch reaches the model, the loss, the eval statistics; a user's own loss and collate code, guarded.
 
     protocol.py   the Task protocol and the built-in tasks (classification, token tasks), the loss contract
+    batches.py    what a batch and a model's outputs hold (labels, own loss, forward's arguments, device)
     labels.py     labels checked against the model's classes, on the host, once
     probe.py      one batch through the model at start-up: a wrong task, shape or label fails before training
     user_code.py  a user's collate_fn / loss_fn / metrics: called, checked, named in the error line

@@ -28,7 +28,8 @@ from accelerate.utils import extract_model_from_parallel
 
 from accel_ddp.data.bundle import DataError
 from accel_ddp.data.in_memory import in_memory_labels
-from accel_ddp.tasks.protocol import IGNORE_INDEX, Task, labels_of, logits_of
+from accel_ddp.tasks.batches import labels_of
+from accel_ddp.tasks.protocol import IGNORE_INDEX, Task, logits_of
 from accel_ddp.util.validation import ConfigError
 
 

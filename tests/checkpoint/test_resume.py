@@ -5,11 +5,11 @@ fixture). The model is ``mnist_cnn``, whose dropout makes the RNG state part of 
 must restore: a resume that loses it, or re-draws a seed, ends with different weights.
 
 Runs are forked ranks of a gloo group (tests/helpers/multiproc.py) except where only a launch shows the
-behaviour: SIGTERM to the launcher, SIGUSR1 to one worker, SIGKILL of the whole job, an elastic
-restart (``@pytest.mark.slow``). A forked run and a launched one of the same command end with
-bitwise-equal weights, so launched runs are compared with the forked reference too. Faults come
-from tests/helpers/faults.py: ``faults.install(...)`` inside a forked rank, or FAULT_* variables read by
-tests/scripts/faulty_train.py in a launch:
+behaviour: SIGUSR1 to one worker, SIGKILL of the whole job, an elastic restart (``@pytest.mark.slow``; SIGTERM
+to the launcher is launched once, with DataLoader workers, in tests/lifecycle/test_guarantees.py). A forked run
+and a launched one of the same command end with bitwise-equal weights, so launched runs are compared with the
+forked reference too. Faults come from tests/helpers/faults.py: ``faults.install(...)`` inside a forked rank, or
+FAULT_* variables read by tests/scripts/faulty_train.py in a launch:
 
     FAULT_STEP_DELAY=0.15            sleep after each optimizer step, so a test can signal a live run
     FAULT_CRASH_IN_CHECKPOINT=12     the main process SIGKILLs itself halfway through saving step 12
@@ -201,27 +201,6 @@ def logged_losses(output_dir: Path) -> dict[int, float]:
     steps = [r["step"] for r in records if "loss" in r]
     assert len(steps) == len(set(steps)), f"a step was logged twice: {steps}"
     return {r["step"]: r["loss"] for r in records if "loss" in r}
-
-
-@pytest.mark.slow
-def test_sigterm_to_the_launcher_saves_exits_75_and_resumes_bitwise(reference, tmp_path, capfd):
-    out = tmp_path / "run"
-    args = [*ARGS, "--checkpointing_steps", "6", "--output_dir", str(out)]
-    with running(args, out, env=LIVE) as proc:
-        wait_for_checkpoint(proc, out, 6)
-        proc.send_signal(signal.SIGTERM)  # as `scancel`, Kubernetes or a batch script's trap would
-        assert proc.wait(timeout=120) == 1  # accelerate launch exits 1 when signalled; the workers exit 75
-    log = log_of(out)
-    stopped = re.search(r"accel_ddp: preempted: SIGTERM received: stopped after optimizer step (\d+) and saved "
-                        r"(\S+); relaunch .* \(exit code 75\)", log)
-    assert stopped, log[-3000:]
-    step = int(stopped.group(1))
-    assert step % STEPS_PER_EPOCH != 0, "stopped at an epoch boundary: the test meant mid-epoch"
-    assert steps_of(out)[-1] == step and stopped.group(2) == str(out / "checkpoints" / f"step_{step:08d}")
-
-    resume([*args, "--resume_from_checkpoint", "auto"], capfd)
-    assert_same_weights(out, reference)
-    assert read_summary(out)["resumed_from_step"] == step
 
 
 @pytest.mark.slow

@@ -688,7 +688,8 @@ def test_outputs_nobody_reads_any_more_go_to_dev_null_instead_of_failing_the_sav
 @pytest.mark.slow
 def test_sigterm_to_the_launcher_stops_ranks_with_dataloader_workers_and_resumes_bitwise(matrix, tmp_path, capfd):
     """torchrun forwards the launcher's SIGTERM to each rank's process group (os.killpg): its DataLoader workers
-    get it too, ignore it, and the ranks save and exit 75."""
+    get it too, ignore it, and the ranks save, say where, and exit 75 (the launcher 1); the run resumes from that
+    step bitwise. The suite's one launch of this (the forked runs above signal every path)."""
     from tests.helpers.runs import log_of, running, wait_for_checkpoint
 
     out = tmp_path / "run"
@@ -698,10 +699,14 @@ def test_sigterm_to_the_launcher_stops_ranks_with_dataloader_workers_and_resumes
         assert proc.wait(timeout=120) == 1  # accelerate launch exits 1 when signalled; the workers exit 75
     log = log_of(out)
     assert "killed by signal" not in log and "DataLoader worker" not in log, log[-3000:]
-    step = int(re.search(r"preempted: SIGTERM received: stopped after optimizer step (\d+) .* \(exit code 75\)",
-                         log).group(1))
+    stopped = re.search(r"accel_ddp: preempted: SIGTERM received: stopped after optimizer step (\d+) and saved "
+                        r"(\S+); relaunch .* \(exit code 75\)", log)
+    assert stopped, log[-3000:]
+    step = int(stopped.group(1))
     assert [s for s, _ in list_checkpoints(str(out / "checkpoints"))][-1] == step
+    assert stopped.group(2) == str(out / "checkpoints" / f"step_{step:08d}")
     assert main_ranks(args_for(matrix, "dataloader", out, "--resume_from_checkpoint", "auto")) == [0, 0]
+    assert read_summary(out)["resumed_from_step"] == step
     assert_same_weights(out, reference(matrix, "dataloader"))
 
 

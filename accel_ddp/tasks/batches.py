@@ -1,0 +1,66 @@
+"""What a batch and a model's outputs hold, read the same way by every task: the labels, the model's own loss, the
+forward's named arguments, the device, whether the logits fit the labels; and per-item averages.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from accelerate.utils import extract_model_from_parallel
+
+from accel_ddp.util.model_outputs import logits_of
+from accel_ddp.util.validation import ConfigError
+
+
+def model_loss(outputs: Any) -> torch.Tensor | None:
+    """The loss a model returned itself (``outputs.loss`` or ``outputs["loss"]``), or None."""
+    if isinstance(outputs, Mapping):
+        return outputs.get("loss")
+    return getattr(outputs, "loss", None)
+
+
+def labels_of(batch: Any) -> torch.Tensor | None:
+    """The targets of a batch: the second element of a tuple, or ``batch["labels"]``."""
+    if isinstance(batch, Mapping):
+        return batch.get("labels")
+    return batch[1] if len(batch) > 1 else None
+
+
+def forward_keys(model: torch.nn.Module) -> set[str] | None:
+    """The keyword arguments ``model.forward`` names, or None when it takes only ``**kwargs`` (then pass all).
+
+    Like the Hugging Face Trainer, a forward with named parameters and ``**kwargs`` gets only the
+    named ones: a dataset's leftover columns (raw text, ids) must not reach the model.
+    """
+    params = inspect.signature(extract_model_from_parallel(model).forward).parameters.values()
+    named = {p.name for p in params if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+    return named or None
+
+
+def batch_device(batch: Any) -> torch.device:
+    values = batch.values() if isinstance(batch, Mapping) else batch
+    return next(v.device for v in values if isinstance(v, torch.Tensor))
+
+
+def per_item(total: float, items: float) -> float | None:
+    """``total / items``; None when nothing was counted (an empty eval set, or texts without a token to predict)."""
+    return total / items if items else None
+
+
+def check_logit_shapes(outputs: Any, labels: torch.Tensor) -> None:
+    """``(input, label)`` batches with the default cross-entropy: the model's logits must fit the labels.
+
+    Shapes only, the same on every rank: a mismatch ends every rank with one line naming both.
+    """
+    logits = logits_of(outputs)
+    if logits is None:
+        raise ConfigError(f"the model returned {type(outputs).__name__} from forward; expected a tensor of logits "
+                          f"(batch, num_classes) for labels of shape {tuple(labels.shape)}")
+    soft_labels = labels.is_floating_point() and labels.shape == logits.shape  # class probabilities
+    if logits.ndim != 2 or (labels.ndim != 1 and not soft_labels) or logits.shape[0] != labels.shape[0]:
+        raise ConfigError(f"the model's output has shape {tuple(logits.shape)} but the labels have shape "
+                          f"{tuple(labels.shape)}; the model must return logits of shape "
+                          f"({labels.shape[0]}, num_classes)")
