@@ -6,6 +6,7 @@
     flops.py      model FLOPs per sample or token, the peak table per device and precision
     step_log.py   StepLog: what each optimizer step leaves on the host (bar, timers, log lines)
     startup.py    how long each start-up phase took
+    startup_block.py  what the run is about to do, said once before its first step (and the likely mistakes)
     report.py     curves.png and the `accel-ddp summary` table, from the run folder alone
 
 May import: util, config, lifecycle, outputs.
