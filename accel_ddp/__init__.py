@@ -3,12 +3,13 @@
 ``train`` and ``exit_process`` are imported on first use: ``import accel_ddp.models`` (or
 ``accel_ddp.config``, the CLI's ``--help``, the doctor) then costs no Accelerate import.
 
-The loop's story is at the root (``config``, ``loop``, ``step``, ``anomaly``, ``evaluate``, ``models``, ``optim``);
+The loop's story is at the root (``config``, ``loop``, ``step``, ``anomaly``, ``batch_size``, ``evaluate``, ``models``,
+``optim``);
 infrastructure lives in subpackages, each ``__init__`` saying what it holds and what it may import.
 Imports run one way: each layer imports only layers to its left.
 
     util -> config -> lifecycle -> outputs -> tracking, checkpoint -> distributed -> data -> tasks
-         -> models, optim -> step, anomaly, evaluate -> loop -> cli
+         -> models, optim -> step, anomaly, batch_size, evaluate -> loop -> cli
 
 (``loop`` is the only module that sees everything; nothing imports ``cli`` but ``__main__``.)
 """

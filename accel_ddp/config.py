@@ -177,8 +177,9 @@ class TrainConfig:
     global_batch_size: int | None = _opt(
         None, f"samples per optimizer step summed over all ranks; fixed whatever the world size; default "
         f"{DEFAULT_GLOBAL_BATCH}, or processes x per-device x --gradient_accumulation_steps", low=1)
-    per_device_batch_size: int | None = _opt(
-        None, "samples per forward pass on one rank; default global/world (no accumulation)", low=1
+    per_device_batch_size: int | str | None = _opt(
+        None, "samples per forward pass on one rank; default global/world (no accumulation); auto (or auto:CAP): "
+        "the largest that fits in memory, found by a probe at start (docs/long-runs.md)", low=1
     )
     gradient_accumulation_steps: int | None = _opt(
         None, "micro-batches per optimizer step: the global batch is then processes x per-device x this "
@@ -302,6 +303,7 @@ class TrainConfig:
             raise ConfigError(f"--synthetic_shape must be one or more positive sizes, got "
                               f"{show(list(self.synthetic_shape))}; e.g. --synthetic_shape 1 28 28")
         self._check_sizes()
+        _check_per_device(self)
         if self.checkpointing_steps is not None:
             value = str(self.checkpointing_steps)
             if value != "epoch" and not (value.isascii() and value.isdigit() and len(value) <= 10
@@ -349,8 +351,23 @@ class TrainConfig:
         """
         if self.gradient_accumulation_steps is not None:
             self._resolve_accumulation(world_size)
-        per_device = self.per_device_batch_size or self.global_batch_size // world_size
+        if self.auto_batch:  # the probe's first candidate (accel_ddp/batch_size.py)
+            per_device = largest_micro_batch(self.global_batch_size, world_size, self.auto_batch_cap)
+        else:
+            per_device = self.per_device_batch_size or self.global_batch_size // world_size
         return per_device, accumulation_steps(per_device, self.global_batch_size, world_size)
+
+    @property
+    def auto_batch(self) -> bool:
+        """``--per_device_batch_size auto`` or ``auto:CAP``: the micro-batch is found by a probe at start."""
+        return isinstance(self.per_device_batch_size, str)
+
+    @property
+    def auto_batch_cap(self) -> int | None:
+        """The CAP of ``auto:CAP`` (the probe starts at most there); None for plain ``auto`` or a fixed size."""
+        if not self.auto_batch or ":" not in self.per_device_batch_size:
+            return None
+        return int(self.per_device_batch_size.partition(":")[2])
 
     def _resolve_accumulation(self, world_size: int) -> None:
         """--gradient_accumulation_steps N (the Hugging Face meaning): global = world x per-device x N.
@@ -399,6 +416,36 @@ def accumulation_steps(per_device_batch_size: int, global_batch_size: int, world
             f"{world_size * max(per_device_batch_size, 1)}"
         )
     return global_batch_size // (world_size * per_device_batch_size)
+
+
+def largest_micro_batch(global_batch_size: int, world_size: int, at_most: int | None = None) -> int:
+    """The largest micro-batch that divides this rank's share of the global batch (``global / world``), at most
+    ``at_most``: where ``--per_device_batch_size auto`` starts, and (``at_most`` = half the last) where it goes next.
+
+        >>> largest_micro_batch(96, 2), largest_micro_batch(96, 2, at_most=20), largest_micro_batch(96, 2, at_most=11)
+        (48, 16, 8)
+    """
+    if global_batch_size % world_size:
+        raise ConfigError(f"--global_batch_size {global_batch_size} is not divisible by world size {world_size}; "
+                          f"pick a global batch that is a multiple of {world_size}")
+    share = global_batch_size // world_size
+    at_most = share if at_most is None else max(1, min(at_most, share))
+    return next(size for size in range(at_most, 0, -1) if share % size == 0)
+
+
+def _check_per_device(cfg: TrainConfig) -> None:
+    """--per_device_batch_size: a whole number, ``auto`` or ``auto:CAP`` (CAP a whole number > 0)."""
+    value = cfg.per_device_batch_size
+    if not isinstance(value, str):
+        return
+    word, colon, cap = value.partition(":")
+    if word != "auto" or (colon and not (cap.isascii() and cap.isdigit() and 0 < int(cap) <= INT_MAX)):
+        raise ConfigError(f"--per_device_batch_size {show(value)} is neither a whole number nor auto; give e.g. "
+                          "--per_device_batch_size 16, auto, or auto:32 (auto, trying 32 first at most)")
+    if cfg.gradient_accumulation_steps is not None:
+        raise ConfigError(f"--per_device_batch_size {value} with --gradient_accumulation_steps "
+                          f"{cfg.gradient_accumulation_steps}: auto derives the accumulation from the micro-batch "
+                          "that fits; give --global_batch_size instead of --gradient_accumulation_steps")
 
 
 def warn_deprecated(old: str, new: str) -> None:

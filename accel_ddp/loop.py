@@ -28,6 +28,7 @@ from torch.utils.data import Dataset
 from tqdm.auto import tqdm
 
 from accel_ddp.anomaly import AnomalyGuard, RolledBack, roll_back
+from accel_ddp.batch_size import choose_micro_batch
 from accel_ddp.checkpoint.async_save import AsyncSaver, check_async_checkpointing
 from accel_ddp.checkpoint.best import BestModel
 from accel_ddp.checkpoint.manager import HYPERPARAMETERS, CheckpointManager
@@ -86,6 +87,7 @@ class Plan:
     steps_per_epoch: int  # optimizer steps; the trailing partial global batch is dropped
     total_steps: int  # optimizer steps of the whole run
     num_epochs: int
+    auto_batch: dict[str, Any] | None = None  # --per_device_batch_size auto: what was asked, tried, and from where
 
 
 @dataclass
@@ -183,6 +185,10 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
     named = f" (--model {cfg.model})" if model is None else ""
     model = _model(cfg, accelerator, model, data, memory_format)
     named = f"{type(model).__name__}{named}, {sum(p.numel() for p in model.parameters()):,} parameters"
+    # --per_device_batch_size auto: the largest micro-batch that fits on every rank, before DDP wraps the model
+    chosen = choose_micro_batch(cfg, accelerator, model, task, data) if cfg.auto_batch else None
+    if chosen is not None:
+        per_device_batch, accumulation = chosen.size, chosen.accumulation
     phase_done("model")
 
     # The device loader where the data fits (--loader), else a DataLoader over the same order, or a stream.
@@ -194,6 +200,7 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
         memory_limit=data.memory_limit,  # the machine's budget (data/memory_budget.py): device memory left for data
     )
     plan = _plan(cfg, loaders.steps_per_epoch, per_device_batch, accumulation)
+    plan.auto_batch = chosen.facts() if chosen is not None else None
     phase_done("loaders")
 
     optimizer = build_optimizer(cfg.optimizer, model, cfg.lr, cfg.weight_decay,
@@ -303,6 +310,7 @@ def _run_facts(cfg: TrainConfig, accelerator: Accelerator, plan: Plan, loader_ki
         "global_batch_size": cfg.global_batch_size,
         "per_device_batch_size": plan.per_device_batch,
         "grad_accum_steps": plan.accumulation,
+        **({"auto_batch": plan.auto_batch} if plan.auto_batch else {}),  # the size was found by the probe, or reused
         "steps_per_epoch": plan.steps_per_epoch,
         "total_steps": plan.total_steps,
         "distributed_type": str(accelerator.distributed_type.value),
@@ -337,7 +345,8 @@ def fit(run: Run) -> FitResult:
         guard.restart(step)
     steps = TrainStep(accelerator, run.model, run.task, run.optimizer, run.scheduler, plan.accumulation,
                       cfg.global_batch_size, cfg.max_grad_norm, step, check_loss=_debug_check(run, watch),
-                      guard=guard if guard is not None and guard.skips else None)  # stop + --spike_factor: logs only
+                      guard=guard if guard is not None and guard.skips else None,  # stop + --spike_factor: logs only
+                      per_device_batch=plan.per_device_batch)
     stops = StopPoints(run.checkpoints, run.preemption, watch, steps.losses, run.bar, plan.total_steps, guard)
     log = StepLog(run, steps.losses, guard)
     eval_metrics: dict[str, Any] = {}

@@ -31,7 +31,7 @@ from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import DistributedType
 
-from accel_ddp.util.messages import empty_sum
+from accel_ddp.util.messages import empty_sum, out_of_memory
 from accel_ddp.util.validation import ConfigError
 
 if TYPE_CHECKING:
@@ -328,7 +328,8 @@ class TrainStep:
 
     def __init__(self, accelerator: Accelerator, model, task, optimizer, scheduler, accumulation: int,
                  global_batch_size: int, max_grad_norm: float, start_step: int = 0,
-                 check_loss: Callable[[torch.Tensor, int], None] | None = None, guard=None):
+                 check_loss: Callable[[torch.Tensor, int], None] | None = None, guard=None,
+                 per_device_batch: int | None = None):
         self.accelerator, self.model, self.task, self.scheduler = accelerator, model, task, scheduler
         # guard (--on_anomaly skip|rollback): a bad step's update is left out on every rank, its loss off the log
         self.guard = guard
@@ -336,19 +337,27 @@ class TrainStep:
         self.update = build_update(accelerator, model, optimizer, max_grad_norm, guard)  # clip, step, zero_grad
         self.step = start_step  # optimizer steps done
         self.check_loss = check_loss  # --debug: (each micro-step's loss, the step it belongs to) before its backward
+        self.layout = (per_device_batch, accumulation)  # named by the one line of an out-of-memory error
 
     def micro_step(self, batch) -> bool:
-        """Forward and backward ``batch``; the optimizer step where it completes one (returns True)."""
-        with self.accelerator.accumulate(self.model):
-            loss = self.task.training_loss(self.model, batch)  # a mean, or a (sum, num_items) pair
-            if self.check_loss is not None:
-                self.check_loss(loss.value, self.step + 1)
-            self.losses.backward(loss)
-            if self.accelerator.sync_gradients:  # the step's last micro-step: gradients are synced
-                self.losses.finish_step(self.model)  # (sum, num_items): the gradient of total loss / total items
-                self.update()  # clip (--max_grad_norm), optimizer step, zero_grad
-                if self.guard is not None:
-                    self.losses.end_step()  # a skipped step's loss stays out of the logged mean
+        """Forward and backward ``batch``; the optimizer step where it completes one (returns True).
+
+        Out of device memory: one line naming ``--per_device_batch_size`` (bad input, exit 2). The other ranks then
+        fail in their gradient all-reduce, the failure report ends them (accel_ddp/lifecycle/failure.py).
+        """
+        try:
+            with self.accelerator.accumulate(self.model):
+                loss = self.task.training_loss(self.model, batch)  # a mean, or a (sum, num_items) pair
+                if self.check_loss is not None:
+                    self.check_loss(loss.value, self.step + 1)
+                self.losses.backward(loss)
+                if self.accelerator.sync_gradients:  # the step's last micro-step: gradients are synced
+                    self.losses.finish_step(self.model)  # (sum, num_items): the gradient of total loss / total items
+                    self.update()  # clip (--max_grad_norm), optimizer step, zero_grad
+                    if self.guard is not None:
+                        self.losses.end_step()  # a skipped step's loss stays out of the logged mean
+        except torch.OutOfMemoryError as err:
+            raise ConfigError(out_of_memory(self.step + 1, *self.layout)) from err
         if not self.accelerator.sync_gradients:
             return False
         self.scheduler.step()  # exactly once per optimizer step

@@ -27,6 +27,9 @@ The checks (``--only`` names):
     gpu_guard           more ranks than GPUs: every rank stops with one line before NCCL
     gloo_two_ranks      two ranks on one GPU over gloo (gloo_on_one_gpu.py): DDP, the device loader,
                         checkpoints, then a resume with the DataLoader loader
+    auto_batch_oom      --per_device_batch_size auto in a process allowed 2 GiB of the GPU (capped_memory.py): the
+                        first micro-batch (65536 samples, ~4.6 GiB) really runs out of memory, the probe halves
+                        until one fits (16384, ~1.4 GiB), the run finishes, its weights equal a run started there
     compile             --compile: plain keys in model.safetensors and checkpoints; resume without compile
     fsdp2_one_rank      fsdp_4gpu.yaml on one rank: policy applied (fp32 reduce), the premises of the
                         refusals, train + checkpoint + resume + full export, SGD (foreach)
@@ -286,6 +289,39 @@ def check_gloo_two_ranks(s: Session, out: Path) -> str:
             f"resumed with the DataLoader to 30, eval_accuracy {got['eval_accuracy']:.3f}")
 
 
+# --per_device_batch_size auto against a real out-of-memory error. An mlp of 4096 hidden units on 1x32x32 inputs, in
+# fp32: at the backward's peak a sample holds its input, both hidden outputs and two hidden-sized gradients, 1024 + 4 x
+# 4096 floats = 68 KiB; the model's state (21M weights, their gradients, AdamW's two moments: the probe holds those
+# too) is 0.34 GiB. So 65536 samples (4.6 GiB) and 32768 (2.5 GiB) cannot fit in 2 GiB, 16384 (1.4 GiB) can: more
+# than 2x over at the start, 30% under at the end. The dry run: small sizes, no cap, nothing runs out of memory.
+AUTO_GPU = {"global": 65536, "hidden": 4096, "shape": (1, 32, 32), "gib": "2"}
+AUTO_CPU = {"global": 256, "hidden": 32, "shape": (1, 8, 8), "gib": ""}
+
+
+def check_auto_batch_oom(s: Session, out: Path) -> str:
+    size = AUTO_GPU if s.gpu else AUTO_CPU
+    args = ["--dataset", "synthetic", "--synthetic_samples", size["global"], "--synthetic_shape", *size["shape"],
+            "--model", "mlp", "--hidden_size", size["hidden"], "--global_batch_size", size["global"],
+            "--max_steps", 2, "--loader", "dataloader", "--eval_batch_size", 1024, "--mixed_precision", "no"]
+    env = s.env({"CAPPED_MEMORY_GIB": size["gib"]})
+    auto, fixed = out / "auto", out / "fixed"
+    ok(*s.launch(out, "auto", "1gpu_debug.yaml", HERE / "capped_memory.py",
+                 [*args, "--per_device_batch_size", "auto", "--output_dir", auto], env=env), "the auto run")
+    got = summary(auto)
+    tried, chosen = got["auto_batch"]["tried"], got["per_device_batch_size"]
+    expect(got["optimizer_steps"] == 2 and tried[0] == size["global"] and tried[-1] == chosen
+           and got["grad_accum_steps"] * chosen == size["global"], f"auto: tried {tried}, {got}")
+    expect(len(tried) > 1 or not s.gpu, f"the first micro-batch, {tried[0]}, did not run out of memory in 2 GiB")
+    ok(*s.launch(out, "fixed", "1gpu_debug.yaml", HERE / "capped_memory.py",
+                 [*args, "--per_device_batch_size", chosen, "--output_dir", fixed], env=env), "the run started there")
+    a, b = weights(auto / "model.safetensors"), weights(fixed / "model.safetensors")
+    differ = max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+    expect(differ <= 1e-6, f"the weights differ from the run started at {chosen}: max |diff| {differ:.3g}")
+    how = "bitwise equal" if differ == 0 else f"max |diff| {differ:.3g}"
+    return (f"{'2 GiB of ' + s.device if s.gpu else 'plumbing only, no cap'}: tried {tried}, trained at {chosen} x "
+            f"{got['grad_accum_steps']}; weights vs a run started at {chosen}: {how}")
+
+
 def check_compile(s: Session, out: Path) -> str:
     compiled, plain = out / "compiled", out / "plain"
     args = ["--dataset", "digits", "--model", "mnist_cnn", "--max_steps", 20, "--checkpointing_steps", 10]
@@ -381,6 +417,7 @@ CHECKS = {
     "preempt_resume": check_preempt_resume,
     "gpu_guard": check_gpu_guard,
     "gloo_two_ranks": check_gloo_two_ranks,
+    "auto_batch_oom": check_auto_batch_oom,
     "compile": check_compile,
     "fsdp2_one_rank": check_fsdp2_one_rank,
     "nccl_two_ranks": check_nccl_two_ranks,

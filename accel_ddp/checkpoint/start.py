@@ -8,12 +8,17 @@ Every rank gets the same answer or the same error: each decision is the main pro
 
 from __future__ import annotations
 
+import json
+import os
 from typing import Any
 
 from accelerate import Accelerator
 
 from accel_ddp.checkpoint.manager import CheckpointManager, flags_in_force
+from accel_ddp.checkpoint.manifest import list_checkpoints
 from accel_ddp.config import TrainConfig
+from accel_ddp.lifecycle.failure import main_process_decides
+from accel_ddp.outputs.names import CHECKPOINTS_DIR, MARKER_NAME
 from accel_ddp.outputs.run_dir import refuse_to_overwrite_finished, stop_if_finished
 
 
@@ -38,3 +43,32 @@ def where_to_start(cfg: TrainConfig, accelerator: Accelerator, checkpoints: Chec
     if start_step == 0:
         refuse_to_overwrite_finished(accelerator, cfg.output_dir)
     return start_step
+
+
+def recorded_layout(cfg: TrainConfig, accelerator: Accelerator) -> dict[str, Any] | None:
+    """The run facts (``per_device_batch_size``, ``grad_accum_steps``, ...) recorded in the checkpoint that
+    ``--resume_from_checkpoint`` will resume from, read before anything is built (collective: the main process
+    reads, every rank gets the answer); None for a fresh start or where there is no readable checkpoint.
+
+    A quiet look at ``checkpoint.json`` only (no file hashed: ``where_to_start`` later proves the checkpoint
+    whole, makes the real choice, with its messages and refusals). Where the newest one proves damaged and
+    ``auto`` falls back to an older one, that one is of the same run: the same size was recorded.
+    """
+    if not cfg.resume_from_checkpoint:
+        return None
+
+    def look() -> dict[str, Any] | None:
+        spec = cfg.resume_from_checkpoint
+        folders = [folder for _, folder in reversed(list_checkpoints(os.path.join(cfg.output_dir, CHECKPOINTS_DIR)))] \
+            if spec == "auto" else [spec]
+        for folder in folders:
+            try:
+                with open(os.path.join(folder, MARKER_NAME), encoding="utf-8") as fh:
+                    meta = json.load(fh)
+            except (OSError, ValueError):
+                continue
+            if isinstance(meta, dict):
+                return meta
+        return None
+
+    return main_process_decides(accelerator, look)

@@ -28,7 +28,7 @@ def _summary(args: argparse.Namespace) -> int:
 
 
 def _plot(args: argparse.Namespace) -> int:
-    from accel_ddp.tracking.report import plot_run
+    from accel_ddp.tracking.curves import plot_run
 
     try:
         path = plot_run(args.output_dir, args.out)
@@ -62,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     build_doctor_parser(doctor)
     doctor.set_defaults(func=_doctor)
 
-    plot = commands.add_parser("plot", help="write curves.png (loss, eval accuracy, LR, samples/s against step)")
+    plot = commands.add_parser(
+        "plot", help="write curves.png (losses, the task's metric, LR, samples/s against step; epochs marked)")
     plot.add_argument("output_dir")
     plot.add_argument("--out", default=None, help="where to write the PNG (default: OUTPUT_DIR/curves.png)")
     plot.set_defaults(func=_plot)

@@ -6,7 +6,7 @@
     OUTPUT_DIR/run.log              each start's start-up block: what the run was about to do, and its warnings
     OUTPUT_DIR/model.safetensors    final weights of the unwrapped model
     OUTPUT_DIR/hf_model/            Transformers models: the final model (save_pretrained) and its tokenizer
-    OUTPUT_DIR/curves.png           loss, eval metric, LR and throughput against step
+    OUTPUT_DIR/curves.png           losses, the task's eval metric, LR and throughput against step
     OUTPUT_DIR/metrics.csv          with the csv tracker
     OUTPUT_DIR/tensorboard/         with the tensorboard tracker
     OUTPUT_DIR/wandb/               with the wandb tracker (unless WANDB_DIR says elsewhere)

@@ -7,7 +7,8 @@
     step_log.py   StepLog: what each optimizer step leaves on the host (bar, timers, log lines)
     startup.py    how long each start-up phase took
     startup_block.py  what the run is about to do, said once before its first step (and the likely mistakes)
-    report.py     curves.png and the `accel-ddp summary` table, from the run folder alone
+    curves.py     curves.png (losses, the task's metric, LR, throughput, epoch boundaries), from the run folder alone
+    report.py     the `accel-ddp summary` table, and reading the run folder's JSON and YAML back
 
 May import: util, config, lifecycle, outputs.
 """

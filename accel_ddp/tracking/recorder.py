@@ -11,7 +11,7 @@ trackers, and how each is built and guarded: ``trackers.py``.
     OUTPUT_DIR/tensorboard/    --report_to tensorboard (Accelerate's TensorBoardTracker); wandb, mlflow and
                                the other trackers Accelerate knows go where their own settings say
     OUTPUT_DIR/trackers.json   the W&B and MLflow run ids, so that a resumed run continues those runs
-    OUTPUT_DIR/curves.png      plot_run(): loss, eval accuracy, LR and samples/s against step
+    OUTPUT_DIR/curves.png      plot_run() (tracking/curves.py): losses, the task's metric, LR, samples/s against step
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from accel_ddp.outputs.names import (
     SUMMARY_NAME,
     TRACKERS_NAME,
 )
-from accel_ddp.tracking.report import plot_run
+from accel_ddp.tracking.curves import plot_run
 from accel_ddp.tracking.trackers import RUN_IDS, GuardedTracker, flat_hparams
 from accel_ddp.util.atomic import atomic_write_text
 from accel_ddp.util.messages import first_line, warn

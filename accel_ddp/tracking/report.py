@@ -1,105 +1,26 @@
-"""Reading a finished (or running) run back: ``curves.png`` and the ``accel-ddp summary`` table.
+"""Reading a finished (or running) run back: the ``accel-ddp summary`` table, and the readers ``curves.png`` shares.
 
-Everything here only reads ``OUTPUT_DIR`` (its ``metrics.jsonl`` through :mod:`accel_ddp.outputs.metrics_file`);
-the writers live in :mod:`accel_ddp.tracking.recorder`.
+Everything here only reads ``OUTPUT_DIR`` (``curves.png`` is :mod:`accel_ddp.tracking.curves`); the writers live in
+:mod:`accel_ddp.tracking.recorder`.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
 from typing import Any
 
 import yaml
 
-from accel_ddp.outputs.metrics_file import read_metrics
 from accel_ddp.outputs.names import (
     CHECKPOINTS_DIR,
     CONFIG_NAME,
     CSV_NAME,
     CURVES_NAME,
-    METRICS_NAME,
     SUMMARY_NAME,
     TENSORBOARD_SUBDIR,
     WEIGHTS_NAME,
 )
-
-# ----------------------------------------------------------------------------- curves.png
-
-# (metrics.jsonl key, panel title, y label)
-CURVES = (
-    ("loss", "training loss", "cross-entropy"),
-    ("eval_accuracy", "eval accuracy", "accuracy"),
-    ("lr", "learning rate", "lr"),
-    ("samples_per_sec", "throughput", "samples/s"),
-)
-
-
-def read_curves(output_dir: str) -> dict[str, tuple[list[int], list[float]]]:
-    """``{key: (steps, values)}`` for each of ``CURVES``, sorted by step.
-
-    A resumed run may log a step twice (once before the interruption, once after); the later
-    line wins, which is the curve of the run that finished.
-    """
-    by_step: dict[str, dict[int, float]] = {key: {} for key, _, _ in CURVES}
-    for record in read_metrics(output_dir):
-        if "step" not in record:
-            continue
-        for key in by_step:
-            value = record.get(key)
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-                by_step[key][int(record["step"])] = float(value)
-    return {key: (sorted(points), [points[s] for s in sorted(points)]) for key, points in by_step.items()}
-
-
-def build_curves_figure(curves: dict[str, tuple[list[int], list[float]]], title: str = ""):
-    """A 2x2 matplotlib Figure (Agg canvas, no pyplot, no global backend switch)."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(11, 7))
-    FigureCanvasAgg(fig)
-    # Fixed margins: the constrained layout engine measures every label first, ~0.5 s of the main process's exit.
-    fig.subplots_adjust(left=0.085, right=0.98, bottom=0.07, top=0.92, hspace=0.32, wspace=0.22)
-    axes = fig.subplots(2, 2).ravel()
-    for ax, (key, panel, ylabel) in zip(axes, CURVES, strict=True):
-        steps, values = curves.get(key, ([], []))
-        ax.set_title(panel)
-        ax.set_xlabel("optimizer step")
-        ax.set_ylabel(ylabel)
-        ax.grid(alpha=0.3)
-        if steps:
-            ax.plot(steps, values, marker="o" if len(steps) <= 30 else None, markersize=3, linewidth=1.2)
-        else:
-            ax.text(0.5, 0.5, f"no '{key}' in {METRICS_NAME}", ha="center", va="center", transform=ax.transAxes)
-    if title:
-        fig.suptitle(title)
-    return fig
-
-
-def plot_run(output_dir: str, path: str | None = None) -> str:
-    """Write ``curves.png`` (loss, eval accuracy, LR, samples/s against step) from ``metrics.jsonl``."""
-    curves = read_curves(output_dir)
-    if not any(steps for steps, _ in curves.values()):
-        raise ValueError(f"{os.path.join(output_dir, METRICS_NAME)} has no step records yet; nothing to plot")
-    path = path or os.path.join(output_dir, CURVES_NAME)
-    fig = build_curves_figure(curves, title=_run_title(output_dir))
-    tmp = f"{path}.tmp"
-    fig.savefig(tmp, format="png", dpi=100)
-    os.replace(tmp, path)
-    return path
-
-
-def _run_title(output_dir: str) -> str:
-    summary = _read_json(os.path.join(output_dir, SUMMARY_NAME)) or {}
-    facts = [os.path.basename(os.path.normpath(output_dir))]
-    if "world_size" in summary:
-        facts.append(f"{summary['world_size']} process(es)")
-    if "global_batch_size" in summary:
-        facts.append(f"global batch {summary['global_batch_size']}")
-    return ", ".join(facts)
-
 
 # ----------------------------------------------------------------------------- accel-ddp summary
 
@@ -125,12 +46,23 @@ _SUMMARY_ROWS = (
 _CONFIG_ROWS = ("dataset", "model", "optimizer", "lr", "lr_schedule", "seed")
 
 
-def _read_json(path: str) -> Any:
+def read_json(path: str) -> Any:
+    """A JSON file of the run folder, or None when it is missing or damaged."""
     try:
         with open(path, encoding="utf-8") as fh:
             return json.load(fh)
     except (OSError, ValueError):  # JSONDecodeError and UnicodeDecodeError (a damaged file) are ValueErrors
         return None
+
+
+def read_yaml(path: str) -> dict[str, Any]:
+    """A run's config.yaml as a mapping; {} when it is missing or damaged (what is read back from it is optional)."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = yaml.safe_load(fh)
+    except (OSError, ValueError, yaml.YAMLError):  # UnicodeDecodeError is a ValueError
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
 def _format_value(value: Any, formatter=str) -> str:
@@ -143,17 +75,10 @@ def _format_value(value: Any, formatter=str) -> str:
 
 def format_summary(output_dir: str) -> str:
     """A finished run as a two-column table: what ran, how it was batched, how it ended."""
-    summary = _read_json(os.path.join(output_dir, SUMMARY_NAME))
+    summary = read_json(os.path.join(output_dir, SUMMARY_NAME))
     if not isinstance(summary, dict):
         raise FileNotFoundError(f"no readable {SUMMARY_NAME} in {output_dir}; point at a finished run's --output_dir")
-    config = {}
-    config_path = os.path.join(output_dir, CONFIG_NAME)
-    try:  # the config's rows are left out of a table whose config.yaml is missing or damaged
-        with open(config_path, encoding="utf-8") as fh:
-            config = yaml.safe_load(fh) or {}
-    except (OSError, ValueError, yaml.YAMLError):
-        config = {}
-    config = config if isinstance(config, dict) else {}
+    config = read_yaml(os.path.join(output_dir, CONFIG_NAME))  # its rows are left out when it is missing or damaged
     rows = [(name, _format_value(config[name])) for name in _CONFIG_ROWS if name in config]
     rows += [(label, _format_value(summary[key], fmt)) for key, label, fmt in _SUMMARY_ROWS if key in summary]
     known = {key for key, _, _ in _SUMMARY_ROWS}

@@ -50,7 +50,7 @@ class StartupBlock:
             "device": facts["device"],
             "distributed type": facts["distributed_type"],
             "mixed precision": f"{precision} ({source})",
-            "per-device batch": str(per_device),
+            "per-device batch": str(per_device) + _auto(facts.get("auto_batch")),
             "accumulation": f"{accumulation} micro-step{'s' * (accumulation > 1)} per optimizer step",
             "global batch": f"{global_batch} = {_processes(world)} x {per_device} x {accumulation}",
             "steps per epoch": str(facts["steps_per_epoch"]),
@@ -126,6 +126,15 @@ def mistakes(device: str, local_processes: int, precision: str, source: str, cpu
                      "slowest; if the launch config was meant for GPUs, this machine has none torch can use; "
                      f"launch with --num_processes {cpus} or fewer")
     return found
+
+
+def _auto(chosen: dict[str, Any] | None) -> str:
+    """How --per_device_batch_size auto found the size (batch_size.ChosenBatch.facts), or ''."""
+    if not chosen:
+        return ""
+    how = "the resumed checkpoint's" if chosen["from"] == "checkpoint" else \
+        f"the largest that fits, of {', '.join(map(str, chosen['tried']))}"
+    return f" (--per_device_batch_size {chosen['requested']}: {how})"
 
 
 def _processes(count: int) -> str:

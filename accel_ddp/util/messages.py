@@ -70,3 +70,12 @@ def empty_sum(loss: str = "the loss function") -> str:
     """The error line for a ``(sum, num_items)`` loss whose sum is not 0 over 0 items."""
     return (f"{loss} returned a (sum, num_items) pair with a non-zero sum over num_items 0 (a sum over no items is "
             "0); return the count of the items the sum adds up, e.g. (losses[mask].sum(), mask.sum())")
+
+
+def out_of_memory(step: int, per_device: int | None, accumulation: int) -> str:
+    """The one line of a training step that ran out of device memory (``--per_device_batch_size auto`` decides
+    only at start: a later, larger batch, such as a longer text, can still run out)."""
+    return (f"out of device memory in optimizer step {step} with --per_device_batch_size {per_device} x {accumulation} "
+            "accumulation steps; give a smaller --per_device_batch_size that divides each rank's share of the global "
+            "batch (the global batch, and so the training, stays the same), or --per_device_batch_size auto to find "
+            "the largest that fits at start")

@@ -28,6 +28,15 @@ class LaunchError(RuntimeError):
 INT_MAX = 2**31 - 1
 
 
+def int_or_text(text: str) -> int | str:
+    """The command line's type of an option that takes a whole number or a word (``--per_device_batch_size 16``
+    or ``auto``): the number where the text is one, else the text, which the option's own check reads."""
+    try:
+        return int(text)
+    except ValueError:
+        return text
+
+
 def checked_type(name: str, value: Any, annotation: Any, default: Any) -> Any:
     """``value`` as the field's type (an int where a float is wanted, a tuple for a list), or ConfigError.
 
@@ -54,14 +63,16 @@ def checked_type(name: str, value: Any, annotation: Any, default: Any) -> Any:
         value = float(value)
         if not math.isfinite(value):
             raise ConfigError(f"--{name} must be a finite number, got {value}; {_kind_fix(name, float, default)}")
-    if kind is str:
+    if kind is str or (kind is int_or_text and isinstance(value, str)):
         _check_text(name, value)
     return value
 
 
-_KIND_NAMES = {bool: "true or false", int: "a whole number", float: "a finite number", str: "text"}
+_KIND_NAMES = {bool: "true or false", int: "a whole number", float: "a finite number", str: "text",
+               int_or_text: "a whole number or a word"}
 _KIND_FIXES = {bool: "use true or false (CLI: also yes/no, on/off, 1/0)", int: "give a whole number, e.g. {example}",
-               float: "give a finite number, e.g. {example}", str: "give text; in YAML quote it, e.g. \"123\""}
+               float: "give a finite number, e.g. {example}", str: "give text; in YAML quote it, e.g. \"123\"",
+               int_or_text: "give a whole number, e.g. {example}, or a word the option takes"}
 
 
 def _kind_fix(name: str, kind: Any, default: Any) -> str:
@@ -76,6 +87,8 @@ def _is_kind(value: Any, kind: Any) -> bool:
         return isinstance(value, int) and not isinstance(value, bool)
     if kind is float:
         return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind is int_or_text:
+        return isinstance(value, (int, str)) and not isinstance(value, bool)
     return isinstance(value, kind)
 
 
@@ -125,10 +138,12 @@ def show(value: Any, limit: int = 60) -> str:
 
 
 def scalar_type(annotation: Any) -> tuple[Any, bool]:
-    """(element type, is_tuple) for ``int``, ``int | None``, ``tuple[int, ...]``."""
+    """(element type, is_tuple) for ``int``, ``int | None``, ``tuple[int, ...]``; ``int | str`` is ``int_or_text``."""
     origin = typing.get_origin(annotation)
     if origin in (typing.Union, types.UnionType):
         inner = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if set(inner) == {int, str}:
+            return int_or_text, False
         return scalar_type(inner[0])
     if origin is tuple:
         return typing.get_args(annotation)[0], True

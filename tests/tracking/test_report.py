@@ -1,64 +1,23 @@
-"""Reading a run back (accel_ddp/tracking/report.py): curves.png and the summary table, of a real run and a
-missing one."""
+"""Reading a run back (accel_ddp/tracking/report.py, curves.py): curves.png and the summary table, of a real run and
+a missing one (curves.png from synthetic records: test_curves.py)."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
-import numpy as np
 import pytest
 
 from accel_ddp.cli import commands as cli
 from accel_ddp.cli.train import main
-from accel_ddp.tracking.report import CURVES, build_curves_figure, read_curves
+from accel_ddp.tracking.curves import read_curves
 from tests.helpers.files import CHECKPOINTED_ARGS as ARGS
 from tests.helpers.multiproc import run_ranks
 from tests.helpers.output import decode_png, series
 from tests.helpers.runs import (
-    REPO,
     read_metrics,
     read_summary,
-    suite_env,
     train_ranks,
 )
 
 # ----------------------------------------------------------------------------- curves.png and summary
-
-
-def test_plotted_values_are_the_metrics_jsonl_values(tmp_path):
-    records = [
-        {"step": 1, "epoch": 0, "loss": 2.3, "lr": 0.1, "samples_per_sec": 900.0},
-        {"step": 2, "epoch": 0, "loss": 2.0, "lr": 0.09, "samples_per_sec": 1000.0},
-        {"step": 2, "epoch": 0, "eval_loss": 1.9, "eval_accuracy": 0.40, "eval_samples": 64},
-        {"step": 3, "epoch": 1, "loss": 1.7, "lr": 0.07, "samples_per_sec": 1100.0},
-        # resumed from the step-2 checkpoint: step 3 is logged again, the later line is the real run
-        {"step": 3, "epoch": 1, "loss": 1.6, "lr": 0.07, "samples_per_sec": 950.0},
-        {"step": 4, "epoch": 1, "loss": 1.2, "lr": 0.0, "samples_per_sec": 1200.0},
-        {"step": 4, "epoch": 1, "eval_loss": 1.1, "eval_accuracy": 0.75, "eval_samples": 64},
-    ]
-    lines = [json.dumps({"time": 1.0 + i, **r}) for i, r in enumerate(records)]
-    (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + '\n{"step": 5, "lo')  # cut short by a crash
-    expected = {
-        "loss": ([1, 2, 3, 4], [2.3, 2.0, 1.6, 1.2]),
-        "eval_accuracy": ([2, 4], [0.40, 0.75]),
-        "lr": ([1, 2, 3, 4], [0.1, 0.09, 0.07, 0.0]),
-        "samples_per_sec": ([1, 2, 3, 4], [900.0, 1000.0, 950.0, 1200.0]),
-    }
-    curves = read_curves(str(tmp_path))
-    assert curves == expected
-    figure = build_curves_figure(curves)
-    for ax, (key, _, _) in zip(figure.axes, CURVES, strict=True):
-        (line,) = ax.lines
-        assert np.asarray(line.get_xdata()).tolist() == expected[key][0]
-        assert np.asarray(line.get_ydata()).tolist() == expected[key][1]
-
-    result = subprocess.run([sys.executable, "-m", "accel_ddp", "plot", str(tmp_path)], capture_output=True,
-                            text=True, env=suite_env(), cwd=REPO, timeout=120)
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == str(tmp_path / "curves.png")
-    assert decode_png(tmp_path / "curves.png") == (1100, 700)
 
 
 @pytest.mark.curves

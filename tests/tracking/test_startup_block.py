@@ -5,8 +5,9 @@ from __future__ import annotations
 import yaml
 
 from accel_ddp.cli.args import parse_args
+from accel_ddp.config import TrainConfig
 from accel_ddp.outputs.names import RUN_LOG_NAME
-from accel_ddp.tracking.startup_block import HEADER, mistakes
+from accel_ddp.tracking.startup_block import HEADER, StartupBlock, mistakes
 from tests.helpers.runs import REPO, launcher_env, main_ranks, read_summary
 
 ACCUMULATING = ["--dataset", "synthetic", "--synthetic_samples", "256", "--synthetic_shape", "1", "8", "8",
@@ -102,3 +103,16 @@ def test_likely_mistakes():
     (fp16,) = mistakes("cpu", 1, "fp16", "--mixed_precision", cpus=2)
     assert fp16 == ("1 process on CPU in fp16 (--mixed_precision): Accelerate trains in fp32 on CPU (no fp16 autocast "
                     "there); give --mixed_precision no unless you measured it")
+
+
+def test_the_per_device_line_says_how_auto_found_it():
+    facts = {"world_size": 2, "num_machines": 1, "per_device_batch_size": 8, "grad_accum_steps": 4,
+             "global_batch_size": 64, "mixed_precision": "no", "device": "cpu", "distributed_type": "MULTI_CPU",
+             "steps_per_epoch": 5, "total_steps": 10, "loader": "dataloader", "data_source": "memory_mapped",
+             "auto_batch": {"requested": "auto", "tried": [32, 16, 8], "from": "probe"}}
+    block = StartupBlock.describe(TrainConfig(), facts, epochs=2, workers=3, model="m", cpus=2, env={})
+    assert block.lines["per-device batch"] == "8 (--per_device_batch_size auto: the largest that fits, of 32, 16, 8)"
+    assert block.lines["loader"] == "dataloader with 3 workers per rank; memory-mapped (read per batch)"
+    facts["auto_batch"]["from"] = "checkpoint"
+    assert StartupBlock.describe(TrainConfig(), facts, epochs=2, workers=3, model="m", cpus=2, env={}).lines[
+        "per-device batch"] == "8 (--per_device_batch_size auto: the resumed checkpoint's)"
