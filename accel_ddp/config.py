@@ -10,6 +10,7 @@ imports no torch so that ``--help`` and bad-input errors are instant.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 import os
 import re
@@ -208,6 +209,10 @@ class TrainConfig:
     log_every: int = _opt(10, "write a metrics line every N optimizer steps", low=1)
     output_dir: str = _opt("outputs/run", "where config.yaml, metrics.jsonl, summary.json and weights go")
     checkpointing_steps: str | None = _opt(None, "save full state every N optimizer steps, or 'epoch'")
+    checkpoint_dir: str | None = _opt(
+        None, "an object store URL for the checkpoints (s3://bucket/run, gs://, az://, file://) instead of "
+        "OUTPUT_DIR/checkpoints; logs, metrics and the final weights stay in --output_dir"
+    )
     async_checkpointing: bool = _opt(
         False, "copy the state to host memory at each save and write it in a background thread while training goes on"
     )
@@ -232,7 +237,8 @@ class TrainConfig:
         0.0, "--early_stopping_patience: an improvement must exceed this (absolute) to restart the count", low=0
     )
     resume_from_checkpoint: str | None = _opt(
-        None, "checkpoint folder to resume from, or 'auto' for the newest complete one in --output_dir (or start fresh)"
+        None, "checkpoint folder to resume from, or 'auto' for the newest complete one in --output_dir or "
+        "--checkpoint_dir (or start fresh)"
     )
     init_from: str | None = _opt(
         None, "start from these weights (a .safetensors file, e.g. a run's model.safetensors) to fine-tune"
@@ -240,13 +246,17 @@ class TrainConfig:
     with_tracking: bool = _opt(False, "also log to the trackers of --report_to (metrics.jsonl is always written)")
     report_to: str = _opt(
         "all", "trackers for --with_tracking, comma-separated: " + ", ".join(REPORT_TO[:-1])
-        + "; all = every installed one, plus csv"
+        + "; all = every installed one configured to run here (docs/tracking.md), plus csv"
     )
     tracker_project_name: str = _opt(
         "accel_ddp", "--with_tracking: the project (W&B, Comet, SwanLab, Trackio) or experiment (MLflow, Aim, ClearML)"
     )
     run_name: str | None = _opt(
         None, "--with_tracking: the run's name in the trackers; default the --output_dir folder's name"
+    )
+    tracker_start_timeout: float = _opt(
+        30.0, "--with_tracking: seconds each tracker may take to start (a server that does not answer) before the "
+        "run stops with exit code 2", low=0.1, high=3600
     )
     debug: bool = _opt(False, "debug mode: anomaly detection, deterministic kernels, few steps, small data")
     mixed_precision: str | None = _opt(
@@ -539,11 +549,16 @@ def _check_data(cfg: TrainConfig) -> None:
 
 URL_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 PATH_FLAGS = ("output_dir", "resume_from_checkpoint", "init_from")
+# --checkpoint_dir schemes -> (the fsspec implementation's package, the accel_ddp extra that installs it).
+STORE_PACKAGES = {"s3": ("s3fs", "s3"), "gs": ("gcsfs", "gcs"), "gcs": ("gcsfs", "gcs"), "az": ("adlfs", "azure"),
+                  "abfs": ("adlfs", "azure"), "abfss": ("adlfs", "azure"), "file": ("fsspec", None)}
 
 
 def _check_urls(cfg: TrainConfig) -> None:
-    """A URL is a local path (``file://``) or refused: Accelerate's save_state would write ``s3://b/r`` into a
-    local folder named ``s3:/b/r`` (``os.makedirs``/``Path``, accelerate/accelerator.py), silently."""
+    """A URL is a local path (``file://``), a --checkpoint_dir store, or refused: Accelerate's save_state would
+    write ``s3://b/r`` into a local folder named ``s3:/b/r`` (``os.makedirs``/``Path``, accelerate/accelerator.py)."""
+    if cfg.checkpoint_dir is not None:
+        cfg.checkpoint_dir = _checked_store(cfg.checkpoint_dir)
     for name in PATH_FLAGS:
         value = getattr(cfg, name)
         match = URL_SCHEME.match(value) if isinstance(value, str) else None
@@ -552,8 +567,34 @@ def _check_urls(cfg: TrainConfig) -> None:
         if match.group(1).lower() == "file":
             setattr(cfg, name, value[len(match.group(0)):] or "/")  # file:///abs/path -> /abs/path
             continue
-        raise ConfigError(f"--{name} {value}: {match.group(1)}:// URLs are not supported yet (only local folders "
-                          "and file://); write to a local or shared folder and copy it to the store afterwards")
+        store = cfg.checkpoint_dir
+        if name == "resume_from_checkpoint" and store and value.rstrip("/").startswith(f"{store}/"):
+            continue  # one of this run's checkpoints in the store
+        fix = {"output_dir": "give a local or shared folder, and send the checkpoints to the store with "
+                             f"--checkpoint_dir {value}",
+               "resume_from_checkpoint": "give a checkpoint under --checkpoint_dir, or auto",
+               "init_from": "download the file and give its local path"}[name]
+        raise ConfigError(f"--{name} {value}: {match.group(1)}:// URLs are not supported here; {fix}")
+
+
+def _checked_store(url: str) -> str:
+    """``--checkpoint_dir``: a URL of a known scheme whose fsspec package is installed (found, not imported)."""
+    match = URL_SCHEME.match(url)
+    if match is None:
+        raise ConfigError(f"--checkpoint_dir {url} is not a URL; give s3://bucket/prefix (or gs://, az://, file://), "
+                          "or drop it: checkpoints then go to OUTPUT_DIR/checkpoints")
+    scheme = match.group(1).lower()
+    if scheme not in STORE_PACKAGES:
+        raise ConfigError(f"--checkpoint_dir {url}: {scheme}:// is not supported; use one of "
+                          f"{', '.join(s + '://' for s in STORE_PACKAGES)}")
+    if not url[len(match.group(0)):].strip("/"):
+        raise ConfigError(f"--checkpoint_dir {url} names no bucket or folder; e.g. --checkpoint_dir {scheme}://bucket/run")
+    package, extra = STORE_PACKAGES[scheme]
+    if importlib.util.find_spec("fsspec") is None or importlib.util.find_spec(package) is None:
+        needed = f'"accel_ddp[{extra}]"' if extra else "fsspec"
+        raise ConfigError(f"--checkpoint_dir {url} needs the {package} package, which is not installed; "
+                          f"pip install {needed}")
+    return url.rstrip("/")
 
 
 def _check_best_model(cfg: TrainConfig) -> None:

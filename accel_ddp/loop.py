@@ -218,7 +218,9 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
     facts = _run_facts(cfg, accelerator, plan, loaders.kind, loaders.source)
     checkpoints = CheckpointManager(accelerator, cfg.output_dir, cfg.keep_last,
                                     {**facts, "seed": cfg.seed, "optimizer": cfg.optimizer, "model": cfg.model,
-                                     **{name: getattr(cfg, name) for name in HYPERPARAMETERS}})
+                                     **{name: getattr(cfg, name) for name in HYPERPARAMETERS}}, cfg.checkpoint_dir)
+    checkpoints.claim_store(cfg.output_dir)  # --checkpoint_dir: one run per prefix, like the output folder's lock
+    teardown.callback(checkpoints.release_store)
     # The best model and early stopping (checkpoint/best.py): stored with each checkpoint, restored by resume.
     checkpoints.best = BestModel.from_config(cfg, plan.steps_per_epoch, plan.total_steps)
     if cfg.async_checkpointing:  # writes in a background thread (checkpoint/async_save.py)
@@ -234,7 +236,8 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
         raise
     block.start = resumed_from(start_step, checkpoints.last_saved_folder) if start_step else "fresh"
     resolved = {**cfg.to_dict(), "resolved": facts}
-    recorder.start_trackers(cfg.tracker_project_name, resolved, start_step)  # one that cannot start: exit 2 here
+    # One that cannot start (or not within --tracker_start_timeout): exit 2 here; a SIGTERM meanwhile: exit 75.
+    recorder.start_trackers(cfg.tracker_project_name, resolved, start_step, cfg.tracker_start_timeout, preemption)
     # Only now, with the input checked and the start point agreed, touch what earlier runs left.
     recorder.rewind(start_step)  # metrics past the checkpoint belong to the lost steps
     recorder.write_config({**resolved, "startup": block.as_dict()})  # replay (--config) ignores startup:
@@ -423,7 +426,7 @@ def finish(run: Run, result: FitResult) -> dict[str, Any]:
     """Export the final weights, write summary.json and curves.png; return the summary."""
     best = run.checkpoints.best
     if best:  # --load_best_model_at_end: the best checkpoint's weights become the final ones (checkpoint/best.py)
-        best.load_best(run.accelerator, run.model, run.checkpoints.root, result.step)
+        best.load_best(run.accelerator, run.model, run.checkpoints.local_folder, result.step)
     export_weights(run.accelerator, run.model, run.cfg.output_dir)
     export_pretrained(run.accelerator, run.model, run.tokenizer, run.cfg.output_dir)  # Transformers: hf_model/
     timing = result.timer.totals()

@@ -26,6 +26,11 @@ import datasets  # noqa: E402,F401 - Accelerate imports it to prepare any DataLo
 import matplotlib.figure  # noqa: E402,F401 - curves.png on every main process
 import pytest  # noqa: E402
 import torch._dynamo  # noqa: E402,F401 - torch.optim imports it on first use: ~2 s once here, not per rank
+import tqdm  # noqa: E402
+
+# No tqdm monitor thread in the test process: the first progress bar (datasets' own, building test data) would
+# start one that runs until the process ends, and every rank forked later would inherit its locks mid-use.
+tqdm.tqdm.monitor_interval = 0
 
 import accel_ddp.loop  # noqa: E402,F401 - torch, Accelerate and the package, for every forked rank
 from tests.helpers.runs import gpu_count  # noqa: E402

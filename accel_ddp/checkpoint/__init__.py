@@ -2,10 +2,12 @@
 
     manager.py    CheckpointManager: save (every rank calls the collective), prune, find the one to resume
     manifest.py   each checkpoint's marker: its files' sizes and hashes, the run it belongs to
+    storage.py    where sealed checkpoints live: a local folder, or an object store (--checkpoint_dir, fsspec)
+    hyperparameters.py  the hyperparameters recorded with each checkpoint, and this run's winning on a resume
     weights.py    safetensors weights: the final model, a pretrained start (never unpickled)
     start.py      where_to_start: fresh, resumed, already finished or refused, decided in one place
     async_save.py --async_checkpointing: a host snapshot at the save step, written by a thread, sealed when all are
     best.py       --metric_for_best_model, --load_best_model_at_end, --early_stopping_patience
 
-May import: util, lifecycle, outputs.
+May import: util, config, lifecycle, outputs.
 """

@@ -82,6 +82,8 @@ class AsyncSaver:
             if self.manager.accelerator.is_main_process:
                 shutil.rmtree(tmp, ignore_errors=True)
             why, bug = problems[0]
+            if bug == "store":
+                raise ConfigError(why)
             if bug:
                 raise RuntimeError(f"the checkpoint writer of step {step} failed: {why}")
             raise WriteFailed(self.manager._cannot_save(step, why))
@@ -105,6 +107,9 @@ class AsyncSaver:
                 self._fail(err, tmp)
 
     def _fail(self, err: Exception, tmp: str) -> None:
+        if isinstance(err, ConfigError):  # the object store refused the upload (storage.StoreError): its own line
+            self._outcome, self._bug = str(err), "store"
+            return
         why = write_failure(err, tmp)
         self._outcome, self._bug = why or f"{type(err).__name__}: {err}", why is None
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from typing import Any
 
 from accel_ddp.util.validation import ConfigError
@@ -132,19 +133,19 @@ class BestModel:
                           f"than {self.threshold} on {self.best_metric} (--early_stopping_patience {self.patience})"}
         return out
 
-    def load_best(self, accelerator: Any, model: Any, root: str, step: int) -> None:
+    def load_best(self, accelerator: Any, model: Any, local_folder: Callable[[int], str], step: int) -> None:
         """--load_best_model_at_end: put the best checkpoint's weights into ``model`` (every rank) before the export.
 
         The best is kept weights by construction (a checkpoint step, protected from pruning, or the final step,
-        already in ``model``).
+        already in ``model``). ``local_folder(step)``: the checkpoint's folder, downloaded where it is in a store
+        (collective: the condition above is the same on every rank).
         """
         if not self.load_at_end or self.kept_step is None or self.kept_step == step:
             return
-        from accel_ddp.checkpoint.manifest import checkpoint_name
         from accel_ddp.checkpoint.weights import load_weights
         from accel_ddp.outputs.names import WEIGHTS_NAME
 
-        folder = os.path.join(root, checkpoint_name(self.kept_step))
+        folder = local_folder(self.kept_step)
         load_weights(accelerator.unwrap_model(model, keep_torch_compile=False), os.path.join(folder, WEIGHTS_NAME),
                      source="--load_best_model_at_end")
         if accelerator.is_main_process:

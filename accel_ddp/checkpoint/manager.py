@@ -19,7 +19,8 @@ point leaves every earlier checkpoint as it was; a write the file system refuses
 any rank is one line on every rank (``WriteFailed``), the ``.tmp-`` folder removed. A folder
 already holding the step (a damaged one ``auto`` skipped) is renamed ``*.damaged``. Accelerate's
 own ``total_limit`` rotation is not used: it deletes the oldest checkpoint before the new one is
-written, and writes in place.
+written, and writes in place. With ``--checkpoint_dir URL`` the sealed checkpoints live in an object
+store instead (``storage.py``): each save is staged in ``OUTPUT_DIR/checkpoints``, uploaded, then sealed.
 
 Resuming (``CheckpointManager.resume``): ``auto`` takes the newest folder that ``read_checkpoint``
 trusts (``manifest.py``: files match ``checkpoint.json``, which lists every file the format needs;
@@ -38,18 +39,17 @@ NumPy's RNG types allow-listed; we never register custom objects (Accelerate unp
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from accelerate import Accelerator
 from accelerate.utils import gather_object
 
+from accel_ddp.checkpoint.hyperparameters import HYPERPARAMETERS, flags_in_force  # noqa: F401 - re-exported
 from accel_ddp.checkpoint.manifest import (  # noqa: F401 - CorruptCheckpoint, checkpoint_name, ...: this module's interface too
     _STEP_DIR,
     CorruptCheckpoint,
@@ -59,15 +59,13 @@ from accel_ddp.checkpoint.manifest import (  # noqa: F401 - CorruptCheckpoint, c
     rng_file,
     rng_not_restored,
 )
+from accel_ddp.checkpoint.storage import StoreError, open_store
 from accel_ddp.checkpoint.weights import load_weights, plain_state_dict
 from accel_ddp.lifecycle.failure import main_process_decides
 from accel_ddp.outputs.files import (
     WriteFailed,
     fingerprint,
-    fsync_dir,
     relative_files,
-    remove_dir,
-    set_aside,
     write_failure,
 )
 from accel_ddp.outputs.names import CHECKPOINTS_DIR, MARKER_NAME, SUMMARY_NAME, WEIGHTS_NAME
@@ -78,32 +76,6 @@ FORMAT_VERSION = 1
 # Run facts that decide what an optimizer step means; a checkpoint made with other values cannot continue.
 # A stream has no epoch length: its steps_per_epoch is the run's --max_steps, which a longer run raises.
 MUST_MATCH = ("global_batch_size", "steps_per_epoch", "optimizer")
-# Recorded in every checkpoint.json; a resume with other values warns, and this run's values are in force.
-HYPERPARAMETERS = ("lr", "lr_schedule", "warmup_steps", "weight_decay", "max_grad_norm")
-@contextmanager
-def flags_in_force(optimizer: Any, scheduler: Any) -> Iterator[None]:
-    """Keep this run's hyperparameters across a ``load_state`` inside the block.
-
-    ``load_state`` restores the optimizer's param groups (lr, weight decay, betas, ...) and the schedule's
-    peak LR from the checkpoint, while the schedule's shape and clipping come from the flags: a mix nobody
-    asked for. Here the flags win, all of them, and the LR is recomputed for the restored step. Unchanged
-    flags give back the very floats the checkpoint holds, so an unchanged resume stays bitwise exact.
-
-        >>> with flags_in_force(optimizer, scheduler):
-        ...     step = checkpoints.resume("auto")
-    """
-    fresh = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
-    schedule = getattr(scheduler, "scheduler", scheduler)  # Accelerate's AcceleratedScheduler wraps it
-    base_lrs = list(schedule.base_lrs)
-    yield
-    for group, values in zip(optimizer.param_groups, fresh, strict=True):
-        group.update(values)
-    schedule.base_lrs = base_lrs
-    if lambdas := getattr(schedule, "lr_lambdas", None):  # LambdaLR: lr = peak x multiplier(step)
-        lrs = [base * fn(schedule.last_epoch) for base, fn in zip(base_lrs, lambdas, strict=True)]
-        for group, lr in zip(optimizer.param_groups, lrs, strict=True):
-            group["lr"] = lr
-        schedule._last_lr = lrs
 
 
 class CheckpointManager:
@@ -118,9 +90,13 @@ class CheckpointManager:
         >>> checkpoints.save(step)                       # -> "outputs/run/checkpoints/step_00000100"
     """
 
-    def __init__(self, accelerator: Accelerator, output_dir: str, keep_last: int, run_facts: dict[str, Any]):
+    def __init__(self, accelerator: Accelerator, output_dir: str, keep_last: int, run_facts: dict[str, Any],
+                 checkpoint_dir: str | None = None):
         self.accelerator = accelerator
-        self.root = os.path.join(output_dir, CHECKPOINTS_DIR)
+        self.staging = os.path.join(output_dir, CHECKPOINTS_DIR)  # where saves are written before their seal
+        # --checkpoint_dir: sealed checkpoints go to an object store (storage.py); else they stay in staging
+        self.store = open_store(checkpoint_dir or self.staging, self.staging)
+        self.root = self.store.root
         self.keep_last = keep_last
         self.run_facts = dict(run_facts)
         self.last_saved_step: int | None = None
@@ -136,11 +112,11 @@ class CheckpointManager:
 
     def save(self, step: int) -> str:
         """Save the full training state after optimizer ``step``; returns the checkpoint folder."""
-        final = os.path.join(self.root, checkpoint_name(step))
+        final = self.store.folder(step)
         if step == self.last_saved_step:  # e.g. preempted right after a scheduled save, or right after resuming
             return final
         acc = self.accelerator
-        tmp = os.path.join(self.root, f".tmp-{checkpoint_name(step)}")
+        tmp = os.path.join(self.staging, f".tmp-{checkpoint_name(step)}")
         if self.saver is not None:  # --async_checkpointing: the previous save sealed, this one copied and started
             self.saver.wait()
             self._on_main_then_all(lambda: self._writing(step, tmp, lambda: _fresh_folder(tmp)))
@@ -174,9 +150,13 @@ class CheckpointManager:
             self.saver.wait()
 
     def _writing(self, step: int, tmp: str, call: Callable[[], Any]) -> None:
-        """``call()`` on the main process; a write the file system refuses removes ``tmp`` and is a WriteFailed."""
+        """``call()`` on the main process; a write the file system refuses removes ``tmp`` and is a WriteFailed
+        (a store's refusal, a StoreError, is its own line)."""
         try:
             call()
+        except StoreError:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         except Exception as err:
             why = write_failure(err, tmp)
             if why is None:
@@ -198,16 +178,7 @@ class CheckpointManager:
                 "step_in_epoch": step % steps_per_epoch, **self.run_facts,
                 "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "files": files,
                 **({"best": self.best.state()} if self.best else {})}
-        marker = os.path.join(tmp, MARKER_NAME)
-        with open(marker, "w", encoding="utf-8") as fh:
-            json.dump(meta, fh, indent=2)
-            fh.flush()
-            os.fsync(fh.fileno())
-        if os.path.exists(final):  # a damaged checkpoint of this step, which auto skipped: kept, under another name
-            aside = set_aside(final)
-            warn(f"{final} was damaged; moved it to {aside} and saved step {step} in its place")
-        os.rename(tmp, final)
-        fsync_dir(self.root)
+        self.store.seal(tmp, final, meta)  # checkpoint.json last: on disk fsynced then renamed, in a store uploaded
 
     def _prune(self, keep: str) -> None:
         """Delete all but the newest ``keep_last`` checkpoints up to ``keep`` (the one just saved).
@@ -216,15 +187,12 @@ class CheckpointManager:
         from an older step with intact newer checkpoints is refused), left for their owner to look at.
         """
         saved = int(_STEP_DIR.match(os.path.basename(keep)).group(1))
-        complete = [path for step, path in list_checkpoints(self.root) if step <= saved]
-        best = os.path.join(self.root, checkpoint_name(self.best.kept_step)) \
-            if self.best and self.best.kept_step is not None else None
+        complete = [path for step, path in self.store.sealed() if step <= saved]
+        best = self.store.folder(self.best.kept_step) if self.best and self.best.kept_step is not None else None
         for path in complete[: max(len(complete) - self.keep_last, 0)]:
             if path not in (keep, best):  # the best checkpoint is kept besides the newest keep_last
-                remove_dir(path)
-        for name in os.listdir(self.root):  # debris of saves or deletions a crash interrupted
-            if name.startswith((".tmp-", ".trash-")):
-                shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
+                self.store.remove(path)
+        self.store.clean(up_to=saved)  # debris of saves or deletions a crash interrupted
 
     def _unwrapped_weights_hook(self, models, weights, output_dir) -> None:
         for i, model in enumerate(models[: len(weights)]):
@@ -235,11 +203,12 @@ class CheckpointManager:
     def check_fresh_start(self) -> None:
         """Refuse to start from scratch over the checkpoints of an earlier run in the same folder."""
         def refuse_existing() -> None:
-            existing = list_checkpoints(self.root)
+            existing = self.store.sealed()
             if existing:
                 raise ConfigError(
                     f"{self.root} already holds checkpoints (newest {os.path.basename(existing[-1][1])}); "
-                    "continue that run with --resume_from_checkpoint auto, or pick another --output_dir")
+                    "continue that run with --resume_from_checkpoint auto, or pick another "
+                    f"{'--checkpoint_dir' if self.store.remote else '--output_dir'}")
         self._on_main_then_all(refuse_existing)
 
     def resume(self, spec: str) -> int:
@@ -250,13 +219,13 @@ class CheckpointManager:
         choice = self._on_main_then_all(lambda: self._choose(spec))
         if choice is None:
             return 0
-        folder, meta = choice
+        folder, local, meta = choice  # local: the folder itself, or its copy downloaded from the store
         self._check_compatible(folder, meta)
         acc = self.accelerator
-        own_rng = rng_file(folder, acc.process_index)
+        own_rng = rng_file(local, acc.process_index)
         has_rng = os.path.isfile(own_rng)
         try:
-            acc.load_state(folder)
+            acc.load_state(local)
         except (ConfigError, torch.OutOfMemoryError):
             raise
         except Exception as err:  # torch.load or load_state_dict refused a file the manifest vouched for
@@ -297,22 +266,34 @@ class CheckpointManager:
               f"augmentation on those ranks differ from the original run's from step {meta['step']} on (weights, "
               "optimizer, schedule and data position are restored exactly)")
 
-    def _choose(self, spec: str) -> tuple[str, dict[str, Any]] | None:
+    def _choose(self, spec: str) -> tuple[str, str, dict[str, Any]] | None:
+        """``(folder, local copy, checkpoint.json)`` of the checkpoint to resume, or None (auto, nothing saved)."""
         if spec == "auto":
-            candidates = list_checkpoints(self.root)
+            candidates = self.store.sealed()
+            for folder in self.store.unsealed():  # in a store, an interrupted upload: its objects without a manifest
+                warn(f"ignoring {folder}: it has no {MARKER_NAME}, so its save never finished")
             if not candidates:
                 print(f"accel_ddp: no checkpoint in {self.root}; starting from scratch", flush=True)
                 return None
             for _, folder in reversed(candidates):
                 try:
-                    meta = read_checkpoint(folder)
+                    local, meta = self._verified(folder)
                 except CorruptCheckpoint as err:
                     warn(f"skipping a damaged checkpoint: {err}; falling back to the previous one")
                     continue
                 self._check_within_run(folder, meta)
-                return folder, meta
+                return folder, local, meta
             raise ConfigError(f"--resume_from_checkpoint auto: all {len(candidates)} checkpoints in {self.root} "
                               "are damaged (see the warnings above); move them away to start from scratch")
+        if self.store.remote and self.store.is_own(spec):
+            try:
+                local, meta = self._verified(spec)
+            except CorruptCheckpoint as err:
+                raise ConfigError(f"--resume_from_checkpoint {spec}: {err}; resume from an older checkpoint, or use "
+                                  "auto, which skips damaged ones") from None
+            self._check_within_run(spec, meta)
+            self._refuse_to_overwrite_newer(spec, meta["step"])
+            return spec, local, meta
         if not os.path.isdir(spec):
             raise ConfigError(f"--resume_from_checkpoint {spec}: no such folder; give a checkpoint folder "
                               f"(e.g. {os.path.join(self.root, checkpoint_name(100))}) or auto")
@@ -327,15 +308,26 @@ class CheckpointManager:
         self._check_within_run(spec, meta)
         self._refuse_to_mix_runs(spec)
         self._refuse_to_overwrite_newer(spec, meta["step"])
-        return spec, meta
+        return spec, spec, meta
+
+    def _verified(self, folder: str) -> tuple[str, dict[str, Any]]:
+        """The checkpoint's local copy (the folder itself on disk) and its checkpoint.json, once it proves whole;
+        a CorruptCheckpoint names the store's object, not the downloaded copy."""
+        local = self.store.local_copy(folder)
+        try:
+            return local, read_checkpoint(local)
+        except CorruptCheckpoint as err:
+            if local == folder:
+                raise
+            raise CorruptCheckpoint(str(err).replace(local, folder)) from None
 
     def _refuse_to_mix_runs(self, spec: str) -> None:
         """Branching off another run's checkpoint goes into a folder of its own: this folder's checkpoints,
         metrics and final outputs would otherwise be rewound, mixed with that run's, pruned or overwritten."""
-        if os.path.realpath(os.path.dirname(os.path.normpath(spec))) == os.path.realpath(self.root):
+        if self.store.is_own(spec):
             return  # one of this folder's own checkpoints
-        output_dir = os.path.dirname(self.root)
-        held = [f"{CHECKPOINTS_DIR}/"] if list_checkpoints(self.root) else []
+        output_dir = os.path.dirname(self.staging)
+        held = [f"{CHECKPOINTS_DIR}/"] if self.store.sealed() else []
         held += [SUMMARY_NAME] if os.path.isfile(os.path.join(output_dir, SUMMARY_NAME)) else []
         if held:
             raise ConfigError(f"--resume_from_checkpoint {spec} belongs to another run, and --output_dir {output_dir} "
@@ -352,11 +344,11 @@ class CheckpointManager:
 
     def _refuse_to_overwrite_newer(self, spec: str, step: int) -> None:
         """Going back to an older checkpoint would overwrite (and prune) this folder's intact newer ones."""
-        for newer_step, folder in list_checkpoints(self.root):
+        for newer_step, folder in self.store.sealed():
             if newer_step <= step:
                 continue
             try:
-                read_checkpoint(folder)
+                self._verified(folder)
             except CorruptCheckpoint:
                 continue  # damaged: auto would skip it too; it is set aside, not deleted, if this run reaches it
             raise ConfigError(f"--resume_from_checkpoint {spec}: {self.root} holds a newer checkpoint, "
@@ -392,6 +384,20 @@ class CheckpointManager:
             load_weights(self.accelerator.unwrap_model(model, keep_torch_compile=False),
                          os.path.join(input_dir, name), source="--resume_from_checkpoint")
         models.clear()  # loaded: Accelerate would expect DDP's "module." keys
+
+    def local_folder(self, step: int) -> str:
+        """Collective: a local folder holding the checkpoint of ``step`` (downloaded from a store by the main
+        process, into the staging folder every rank sees)."""
+        return self._on_main_then_all(lambda: self.store.local_copy(self.store.folder(step)))
+
+    def claim_store(self, output_dir: str) -> None:
+        """Collective: --checkpoint_dir's prefix ours for the run (``release_store`` at its end), or one ConfigError
+        line on every rank. Call it once ``output_dir`` is claimed: its lock is what lets a relaunch take over."""
+        self._on_main_then_all(lambda: self.store.claim(output_dir))
+
+    def release_store(self) -> None:
+        if self.accelerator.is_main_process:
+            self.store.release()
 
     def _on_main_then_all(self, fn: Callable[[], Any]) -> Any:
         return main_process_decides(self.accelerator, fn)  # one reader of the file system

@@ -10,6 +10,7 @@
     OUTPUT_DIR/metrics.csv          with the csv tracker
     OUTPUT_DIR/tensorboard/         with the tensorboard tracker
     OUTPUT_DIR/wandb/               with the wandb tracker (unless WANDB_DIR says elsewhere)
+    OUTPUT_DIR/mlflow.db, mlruns/   with the mlflow tracker and no MLFLOW_TRACKING_URI: its local store
     OUTPUT_DIR/trackers.json        the W&B and MLflow run ids a resumed run continues
     OUTPUT_DIR/anomalies.json       --on_anomaly skip|rollback: the steps left out, which a resumed run leaves out too
     OUTPUT_DIR/README.md            the model card: model, data, batch layout, final metrics, launch command
@@ -26,6 +27,7 @@ WEIGHTS_NAME = "model.safetensors"
 PRETRAINED_SUBDIR = "hf_model"  # AutoModelFor...from_pretrained(OUTPUT_DIR/hf_model); the tokenizer too
 CURVES_NAME = "curves.png"
 CSV_NAME = "metrics.csv"
+MLFLOW_STORE = "mlflow.db"  # MLflow's store when MLFLOW_TRACKING_URI is not set (its artifacts: mlruns/ beside it)
 TENSORBOARD_SUBDIR = "tensorboard"  # Accelerate's TensorBoardTracker writes to logging_dir/<its run name>
 TRACKERS_NAME = "trackers.json"
 ANOMALIES_NAME = "anomalies.json"  # run-level (anomaly.py): never rewound with metrics.jsonl

@@ -2,6 +2,11 @@
 
     recorder.py   metrics.jsonl, summary.json, config.yaml and the trackers, from the main process
     trackers.py   --report_to's trackers (Accelerate's and the csv one), guarded so a failing one never stops a run
+    configured.py which installed trackers --report_to all starts: those configured to run on this machine
+    tracker_builds.py   how each tracker is built: project, run name, folder (inside OUTPUT_DIR), resume state
+    tracker_thread.py   the one thread that calls into the trackers, so that a slow start can be given up on
+    folder_snapshot.py  what a failed tracker start created in the output folder, to remove exactly that
+    csv_tracker.py      OUTPUT_DIR/metrics.csv through Accelerate's tracker API
     meters.py     throughput (samples/s, real tokens/s, FLOP/s, MFU), memory and the profiler
     flops.py      model FLOPs per sample or token, the peak table per device and precision
     step_log.py   StepLog: what each optimizer step leaves on the host (bar, timers, log lines)

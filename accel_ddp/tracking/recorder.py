@@ -16,6 +16,7 @@ trackers, and how each is built and guarded: ``trackers.py``.
 
 from __future__ import annotations
 
+import atexit
 import json
 import math
 import os
@@ -36,6 +37,8 @@ from accel_ddp.outputs.names import (
     TRACKERS_NAME,
 )
 from accel_ddp.tracking.curves import plot_run
+from accel_ddp.tracking.folder_snapshot import FolderSnapshot
+from accel_ddp.tracking.tracker_thread import TrackerInterrupted
 from accel_ddp.tracking.trackers import RUN_IDS, GuardedTracker, flat_hparams
 from accel_ddp.util.atomic import atomic_write_text
 from accel_ddp.util.messages import first_line, warn
@@ -127,19 +130,30 @@ class RunRecorder:
         elif self.enabled:
             write()
 
-    def start_trackers(self, project: str, resolved: dict[str, Any], start_step: int) -> None:
+    def start_trackers(self, project: str, resolved: dict[str, Any], start_step: int, timeout: float | None = None,
+                       preemption: Any = None) -> None:
         """Start the trackers on the main process, the resolved config as their hyperparameters (collective).
 
-        Call it once the run knows where it starts and before ``rewind``: a tracker that cannot start
-        is a ConfigError on every rank, and nothing in the output folder has changed yet. A resumed
-        run (``start_step`` > 0) continues the tracker runs it interrupted where the tracker allows.
+        Call it once the run knows where it starts and before ``rewind``: a tracker that cannot start,
+        or does not within ``timeout`` seconds (``--tracker_start_timeout``), is a ConfigError on every
+        rank, and the output folder is as it was (what the failed start created there is removed). A
+        preemption signal during a start (``preemption``: the run's watcher) stops every rank at once:
+        ``Preempted`` in the start-up phase "trackers". A resumed run (``start_step`` > 0) continues
+        the tracker runs it interrupted where the tracker allows.
         """
         if self._accelerator is None or self._trackers_started:
             return
-        main_process_decides(self._accelerator, lambda: self._start_trackers(project, resolved, start_step))
+        interrupted = main_process_decides(
+            self._accelerator, lambda: self._start_trackers(project, resolved, start_step, timeout, preemption))
+        if preemption is not None:  # every rank: the main process's signal (or any rank's) ends the start-up here
+            preemption.check_start_up("trackers")
+        if interrupted:  # no watcher to say so (cannot happen: only a watcher interrupts)
+            raise RuntimeError("the trackers' start was interrupted")
         self._trackers_started = True
 
-    def _start_trackers(self, project: str, resolved: dict[str, Any], start_step: int) -> None:
+    def _start_trackers(self, project: str, resolved: dict[str, Any], start_step: int, timeout: float | None,
+                        preemption: Any) -> bool:
+        """Main process: start every tracker; True when a preemption signal interrupted the start."""
         saved, logged = {}, set()
         trackers = [t for t in self._accelerator.log_with if isinstance(t, GuardedTracker)]
         if start_step:  # what the interrupted attempt kept of its tracker runs, and what it sent them after start_step
@@ -150,8 +164,19 @@ class RunRecorder:
             logged = {(r["step"], frozenset(k for k in r if k not in ("time", "step")))
                       for r in records if isinstance(r.get("step"), int) and r["step"] > start_step}
         for tracker in trackers:
-            tracker.prepare(start_step, saved.get(tracker.name, {}), logged)
-        self._accelerator.init_trackers(project, config=flat_hparams(resolved))  # starts them: main process only
+            tracker.prepare(start_step, saved.get(tracker.name, {}), logged, timeout, preemption)
+        before = FolderSnapshot(self.output_dir)
+        try:
+            self._accelerator.init_trackers(project, config=flat_hparams(resolved))  # starts them: main process only
+        except (ConfigError, TrackerInterrupted) as err:
+            for tracker in trackers:  # those that started: closed, so that what they wrote can go
+                tracker.finish(timeout)
+            before.remove_new()
+            if any(t.worker.abandoned for t in trackers):  # its thread may still write: once more at the exit
+                atexit.register(before.remove_new_unless_reused)
+            if isinstance(err, TrackerInterrupted):
+                return True
+            raise
         state = {t.name: kept for t in trackers if (kept := t.saved_state())}
         if state:
             path, text = os.path.join(self.output_dir, TRACKERS_NAME), json.dumps(state, indent=2) + "\n"
@@ -161,6 +186,7 @@ class RunRecorder:
                 why = (f"{TRACKERS_NAME} holds no run of it" if tracker.name in RUN_IDS
                        else "accel_ddp continues csv, tensorboard, wandb and mlflow runs only")
                 print(f"accel_ddp: {tracker.name} starts a new run at step {start_step} ({why})", flush=True)
+        return False
 
     def log(self, record: dict[str, Any]) -> None:
         if self.enabled:

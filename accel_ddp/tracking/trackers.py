@@ -2,105 +2,36 @@
 
     Accelerator(**tracking_kwargs(state, "tensorboard,csv", "outputs/run"))   # log_with=[GuardedTracker, ...]
 
-``RunRecorder`` (tracking.py) starts them and feeds them every record. Each tracker is wrapped in a
-``GuardedTracker``: a failure to start is one ConfigError line naming the fix, a failure later warns
-once and the run goes on. A resumed run continues the tracker runs it interrupted (``RUN_IDS``).
-``CSVTracker`` writes ``OUTPUT_DIR/metrics.csv``: Accelerate 1.x has none.
+``RunRecorder`` (recorder.py) starts them and feeds them every record. Each tracker is wrapped in a
+``GuardedTracker``: a failure to start (or a start slower than ``--tracker_start_timeout``) is one
+ConfigError line naming the fix, a failure later warns once and the run goes on. Every call into
+the trackers runs on one ``TrackerThread`` (tracker_thread.py), so a start can be given up on. A
+resumed run continues the tracker runs it interrupted (``RUN_IDS``). ``CSVTracker`` writes
+``OUTPUT_DIR/metrics.csv`` (csv_tracker.py): Accelerate 1.x has none. ``all``: configured.py; how each
+tracker is built: tracker_builds.py.
 """
 
 from __future__ import annotations
 
-import csv
-import io
 import os
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
-from accelerate.tracking import GeneralTracker, on_main_process
+from accelerate.tracking import GeneralTracker
 from tqdm.auto import tqdm
 
 from accel_ddp.config import ACCELERATE_TRACKERS
 from accel_ddp.lifecycle.failure import main_process_decides
-from accel_ddp.outputs.metrics_file import damaged_line
-from accel_ddp.outputs.names import CSV_NAME, METRICS_NAME, TENSORBOARD_SUBDIR
-from accel_ddp.util.atomic import atomic_write_text
-from accel_ddp.util.messages import first_line, line
+from accel_ddp.outputs.names import METRICS_NAME
+from accel_ddp.tracking.configured import skipped_line, unconfigured
+from accel_ddp.tracking.csv_tracker import CSVTracker
+from accel_ddp.tracking.tracker_builds import TrackerRun, _new_tracker
+from accel_ddp.tracking.tracker_thread import TrackerInterrupted, TrackerThread, TrackerTimedOut
+from accel_ddp.util.messages import first_line, line, note
 from accel_ddp.util.validation import ConfigError
 
-
-class CSVTracker(GeneralTracker):
-    """``OUTPUT_DIR/metrics.csv``, one row per logged step: Accelerate 1.x has no CSV tracker.
-
-    Passed to ``Accelerator(log_with=[...])`` as an instance, so nothing is registered globally.
-    Columns grow as new keys appear (eval metrics arrive after the first loss lines): the file is
-    then rewritten with the wider header. An existing file is extended; with ``keep_until`` (the
-    step a run resumes from, 0 for a fresh one) its rows past that step go first, as in metrics.jsonl.
-    """
-
-    name = "csv"
-    requires_logging_directory = False
-    main_process_only = True
-
-    def __init__(self, output_dir: str, keep_until: int | None = None):
-        super().__init__()
-        self.path = os.path.join(output_dir, CSV_NAME)
-        self.keep_until = keep_until
-        self.columns: list[str] = ["step"]
-        self.rows: list[dict[str, Any]] = []
-
-    @on_main_process
-    def start(self) -> None:
-        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-        if os.path.isfile(self.path):
-            with open(self.path, "rb") as fh:
-                raw = fh.read()
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError as err:  # damage: the run only writes UTF-8
-                raise ConfigError(damaged_line(self.path, raw.count(b"\n", 0, err.start) + 1)) from None
-            reader = csv.DictReader(io.StringIO(text, newline=""))
-            self.columns = list(reader.fieldnames or ["step"])
-            self.rows = list(reader)
-            if self.keep_until is not None:
-                kept = [r for r in self.rows if r.get("step", "").isdigit() and int(r["step"]) <= self.keep_until]
-                if len(kept) < len(self.rows):
-                    self.rows = kept
-                    atomic_write_text(self.path, self._render(self.rows, header=True))
-
-    @property
-    def tracker(self) -> str:
-        return self.path
-
-    @on_main_process
-    def store_init_configuration(self, values: dict) -> None:
-        """The config lives in config.yaml already; a CSV of metrics has no place for it."""
-
-    @on_main_process
-    def log(self, values: dict, step: int | None = None, **kwargs) -> None:
-        row = {"step": "" if step is None else step}
-        for key, value in values.items():
-            if isinstance(value, dict):  # TensorBoard-style grouped scalars
-                row.update({f"{key}/{sub}": v for sub, v in value.items()})
-            else:
-                row[key] = value.item() if hasattr(value, "item") else value
-        new = [k for k in row if k not in self.columns]
-        self.rows.append(row)
-        if new or not os.path.isfile(self.path):
-            self.columns += new
-            atomic_write_text(self.path, self._render(self.rows, header=True))
-        else:
-            with open(self.path, "a", newline="", encoding="utf-8") as fh:
-                fh.write(self._render([row], header=False))
-
-    def _render(self, rows: list[dict[str, Any]], header: bool) -> str:
-        out = io.StringIO()
-        writer = csv.DictWriter(out, fieldnames=self.columns, restval="", lineterminator="\n")
-        if header:
-            writer.writeheader()
-        writer.writerows(rows)
-        return out.getvalue()
+__all__ = ["CSVTracker", "TrackerRun", "_new_tracker"]  # built elsewhere, used from here
 
 
 # pip package where it differs from the tracker's name (mlflow-skinny: the client without a server's dependencies)
@@ -133,59 +64,43 @@ def _installed(name: str) -> bool:
 def resolve_report_to(report_to: str) -> list[str]:
     """The tracker names of ``--report_to`` (already checked by TrainConfig), each installed.
 
-    ``all`` is every tracker Accelerate knows whose package is installed, then csv, as in the
-    Hugging Face example scripts. A tracker named explicitly but not installed is a ConfigError:
-    Accelerate would silently drop it.
+    ``all`` is every tracker Accelerate knows whose package is installed and which is configured to
+    run here (configured.py), then csv, as in the Hugging Face example scripts; the installed ones
+    it leaves out are named in one note. A tracker named explicitly but not installed is a
+    ConfigError: Accelerate would silently drop it.
 
-        >>> resolve_report_to("all")   # e.g. ["tensorboard", "wandb", "csv"]
+        >>> resolve_report_to("all")   # e.g. ["tensorboard", "csv"], and a note: "not logging to wandb (set ...)"
     """
     names: list[str] = []
+    skipped: list[str] = []
     for name in report_to.split(","):
-        names += [n for n in ACCELERATE_TRACKERS if _installed(n)] + ["csv"] if name == "all" else [name]
+        if name != "all":
+            names.append(name)
+            continue
+        installed = [n for n in ACCELERATE_TRACKERS if _installed(n)]
+        skipped += [n for n in installed if unconfigured(n) is not None]
+        names += [n for n in installed if n not in skipped] + ["csv"]
     names = list(dict.fromkeys(names))
     missing = [name for name in names if name != "csv" and not _installed(name)]
     if missing:
         packages = " ".join(PIP_NAMES.get(name, name) for name in missing)
         raise ConfigError(f"--report_to {','.join(missing)}: not installed; pip install {packages} "
                           "(or pip install 'accel_ddp[tracking]' for tensorboard, wandb and mlflow)")
+    if skipped := [n for n in dict.fromkeys(skipped) if n not in names]:  # `all,wandb`: named, so required
+        note(skipped_line(skipped))
     return names
 
 
-@dataclass
-class TrackerRun:
-    """Where a tracker writes and what it continues; known once the run has agreed where it starts."""
-
-    output_dir: str
-    project: str  # --tracker_project_name
-    name: str  # --run_name, default the output folder's name
-    start_step: int = 0  # the step resumed from; 0 for a fresh run
-    saved: dict[str, Any] = field(default_factory=dict)  # this tracker's entry of trackers.json (resumes only)
-
-
-def _new_tracker(name: str, run: TrackerRun) -> GeneralTracker:
-    """Accelerate's tracker ``name``, with this run's project, run name, folder and resume state."""
-    from accelerate import tracking
-
-    if name == "csv":
-        return CSVTracker(run.output_dir, keep_until=run.start_step)
-    if name == "tensorboard":  # same folder; events logged after the checkpoint are purged from TensorBoard's view
-        return tracking.TensorBoardTracker(TENSORBOARD_SUBDIR, run.output_dir, purge_step=run.start_step + 1)
-    if name == "wandb":
-        where = {} if os.environ.get("WANDB_DIR") else {"dir": run.output_dir}  # OUTPUT_DIR/wandb/, not ./wandb/
-        return tracking.WandBTracker(run.project, name=run.name, id=run.saved.get("id"), resume="allow", **where)
-    if name == "mlflow":  # MLFLOW_TRACKING_URI says where; MLFLOW_EXPERIMENT_NAME and MLFLOW_RUN_ID win (Accelerate)
-        return tracking.MLflowTracker(experiment_name=run.project, run_id=run.saved.get("run_id"), run_name=run.name)
-    if name == "aim":  # an Aim repository in OUTPUT_DIR, as Accelerate does with project_dir
-        return tracking.AimTracker(run.name, run.output_dir, experiment=run.project)
-    if name == "clearml":
-        return tracking.ClearMLTracker(run.project, project_name=run.project, task_name=run.name)
-    if name == "dvclive":
-        return tracking.DVCLiveTracker(dir=os.path.join(run.output_dir, "dvclive"))
-    if name == "swanlab":
-        return tracking.SwanLabTracker(run.project, experiment_name=run.name)
-    if name == "trackio":
-        return tracking.TrackioTracker(run.project, name=run.name)
-    return tracking.CometMLTracker(run.project)  # comet_ml: it names the experiment itself
+def flat_scalars(values: dict[str, Any]) -> dict[str, Any]:
+    """``{"peak_rss_mb": {"rank0": 1.0}}`` -> ``{"peak_rss_mb/rank0": 1.0}``: trackers take scalars (MLflow drops a
+    dict with a warning; TensorBoard would write a folder of event files per key)."""
+    flat: dict[str, Any] = {}
+    for key, value in values.items():
+        if isinstance(value, dict):
+            flat.update({f"{key}/{sub}": v for sub, v in value.items()})
+        else:
+            flat[key] = value
+    return flat
 
 
 class GuardedTracker(GeneralTracker):
@@ -194,40 +109,53 @@ class GuardedTracker(GeneralTracker):
     Passed to ``Accelerator(log_with=[...])`` on every rank; Accelerate starts and feeds it on the
     main process only. The real tracker is built in ``start`` (``_new_tracker``), once ``prepare``
     has said where the run starts: a resumed run reopens the tracker run it interrupted where the
-    tracker can. A failure to start or to store the config is a ConfigError naming the fix; a
-    failure after that warns once and the tracker gets no more records: the run goes on, and
-    metrics.jsonl keeps everything.
+    tracker can. Every call into it runs on the run's ``TrackerThread``. A failure to start or to
+    store the config, or no answer within ``start_timeout`` seconds, is a ConfigError naming the fix;
+    a preemption signal meanwhile raises ``TrackerInterrupted``. A failure after that warns once and
+    the tracker gets no more records: the run goes on, and metrics.jsonl keeps everything.
     """
 
     requires_logging_directory = False
     main_process_only = True
 
-    def __init__(self, name: str, run: TrackerRun):
+    def __init__(self, name: str, run: TrackerRun, worker: TrackerThread | None = None):
         self.name = name
         super().__init__()
         self.run = run
+        self.worker = worker or TrackerThread()  # shared by a run's trackers (build_trackers)
+        self.worker.users += 1
+        self._released = False
         self.inner: GeneralTracker | None = None
         self.continued = False  # writing on in the tracker run a resumed run interrupted
         self.failed = False
         self.skip: set[tuple[int, frozenset[str]]] = set()  # (step, keys) records the continued run holds already
+        self.start_timeout: float | None = None  # --tracker_start_timeout
+        self.watcher: Any = None  # the run's PreemptionWatcher: a signal stops the wait for a start
 
-    def prepare(self, start_step: int, saved: dict[str, Any], logged: set[tuple[int, frozenset[str]]]) -> None:
+    def prepare(self, start_step: int, saved: dict[str, Any], logged: set[tuple[int, frozenset[str]]],
+                start_timeout: float | None = None, watcher: Any = None) -> None:
         """Before ``start``: the step the run resumes from, what trackers.json kept of this tracker's run,
-        and the records metrics.jsonl holds past ``start_step`` (sent to the trackers by the interrupted run)."""
+        and the records metrics.jsonl holds past ``start_step`` (sent to the trackers by the interrupted run);
+        how long its start may take, and the watcher whose signal ends the wait."""
         self.run.start_step, self.run.saved = start_step, saved if start_step else {}
         by_id = self.name in RUN_IDS and bool(self.run.saved.get(RUN_IDS[self.name]))
         self.continued = bool(start_step) and (self.name in ("csv", "tensorboard") or by_id)
         self.skip = logged if by_id else set()
+        self.start_timeout, self.watcher = start_timeout, watcher
 
     @property
     def tracker(self) -> Any:
         return None if self.inner is None else self.inner.tracker
 
     def start(self) -> None:
+        def build_and_start() -> GeneralTracker:
+            inner = _new_tracker(self.name, self.run)
+            inner.start()
+            return inner
+
         try:
-            self.inner = _new_tracker(self.name, self.run)
-            self.inner.start()
-        except ConfigError:  # one line of its own (a damaged metrics.csv)
+            self.inner = self._bounded(build_and_start)
+        except (ConfigError, TrackerInterrupted):  # a line of its own (a damaged metrics.csv, a start too slow)
             self.inner = None
             raise
         except Exception as err:  # noqa: BLE001 - each tracker raises its own types; all mean "cannot start"
@@ -238,13 +166,26 @@ class GuardedTracker(GeneralTracker):
         if self.inner is None or (self.continued and self.name in RUN_IDS):  # the interrupted run has it already
             return
         try:
-            self.inner.store_init_configuration(values)
+            self._bounded(lambda: self.inner.store_init_configuration(values))
+        except (ConfigError, TrackerInterrupted):
+            raise
         except Exception as err:  # noqa: BLE001
             raise ConfigError(self._cannot_start(err)) from err
 
+    def _bounded(self, call: Callable[[], Any]) -> Any:
+        """``call()`` on the tracker thread, within ``start_timeout`` seconds (a ConfigError past it)."""
+        try:
+            return self.worker.call(call, timeout=self.start_timeout, watcher=self.watcher)
+        except TrackerTimedOut:
+            raise ConfigError(f"--report_to {self.name}: it did not start within --tracker_start_timeout "
+                              f"{self.start_timeout:g} s (a server that does not answer?); check that its server "
+                              f"is reachable, raise --tracker_start_timeout, or leave {self.name} out of "
+                              "--report_to") from None
+
     def log(self, values: dict, step: int | None = None, **kwargs) -> None:
         if (step, frozenset(values)) not in self.skip:
-            self._guarded(step, lambda: self.inner.log(values, step=step, **kwargs))
+            scalars = flat_scalars(values)
+            self._guarded(step, lambda: self.inner.log(scalars, step=step, **kwargs))
 
     def log_summary(self, summary: dict[str, Any], step: int) -> None:
         """The final summary's numbers as ``summary/<key>`` (W&B: the run summary; csv: none, see summary.json)."""
@@ -264,14 +205,21 @@ class GuardedTracker(GeneralTracker):
         info = self.inner.tracker.info
         return {"run_id": info.run_id, "experiment_id": info.experiment_id}
 
-    def finish(self) -> None:
-        self._guarded(None, self.inner.finish if self.inner is not None else lambda: None)
+    def finish(self, timeout: float | None = None) -> None:
+        """Close the tracker (``timeout``: at most this long, after a failed start); the last one ends the thread."""
+        self._guarded(None, self.inner.finish if self.inner is not None else lambda: None, timeout)
+        self.inner = None
+        if not self._released:  # the thread ends once every tracker of the run has finished
+            self._released = True
+            self.worker.users -= 1
+            if self.worker.users <= 0:
+                self.worker.close()
 
-    def _guarded(self, step: int | None, call: Callable[[], Any]) -> None:
-        if self.inner is None or self.failed:
+    def _guarded(self, step: int | None, call: Callable[[], Any], timeout: float | None = None) -> None:
+        if self.inner is None or self.failed or self.worker.abandoned:
             return
         try:
-            call()
+            self.worker.call(call, timeout=timeout)
         except Exception as err:  # noqa: BLE001 - a tracker's trouble must not end a training run
             self.failed = True
             where = "at the end of the run" if step is None else f"at step {step}"
@@ -290,7 +238,8 @@ def build_trackers(names: list[str], output_dir: str, project: str = "accel_ddp"
                    run_name: str | None = None) -> list[GuardedTracker]:
     """``log_with`` for the trackers ``names`` (from ``resolve_report_to``); nothing starts yet."""
     run_name = run_name or os.path.basename(os.path.abspath(output_dir))
-    return [GuardedTracker(name, TrackerRun(output_dir, project, run_name)) for name in names]
+    worker = TrackerThread()  # one for all: MLflow's active run belongs to the thread that started it
+    return [GuardedTracker(name, TrackerRun(output_dir, project, run_name), worker) for name in names]
 
 
 def tracking_kwargs(state: Any, report_to: str, output_dir: str, project: str = "accel_ddp",

@@ -1,17 +1,32 @@
-"""Output and checkpoint locations given as URLs: ``file://`` is a local folder, any other scheme is refused
-(one line, exit 2) until it is supported, never a local folder named after it."""
+"""Checkpoints in an object store (``--checkpoint_dir s3://...``), tested against moto's S3 server on loopback;
+and URLs where they are not supported (one line, exit 2, never a local folder named after them)."""
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
 
 import pytest
 
+from tests.helpers.multiproc import RankFailed, free_port, run_ranks
 from tests.helpers.ranks import error_lines
-from tests.helpers.runs import main_ranks, read_summary
+from tests.helpers.runs import load_weights, main_ranks, read_summary
 
 ARGS = ["--dataset", "synthetic", "--synthetic_samples", "64", "--synthetic_shape", "1", "4", "4",
         "--model", "mlp", "--hidden_size", "8", "--global_batch_size", "16", "--epochs", "1", "--num_workers", "0"]
+# 8 optimizer steps an epoch; a checkpoint every 2 of them, the constant LR so that a longer run continues exactly
+STORE_ARGS = ["--dataset", "synthetic", "--synthetic_samples", "128", "--synthetic_shape", "1", "4", "4",
+              "--model", "mlp", "--hidden_size", "8", "--global_batch_size", "16", "--num_workers", "0",
+              "--lr_schedule", "constant", "--checkpointing_steps", "2", "--keep_last", "5", "--log_every", "2"]
+BUCKET = "accel-ddp-test"
 
 
 @pytest.mark.parametrize("flag, url", [
@@ -27,7 +42,9 @@ def test_a_url_is_one_line_exit_2_and_no_local_folder_named_after_it(flag, url, 
     assert main_ranks([*ARGS, *extra, flag, url]) == [2, 2]
     err = capfd.readouterr().err
     lines = error_lines(err)
-    assert len(lines) == 1 and f"{flag} {url}" in lines[0] and "not supported yet" in lines[0], err
+    assert len(lines) == 1 and f"{flag} {url}" in lines[0] and "not supported here" in lines[0], err
+    if flag == "--output_dir":
+        assert f"--checkpoint_dir {url}" in lines[0]
     assert "Traceback" not in err
     assert os.listdir(tmp_path) == []
 
@@ -36,3 +53,238 @@ def test_a_file_url_is_the_local_folder(tmp_path):
     out = tmp_path / "run"
     assert main_ranks([*ARGS, "--output_dir", f"file://{out}"]) == [0, 0]
     assert read_summary(out)["optimizer_steps"] == 4
+
+
+@pytest.mark.parametrize("url, package, extra", [("s3://bucket/run", "s3fs", "s3"), ("gs://bucket/run", "gcsfs", "gcs"),
+                                                 ("az://container/run", "adlfs", "azure")])
+def test_a_store_without_its_package_is_one_line_naming_the_extra(url, package, extra, tmp_path, monkeypatch, capfd):
+    monkeypatch.setitem(sys.modules, package, None)  # `import s3fs` fails, as where it is not installed
+    assert main_ranks([*ARGS, "--output_dir", str(tmp_path / "run"), "--checkpoint_dir", url]) == [2, 2]
+    err = capfd.readouterr().err
+    lines = error_lines(err)
+    assert len(lines) == 1 and f"--checkpoint_dir {url} needs the {package} package" in lines[0], err
+    assert lines[0].endswith(f'pip install "accel_ddp[{extra}]"') and "Traceback" not in err
+    assert not (tmp_path / "run").exists()
+
+
+# ----------------------------------------------------------------------------------------- against a real S3 API
+
+
+@pytest.fixture(scope="module")
+def s3():
+    """moto's S3 server in a subprocess on a free loopback port (never a thread: this process forks ranks),
+    a bucket in it, and the environment s3fs and boto3 read their endpoint and keys from; a boto3 client."""
+    missing = [name for name in ("moto", "s3fs", "boto3", "flask") if importlib.util.find_spec(name) is None]
+    if missing:
+        pytest.skip(f"the object-store tests need {', '.join(missing)} (pip install -e '.[test]')")
+    import boto3
+
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
+           "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}"}
+    saved = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)  # the forked ranks inherit it
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline or server.poll() is not None:
+                    pytest.fail("moto's S3 server did not start")
+                time.sleep(0.2)
+        client = boto3.client("s3")
+        client.create_bucket(Bucket=BUCKET)
+        yield client
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _prefix() -> str:
+    return f"run-{uuid.uuid4().hex[:8]}"
+
+
+def _keys(client, prefix: str) -> list[str]:
+    listed = client.list_objects_v2(Bucket=BUCKET, Prefix=f"{prefix}/")
+    return sorted(obj["Key"][len(prefix) + 1:] for obj in listed.get("Contents", []))
+
+
+def _sealed_steps(client, prefix: str) -> list[int]:
+    sealed = (re.fullmatch(r"step_(\d{8})/checkpoint\.json", key) for key in _keys(client, prefix))
+    return sorted(int(match.group(1)) for match in sealed if match)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The uninterrupted 8-step run, checkpoints on disk: the weights every resumed store run must end with."""
+    out = tmp_path_factory.mktemp("reference") / "run"
+    assert main_ranks([*STORE_ARGS, "--max_steps", "8", "--output_dir", str(out)]) == [0, 0]
+    return load_weights(out)
+
+
+def _assert_same_weights(out, reference) -> None:
+    weights = load_weights(out)
+    assert weights.keys() == reference.keys()
+    assert all(weights[k].equal(reference[k]) for k in reference)
+
+
+def test_a_2_rank_run_killed_mid_upload_resumes_bitwise_from_the_newest_sealed_checkpoint(s3, reference, tmp_path,
+                                                                                         capfd):
+    """Checkpoints at steps 2 and 4 sealed in the store; the whole job SIGKILLed while the main process uploads
+    step 6 (its model is there, its manifest is not). ``auto`` from the same --output_dir takes over the lock
+    object the kill left, ignores unsealed step 6 with a line, resumes step 4 and ends with the uninterrupted
+    run's weights, bit for bit; the lock object is gone at the end."""
+    prefix, out, pids = _prefix(), tmp_path / "run", tmp_path / "pids"
+    url = f"s3://{BUCKET}/{prefix}"
+    args = [*STORE_ARGS, "--max_steps", "8", "--output_dir", str(out), "--checkpoint_dir", url]
+    pids.mkdir()
+
+    def killed_uploading_step_6() -> int:
+        from accel_ddp.checkpoint import storage
+        from accel_ddp.cli.train import main
+
+        rank = int(os.environ["RANK"])
+        (pids / str(rank)).write_text(str(os.getpid()))
+        seal = storage.ObjectStore.seal
+
+        def seal_then_die(self, tmp, final, meta):
+            if final.endswith("step_00000006"):  # its first object uploaded, then the job dies, as a node fails
+                put = self.fs.put_file
+
+                def put_then_die(*args, **kwargs):
+                    put(*args, **kwargs)
+                    for pid in (int((pids / r).read_text()) for r in ("1", "0")):
+                        os.kill(pid, signal.SIGKILL)
+
+                self.fs.put_file = put_then_die
+            return seal(self, tmp, final, meta)
+
+        storage.ObjectStore.seal = seal_then_die
+        return main(args)
+
+    with pytest.raises(RankFailed, match="exited with code -9"):
+        run_ranks(killed_uploading_step_6)
+    keys = _keys(s3, prefix)
+    assert _sealed_steps(s3, prefix) == [2, 4] and ".lock" in keys
+    assert any(k.startswith("step_00000006/") for k in keys) and "step_00000006/checkpoint.json" not in keys
+    assert not (out / "checkpoints" / "step_00000004").exists()  # the store holds them, not the output folder
+    capfd.readouterr()
+
+    assert main_ranks([*args, "--resume_from_checkpoint", "auto"]) == [0, 0]
+    output = capfd.readouterr()
+    assert "taking over" in output.out and f"{url}/.lock" in output.out, output.out
+    assert f"ignoring {url}/step_00000006: it has no checkpoint.json" in output.err, output.err
+    assert read_summary(out)["resumed_from_step"] == 4
+    _assert_same_weights(out, reference)
+    assert _sealed_steps(s3, prefix) == [2, 4, 6, 8] and ".lock" not in _keys(s3, prefix)
+
+
+def test_auto_skips_a_damaged_object_and_an_unsealed_checkpoint_with_a_line_each(s3, tmp_path, capfd):
+    prefix, out = _prefix(), tmp_path / "run"
+    url = f"s3://{BUCKET}/{prefix}"
+    args = [*STORE_ARGS, "--output_dir", str(out), "--checkpoint_dir", url]
+    assert main_ranks([*args, "--max_steps", "6"]) == [0, 0]
+    assert _sealed_steps(s3, prefix) == [2, 4, 6]
+    s3.delete_object(Bucket=BUCKET, Key=f"{prefix}/step_00000006/checkpoint.json")  # unsealed
+    s3.put_object(Bucket=BUCKET, Key=f"{prefix}/step_00000004/optimizer.bin", Body=b"not the saved bytes")
+    capfd.readouterr()
+
+    assert main_ranks([*args, "--max_steps", "8", "--resume_from_checkpoint", "auto"]) == [0, 0]
+    err = capfd.readouterr().err
+    assert f"ignoring {url}/step_00000006: it has no checkpoint.json" in err, err
+    assert f"skipping a damaged checkpoint: {url}/step_00000004/optimizer.bin is truncated or altered" in err, err
+    assert read_summary(out)["resumed_from_step"] == 2
+    keys = _keys(s3, prefix)
+    assert _sealed_steps(s3, prefix) == [2, 4, 6, 8]
+    assert any(".damaged-" in k and k.endswith("optimizer.bin") for k in keys)  # set aside, not deleted
+    # A fresh start over the store's checkpoints, from another output folder, is refused like one on disk.
+    assert main_ranks([*STORE_ARGS, "--output_dir", str(tmp_path / "other"), "--checkpoint_dir", url,
+                       "--max_steps", "8"]) == [2, 2]
+    lines = error_lines(capfd.readouterr().err)
+    assert len(lines) == 1 and f"{url} already holds checkpoints (newest step_00000008)" in lines[0], lines
+    assert "pick another --checkpoint_dir" in lines[0] and ".lock" not in _keys(s3, prefix)
+
+
+def test_a_second_run_on_the_same_prefix_is_refused_naming_the_owner(s3, tmp_path, capfd):
+    prefix = _prefix()
+    url = f"s3://{BUCKET}/{prefix}"
+    owner = {"host": socket.gethostname(), "output_dir": "/elsewhere/run", "pid": 4242, "since": "2026-12-01T23:00"}
+    s3.put_object(Bucket=BUCKET, Key=f"{prefix}/.lock", Body=json.dumps(owner).encode())
+    out = tmp_path / "run"
+    capfd.readouterr()
+    assert main_ranks([*STORE_ARGS, "--max_steps", "4", "--output_dir", str(out), "--checkpoint_dir", url]) == [2, 2]
+    err = capfd.readouterr().err
+    lines = error_lines(err)
+    assert len(lines) == 1, err
+    assert f"--checkpoint_dir {url} is in use by another run" in lines[0]
+    assert "--output_dir /elsewhere/run, pid 4242" in lines[0] and f"delete {url}/.lock" in lines[0]
+    assert "Traceback" not in err
+    assert _keys(s3, prefix) == [".lock"]  # nothing written, the other run's lock untouched
+    assert not (out / "summary.json").exists()
+
+
+def test_a_missing_bucket_is_one_line_naming_the_operation(s3, tmp_path, capfd):
+    url = "s3://no-such-bucket/run"
+    assert main_ranks([*STORE_ARGS, "--max_steps", "4", "--output_dir", str(tmp_path / "run"),
+                       "--checkpoint_dir", url]) == [2, 2]
+    err = capfd.readouterr().err
+    lines = error_lines(err)
+    assert len(lines) == 1 and f"--checkpoint_dir {url}: the store refused a lock" in lines[0], err
+    assert "Traceback" not in err
+
+
+def test_a_file_url_store_seals_prunes_and_locks_like_a_bucket(tmp_path, capfd):
+    """``file://``: the store's code on a local folder; the lock is an ``xb`` open."""
+    store, out = tmp_path / "store", tmp_path / "run"
+    args = [*STORE_ARGS, "--max_steps", "8", "--keep_last", "2", "--output_dir", str(out),
+            "--checkpoint_dir", f"file://{store}"]
+    assert main_ranks(args) == [0, 0]
+    assert sorted(os.listdir(store)) == ["step_00000006", "step_00000008"]  # pruned after each seal; lock gone
+    assert (store / "step_00000008" / "checkpoint.json").is_file()
+    assert not (out / "checkpoints" / "step_00000008").exists()
+    (store / ".lock").write_text(json.dumps({"host": "node7", "output_dir": str(out), "pid": 1, "since": "then"}))
+    capfd.readouterr()
+    assert main_ranks([*args, "--max_steps", "10", "--resume_from_checkpoint", "auto"]) == [2, 2]
+    lines = error_lines(capfd.readouterr().err)
+    assert len(lines) == 1 and "is in use by another run" in lines[0] and "host node7" in lines[0]
+
+
+def test_async_saves_to_the_store_resume_bitwise_after_a_kill(s3, reference, tmp_path):
+    """--async_checkpointing: the upload and the seal run in the writer thread; the job SIGKILLed after step 5
+    (step 4's upload done or not) resumes from the newest sealed checkpoint to the uninterrupted run's weights."""
+    prefix, out = _prefix(), tmp_path / "run"
+    args = [*STORE_ARGS, "--max_steps", "8", "--output_dir", str(out), "--checkpoint_dir", f"s3://{BUCKET}/{prefix}",
+            "--async_checkpointing"]
+
+    def killed_after_step_5() -> int:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        from accel_ddp.cli.train import main
+
+        steps = [0]
+
+        def after_step(*_):
+            steps[0] += 1
+            if steps[0] == 5:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        register_optimizer_step_post_hook(after_step)
+        return main(args)
+
+    with pytest.raises(RankFailed, match="exited with code -9"):
+        run_ranks(killed_after_step_5)
+    sealed = _sealed_steps(s3, prefix)
+    assert sealed in ([2], [2, 4])
+    assert main_ranks([*args, "--resume_from_checkpoint", "auto"]) == [0, 0]
+    assert read_summary(out)["resumed_from_step"] == sealed[-1]
+    _assert_same_weights(out, reference)
+    assert _sealed_steps(s3, prefix) == [*sealed, *(s for s in (4, 6, 8) if s > sealed[-1])]

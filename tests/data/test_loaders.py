@@ -6,6 +6,7 @@ parquet, CSV, ``save_to_disk``) is written into a temporary folder first.
 
 from __future__ import annotations
 
+import gc
 import sys
 
 import pytest
@@ -241,6 +242,8 @@ def test_no_training_loader_moves_the_global_generator(workers):
         list(loader)
         list(loader.skip_first_batches(2))
         assert torch.equal(torch.rand(1), expected), type(loader).__name__
+    del loader
+    gc.collect()  # persistent workers and their queue's feeder thread end now, before the next test forks ranks
 
 
 def test_loader_choice_threshold_and_worker_defaults(tmp_path):

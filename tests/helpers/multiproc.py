@@ -78,6 +78,8 @@ def own_tqdm_locks() -> None:
         classes.extend(cls.__subclasses__())
         if "_lock" in vars(cls):
             delattr(cls, "_lock")  # get_lock() makes a new one, with the new locks
+        if vars(cls).get("monitor") is not None:
+            cls.monitor = None  # a monitor thread of the test process is not here; its Event's lock may be held
 
 
 def _child(rank: int, world_size: int, port: int, env: dict[str, str], fn: Callable[[], Any], conn,

@@ -128,6 +128,7 @@ def test_report_to_all_is_every_installed_tracker_plus_csv(monkeypatch):
 
     for name in ACCELERATE_TRACKERS:
         monkeypatch.setattr(accelerate.utils, f"is_{name}_available", lambda n=name: n in ("mlflow", "tensorboard"))
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:9")  # configured (test_tracker_start.py: when not)
     assert resolve_report_to("all") == ["tensorboard", "mlflow", "csv"]
     assert resolve_report_to("csv,all") == ["csv", "tensorboard", "mlflow"]
     with pytest.raises(ConfigError, match=r"--report_to wandb,comet_ml: not installed; pip install wandb comet-ml"):

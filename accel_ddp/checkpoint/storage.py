@@ -1,0 +1,263 @@
+"""Where sealed checkpoints live: a local folder, or an object store through fsspec, behind one interface.
+
+    store = open_store("outputs/run/checkpoints")                           # LocalStore: os.rename, fsync
+    store = open_store("s3://bucket/run", staging="outputs/run/checkpoints")  # ObjectStore: s3fs, gcsfs, adlfs
+    store.seal(tmp, store.folder(20), meta)   # the files first, checkpoint.json last: only then is it trusted
+    store.sealed()                            # [(20, "s3://bucket/run/step_00000020"), ...], oldest first
+    local = store.local_copy(folder)          # a local folder to verify and load (the folder itself on disk)
+
+Every save is written locally first, into the staging folder's ``.tmp-step_N`` (Accelerate's ``save_state``
+writes local paths only; each rank its own files, as on disk). The local store seals it as it always has:
+``checkpoint.json`` fsynced, then the folder renamed into place. The object store uploads every file, then
+``checkpoint.json``: a checkpoint whose manifest is missing is unsealed, and one whose objects differ from it
+is damaged; ``read_checkpoint`` on the downloaded copy tells both apart, exactly as on disk. A resume
+downloads the checkpoint into ``STAGING/.fetched/step_N`` (the main process; the staging folder is in
+``--output_dir``, which every rank sees) and loads it from there.
+
+One run per prefix: ``ObjectStore.claim`` creates ``PREFIX/.lock`` with a conditional write (fsspec
+``pipe_file(mode="create")``: s3fs 2026.9 sends ``If-None-Match: *`` on PutObject, s3fs/core.py
+``_pipe_file``; the local file system opens it ``xb``). The lock records its owner; a kill -9 leaves it
+behind, and the same ``--output_dir`` on the same host takes it over (its own ``.lock``, held by
+``claim_output_dir`` before this, proves the old holder dead). Only the main process calls any of this.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import time
+from typing import Any
+
+from accel_ddp.checkpoint.manifest import _STEP_DIR, checkpoint_name, list_checkpoints
+from accel_ddp.config import STORE_PACKAGES, URL_SCHEME
+from accel_ddp.outputs.files import fsync_dir, relative_files, remove_dir, set_aside
+from accel_ddp.outputs.names import LOCK_NAME, MARKER_NAME
+from accel_ddp.util.messages import first_line, warn
+from accel_ddp.util.validation import ConfigError
+
+FETCHED_DIR = ".fetched"  # under the staging folder: checkpoints downloaded from the store to be verified and loaded
+
+
+class StoreError(ConfigError):
+    """The object store refused or failed an operation (credentials, permissions, network): one line, exit 2."""
+
+
+def open_store(root: str, staging: str | None = None) -> LocalStore | ObjectStore:
+    """The store for ``root``: a local folder, or a URL (``--checkpoint_dir``) staged through ``staging``."""
+    return ObjectStore(root, staging) if URL_SCHEME.match(root) else LocalStore(root)
+
+
+class LocalStore:
+    """Checkpoints as folders on a local or shared file system: renamed into place, fsynced (the fast path)."""
+
+    remote = False
+
+    def __init__(self, root: str):
+        self.root = self.staging = root
+
+    def folder(self, step: int) -> str:
+        return os.path.join(self.root, checkpoint_name(step))
+
+    def sealed(self) -> list[tuple[int, str]]:
+        return list_checkpoints(self.root)
+
+    def seal(self, tmp: str, final: str, meta: dict[str, Any]) -> None:
+        with open(os.path.join(tmp, MARKER_NAME), "w", encoding="utf-8") as fh:
+            json.dump(meta, fh, indent=2)
+            fh.flush()
+            os.fsync(fh.fileno())
+        if os.path.exists(final):  # a damaged checkpoint of this step, which auto skipped: kept, under another name
+            aside = set_aside(final)
+            warn(f"{final} was damaged; moved it to {aside} and saved step {meta['step']} in its place")
+        os.rename(tmp, final)
+        fsync_dir(self.root)
+
+    def unsealed(self) -> list[str]:
+        """Nothing to report: an interrupted save is a ``.tmp-`` folder, never a ``step_`` one."""
+        return []
+
+    def remove(self, folder: str) -> None:
+        remove_dir(folder)
+
+    def clean(self, up_to: int) -> None:
+        """Debris of saves or deletions a crash interrupted."""
+        for name in os.listdir(self.root):
+            if name.startswith((".tmp-", ".trash-")):
+                shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
+
+    def local_copy(self, folder: str) -> str:
+        return folder
+
+    def is_own(self, spec: str) -> bool:
+        return os.path.realpath(os.path.dirname(os.path.normpath(spec))) == os.path.realpath(self.root)
+
+    def claim(self, output_dir: str) -> None:
+        """Nothing to claim: the output folder's own lock covers OUTPUT_DIR/checkpoints."""
+
+    def release(self) -> None:
+        pass
+
+
+class ObjectStore:
+    """Checkpoints as objects under a URL prefix (``s3://bucket/run/step_N/...``), through fsspec."""
+
+    remote = True
+
+    def __init__(self, url: str, staging: str | None):
+        scheme = URL_SCHEME.match(url).group(1).lower()
+        package, extra = STORE_PACKAGES.get(scheme, (scheme, scheme))
+        try:
+            import fsspec
+
+            # auto_mkdir: the local file system (file://) makes parent folders as object stores need none
+            self.fs, self.path = fsspec.core.url_to_fs(url, **({"auto_mkdir": True} if scheme == "file" else {}))
+        except ImportError:  # config.py found the package; an import that still fails is one line too
+            raise ConfigError(f"--checkpoint_dir {url} needs the {package} package, which cannot be imported; "
+                              f"pip install \"accel_ddp[{extra}]\"") from None
+        self.root = url.rstrip("/")
+        self.path = self.path.rstrip("/")
+        self.staging = staging or os.path.join("outputs", "staging")
+        self._lock_data: bytes | None = None
+
+    def folder(self, step: int) -> str:
+        return f"{self.root}/{checkpoint_name(step)}"
+
+    def _key(self, folder: str) -> str:
+        return self.path + folder[len(self.root):]
+
+    def _steps(self) -> dict[int, bool]:
+        """Every step with objects under the prefix -> whether its manifest is there (one recursive listing)."""
+        found: dict[int, bool] = {}
+        self.fs.invalidate_cache()  # s3fs caches listings: another process (the killed run) wrote since
+        try:
+            # no maxdepth: s3fs lists a whole prefix in one paginated request then, and walks it folder by folder
+            # with one (s3fs/core.py _find)
+            keys = self._call("list", lambda: self.fs.find(self.path), passes=FileNotFoundError)
+        except FileNotFoundError:  # nothing under the prefix yet (a bucket that is missing fails the lock first)
+            keys = []
+        for key in keys:
+            parts = key[len(self.path):].strip("/").split("/")
+            match = _STEP_DIR.match(parts[0]) if len(parts) >= 2 else None
+            if match:
+                step = int(match.group(1))
+                found[step] = found.get(step, False) or parts[1:] == [MARKER_NAME]
+        return found
+
+    def sealed(self) -> list[tuple[int, str]]:
+        return [(step, self.folder(step)) for step, has_marker in sorted(self._steps().items()) if has_marker]
+
+    def unsealed(self) -> list[str]:
+        """Prefixes holding objects but no manifest: saves a crash interrupted (or a manifest deleted)."""
+        return [self.folder(step) for step, has_marker in sorted(self._steps().items()) if not has_marker]
+
+    def seal(self, tmp: str, final: str, meta: dict[str, Any]) -> None:
+        """Upload every file of ``tmp``, then ``checkpoint.json``: the manifest is the last object written."""
+        key = self._key(final)
+        existing = self._steps().get(int(_STEP_DIR.match(final.rsplit("/", 1)[1]).group(1)))
+        if existing:  # sealed but damaged (auto skipped it): kept for its owner, under another name
+            aside = f"{key}.damaged-{time.strftime('%Y%m%dT%H%M%S')}"
+            for obj in self._call("list", lambda: self.fs.find(key)):  # object by object: no rename in a store
+                self._call("move", lambda obj=obj: self.fs.copy(obj, aside + obj[len(key):]))
+            self.remove(final)
+            aside_url = self.root + aside[len(self.path):]
+            warn(f"{final} was damaged; moved it to {aside_url} and saved step {meta['step']} in its place")
+        elif existing is False:  # unsealed objects of a save a crash interrupted
+            self._call("delete", lambda: self.fs.rm(key, recursive=True))
+        for name in relative_files(tmp):
+            self._call("upload", lambda name=name: self.fs.put_file(os.path.join(tmp, name), f"{key}/{name}"))
+        body = json.dumps(meta, indent=2).encode()
+        self._call("upload", lambda: self.fs.pipe_file(f"{key}/{MARKER_NAME}", body))
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    def remove(self, folder: str) -> None:
+        """The manifest first: a deletion a crash interrupts leaves an unsealed prefix, never a gutted sealed one."""
+        key = self._key(folder)
+        try:
+            self._call("delete", lambda: self.fs.rm_file(f"{key}/{MARKER_NAME}"), passes=FileNotFoundError)
+        except FileNotFoundError:
+            pass
+        self._call("delete", lambda: self.fs.rm(key, recursive=True))
+
+    def clean(self, up_to: int) -> None:
+        """Unsealed prefixes up to the step just sealed (a crash's partial uploads) and the local staging debris."""
+        for step, has_marker in self._steps().items():
+            if not has_marker and step <= up_to:
+                self._call("delete", lambda step=step: self.fs.rm(self._key(self.folder(step)), recursive=True))
+        if os.path.isdir(self.staging):
+            for name in os.listdir(self.staging):
+                if name.startswith((".tmp-", ".trash-", FETCHED_DIR)):
+                    shutil.rmtree(os.path.join(self.staging, name), ignore_errors=True)
+
+    def local_copy(self, folder: str) -> str:
+        """Download ``folder`` into ``STAGING/.fetched/step_N`` (replacing an earlier copy); that folder."""
+        key, name = self._key(folder), folder.rsplit("/", 1)[1]
+        dest = os.path.join(self.staging, FETCHED_DIR, name)
+        shutil.rmtree(dest, ignore_errors=True)
+        for obj in self._call("list", lambda: self.fs.find(key)):
+            path = os.path.join(dest, *obj[len(key):].strip("/").split("/"))
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            self._call("download", lambda obj=obj, path=path: self.fs.get_file(obj, path))
+        os.makedirs(dest, exist_ok=True)  # no objects at all: an empty folder, which read_checkpoint calls unsealed
+        return dest
+
+    def is_own(self, spec: str) -> bool:
+        head, _, name = spec.rstrip("/").rpartition("/")
+        return head == self.root and bool(_STEP_DIR.match(name))
+
+    def claim(self, output_dir: str) -> None:
+        """Create ``PREFIX/.lock`` naming this run, or take over a dead one's; another run's: one line, exit 2."""
+        lock = f"{self.path}/{LOCK_NAME}"
+        owner = {"host": socket.gethostname(), "output_dir": os.path.abspath(output_dir), "pid": os.getpid(),
+                 "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        data = json.dumps(owner).encode()
+        try:
+            self._call("lock", lambda: self.fs.pipe_file(lock, data, mode="create"), passes=FileExistsError)
+        except FileExistsError:
+            held = self._owner(lock)
+            if (held.get("host"), held.get("output_dir")) != (owner["host"], owner["output_dir"]):
+                raise ConfigError(
+                    f"--checkpoint_dir {self.root} is in use by another run (its lock object {self.root}/{LOCK_NAME}"
+                    f" says: host {held.get('host')}, --output_dir {held.get('output_dir')}, pid {held.get('pid')}, "
+                    f"since {held.get('since')}); wait for that run to end, or, if it is dead, delete "
+                    f"{self.root}/{LOCK_NAME} and relaunch") from None
+            # We hold that output folder's lock (claim_output_dir ran first): the run that wrote this one is gone.
+            print(f"accel_ddp: taking over {self.root}/{LOCK_NAME}, left by pid {held.get('pid')} on this host "
+                  f"(since {held.get('since')}), which no longer holds {owner['output_dir']}", flush=True)
+            self._call("lock", lambda: self.fs.pipe_file(lock, data))
+        if self._owner(lock) != owner:  # a store that ignored mode="create" and a racing run that wrote last
+            raise ConfigError(f"--checkpoint_dir {self.root}: another run wrote {self.root}/{LOCK_NAME} at the same "
+                              "time; give each run its own --checkpoint_dir")
+        self._lock_data = data
+
+    def release(self) -> None:
+        """Delete the lock object, if it is still ours (the run ends, however it ends short of a kill)."""
+        lock = f"{self.path}/{LOCK_NAME}"
+        if self._lock_data is None:
+            return
+        self._lock_data, data = None, self._lock_data
+        try:
+            if self.fs.cat_file(lock) == data:
+                self.fs.rm_file(lock)
+        except Exception as err:  # noqa: BLE001 - the run's outcome stands; the next claimant is told how to clear it
+            warn(f"could not delete the lock object {self.root}/{LOCK_NAME} ({first_line(err)}); delete it before "
+                 "another run uses this --checkpoint_dir")
+
+    def _owner(self, lock: str) -> dict[str, Any]:
+        try:
+            held = json.loads(self._call("lock", lambda: self.fs.cat_file(lock), passes=FileNotFoundError))
+        except (ValueError, FileNotFoundError):
+            return {}
+        return held if isinstance(held, dict) else {}
+
+    def _call(self, what: str, fn, passes: type[Exception] | tuple = ()):
+        """``fn()``; a failure of the store is one line naming it (``passes``: the errors the caller handles)."""
+        try:
+            return fn()
+        except Exception as err:
+            if isinstance(err, (ConfigError, *(passes if isinstance(passes, tuple) else (passes,)))):
+                raise
+            raise StoreError(f"--checkpoint_dir {self.root}: the store refused a {what} ({type(err).__name__}: "
+                             f"{first_line(err)}); check its credentials, permissions and endpoint "
+                             "(AWS_ENDPOINT_URL, ...)") from None
