@@ -22,9 +22,16 @@ from accel_ddp.util.messages import warn
 from accel_ddp.util.validation import INT_MAX, ConfigError, check_range, checked_type, show
 
 
-def _opt(default: Any, help: str, low: float | None = None, high: float | None = None) -> Any:
-    """A field with its one-line help and, for numbers, its inclusive range (checked in ``__post_init__``)."""
-    return field(default=default, metadata={"help": help, "low": low, "high": high})
+def _opt(default: Any, help: str, low: float | None = None, high: float | None = None, *,
+         section: str | None = None) -> Any:
+    """A field with its one-line help and, for numbers, its inclusive range (checked in ``__post_init__``).
+
+    ``section`` ("title (note)") starts a group of options, up to the next field that names one: docs/flags.md's
+    tables (tools/flag_table.py) and ``--help``'s groups (cli/args.py), both through ``sections()``."""
+    metadata = {"help": help, "low": low, "high": high}
+    if section is not None:
+        metadata["section"] = section
+    return field(default=default, metadata=metadata)
 
 
 SEED_MAX = 2**32 - 1  # NumPy's np.random.seed accepts 0 .. 2**32 - 1, and set_seed seeds NumPy too
@@ -97,12 +104,13 @@ EXPANDED_VALUES = {
 
 @dataclass
 class TrainConfig:
-    """Every option of a training run. Field names are the CLI flags (``--global_batch_size``)."""
+    """Every option of a training run. Field names are the CLI flags (``--global_batch_size``); a field with
+    ``section=`` starts a group (``sections()``)."""
 
-    # --- data ---
     dataset: str = _opt(
         "digits",
         "dataset: digits, mnist, fashion_mnist, cifar10, imagefolder, hf, synthetic or 'pkg.module:function'",
+        section="data",
     )
     data_dir: str = _opt("data", "folder holding (or receiving, with --download) the dataset files")
     download: bool = _opt(
@@ -146,9 +154,9 @@ class TrainConfig:
         None, "'pkg.module:function' turning a list of samples into a batch; default pads text, stacks tensors"
     )
 
-    # --- model ---
     model: str = _opt(
-        "mlp", "model name (mlp, mnist_cnn, resnet18), a Transformers save_pretrained folder, or 'pkg.module:function'"
+        "mlp", "model name (mlp, mnist_cnn, resnet18), a Transformers save_pretrained folder, or 'pkg.module:function'",
+        section="model",
     )
     hidden_size: int = _opt(256, "mlp: width of its two hidden layers", low=1)
     width: int = _opt(64, "resnet18: channels of its first stage (64 as torchvision; 16 trains fast on CPU)", low=1)
@@ -156,16 +164,16 @@ class TrainConfig:
         None, "a Transformers config.json: train that model from scratch (AutoModelFor... chosen by --task)"
     )
 
-    # --- task (how a batch reaches the model, its loss and the eval metrics: docs/tasks.md) ---
     task: str = _opt(
-        "classification", "classification ((input, label) or dict batches), sequence_classification or causal_lm"
+        "classification", "classification ((input, label) or dict batches), sequence_classification or causal_lm",
+        section="task (how a batch reaches the model, its loss and the eval metrics: docs/tasks.md)",
     )
     loss: str | None = _opt(
         None, "'pkg.module:function' loss_fn(outputs, batch) -> mean, or (sum, num_items) for token-exact averaging"
     )
 
-    # --- optimisation (units: optimizer steps, samples) ---
-    epochs: int = _opt(15, "passes over the training set; ignored when --max_steps is set", low=0)
+    epochs: int = _opt(15, "passes over the training set; ignored when --max_steps is set", low=0,
+                       section="optimisation (units: optimizer steps, samples)")
     max_steps: int | None = _opt(None, "stop after this many optimizer steps (overrides --epochs)", low=1)
     global_batch_size: int | None = _opt(
         None, f"samples per optimizer step summed over all ranks; fixed whatever the world size; default "
@@ -195,8 +203,8 @@ class TrainConfig:
     spike_window: int = _opt(20, "logged losses (log lines) in the --spike_factor median", low=1)
     max_anomalies: int = _opt(5, "stop (exit 3) after this many anomalous steps in a row", low=1)
 
-    # --- evaluation, logging, outputs ---
-    eval_every: int = _opt(0, "evaluate every N optimizer steps; 0 = at the end of each epoch", low=0)
+    eval_every: int = _opt(0, "evaluate every N optimizer steps; 0 = at the end of each epoch", low=0,
+                           section="evaluation, logging, outputs")
     eval_batch_size: int | None = _opt(None, "per-device eval batch; default 2 x per-device train batch", low=1)
     log_every: int = _opt(10, "write a metrics line every N optimizer steps", low=1)
     output_dir: str = _opt("outputs/run", "where config.yaml, metrics.jsonl, summary.json and weights go")
@@ -255,8 +263,9 @@ class TrainConfig:
         None, "no, fp16, bf16 or fp8; default the launch config's; given, it wins over the launch config (a note "
         "says so)")
 
-    # --- performance and distributed knobs (DDP ones follow the Hugging Face Trainer's names) ---
-    ddp_bucket_cap_mb: int = _opt(25, "DDP gradient bucket size in MiB: larger = fewer, bigger all-reduces", low=1)
+    ddp_bucket_cap_mb: int = _opt(25, "DDP gradient bucket size in MiB: larger = fewer, bigger all-reduces", low=1,
+                                  section="performance and distributed knobs (DDP ones follow the Hugging Face "
+                                  "Trainer's names)")
     ddp_gradient_as_bucket_view: bool = _opt(
         True, "DDP: gradients are views into the all-reduce buckets (saves one gradient-sized copy)"
     )
@@ -610,6 +619,28 @@ def _check_best_model(cfg: TrainConfig) -> None:
         raise ConfigError(f"--load_best_model_at_end: --checkpointing_steps {save} must be a multiple of --eval_every "
                           f"({every or 'unset: evaluates per epoch'}), so that every checkpoint is evaluated; e.g. "
                           f"--eval_every {save}")
+
+
+class Section(typing.NamedTuple):
+    """One group of options: docs/flags.md's table under ``### Title`` (then the note), and a ``--help`` group."""
+
+    title: str  # "Task"
+    note: str  # "How a batch reaches the model, its loss and the eval metrics: docs/tasks.md." or ""
+    fields: list[dataclasses.Field]
+
+
+def sections() -> list[Section]:
+    """TrainConfig's fields in groups, in order: each ``_opt(..., section="name (note)")`` starts one."""
+    grouped: list[Section] = []
+    for f in dataclasses.fields(TrainConfig):
+        if "section" in f.metadata:
+            name, _, note = f.metadata["section"].partition(" (")
+            note = note.removesuffix(")")
+            grouped.append(Section(name[0].upper() + name[1:], f"{note[:1].upper()}{note[1:]}." if note else "", []))
+        if not grouped:
+            raise TypeError(f"TrainConfig.{f.name}, the first field, must name its section (_opt(..., section=...))")
+        grouped[-1].fields.append(f)
+    return grouped
 
 
 def field_types() -> dict[str, Any]:

@@ -35,7 +35,7 @@ from accel_ddp.checkpoint.manager import HYPERPARAMETERS, CheckpointManager
 from accel_ddp.checkpoint.start import where_to_start
 from accel_ddp.checkpoint.weights import export_weights, load_weights
 from accel_ddp.config import DEBUG_MAX_STEPS, TrainConfig
-from accel_ddp.data import build_loaders
+from accel_ddp.data import build_loaders, usable_cpus
 from accel_ddp.data.resolve import resolve_data
 from accel_ddp.distributed.preflight import check_fsdp, check_shared_output_dir
 from accel_ddp.distributed.world import build_accelerator, prepare
@@ -72,6 +72,7 @@ from accel_ddp.tracking.meters import (
 )
 from accel_ddp.tracking.recorder import RunRecorder
 from accel_ddp.tracking.startup import StartupClock
+from accel_ddp.tracking.startup_block import StartupBlock, finished, resumed_from
 from accel_ddp.tracking.step_log import StepLog
 from accel_ddp.tracking.trackers import tracking_kwargs
 from accel_ddp.util.registry import resolve
@@ -181,7 +182,9 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
                       memory_format)
     data = resolve_data(cfg, accelerator, train_dataset, eval_dataset, collate_fn, preemption=preemption)
     phase_done("data")
+    named = f" (--model {cfg.model})" if model is None else ""
     model = _model(cfg, accelerator, model, data, memory_format)
+    named = f"{type(model).__name__}{named}, {sum(p.numel() for p in model.parameters()):,} parameters"
     # --per_device_batch_size auto: the largest micro-batch that fits on every rank, before DDP wraps the model
     chosen = choose_micro_batch(cfg, accelerator, model, task, data) if cfg.auto_batch else None
     if chosen is not None:
@@ -223,13 +226,23 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
     if cfg.async_checkpointing:  # writes in a background thread (checkpoint/async_save.py)
         check_async_checkpointing(accelerator)
         checkpoints.saver = AsyncSaver(checkpoints, model, optimizer, scheduler, cfg.ddp_timeout)
-    start_step = where_to_start(cfg, accelerator, checkpoints, optimizer, scheduler, plan.total_steps)
+    block = StartupBlock.describe(cfg, facts, epochs=plan.num_epochs, workers=_workers(loaders.train), model=named,
+                                  data_sizes=_debug_sizes(cfg, data), cpus=usable_cpus())
+    try:
+        start_step = where_to_start(cfg, accelerator, checkpoints, optimizer, scheduler, plan.total_steps)
+    except RunFinished as done:  # said, nothing written
+        block.start = finished(done.summary["optimizer_steps"])
+        _say(block, accelerator.is_main_process)
+        raise
+    block.start = resumed_from(start_step, checkpoints.last_saved_folder) if start_step else "fresh"
     resolved = {**cfg.to_dict(), "resolved": facts}
     # One that cannot start (or not within --tracker_start_timeout): exit 2 here; a SIGTERM meanwhile: exit 75.
     recorder.start_trackers(cfg.tracker_project_name, resolved, start_step, cfg.tracker_start_timeout, preemption)
     # Only now, with the input checked and the start point agreed, touch what earlier runs left.
     recorder.rewind(start_step)  # metrics past the checkpoint belong to the lost steps
-    recorder.write_config(resolved)
+    recorder.write_config({**resolved, "startup": block.as_dict()})  # replay (--config) ignores startup:
+    recorder.write_startup(block.text(), start_step)
+    _say(block, accelerator.is_main_process)
     phase_done("resume_and_config")
     bar = progress_bar(plan.total_steps, start_step, accelerator.is_local_main_process)
     teardown.callback(bar.close)  # first on an error: the bar's line ends before any rank prints the error
@@ -253,6 +266,26 @@ def _join(cfg: TrainConfig, teardown: ExitStack, preemption: PreemptionWatcher) 
     if accelerator.is_main_process and (hazard := restart_hazard()):
         print(f"accel_ddp: warning: {hazard}", file=sys.stderr, flush=True)
     return accelerator, per_device_batch, accumulation
+
+
+def _say(block: StartupBlock, is_main: bool) -> None:
+    """The start-up block on stdout and its warnings on stderr, once (main process)."""
+    if is_main:
+        print(block.text(warnings=False), end="", flush=True)
+        for warning in block.warnings:
+            print(f"accel_ddp: warning: {warning}", file=sys.stderr, flush=True)
+
+
+def _workers(loader) -> int | None:
+    """DataLoader workers per rank of a training loader (HostLoader wraps a DataLoader); None for the device loader."""
+    inner = getattr(loader, "loader", loader)
+    return getattr(loader, "num_workers", getattr(inner, "num_workers", None))
+
+
+def _debug_sizes(cfg: TrainConfig, data) -> tuple[tuple[int, int], ...]:
+    """--debug: (kept, full) samples of the training and eval sets that data/resolve.py cut to a Subset."""
+    sets = [d for d in (data.train, data.eval) if isinstance(d, torch.utils.data.Subset)] if cfg.debug else []
+    return tuple((len(d), len(d.dataset)) for d in sets if len(d) < len(d.dataset))
 
 
 def _model(cfg: TrainConfig, accelerator: Accelerator, model, data, memory_format) -> torch.nn.Module:

@@ -1,17 +1,24 @@
 """Issue 22: a Hugging Face user's first hour: their flag names (CLI and YAML), no prefix matching, a
-did-you-mean, the derived meanings (accumulation, warmup ratio, mixed precision), config.yaml replay."""
+did-you-mean, the derived meanings (accumulation, warmup ratio, mixed precision), config.yaml replay, --help's
+groups, the README's Python example."""
 
 from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
 
 import pytest
 import yaml
 
 from accel_ddp.cli.args import parse_args
 from accel_ddp.cli.train import main
-from accel_ddp.config import HF_ALIASES, TrainConfig
+from accel_ddp.config import HF_ALIASES, TrainConfig, sections
 from accel_ddp.distributed.world import override_mixed_precision
 from accel_ddp.util.validation import ConfigError
-from tests.helpers.runs import read_metrics, read_summary, train_ranks
+from tests.helpers.multiproc import run_ranks
+from tests.helpers.runs import REPO, read_metrics, read_summary, suite_env, train_ranks
 
 # alias, a value, our flag: the plain aliases (one option each, same value)
 PLAIN = [
@@ -152,3 +159,55 @@ def test_hf_names_train_as_ours_and_config_yaml_replays(tmp_path, tiny_args):
     assert (replay["global_batch_size"], replay["grad_accum_steps"]) == (32, 4)  # 1 process x 8 x 4: same global
     assert replay["optimizer_steps"] == hf["optimizer_steps"]
     assert read_summary(tmp_path / "replay")["mixed_precision"] == "bf16"
+
+
+def test_help_is_grouped_as_docs_flags_and_says_what_the_launch_config_sets(capsys):
+    with pytest.raises(SystemExit) as done:
+        parse_args(["--help"])
+    assert done.value.code == 0
+    shown = capsys.readouterr().out
+    words = " ".join(shown.split())
+    assert ("The launch config, not these flags, says how many processes and machines, CPU or GPU, and the default "
+            "mixed precision: `accelerate launch --config_file accelerate_configs/4gpu.yaml train.py ...`") in words
+    titles = [line[:-1] for line in shown.splitlines() if line.endswith(":") and not line.startswith(" ")]
+    groups = [section.title for section in sections()]
+    assert titles == ["options", *groups, "Hugging Face names"]
+    documented = re.findall(r"^### (.+)$", (REPO / "docs" / "flags.md").read_text(), flags=re.M)
+    assert documented[:len(groups)] == groups  # the same source: config.sections()
+    for section, next_title in zip(sections(), [*groups[1:], "Hugging Face names"], strict=True):
+        inside = shown.split(f"\n{section.title}:\n", 1)[1].split(f"\n{next_title}:\n", 1)[0]
+        assert all(re.search(rf"^  --{f.name}\b", inside, flags=re.M) for f in section.fields), section.title
+    assert len(shown.splitlines()[0]) < 120  # the usage line: not every flag
+
+
+def _readme_example() -> str:
+    readme = (REPO / "README.md").read_text()
+    return re.search(r"## Python API\n\n```python\n(.*?)```", readme, flags=re.S).group(1)
+
+
+def _run_example(code: str, where: str) -> None:
+    import accel_ddp
+
+    os.chdir(where)  # it writes outputs/mine
+    accel_ddp.exit_process = lambda code: None  # a forked rank returns to run_ranks instead
+    exec(compile(code, "README.md", "exec"), {"__name__": "__main__"})  # noqa: S102 - the README's own example
+
+
+def test_the_readme_python_example_learns_and_prints_once_on_two_ranks(tmp_path, capfd):
+    """The example as the README shows it, on 2 forked ranks (its exit_process, which would end the fork, left out)."""
+    run_ranks(lambda: _run_example(_readme_example(), str(tmp_path)), world_size=2)
+    printed = [line for line in capfd.readouterr().out.splitlines() if line.startswith("eval accuracy")]
+    assert len(printed) == 1  # the main process only
+    accuracy = float(printed[0].split()[2])
+    assert accuracy > 0.9 and printed[0] == "eval accuracy 0.967 (chance 0.333), eval loss 0.233"  # the README's figure
+    assert read_summary(tmp_path / "outputs" / "mine")["world_size"] == 2
+
+
+@pytest.mark.slow
+def test_the_readme_python_example_runs_as_a_script(tmp_path):
+    """`python my_train.py`, the example verbatim: one process, the same figure (the global batch is the unit)."""
+    (tmp_path / "my_train.py").write_text(_readme_example())
+    result = subprocess.run([sys.executable, "my_train.py"], cwd=tmp_path, env=suite_env(), capture_output=True,
+                            text=True, timeout=240)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "eval accuracy 0.967 (chance 0.333), eval loss 0.233" in result.stdout.splitlines()

@@ -28,6 +28,7 @@ from accel_ddp.config import (
     TrainConfig,
     field_types,
     new_spelling,
+    sections,
     warn_deprecated,
 )
 from accel_ddp.util.validation import ConfigError, scalar_type, show
@@ -92,29 +93,47 @@ def _unknown_flag(leftover: list[str]) -> str:
     return f"unknown flag --{name}{did_you_mean(name)}"
 
 
+# --help's description: what no flag of train.py sets (docs/launch.md).
+LAUNCH_CONFIG_NOTE = (
+    "Data-parallel training with Accelerate. The launch config, not these flags, says how many processes and "
+    "machines, CPU or GPU, and the default mixed precision: `accelerate launch --config_file "
+    "accelerate_configs/4gpu.yaml train.py ...` (accelerate_configs/, docs/launch.md); `python train.py ...` is one "
+    "process. Flags override --config recipe.yaml; the groups below are docs/flags.md's tables.")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _OneLineParser(
         prog="train.py",
-        description="Data-parallel training with Accelerate. Flags override --config recipe.yaml.",
+        usage="accelerate launch [--config_file LAUNCH.yaml] train.py [--config RECIPE.yaml] [--flag value ...]\n"
+              "       python train.py [--config RECIPE.yaml] [--flag value ...]",  # not 80 flags in one line
+        description=LAUNCH_CONFIG_NOTE,
+        epilog="Before its first step a run prints what it got, the launch config's part included: processes, "
+               "device, precision and where it came from (docs/outputs.md#the-start-up-block).",
         argument_default=argparse.SUPPRESS,  # so we know which flags the user really gave
         allow_abbrev=False,  # `--epoch 1` is a typo, not --epochs (docs.python.org/3/library/argparse.html)
     )
-    parser.add_argument("--config", help="YAML recipe with any of the flags below as keys")
+    parser.add_argument("--config", help="YAML recipe with any of the flags below as keys (also a run's config.yaml)")
     hints = field_types()
-    for f in dataclasses.fields(TrainConfig):
-        kind, is_tuple = scalar_type(hints[f.name])
-        help_text = f"{f.metadata['help']} (default: {f.default})"
-        if kind is bool:
-            parse = _parse_with_tracking if f.name == "with_tracking" else _parse_bool
-            parser.add_argument(f"--{f.name}", type=parse, nargs="?", const=True, help=help_text)
-        elif is_tuple:
-            parser.add_argument(f"--{f.name}", type=kind, nargs="+", help=help_text)
-        else:
-            parser.add_argument(f"--{f.name}", type=kind, help=help_text)
+    for title, note, fields in sections():  # the same groups as docs/flags.md (config.sections)
+        group = parser.add_argument_group(title, note or None)
+        for f in fields:
+            _add_option(group, f, hints)
     for old, new in RENAMED_FLAGS.items():
         parser.add_argument(f"--{old}", type=scalar_type(hints[new])[0], help=argparse.SUPPRESS)
     _add_aliases(parser, hints)
     return parser
+
+
+def _add_option(group, f: dataclasses.Field, hints: dict[str, Any]) -> None:
+    kind, is_tuple = scalar_type(hints[f.name])
+    help_text = f"{f.metadata['help']} (default: {f.default})".replace("%", "%%")  # argparse formats help with %
+    if kind is bool:
+        parse = _parse_with_tracking if f.name == "with_tracking" else _parse_bool
+        group.add_argument(f"--{f.name}", type=parse, nargs="?", const=True, help=help_text)
+    elif is_tuple:
+        group.add_argument(f"--{f.name}", type=kind, nargs="+", help=help_text)
+    else:
+        group.add_argument(f"--{f.name}", type=kind, help=help_text)
 
 
 def _add_aliases(parser: argparse.ArgumentParser, hints: dict[str, Any]) -> None:

@@ -39,6 +39,7 @@ from accel_ddp.outputs.names import (
     MODEL_CARD_NAME,
     PRETRAINED_SUBDIR,
     PROFILE_SUBDIR,
+    RUN_LOG_NAME,
     SUMMARY_NAME,
     TENSORBOARD_SUBDIR,
     TRACKERS_NAME,
@@ -120,7 +121,7 @@ def check_output_dir(path: str) -> None:
 # What the run writes under OUTPUT_DIR: these are folders, every other name of outputs.py a file.
 FOLDERS = (CHECKPOINTS_DIR, PRETRAINED_SUBDIR, PROFILE_SUBDIR, TENSORBOARD_SUBDIR)
 FILES = (CONFIG_NAME, METRICS_NAME, SUMMARY_NAME, WEIGHTS_NAME, CURVES_NAME, CSV_NAME, TRACKERS_NAME,
-         MODEL_CARD_NAME, LOCK_NAME)
+         MODEL_CARD_NAME, LOCK_NAME, RUN_LOG_NAME)
 
 
 def _check_names(path: str) -> None:

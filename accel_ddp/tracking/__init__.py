@@ -11,6 +11,7 @@
     flops.py      model FLOPs per sample or token, the peak table per device and precision
     step_log.py   StepLog: what each optimizer step leaves on the host (bar, timers, log lines)
     startup.py    how long each start-up phase took
+    startup_block.py  what the run is about to do, said once before its first step (and the likely mistakes)
     curves.py     curves.png (losses, the task's metric, LR, throughput, epoch boundaries), from the run folder alone
     report.py     the `accel-ddp summary` table, and reading the run folder's JSON and YAML back
 

@@ -6,6 +6,7 @@ trackers, and how each is built and guarded: ``trackers.py``.
     OUTPUT_DIR/config.yaml     the resolved config (RunRecorder.write_config)
     OUTPUT_DIR/metrics.jsonl   always (RunRecorder)
     OUTPUT_DIR/summary.json    the final figures (RunRecorder.write_summary)
+    OUTPUT_DIR/run.log         each start's start-up block (RunRecorder.write_startup)
     OUTPUT_DIR/metrics.csv     --with_tracking --report_to csv (CSVTracker, through Accelerate's tracker API)
     OUTPUT_DIR/tensorboard/    --report_to tensorboard (Accelerate's TensorBoardTracker); wandb, mlflow and
                                the other trackers Accelerate knows go where their own settings say
@@ -27,7 +28,14 @@ import yaml
 from accel_ddp.lifecycle.failure import main_process_decides
 from accel_ddp.outputs.files import OUTPUTS_FIX, WriteFailed, written
 from accel_ddp.outputs.metrics_file import metrics_lines, parse_record, read_metrics
-from accel_ddp.outputs.names import CONFIG_NAME, CURVES_NAME, METRICS_NAME, SUMMARY_NAME, TRACKERS_NAME
+from accel_ddp.outputs.names import (
+    CONFIG_NAME,
+    CURVES_NAME,
+    METRICS_NAME,
+    RUN_LOG_NAME,
+    SUMMARY_NAME,
+    TRACKERS_NAME,
+)
 from accel_ddp.tracking.curves import plot_run
 from accel_ddp.tracking.folder_snapshot import FolderSnapshot
 from accel_ddp.tracking.tracker_thread import TrackerInterrupted
@@ -100,12 +108,23 @@ class RunRecorder:
     def write_config(self, resolved: dict[str, Any]) -> None:
         self._write(CONFIG_NAME, yaml.safe_dump(resolved, sort_keys=False))
 
+    def write_startup(self, text: str, start_step: int) -> None:
+        """``run.log``: the start-up block, after the blocks of the starts it resumes (a fresh run starts it anew)."""
+        path = os.path.join(self.output_dir, RUN_LOG_NAME)
+
+        def append() -> None:
+            with open(path, "a" if start_step else "w", encoding="utf-8") as fh:
+                fh.write(f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}\n{text}")
+        self._write_with(RUN_LOG_NAME, append)
+
     def _write(self, name: str, text: str) -> None:
         """``OUTPUT_DIR/name`` from the main process; a write the file system refuses is a WriteFailed on every rank
         (collective when given an accelerator)."""
+        self._write_with(name, lambda: atomic_write_text(os.path.join(self.output_dir, name), text))
+
+    def _write_with(self, name: str, write_file) -> None:
         def write() -> None:
-            written(lambda: atomic_write_text(os.path.join(self.output_dir, name), text), name, self.output_dir,
-                    OUTPUTS_FIX)
+            written(write_file, name, self.output_dir, OUTPUTS_FIX)
         if self._state is not None:
             main_process_decides(self._state, lambda: write() if self.enabled else None)
         elif self.enabled:

@@ -195,7 +195,7 @@ def test_only_the_main_process_writes(tmp_path):
             "--global_batch_size", "16", "--epochs", "2", "--log_every", "4", "--output_dir", str(out)]
     assert run_ranks(lambda: _train_with_audited_writes(str(tmp_path / "audit"), args)) == [0, 0]
     assert sorted(p.name for p in out.iterdir()) == [".lock", "README.md", "config.yaml", "curves.png",
-                                                     "metrics.jsonl", "model.safetensors", "summary.json"]
+                                                     "metrics.jsonl", "model.safetensors", "run.log", "summary.json"]
     rank0 = (tmp_path / "audit_rank0.log").read_text().splitlines()
     rank1 = (tmp_path / "audit_rank1.log").read_text().splitlines()
     assert not [line for line in rank1 if str(out) in line], f"rank 1 wrote: {rank1}"

@@ -1,0 +1,149 @@
+"""What a run is about to do, said once before its first step: the start-up block.
+
+The main process prints it (stdout; its warnings also as ``accel_ddp: warning:`` lines on stderr),
+appends it to ``OUTPUT_DIR/run.log`` and writes it into ``config.yaml``'s ``startup:`` section, which
+``--config`` ignores on replay (cli/args.py ``REPLAYED_KEYS``: derived facts never become flags).
+
+    block = StartupBlock.describe(cfg, facts, epochs=2, workers=0, model="MLP, 2,410 parameters")
+    block.start = resumed_from(120, "outputs/run/checkpoints/step_00000120")
+    print(block.text())                      # the aligned `key: value` lines below a header
+    block.as_dict()                          # config.yaml's startup: section
+
+Plain values only (no torch): the loop gathers them, this module says them and spots likely mistakes.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from accel_ddp.config import DEBUG_MAX_STEPS
+
+HEADER = "accel_ddp: ***** Running training *****"
+SOURCES = {"in_memory": "data in memory", "memory_mapped": "memory-mapped (read per batch)",
+           "streaming": "streamed", "map_style": "a map-style dataset (read per sample)"}
+
+
+@dataclass
+class StartupBlock:
+    """The block's lines (label -> text, in order) and the warnings about what looks like a mistake."""
+
+    lines: dict[str, str]
+    warnings: list[str] = field(default_factory=list)
+    start: str = "fresh"  # or resumed_from(...), finished(...)
+
+    @classmethod
+    def describe(cls, cfg: Any, facts: dict[str, Any], *, epochs: int, workers: int | None, model: str,
+                 data_sizes: tuple[tuple[int, int], ...] = (), cpus: int = 1, env=os.environ) -> StartupBlock:
+        """From the config, the run's facts (loop._run_facts), and what only the loop knows.
+
+        ``workers``: the training loader's DataLoader workers per rank (None: no DataLoader); ``data_sizes``:
+        --debug's (kept, full) sample counts of the training and eval sets; ``cpus``: the cores this rank may use.
+        """
+        world, machines = facts["world_size"], facts["num_machines"]
+        per_device, accumulation, global_batch = (facts["per_device_batch_size"], facts["grad_accum_steps"],
+                                                  facts["global_batch_size"])
+        precision, source = facts["mixed_precision"], precision_source(cfg.mixed_precision, env)
+        lines = {
+            "processes": f"{world} ({machines} machine{'s' * (machines > 1)})",
+            "device": facts["device"],
+            "distributed type": facts["distributed_type"],
+            "mixed precision": f"{precision} ({source})",
+            "per-device batch": str(per_device) + _auto(facts.get("auto_batch")),
+            "accumulation": f"{accumulation} micro-step{'s' * (accumulation > 1)} per optimizer step",
+            "global batch": f"{global_batch} = {_processes(world)} x {per_device} x {accumulation}",
+            "steps per epoch": str(facts["steps_per_epoch"]),
+            "total steps": f"{facts['total_steps']} optimizer steps",
+            "epochs": str(epochs),
+            "loader": _loader(facts["loader"], workers, facts["data_source"]),
+            "task": cfg.task,
+            "model": model,
+        }
+        if cfg.debug:
+            lines["debug"] = debug_changes(cfg, facts["total_steps"], data_sizes[0][1] if data_sizes else None)
+            if data_sizes:
+                lines["debug data"] = "; ".join(f"{name} set: its first {kept} of {full} samples" for name, (kept, full)
+                                                in zip(("training", "eval"), data_sizes, strict=False))
+        local = int(env.get("LOCAL_WORLD_SIZE", world // max(machines, 1) or 1))
+        warnings = mistakes(facts["device"], local, precision, source, cpus)
+        return cls(lines, warnings)
+
+    def text(self, warnings: bool = True) -> str:
+        """The header, then one aligned ``label: value`` line each, the start last; the warnings too unless the
+        console shows them as ``accel_ddp: warning:`` lines of their own."""
+        rows = {**self.lines, "start": self.start}
+        rows.update({"warning" if len(self.warnings) == 1 else f"warning {i}": w
+                     for i, w in enumerate(self.warnings, 1) if warnings})
+        width = max(map(len, rows)) + 1
+        return "\n".join([HEADER, *(f"  {f'{label}:':<{width}} {value}" for label, value in rows.items())]) + "\n"
+
+    def as_dict(self) -> dict[str, Any]:
+        """config.yaml's ``startup:`` section: the same lines (whole numbers as numbers), the warnings as a list."""
+        lines = {label: int(value) if value.isdigit() else value for label, value in self.lines.items()}
+        return {**lines, "start": self.start, "warnings": list(self.warnings)}
+
+
+def precision_source(flag: str | None, env=os.environ) -> str:
+    """Where the precision came from: --mixed_precision, the launch config (``accelerate launch`` sets
+    ``ACCELERATE_MIXED_PRECISION`` from it, accelerate/commands/launch.py), or Accelerate's default."""
+    if flag is not None:
+        return "--mixed_precision"
+    return "launch config" if env.get("ACCELERATE_MIXED_PRECISION") else "default: no launch config"
+
+
+def resumed_from(step: int, folder: str | None) -> str:
+    return f"resumed from step {step} of checkpoint {folder}"
+
+
+def finished(step: int) -> str:
+    return f"finished at step {step} (summary.json): nothing to do"
+
+
+def debug_changes(cfg: Any, total_steps: int, full_train: int | None) -> str:
+    """What --debug changed besides the data (loop.setup, data/resolve.py and distributed/world.py apply it);
+    ``full_train``: the training set's samples before --debug cut it (None: not cut)."""
+    before = cfg.max_steps or (cfg.epochs * (full_train // cfg.global_batch_size) if full_train else None)
+    steps = f"cut to {total_steps} optimizer steps (from {before})" if before and before > total_steps else \
+        f"{total_steps} optimizer steps (at most {DEBUG_MAX_STEPS})"
+    return (f"{steps}; 0 DataLoader workers; anomaly detection, deterministic kernels, Accelerate's cross-rank "
+            "shape checks, every micro-step's loss checked")
+
+
+def mistakes(device: str, local_processes: int, precision: str, source: str, cpus: int) -> list[str]:
+    """What looks like a launch config meant for another machine: half precision on CPU, more CPU ranks than cores."""
+    found = []
+    if device == "cpu" and precision in ("bf16", "fp16", "fp8"):
+        what = {"bf16": "autocast on CPU is usually slower than fp32 for small models",
+                "fp16": "Accelerate trains in fp32 on CPU (no fp16 autocast there)",
+                "fp8": "fp8 needs a GPU that has it"}[precision]
+        hint = ("; this looks like a GPU launch config on a machine without a usable GPU: for CPU use "
+                "mixed_precision: 'no' (accelerate_configs/cpu_2proc.yaml) or --mixed_precision no"
+                if source == "launch config" else "; give --mixed_precision no unless you measured it")
+        found.append(f"{_processes(local_processes)} on CPU in {precision} ({source}): {what}{hint}")
+    if device == "cpu" and local_processes > cpus:
+        found.append(f"{local_processes} processes on CPU share {cpus} core(s) here, so each step waits for the "
+                     "slowest; if the launch config was meant for GPUs, this machine has none torch can use; "
+                     f"launch with --num_processes {cpus} or fewer")
+    return found
+
+
+def _auto(chosen: dict[str, Any] | None) -> str:
+    """How --per_device_batch_size auto found the size (batch_size.ChosenBatch.facts), or ''."""
+    if not chosen:
+        return ""
+    how = "the resumed checkpoint's" if chosen["from"] == "checkpoint" else \
+        f"the largest that fits, of {', '.join(map(str, chosen['tried']))}"
+    return f" (--per_device_batch_size {chosen['requested']}: {how})"
+
+
+def _processes(count: int) -> str:
+    return f"{count} process{'es' * (count != 1)}"
+
+
+def _loader(kind: str, workers: int | None, source: str) -> str:
+    what = {"device": "device (the training set held on the device)", "dataloader": "dataloader",
+            "streaming": "streaming"}.get(kind, kind)
+    if workers is not None and kind != "device":
+        what += f" with {workers} worker{'s' * (workers != 1)} per rank"
+    return f"{what}; {SOURCES.get(source, source)}"

@@ -1,0 +1,118 @@
+"""Issue 22: the start-up block, once per run from the main process, in run.log and config.yaml's startup: section."""
+
+from __future__ import annotations
+
+import yaml
+
+from accel_ddp.cli.args import parse_args
+from accel_ddp.config import TrainConfig
+from accel_ddp.outputs.names import RUN_LOG_NAME
+from accel_ddp.tracking.startup_block import HEADER, StartupBlock, mistakes
+from tests.helpers.runs import REPO, launcher_env, main_ranks, read_summary
+
+ACCUMULATING = ["--dataset", "synthetic", "--synthetic_samples", "256", "--synthetic_shape", "1", "8", "8",
+                "--model", "mlp", "--hidden_size", "32", "--global_batch_size", "16", "--per_device_batch_size", "4",
+                "--checkpointing_steps", "8"]
+
+
+def blocks(text: str) -> list[dict[str, str]]:
+    """Each start-up block in ``text``, as label -> value."""
+    found = []
+    for chunk in text.split(HEADER)[1:]:
+        rows = {}
+        for line in chunk.splitlines()[1:]:
+            if not line.startswith("  ") or ":" not in line:
+                break
+            label, _, value = line.strip().partition(":")
+            rows[label] = value.strip()
+        found.append(rows)
+    return found
+
+
+def test_two_ranks_print_one_block_with_the_batch_layout_then_a_resume_says_where(tmp_path, capfd):
+    """global 16 = 2 ranks x 4 per device x 2 micro-steps; the resumed run names its step and checkpoint; both blocks
+    in run.log, the latest in config.yaml, which still replays (its startup: section is not read as flags)."""
+    out = tmp_path / "run"
+    assert main_ranks([*ACCUMULATING, "--epochs", "2", "--output_dir", str(out)]) == [0, 0]
+    printed = capfd.readouterr()
+    assert printed.out.count(HEADER) == 1 and HEADER not in printed.err  # the main process only
+    (block,) = blocks(printed.out)
+    assert block == {
+        "processes": "2 (1 machine)", "device": "cpu", "distributed type": "MULTI_CPU",
+        "mixed precision": "no (default: no launch config)", "per-device batch": "4",
+        "accumulation": "2 micro-steps per optimizer step", "global batch": "16 = 2 processes x 4 x 2",
+        "steps per epoch": "16", "total steps": "32 optimizer steps", "epochs": "2",
+        "loader": "device (the training set held on the device); data in memory", "task": "classification",
+        "model": "Sequential (--model mlp), 3,466 parameters", "start": "fresh"}
+    assert blocks((out / RUN_LOG_NAME).read_text()) == [block]
+    startup = yaml.safe_load((out / "config.yaml").read_text())["startup"]
+    assert startup["accumulation"] == block["accumulation"] and startup["per-device batch"] == 4
+    assert startup["start"] == "fresh" and startup["warnings"] == []
+
+    assert main_ranks([*ACCUMULATING, "--epochs", "3", "--resume_from_checkpoint", "auto",
+                       "--output_dir", str(out)]) == [0, 0]
+    (resumed,) = blocks(capfd.readouterr().out)
+    folder = out / "checkpoints" / "step_00000032"
+    assert resumed["start"] == f"resumed from step 32 of checkpoint {folder}"
+    assert (resumed["total steps"], resumed["epochs"]) == ("48 optimizer steps", "3")
+    assert [b["start"] for b in blocks((out / RUN_LOG_NAME).read_text())] == ["fresh", resumed["start"]]
+    written = out / "config.yaml"
+    assert yaml.safe_load(written.read_text())["startup"]["start"] == resumed["start"]
+    replayed = parse_args(["--config", str(written), "--output_dir", str(tmp_path / "replay")])
+    assert (replayed.global_batch_size, replayed.per_device_batch_size, replayed.epochs) == (16, 4, 3)
+
+    log = (out / RUN_LOG_NAME).read_text()  # the same command again: finished, said, nothing written
+    assert main_ranks([*ACCUMULATING, "--epochs", "3", "--resume_from_checkpoint", "auto",
+                       "--output_dir", str(out)]) == [0, 0]
+    (again,) = blocks(capfd.readouterr().out)
+    assert again["start"] == "finished at step 48 (summary.json): nothing to do"
+    assert (out / RUN_LOG_NAME).read_text() == log
+
+
+def test_debug_says_what_it_cut(tmp_path, capfd):
+    assert main_ranks([*ACCUMULATING, "--synthetic_samples", "512", "--epochs", "2", "--debug",
+                       "--output_dir", str(tmp_path)], world_size=1) == [0]
+    (block,) = blocks(capfd.readouterr().out)
+    assert block["debug"].startswith("cut to 10 optimizer steps (from 64); 0 DataLoader workers; anomaly detection")
+    # data/resolve.py keeps 10 x the global batch of training samples, 4 x of eval samples
+    assert block["debug data"] == "training set: its first 160 of 512 samples; eval set: its first 64 of 128 samples"
+    assert read_summary(tmp_path)["optimizer_steps"] == 10
+
+
+def test_a_gpu_launch_config_on_a_cpu_machine_is_one_warning(tmp_path, capfd):
+    """What `accelerate launch --config_file accelerate_configs/4gpu.yaml --num_processes 2` gives its workers, on a
+    machine without a GPU: 2 gloo ranks in bf16 on CPU. Said once, on stderr, and kept in run.log and config.yaml."""
+    env = launcher_env(["--config_file", str(REPO / "accelerate_configs" / "4gpu.yaml"), "--num_processes", "2"])
+    assert env["ACCELERATE_MIXED_PRECISION"] == "bf16"
+    assert main_ranks([*ACCUMULATING, "--max_steps", "2", "--output_dir", str(tmp_path)], env=env) == [0, 0]
+    printed = capfd.readouterr()
+    warning = ("accel_ddp: warning: 2 processes on CPU in bf16 (launch config): autocast on CPU is usually slower "
+               "than fp32 for small models; this looks like a GPU launch config on a machine without a usable GPU")
+    assert printed.err.count(warning) == 1 and "warning" not in blocks(printed.out)[0]  # not twice on a console
+    assert blocks(printed.out)[0]["mixed precision"] == "bf16 (launch config)"
+    assert blocks((tmp_path / RUN_LOG_NAME).read_text())[0]["warning"].startswith(warning.split("warning: ")[1])
+    assert yaml.safe_load((tmp_path / "config.yaml").read_text())["startup"]["warnings"][0].startswith(
+        "2 processes on CPU in bf16")
+
+
+def test_likely_mistakes():
+    assert mistakes("cpu", 2, "no", "launch config", cpus=2) == []  # cpu_2proc.yaml on two cores
+    assert mistakes("cuda", 4, "bf16", "launch config", cpus=2) == []
+    (crowded,) = mistakes("cpu", 4, "no", "launch config", cpus=2)
+    assert crowded.startswith("4 processes on CPU share 2 core(s) here") and "--num_processes 2" in crowded
+    (fp16,) = mistakes("cpu", 1, "fp16", "--mixed_precision", cpus=2)
+    assert fp16 == ("1 process on CPU in fp16 (--mixed_precision): Accelerate trains in fp32 on CPU (no fp16 autocast "
+                    "there); give --mixed_precision no unless you measured it")
+
+
+def test_the_per_device_line_says_how_auto_found_it():
+    facts = {"world_size": 2, "num_machines": 1, "per_device_batch_size": 8, "grad_accum_steps": 4,
+             "global_batch_size": 64, "mixed_precision": "no", "device": "cpu", "distributed_type": "MULTI_CPU",
+             "steps_per_epoch": 5, "total_steps": 10, "loader": "dataloader", "data_source": "memory_mapped",
+             "auto_batch": {"requested": "auto", "tried": [32, 16, 8], "from": "probe"}}
+    block = StartupBlock.describe(TrainConfig(), facts, epochs=2, workers=3, model="m", cpus=2, env={})
+    assert block.lines["per-device batch"] == "8 (--per_device_batch_size auto: the largest that fits, of 32, 16, 8)"
+    assert block.lines["loader"] == "dataloader with 3 workers per rank; memory-mapped (read per batch)"
+    facts["auto_batch"]["from"] = "checkpoint"
+    assert StartupBlock.describe(TrainConfig(), facts, epochs=2, workers=3, model="m", cpus=2, env={}).lines[
+        "per-device batch"] == "8 (--per_device_batch_size auto: the resumed checkpoint's)"
