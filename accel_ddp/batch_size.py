@@ -1,16 +1,16 @@
 """``--per_device_batch_size auto``: the largest micro-batch that fits, found once at start, the global batch unchanged.
 
-The probe runs before the model is wrapped for DDP, so no rank can enter a gradient all-reduce that a rank
-which ran out of memory never reaches (the hang a DDP backward would make). At each candidate size every rank runs
-the training forward and backward of a batch of that size locally (two micro-steps where the step accumulates, so
-that the second runs with the gradients held) next to a buffer the size of the optimizer's state, catches an
-out-of-memory error, then the ranks agree with one all-reduce (MAX) of the flag. If any rank failed, every rank
-drops the gradients, frees the device cache and tries the largest size that divides its share of the global
-batch and is at most half the last one (accumulation doubles); at 1, one line and exit 2. Once all ranks fit, the
-probe's gradients are dropped and the random-number generators and the model's buffers (batch norm statistics)
-are put back as they were, so the run is the run started with ``--per_device_batch_size <that size>``: the loaders
-are built at it, the samples of every step are those of such a run (the order is a function of seed, epoch and
-position, accel_ddp/data/sampler.py).
+The probe runs before the model is wrapped for DDP, so no rank can enter a gradient all-reduce that a rank which ran
+out of memory never reaches (the hang a DDP backward would make). At each candidate size every rank runs the
+training forward and backward of a batch of that size locally (two micro-steps where the step accumulates, so that
+the second runs with the gradients held) next to a buffer the size of the optimizer's state and of the data the
+device loader will put on the GPU (``device_data_bytes``), catches an out-of-memory error, then the ranks agree with
+one all-reduce (MAX) of the flag. If any rank failed, every rank drops the gradients, frees the device cache and
+tries the largest size that divides its share of the global batch and is at most half the last one (accumulation
+doubles); at 1, one line and exit 2. Once all ranks fit, the probe's gradients are dropped and the random-number
+generators and the model's buffers (batch norm statistics) are put back as they were, so the run is the run started
+with ``--per_device_batch_size <that size>``: the loaders are built at it, the samples of every step are those of
+such a run (the order is a function of seed, epoch and position, accel_ddp/data/sampler.py).
 
 The size is recorded with the run facts (config.yaml's ``resolved``, every checkpoint.json, summary.json) and a
 resume reuses the checkpoint's without probing again.
