@@ -1,16 +1,16 @@
 """``--per_device_batch_size auto``: the largest micro-batch that fits, found once at start, the global batch unchanged.
 
-The probe runs before the model is wrapped for DDP, so no rank can enter a gradient all-reduce that a rank
-which ran out of memory never reaches (the hang a DDP backward would make). At each candidate size every rank runs
-the training forward and backward of a batch of that size locally (two micro-steps where the step accumulates, so
-that the second runs with the gradients held) next to a buffer the size of the optimizer's state, catches an
-out-of-memory error, then the ranks agree with one all-reduce (MAX) of the flag. If any rank failed, every rank
-drops the gradients, frees the device cache and tries the largest size that divides its share of the global
-batch and is at most half the last one (accumulation doubles); at 1, one line and exit 2. Once all ranks fit, the
-probe's gradients are dropped and the random-number generators and the model's buffers (batch norm statistics)
-are put back as they were, so the run is the run started with ``--per_device_batch_size <that size>``: the loaders
-are built at it, the samples of every step are those of such a run (the order is a function of seed, epoch and
-position, accel_ddp/data/sampler.py).
+The probe runs before the model is wrapped for DDP, so no rank can enter a gradient all-reduce that a rank which ran
+out of memory never reaches (the hang a DDP backward would make). At each candidate size every rank runs the
+training forward and backward of a batch of that size locally (two micro-steps where the step accumulates, so that
+the second runs with the gradients held) next to a buffer the size of the optimizer's state and of the data the
+device loader will put on the GPU (``device_data_bytes``), catches an out-of-memory error, then the ranks agree with
+one all-reduce (MAX) of the flag. If any rank failed, every rank drops the gradients, frees the device cache and
+tries the largest size that divides its share of the global batch and is at most half the last one (accumulation
+doubles); at 1, one line and exit 2. Once all ranks fit, the probe's gradients are dropped and the random-number
+generators and the model's buffers (batch norm statistics) are put back as they were, so the run is the run started
+with ``--per_device_batch_size <that size>``: the loaders are built at it, the samples of every step are those of
+such a run (the order is a function of seed, epoch and position, accel_ddp/data/sampler.py).
 
 The size is recorded with the run facts (config.yaml's ``resolved``, every checkpoint.json, summary.json) and a
 resume reuses the checkpoint's without probing again.
@@ -34,7 +34,8 @@ from accelerate.utils.memory import clear_device_cache, should_reduce_batch_size
 
 from accel_ddp.checkpoint.start import recorded_layout
 from accel_ddp.config import TrainConfig, accumulation_steps, largest_micro_batch
-from accel_ddp.data.loaders import first_samples
+from accel_ddp.data.in_memory import as_in_memory, is_in_memory
+from accel_ddp.data.loaders import choose_loader, data_source, first_samples
 from accel_ddp.util.messages import note
 from accel_ddp.util.validation import ConfigError
 
@@ -72,10 +73,15 @@ def choose_micro_batch(cfg: TrainConfig, accelerator: Accelerator, model: torch.
     share = cfg.global_batch_size // world
     meta = recorded_layout(cfg, accelerator) or {}
     recorded = meta.get("per_device_batch_size")
-    if (meta.get("global_batch_size") == cfg.global_batch_size and type(recorded) is int and recorded > 0
-            and share % recorded == 0 and recorded <= (cfg.auto_batch_cap or share)):
+    reusable = type(recorded) is int and recorded > 0 and share % recorded == 0 and \
+        meta.get("global_batch_size") == cfg.global_batch_size and recorded <= (cfg.auto_batch_cap or share)
+    if reusable:
         chosen = ChosenBatch(cfg.per_device_batch_size, recorded, share // recorded, "checkpoint")
     else:
+        if type(recorded) is int and accelerator.is_main_process:  # not the run's layout any more: said, not silent
+            note(f"--per_device_batch_size {cfg.per_device_batch_size}: the checkpoint's micro-batch {recorded} "
+                 f"(global batch {meta.get('global_batch_size')}) does not fit this run's global batch "
+                 f"{cfg.global_batch_size} x {world} ranks or cap; probing again")
         chosen = _probe(cfg, accelerator, model, task, data)
     accelerator.gradient_accumulation_steps = chosen.accumulation
     if accelerator.is_main_process:
@@ -90,12 +96,11 @@ def _probe(cfg: TrainConfig, accelerator: Accelerator, model: torch.nn.Module, t
     world = accelerator.num_processes
     size = largest_micro_batch(cfg.global_batch_size, world, cfg.auto_batch_cap)
     model.to(accelerator.device)  # where accelerator.prepare puts it (device_placement); a no-op there then
-    reserve = _state_bytes(cfg, model, world)
+    reserve = _state_bytes(cfg, model, world) + device_data_bytes(cfg, accelerator, data)
     was_training, buffers = model.training, [b.detach().clone() for b in model.buffers()]
-    cuda = [torch.cuda.current_device()] if accelerator.device.type == "cuda" else []
     tried = []
     py_state, np_state = random.getstate(), np.random.get_state()
-    with torch.random.fork_rng(devices=cuda):  # torch's CPU and this GPU's generators come back as they were
+    with torch.random.fork_rng(**rng_fork(accelerator.device)):  # torch's CPU and this device's generators restored
         model.train()
         while True:
             tried.append(size)
@@ -124,7 +129,7 @@ def _fits(accelerator: Accelerator, model, task, data, size: int, micro_steps: i
     collate = data.collate_fn or torch.utils.data.default_collate
     try:
         held = torch.empty(reserve, dtype=torch.uint8, device=accelerator.device) if reserve else None
-        batch = send_to_device(collate(first_samples(data.train, size)), accelerator.device)
+        batch = send_to_device(collate(probe_samples(data.train, size)), accelerator.device)
         with accelerator.autocast():  # mixed precision as accelerator.prepare will wrap the forward
             for _ in range(micro_steps):
                 task.training_loss(model, batch).value.backward()
@@ -136,6 +141,39 @@ def _fits(accelerator: Accelerator, model, task, data, size: int, micro_steps: i
         if isinstance(err, torch.OutOfMemoryError) or should_reduce_batch_size(err):
             return False
         raise
+
+
+def probe_samples(dataset, size: int) -> list:
+    """``size`` samples to measure a micro-batch of ``size`` with: the first ones, repeated where the source has
+    fewer (a stream holds only the few rows it read at start-up; a small set fewer than the share)."""
+    rows = first_samples(dataset, size)
+    if rows and len(rows) < size:
+        rows = (rows * -(-size // len(rows)))[:size]
+    return rows
+
+
+def rng_fork(device: torch.device) -> dict[str, Any]:
+    """``torch.random.fork_rng``'s arguments for the generators a step on ``device`` draws from: the CPU's
+    (always forked) and this one device's, of its own type (fork_rng's default type is the machine's accelerator,
+    else CUDA: torch/random.py), so the probe leaves MPS's and XPU's generators as it found them too."""
+    if device.type == "cpu":
+        return {"devices": []}
+    return {"devices": [device], "device_type": device.type}
+
+
+def device_data_bytes(cfg: TrainConfig, accelerator: Accelerator, data) -> int:
+    """Device memory the loaders will take after the probe: with the device loader on an accelerator, the whole
+    in-memory training set (DeviceLoader moves it there) and this rank's share of an in-memory eval set
+    (DeviceEvalLoader); 0 where the data stays on the host (a DataLoader, a stream, a collate_fn, a CPU run).
+    The same choice as build_loaders makes, asked before it (quietly: it says it then)."""
+    if accelerator.device.type == "cpu" or data_source(data.train) == "streaming" or data.collate_fn is not None:
+        return 0
+    if choose_loader(cfg.loader, data.train, cfg.device_loader_max_mb, data.memory_limit, quiet=True) != "device":
+        return 0
+    total = as_in_memory(data.train).nbytes
+    if data.eval is not None and is_in_memory(data.eval):  # its rank share at most (DeviceEvalLoader's slice)
+        total += -(-as_in_memory(data.eval).nbytes // accelerator.num_processes)
+    return total
 
 
 def _drop_gradients(model: torch.nn.Module) -> None:

@@ -342,8 +342,11 @@ class TrainStep:
     def micro_step(self, batch) -> bool:
         """Forward and backward ``batch``; the optimizer step where it completes one (returns True).
 
-        Out of device memory: one line naming ``--per_device_batch_size`` (bad input, exit 2). The other ranks then
-        fail in their gradient all-reduce, the failure report ends them (accel_ddp/lifecycle/failure.py).
+        Out of device memory: one line naming ``--per_device_batch_size`` (bad input, exit 2). The other ranks wait
+        in a gradient all-reduce this rank never joins. Over gloo its failure report shuts its connections, so
+        theirs fails at once and they exit (accel_ddp/lifecycle/failure.py). Over NCCL it leaves the connections
+        alone: they stay blocked until torchrun, seeing this rank exit, stops them (SIGTERM, SIGKILL after its grace
+        period), or NCCL's watchdog after ``--ddp_timeout``: bounded, not prompt.
         """
         try:
             with self.accelerator.accumulate(self.model):

@@ -105,6 +105,15 @@ def open_dir():
     shutil.rmtree(path, ignore_errors=True)
 
 
+@pytest.fixture(scope="module")
+def s3():
+    """moto's S3 server with the bucket tests.helpers.s3.BUCKET, for one test module; a boto3 client of it."""
+    from tests.helpers.s3 import s3_server
+
+    with s3_server() as client:
+        yield client
+
+
 @pytest.fixture
 def quick_stream_ends(monkeypatch):
     """datasets sleeps 5 s whenever a shuffled parquet stream's reader threads end (apache/arrow#45214): a

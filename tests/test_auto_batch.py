@@ -106,6 +106,11 @@ def test_a_resume_reuses_the_recorded_size_without_probing(tmp_path):
     args = [*ARGS, "--per_device_batch_size", "auto", "--output_dir", str(out), "--checkpointing_steps", "2"]
     assert [code for code, _ in _run(args, above=4, fail_at=(4, 1))] == [1, 1]
     results = _run([*args, "--resume_from_checkpoint", "auto"], above=4)
+    _resumed_at_the_recorded_size(results, out, ref)
+
+
+def _resumed_at_the_recorded_size(results, out, ref) -> None:
+    """The resume from step 2 trained at the checkpoint's 4 (x 4 accumulation), no probe, as a run started at 4."""
     assert [code for code, _ in results] == [0, 0]
     assert all(set(seen) == {4} and len(seen) == 4 * 4 for _, seen in results)  # steps 3-6 only, no probe
     summary = read_summary(out)
@@ -229,3 +234,81 @@ def test_the_command_line_and_the_hugging_face_name_take_auto():
     assert parse_args(["--per_device_batch_size", "auto:8"]).per_device_batch_size == "auto:8"
     assert parse_args(["--per_device_train_batch_size", "auto"]).auto_batch
     assert parse_args(["--per_device_batch_size", "8"]).per_device_batch_size == 8
+
+
+@pytest.mark.parametrize("spec", ["auto", "step_00000002"])
+def test_a_resume_from_an_object_store_reuses_the_recorded_size(s3, tmp_path, spec):
+    """--checkpoint_dir s3://...: the sealed checkpoints are in the store, OUTPUT_DIR/checkpoints holds only staging.
+    The resume (auto: the store's newest sealed one; or that checkpoint's URL) trains at its size, never probing."""
+    from tests.helpers.s3 import BUCKET, new_prefix
+
+    out, ref, url = tmp_path / "auto", tmp_path / "ref", f"s3://{BUCKET}/{new_prefix()}"
+    args = [*ARGS, "--per_device_batch_size", "auto", "--output_dir", str(out), "--checkpointing_steps", "2",
+            "--checkpoint_dir", url]
+    assert [code for code, _ in _run(args, above=4, fail_at=(4, 1))] == [1, 1]
+    resume = "auto" if spec == "auto" else f"{url}/{spec}"
+    results = _run([*args, "--resume_from_checkpoint", resume], above=4)
+    _resumed_at_the_recorded_size(results, out, ref)
+
+
+def test_a_streamed_probe_measures_batches_of_the_candidate_size(tmp_path, quick_stream_ends):
+    """A stream's source holds only the rows read at start-up: the probe repeats them up to each candidate size,
+    so a model that runs out of memory above 4 gets 4, not the first candidate, 16, which a step then could not run."""
+    from tests.helpers.data import image_shards
+
+    data = image_shards(tmp_path / "d", [48, 48], n_test=4)
+    args = ["--dataset", "hf", "--data_dir", str(data), "--streaming", "--shuffle_buffer", "0", "--num_workers", "0",
+            "--model", "tests.test_auto_batch:oom_model", "--global_batch_size", "32", "--max_steps", "2",
+            "--per_device_batch_size", "auto", "--output_dir", str(tmp_path / "run")]
+    results = _run(args, above=4)
+    assert [code for code, _ in results] == [0, 0]
+    for _, seen in results:
+        assert seen[:-8] == [16, 8, 4, 4] and seen[-8:] == [4] * 2 * 4  # the probe's full-size batches, then 2 steps
+    summary = read_summary(tmp_path / "run")
+    assert (summary["per_device_batch_size"], summary["grad_accum_steps"]) == (4, 4)
+
+
+def test_the_probe_samples_repeat_a_short_source_up_to_the_size():
+    from accel_ddp.batch_size import probe_samples
+
+    assert probe_samples(list(range(3)), 8) == [0, 1, 2, 0, 1, 2, 0, 1]
+    assert probe_samples(list(range(10)), 4) == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize(("loader", "on_device"), [("auto", True), ("device", True), ("dataloader", False)])
+def test_the_probe_reserves_the_memory_of_data_the_device_loader_will_hold(monkeypatch, loader, on_device):
+    """On an accelerator the device loader moves the training set (and this rank's share of the eval set) there
+    after the probe: the probe holds those bytes beside the optimizer's state. Run on the meta device (no GPU here):
+    its type is not the CPU's, and fork_rng leaves it alone."""
+    from types import SimpleNamespace
+
+    import accel_ddp.batch_size as batch_size
+    from accel_ddp.data import InMemoryDataset
+    from accel_ddp.data.resolve import Data
+
+    train = InMemoryDataset(torch.zeros(64, 1, 8, 8), torch.zeros(64, dtype=torch.long))
+    held = InMemoryDataset(torch.zeros(10, 1, 8, 8), torch.zeros(10, dtype=torch.long))
+    data = Data(train, held, 4, (1, 8, 8))
+    cfg = TrainConfig(per_device_batch_size="auto", global_batch_size=32, loader=loader)
+    accelerator = SimpleNamespace(device=torch.device("meta"), num_processes=1)
+    reserves = []
+    monkeypatch.setattr(batch_size, "_fits", lambda *args: reserves.append(args[-1]) or True)
+    model = oom_model(4, (1, 8, 8))
+    state = batch_size._state_bytes(cfg, model, 1)
+    chosen = batch_size._probe(cfg, accelerator, model, None, data)
+    assert (chosen.size, chosen.tried) == (32, [32])
+    assert reserves == [state + (train.nbytes + held.nbytes if on_device else 0)]
+    accelerator.device = torch.device("cpu")  # host memory: not what the probe measures
+    assert batch_size.device_data_bytes(cfg, accelerator, data) == 0
+
+
+@pytest.mark.parametrize(("device", "fork"), [
+    ("cpu", {"devices": []}),
+    ("cuda:1", {"devices": [torch.device("cuda:1")], "device_type": "cuda"}),
+    ("mps", {"devices": [torch.device("mps")], "device_type": "mps"}),
+    ("xpu:0", {"devices": [torch.device("xpu:0")], "device_type": "xpu"}),
+])
+def test_the_probe_forks_the_generators_of_the_device_in_use(device, fork):
+    from accel_ddp.batch_size import rng_fork
+
+    assert rng_fork(torch.device(device)) == fork

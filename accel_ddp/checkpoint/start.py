@@ -15,10 +15,10 @@ from typing import Any
 from accelerate import Accelerator
 
 from accel_ddp.checkpoint.manager import CheckpointManager, flags_in_force
-from accel_ddp.checkpoint.manifest import list_checkpoints
+from accel_ddp.checkpoint.storage import open_store
 from accel_ddp.config import TrainConfig
 from accel_ddp.lifecycle.failure import main_process_decides
-from accel_ddp.outputs.names import CHECKPOINTS_DIR, MARKER_NAME
+from accel_ddp.outputs.names import CHECKPOINTS_DIR
 from accel_ddp.outputs.run_dir import refuse_to_overwrite_finished, stop_if_finished
 
 
@@ -47,8 +47,9 @@ def where_to_start(cfg: TrainConfig, accelerator: Accelerator, checkpoints: Chec
 
 def recorded_layout(cfg: TrainConfig, accelerator: Accelerator) -> dict[str, Any] | None:
     """The run facts (``per_device_batch_size``, ``grad_accum_steps``, ...) recorded in the checkpoint that
-    ``--resume_from_checkpoint`` will resume from, read before anything is built (collective: the main process
-    reads, every rank gets the answer); None for a fresh start or where there is no readable checkpoint.
+    ``--resume_from_checkpoint`` will resume from, read before anything is built, in OUTPUT_DIR/checkpoints or
+    the ``--checkpoint_dir`` store (collective: the main process reads, every rank gets the answer); None for a
+    fresh start or where there is no readable checkpoint.
 
     A quiet look at ``checkpoint.json`` only (no file hashed: ``where_to_start`` later proves the checkpoint
     whole, makes the real choice, with its messages and refusals). Where the newest one proves damaged and
@@ -58,13 +59,15 @@ def recorded_layout(cfg: TrainConfig, accelerator: Accelerator) -> dict[str, Any
         return None
 
     def look() -> dict[str, Any] | None:
+        # Where the checkpoints are sealed: OUTPUT_DIR/checkpoints, or --checkpoint_dir's store (whose staging
+        # folder holds only .tmp-* and .fetched/ debris, never a sealed checkpoint)
+        staging = os.path.join(cfg.output_dir, CHECKPOINTS_DIR)
+        store = open_store(cfg.checkpoint_dir or staging, staging)
         spec = cfg.resume_from_checkpoint
-        folders = [folder for _, folder in reversed(list_checkpoints(os.path.join(cfg.output_dir, CHECKPOINTS_DIR)))] \
-            if spec == "auto" else [spec]
+        folders = [folder for _, folder in reversed(store.sealed())] if spec == "auto" else [spec]
         for folder in folders:
             try:
-                with open(os.path.join(folder, MARKER_NAME), encoding="utf-8") as fh:
-                    meta = json.load(fh)
+                meta = json.loads(store.manifest(folder))
             except (OSError, ValueError):
                 continue
             if isinstance(meta, dict):

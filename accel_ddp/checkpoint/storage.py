@@ -90,6 +90,11 @@ class LocalStore:
     def local_copy(self, folder: str) -> str:
         return folder
 
+    def manifest(self, folder: str) -> bytes:
+        """``folder``'s checkpoint.json as stored, unverified (OSError where there is none)."""
+        with open(os.path.join(folder, MARKER_NAME), "rb") as fh:
+            return fh.read()
+
     def is_own(self, spec: str) -> bool:
         return os.path.realpath(os.path.dirname(os.path.normpath(spec))) == os.path.realpath(self.root)
 
@@ -201,6 +206,14 @@ class ObjectStore:
             self._call("download", lambda obj=obj, path=path: self.fs.get_file(obj, path))
         os.makedirs(dest, exist_ok=True)  # no objects at all: an empty folder, which read_checkpoint calls unsealed
         return dest
+
+    def manifest(self, folder: str) -> bytes:
+        """``folder``'s checkpoint.json object, unverified, without downloading the checkpoint (OSError where
+        there is none: fsspec's cat_file raises FileNotFoundError; a folder off the store is read from disk)."""
+        if not self.is_own(folder):
+            return LocalStore.manifest(self, folder)
+        self.fs.invalidate_cache()
+        return self.fs.cat_file(f"{self._key(folder.rstrip('/'))}/{MARKER_NAME}")
 
     def is_own(self, spec: str) -> bool:
         head, _, name = spec.rstrip("/").rpartition("/")

@@ -76,13 +76,15 @@ def build_eval_loader(
     )
 
 
-def choose_loader(loader: str, dataset: Dataset, device_loader_max_mb: float, memory_limit=None) -> str:
+def choose_loader(loader: str, dataset: Dataset, device_loader_max_mb: float, memory_limit=None, *,
+                  quiet: bool = False) -> str:
     """``"device"`` or ``"dataloader"`` for ``--loader`` auto/device/dataloader and this training set.
 
     ``auto`` takes the device loader for tensors in memory up to ``device_loader_max_mb`` MiB as stored,
     and up to ``memory_limit.device_mb`` (a :class:`~accel_ddp.data.memory_budget.InMemoryLimit`: on a GPU
     the device memory left for data; one line says when that, not the flag, sends the set to a DataLoader);
-    ``device`` insists on it (a clear error when the dataset is not tensors in memory).
+    ``device`` insists on it (a clear error when the dataset is not tensors in memory). ``quiet``: the same
+    answer without the note (the micro-batch probe asks first, build_loaders says it).
     """
     if loader not in ("auto", "device", "dataloader"):
         raise ConfigError(f"--loader {loader!r} is unknown; choose one of auto, device, dataloader")
@@ -97,7 +99,8 @@ def choose_loader(loader: str, dataset: Dataset, device_loader_max_mb: float, me
         return "dataloader"
     limit_mb = device_loader_max_mb if memory_limit is None else min(device_loader_max_mb, memory_limit.device_mb)
     if loader == "auto" and (nbytes := as_in_memory(dataset).nbytes) > limit_mb * 2**20:
-        if memory_limit is not None and nbytes <= device_loader_max_mb * 2**20:  # the budget, not the flag, decided
+        # the budget, not the flag, decided
+        if not quiet and memory_limit is not None and nbytes <= device_loader_max_mb * 2**20:
             say(memory_limit.note("the training set", nbytes, limit_mb, instead="reading it through a DataLoader"))
         return "dataloader"
     return "device"

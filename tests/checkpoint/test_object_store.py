@@ -3,22 +3,19 @@ and URLs where they are not supported (one line, exit 2, never a local folder na
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
 import signal
 import socket
-import subprocess
 import sys
-import time
-import uuid
 
 import pytest
 
-from tests.helpers.multiproc import RankFailed, free_port, run_ranks
+from tests.helpers.multiproc import RankFailed, run_ranks
 from tests.helpers.ranks import error_lines
 from tests.helpers.runs import load_weights, main_ranks, read_summary
+from tests.helpers.s3 import BUCKET, new_prefix
 
 ARGS = ["--dataset", "synthetic", "--synthetic_samples", "64", "--synthetic_shape", "1", "4", "4",
         "--model", "mlp", "--hidden_size", "8", "--global_batch_size", "16", "--epochs", "1", "--num_workers", "0"]
@@ -26,7 +23,6 @@ ARGS = ["--dataset", "synthetic", "--synthetic_samples", "64", "--synthetic_shap
 STORE_ARGS = ["--dataset", "synthetic", "--synthetic_samples", "128", "--synthetic_shape", "1", "4", "4",
               "--model", "mlp", "--hidden_size", "8", "--global_batch_size", "16", "--num_workers", "0",
               "--lr_schedule", "constant", "--checkpointing_steps", "2", "--keep_last", "5", "--log_every", "2"]
-BUCKET = "accel-ddp-test"
 
 
 @pytest.mark.parametrize("flag, url", [
@@ -70,49 +66,6 @@ def test_a_store_without_its_package_is_one_line_naming_the_extra(url, package, 
 # ----------------------------------------------------------------------------------------- against a real S3 API
 
 
-@pytest.fixture(scope="module")
-def s3():
-    """moto's S3 server in a subprocess on a free loopback port (never a thread: this process forks ranks),
-    a bucket in it, and the environment s3fs and boto3 read their endpoint and keys from; a boto3 client."""
-    missing = [name for name in ("moto", "s3fs", "boto3", "flask") if importlib.util.find_spec(name) is None]
-    if missing:
-        pytest.skip(f"the object-store tests need {', '.join(missing)} (pip install -e '.[test]')")
-    import boto3
-
-    port = free_port()
-    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
-           "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}"}
-    saved = {key: os.environ.get(key) for key in env}
-    os.environ.update(env)  # the forked ranks inherit it
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline or server.poll() is not None:
-                    pytest.fail("moto's S3 server did not start")
-                time.sleep(0.2)
-        client = boto3.client("s3")
-        client.create_bucket(Bucket=BUCKET)
-        yield client
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-
-
-def _prefix() -> str:
-    return f"run-{uuid.uuid4().hex[:8]}"
-
-
 def _keys(client, prefix: str) -> list[str]:
     listed = client.list_objects_v2(Bucket=BUCKET, Prefix=f"{prefix}/")
     return sorted(obj["Key"][len(prefix) + 1:] for obj in listed.get("Contents", []))
@@ -143,7 +96,7 @@ def test_a_2_rank_run_killed_mid_upload_resumes_bitwise_from_the_newest_sealed_c
     step 6 (its model is there, its manifest is not). ``auto`` from the same --output_dir takes over the lock
     object the kill left, ignores unsealed step 6 with a line, resumes step 4 and ends with the uninterrupted
     run's weights, bit for bit; the lock object is gone at the end."""
-    prefix, out, pids = _prefix(), tmp_path / "run", tmp_path / "pids"
+    prefix, out, pids = new_prefix(), tmp_path / "run", tmp_path / "pids"
     url = f"s3://{BUCKET}/{prefix}"
     args = [*STORE_ARGS, "--max_steps", "8", "--output_dir", str(out), "--checkpoint_dir", url]
     pids.mkdir()
@@ -189,7 +142,7 @@ def test_a_2_rank_run_killed_mid_upload_resumes_bitwise_from_the_newest_sealed_c
 
 
 def test_auto_skips_a_damaged_object_and_an_unsealed_checkpoint_with_a_line_each(s3, tmp_path, capfd):
-    prefix, out = _prefix(), tmp_path / "run"
+    prefix, out = new_prefix(), tmp_path / "run"
     url = f"s3://{BUCKET}/{prefix}"
     args = [*STORE_ARGS, "--output_dir", str(out), "--checkpoint_dir", url]
     assert main_ranks([*args, "--max_steps", "6"]) == [0, 0]
@@ -215,7 +168,7 @@ def test_auto_skips_a_damaged_object_and_an_unsealed_checkpoint_with_a_line_each
 
 
 def test_a_second_run_on_the_same_prefix_is_refused_naming_the_owner(s3, tmp_path, capfd):
-    prefix = _prefix()
+    prefix = new_prefix()
     url = f"s3://{BUCKET}/{prefix}"
     owner = {"host": socket.gethostname(), "output_dir": "/elsewhere/run", "pid": 4242, "since": "2026-12-01T23:00"}
     s3.put_object(Bucket=BUCKET, Key=f"{prefix}/.lock", Body=json.dumps(owner).encode())
@@ -261,7 +214,7 @@ def test_a_file_url_store_seals_prunes_and_locks_like_a_bucket(tmp_path, capfd):
 def test_async_saves_to_the_store_resume_bitwise_after_a_kill(s3, reference, tmp_path):
     """--async_checkpointing: the upload and the seal run in the writer thread; the job SIGKILLed after step 5
     (step 4's upload done or not) resumes from the newest sealed checkpoint to the uninterrupted run's weights."""
-    prefix, out = _prefix(), tmp_path / "run"
+    prefix, out = new_prefix(), tmp_path / "run"
     args = [*STORE_ARGS, "--max_steps", "8", "--output_dir", str(out), "--checkpoint_dir", f"s3://{BUCKET}/{prefix}",
             "--async_checkpointing"]
 

@@ -1,0 +1,63 @@
+"""moto's S3 server for the object-store tests (``--checkpoint_dir s3://...``): a subprocess on a free loopback
+port, never a thread (the test process forks ranks), a bucket in it, and the environment s3fs and boto3 read their
+endpoint and keys from. The ``s3`` fixture of tests/conftest.py serves it per test module."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import socket
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+from tests.helpers.multiproc import free_port
+
+BUCKET = "accel-ddp-test"
+
+
+@contextlib.contextmanager
+def s3_server():
+    """The server up with BUCKET in it and its environment set (the forked ranks inherit it); a boto3 client."""
+    missing = [name for name in ("moto", "s3fs", "boto3", "flask") if importlib.util.find_spec(name) is None]
+    if missing:
+        pytest.skip(f"the object-store tests need {', '.join(missing)} (pip install -e '.[test]')")
+    import boto3
+
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
+           "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}"}
+    saved = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)  # the forked ranks inherit it
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline or server.poll() is not None:
+                    pytest.fail("moto's S3 server did not start")
+                time.sleep(0.2)
+        client = boto3.client("s3")
+        client.create_bucket(Bucket=BUCKET)
+        yield client
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def new_prefix() -> str:
+    """A prefix of the bucket no other test uses."""
+    return f"run-{uuid.uuid4().hex[:8]}"
