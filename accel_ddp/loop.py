@@ -27,12 +27,13 @@ from accelerate.utils import set_seed
 from torch.utils.data import Dataset
 from tqdm.auto import tqdm
 
-from accel_ddp.anomaly import AnomalyGuard, RolledBack, roll_back
+from accel_ddp.anomaly import AnomalyGuard, AnomalyStop, RolledBack, roll_back
 from accel_ddp.batch_size import choose_micro_batch
 from accel_ddp.checkpoint.async_save import AsyncSaver, check_async_checkpointing
 from accel_ddp.checkpoint.best import BestModel
 from accel_ddp.checkpoint.manager import HYPERPARAMETERS, CheckpointManager
 from accel_ddp.checkpoint.start import where_to_start
+from accel_ddp.checkpoint.storage import open_store
 from accel_ddp.checkpoint.weights import export_weights, load_weights
 from accel_ddp.config import DEBUG_MAX_STEPS, TrainConfig
 from accel_ddp.data import build_loaders, usable_cpus
@@ -150,6 +151,9 @@ def train(
                 return finish(run, fit(run))
             except RolledBack as back:  # --on_anomaly rollback: every rank reloads the checkpoint and trains on
                 run.start_step = roll_back(run.checkpoints, run.recorder, run.bar, back)
+            except AnomalyStop:  # it names the newest checkpoint, maybe one in flight: sealed before the exit
+                run.checkpoints.wait()
+                raise
 
 
 def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None, eval_dataset=None, *,
@@ -262,6 +266,8 @@ def _join(cfg: TrainConfig, teardown: ExitStack, preemption: PreemptionWatcher) 
     preemption.connect(accelerator, timedelta(seconds=cfg.ddp_timeout))  # its all-reduce waits --ddp_timeout at most
     teardown.push(_claim_failure)  # before the group goes: the ranks it then stops know that they are not first
     main_process_decides(accelerator, lambda: check_output_dir(cfg.output_dir))  # a bad folder: now, not after data
+    if cfg.checkpoint_dir:  # a store that cannot even be opened (no account, bad settings): now too, one line
+        main_process_decides(accelerator, lambda: open_store(cfg.checkpoint_dir) and None)
     check_shared_output_dir(accelerator, cfg.output_dir)  # several machines: one folder for all of them
     if accelerator.is_main_process and (hazard := restart_hazard()):
         print(f"accel_ddp: warning: {hazard}", file=sys.stderr, flush=True)

@@ -41,7 +41,7 @@ from accel_ddp.checkpoint.manifest import rng_file
 from accel_ddp.checkpoint.weights import plain_state_dict
 from accel_ddp.outputs.files import WriteFailed, write_failure
 from accel_ddp.outputs.names import WEIGHTS_NAME
-from accel_ddp.util.validation import ConfigError
+from accel_ddp.util.validation import ConfigError, ServiceFailure
 
 DONE_PREFIX = ".done-"  # + rank: that rank's files are written (removed before the seal hashes the folder)
 FAILED_PREFIX = ".failed-"  # + rank: that rank's write failed; the file holds why
@@ -83,12 +83,19 @@ class AsyncSaver:
                 shutil.rmtree(tmp, ignore_errors=True)
             why, bug = problems[0]
             if bug == "store":
-                raise ConfigError(why)
+                raise ConfigError(why)  # storage.StoreError: the store refused the run (its lock lost)
+            if bug == "store-failed":
+                raise ServiceFailure(why)  # storage.StoreFailed: the store failed mid-run (exit 1)
             if bug:
                 raise RuntimeError(f"the checkpoint writer of step {step} failed: {why}")
             raise WriteFailed(self.manager._cannot_save(step, why))
-        self.manager.last_saved_folder = final
+        self.manager.last_saved_step, self.manager.last_saved_folder = step, final  # a pair: both sealed
         return final
+
+    @property
+    def pending_step(self) -> int | None:
+        """The step of the save in flight (not yet waited for), or None."""
+        return None if self._pending is None else self._pending[0]
 
     def _write(self, state: dict[str, Any], step: int, tmp: str, final: str) -> None:
         acc = self.manager.accelerator
@@ -107,8 +114,8 @@ class AsyncSaver:
                 self._fail(err, tmp)
 
     def _fail(self, err: Exception, tmp: str) -> None:
-        if isinstance(err, ConfigError):  # the object store refused the upload (storage.StoreError): its own line
-            self._outcome, self._bug = str(err), "store"
+        if isinstance(err, (ConfigError, ServiceFailure)):  # the object store's refusal or failure: its own line
+            self._outcome, self._bug = str(err), "store" if isinstance(err, ConfigError) else "store-failed"
             return
         why = write_failure(err, tmp)
         self._outcome, self._bug = why or f"{type(err).__name__}: {err}", why is None

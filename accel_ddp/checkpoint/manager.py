@@ -59,7 +59,7 @@ from accel_ddp.checkpoint.manifest import (  # noqa: F401 - CorruptCheckpoint, c
     rng_file,
     rng_not_restored,
 )
-from accel_ddp.checkpoint.storage import StoreError, open_store
+from accel_ddp.checkpoint.storage import StoreError, StoreFailed, open_store
 from accel_ddp.checkpoint.weights import load_weights, plain_state_dict
 from accel_ddp.lifecycle.failure import main_process_decides
 from accel_ddp.outputs.files import (
@@ -113,15 +113,14 @@ class CheckpointManager:
     def save(self, step: int) -> str:
         """Save the full training state after optimizer ``step``; returns the checkpoint folder."""
         final = self.store.folder(step)
-        if step == self.last_saved_step:  # e.g. preempted right after a scheduled save, or right after resuming
-            return final
+        if step in (self.last_saved_step, self.saver and self.saver.pending_step):  # e.g. preempted right after a
+            return final  # scheduled save (sealed or in flight), or right after resuming
         acc = self.accelerator
         tmp = os.path.join(self.staging, f".tmp-{checkpoint_name(step)}")
         if self.saver is not None:  # --async_checkpointing: the previous save sealed, this one copied and started
             self.saver.wait()
             self._on_main_then_all(lambda: self._writing(step, tmp, lambda: _fresh_folder(tmp)))
-            self.saver.save(step, tmp, final)
-            self.last_saved_step = step
+            self.saver.save(step, tmp, final)  # last_saved_step and _folder follow once it is sealed (wait)
             return final
         # Each stage ends in a collective that carries its outcome: a write the file system refuses (a full disk)
         # on any rank stops every rank with one line, the unsealed folder removed and the earlier checkpoints as
@@ -149,12 +148,19 @@ class CheckpointManager:
         if self.saver is not None:
             self.saver.wait()
 
+    def newest(self) -> tuple[int, str] | None:
+        """(step, folder) of the newest checkpoint of this run, the one in flight included (a rollback to it waits
+        for its seal in ``resume``), as a synchronous save would have it; None before any."""
+        if self.saver is not None and self.saver.pending_step is not None:
+            return self.saver.pending_step, self.store.folder(self.saver.pending_step)
+        return None if self.last_saved_folder is None else (self.last_saved_step, self.last_saved_folder)
+
     def _writing(self, step: int, tmp: str, call: Callable[[], Any]) -> None:
         """``call()`` on the main process; a write the file system refuses removes ``tmp`` and is a WriteFailed
         (a store's refusal, a StoreError, is its own line)."""
         try:
             call()
-        except StoreError:
+        except (StoreError, StoreFailed):
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         except Exception as err:
@@ -216,6 +222,9 @@ class CheckpointManager:
 
         Returns the optimizer step to continue after; 0 when ``auto`` found no checkpoint.
         """
+        # A rollback (anomaly.py) while a save is in flight: its writer prunes, cleans the store's downloads and
+        # seals a newer checkpoint; all of that is done before we choose, download and load.
+        self.wait()
         choice = self._on_main_then_all(lambda: self._choose(spec))
         if choice is None:
             return 0

@@ -14,34 +14,47 @@ is damaged; ``read_checkpoint`` on the downloaded copy tells both apart, exactly
 downloads the checkpoint into ``STAGING/.fetched/step_N`` (the main process; the staging folder is in
 ``--output_dir``, which every rank sees) and loads it from there.
 
-One run per prefix: ``ObjectStore.claim`` creates ``PREFIX/.lock`` with a conditional write (fsspec
-``pipe_file(mode="create")``: s3fs 2026.9 sends ``If-None-Match: *`` on PutObject, s3fs/core.py
-``_pipe_file``; the local file system opens it ``xb``). The lock records its owner; a kill -9 leaves it
-behind, and the same ``--output_dir`` on the same host takes it over (its own ``.lock``, held by
-``claim_output_dir`` before this, proves the old holder dead). Only the main process calls any of this.
+One run per prefix: ``ObjectStore.claim`` writes ``PREFIX/.lock``, naming this run and holding the random id
+that ``OUTPUT_DIR/.store-claim`` keeps, after an explicit look for one (``exists``) and with a conditional
+write where the store has one (fsspec ``pipe_file(mode="create")``: s3fs 2026.9 sends ``If-None-Match: *`` on
+PutObject, s3fs/core.py ``_pipe_file``; the local file system opens it ``xb``; adlfs's ``_pipe_file`` drops
+``mode`` and overwrites). A kill -9 leaves the lock behind; a relaunch takes it over only when the lock's id is
+the one in its own output folder: that folder's ``.lock``, held by ``claim_output_dir`` before this, proves the
+old holder dead (a host name and a path prove nothing: two containers can share both). Where the store ignores
+the conditional write, a later run can still overwrite the lock; so every seal and every deletion first checks
+that the lock object still holds our bytes, and the run stops with one line where it does not. Only the main
+process calls any of this.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
 import socket
 import time
+import uuid
 from typing import Any
 
 from accel_ddp.checkpoint.manifest import _STEP_DIR, checkpoint_name, list_checkpoints
 from accel_ddp.config import STORE_PACKAGES, URL_SCHEME
-from accel_ddp.outputs.files import fsync_dir, relative_files, remove_dir, set_aside
-from accel_ddp.outputs.names import LOCK_NAME, MARKER_NAME
+from accel_ddp.outputs.files import WriteFailed, fsync_dir, relative_files, remove_dir, set_aside, write_failure
+from accel_ddp.outputs.names import LOCK_NAME, MARKER_NAME, STORE_CLAIM_NAME
+from accel_ddp.util.atomic import atomic_write_text
 from accel_ddp.util.messages import first_line, warn
-from accel_ddp.util.validation import ConfigError
+from accel_ddp.util.validation import ConfigError, ServiceFailure
 
 FETCHED_DIR = ".fetched"  # under the staging folder: checkpoints downloaded from the store to be verified and loaded
 
 
 class StoreError(ConfigError):
-    """The object store refused or failed an operation (credentials, permissions, network): one line, exit 2."""
+    """The object store refused the run at its start (settings, credentials, a missing bucket, a lock another run
+    holds or took): bad input, one line, exit 2."""
+
+
+class StoreFailed(ServiceFailure):
+    """The object store failed an operation once its lock was ours (its settings worked): one line, exit 1."""
 
 
 def open_store(root: str, staging: str | None = None) -> LocalStore | ObjectStore:
@@ -121,10 +134,13 @@ class ObjectStore:
         except ImportError:  # config.py found the package; an import that still fails is one line too
             raise ConfigError(f"--checkpoint_dir {url} needs the {package} package, which cannot be imported; "
                               f"pip install \"accel_ddp[{extra}]\"") from None
+        except Exception as err:  # the file system's constructor: adlfs raises ValueError without an account
+            raise StoreError(f"--checkpoint_dir {url}: cannot open the store ({type(err).__name__}: "
+                             f"{first_line(err)}); check its credentials and settings") from None
         self.root = url.rstrip("/")
         self.path = self.path.rstrip("/")
         self.staging = staging or os.path.join("outputs", "staging")
-        self._lock_data: bytes | None = None
+        self._lock_data: bytes | None = None  # the lock object as we wrote it; set once claim succeeded
 
     def folder(self, step: int) -> str:
         return f"{self.root}/{checkpoint_name(step)}"
@@ -159,6 +175,7 @@ class ObjectStore:
 
     def seal(self, tmp: str, final: str, meta: dict[str, Any]) -> None:
         """Upload every file of ``tmp``, then ``checkpoint.json``: the manifest is the last object written."""
+        self.check_claim()
         key = self._key(final)
         existing = self._steps().get(int(_STEP_DIR.match(final.rsplit("/", 1)[1]).group(1)))
         if existing:  # sealed but damaged (auto skipped it): kept for its owner, under another name
@@ -178,6 +195,7 @@ class ObjectStore:
 
     def remove(self, folder: str) -> None:
         """The manifest first: a deletion a crash interrupts leaves an unsealed prefix, never a gutted sealed one."""
+        self.check_claim()
         key = self._key(folder)
         try:
             self._call("delete", lambda: self.fs.rm_file(f"{key}/{MARKER_NAME}"), passes=FileNotFoundError)
@@ -187,6 +205,7 @@ class ObjectStore:
 
     def clean(self, up_to: int) -> None:
         """Unsealed prefixes up to the step just sealed (a crash's partial uploads) and the local staging debris."""
+        self.check_claim()
         for step, has_marker in self._steps().items():
             if not has_marker and step <= up_to:
                 self._call("delete", lambda step=step: self.fs.rm(self._key(self.folder(step)), recursive=True))
@@ -202,8 +221,11 @@ class ObjectStore:
         shutil.rmtree(dest, ignore_errors=True)
         for obj in self._call("list", lambda: self.fs.find(key)):
             path = os.path.join(dest, *obj[len(key):].strip("/").split("/"))
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            self._call("download", lambda obj=obj, path=path: self.fs.get_file(obj, path))
+            try:
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                self._call("download", lambda obj=obj, path=path: self.fs.get_file(obj, path), passes=OSError)
+            except OSError as err:
+                self._local_or_store(err, dest)
         os.makedirs(dest, exist_ok=True)  # no objects at all: an empty folder, which read_checkpoint calls unsealed
         return dest
 
@@ -220,29 +242,55 @@ class ObjectStore:
         return head == self.root and bool(_STEP_DIR.match(name))
 
     def claim(self, output_dir: str) -> None:
-        """Create ``PREFIX/.lock`` naming this run, or take over a dead one's; another run's: one line, exit 2."""
+        """Write ``PREFIX/.lock`` naming this run, or take over a dead one's; another run's: one line, exit 2."""
         lock = f"{self.path}/{LOCK_NAME}"
         owner = {"host": socket.gethostname(), "output_dir": os.path.abspath(output_dir), "pid": os.getpid(),
-                 "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+                 "since": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "id": _folder_id(output_dir)}
         data = json.dumps(owner).encode()
-        try:
-            self._call("lock", lambda: self.fs.pipe_file(lock, data, mode="create"), passes=FileExistsError)
-        except FileExistsError:
-            held = self._owner(lock)
-            if (held.get("host"), held.get("output_dir")) != (owner["host"], owner["output_dir"]):
-                raise ConfigError(
-                    f"--checkpoint_dir {self.root} is in use by another run (its lock object {self.root}/{LOCK_NAME}"
-                    f" says: host {held.get('host')}, --output_dir {held.get('output_dir')}, pid {held.get('pid')}, "
-                    f"since {held.get('since')}); wait for that run to end, or, if it is dead, delete "
-                    f"{self.root}/{LOCK_NAME} and relaunch") from None
-            # We hold that output folder's lock (claim_output_dir ran first): the run that wrote this one is gone.
-            print(f"accel_ddp: taking over {self.root}/{LOCK_NAME}, left by pid {held.get('pid')} on this host "
-                  f"(since {held.get('since')}), which no longer holds {owner['output_dir']}", flush=True)
+        held = self._owner(lock)  # looked for first: the only check where a store ignores the conditional write
+        if held:
+            self._take_over(held, owner)
             self._call("lock", lambda: self.fs.pipe_file(lock, data))
+        else:
+            try:
+                self._call("lock", lambda: self.fs.pipe_file(lock, data, mode="create"), passes=FileExistsError)
+            except FileExistsError:  # another run wrote it since we looked
+                self._take_over(self._owner(lock), owner)
+                self._call("lock", lambda: self.fs.pipe_file(lock, data))
         if self._owner(lock) != owner:  # a store that ignored mode="create" and a racing run that wrote last
-            raise ConfigError(f"--checkpoint_dir {self.root}: another run wrote {self.root}/{LOCK_NAME} at the same "
-                              "time; give each run its own --checkpoint_dir")
-        self._lock_data = data
+            raise StoreError(f"--checkpoint_dir {self.root}: another run wrote {self.root}/{LOCK_NAME} at the same "
+                             "time; give each run its own --checkpoint_dir")
+        self._lock_data = data  # from now on a failure of the store is no longer bad settings (exit 1, StoreFailed)
+
+    def _take_over(self, held: dict[str, Any], owner: dict[str, Any]) -> None:
+        """Refuse ``held`` unless it names this very output folder (its id), whose lock we hold: its run is gone."""
+        if not held.get("id") or held.get("id") != owner["id"]:
+            raise StoreError(
+                f"--checkpoint_dir {self.root} is in use by another run (its lock object {self.root}/{LOCK_NAME} says: "
+                f"host {held.get('host')}, --output_dir {held.get('output_dir')}, pid {held.get('pid')}, since "
+                f"{held.get('since')}); wait for that run to end, or, if it is dead, delete {self.root}/{LOCK_NAME} "
+                "and relaunch")
+        print(f"accel_ddp: taking over {self.root}/{LOCK_NAME}, left by pid {held.get('pid')} on host "
+              f"{held.get('host')} (since {held.get('since')}), which no longer holds {owner['output_dir']}",
+              flush=True)
+
+    def check_claim(self) -> None:
+        """Before a seal or a deletion: the lock object still holds our bytes, or StoreError (another run wrote it:
+        a store without the conditional create; this run stops rather than prune that run's checkpoints)."""
+        if self._lock_data is None:
+            return
+        lock = f"{self.path}/{LOCK_NAME}"
+        try:
+            now = self._call("lock check", lambda: self.fs.cat_file(lock), passes=FileNotFoundError)
+        except FileNotFoundError:
+            now = None
+        if now != self._lock_data:
+            held = _parsed(now)
+            who = (f"host {held.get('host')}, --output_dir {held.get('output_dir')}, pid {held.get('pid')}"
+                   if held else "it is gone")
+            raise StoreError(f"--checkpoint_dir {self.root}: this run lost its lock {self.root}/{LOCK_NAME} ({who}): "
+                             "another run is using the prefix, so this one stops without saving or deleting "
+                             "anything more; give each run its own --checkpoint_dir")
 
     def release(self) -> None:
         """Delete the lock object, if it is still ours (the run ends, however it ends short of a kill)."""
@@ -258,19 +306,60 @@ class ObjectStore:
                  "another run uses this --checkpoint_dir")
 
     def _owner(self, lock: str) -> dict[str, Any]:
-        try:
-            held = json.loads(self._call("lock", lambda: self.fs.cat_file(lock), passes=FileNotFoundError))
-        except (ValueError, FileNotFoundError):
+        """The lock object's owner; {} where there is none. ``exists`` first: s3fs's cat_file of a missing key
+        raises FileNotFoundError too, but a store's wrapper may not."""
+        if not self._call("lock", lambda: self.fs.exists(lock)):
             return {}
-        return held if isinstance(held, dict) else {}
+        try:
+            return _parsed(self._call("lock", lambda: self.fs.cat_file(lock), passes=FileNotFoundError)) or \
+                {"host": "?", "output_dir": "?", "pid": "?", "since": "? (an unreadable lock object)"}
+        except FileNotFoundError:
+            return {}
+
+    def _local_or_store(self, err: OSError, dest: str) -> None:
+        """A download that failed: this machine's disk (full, read-only) is named as such, the rest is the store's."""
+        if err.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
+            raise WriteFailed(f"cannot download {self.root}'s checkpoint into {dest}: {write_failure(err, dest)}; "
+                              "free space there (room for one checkpoint) or give another --output_dir") from None
+        raise self._failed("download", err) from None
 
     def _call(self, what: str, fn, passes: type[Exception] | tuple = ()):
         """``fn()``; a failure of the store is one line naming it (``passes``: the errors the caller handles)."""
         try:
             return fn()
         except Exception as err:
-            if isinstance(err, (ConfigError, *(passes if isinstance(passes, tuple) else (passes,)))):
+            if isinstance(err, (ConfigError, ServiceFailure, *(passes if isinstance(passes, tuple) else (passes,)))):
                 raise
-            raise StoreError(f"--checkpoint_dir {self.root}: the store refused a {what} ({type(err).__name__}: "
-                             f"{first_line(err)}); check its credentials, permissions and endpoint "
-                             "(AWS_ENDPOINT_URL, ...)") from None
+            raise self._failed(what, err) from None
+
+    def _failed(self, what: str, err: BaseException) -> StoreError | StoreFailed:
+        """Before the lock is ours, a refusal is the settings' (exit 2); after, the store failed a run it served."""
+        article = "an" if what[0] in "aeiou" else "a"
+        line = (f"--checkpoint_dir {self.root}: the store refused {article} {what} ({type(err).__name__}: "
+                f"{first_line(err)}); check its credentials, permissions and endpoint (AWS_ENDPOINT_URL, ...)")
+        if self._lock_data is None:
+            return StoreError(line)
+        return StoreFailed(f"{line}, then relaunch with --resume_from_checkpoint auto")
+
+
+def _folder_id(output_dir: str) -> str:
+    """``OUTPUT_DIR/.store-claim``'s random id, written the first time: what proves a lock object names this folder."""
+    path = os.path.join(output_dir, STORE_CLAIM_NAME)
+    try:
+        with open(path, encoding="utf-8") as fh:
+            found = fh.read().strip()
+        if found:
+            return found
+    except FileNotFoundError:
+        pass
+    made = uuid.uuid4().hex
+    atomic_write_text(path, made + "\n")
+    return made
+
+
+def _parsed(data: bytes | None) -> dict[str, Any]:
+    try:
+        held = json.loads(data) if data else None
+    except ValueError:
+        return {}
+    return held if isinstance(held, dict) else {}

@@ -52,7 +52,7 @@ from typing import Any
 from accel_ddp.lifecycle.peers import close_peer_connections, rank_store
 from accel_ddp.util.atomic import atomic_write_text
 from accel_ddp.util.messages import error_line, first_line
-from accel_ddp.util.validation import ConfigError, LaunchError
+from accel_ddp.util.validation import ConfigError, LaunchError, ServiceFailure
 
 # How long a failing rank waits for the others to report before it exits anyway, at most: the others
 # learn of the failure at their next collective (a step at most) or fail alike at once.
@@ -132,7 +132,8 @@ def _agree(made: Claim, err: BaseException) -> None:
 
 
 def exit_code(err: BaseException) -> int:
-    """The exit code of a run that raised ``err``: 2 bad input, 3 a nan/inf loss, 1 anything else."""
+    """The exit code of a run that raised ``err``: 2 bad input, 3 a nan/inf loss, 1 anything else (a
+    ``ServiceFailure`` too: a store that failed mid-run, which a relaunch may get past)."""
     from accel_ddp.lifecycle.preemption import EXIT_NON_FINITE, NonFiniteLoss  # torch: imported once it fails
 
     if isinstance(err, (ConfigError, LaunchError)):
@@ -188,7 +189,7 @@ def _prints(made: Claim, err: BaseException) -> bool:
 
 
 def _report_text(err: BaseException, code: int) -> str:
-    if code != 1:
+    if code != 1 or isinstance(err, ServiceFailure):  # a store that failed mid-run: its one line, no traceback
         return error_line(err)
     if lost_peer(err):
         return error_line(_LOST.format(rank=_rank()))
@@ -203,7 +204,7 @@ def _write_error_file_of(made: Claim, err: BaseException) -> None:
         write_error_file(why, why if own == first["message"] or lost_peer(err) else f"{why}\n(this rank then: {own})")
     elif first["code"] == 1 and lost_peer(err):  # with what gloo or the store said
         write_error_file(f"{_LOST.format(rank=made.rank)} ({type(err).__name__}: {first_line(err)})")
-    elif first["code"] == 1:
+    elif first["code"] == 1 and not isinstance(err, ServiceFailure):
         write_error_file(f"{type(err).__name__}: {err}", "".join(traceback.format_exception(err)))
     else:  # the one line, no traceback: bad input is not a bug
         write_error_file(f"{type(err).__name__}: {err}")

@@ -19,9 +19,10 @@ scancel signal them too, and torch's worker handler would let them die. Exit cod
 (each worker process):
 
     0   training finished; OUTPUT_DIR/model.safetensors and summary.json written
-    1   an error (a Python exception on some rank, or a rank killed)
+    1   an error (a Python exception on some rank, or a rank killed); an object store that failed once
+        the run held its lock (one line, util.validation.ServiceFailure: a relaunch may get past it)
     2   bad input: options, missing or damaged checkpoint, weights of another model, an output folder
-        that is unusable or in use by another run
+        that is unusable or in use by another run, a --checkpoint_dir that refuses the run at its start
     3   the training loss became nan or inf: every rank stopped at the same step, nothing was saved
         after the first bad step (the last checkpoint before it is intact); lower --lr, clip with
         --max_grad_norm, or rerun with --debug to see the operation that made it

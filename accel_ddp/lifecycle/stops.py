@@ -24,9 +24,8 @@ class StopPoints:
         self.guard = guard  # --on_anomaly / --spike_factor (anomaly.AnomalyGuard), or None
 
     def last_saved(self) -> tuple[int, str] | None:
-        """(step, folder) of the newest checkpoint this run saved or resumed from, or None."""
-        folder = self.checkpoints.last_saved_folder
-        return None if folder is None else (self.checkpoints.last_saved_step, folder)
+        """(step, folder) of the newest checkpoint this run saved (one in flight included) or resumed from, or None."""
+        return self.checkpoints.newest()
 
     def if_not_finite(self, step: int) -> None:
         """Before every save and evaluation, at a log line whose loss is not finite, and before the export."""

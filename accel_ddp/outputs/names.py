@@ -17,6 +17,7 @@
     OUTPUT_DIR/profile/rank<R>.json with --profile: one Chrome trace per rank
     OUTPUT_DIR/checkpoints/step_00000100/   full training state; checkpoint.json is its completion marker
     OUTPUT_DIR/.lock                the run's exclusive lock (run_dir.py): one run per folder at a time
+    OUTPUT_DIR/.store-claim         --checkpoint_dir: this folder's random id, also in the store's lock object
 """
 
 CONFIG_NAME = "config.yaml"
@@ -35,4 +36,5 @@ MODEL_CARD_NAME = "README.md"
 PROFILE_SUBDIR = "profile"
 CHECKPOINTS_DIR = "checkpoints"
 MARKER_NAME = "checkpoint.json"  # inside each checkpoint folder, written last
+STORE_CLAIM_NAME = ".store-claim"  # a nonce: the store's lock names this very folder, not one at the same path
 LOCK_NAME = ".lock"  # locked (lockf) by the main process for the whole run; an empty file left in place

@@ -23,6 +23,11 @@ class LaunchError(RuntimeError):
     """The processes did not form the world the launcher announced (one line, exit 2, like bad input)."""
 
 
+class ServiceFailure(RuntimeError):
+    """A service the run depends on (an object store) failed once the run was under way: not bad input (its
+    settings worked at the start), so one line and exit 1, a failure a launcher's requeue may retry."""
+
+
 # Every int without a range of its own stays below this: nothing sensible is bigger, and torch's C++
 # side (batch sizes, bucket sizes, step counters) stores 32- or 64-bit integers.
 INT_MAX = 2**31 - 1

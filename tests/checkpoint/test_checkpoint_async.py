@@ -154,3 +154,43 @@ def test_a_full_disk_in_one_rank_writer_is_one_line_on_every_rank_exit_2(tmp_pat
     assert "step_00000004" in lines[0] and "Traceback" not in err
     root = out / "checkpoints"
     assert sorted(os.listdir(root)) == ["step_00000004"]  # the unsealed folder removed, the previous one intact
+
+
+def test_a_rollback_while_a_save_is_in_flight_waits_for_it_and_rolls_back_to_it(tmp_path, capfd):
+    """--on_anomaly rollback, --keep_last 1: the seal of step 4 is held until the guard has found step 5's nan (at
+    step 6). The checkpoint in flight is the newest one from before it, as a synchronous save's would be: every rank
+    waits for its seal (and the prune of step 2 that follows) before loading it, and the run ends normally."""
+    from accel_ddp.anomaly import AnomalyGuard
+    from tests.test_anomalies import ARGS as ANOMALY_ARGS
+    from tests.test_anomalies import install
+
+    out = tmp_path / "run"
+    args = [*ANOMALY_ARGS, "--on_anomaly", "rollback", "--checkpointing_steps", "2", "--keep_last", "1",
+            "--async_checkpointing", "--output_dir", str(out)]
+
+    def rank() -> int:
+        install()
+        found, seal, guard_found = threading.Event(), async_save.AsyncSaver._seal_when_all_written, AnomalyGuard._found
+
+        def seal_after_the_anomaly(self, step, *rest):
+            if step == 4:
+                found.wait(timeout=300)  # a bound against a hang only: the guard sets it
+            return seal(self, step, *rest)
+
+        def guard_found_then_release(self, *a, **k):
+            found.set()
+            return guard_found(self, *a, **k)
+
+        async_save.AsyncSaver._seal_when_all_written = seal_after_the_anomaly
+        AnomalyGuard._found = guard_found_then_release
+        return main(args)
+
+    capfd.readouterr()
+    assert run_ranks(rank) == [0, 0]
+    output = capfd.readouterr()
+    assert f"rolled every rank back to {out / 'checkpoints' / 'step_00000004'}, leaving out step 5" in output.out, \
+        output.out
+    assert "Traceback" not in output.err and not error_lines(output.err), output.err
+    summary = read_summary(out)
+    assert (summary["anomaly_skipped_steps"], summary["anomaly_rollbacks"]) == (1, 1)
+    assert [os.path.basename(f) for _, f in list_checkpoints(str(out / "checkpoints"))] == ["step_00000010"]

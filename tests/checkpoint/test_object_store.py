@@ -3,6 +3,9 @@ and URLs where they are not supported (one line, exit 2, never a local folder na
 
 from __future__ import annotations
 
+import errno
+import importlib
+import importlib.util
 import json
 import os
 import re
@@ -241,3 +244,183 @@ def test_async_saves_to_the_store_resume_bitwise_after_a_kill(s3, reference, tmp
     assert read_summary(out)["resumed_from_step"] == sealed[-1]
     _assert_same_weights(out, reference)
     assert _sealed_steps(s3, prefix) == [*sealed, *(s for s in (4, 6, 8) if s > sealed[-1])]
+
+
+# ----------------------------------------------------------------- the lock, and failures of a store (file://)
+
+
+class _NoConditionalCreate:
+    """The file system of a store that ignores ``mode="create"`` (adlfs's ``_pipe_file`` drops it; some S3-compatible
+    stores ignore If-None-Match), seen by a run whose look for the lock came just before the other run wrote it."""
+
+    def __init__(self, fs):
+        self._fs, self._looked = fs, False
+
+    def __getattr__(self, name):
+        return getattr(self._fs, name)
+
+    def exists(self, path):
+        if path.endswith("/.lock") and not self._looked:
+            self._looked = True
+            return False
+        return self._fs.exists(path)
+
+    def pipe_file(self, path, value, mode="overwrite", **kwargs):
+        return self._fs.pipe_file(path, value, **kwargs)
+
+
+def _ranks_before_seal(args: list[str], step: int, before) -> list[int]:
+    """The CLI on 2 forked ranks; ``before(store)`` on the main process as it starts to seal ``step``."""
+    def rank() -> int:
+        from accel_ddp.checkpoint import storage
+        from accel_ddp.cli.train import main
+
+        seal = storage.ObjectStore.seal
+
+        def hooked(self, tmp, final, meta):
+            if final.endswith(f"step_{step:08d}"):
+                before(self)
+            return seal(self, tmp, final, meta)
+
+        storage.ObjectStore.seal = hooked
+        return main(args)
+
+    return run_ranks(rank)
+
+
+def _sealed_folder(store, step: int) -> None:
+    folder = store / f"step_{step:08d}"
+    folder.mkdir(parents=True)
+    (folder / "checkpoint.json").write_text("{}")
+
+
+def test_a_run_whose_lock_a_later_run_overwrote_stops_before_its_next_seal_or_deletion(tmp_path):
+    from accel_ddp.checkpoint.storage import ObjectStore, StoreError
+
+    store, first, second = tmp_path / "store", tmp_path / "first", tmp_path / "second"
+    first.mkdir()
+    second.mkdir()
+    url = f"file://{store}"
+    a = ObjectStore(url, str(first / "checkpoints"))
+    a.claim(str(first))
+    b = ObjectStore(url, str(second / "checkpoints"))
+    b.fs = _NoConditionalCreate(b.fs)
+    b.claim(str(second))  # it overwrote a's lock, and its read-back sees its own: nothing a store can tell
+    _sealed_folder(store, 2)  # b's checkpoint
+    (tmp_path / "tmp").mkdir()
+    (tmp_path / "tmp" / "model.safetensors").write_text("a's weights")
+    with pytest.raises(StoreError, match=rf"--checkpoint_dir {url}: this run lost its lock {url}/.lock \(host "
+                                         rf"\S+, --output_dir {second}, pid {os.getpid()}\)"):
+        a.seal(str(tmp_path / "tmp"), a.folder(4), {"step": 4})
+    with pytest.raises(StoreError, match="lost its lock"):
+        a.remove(a.folder(2))
+    assert sorted(os.listdir(store)) == [".lock", "step_00000002"]  # b's lock and checkpoint untouched
+    a.release()  # not ours any more: left in place
+    assert json.loads((store / ".lock").read_text())["output_dir"] == str(second)
+
+
+def test_the_first_run_stops_with_one_line_at_its_seal_instead_of_pruning_the_other_runs_checkpoints(tmp_path, capfd):
+    """2 ranks, --keep_last 1: after step 2 is sealed, another run overwrites the lock (a store without the conditional
+    create) and seals a checkpoint of its own; without the check, step 4's prune would delete it and step 2."""
+    store, out = tmp_path / "store", tmp_path / "run"
+    url = f"file://{store}"
+    args = [*STORE_ARGS, "--max_steps", "8", "--keep_last", "1", "--output_dir", str(out), "--checkpoint_dir", url]
+    other = {"host": "node7", "output_dir": "/elsewhere/run", "pid": 4242, "since": "then", "id": "theirs"}
+
+    def the_other_run_writes(_) -> None:
+        (store / ".lock").write_text(json.dumps(other))
+        _sealed_folder(store, 1)
+
+    assert _ranks_before_seal(args, 4, the_other_run_writes) == [2, 2]
+    err = capfd.readouterr().err
+    lines = error_lines(err)
+    assert len(lines) == 1, err
+    assert f"this run lost its lock {url}/.lock (host node7, --output_dir /elsewhere/run" in lines[0]
+    assert "Traceback" not in err
+    assert sorted(os.listdir(store)) == [".lock", "step_00000001", "step_00000002"]
+    assert json.loads((store / ".lock").read_text()) == other
+
+
+def test_a_lock_of_this_host_and_path_is_taken_over_only_from_the_same_folder(tmp_path, capsys):
+    """Two containers can share a host name and a path on different file systems: the folder's id decides."""
+    from accel_ddp.checkpoint.storage import ObjectStore, StoreError
+
+    store, out = tmp_path / "store", tmp_path / "run"
+    store.mkdir()
+    out.mkdir()
+    url = f"file://{store}"
+    left = {"host": socket.gethostname(), "output_dir": os.path.abspath(out), "pid": 1, "since": "then",
+            "id": "the-other-containers-folder"}
+    (store / ".lock").write_text(json.dumps(left))
+    with pytest.raises(StoreError, match=rf"--checkpoint_dir {url} is in use by another run .* pid 1, since then"):
+        ObjectStore(url, str(out / "checkpoints")).claim(str(out))
+    assert json.loads((store / ".lock").read_text()) == left
+    (out / ".store-claim").write_text("the-other-containers-folder\n")  # the folder that run wrote: it is dead
+    ObjectStore(url, str(out / "checkpoints")).claim(str(out))
+    assert f"taking over {url}/.lock, left by pid 1" in capsys.readouterr().out
+    assert json.loads((store / ".lock").read_text())["pid"] == os.getpid()
+
+
+def test_a_store_that_cannot_be_opened_is_one_line_before_the_data(tmp_path, monkeypatch, capfd):
+    """adlfs raises ValueError building its file system without an account: one line, exit 2, nothing written."""
+    import fsspec
+
+    from accel_ddp import config
+
+    class Unopenable(fsspec.AbstractFileSystem):
+        protocol = "az"
+
+        def __init__(self, *args, **kwargs):
+            raise ValueError("Must provide either a connection_string or account_name with credentials!!\nsecond line")
+
+    # fsspec.registry is also the name of the package's read-only view of it: the module, from sys.modules
+    monkeypatch.setitem(importlib.import_module("fsspec.registry")._registry, "az", Unopenable)  # forks inherit it
+    monkeypatch.setitem(config.STORE_PACKAGES, "az", ("fsspec", "azure"))
+    url = "az://container/run"
+    assert main_ranks([*ARGS, "--output_dir", str(tmp_path / "run"), "--checkpoint_dir", url]) == [2, 2]
+    err = capfd.readouterr().err
+    lines = error_lines(err)
+    assert lines == [f"accel_ddp: error: --checkpoint_dir {url}: cannot open the store (ValueError: Must provide "
+                     "either a connection_string or account_name with credentials!!); check its credentials and "
+                     "settings"], err
+    assert "Traceback" not in err
+    assert not (tmp_path / "run").exists()  # before the output folder, hence before the data and prepare
+
+
+def test_a_store_that_fails_mid_run_is_one_line_and_exit_1(tmp_path, capfd):
+    """Its settings worked (the lock, step 2's upload): step 4's upload failing is a failure, not bad input."""
+    store, out = tmp_path / "store", tmp_path / "run"
+    url = f"file://{store}"
+    args = [*STORE_ARGS, "--max_steps", "8", "--output_dir", str(out), "--checkpoint_dir", url]
+
+    def unreachable(store) -> None:
+        def put_file(*args, **kwargs):
+            raise OSError("Could not connect to the endpoint URL")
+
+        store.fs.put_file = put_file
+
+    assert _ranks_before_seal(args, 4, unreachable) == [1, 1]
+    err = capfd.readouterr().err
+    lines = error_lines(err)
+    assert len(lines) == 1 and f"--checkpoint_dir {url}: the store refused an upload (OSError: Could not connect" \
+        in lines[0] and lines[0].endswith("then relaunch with --resume_from_checkpoint auto"), err
+    assert "Traceback" not in err
+    assert sorted(os.listdir(store)) == ["step_00000002"]  # the lock released, step 4 never sealed
+
+
+def test_a_full_local_disk_during_a_download_is_named_as_such(tmp_path):
+    from accel_ddp.checkpoint.storage import ObjectStore
+    from accel_ddp.outputs.files import WriteFailed
+
+    store, out = tmp_path / "store", tmp_path / "run"
+    _sealed_folder(store, 2)
+    s = ObjectStore(f"file://{store}", str(out / "checkpoints"))
+
+    def get_file(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    s.fs = _NoConditionalCreate(s.fs)
+    s.fs.get_file = get_file
+    with pytest.raises(WriteFailed, match=rf"cannot download file://{store}'s checkpoint into .*: the file system is "
+                                          "full .*; free space there"):
+        s.local_copy(s.folder(2))
