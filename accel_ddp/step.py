@@ -209,6 +209,9 @@ class LossAccumulator:
         # What the last mean_since_log counted, every rank (host numbers): throughput's real tokens (meters.py).
         self.logged_items: float | None = None
         self.logged_steps = 0
+        # The model's parameters, listed once: walking its module tree each step cost ~0.8 ms of a GPT-2's step
+        # (benchmarks/README.md, the lm profile); training neither adds nor replaces parameter objects.
+        self._params: tuple[torch.nn.Module, list[torch.nn.Parameter]] | None = None
 
     def backward(self, loss: Loss) -> None:
         summed = loss.items is not None
@@ -254,7 +257,9 @@ class LossAccumulator:
             global_items = acc.reduce(self.step_items, reduction="sum") if acc.num_processes > 1 else self.step_items
         # An all-ignored global batch has zero gradients: keep them zero rather than 0/0.
         factor = acc.num_processes * self.accumulation * self.nominal / global_items.clamp_min(1)
-        scale_gradients(model.parameters(), factor)
+        if self._params is None or self._params[0] is not model:
+            self._params = (model, list(model.parameters()))
+        scale_gradients(self._params[1], factor)
         self.step_items.zero_()
 
     def _launch_count(self) -> tuple[torch.Tensor, object]:

@@ -76,6 +76,7 @@ PAIRS = {  # name: (accel_ddp flags, bare_ddp.py flags)
             ["--optimizer", "sgd", "--max_grad_norm", "0"]),
 }
 PROFILE_AFTER = 30  # optimizer steps before cProfile starts (start-up and warm-up left out)
+PROFILE_STEPS = 0  # optimizer steps profiled; 0: to the end of the run (evaluations and the final outputs included)
 
 
 def commands(workload: str, pair: str, side: str, nproc: int, epochs: int, run_dir: Path,
@@ -169,11 +170,14 @@ def startup_table(runs: list[dict], sides: list[str]) -> str:
 
 
 def cprofile_child(argv: list[str]) -> int:
-    """``tax.py --cprofile_child OUT.txt SCRIPT ARGS...``: SCRIPT under cProfile from step PROFILE_AFTER on, rank 0.
+    """``tax.py --cprofile_child OUT.txt AFTER STEPS SCRIPT ARGS...``: SCRIPT under cProfile, rank 0, over optimizer
+    steps AFTER + 1 .. AFTER + STEPS (STEPS 0: to the end of the run).
 
     ``accelerate launch`` starts this in place of SCRIPT. An optimizer-step hook starts the profiler
-    after PROFILE_AFTER steps; the report is written at exit (accel_ddp leaves through ``os._exit``
-    after running atexit handlers), in ms per profiled optimizer step.
+    after AFTER steps and stops it STEPS steps later: a window of whole steps (from one step's
+    ``optimizer.step`` to another's), the same on both sides. The report is written at exit
+    (accel_ddp leaves through ``os._exit`` after running atexit handlers), with the raw statistics
+    beside it (``OUT.prof``, for ``pstats``' callers and callees).
     """
     import cProfile
     import io
@@ -182,24 +186,33 @@ def cprofile_child(argv: list[str]) -> int:
 
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
-    out, script, script_args = Path(argv[0]), argv[1], argv[2:]
+    out, after, window, script, script_args = Path(argv[0]), int(argv[1]), int(argv[2]), argv[3], argv[4:]
+    import time
+
     profiler = cProfile.Profile()
-    steps = [0]
+    steps, cpu = [0], [0.0, 0.0]  # the process's CPU seconds (all threads) at the window's start and end
 
     def on_step(*_) -> None:
         steps[0] += 1
-        if steps[0] == PROFILE_AFTER:
+        if steps[0] == after:
+            cpu[0] = time.process_time()
             profiler.enable()
+        elif window and steps[0] == after + window:
+            profiler.disable()
+            cpu[1] = time.process_time()
 
     def report() -> None:
         profiler.disable()
         if os.environ.get("RANK", "0") != "0":
             return
-        measured = max(steps[0] - PROFILE_AFTER, 1)
+        measured = max(min(steps[0], after + window if window else steps[0]) - after, 1)
         text = io.StringIO()
         stats = pstats.Stats(profiler, stream=text)
-        print(f"cProfile of rank 0 over {measured} optimizer steps (after {PROFILE_AFTER}); times in s over the "
-              f"window: divide by {measured} for per step", file=text)
+        stats.dump_stats(str(out.with_suffix(".prof")))
+        spent = (cpu[1] or time.process_time()) - cpu[0]
+        print(f"cProfile of rank 0 over {measured} optimizer steps (after {after}); times in s over the "
+              f"window: divide by {measured} for per step; the process's CPU time over the window (all threads, "
+              f"the profiler's own cost in it): {1e3 * spent / measured:.1f} ms per step", file=text)
         stats.sort_stats("tottime").print_stats(25)
         stats.sort_stats("cumulative").print_stats(40)
         out.write_text(text.getvalue())
@@ -223,7 +236,8 @@ def run_profile(args, workloads: list[str], pairs: list[str], out: Path) -> int:
                     report = out / f"cprofile_{w}_{p}_{side}.txt"
                     cmd = through(commands(w, p, side, args.nproc, args.epochs or WORKLOADS[w][3], run_dir,
                                            lm_data=lm_data(w, Path(tmp))),
-                                  [str(Path(__file__).resolve()), "--cprofile_child", str(report)])
+                                  [str(Path(__file__).resolve()), "--cprofile_child", str(report),
+                                   str(args.profile_after), str(args.profile_steps)])
                     info = run_launch(cmd, env, run_dir / "log.txt", args.timeout)
                     if info["rc"] != 0 or not report.is_file():
                         print(f"{w} {p} {side} FAILED:\n{tail(run_dir / 'log.txt', 20)}")
@@ -247,6 +261,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=str(REPO / "outputs" / "benchmarks" / "tax"), help="folder for tax.json")
     p.add_argument("--timeout", type=float, default=600, help="seconds before one run is ended")
     p.add_argument("--profile", action="store_true", help="instead: one cProfile'd run per side, rank 0's top entries")
+    p.add_argument("--profile_after", type=int, default=PROFILE_AFTER, help="--profile: steps before the window")
+    p.add_argument("--profile_steps", type=int, default=PROFILE_STEPS,
+                   help="--profile: steps in the window; 0 = to the end (evaluation and final outputs included)")
     p.add_argument("--other", default=None, help="a third side: another accel_ddp checkout's train.py (before/after)")
     args = p.parse_args(argv)
     exit_on_sigterm()
