@@ -232,6 +232,38 @@ def test_a_sigterm_while_a_tracker_starts_stops_every_rank_at_once(tmp_path, tin
     assert _files(out) == before
 
 
+def test_a_signal_while_the_wait_retakes_its_lock_is_still_an_interrupt_not_a_runtime_error():
+    """The handler raised into ``Event.wait``; landing in ``Condition._acquire_restore`` before the lock was retaken,
+    it made ``Event.wait`` release a lock it did not hold: RuntimeError instead of the interrupt, exit 1, not 75.
+    The signal is sent at exactly that point (once, in the main thread)."""
+    def wait_through_a_signal() -> str:
+        from accel_ddp.lifecycle.preemption import PreemptionWatcher
+        from accel_ddp.tracking.tracker_thread import TrackerInterrupted, TrackerThread
+
+        watcher = PreemptionWatcher().install()
+        real, sent, release = threading.Condition._acquire_restore, [], threading.Event()
+
+        def signal_before_the_lock(self, state):
+            if not sent and threading.current_thread() is threading.main_thread():
+                sent.append(signal.SIGTERM)
+                os.kill(os.getpid(), signal.SIGTERM)  # its handler runs right here, before the lock is taken
+            real(self, state)
+
+        worker = TrackerThread()
+        worker.call(lambda: None)  # its thread started: Thread.start waits on an Event too
+        threading.Condition._acquire_restore = signal_before_the_lock
+        try:
+            worker.call(lambda: release.wait(60), timeout=60, watcher=watcher)
+            return "returned"
+        except TrackerInterrupted as err:
+            return f"interrupted: {err}"
+        finally:
+            threading.Condition._acquire_restore = real
+            release.set()
+
+    assert run_ranks(wait_through_a_signal, world_size=1) == ["interrupted: SIGTERM received"]
+
+
 # ----------------------------------------------------------------------------- what trackers receive and where
 
 
