@@ -386,3 +386,17 @@ def test_a_snapshot_removes_only_what_is_new_and_not_a_later_runs_files(tmp_path
     os.utime(out / "config.yaml", (before.taken_at + 1, before.taken_at + 1))  # written after (clock granularity)
     before.remove_new_unless_reused()
     assert (out / "wandb").is_dir() and (out / "config.yaml").is_file()
+
+
+def test_without_tracking_the_output_folder_is_not_listed_at_the_start(tmp_path, monkeypatch):
+    """The snapshot walks the whole output folder but checkpoints/: only for trackers that start. An Accelerator
+    without --with_tracking has no ``log_with``, and the recorder's start returns before any of it."""
+    import accel_ddp.tracking.recorder as recorder
+
+    def no_snapshot(folder):
+        raise AssertionError(f"{folder} listed for trackers that do not start")
+
+    monkeypatch.setattr(recorder, "FolderSnapshot", no_snapshot)
+    run = recorder.RunRecorder(str(tmp_path), True, accelerator=SimpleNamespace(log_with=[], is_main_process=True))
+    run.start_trackers("accel_ddp", {}, 0, 30.0)
+    assert list(tmp_path.iterdir()) == []
