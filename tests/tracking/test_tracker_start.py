@@ -226,10 +226,40 @@ def test_a_sigterm_while_a_tracker_starts_stops_every_rank_at_once(tmp_path, tin
     out = tmp_path / "run"
     before = _earlier_run(out)
     lines = _refused([*tiny_args, "--with_tracking", "--report_to", "csv,wandb", "--tracker_start_timeout", "600",
-                      "--output_dir", str(out)], out, capfd, [75, 75])
+                      "--ddp_timeout", "7200", "--output_dir", str(out)], out, capfd, [75, 75])
     assert lines == ["accel_ddp: preempted: SIGTERM received during start-up (trackers): no optimizer step taken in "
                      "this launch, nothing saved; relaunch the same command (exit code 75)"]
     assert _files(out) == before
+
+
+def test_a_start_timeout_the_other_ranks_cannot_wait_out_is_refused_before_anything_starts():
+    """The other ranks wait for the trackers' start in one broadcast: two trackers, each bounded three times
+    (start, config, close after a failed start) by 300 s, could take 1800 s, the default --ddp_timeout: a
+    collective timeout on every rank instead of the line naming the tracker."""
+    from accel_ddp.cli.args import parse_args
+    from accel_ddp.util.validation import ConfigError
+
+    tracking = ["--with_tracking", "--report_to", "csv,wandb"]
+    with pytest.raises(ConfigError) as refused:
+        parse_args([*tracking, "--tracker_start_timeout", "300"])
+    assert str(refused.value) == (
+        "--tracker_start_timeout 300 s with 2 tracker(s) can keep the other ranks waiting 1800 s (each tracker's "
+        "start, its config and, after a failed start, its close, in turn), not less than --ddp_timeout 1800 s; "
+        "lower --tracker_start_timeout below 300 or raise --ddp_timeout above 1800")
+    assert parse_args([*tracking, "--tracker_start_timeout", "299"]).tracker_start_timeout == 299
+    assert parse_args([*tracking, "--tracker_start_timeout", "300", "--ddp_timeout", "1801"]).ddp_timeout == 1801
+    assert parse_args(["--report_to", "csv,wandb", "--tracker_start_timeout", "3600"]).with_tracking is False
+
+
+def test_report_to_all_is_checked_against_ddp_timeout_once_it_is_resolved(tmp_path, tiny_args, no_accounts, capfd):
+    """`all` is known only on the ranks (what is installed and configured there): csv at least, 3 x 100 s."""
+    out = tmp_path / "run"
+    *left_out, line = _refused([*tiny_args, "--with_tracking", "--tracker_start_timeout", "100", "--ddp_timeout",
+                                "300", "--output_dir", str(out)], out, capfd, [2, 2])
+    assert all(text.startswith("accel_ddp: note: --report_to all: not logging to ") for text in left_out), left_out
+    assert line.startswith("accel_ddp: error: --tracker_start_timeout 100 s with ") and \
+        "not less than --ddp_timeout 300 s; lower --tracker_start_timeout below " in line
+    assert not (out / "metrics.jsonl").exists()
 
 
 def test_a_signal_while_the_wait_retakes_its_lock_is_still_an_interrupt_not_a_runtime_error():
