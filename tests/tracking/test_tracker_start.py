@@ -199,8 +199,10 @@ def _refused(args: list[str], out: Path, capfd, codes: list[int]) -> list[str]:
 def test_a_start_that_never_answers_or_fails_stops_every_rank_and_leaves_the_folder_as_it_was(
         tmp_path, tiny_args, no_accounts, capfd, monkeypatch, action):
     """A slow start waited for minutes (MLflow 259 s, W&B 109 s) and each failed start left tensorboard/ and wandb/
-    behind. TensorBoard starts first here and writes an event file, which goes too; the old one stays."""
-    pytest.importorskip("tensorboard", reason="--report_to tensorboard needs the tensorboard package")
+    behind. TensorBoard starts first here and writes an event file, which goes too; the old one stays.
+    Its module is imported before the ranks fork: that import (half a second, seconds on a loaded host) within
+    the 1 s start bound made tensorboard the tracker that timed out."""
+    pytest.importorskip("torch.utils.tensorboard", reason="--report_to tensorboard needs the tensorboard package")
     _fake_wandb(monkeypatch, action)
     out = tmp_path / "run"
     before = _earlier_run(out)
