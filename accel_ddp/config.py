@@ -321,10 +321,22 @@ class TrainConfig:
         _check_data(self)
         _check_best_model(self)
         if self.with_tracking and "all" not in self.report_to.split(","):  # `all`: checked once it is resolved
-            check_tracker_wait(self, len(self.report_to.split(",")))
+            self.check_tracker_wait(len(self.report_to.split(",")))
         if self.init_from is not None and not self.init_from.endswith(".safetensors"):
             raise ConfigError(f"--init_from {show(self.init_from)}: expected a .safetensors weights file, "
                               "e.g. OUTPUT_DIR/model.safetensors")
+
+    def check_tracker_wait(self, trackers: int) -> None:
+        """The other ranks' wait for ``trackers`` trackers' start must end before --ddp_timeout fails their
+        broadcast: a collective timeout on every rank instead of the one line naming the tracker."""
+        longest = self.tracker_start_timeout * BOUNDED_TRACKER_CALLS * trackers
+        if longest >= self.ddp_timeout:
+            raise ConfigError(
+                f"--tracker_start_timeout {self.tracker_start_timeout:g} s with {trackers} tracker(s) can keep the "
+                f"other ranks waiting {longest:g} s (each tracker's start, its config and, after a failed start, its "
+                f"close, in turn), not less than --ddp_timeout {self.ddp_timeout} s; lower --tracker_start_timeout "
+                f"below {self.ddp_timeout / (BOUNDED_TRACKER_CALLS * trackers):g} or raise --ddp_timeout above "
+                f"{longest:g}")
 
     def _check_sizes(self) -> None:
         """Sizes whose memory is known before anything is built: refuse what cannot fit (see the *_MAX_BYTES)."""
@@ -480,18 +492,6 @@ def _check_tracking(cfg: TrainConfig) -> None:
 # other ranks wait in one broadcast (tracking/recorder.py, ``start_trackers``): its start, its config (Accelerate's
 # ``init_trackers`` starts every tracker, then gives each the config) and, after a failed start, its close.
 BOUNDED_TRACKER_CALLS = 3
-
-
-def check_tracker_wait(cfg: TrainConfig, trackers: int) -> None:
-    """The other ranks' wait for ``trackers`` trackers' start must end before --ddp_timeout fails their broadcast:
-    a collective timeout on every rank instead of the one line naming the tracker."""
-    longest = cfg.tracker_start_timeout * BOUNDED_TRACKER_CALLS * trackers
-    if longest >= cfg.ddp_timeout:
-        raise ConfigError(
-            f"--tracker_start_timeout {cfg.tracker_start_timeout:g} s with {trackers} tracker(s) can keep the other "
-            f"ranks waiting {longest:g} s (each tracker's start, its config and, after a failed start, its close, in "
-            f"turn), not less than --ddp_timeout {cfg.ddp_timeout} s; lower --tracker_start_timeout below "
-            f"{cfg.ddp_timeout / (BOUNDED_TRACKER_CALLS * trackers):g} or raise --ddp_timeout above {longest:g}")
 
 
 def _check_hf_fields(cfg: TrainConfig) -> None:

@@ -34,7 +34,7 @@ from accel_ddp.checkpoint.best import BestModel
 from accel_ddp.checkpoint.manager import HYPERPARAMETERS, CheckpointManager
 from accel_ddp.checkpoint.start import where_to_start
 from accel_ddp.checkpoint.weights import export_weights, load_weights
-from accel_ddp.config import DEBUG_MAX_STEPS, TrainConfig, check_tracker_wait
+from accel_ddp.config import DEBUG_MAX_STEPS, TrainConfig
 from accel_ddp.data import build_loaders
 from accel_ddp.data.resolve import resolve_data
 from accel_ddp.distributed.preflight import check_fsdp, check_shared_output_dir
@@ -243,7 +243,7 @@ def _join(cfg: TrainConfig, teardown: ExitStack, preemption: PreemptionWatcher) 
     """The process group and the Accelerator (with the run's batch layout), checked before any data is touched."""
     def trackers(state) -> dict[str, Any]:  # --with_tracking: a missing package stops every rank here, before data
         kwargs = tracking_kwargs(state, cfg.report_to, cfg.output_dir, cfg.tracker_project_name, cfg.run_name)
-        check_tracker_wait(cfg, len(kwargs["log_with"]))  # every rank: the same names; `all` is known only now
+        cfg.check_tracker_wait(len(kwargs["log_with"]))  # every rank: the same names; `all` is known only now
         return kwargs
 
     accelerator, per_device_batch, accumulation = build_accelerator(cfg, trackers if cfg.with_tracking else None)
