@@ -329,9 +329,23 @@ class TrainConfig:
         _check_task(self)
         _check_data(self)
         _check_best_model(self)
+        if self.with_tracking and "all" not in self.report_to.split(","):  # `all`: checked once it is resolved
+            self.check_tracker_wait(len(self.report_to.split(",")))
         if self.init_from is not None and not self.init_from.endswith(".safetensors"):
             raise ConfigError(f"--init_from {show(self.init_from)}: expected a .safetensors weights file, "
                               "e.g. OUTPUT_DIR/model.safetensors")
+
+    def check_tracker_wait(self, trackers: int) -> None:
+        """The other ranks' wait for ``trackers`` trackers' start must end before --ddp_timeout fails their
+        broadcast: a collective timeout on every rank instead of the one line naming the tracker."""
+        longest = self.tracker_start_timeout * BOUNDED_TRACKER_CALLS * trackers
+        if longest >= self.ddp_timeout:
+            raise ConfigError(
+                f"--tracker_start_timeout {self.tracker_start_timeout:g} s with {trackers} tracker(s) can keep the "
+                f"other ranks waiting {longest:g} s (each tracker's start, its config and, after a failed start, its "
+                f"close, in turn), not less than --ddp_timeout {self.ddp_timeout} s; lower --tracker_start_timeout "
+                f"below {self.ddp_timeout / (BOUNDED_TRACKER_CALLS * trackers):g} or raise --ddp_timeout above "
+                f"{longest:g}")
 
     def _check_sizes(self) -> None:
         """Sizes whose memory is known before anything is built: refuse what cannot fit (see the *_MAX_BYTES)."""
@@ -481,6 +495,12 @@ def _check_tracking(cfg: TrainConfig) -> None:
     if not cfg.with_tracking and cfg.report_to != "all":
         warn(f"--report_to {cfg.report_to} has no effect without --with_tracking; add --with_tracking",
              ranks="first")
+
+
+# The calls into one tracker that the main process bounds by --tracker_start_timeout, each in turn, while the
+# other ranks wait in one broadcast (tracking/recorder.py, ``start_trackers``): its start, its config (Accelerate's
+# ``init_trackers`` starts every tracker, then gives each the config) and, after a failed start, its close.
+BOUNDED_TRACKER_CALLS = 3
 
 
 def _check_hf_fields(cfg: TrainConfig) -> None:

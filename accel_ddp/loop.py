@@ -259,7 +259,9 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
 def _join(cfg: TrainConfig, teardown: ExitStack, preemption: PreemptionWatcher) -> tuple[Accelerator, int, int]:
     """The process group and the Accelerator (with the run's batch layout), checked before any data is touched."""
     def trackers(state) -> dict[str, Any]:  # --with_tracking: a missing package stops every rank here, before data
-        return tracking_kwargs(state, cfg.report_to, cfg.output_dir, cfg.tracker_project_name, cfg.run_name)
+        kwargs = tracking_kwargs(state, cfg.report_to, cfg.output_dir, cfg.tracker_project_name, cfg.run_name)
+        cfg.check_tracker_wait(len(kwargs["log_with"]))  # every rank: the same names; `all` is known only now
+        return kwargs
 
     accelerator, per_device_batch, accumulation = build_accelerator(cfg, trackers if cfg.with_tracking else None)
     teardown.callback(accelerator.end_training)

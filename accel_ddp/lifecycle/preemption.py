@@ -7,9 +7,9 @@ on a record at once; the ranks compare them (an all-reduce, MAX) at points every
 together, so every rank decides the same way at the same point:
 
 - start-up: the end of each phase (``check_start_up``) and the barriers of ``local_main_first``,
-  where a first process building the data alone is interrupted by the signal (``interruptible``),
-  as is the main process waiting for a tracker's start (tracking/tracker_thread.py; then phase
-  "trackers"); every rank raises ``Preempted`` with nothing saved;
+  where a first process building the data alone is interrupted by the signal (``interruptible``);
+  the main process waiting for a tracker's start gives up once it sees the record (``signalled``,
+  tracking/tracker_thread.py; then phase "trackers"); every rank raises ``Preempted`` with nothing saved;
 - training: after optimizer steps (``stop_requested``), every quarter second or so at a step every
   rank agreed on; after each evaluation and each save (``agree``): the loop saves that step's
   checkpoint together and ``train()`` raises ``Preempted``.
@@ -178,6 +178,12 @@ class PreemptionWatcher:
         if self._interruptible:
             self._interruptible = False  # once: the build's own clean-up must not be interrupted again
             raise _Interrupted
+
+    @property
+    def signalled(self) -> bool:
+        """Has this rank recorded a signal (or the launcher's death)? Its own record, not compared with the others:
+        for a wait on this rank alone to give up (the main process waiting for a tracker's start)."""
+        return bool(self._received)
 
     @property
     def reason(self) -> str:

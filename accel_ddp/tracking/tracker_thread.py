@@ -32,20 +32,26 @@ class TrackerInterrupted(Exception):  # noqa: N818
     """A preemption signal came while the main thread waited for a call."""
 
 
-SLICE_S = 0.1  # the main thread waits in slices this long: between two, Python runs a signal's handler
+SLICE_S = 0.1  # the main thread waits in slices this long, and looks for a recorded signal between two
 
 
-def _wait(done: threading.Event, timeout: float | None) -> bool:
-    """``done.wait(timeout)`` in slices. A signal interrupts the lock wait of the thread it is delivered to
-    (Lock.acquire: "can be interrupted by signals" on POSIX), which the kernel may pick among the process's
-    threads; at the end of a slice the main thread runs the handler anyway, which may raise here."""
+def _wait(done: threading.Event, timeout: float | None, stopped: Callable[[], bool]) -> bool | None:
+    """``done.wait(timeout)`` in slices: True once done, False past ``timeout``, None once ``stopped()`` says so.
+
+    A signal only sets a flag (the watcher's handler) and this loop reads it between slices: an
+    exception raised from a handler into ``Event.wait`` could land inside ``Condition.wait``'s
+    ``_acquire_restore``, before the lock is taken back, and ``Event.wait`` would then release a
+    lock it does not hold ("RuntimeError: release unlocked lock", which replaces the interrupt;
+    threading.py). The handler still runs within a slice: a signal interrupts the lock wait of the
+    main thread (Lock.acquire: "can be interrupted by signals" on POSIX), or a slice ends first."""
     deadline = None if timeout is None else time.monotonic() + timeout
-    while True:
+    while not stopped():
         left = SLICE_S if deadline is None else min(SLICE_S, deadline - time.monotonic())
         if left <= 0:
             return done.is_set()
         if done.wait(left):
             return True
+    return None
 
 
 class TrackerThread:
@@ -62,7 +68,7 @@ class TrackerThread:
 
         ``timeout``: seconds to wait at most (``TrackerTimedOut``); None waits as long as it takes.
         ``watcher``: a ``PreemptionWatcher``: a SIGTERM or SIGUSR1 while waiting (or before) raises
-        ``TrackerInterrupted`` at once (its ``interruptible``: the signal handler raises in this thread).
+        ``TrackerInterrupted`` within a slice (``SLICE_S``), from here, not from the signal handler.
         """
         if self.abandoned:
             raise TrackerTimedOut("an earlier call to the trackers never returned")
@@ -71,9 +77,8 @@ class TrackerThread:
             self._thread.start()
         done, outcome = threading.Event(), {}
         self._calls.put((fn, done, outcome))
-        wait = (lambda: _wait(done, timeout)) if watcher is not None else (lambda: done.wait(timeout))
-        finished, returned = watcher.interruptible(wait) if watcher is not None else (True, wait())
-        if not finished:
+        returned = done.wait(timeout) if watcher is None else _wait(done, timeout, lambda: watcher.signalled)
+        if returned is None:
             self.abandoned = True
             raise TrackerInterrupted(watcher.reason)
         if not returned:

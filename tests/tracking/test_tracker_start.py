@@ -199,8 +199,10 @@ def _refused(args: list[str], out: Path, capfd, codes: list[int]) -> list[str]:
 def test_a_start_that_never_answers_or_fails_stops_every_rank_and_leaves_the_folder_as_it_was(
         tmp_path, tiny_args, no_accounts, capfd, monkeypatch, action):
     """A slow start waited for minutes (MLflow 259 s, W&B 109 s) and each failed start left tensorboard/ and wandb/
-    behind. TensorBoard starts first here and writes an event file, which goes too; the old one stays."""
-    pytest.importorskip("tensorboard", reason="--report_to tensorboard needs the tensorboard package")
+    behind. TensorBoard starts first here and writes an event file, which goes too; the old one stays.
+    Its module is imported before the ranks fork: that import (half a second, seconds on a loaded host) within
+    the 1 s start bound made tensorboard the tracker that timed out."""
+    pytest.importorskip("torch.utils.tensorboard", reason="--report_to tensorboard needs the tensorboard package")
     _fake_wandb(monkeypatch, action)
     out = tmp_path / "run"
     before = _earlier_run(out)
@@ -226,10 +228,72 @@ def test_a_sigterm_while_a_tracker_starts_stops_every_rank_at_once(tmp_path, tin
     out = tmp_path / "run"
     before = _earlier_run(out)
     lines = _refused([*tiny_args, "--with_tracking", "--report_to", "csv,wandb", "--tracker_start_timeout", "600",
-                      "--output_dir", str(out)], out, capfd, [75, 75])
+                      "--ddp_timeout", "7200", "--output_dir", str(out)], out, capfd, [75, 75])
     assert lines == ["accel_ddp: preempted: SIGTERM received during start-up (trackers): no optimizer step taken in "
                      "this launch, nothing saved; relaunch the same command (exit code 75)"]
     assert _files(out) == before
+
+
+def test_a_start_timeout_the_other_ranks_cannot_wait_out_is_refused_before_anything_starts():
+    """The other ranks wait for the trackers' start in one broadcast: two trackers, each bounded three times
+    (start, config, close after a failed start) by 300 s, could take 1800 s, the default --ddp_timeout: a
+    collective timeout on every rank instead of the line naming the tracker."""
+    from accel_ddp.cli.args import parse_args
+    from accel_ddp.util.validation import ConfigError
+
+    tracking = ["--with_tracking", "--report_to", "csv,wandb"]
+    with pytest.raises(ConfigError) as refused:
+        parse_args([*tracking, "--tracker_start_timeout", "300"])
+    assert str(refused.value) == (
+        "--tracker_start_timeout 300 s with 2 tracker(s) can keep the other ranks waiting 1800 s (each tracker's "
+        "start, its config and, after a failed start, its close, in turn), not less than --ddp_timeout 1800 s; "
+        "lower --tracker_start_timeout below 300 or raise --ddp_timeout above 1800")
+    assert parse_args([*tracking, "--tracker_start_timeout", "299"]).tracker_start_timeout == 299
+    assert parse_args([*tracking, "--tracker_start_timeout", "300", "--ddp_timeout", "1801"]).ddp_timeout == 1801
+    assert parse_args(["--report_to", "csv,wandb", "--tracker_start_timeout", "3600"]).with_tracking is False
+
+
+def test_report_to_all_is_checked_against_ddp_timeout_once_it_is_resolved(tmp_path, tiny_args, no_accounts, capfd):
+    """`all` is known only on the ranks (what is installed and configured there): csv at least, 3 x 100 s."""
+    out = tmp_path / "run"
+    *left_out, line = _refused([*tiny_args, "--with_tracking", "--tracker_start_timeout", "100", "--ddp_timeout",
+                                "300", "--output_dir", str(out)], out, capfd, [2, 2])
+    assert all(text.startswith("accel_ddp: note: --report_to all: not logging to ") for text in left_out), left_out
+    assert line.startswith("accel_ddp: error: --tracker_start_timeout 100 s with ") and \
+        "not less than --ddp_timeout 300 s; lower --tracker_start_timeout below " in line
+    assert not (out / "metrics.jsonl").exists()
+
+
+def test_a_signal_while_the_wait_retakes_its_lock_is_still_an_interrupt_not_a_runtime_error():
+    """The handler raised into ``Event.wait``; landing in ``Condition._acquire_restore`` before the lock was retaken,
+    it made ``Event.wait`` release a lock it did not hold: RuntimeError instead of the interrupt, exit 1, not 75.
+    The signal is sent at exactly that point (once, in the main thread)."""
+    def wait_through_a_signal() -> str:
+        from accel_ddp.lifecycle.preemption import PreemptionWatcher
+        from accel_ddp.tracking.tracker_thread import TrackerInterrupted, TrackerThread
+
+        watcher = PreemptionWatcher().install()
+        real, sent, release = threading.Condition._acquire_restore, [], threading.Event()
+
+        def signal_before_the_lock(self, state):
+            if not sent and threading.current_thread() is threading.main_thread():
+                sent.append(signal.SIGTERM)
+                os.kill(os.getpid(), signal.SIGTERM)  # its handler runs right here, before the lock is taken
+            real(self, state)
+
+        worker = TrackerThread()
+        worker.call(lambda: None)  # its thread started: Thread.start waits on an Event too
+        threading.Condition._acquire_restore = signal_before_the_lock
+        try:
+            worker.call(lambda: release.wait(60), timeout=60, watcher=watcher)
+            return "returned"
+        except TrackerInterrupted as err:
+            return f"interrupted: {err}"
+        finally:
+            threading.Condition._acquire_restore = real
+            release.set()
+
+    assert run_ranks(wait_through_a_signal, world_size=1) == ["interrupted: SIGTERM received"]
 
 
 # ----------------------------------------------------------------------------- what trackers receive and where
@@ -354,3 +418,17 @@ def test_a_snapshot_removes_only_what_is_new_and_not_a_later_runs_files(tmp_path
     os.utime(out / "config.yaml", (before.taken_at + 1, before.taken_at + 1))  # written after (clock granularity)
     before.remove_new_unless_reused()
     assert (out / "wandb").is_dir() and (out / "config.yaml").is_file()
+
+
+def test_without_tracking_the_output_folder_is_not_listed_at_the_start(tmp_path, monkeypatch):
+    """The snapshot walks the whole output folder but checkpoints/: only for trackers that start. An Accelerator
+    without --with_tracking has no ``log_with``, and the recorder's start returns before any of it."""
+    import accel_ddp.tracking.recorder as recorder
+
+    def no_snapshot(folder):
+        raise AssertionError(f"{folder} listed for trackers that do not start")
+
+    monkeypatch.setattr(recorder, "FolderSnapshot", no_snapshot)
+    run = recorder.RunRecorder(str(tmp_path), True, accelerator=SimpleNamespace(log_with=[], is_main_process=True))
+    run.start_trackers("accel_ddp", {}, 0, 30.0)
+    assert list(tmp_path.iterdir()) == []
