@@ -387,7 +387,7 @@ def fit(run: Run) -> FitResult:
             step = steps.step
             watch.after_step(steps.losses.running_loss)
             log.step_done(step, epoch, on_bad_loss=stops.if_not_finite, last_saved=stops.last_saved)
-            if run.preemption.stop_requested():  # ranks compare flags every ~0.25 s: all stop after the same step
+            if run.preemption.stop_requested():  # ranks compare flags every ~1 s: all stop after the same step
                 stops.stop(step)
             if run.eval_loader is not None and cfg.eval_every and step % cfg.eval_every == 0:
                 if evaluate_now(epoch):

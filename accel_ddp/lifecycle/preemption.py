@@ -71,7 +71,10 @@ EXIT_NON_FINITE = 3  # not 75: a relaunch would diverge again
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # SIGUSR1: what SLURM's --signal sends by default
 # Ranks compare their preemption flags about this often: the bound on the delay from a signal to the stop,
 # against the launcher's 30 s between its SIGTERM and its SIGKILL and SLURM's --signal lead time (minutes).
-CHECK_EVERY_SECONDS = 0.25
+# 1 s: a step longer than the interval compares after every step, a blocking all-reduce on which a rank waits for
+# the slower one (5.6 ms of a 0.3 s causal-LM step in benchmarks/README.md's profile at 0.25 s); a second more to
+# stop is nothing beside a scheduler's grace period (SLURM's KillWait defaults to 30 s).
+CHECK_EVERY_SECONDS = 1.0
 MAX_CHECK_INTERVAL = 10_000  # optimizer steps between two comparisons, at most
 LAUNCHER_DIED = 1000  # the flag's value for a lost launcher: above every signal number, so MAX keeps it
 LAUNCHER_POLL_SECONDS = 0.5  # how often a rank under torchrun checks that its launcher is alive
