@@ -220,6 +220,25 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
     recorder = RunRecorder(cfg.output_dir, accelerator.is_main_process, accelerator=accelerator)
     teardown.callback(recorder.close)
     facts = _run_facts(cfg, accelerator, plan, loaders.kind, loaders.source)
+    checkpoints = _checkpoints(cfg, accelerator, teardown, facts, plan, (model, optimizer, scheduler))
+    block = StartupBlock.describe(cfg, facts, epochs=plan.num_epochs, workers=_workers(loaders.train), model=named,
+                                  data_sizes=_debug_sizes(cfg, data), cpus=usable_cpus())
+    start_step = _agree_start(cfg, accelerator, checkpoints, (optimizer, scheduler), plan, recorder, facts, block,
+                              preemption)
+    phase_done("resume_and_config")
+    bar = progress_bar(plan.total_steps, start_step, accelerator.is_local_main_process)
+    teardown.callback(bar.close)  # first on an error: the bar's line ends before any rank prints the error
+    anomalies = AnomalyGuard(cfg, accelerator, recorder, start_step) \
+        if cfg.on_anomaly != "stop" or cfg.spike_factor else None
+    return Run(cfg, accelerator, model, task, optimizer, scheduler, loaders.train, loaders.eval, plan, facts, recorder,
+               checkpoints, preemption, start_step, started, startup, data.tokenizer, bar, anomalies)
+
+
+def _checkpoints(cfg: TrainConfig, accelerator: Accelerator, teardown: ExitStack, facts: dict[str, Any], plan: Plan,
+                 state: tuple) -> CheckpointManager:
+    """Where checkpoints go (the output folder or --checkpoint_dir's store, claimed), with the best model's record
+    and, with --async_checkpointing, the writer thread."""
+    model, optimizer, scheduler = state
     checkpoints = CheckpointManager(accelerator, cfg.output_dir, cfg.keep_last,
                                     {**facts, "seed": cfg.seed, "optimizer": cfg.optimizer, "model": cfg.model,
                                      **{name: getattr(cfg, name) for name in HYPERPARAMETERS}}, cfg.checkpoint_dir)
@@ -230,8 +249,15 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
     if cfg.async_checkpointing:  # writes in a background thread (checkpoint/async_save.py)
         check_async_checkpointing(accelerator)
         checkpoints.saver = AsyncSaver(checkpoints, model, optimizer, scheduler, cfg.ddp_timeout)
-    block = StartupBlock.describe(cfg, facts, epochs=plan.num_epochs, workers=_workers(loaders.train), model=named,
-                                  data_sizes=_debug_sizes(cfg, data), cpus=usable_cpus())
+    return checkpoints
+
+
+def _agree_start(cfg: TrainConfig, accelerator: Accelerator, checkpoints: CheckpointManager, state: tuple, plan: Plan,
+                 recorder: RunRecorder, facts: dict[str, Any], block: StartupBlock,
+                 preemption: PreemptionWatcher) -> int:
+    """The step this run starts after (every rank agrees: checkpoint/start.py), then the trackers, the config and
+    the start-up block: nothing an earlier run left is touched before the start point is known."""
+    optimizer, scheduler = state
     try:
         start_step = where_to_start(cfg, accelerator, checkpoints, optimizer, scheduler, plan.total_steps)
     except RunFinished as done:  # said, nothing written
@@ -247,13 +273,7 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
     recorder.write_config({**resolved, "startup": block.as_dict()})  # replay (--config) ignores startup:
     recorder.write_startup(block.text(), start_step)
     _say(block, accelerator.is_main_process)
-    phase_done("resume_and_config")
-    bar = progress_bar(plan.total_steps, start_step, accelerator.is_local_main_process)
-    teardown.callback(bar.close)  # first on an error: the bar's line ends before any rank prints the error
-    anomalies = AnomalyGuard(cfg, accelerator, recorder, start_step) \
-        if cfg.on_anomaly != "stop" or cfg.spike_factor else None
-    return Run(cfg, accelerator, model, task, optimizer, scheduler, loaders.train, loaders.eval, plan, facts, recorder,
-               checkpoints, preemption, start_step, started, startup, data.tokenizer, bar, anomalies)
+    return start_step
 
 
 def _join(cfg: TrainConfig, teardown: ExitStack, preemption: PreemptionWatcher) -> tuple[Accelerator, int, int]:
