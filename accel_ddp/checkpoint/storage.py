@@ -131,7 +131,7 @@ class ObjectStore:
 
             # auto_mkdir: the local file system (file://) makes parent folders as object stores need none
             self.fs, self.path = fsspec.core.url_to_fs(url, **({"auto_mkdir": True} if scheme == "file" else {}))
-        except ImportError:  # config.py found the package; an import that still fails is one line too
+        except ImportError:  # config/checks.py found the package; an import that still fails is one line too
             raise ConfigError(f"--checkpoint_dir {url} needs the {package} package, which cannot be imported; "
                               f"pip install \"accel_ddp[{extra}]\"") from None
         except Exception as err:  # the file system's constructor: adlfs raises ValueError without an account

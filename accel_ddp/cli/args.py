@@ -1,8 +1,8 @@
 """train.py's command line: flags and the ``--config`` YAML recipe, parsed into a ``TrainConfig``.
 
 Order of precedence (timm's): dataclass defaults < ``--config recipe.yaml`` < CLI flags. Old
-spellings (``RENAMED_FLAGS``, ``EXPANDED_VALUES`` in config.py) are translated here, with a warning.
-No torch import, like config.py.
+spellings (``RENAMED_FLAGS``, ``EXPANDED_VALUES`` in config/choices.py) are translated here, with a warning.
+No torch import, like accel_ddp/config/.
 
     >>> cfg = parse_args(["--dataset", "digits", "--lr", "0.01"])
     >>> cfg = parse_args(["--config", "recipe.yaml", "--epochs", "2"])   # the flag wins over the recipe

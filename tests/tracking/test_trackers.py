@@ -75,7 +75,7 @@ def _wandb_history(out: Path) -> list[tuple[str, list[dict], dict, dict]]:
 def test_tracker_names_are_accelerates():
     from accelerate.tracking import LOGGER_TYPE_TO_CLASS
 
-    assert set(ACCELERATE_TRACKERS) == set(LOGGER_TYPE_TO_CLASS)  # config.py lists them without importing torch
+    assert set(ACCELERATE_TRACKERS) == set(LOGGER_TYPE_TO_CLASS)  # config/choices.py lists them without importing torch
 
 
 @pytest.mark.parametrize("old, report_to", [("tensorboard", "tensorboard"), ("csv", "csv"), ("all", "tensorboard,csv")])

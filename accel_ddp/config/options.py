@@ -1,105 +1,43 @@
-"""Training options: one dataclass, every option with its default and one-line help, and its checks.
-
-Each field's type and range are checked by ``validation.py``, the options that go together here;
-the command line and the ``--config`` YAML recipe are read by ``command_line.py``. This module
-imports no torch so that ``--help`` and bad-input errors are instant.
-
-    >>> cfg = TrainConfig(dataset="digits", epochs=2)
-"""
+"""TrainConfig: every option with its default, one-line help and range; the batch layout derived from it; its
+groups (``sections()``) for docs/flags.md and ``--help``."""
 
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import math
-import os
-import re
 import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from accel_ddp.util.messages import warn
+from accel_ddp.config.checks import (
+    _check_best_model,
+    _check_data,
+    _check_hf_fields,
+    _check_per_device,
+    _check_task,
+    _check_tracking,
+    _check_urls,
+    _gib,
+    warn_deprecated,
+)
+from accel_ddp.config.choices import (
+    BOUNDED_TRACKER_CALLS,
+    COMM_HOOKS,
+    DDP_TIMEOUT_MAX,
+    DEFAULT_GLOBAL_BATCH,
+    LOADERS,
+    LR_SCHEDULES,
+    MODEL_STATE_MAX_BYTES,
+    ON_ANOMALY,
+    OPTIMIZERS,
+    RENAMED_VALUES,
+    REPORT_TO,
+    RESNET18_PARAMS_AT_WIDTH_64,
+    SEED_MAX,
+    SYNTHETIC_MAX_BYTES,
+    _opt,
+)
 from accel_ddp.util.validation import INT_MAX, ConfigError, check_range, checked_type, show
-
-
-def _opt(default: Any, help: str, low: float | None = None, high: float | None = None, *,
-         section: str | None = None) -> Any:
-    """A field with its one-line help and, for numbers, its inclusive range (checked in ``__post_init__``).
-
-    ``section`` ("title (note)") starts a group of options, up to the next field that names one: docs/flags.md's
-    tables (tools/flag_table.py) and ``--help``'s groups (cli/args.py), both through ``sections()``."""
-    metadata = {"help": help, "low": low, "high": high}
-    if section is not None:
-        metadata["section"] = section
-    return field(default=default, metadata=metadata)
-
-
-SEED_MAX = 2**32 - 1  # NumPy's np.random.seed accepts 0 .. 2**32 - 1, and set_seed seeds NumPy too
-# A collective that waits longer than a week for a missing rank is a hang, not a slow peer; the bound also
-# keeps the value within what timedelta and the backends' millisecond counters hold.
-DDP_TIMEOUT_MAX = 7 * 24 * 3600
-# Sanity bounds for sizes that are typos when huge: model state (weights, gradients and AdamW's two
-# moments: 16 bytes per fp32 parameter) and the synthetic dataset (float32, on every rank) must fit in
-# what an 80 GB accelerator holds. Bigger than this is an out-of-memory crash minutes later.
-MODEL_STATE_MAX_BYTES = 64 * 2**30
-SYNTHETIC_MAX_BYTES = 16 * 2**30
-RESNET18_PARAMS_AT_WIDTH_64 = 11.2e6  # parameters scale with width squared
-DEBUG_MAX_STEPS = 10  # --debug: a handful of optimizer steps is enough to surface shape or sync bugs
-
-
-LR_SCHEDULES = ("constant", "linear", "cosine")
-OPTIMIZERS = ("sgd", "adamw")
-# --report_to names: Accelerate's trackers (accelerate.tracking.LOGGER_TYPE_TO_CLASS, listed here because
-# this module imports no torch) and accel_ddp's csv. "all" = every one whose package is installed, plus csv.
-ACCELERATE_TRACKERS = ("tensorboard", "wandb", "mlflow", "comet_ml", "aim", "clearml", "dvclive", "swanlab", "trackio")
-REPORT_TO = (*ACCELERATE_TRACKERS, "csv", "all")
-COMM_HOOKS = ("none", "fp16", "bf16")
-LOADERS = ("auto", "device", "dataloader")
-ON_ANOMALY = ("stop", "skip", "rollback")  # what a nan/inf or spiking step does (accel_ddp/anomaly.py)
-# --task: what a batch and a loss mean (accel_ddp/tasks/protocol.py); the text tasks read text with a tokenizer.
-TASKS = ("classification", "sequence_classification", "causal_lm")
-TEXT_TASKS = ("sequence_classification", "causal_lm")
-# Old spellings that keep working for one release, each with a warning naming the new one.
-RENAMED_FLAGS = {"fast_loader_max_mb": "device_loader_max_mb"}
-RENAMED_VALUES = {("loader", "fast"): "device"}
-DEFAULT_GLOBAL_BATCH = 64  # --global_batch_size unless --gradient_accumulation_steps derives it
-MIXED_PRECISIONS = ("no", "fp16", "bf16", "fp8")  # Accelerate's PrecisionType (accelerate/utils/dataclasses.py)
-# The Hugging Face names (run_clm_no_trainer.py, the Trainer, the accelerate examples), CLI and YAML: the one
-# table cli/args.py translates and tools/flag_table.py prints in docs/flags.md. alias -> (ours, what differs).
-# An alias takes OUR default, never the Trainer's. A name set twice in one source with two values (`--lr 3e-3
-# --learning_rate 1e-4`) is an error; across sources the usual order holds (the command line over the recipe).
-HF_ALIASES: dict[str, tuple[str, str]] = {
-    "learning_rate": ("lr", ""),
-    "num_train_epochs": ("epochs", "a whole number (2.0 is 2); for part of an epoch use --max_steps"),
-    "max_train_steps": ("max_steps", ""),
-    "per_device_train_batch_size": (
-        "per_device_batch_size", "the global batch stays the unit (64 unless --global_batch_size or "
-        "--gradient_accumulation_steps): accumulation = global / (processes x this)"),
-    "per_device_eval_batch_size": ("eval_batch_size", ""),
-    "lr_scheduler_type": ("lr_schedule", "linear, cosine, constant_with_warmup (= constant); constant only "
-                          "without warmup (the Hugging Face constant has none); the others are refused"),
-    "num_warmup_steps": ("warmup_steps", "optimizer steps, as in run_clm_no_trainer.py"),
-    "logging_steps": ("log_every", "optimizer steps; the last step is logged too"),
-    "eval_steps": ("eval_every", "alone switches to evaluating every N steps (the Trainer also needs "
-                   "--eval_strategy steps)"),
-    "save_steps": ("checkpointing_steps", "folders checkpoints/step_N kept by --keep_last; none unless given"),
-    "model_name_or_path": ("model", "also names the tokenizer unless --tokenizer is given"),
-    "tokenizer_name": ("tokenizer", ""),
-    "dataset_name": ("dataset hf --hf_name", "without an eval split a tenth of train is held out (not 5 percent)"),
-    "dataset_config_name": ("hf_config", ""),
-    "block_size": ("max_length --packing true", "causal_lm: texts concatenated and cut into blocks of this size"),
-}
-# Hugging Face names that are options of their own (their meaning is derived): listed in the same docs table.
-HF_FIELDS = ("gradient_accumulation_steps", "warmup_ratio", "mixed_precision")
-# --lr_scheduler_type values -> --lr_schedule; "constant" also needs no warmup (checked in cli/args.py).
-HF_SCHEDULES = {"linear": "linear", "cosine": "cosine", "constant_with_warmup": "constant", "constant": "constant"}
-# Old values that now set several options (CLI and YAML): `--with_tracking csv` = `--with_tracking --report_to csv`.
-EXPANDED_VALUES = {
-    ("with_tracking", "none"): {"with_tracking": False},
-    ("with_tracking", "tensorboard"): {"with_tracking": True, "report_to": "tensorboard"},
-    ("with_tracking", "csv"): {"with_tracking": True, "report_to": "csv"},
-    ("with_tracking", "all"): {"with_tracking": True, "report_to": "tensorboard,csv"},  # the old all: these two
-}
 
 
 @dataclass
@@ -428,6 +366,7 @@ class TrainConfig:
         return out
 
 
+
 def accumulation_steps(per_device_batch_size: int, global_batch_size: int, world_size: int) -> int:
     """Micro-steps per optimizer step of a batch layout: ``global = world_size * per_device * accumulation``.
 
@@ -440,6 +379,7 @@ def accumulation_steps(per_device_batch_size: int, global_batch_size: int, world
             f"{world_size * max(per_device_batch_size, 1)}"
         )
     return global_batch_size // (world_size * per_device_batch_size)
+
 
 
 def largest_micro_batch(global_batch_size: int, world_size: int, at_most: int | None = None) -> int:
@@ -457,189 +397,6 @@ def largest_micro_batch(global_batch_size: int, world_size: int, at_most: int | 
     return next(size for size in range(at_most, 0, -1) if share % size == 0)
 
 
-def _check_per_device(cfg: TrainConfig) -> None:
-    """--per_device_batch_size: a whole number, ``auto`` or ``auto:CAP`` (CAP a whole number > 0)."""
-    value = cfg.per_device_batch_size
-    if not isinstance(value, str):
-        return
-    word, colon, cap = value.partition(":")
-    if word != "auto" or (colon and not (cap.isascii() and cap.isdigit() and 0 < int(cap) <= INT_MAX)):
-        raise ConfigError(f"--per_device_batch_size {show(value)} is neither a whole number nor auto; give e.g. "
-                          "--per_device_batch_size 16, auto, or auto:32 (auto, trying 32 first at most)")
-    if cfg.gradient_accumulation_steps is not None:
-        raise ConfigError(f"--per_device_batch_size {value} with --gradient_accumulation_steps "
-                          f"{cfg.gradient_accumulation_steps}: auto derives the accumulation from the micro-batch "
-                          "that fits; give --global_batch_size instead of --gradient_accumulation_steps")
-
-
-def warn_deprecated(old: str, new: str) -> None:
-    """One line on stderr, from the first rank only (every rank parses the same command line)."""
-    warn(f"{old} is deprecated and will be removed in the next release; use {new}", ranks="first")
-
-
-def _check_tracking(cfg: TrainConfig) -> None:
-    """--with_tracking is a switch, --report_to a comma list of known trackers (normalised: lower case, no repeats)."""
-    if not isinstance(cfg.with_tracking, bool):
-        raise ConfigError(f"--with_tracking is a switch (true or false), got {cfg.with_tracking!r}; name the trackers "
-                          f"with --report_to, e.g. --with_tracking --report_to {cfg.with_tracking}")
-    names = [name.strip().lower() for name in str(cfg.report_to).split(",") if name.strip()]
-    unknown = [name for name in names if name not in REPORT_TO]
-    if unknown or not names:
-        raise ConfigError(f"--report_to {cfg.report_to!r}: unknown tracker {', '.join(unknown) or '(none given)'}; "
-                          f"give one or more of {', '.join(REPORT_TO)}, separated by commas")
-    cfg.report_to = ",".join(dict.fromkeys(names))
-    for name in ("tracker_project_name", "run_name"):
-        value = getattr(cfg, name)
-        if value is not None and not str(value).strip():
-            raise ConfigError(f"--{name} is empty; give a name or leave the flag out")
-    if not cfg.with_tracking and cfg.report_to != "all":
-        warn(f"--report_to {cfg.report_to} has no effect without --with_tracking; add --with_tracking",
-             ranks="first")
-
-
-# The calls into one tracker that the main process bounds by --tracker_start_timeout, each in turn, while the
-# other ranks wait in one broadcast (tracking/recorder.py, ``start_trackers``): its start, its config (Accelerate's
-# ``init_trackers`` starts every tracker, then gives each the config) and, after a failed start, its close.
-BOUNDED_TRACKER_CALLS = 3
-
-
-def _check_hf_fields(cfg: TrainConfig) -> None:
-    """The options with Hugging Face names and derived meanings (HF_FIELDS)."""
-    if cfg.warmup_ratio is not None:
-        if not cfg.warmup_ratio < 1:
-            raise ConfigError(f"--warmup_ratio must be below 1 (a fraction of the total steps), got "
-                              f"{cfg.warmup_ratio}; e.g. --warmup_ratio 0.06")
-        if cfg.warmup_steps:
-            raise ConfigError(f"--warmup_ratio {cfg.warmup_ratio} and --warmup_steps {cfg.warmup_steps} both set the "
-                              "warmup; give one of them")
-    if cfg.mixed_precision is not None and cfg.mixed_precision not in MIXED_PRECISIONS:
-        raise ConfigError(f"--mixed_precision {show(cfg.mixed_precision)} is unknown; choose one of "
-                          f"{', '.join(MIXED_PRECISIONS)}")
-    if (cfg.task in TEXT_TASKS and cfg.tokenizer is None and ":" not in cfg.model and "/" in cfg.model
-            and not os.path.exists(cfg.model)):  # a Hub id (org/name): its tokenizer, as run_clm_no_trainer.py
-        cfg.tokenizer = cfg.model
-
-
-def _gib(num_bytes: float) -> str:
-    return f"{num_bytes / 2**30:,.3g} GiB"
-
-
-def _check_task(cfg: TrainConfig) -> None:
-    """--task and the options that only make sense with some tasks (no dead flags)."""
-    if cfg.task not in TASKS:
-        raise ConfigError(f"--task {show(cfg.task)} is unknown; choose one of {', '.join(TASKS)}")
-    if cfg.task not in TEXT_TASKS:
-        given = [f"--{name}" for name in ("text_column", "tokenizer") if getattr(cfg, name) is not None]
-        given += ["--packing"] if cfg.packing else []
-        if given:
-            raise ConfigError(f"{', '.join(given)} only apply to text; add --task sequence_classification or "
-                              "--task causal_lm")
-    if cfg.packing and cfg.task != "causal_lm":
-        raise ConfigError("--packing only applies to --task causal_lm; drop it")
-    if cfg.task == "causal_lm" and cfg.max_length < 2:  # else loss 0.0 and perplexity 1.0 over no token at all
-        raise ConfigError(f"--max_length {cfg.max_length} with --task causal_lm leaves no next token to predict "
-                          "(each sequence predicts its tokens after the first); use --max_length 2 or more")
-    if cfg.model_config is not None:
-        if cfg.model != _default("model"):
-            raise ConfigError(f"--model {cfg.model} and --model_config {cfg.model_config}: give one of them "
-                              "(a config trains from scratch, a model folder from its weights)")
-        if not os.path.isfile(cfg.model_config):
-            raise ConfigError(f"--model_config {cfg.model_config}: no such file; give a Transformers config.json "
-                              "(e.g. examples/configs/tiny_gpt2.json)")
-
-
-def _default(name: str) -> Any:
-    return next(f.default for f in dataclasses.fields(TrainConfig) if f.name == name)
-
-
-def _check_data(cfg: TrainConfig) -> None:
-    """The data options that only make sense together (--streaming and its companions)."""
-    if not cfg.streaming:
-        return
-    if cfg.dataset != "hf":
-        raise ConfigError(f"--streaming reads Hugging Face datasets; add --dataset hf (got --dataset {cfg.dataset})")
-    if cfg.max_steps is None:
-        raise ConfigError("--streaming: a stream has no length to count epochs by; set --max_steps")
-    if cfg.loader == "device":
-        raise ConfigError("--streaming and --loader device: a stream is not kept on the device; drop --loader")
-    if cfg.task in TEXT_TASKS:
-        raise ConfigError(f"--streaming with --task {cfg.task}: text is tokenized once into a memory-mapped dataset, "
-                          "which reads a batch at a time at any size; drop --streaming")
-
-
-URL_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
-PATH_FLAGS = ("output_dir", "resume_from_checkpoint", "init_from")
-# --checkpoint_dir schemes -> (the fsspec implementation's package, the accel_ddp extra that installs it).
-STORE_PACKAGES = {"s3": ("s3fs", "s3"), "gs": ("gcsfs", "gcs"), "gcs": ("gcsfs", "gcs"), "az": ("adlfs", "azure"),
-                  "abfs": ("adlfs", "azure"), "abfss": ("adlfs", "azure"), "file": ("fsspec", None)}
-
-
-def _check_urls(cfg: TrainConfig) -> None:
-    """A URL is a local path (``file://``), a --checkpoint_dir store, or refused: Accelerate's save_state would
-    write ``s3://b/r`` into a local folder named ``s3:/b/r`` (``os.makedirs``/``Path``, accelerate/accelerator.py)."""
-    if cfg.checkpoint_dir is not None:
-        cfg.checkpoint_dir = _checked_store(cfg.checkpoint_dir)
-    for name in PATH_FLAGS:
-        value = getattr(cfg, name)
-        match = URL_SCHEME.match(value) if isinstance(value, str) else None
-        if match is None:
-            continue
-        if match.group(1).lower() == "file":
-            setattr(cfg, name, value[len(match.group(0)):] or "/")  # file:///abs/path -> /abs/path
-            continue
-        store = cfg.checkpoint_dir
-        if name == "resume_from_checkpoint" and store and value.rstrip("/").startswith(f"{store}/"):
-            continue  # one of this run's checkpoints in the store
-        fix = {"output_dir": "give a local or shared folder, and send the checkpoints to the store with "
-                             f"--checkpoint_dir {value}",
-               "resume_from_checkpoint": "give a checkpoint under --checkpoint_dir, or auto",
-               "init_from": "download the file and give its local path"}[name]
-        raise ConfigError(f"--{name} {value}: {match.group(1)}:// URLs are not supported here; {fix}")
-
-
-def _checked_store(url: str) -> str:
-    """``--checkpoint_dir``: a URL of a known scheme whose fsspec package is installed (found, not imported)."""
-    match = URL_SCHEME.match(url)
-    if match is None:
-        raise ConfigError(f"--checkpoint_dir {url} is not a URL; give s3://bucket/prefix (or gs://, az://, file://), "
-                          "or drop it: checkpoints then go to OUTPUT_DIR/checkpoints")
-    scheme = match.group(1).lower()
-    if scheme not in STORE_PACKAGES:
-        raise ConfigError(f"--checkpoint_dir {url}: {scheme}:// is not supported; use one of "
-                          f"{', '.join(s + '://' for s in STORE_PACKAGES)}")
-    if not url[len(match.group(0)):].strip("/"):
-        raise ConfigError(f"--checkpoint_dir {url} names no bucket or folder; e.g. --checkpoint_dir {scheme}://bucket/run")
-    package, extra = STORE_PACKAGES[scheme]
-    if importlib.util.find_spec("fsspec") is None or importlib.util.find_spec(package) is None:
-        needed = f'"accel_ddp[{extra}]"' if extra else "fsspec"
-        raise ConfigError(f"--checkpoint_dir {url} needs the {package} package, which is not installed; "
-                          f"pip install {needed}")
-    return url.rstrip("/")
-
-
-def _check_best_model(cfg: TrainConfig) -> None:
-    """--load_best_model_at_end needs every checkpoint at an evaluation (the Trainer's rule), or the best is lost."""
-    if cfg.early_stopping_threshold and not cfg.early_stopping_patience:
-        raise ConfigError("--early_stopping_threshold has no effect without --early_stopping_patience; add "
-                          "--early_stopping_patience K")
-    if cfg.greater_is_better is not None and not (cfg.metric_for_best_model or cfg.load_best_model_at_end
-                                                  or cfg.early_stopping_patience):
-        raise ConfigError("--greater_is_better has no effect without --metric_for_best_model; add "
-                          "--metric_for_best_model NAME")
-    if not cfg.load_best_model_at_end:
-        return
-    save, every = cfg.checkpointing_steps, cfg.eval_every
-    if save is None:
-        raise ConfigError("--load_best_model_at_end exports the best checkpoint, but no checkpoint is saved; add "
-                          "--checkpointing_steps (a multiple of --eval_every, or 'epoch' with --eval_every 0)")
-    if save == "epoch" and every:
-        raise ConfigError(f"--load_best_model_at_end with --checkpointing_steps epoch evaluates at the end of each "
-                          f"epoch: drop --eval_every {every}, or save every N steps with N a multiple of it")
-    if save != "epoch" and (not every or int(save) % every):
-        raise ConfigError(f"--load_best_model_at_end: --checkpointing_steps {save} must be a multiple of --eval_every "
-                          f"({every or 'unset: evaluates per epoch'}), so that every checkpoint is evaluated; e.g. "
-                          f"--eval_every {save}")
-
 
 class Section(typing.NamedTuple):
     """One group of options: docs/flags.md's table under ``### Title`` (then the note), and a ``--help`` group."""
@@ -647,6 +404,7 @@ class Section(typing.NamedTuple):
     title: str  # "Task"
     note: str  # "How a batch reaches the model, its loss and the eval metrics: docs/tasks.md." or ""
     fields: list[dataclasses.Field]
+
 
 
 def sections() -> list[Section]:
@@ -663,8 +421,10 @@ def sections() -> list[Section]:
     return grouped
 
 
+
 def field_types() -> dict[str, Any]:
     return typing.get_type_hints(TrainConfig)
+
 
 
 def new_spelling(options: dict[str, Any]) -> str:
@@ -673,5 +433,3 @@ def new_spelling(options: dict[str, Any]) -> str:
     flags = [f"--{key}" if value is True else f"--{key} {value}"
              for key, value in options.items() if value is not False]
     return " ".join(flags) or " ".join(f"--{key} false" for key in options)
-
-

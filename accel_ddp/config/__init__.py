@@ -1,0 +1,70 @@
+"""Training options: TrainConfig, every option with its default, one-line help and range, and their checks.
+
+    >>> from accel_ddp.config import TrainConfig
+    >>> cfg = TrainConfig(dataset="digits", epochs=2)
+
+- ``options``: TrainConfig, the batch layout derived from it (``batch_layout``, ``accumulation_steps``), its groups
+  (``sections()``: docs/flags.md's tables and ``--help``'s groups);
+- ``checks``: the options that only make sense together, each refused with one ``ConfigError`` line;
+- ``choices``: the vocabulary: allowed values, limits, the Hugging Face aliases, renamed flags, store schemes.
+
+The command line and the ``--config`` YAML recipe are read by ``accel_ddp/cli/args.py``. No torch here, so that
+``--help`` and bad-input errors are instant.
+
+May import: ``accel_ddp.util`` only.
+"""
+
+from __future__ import annotations
+
+from accel_ddp.config.checks import (  # noqa: F401 - the layer's names, as before the split
+    _check_best_model,
+    _check_data,
+    _check_hf_fields,
+    _check_per_device,
+    _check_task,
+    _check_tracking,
+    _check_urls,
+    _checked_store,
+    _default,
+    _gib,
+    warn_deprecated,
+)
+from accel_ddp.config.choices import (  # noqa: F401 - the layer's names, as before the split
+    ACCELERATE_TRACKERS,
+    BOUNDED_TRACKER_CALLS,
+    COMM_HOOKS,
+    DDP_TIMEOUT_MAX,
+    DEBUG_MAX_STEPS,
+    DEFAULT_GLOBAL_BATCH,
+    EXPANDED_VALUES,
+    HF_ALIASES,
+    HF_FIELDS,
+    HF_SCHEDULES,
+    LOADERS,
+    LR_SCHEDULES,
+    MIXED_PRECISIONS,
+    MODEL_STATE_MAX_BYTES,
+    ON_ANOMALY,
+    OPTIMIZERS,
+    PATH_FLAGS,
+    RENAMED_FLAGS,
+    RENAMED_VALUES,
+    REPORT_TO,
+    RESNET18_PARAMS_AT_WIDTH_64,
+    SEED_MAX,
+    STORE_PACKAGES,
+    SYNTHETIC_MAX_BYTES,
+    TASKS,
+    TEXT_TASKS,
+    URL_SCHEME,
+    _opt,
+)
+from accel_ddp.config.options import (  # noqa: F401 - the layer's names, as before the split
+    Section,
+    TrainConfig,
+    accumulation_steps,
+    field_types,
+    largest_micro_batch,
+    new_spelling,
+    sections,
+)

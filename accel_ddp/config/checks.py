@@ -1,0 +1,202 @@
+"""The checks of options that go together, called by ``TrainConfig.__post_init__`` (``cfg``: a TrainConfig):
+one ``ConfigError`` line each."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+from typing import Any
+
+from accel_ddp.config.choices import (
+    MIXED_PRECISIONS,
+    PATH_FLAGS,
+    REPORT_TO,
+    STORE_PACKAGES,
+    TASKS,
+    TEXT_TASKS,
+    URL_SCHEME,
+)
+from accel_ddp.util.messages import warn
+from accel_ddp.util.validation import INT_MAX, ConfigError, show
+
+
+def _check_per_device(cfg: Any) -> None:
+    """--per_device_batch_size: a whole number, ``auto`` or ``auto:CAP`` (CAP a whole number > 0)."""
+    value = cfg.per_device_batch_size
+    if not isinstance(value, str):
+        return
+    word, colon, cap = value.partition(":")
+    if word != "auto" or (colon and not (cap.isascii() and cap.isdigit() and 0 < int(cap) <= INT_MAX)):
+        raise ConfigError(f"--per_device_batch_size {show(value)} is neither a whole number nor auto; give e.g. "
+                          "--per_device_batch_size 16, auto, or auto:32 (auto, trying 32 first at most)")
+    if cfg.gradient_accumulation_steps is not None:
+        raise ConfigError(f"--per_device_batch_size {value} with --gradient_accumulation_steps "
+                          f"{cfg.gradient_accumulation_steps}: auto derives the accumulation from the micro-batch "
+                          "that fits; give --global_batch_size instead of --gradient_accumulation_steps")
+
+
+
+def warn_deprecated(old: str, new: str) -> None:
+    """One line on stderr, from the first rank only (every rank parses the same command line)."""
+    warn(f"{old} is deprecated and will be removed in the next release; use {new}", ranks="first")
+
+
+
+def _check_tracking(cfg: Any) -> None:
+    """--with_tracking is a switch, --report_to a comma list of known trackers (normalised: lower case, no repeats)."""
+    if not isinstance(cfg.with_tracking, bool):
+        raise ConfigError(f"--with_tracking is a switch (true or false), got {cfg.with_tracking!r}; name the trackers "
+                          f"with --report_to, e.g. --with_tracking --report_to {cfg.with_tracking}")
+    names = [name.strip().lower() for name in str(cfg.report_to).split(",") if name.strip()]
+    unknown = [name for name in names if name not in REPORT_TO]
+    if unknown or not names:
+        raise ConfigError(f"--report_to {cfg.report_to!r}: unknown tracker {', '.join(unknown) or '(none given)'}; "
+                          f"give one or more of {', '.join(REPORT_TO)}, separated by commas")
+    cfg.report_to = ",".join(dict.fromkeys(names))
+    for name in ("tracker_project_name", "run_name"):
+        value = getattr(cfg, name)
+        if value is not None and not str(value).strip():
+            raise ConfigError(f"--{name} is empty; give a name or leave the flag out")
+    if not cfg.with_tracking and cfg.report_to != "all":
+        warn(f"--report_to {cfg.report_to} has no effect without --with_tracking; add --with_tracking",
+             ranks="first")
+
+
+
+def _check_hf_fields(cfg: Any) -> None:
+    """The options with Hugging Face names and derived meanings (HF_FIELDS)."""
+    if cfg.warmup_ratio is not None:
+        if not cfg.warmup_ratio < 1:
+            raise ConfigError(f"--warmup_ratio must be below 1 (a fraction of the total steps), got "
+                              f"{cfg.warmup_ratio}; e.g. --warmup_ratio 0.06")
+        if cfg.warmup_steps:
+            raise ConfigError(f"--warmup_ratio {cfg.warmup_ratio} and --warmup_steps {cfg.warmup_steps} both set the "
+                              "warmup; give one of them")
+    if cfg.mixed_precision is not None and cfg.mixed_precision not in MIXED_PRECISIONS:
+        raise ConfigError(f"--mixed_precision {show(cfg.mixed_precision)} is unknown; choose one of "
+                          f"{', '.join(MIXED_PRECISIONS)}")
+    if (cfg.task in TEXT_TASKS and cfg.tokenizer is None and ":" not in cfg.model and "/" in cfg.model
+            and not os.path.exists(cfg.model)):  # a Hub id (org/name): its tokenizer, as run_clm_no_trainer.py
+        cfg.tokenizer = cfg.model
+
+
+
+def _gib(num_bytes: float) -> str:
+    return f"{num_bytes / 2**30:,.3g} GiB"
+
+
+
+def _check_task(cfg: Any) -> None:
+    """--task and the options that only make sense with some tasks (no dead flags)."""
+    if cfg.task not in TASKS:
+        raise ConfigError(f"--task {show(cfg.task)} is unknown; choose one of {', '.join(TASKS)}")
+    if cfg.task not in TEXT_TASKS:
+        given = [f"--{name}" for name in ("text_column", "tokenizer") if getattr(cfg, name) is not None]
+        given += ["--packing"] if cfg.packing else []
+        if given:
+            raise ConfigError(f"{', '.join(given)} only apply to text; add --task sequence_classification or "
+                              "--task causal_lm")
+    if cfg.packing and cfg.task != "causal_lm":
+        raise ConfigError("--packing only applies to --task causal_lm; drop it")
+    if cfg.task == "causal_lm" and cfg.max_length < 2:  # else loss 0.0 and perplexity 1.0 over no token at all
+        raise ConfigError(f"--max_length {cfg.max_length} with --task causal_lm leaves no next token to predict "
+                          "(each sequence predicts its tokens after the first); use --max_length 2 or more")
+    if cfg.model_config is not None:
+        if cfg.model != _default(cfg, "model"):
+            raise ConfigError(f"--model {cfg.model} and --model_config {cfg.model_config}: give one of them "
+                              "(a config trains from scratch, a model folder from its weights)")
+        if not os.path.isfile(cfg.model_config):
+            raise ConfigError(f"--model_config {cfg.model_config}: no such file; give a Transformers config.json "
+                              "(e.g. examples/configs/tiny_gpt2.json)")
+
+
+
+def _default(cfg: Any, name: str) -> Any:
+    return next(f.default for f in dataclasses.fields(cfg) if f.name == name)
+
+
+
+def _check_data(cfg: Any) -> None:
+    """The data options that only make sense together (--streaming and its companions)."""
+    if not cfg.streaming:
+        return
+    if cfg.dataset != "hf":
+        raise ConfigError(f"--streaming reads Hugging Face datasets; add --dataset hf (got --dataset {cfg.dataset})")
+    if cfg.max_steps is None:
+        raise ConfigError("--streaming: a stream has no length to count epochs by; set --max_steps")
+    if cfg.loader == "device":
+        raise ConfigError("--streaming and --loader device: a stream is not kept on the device; drop --loader")
+    if cfg.task in TEXT_TASKS:
+        raise ConfigError(f"--streaming with --task {cfg.task}: text is tokenized once into a memory-mapped dataset, "
+                          "which reads a batch at a time at any size; drop --streaming")
+
+
+
+def _check_urls(cfg: Any) -> None:
+    """A URL is a local path (``file://``), a --checkpoint_dir store, or refused: Accelerate's save_state would
+    write ``s3://b/r`` into a local folder named ``s3:/b/r`` (``os.makedirs``/``Path``, accelerate/accelerator.py)."""
+    if cfg.checkpoint_dir is not None:
+        cfg.checkpoint_dir = _checked_store(cfg.checkpoint_dir)
+    for name in PATH_FLAGS:
+        value = getattr(cfg, name)
+        match = URL_SCHEME.match(value) if isinstance(value, str) else None
+        if match is None:
+            continue
+        if match.group(1).lower() == "file":
+            setattr(cfg, name, value[len(match.group(0)):] or "/")  # file:///abs/path -> /abs/path
+            continue
+        store = cfg.checkpoint_dir
+        if name == "resume_from_checkpoint" and store and value.rstrip("/").startswith(f"{store}/"):
+            continue  # one of this run's checkpoints in the store
+        fix = {"output_dir": "give a local or shared folder, and send the checkpoints to the store with "
+                             f"--checkpoint_dir {value}",
+               "resume_from_checkpoint": "give a checkpoint under --checkpoint_dir, or auto",
+               "init_from": "download the file and give its local path"}[name]
+        raise ConfigError(f"--{name} {value}: {match.group(1)}:// URLs are not supported here; {fix}")
+
+
+
+def _checked_store(url: str) -> str:
+    """``--checkpoint_dir``: a URL of a known scheme whose fsspec package is installed (found, not imported)."""
+    match = URL_SCHEME.match(url)
+    if match is None:
+        raise ConfigError(f"--checkpoint_dir {url} is not a URL; give s3://bucket/prefix (or gs://, az://, file://), "
+                          "or drop it: checkpoints then go to OUTPUT_DIR/checkpoints")
+    scheme = match.group(1).lower()
+    if scheme not in STORE_PACKAGES:
+        raise ConfigError(f"--checkpoint_dir {url}: {scheme}:// is not supported; use one of "
+                          f"{', '.join(s + '://' for s in STORE_PACKAGES)}")
+    if not url[len(match.group(0)):].strip("/"):
+        raise ConfigError(f"--checkpoint_dir {url} names no bucket or folder; e.g. --checkpoint_dir {scheme}://bucket/run")
+    package, extra = STORE_PACKAGES[scheme]
+    if importlib.util.find_spec("fsspec") is None or importlib.util.find_spec(package) is None:
+        needed = f'"accel_ddp[{extra}]"' if extra else "fsspec"
+        raise ConfigError(f"--checkpoint_dir {url} needs the {package} package, which is not installed; "
+                          f"pip install {needed}")
+    return url.rstrip("/")
+
+
+
+def _check_best_model(cfg: Any) -> None:
+    """--load_best_model_at_end needs every checkpoint at an evaluation (the Trainer's rule), or the best is lost."""
+    if cfg.early_stopping_threshold and not cfg.early_stopping_patience:
+        raise ConfigError("--early_stopping_threshold has no effect without --early_stopping_patience; add "
+                          "--early_stopping_patience K")
+    if cfg.greater_is_better is not None and not (cfg.metric_for_best_model or cfg.load_best_model_at_end
+                                                  or cfg.early_stopping_patience):
+        raise ConfigError("--greater_is_better has no effect without --metric_for_best_model; add "
+                          "--metric_for_best_model NAME")
+    if not cfg.load_best_model_at_end:
+        return
+    save, every = cfg.checkpointing_steps, cfg.eval_every
+    if save is None:
+        raise ConfigError("--load_best_model_at_end exports the best checkpoint, but no checkpoint is saved; add "
+                          "--checkpointing_steps (a multiple of --eval_every, or 'epoch' with --eval_every 0)")
+    if save == "epoch" and every:
+        raise ConfigError(f"--load_best_model_at_end with --checkpointing_steps epoch evaluates at the end of each "
+                          f"epoch: drop --eval_every {every}, or save every N steps with N a multiple of it")
+    if save != "epoch" and (not every or int(save) % every):
+        raise ConfigError(f"--load_best_model_at_end: --checkpointing_steps {save} must be a multiple of --eval_every "
+                          f"({every or 'unset: evaluates per epoch'}), so that every checkpoint is evaluated; e.g. "
+                          f"--eval_every {save}")

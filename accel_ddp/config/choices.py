@@ -1,0 +1,163 @@
+"""The options' vocabulary: allowed values, limits, Hugging Face aliases, renamed flags, store schemes; ``_opt``."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import field
+from typing import Any
+
+
+def _opt(default: Any, help: str, low: float | None = None, high: float | None = None, *,
+         section: str | None = None) -> Any:
+    """A field with its one-line help and, for numbers, its inclusive range (checked in ``__post_init__``).
+
+    ``section`` ("title (note)") starts a group of options, up to the next field that names one: docs/flags.md's
+    tables (tools/flag_table.py) and ``--help``'s groups (cli/args.py), both through ``sections()``."""
+    metadata = {"help": help, "low": low, "high": high}
+    if section is not None:
+        metadata["section"] = section
+    return field(default=default, metadata=metadata)
+
+
+
+SEED_MAX = 2**32 - 1  # NumPy's np.random.seed accepts 0 .. 2**32 - 1, and set_seed seeds NumPy too
+
+
+# A collective that waits longer than a week for a missing rank is a hang, not a slow peer; the bound also
+# keeps the value within what timedelta and the backends' millisecond counters hold.
+DDP_TIMEOUT_MAX = 7 * 24 * 3600
+
+
+# Sanity bounds for sizes that are typos when huge: model state (weights, gradients and AdamW's two
+# moments: 16 bytes per fp32 parameter) and the synthetic dataset (float32, on every rank) must fit in
+# what an 80 GB accelerator holds. Bigger than this is an out-of-memory crash minutes later.
+MODEL_STATE_MAX_BYTES = 64 * 2**30
+
+
+MODEL_STATE_MAX_BYTES = 64 * 2**30
+SYNTHETIC_MAX_BYTES = 16 * 2**30
+
+
+SYNTHETIC_MAX_BYTES = 16 * 2**30
+RESNET18_PARAMS_AT_WIDTH_64 = 11.2e6  # parameters scale with width squared
+
+
+RESNET18_PARAMS_AT_WIDTH_64 = 11.2e6  # parameters scale with width squared
+DEBUG_MAX_STEPS = 10  # --debug: a handful of optimizer steps is enough to surface shape or sync bugs
+
+
+
+LR_SCHEDULES = ("constant", "linear", "cosine")
+
+
+LR_SCHEDULES = ("constant", "linear", "cosine")
+OPTIMIZERS = ("sgd", "adamw")
+
+
+# --report_to names: Accelerate's trackers (accelerate.tracking.LOGGER_TYPE_TO_CLASS, listed here because
+# this module imports no torch) and accel_ddp's csv. "all" = every one whose package is installed, plus csv.
+ACCELERATE_TRACKERS = ("tensorboard", "wandb", "mlflow", "comet_ml", "aim", "clearml", "dvclive", "swanlab", "trackio")
+
+
+ACCELERATE_TRACKERS = ("tensorboard", "wandb", "mlflow", "comet_ml", "aim", "clearml", "dvclive", "swanlab", "trackio")
+REPORT_TO = (*ACCELERATE_TRACKERS, "csv", "all")
+
+
+REPORT_TO = (*ACCELERATE_TRACKERS, "csv", "all")
+COMM_HOOKS = ("none", "fp16", "bf16")
+
+
+COMM_HOOKS = ("none", "fp16", "bf16")
+LOADERS = ("auto", "device", "dataloader")
+
+
+LOADERS = ("auto", "device", "dataloader")
+ON_ANOMALY = ("stop", "skip", "rollback")  # what a nan/inf or spiking step does (accel_ddp/anomaly.py)
+
+
+# --task: what a batch and a loss mean (accel_ddp/tasks/protocol.py); the text tasks read text with a tokenizer.
+TASKS = ("classification", "sequence_classification", "causal_lm")
+
+
+TASKS = ("classification", "sequence_classification", "causal_lm")
+TEXT_TASKS = ("sequence_classification", "causal_lm")
+
+
+# Old spellings that keep working for one release, each with a warning naming the new one.
+RENAMED_FLAGS = {"fast_loader_max_mb": "device_loader_max_mb"}
+
+
+RENAMED_FLAGS = {"fast_loader_max_mb": "device_loader_max_mb"}
+RENAMED_VALUES = {("loader", "fast"): "device"}
+
+
+RENAMED_VALUES = {("loader", "fast"): "device"}
+DEFAULT_GLOBAL_BATCH = 64  # --global_batch_size unless --gradient_accumulation_steps derives it
+
+
+DEFAULT_GLOBAL_BATCH = 64  # --global_batch_size unless --gradient_accumulation_steps derives it
+MIXED_PRECISIONS = ("no", "fp16", "bf16", "fp8")  # Accelerate's PrecisionType (accelerate/utils/dataclasses.py)
+
+
+# The Hugging Face names (run_clm_no_trainer.py, the Trainer, the accelerate examples), CLI and YAML: the one
+# table cli/args.py translates and tools/flag_table.py prints in docs/flags.md. alias -> (ours, what differs).
+# An alias takes OUR default, never the Trainer's. A name set twice in one source with two values (`--lr 3e-3
+# --learning_rate 1e-4`) is an error; across sources the usual order holds (the command line over the recipe).
+HF_ALIASES: dict[str, tuple[str, str]] = {
+    "learning_rate": ("lr", ""),
+    "num_train_epochs": ("epochs", "a whole number (2.0 is 2); for part of an epoch use --max_steps"),
+    "max_train_steps": ("max_steps", ""),
+    "per_device_train_batch_size": (
+        "per_device_batch_size", "the global batch stays the unit (64 unless --global_batch_size or "
+        "--gradient_accumulation_steps): accumulation = global / (processes x this)"),
+    "per_device_eval_batch_size": ("eval_batch_size", ""),
+    "lr_scheduler_type": ("lr_schedule", "linear, cosine, constant_with_warmup (= constant); constant only "
+                          "without warmup (the Hugging Face constant has none); the others are refused"),
+    "num_warmup_steps": ("warmup_steps", "optimizer steps, as in run_clm_no_trainer.py"),
+    "logging_steps": ("log_every", "optimizer steps; the last step is logged too"),
+    "eval_steps": ("eval_every", "alone switches to evaluating every N steps (the Trainer also needs "
+                   "--eval_strategy steps)"),
+    "save_steps": ("checkpointing_steps", "folders checkpoints/step_N kept by --keep_last; none unless given"),
+    "model_name_or_path": ("model", "also names the tokenizer unless --tokenizer is given"),
+    "tokenizer_name": ("tokenizer", ""),
+    "dataset_name": ("dataset hf --hf_name", "without an eval split a tenth of train is held out (not 5 percent)"),
+    "dataset_config_name": ("hf_config", ""),
+    "block_size": ("max_length --packing true", "causal_lm: texts concatenated and cut into blocks of this size"),
+}
+
+
+# Hugging Face names that are options of their own (their meaning is derived): listed in the same docs table.
+HF_FIELDS = ("gradient_accumulation_steps", "warmup_ratio", "mixed_precision")
+
+
+# --lr_scheduler_type values -> --lr_schedule; "constant" also needs no warmup (checked in cli/args.py).
+HF_SCHEDULES = {"linear": "linear", "cosine": "cosine", "constant_with_warmup": "constant", "constant": "constant"}
+
+
+# Old values that now set several options (CLI and YAML): `--with_tracking csv` = `--with_tracking --report_to csv`.
+EXPANDED_VALUES = {
+    ("with_tracking", "none"): {"with_tracking": False},
+    ("with_tracking", "tensorboard"): {"with_tracking": True, "report_to": "tensorboard"},
+    ("with_tracking", "csv"): {"with_tracking": True, "report_to": "csv"},
+    ("with_tracking", "all"): {"with_tracking": True, "report_to": "tensorboard,csv"},  # the old all: these two
+}
+
+
+
+URL_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+
+
+URL_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+PATH_FLAGS = ("output_dir", "resume_from_checkpoint", "init_from")
+
+
+# --checkpoint_dir schemes -> (the fsspec implementation's package, the accel_ddp extra that installs it).
+STORE_PACKAGES = {"s3": ("s3fs", "s3"), "gs": ("gcsfs", "gcs"), "gcs": ("gcsfs", "gcs"), "az": ("adlfs", "azure"),
+                  "abfs": ("adlfs", "azure"), "abfss": ("adlfs", "azure"), "file": ("fsspec", None)}
+
+
+
+# The calls into one tracker that the main process bounds by --tracker_start_timeout, each in turn, while the
+# other ranks wait in one broadcast (tracking/recorder.py, ``start_trackers``): its start, its config (Accelerate's
+# ``init_trackers`` starts every tracker, then gives each the config) and, after a failed start, its close.
+BOUNDED_TRACKER_CALLS = 3
