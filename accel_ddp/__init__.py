@@ -3,15 +3,15 @@
 ``train`` and ``exit_process`` are imported on first use: ``import accel_ddp.models`` (or
 ``accel_ddp.config``, the CLI's ``--help``, the doctor) then costs no Accelerate import.
 
-The loop's story is at the root (``config``, ``loop``, ``step``, ``anomaly``, ``batch_size``, ``evaluate``, ``models``,
-``optim``);
-infrastructure lives in subpackages, each ``__init__`` saying what it holds and what it may import.
+The loop's story is at the root (``loop``, ``assemble``, ``step``, ``anomaly``, ``batch_size``, ``evaluate``,
+``models``, ``optim``) with the options in ``config/``; infrastructure lives in subpackages, each ``__init__``
+saying what it holds and what it may import.
 Imports run one way: each layer imports only layers to its left.
 
     util -> config -> lifecycle -> outputs -> tracking, checkpoint -> distributed -> data -> tasks
-         -> models, optim -> step, anomaly, batch_size, evaluate -> loop -> cli
+         -> models, optim -> step, anomaly, batch_size, evaluate -> assemble -> loop -> cli
 
-(``loop`` is the only module that sees everything; nothing imports ``cli`` but ``__main__``.)
+(``assemble`` builds a run from everything below it, ``loop`` trains it; nothing imports ``cli`` but ``__main__``.)
 """
 
 from accel_ddp.config import TrainConfig

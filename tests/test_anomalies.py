@@ -50,10 +50,10 @@ def install(bad: tuple[int, int] | None = BAD, drop_update_at: int | None = None
             factor: float = float("nan")):
     """In a rank: multiply the output of step ``bad`` by ``factor``; drop the optimizer's step() call of
     ``drop_update_at`` (the reference); SIGKILL every rank right after optimizer step ``kill_after``."""
-    import accel_ddp.loop as loop
+    import accel_ddp.assemble as assemble
 
     _FAULT.update(step=bad[0] if bad else None, rank=bad[1] if bad else None, factor=factor)
-    build_scheduler, build_optimizer = loop.build_lr_scheduler, loop.build_optimizer
+    build_scheduler, build_optimizer = assemble.build_lr_scheduler, assemble.build_optimizer
 
     def scheduler_seen(*args, **kwargs):
         scheduler = _FAULT["scheduler"] = build_scheduler(*args, **kwargs)
@@ -81,7 +81,7 @@ def install(bad: tuple[int, int] | None = BAD, drop_update_at: int | None = None
             optimizer.__class__ = type("Dropping", (type(optimizer),), {"step": maybe_step})
         return optimizer
 
-    loop.build_lr_scheduler, loop.build_optimizer = scheduler_seen, optimizer_dropping
+    assemble.build_lr_scheduler, assemble.build_optimizer = scheduler_seen, optimizer_dropping
 
 
 def ranks(args: list[str], **fault) -> list[int]:
@@ -143,8 +143,8 @@ def test_max_anomalies_in_a_row_stops_as_today(tmp_path, capfd):
         install()
         _FAULT["step"] = None
         # Every training forward of rank 1 is nan from step 3 on.
-        import accel_ddp.loop as loop
-        sched = loop.build_lr_scheduler
+        import accel_ddp.assemble as assemble
+        sched = assemble.build_lr_scheduler
 
         def seen(*a, **k):
             s = sched(*a, **k)
@@ -153,7 +153,7 @@ def test_max_anomalies_in_a_row_stops_as_today(tmp_path, capfd):
             _FAULT["step"] = 3
             return s
 
-        loop.build_lr_scheduler = seen
+        assemble.build_lr_scheduler = seen
         return main([*ARGS, "--on_anomaly", "skip", "--max_anomalies", "3", "--log_every", "1",
                      "--output_dir", str(tmp_path)])
 

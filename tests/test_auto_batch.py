@@ -151,16 +151,16 @@ def test_running_out_of_memory_later_in_training_is_one_line_naming_the_flag(tmp
             if int(os.environ.get("RANK", "0")) == 1 and calls[0] == 9 and module.training:
                 raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
 
-        import accel_ddp.loop as loop
+        import accel_ddp.assemble as assemble
 
-        build = loop.build_configured_model
+        build = assemble.build_configured_model
 
         def with_fault(*args, **kwargs):
             model = build(*args, **kwargs)
             model.register_forward_pre_hook(later)
             return model
 
-        loop.build_configured_model = with_fault
+        assemble.build_configured_model = with_fault
         return main([*ARGS, "--per_device_batch_size", "4", "--output_dir", str(out)])
 
     capfd.readouterr()

@@ -17,7 +17,8 @@ ROOT = Path(__file__).resolve().parent.parent / "accel_ddp"
 # package itself (its __init__: the public names, and __version__ for the doctor).
 LAYERS = [
     {"util"}, {"config"}, {"lifecycle"}, {"outputs"}, {"tracking", "checkpoint"}, {"distributed"}, {"data"},
-    {"tasks"}, {"models", "optim"}, {"step", "anomaly", "evaluate", "batch_size"}, {"loop"}, {"cli", "accel_ddp"},
+    {"tasks"}, {"models", "optim"}, {"step", "anomaly", "evaluate", "batch_size"}, {"assemble"}, {"loop"},
+    {"cli", "accel_ddp"},
     {"__main__"},
 ]
 LAYER = {group: number for number, groups in enumerate(LAYERS) for group in groups}

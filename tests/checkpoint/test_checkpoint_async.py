@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import accel_ddp.assemble as assemble
 import accel_ddp.checkpoint.async_save as async_save
-import accel_ddp.loop as loop
 from accel_ddp.checkpoint.manager import MARKER_NAME, list_checkpoints, read_checkpoint
 from accel_ddp.cli.train import main
 from tests.helpers.multiproc import RankFailed, run_ranks
@@ -65,7 +65,7 @@ def test_async_checkpoints_hold_the_same_bytes_as_sync_ones(sync_run, tmp_path):
 def _steps_seen() -> list[int]:
     """Patch the schedule's step (called once per optimizer step) to record the step count; returns the record."""
     seen = [0]
-    build = loop.build_lr_scheduler
+    build = assemble.build_lr_scheduler
 
     def counted(self, *a, **k):
         super(type(self), self).step(*a, **k)
@@ -76,7 +76,7 @@ def _steps_seen() -> list[int]:
         # A subclass, not an attribute: the scheduler's __dict__ is its checkpointed state (as tests/helpers/faults.py).
         scheduler.__class__ = type("CountedScheduler", (type(scheduler),), {"step": counted})
         return scheduler
-    loop.build_lr_scheduler = recording
+    assemble.build_lr_scheduler = recording
     return seen
 
 

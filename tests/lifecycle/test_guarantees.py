@@ -409,16 +409,16 @@ def test_a_signal_before_the_process_group_forms_stops_every_rank_once_it_has(ma
     args = args_for(matrix, "device", tmp_path / "run")
 
     def before_the_group(rank: int, fire) -> None:
-        import accel_ddp.loop as loop
+        import accel_ddp.assemble as assemble
 
-        build_accelerator = loop.build_accelerator
+        build_accelerator = assemble.build_accelerator
 
         def signalled(*a, **kw):
             if rank == 1:
                 fire()
             return build_accelerator(*a, **kw)
 
-        loop.build_accelerator = signalled
+        assemble.build_accelerator = signalled
 
     capfd.readouterr()
     assert run_signalled(args, tmp_path / "pids", signal.SIGTERM, "rank", patch=before_the_group) == [75, 75]

@@ -1,0 +1,299 @@
+"""A run assembled: ``setup()`` joins the process group, builds the data, the model (its micro-batch probed with
+``--per_device_batch_size auto``), the loaders, optimizer and schedule, claims the output folder and agrees, on every
+rank, where the run starts; what it returns (``Run``) is everything ``loop.fit`` needs.
+
+A preemption signal during start-up stops every rank together at the end of the phase it came in.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+from contextlib import ExitStack
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+
+from accel_ddp.anomaly import AnomalyGuard
+from accel_ddp.batch_size import choose_micro_batch
+from accel_ddp.checkpoint.async_save import AsyncSaver, check_async_checkpointing
+from accel_ddp.checkpoint.best import BestModel
+from accel_ddp.checkpoint.manager import HYPERPARAMETERS, CheckpointManager
+from accel_ddp.checkpoint.start import where_to_start
+from accel_ddp.checkpoint.storage import open_store
+from accel_ddp.checkpoint.weights import load_weights
+from accel_ddp.config import DEBUG_MAX_STEPS, TrainConfig
+from accel_ddp.data import build_loaders, usable_cpus
+from accel_ddp.data.resolve import resolve_data
+from accel_ddp.distributed.preflight import check_fsdp, check_shared_output_dir
+from accel_ddp.distributed.world import build_accelerator, prepare
+from accel_ddp.lifecycle import failure
+from accel_ddp.lifecycle.failure import main_process_decides
+from accel_ddp.lifecycle.preemption import (
+    Preempted,
+    PreemptionWatcher,
+    restart_hazard,
+)
+from accel_ddp.models import build_configured_model
+from accel_ddp.optim import build_lr_scheduler, build_optimizer, use_fused_optimizer
+from accel_ddp.outputs.run_dir import (
+    RunFinished,
+    check_output_dir,
+    claim_output_dir,
+)
+from accel_ddp.tasks.probe import probe_task
+from accel_ddp.tasks.protocol import Task, build_task
+from accel_ddp.tracking.meters import (
+    progress_bar,
+)
+from accel_ddp.tracking.recorder import RunRecorder
+from accel_ddp.tracking.startup import StartupClock
+from accel_ddp.tracking.startup_block import StartupBlock, finished, resumed_from
+from accel_ddp.tracking.trackers import tracking_kwargs
+from accel_ddp.util.registry import resolve
+
+
+@dataclass
+class Plan:
+    """What an optimizer step means for this run, derived once from the config and the world size."""
+
+    per_device_batch: int  # samples per forward pass on one rank
+    accumulation: int  # micro-steps per optimizer step
+    steps_per_epoch: int  # optimizer steps; the trailing partial global batch is dropped
+    total_steps: int  # optimizer steps of the whole run
+    num_epochs: int
+    auto_batch: dict[str, Any] | None = None  # --per_device_batch_size auto: what was asked, tried, and from where
+
+
+@dataclass
+class Run:
+    """Everything ``fit`` and ``finish`` need, built by ``setup``. Collective objects are on every rank."""
+
+    cfg: TrainConfig
+    accelerator: Accelerator
+    model: torch.nn.Module  # wrapped by accelerator.prepare (DDP, FSDP or as is)
+    task: Task  # how batches reach the model, the loss, the eval metrics
+    optimizer: Any
+    scheduler: Any
+    train_loader: Any  # a DeviceLoader, HostLoader (a DataLoader) or StreamingLoader: batches on the device
+    eval_loader: Any  # None when there is no eval set
+    plan: Plan
+    facts: dict[str, Any]  # world size, batch layout, loader... : config.yaml, checkpoints and summary.json
+    recorder: RunRecorder
+    checkpoints: CheckpointManager
+    preemption: PreemptionWatcher
+    start_step: int  # 0, or the optimizer step of the checkpoint resumed from
+    started: float  # time.perf_counter() when train() began
+    startup: StartupClock  # process start -> first optimizer step, by phase (summary.json's startup_sec)
+    tokenizer: Any = None  # text tasks: saved beside a Transformers model's final weights
+    bar: Any = None  # the progress bar (tqdm): closed by the teardown, so an error never shares its line
+    anomalies: AnomalyGuard | None = None  # --on_anomaly skip|rollback, --spike_factor (None: the loop as it was)
+
+
+def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None, eval_dataset=None, *,
+          loss_fn=None, metrics=(), collate_fn=None, preemption: PreemptionWatcher | None = None) -> Run:
+    """Join the process group, build data, model, optimizer and schedule, and agree on where to start.
+
+    A preemption signal during start-up stops every rank together at the end of the phase it came in
+    (``Preempted`` with nothing saved): the ranks compare their flags there.
+    """
+    started = time.perf_counter()
+    # From now on a SIGTERM means "stop, saving what was trained"; under torchrun a lost launcher means the same.
+    preemption = PreemptionWatcher().install() if preemption is None else preemption
+    teardown.callback(preemption.uninstall)
+    preemption.watch_launcher()
+    startup = StartupClock()  # "imports": interpreter start, imports and option parsing, up to here
+
+    def phase_done(name: str) -> None:  # collective: every rank stops here if any got a signal
+        startup.mark(name)
+        preemption.check_start_up(name)
+
+    accelerator, per_device_batch, accumulation = _join(cfg, teardown, preemption)
+    phase_done("process_group")
+
+    if cfg.debug:
+        torch.autograd.set_detect_anomaly(True)
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    set_seed(cfg.seed)  # same model init on every rank; DDP also broadcasts rank 0's weights
+    memory_format = torch.channels_last if cfg.channels_last else torch.contiguous_format
+    task = build_task(cfg.task, loss_fn or (resolve(cfg.loss, {}, kind="loss") if cfg.loss else None), metrics,
+                      memory_format)
+    data = resolve_data(cfg, accelerator, train_dataset, eval_dataset, collate_fn, preemption=preemption)
+    phase_done("data")
+    named = f" (--model {cfg.model})" if model is None else ""
+    model = _model(cfg, accelerator, model, data, memory_format)
+    named = f"{type(model).__name__}{named}, {sum(p.numel() for p in model.parameters()):,} parameters"
+    # --per_device_batch_size auto: the largest micro-batch that fits on every rank, before DDP wraps the model
+    chosen = choose_micro_batch(cfg, accelerator, model, task, data) if cfg.auto_batch else None
+    if chosen is not None:
+        per_device_batch, accumulation = chosen.size, chosen.accumulation
+    phase_done("model")
+
+    # The device loader where the data fits (--loader), else a DataLoader over the same order, or a stream.
+    loaders = build_loaders(
+        accelerator, data.train, data.eval, per_device_batch_size=per_device_batch,
+        global_batch_size=cfg.global_batch_size, eval_batch_size=cfg.eval_batch_size, loader=cfg.loader,
+        num_workers=0 if cfg.debug else cfg.num_workers, device_loader_max_mb=cfg.device_loader_max_mb,
+        collate_fn=data.collate_fn, max_steps=cfg.max_steps,
+        memory_limit=data.memory_limit,  # the machine's budget (data/memory_budget.py): device memory left for data
+    )
+    plan = _plan(cfg, loaders.steps_per_epoch, per_device_batch, accumulation)
+    plan.auto_batch = chosen.facts() if chosen is not None else None
+    phase_done("loaders")
+
+    optimizer = build_optimizer(cfg.optimizer, model, cfg.lr, cfg.weight_decay,
+                                fused=use_fused_optimizer(cfg.optimizer, accelerator.device.type, accelerator.is_fsdp2))
+    # --warmup_ratio (issue 22): a fraction of this run's total steps, so resolved here, once the total is known
+    scheduler = build_lr_scheduler(optimizer, cfg.lr_schedule, cfg.warmup_for(plan.total_steps), plan.total_steps)
+    model, optimizer, scheduler = prepare(accelerator, model, optimizer, scheduler)
+    probe_task(task, accelerator, model, data, evaluates=loaders.eval is not None, loaders=loaders)
+    phase_done("optimizer_and_prepare")
+
+    # The input is checked. Before anything is written: the folder is created, and ours alone until we exit.
+    teardown.callback(claim_output_dir(accelerator, cfg.output_dir).release)
+    recorder = RunRecorder(cfg.output_dir, accelerator.is_main_process, accelerator=accelerator)
+    teardown.callback(recorder.close)
+    facts = _run_facts(cfg, accelerator, plan, loaders.kind, loaders.source)
+    checkpoints = _checkpoints(cfg, accelerator, teardown, facts, plan, (model, optimizer, scheduler))
+    block = StartupBlock.describe(cfg, facts, epochs=plan.num_epochs, workers=_workers(loaders.train), model=named,
+                                  data_sizes=_debug_sizes(cfg, data), cpus=usable_cpus())
+    start_step = _agree_start(cfg, accelerator, checkpoints, (optimizer, scheduler), plan, recorder, facts, block,
+                              preemption)
+    phase_done("resume_and_config")
+    bar = progress_bar(plan.total_steps, start_step, accelerator.is_local_main_process)
+    teardown.callback(bar.close)  # first on an error: the bar's line ends before any rank prints the error
+    anomalies = AnomalyGuard(cfg, accelerator, recorder, start_step) \
+        if cfg.on_anomaly != "stop" or cfg.spike_factor else None
+    return Run(cfg, accelerator, model, task, optimizer, scheduler, loaders.train, loaders.eval, plan, facts, recorder,
+               checkpoints, preemption, start_step, started, startup, data.tokenizer, bar, anomalies)
+
+
+def _checkpoints(cfg: TrainConfig, accelerator: Accelerator, teardown: ExitStack, facts: dict[str, Any], plan: Plan,
+                 state: tuple) -> CheckpointManager:
+    """Where checkpoints go (the output folder or --checkpoint_dir's store, claimed), with the best model's record
+    and, with --async_checkpointing, the writer thread."""
+    model, optimizer, scheduler = state
+    checkpoints = CheckpointManager(accelerator, cfg.output_dir, cfg.keep_last,
+                                    {**facts, "seed": cfg.seed, "optimizer": cfg.optimizer, "model": cfg.model,
+                                     **{name: getattr(cfg, name) for name in HYPERPARAMETERS}}, cfg.checkpoint_dir)
+    checkpoints.claim_store(cfg.output_dir)  # --checkpoint_dir: one run per prefix, like the output folder's lock
+    teardown.callback(checkpoints.release_store)
+    # The best model and early stopping (checkpoint/best.py): stored with each checkpoint, restored by resume.
+    checkpoints.best = BestModel.from_config(cfg, plan.steps_per_epoch, plan.total_steps)
+    if cfg.async_checkpointing:  # writes in a background thread (checkpoint/async_save.py)
+        check_async_checkpointing(accelerator)
+        checkpoints.saver = AsyncSaver(checkpoints, model, optimizer, scheduler, cfg.ddp_timeout)
+    return checkpoints
+
+
+def _agree_start(cfg: TrainConfig, accelerator: Accelerator, checkpoints: CheckpointManager, state: tuple, plan: Plan,
+                 recorder: RunRecorder, facts: dict[str, Any], block: StartupBlock,
+                 preemption: PreemptionWatcher) -> int:
+    """The step this run starts after (every rank agrees: checkpoint/start.py), then the trackers, the config and
+    the start-up block: nothing an earlier run left is touched before the start point is known."""
+    optimizer, scheduler = state
+    try:
+        start_step = where_to_start(cfg, accelerator, checkpoints, optimizer, scheduler, plan.total_steps)
+    except RunFinished as done:  # said, nothing written
+        block.start = finished(done.summary["optimizer_steps"])
+        _say(block, accelerator.is_main_process)
+        raise
+    block.start = resumed_from(start_step, checkpoints.last_saved_folder) if start_step else "fresh"
+    resolved = {**cfg.to_dict(), "resolved": facts}
+    # One that cannot start (or not within --tracker_start_timeout): exit 2 here; a SIGTERM meanwhile: exit 75.
+    recorder.start_trackers(cfg.tracker_project_name, resolved, start_step, cfg.tracker_start_timeout, preemption)
+    # Only now, with the input checked and the start point agreed, touch what earlier runs left.
+    recorder.rewind(start_step)  # metrics past the checkpoint belong to the lost steps
+    recorder.write_config({**resolved, "startup": block.as_dict()})  # replay (--config) ignores startup:
+    recorder.write_startup(block.text(), start_step)
+    _say(block, accelerator.is_main_process)
+    return start_step
+
+
+def _join(cfg: TrainConfig, teardown: ExitStack, preemption: PreemptionWatcher) -> tuple[Accelerator, int, int]:
+    """The process group and the Accelerator (with the run's batch layout), checked before any data is touched."""
+    def trackers(state) -> dict[str, Any]:  # --with_tracking: a missing package stops every rank here, before data
+        kwargs = tracking_kwargs(state, cfg.report_to, cfg.output_dir, cfg.tracker_project_name, cfg.run_name)
+        cfg.check_tracker_wait(len(kwargs["log_with"]))  # every rank: the same names; `all` is known only now
+        return kwargs
+
+    accelerator, per_device_batch, accumulation = build_accelerator(cfg, trackers if cfg.with_tracking else None)
+    teardown.callback(accelerator.end_training)
+    preemption.connect(accelerator, timedelta(seconds=cfg.ddp_timeout))  # its all-reduce waits --ddp_timeout at most
+    teardown.push(_claim_failure)  # before the group goes: the ranks it then stops know that they are not first
+    main_process_decides(accelerator, lambda: check_output_dir(cfg.output_dir))  # a bad folder: now, not after data
+    if cfg.checkpoint_dir:  # a store that cannot even be opened (no account, bad settings): now too, one line
+        main_process_decides(accelerator, lambda: open_store(cfg.checkpoint_dir) and None)
+    check_shared_output_dir(accelerator, cfg.output_dir)  # several machines: one folder for all of them
+    if accelerator.is_main_process and (hazard := restart_hazard()):
+        print(f"accel_ddp: warning: {hazard}", file=sys.stderr, flush=True)
+    return accelerator, per_device_batch, accumulation
+
+
+def _say(block: StartupBlock, is_main: bool) -> None:
+    """The start-up block on stdout and its warnings on stderr, once (main process)."""
+    if is_main:
+        print(block.text(warnings=False), end="", flush=True)
+        for warning in block.warnings:
+            print(f"accel_ddp: warning: {warning}", file=sys.stderr, flush=True)
+
+
+def _workers(loader) -> int | None:
+    """DataLoader workers per rank of a training loader (HostLoader wraps a DataLoader); None for the device loader."""
+    inner = getattr(loader, "loader", loader)
+    return getattr(loader, "num_workers", getattr(inner, "num_workers", None))
+
+
+def _debug_sizes(cfg: TrainConfig, data) -> tuple[tuple[int, int], ...]:
+    """--debug: (kept, full) samples of the training and eval sets that data/resolve.py cut to a Subset."""
+    sets = [d for d in (data.train, data.eval) if isinstance(d, torch.utils.data.Subset)] if cfg.debug else []
+    return tuple((len(d), len(d.dataset)) for d in sets if len(d) < len(d.dataset))
+
+
+def _model(cfg: TrainConfig, accelerator: Accelerator, model, data, memory_format) -> torch.nn.Module:
+    """The caller's model or the configured one, checked for FSDP2, with ``--init_from``'s weights, in its layout."""
+    if model is None:
+        model = build_configured_model(cfg, data)
+    if accelerator.is_fsdp2:  # before anything is built on it: what FSDP2 cannot shard or cast
+        check_fsdp(model, channels_last=cfg.channels_last, mixed_precision=accelerator.mixed_precision)
+    if cfg.init_from:
+        load_weights(model, cfg.init_from)  # every rank reads the same file before DDP wraps the model
+    return model.to(memory_format=memory_format)  # NHWC convolutions: faster on tensor cores
+
+
+def _plan(cfg: TrainConfig, steps_in_epoch: int, per_device_batch: int, accumulation: int) -> Plan:
+    total_steps = cfg.max_steps or cfg.epochs * steps_in_epoch
+    if cfg.debug:
+        total_steps = min(total_steps, DEBUG_MAX_STEPS)
+    return Plan(per_device_batch, accumulation, steps_in_epoch, total_steps, math.ceil(total_steps / steps_in_epoch))
+
+
+def _run_facts(cfg: TrainConfig, accelerator: Accelerator, plan: Plan, loader_kind: str,
+               data_source: str) -> dict[str, Any]:
+    return {
+        "world_size": accelerator.num_processes,
+        "global_batch_size": cfg.global_batch_size,
+        "per_device_batch_size": plan.per_device_batch,
+        "grad_accum_steps": plan.accumulation,
+        **({"auto_batch": plan.auto_batch} if plan.auto_batch else {}),  # the size was found by the probe, or reused
+        "steps_per_epoch": plan.steps_per_epoch,
+        "total_steps": plan.total_steps,
+        "distributed_type": str(accelerator.distributed_type.value),
+        "mixed_precision": accelerator.mixed_precision,
+        "loader": loader_kind,  # device, dataloader or streaming
+        "data_source": data_source,  # in_memory, memory_mapped, streaming or map_style
+        "device": str(accelerator.device.type),
+        "num_machines": int(os.environ.get("ACCELERATE_NUM_MACHINES", os.environ.get("GROUP_WORLD_SIZE", "1"))),
+    }
+
+
+def _claim_failure(kind, err, tb) -> None:
+    """``train()``'s teardown, on an error: claim it (``failure.claim``) while the process group still stands."""
+    if isinstance(err, Exception) and not isinstance(err, Preempted):
+        failure.claim(err, failure.exit_code(err))
