@@ -17,6 +17,7 @@ interpreter teardown, see ``accel_ddp.exit_process``).
 from __future__ import annotations
 
 import faulthandler
+import gc
 import multiprocessing
 import os
 import pickle
@@ -85,6 +86,12 @@ def own_tqdm_locks() -> None:
 def _child(rank: int, world_size: int, port: int, env: dict[str, str], fn: Callable[[], Any], conn,
            stacks: tuple[str, float]) -> None:
     try:
+        # What the test process had made and dropped is not this rank's to collect: an object owning a thread
+        # that the fork did not copy (a store's server, a reader's pool) would join it from its destructor, and
+        # a join of a thread that is not here aborts the rank (seen: "std::system_error: Invalid argument" while
+        # garbage-collecting in a save). Frozen, the inherited objects are never collected here; the test process
+        # collects its own garbage, where those threads run.
+        gc.freeze()
         _dump_stacks_if_still_running(*stacks)
         for name in _LAUNCH_ENV:
             os.environ.pop(name, None)
