@@ -10,7 +10,7 @@ together, so every rank decides the same way at the same point:
   where a first process building the data alone is interrupted by the signal (``interruptible``);
   the main process waiting for a tracker's start gives up once it sees the record (``signalled``,
   tracking/tracker_thread.py; then phase "trackers"); every rank raises ``Preempted`` with nothing saved;
-- training: after optimizer steps (``stop_requested``), every quarter second or so at a step every
+- training: after optimizer steps (``stop_requested``), about once a second at a step every
   rank agreed on; after each evaluation and each save (``agree``): the loop saves that step's
   checkpoint together and ``train()`` raises ``Preempted``.
 

@@ -36,7 +36,7 @@ class StartupBlock:
     @classmethod
     def describe(cls, cfg: Any, facts: dict[str, Any], *, epochs: int, workers: int | None, model: str,
                  data_sizes: tuple[tuple[int, int], ...] = (), cpus: int = 1, env=os.environ) -> StartupBlock:
-        """From the config, the run's facts (loop._run_facts), and what only the loop knows.
+        """From the config, the run's facts (assemble._run_facts), and what only the loop knows.
 
         ``workers``: the training loader's DataLoader workers per rank (None: no DataLoader); ``data_sizes``:
         --debug's (kept, full) sample counts of the training and eval sets; ``cpus``: the cores this rank may use.
@@ -101,7 +101,7 @@ def finished(step: int) -> str:
 
 
 def debug_changes(cfg: Any, total_steps: int, full_train: int | None) -> str:
-    """What --debug changed besides the data (loop.setup, data/resolve.py and distributed/world.py apply it);
+    """What --debug changed besides the data (assemble.setup, data/resolve.py and distributed/world.py apply it);
     ``full_train``: the training set's samples before --debug cut it (None: not cut)."""
     before = cfg.max_steps or (cfg.epochs * (full_train // cfg.global_batch_size) if full_train else None)
     steps = f"cut to {total_steps} optimizer steps (from {before})" if before and before > total_steps else \

@@ -38,13 +38,7 @@ from tests.helpers import data as helpers_data
 from tests.helpers import faults
 from tests.helpers.data import write_cifar, write_png_classes
 from tests.helpers.multiproc import RankFailed, run_ranks
-from tests.helpers.runs import REPO, load_weights, read_summary, train_ranks
-
-TRAIN_SRC = (REPO / "accel_ddp" / "loop.py").read_text()
-wired = pytest.mark.skipif(
-    "build_loaders" not in TRAIN_SRC, reason="accel_ddp/loop.py does not use data.build_loaders yet"
-)
-
+from tests.helpers.runs import load_weights, read_summary, train_ranks
 
 # ----------------------------------------------------------------------------- file writers
 
@@ -413,7 +407,6 @@ def test_own_model_and_dataset_through_the_python_api_under_two_processes(tmp_pa
     assert capfd.readouterr().out.count("eval accuracy") == 1  # printed by the main process only
 
 
-@wired
 def test_device_and_dataloader_paths_end_with_the_same_weights(tmp_path):
     common = ["--dataset", "digits", "--model", "mnist_cnn", "--epochs", "1", "--global_batch_size", "64",
               "--per_device_batch_size", "16", "--optimizer", "sgd", "--lr", "0.05"]
@@ -427,7 +420,6 @@ def test_device_and_dataloader_paths_end_with_the_same_weights(tmp_path):
         assert summary.get("loader", kind) == kind
 
 
-@wired
 def test_cifar10_files_on_the_device_loader_with_resnet18(tmp_path):
     write_cifar(tmp_path / "data", per_batch=16)
     out = tmp_path / "run"
@@ -439,7 +431,6 @@ def test_cifar10_files_on_the_device_loader_with_resnet18(tmp_path):
     assert load_weights(out)["conv1.weight"].shape == (4, 3, 3, 3)
 
 
-@wired
 def test_device_loader_resumes_mid_epoch_to_the_same_weights(tmp_path):
     """A rank fails in epoch 1; the resumed run skips what the checkpoint holds and ends where the whole run ends."""
     common = ["--dataset", "digits", "--model", "mnist_cnn", "--epochs", "2", "--global_batch_size", "64",
