@@ -15,7 +15,7 @@ import pytest
 
 from accel_ddp.data import HFSource, build_datasets
 from accel_ddp.util.validation import ConfigError
-from tests.helpers.data import hf_image_dataset
+from tests.helpers.data import batches_until_data_error, hf_image_dataset
 from tests.helpers.multiproc import run_ranks
 from tests.helpers.runs import main_ranks
 
@@ -257,20 +257,13 @@ def test_text_that_is_not_utf8_met_mid_stream_stops_every_rank_with_one_line_nam
         import datasets
         from accelerate import PartialState
 
-        from accel_ddp.data import DataError
         from accel_ddp.data.streaming import StreamingLoader, StreamSource
 
         state = PartialState(cpu=True)
         stream = datasets.load_dataset("json", data_files=str(data / "rows.jsonl"), split="train", streaming=True)
         loader = StreamingLoader(StreamSource(stream, _decode_idx, 0, files=str(data)), 2, 4, max_steps=20, seed=0,
                                  rank=state.process_index, world_size=2, num_workers=workers)
-        steps = 0
-        try:
-            for _ in loader:
-                steps += 1
-        except DataError as err:
-            return steps, str(err)
-        return steps, None
+        return batches_until_data_error(loader)
 
     (steps0, error0), (steps1, error1) = run_ranks(run, grace=5)
     assert steps0 == steps1 < 20 and error0 == error1  # both stopped at the same step, with the same line

@@ -261,3 +261,16 @@ def write_cifar(root: Path, per_batch: int = 12, protocol: int = 2) -> dict:
         batches[name] = entry
     (folder / "batches.meta").write_bytes(pickle.dumps({"label_names": [str(i) for i in range(10)]}, protocol=2))
     return batches
+
+
+def batches_until_data_error(loader) -> tuple[int, str | None]:
+    """Iterate ``loader`` in a rank: the batches it served, and the DataError's text if one ended it (else None)."""
+    from accel_ddp.data import DataError
+
+    served = 0
+    try:
+        for _ in loader:
+            served += 1
+    except DataError as err:
+        return served, str(err)
+    return served, None

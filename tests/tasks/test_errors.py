@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.helpers.data import batches_until_data_error
 from tests.helpers.runs import main_ranks
 
 TINY = ["--dataset", "synthetic", "--synthetic_samples", "64", "--synthetic_shape", "4", "--hidden_size", "8",
@@ -573,7 +574,6 @@ def test_a_label_out_of_range_while_streaming_stops_every_rank_at_the_same_step_
         import datasets
         from accelerate import PartialState
 
-        from accel_ddp.data.bundle import DataError
         from accel_ddp.data.streaming import StreamingLoader, StreamSource
         from accel_ddp.tasks.labels import IdRange, batch_check
 
@@ -582,13 +582,7 @@ def test_a_label_out_of_range_while_streaming_stops_every_rank_at_the_same_step_
         loader = StreamingLoader(StreamSource(stream, _decode_with_a_bad_label, 0), 2, 4, max_steps=10, seed=0,
                                  rank=state.process_index, world_size=2, num_workers=0)
         loader.batch_check = batch_check([IdRange(1, 10, "classes")])
-        trained = 0
-        try:
-            for _ in loader:
-                trained += 1
-        except DataError as err:
-            return trained, str(err)
-        return trained, None
+        return batches_until_data_error(loader)
 
     (steps0, line0), (steps1, line1) = run_ranks(run, grace=5)
     assert (steps0, steps1) == (2, 2)
