@@ -36,11 +36,9 @@ def _check_per_device(cfg: Any) -> None:
                           "that fits; give --global_batch_size instead of --gradient_accumulation_steps")
 
 
-
 def warn_deprecated(old: str, new: str) -> None:
     """One line on stderr, from the first rank only (every rank parses the same command line)."""
     warn(f"{old} is deprecated and will be removed in the next release; use {new}", ranks="first")
-
 
 
 def _check_tracking(cfg: Any) -> None:
@@ -63,7 +61,6 @@ def _check_tracking(cfg: Any) -> None:
              ranks="first")
 
 
-
 def _check_hf_fields(cfg: Any) -> None:
     """The options with Hugging Face names and derived meanings (HF_FIELDS)."""
     if cfg.warmup_ratio is not None:
@@ -81,10 +78,8 @@ def _check_hf_fields(cfg: Any) -> None:
         cfg.tokenizer = cfg.model
 
 
-
 def _gib(num_bytes: float) -> str:
     return f"{num_bytes / 2**30:,.3g} GiB"
-
 
 
 def _check_task(cfg: Any) -> None:
@@ -111,10 +106,8 @@ def _check_task(cfg: Any) -> None:
                               "(e.g. examples/configs/tiny_gpt2.json)")
 
 
-
 def _default(cfg: Any, name: str) -> Any:
     return next(f.default for f in dataclasses.fields(cfg) if f.name == name)
-
 
 
 def _check_data(cfg: Any) -> None:
@@ -130,7 +123,6 @@ def _check_data(cfg: Any) -> None:
     if cfg.task in TEXT_TASKS:
         raise ConfigError(f"--streaming with --task {cfg.task}: text is tokenized once into a memory-mapped dataset, "
                           "which reads a batch at a time at any size; drop --streaming")
-
 
 
 def _check_urls(cfg: Any) -> None:
@@ -156,7 +148,6 @@ def _check_urls(cfg: Any) -> None:
         raise ConfigError(f"--{name} {value}: {match.group(1)}:// URLs are not supported here; {fix}")
 
 
-
 def _checked_store(url: str) -> str:
     """``--checkpoint_dir``: a URL of a known scheme whose fsspec package is installed (found, not imported)."""
     match = URL_SCHEME.match(url)
@@ -175,7 +166,6 @@ def _checked_store(url: str) -> str:
         raise ConfigError(f"--checkpoint_dir {url} needs the {package} package, which is not installed; "
                           f"pip install {needed}")
     return url.rstrip("/")
-
 
 
 def _check_best_model(cfg: Any) -> None:

@@ -19,7 +19,6 @@ def _opt(default: Any, help: str, low: float | None = None, high: float | None =
     return field(default=default, metadata=metadata)
 
 
-
 SEED_MAX = 2**32 - 1  # NumPy's np.random.seed accepts 0 .. 2**32 - 1, and set_seed seeds NumPy too
 
 
@@ -44,7 +43,6 @@ RESNET18_PARAMS_AT_WIDTH_64 = 11.2e6  # parameters scale with width squared
 
 RESNET18_PARAMS_AT_WIDTH_64 = 11.2e6  # parameters scale with width squared
 DEBUG_MAX_STEPS = 10  # --debug: a handful of optimizer steps is enough to surface shape or sync bugs
-
 
 
 LR_SCHEDULES = ("constant", "linear", "cosine")
@@ -143,7 +141,6 @@ EXPANDED_VALUES = {
 }
 
 
-
 URL_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 
 
@@ -154,7 +151,6 @@ PATH_FLAGS = ("output_dir", "resume_from_checkpoint", "init_from")
 # --checkpoint_dir schemes -> (the fsspec implementation's package, the accel_ddp extra that installs it).
 STORE_PACKAGES = {"s3": ("s3fs", "s3"), "gs": ("gcsfs", "gcs"), "gcs": ("gcsfs", "gcs"), "az": ("adlfs", "azure"),
                   "abfs": ("adlfs", "azure"), "abfss": ("adlfs", "azure"), "file": ("fsspec", None)}
-
 
 
 # The calls into one tracker that the main process bounds by --tracker_start_timeout, each in turn, while the

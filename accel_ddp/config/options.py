@@ -366,7 +366,6 @@ class TrainConfig:
         return out
 
 
-
 def accumulation_steps(per_device_batch_size: int, global_batch_size: int, world_size: int) -> int:
     """Micro-steps per optimizer step of a batch layout: ``global = world_size * per_device * accumulation``.
 
@@ -379,7 +378,6 @@ def accumulation_steps(per_device_batch_size: int, global_batch_size: int, world
             f"{world_size * max(per_device_batch_size, 1)}"
         )
     return global_batch_size // (world_size * per_device_batch_size)
-
 
 
 def largest_micro_batch(global_batch_size: int, world_size: int, at_most: int | None = None) -> int:
@@ -397,14 +395,12 @@ def largest_micro_batch(global_batch_size: int, world_size: int, at_most: int | 
     return next(size for size in range(at_most, 0, -1) if share % size == 0)
 
 
-
 class Section(typing.NamedTuple):
     """One group of options: docs/flags.md's table under ``### Title`` (then the note), and a ``--help`` group."""
 
     title: str  # "Task"
     note: str  # "How a batch reaches the model, its loss and the eval metrics: docs/tasks.md." or ""
     fields: list[dataclasses.Field]
-
 
 
 def sections() -> list[Section]:
@@ -421,10 +417,8 @@ def sections() -> list[Section]:
     return grouped
 
 
-
 def field_types() -> dict[str, Any]:
     return typing.get_type_hints(TrainConfig)
-
 
 
 def new_spelling(options: dict[str, Any]) -> str:
