@@ -21,79 +21,49 @@ def _opt(default: Any, help: str, low: float | None = None, high: float | None =
 
 SEED_MAX = 2**32 - 1  # NumPy's np.random.seed accepts 0 .. 2**32 - 1, and set_seed seeds NumPy too
 
-
 # A collective that waits longer than a week for a missing rank is a hang, not a slow peer; the bound also
 # keeps the value within what timedelta and the backends' millisecond counters hold.
 DDP_TIMEOUT_MAX = 7 * 24 * 3600
-
 
 # Sanity bounds for sizes that are typos when huge: model state (weights, gradients and AdamW's two
 # moments: 16 bytes per fp32 parameter) and the synthetic dataset (float32, on every rank) must fit in
 # what an 80 GB accelerator holds. Bigger than this is an out-of-memory crash minutes later.
 MODEL_STATE_MAX_BYTES = 64 * 2**30
 
-
-MODEL_STATE_MAX_BYTES = 64 * 2**30
 SYNTHETIC_MAX_BYTES = 16 * 2**30
 
-
-SYNTHETIC_MAX_BYTES = 16 * 2**30
 RESNET18_PARAMS_AT_WIDTH_64 = 11.2e6  # parameters scale with width squared
 
-
-RESNET18_PARAMS_AT_WIDTH_64 = 11.2e6  # parameters scale with width squared
 DEBUG_MAX_STEPS = 10  # --debug: a handful of optimizer steps is enough to surface shape or sync bugs
 
-
 LR_SCHEDULES = ("constant", "linear", "cosine")
 
-
-LR_SCHEDULES = ("constant", "linear", "cosine")
 OPTIMIZERS = ("sgd", "adamw")
-
 
 # --report_to names: Accelerate's trackers (accelerate.tracking.LOGGER_TYPE_TO_CLASS, listed here because
 # this module imports no torch) and accel_ddp's csv. "all" = every one whose package is installed, plus csv.
 ACCELERATE_TRACKERS = ("tensorboard", "wandb", "mlflow", "comet_ml", "aim", "clearml", "dvclive", "swanlab", "trackio")
 
-
-ACCELERATE_TRACKERS = ("tensorboard", "wandb", "mlflow", "comet_ml", "aim", "clearml", "dvclive", "swanlab", "trackio")
 REPORT_TO = (*ACCELERATE_TRACKERS, "csv", "all")
 
-
-REPORT_TO = (*ACCELERATE_TRACKERS, "csv", "all")
 COMM_HOOKS = ("none", "fp16", "bf16")
 
-
-COMM_HOOKS = ("none", "fp16", "bf16")
 LOADERS = ("auto", "device", "dataloader")
 
-
-LOADERS = ("auto", "device", "dataloader")
 ON_ANOMALY = ("stop", "skip", "rollback")  # what a nan/inf or spiking step does (accel_ddp/anomaly.py)
-
 
 # --task: what a batch and a loss mean (accel_ddp/tasks/protocol.py); the text tasks read text with a tokenizer.
 TASKS = ("classification", "sequence_classification", "causal_lm")
 
-
-TASKS = ("classification", "sequence_classification", "causal_lm")
 TEXT_TASKS = ("sequence_classification", "causal_lm")
-
 
 # Old spellings that keep working for one release, each with a warning naming the new one.
 RENAMED_FLAGS = {"fast_loader_max_mb": "device_loader_max_mb"}
 
-
-RENAMED_FLAGS = {"fast_loader_max_mb": "device_loader_max_mb"}
 RENAMED_VALUES = {("loader", "fast"): "device"}
 
-
-RENAMED_VALUES = {("loader", "fast"): "device"}
 DEFAULT_GLOBAL_BATCH = 64  # --global_batch_size unless --gradient_accumulation_steps derives it
 
-
-DEFAULT_GLOBAL_BATCH = 64  # --global_batch_size unless --gradient_accumulation_steps derives it
 MIXED_PRECISIONS = ("no", "fp16", "bf16", "fp8")  # Accelerate's PrecisionType (accelerate/utils/dataclasses.py)
 
 
@@ -144,7 +114,6 @@ EXPANDED_VALUES = {
 URL_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 
 
-URL_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 PATH_FLAGS = ("output_dir", "resume_from_checkpoint", "init_from")
 
 
