@@ -30,9 +30,10 @@ scancel signal them too, and torch's worker handler would let them die. Exit cod
         was saved; relaunch the same command with --resume_from_checkpoint auto to continue exactly
         where it stopped (stopped during start-up: nothing trained, nothing saved)
 
-``accelerate launch`` does not pass these on: it exits 1 when the job failed or when it was
-itself signalled, and logs each worker's exit code. Batch scripts should decide to requeue from
-the signal they forwarded, not from the launcher's exit code (docs/checkpoints.md, "Exit codes").
+``accelerate launch`` does not pass these on: it exits 1 when the job failed, 128 + the signal
+when it was itself signalled (accelerate 1.16; 1 before), and logs each worker's exit code. Batch
+scripts should decide to requeue from the signal they forwarded, not from the launcher's exit code
+(docs/checkpoints.md, "Exit codes").
 
 What reaches the workers: torchrun (inside ``accelerate launch``) starts each worker in its own
 session (``start_new_session=True`` in torch/distributed/elastic/multiprocessing/subprocess_handler/
