@@ -16,6 +16,7 @@ and normalises whole micro-batches there. :class:`DeviceEvalLoader` is its evalu
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch.utils.data import Dataset
@@ -26,7 +27,10 @@ from accel_ddp.util.validation import ConfigError
 
 
 class DeviceLoader(GlobalBatchLoader):
-    """Serves ``(inputs, labels)`` micro-batches from tensors on ``device``, with the DataLoader path's semantics.
+    """Serves micro-batches from tensors on ``device``, with the DataLoader path's semantics.
+
+    A batch is ``(inputs, labels)``, or ``{"input_ids": ...}`` for
+    :class:`~accel_ddp.data.in_memory.TokenBlocks` (each dataset's ``gather`` makes it).
 
     The order is :class:`~accel_ddp.data.sampler.GlobalBatchSampler`'s: each epoch's permutation
     (seed ``seed + epoch``) keeps its first ``steps_per_epoch * global_batch_size`` indices, cut into
@@ -83,19 +87,14 @@ class DeviceLoader(GlobalBatchLoader):
         params = crop_flip_params(self.seed, epoch, 0, used, self.global_batch_size)
         return params.view(-1, self.world_size, self.per_device_batch_size, 3)[:, self.rank]
 
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def __iter__(self) -> Iterator[Any]:
         epoch = self.sampler.epoch
         indices = self.rank_indices(epoch).to(self.device, non_blocking=True)
         params = self._augment_params(epoch)
         if params is not None:
             params = params.to(self.device, non_blocking=True)
-        inputs, labels = self.data.inputs, self.data.labels
         for micro_step in range(self.sampler.start, len(indices)):
-            index = indices[micro_step]
-            batch_params = None if params is None else params[micro_step]
-            # index_select, not inputs[index]: on the CPU it is an order of magnitude faster.
-            batch = torch.index_select(inputs, 0, index)
-            yield self.data.transform(batch, batch_params), torch.index_select(labels, 0, index)
+            yield self.data.gather(indices[micro_step], None if params is None else params[micro_step])
         self.sampler.set_epoch(epoch + 1)
 
 
@@ -134,9 +133,9 @@ class DeviceEvalLoader:
     def __len__(self) -> int:
         return self.num_batches
 
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def __iter__(self) -> Iterator[Any]:
         torch.empty((), dtype=torch.int64).random_()  # the seed draw of a DataLoader pass, as DeviceLoader makes
         inputs = self.data.inputs.tensor_split(self.num_batches)
         labels = self.data.labels.tensor_split(self.num_batches)
         for batch, batch_labels in zip(inputs, labels, strict=True):
-            yield self.data.transform(batch), batch_labels
+            yield self.data.as_batch(batch, batch_labels)

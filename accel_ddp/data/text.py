@@ -14,7 +14,10 @@ data on each machine's first process first (``local_main_first``).
   joined (an end-of-text token between them) and cut into blocks of exactly ``--max_length``.
 
 Samples are dicts of 1-D tensors of different lengths; :class:`PadCollate` pads each batch to
-its longest sample and adds the ``attention_mask``.
+its longest sample and adds the ``attention_mask``. Packed blocks that fit in memory (``--device_loader_max_mb``
+and this machine's budget, as a decoded image set) are read out of the datasets cache once into
+:class:`~accel_ddp.data.in_memory.TokenBlocks`, which the device loader serves with no DataLoader
+worker, no per-batch Arrow read and no collate; larger ones stay memory-mapped.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ from torch.utils.data import default_collate
 from accel_ddp.data.bundle import DatasetBundle
 from accel_ddp.data.hf import HFSource, _label_column, _labels, load_splits
 from accel_ddp.data.hf_source import bad_text_named
+from accel_ddp.data.in_memory import TokenBlocks
+from accel_ddp.data.memory_budget import say
 from accel_ddp.util.messages import note
 from accel_ddp.util.optional import require
 from accel_ddp.util.validation import ConfigError
@@ -137,8 +142,22 @@ def build_text(data_dir: str, source: HFSource, options: TextOptions) -> tuple[D
             raise ConfigError(f"--packing: the texts of the {name} split of {source.name or data_dir} make no whole "
                               f"block of --max_length {options.max_length} tokens; lower --max_length, or give "
                               "it more text")
-    train_set, eval_set = (ds.with_format("torch") for ds in splits)
+    held = _blocks_in_memory(splits, options.max_length, source) if options.packing and not options.labels else None
+    train_set, eval_set = held or (ds.with_format("torch") for ds in splits)
     return DatasetBundle(train_set, eval_set, num_classes, (options.max_length,)), tokenizer
+
+
+def _blocks_in_memory(splits, max_length: int, source: HFSource) -> tuple[TokenBlocks, TokenBlocks] | None:
+    """The packed train and eval blocks as tensors in memory, or None (memory-mapped) when they do not fit
+    ``source.in_memory_max_mb`` (the flag and this machine's budget; one line when the budget decides)."""
+    nbytes = sum(len(ds) for ds in splits) * max_length * torch.empty((), dtype=torch.int64).element_size()
+    if source.in_memory_max_mb is not None and nbytes > source.in_memory_max_mb * 2**20:
+        if source.memory_limit is not None:
+            say(source.memory_limit.note("the packed token blocks", nbytes, source.in_memory_max_mb))
+        return None
+    # One columnar read per split (the numpy format stacks the equal-length blocks), then a tensor that owns it.
+    return tuple(TokenBlocks(torch.from_numpy(ds.with_format("numpy")[:]["input_ids"].astype("int64", copy=True)))
+                 for ds in splits)
 
 
 def _ensure_pad_token(tokenizer, name: str) -> None:

@@ -127,3 +127,38 @@ def test_loader_device_decodes_whatever_the_budget(tmp_path, loader, monkeypatch
                                  "--output_dir", str(tmp_path / "o")]))
 
     assert run_ranks(fn, world_size=1)[0]["data_source"] == "in_memory"
+
+
+def test_packed_token_blocks_over_the_budget_stay_memory_mapped_with_one_line_and_fit_in_memory_below_it(
+        tmp_path, capsys, monkeypatch):
+    """causal_lm --packing: blocks within the budget are read once into TokenBlocks (the device loader's), the
+    same ids as the datasets cache holds; over it they stay a memory-mapped datasets.Dataset, with one line."""
+    pytest.importorskip("transformers")
+    import datasets
+
+    from accel_ddp.data.hf import HFSource
+    from accel_ddp.data.in_memory import TokenBlocks
+    from accel_ddp.data.text import TextOptions, build_text
+    from tests.helpers.text import build_word_tokenizer, sentences
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    for split, seed in (("train", 0), ("test", 1)):
+        (texts / f"{split}.json").write_text("".join(f'{{"text": "{t}"}}\n' for t, _ in sentences(60, seed)))
+    options = TextOptions(str(build_word_tokenizer([t for t, _ in sentences(60, 0)], tmp_path / "tok")),
+                          max_length=16, packing=True, labels=False)
+    roomy, _ = build_text(str(texts), HFSource(in_memory_max_mb=1.0, memory_limit=InMemoryLimit(4096, 1, 1, "")),
+                          options)
+    small = InMemoryLimit(4096, 0.001, 0.001, "host memory available / 2 local ranks")
+    mapped, _ = build_text(str(texts), HFSource(in_memory_max_mb=small.decode_mb, memory_limit=small), options)
+    assert isinstance(roomy.train, TokenBlocks) and isinstance(roomy.eval, TokenBlocks)
+    assert isinstance(mapped.train, datasets.Dataset) and not isinstance(mapped.train, TokenBlocks)
+    assert roomy.train.inputs.shape == (len(mapped.train), 16) and roomy.train.inputs.dtype == torch.int64
+    assert torch.equal(roomy.train.inputs, torch.stack([row["input_ids"] for row in mapped.train]))
+    assert torch.equal(roomy.eval[3]["input_ids"], mapped.eval[3]["input_ids"])
+    nbytes = (len(mapped.train) + len(mapped.eval)) * 16 * 8
+    lines = [line for line in capsys.readouterr().err.splitlines() if "budget" in line]
+    assert lines == [f"accel_ddp: note: the packed token blocks would take {nbytes / MiB:.3g} MiB per rank, over this "
+                     "machine's budget of 0.001 MiB (host memory available / 2 local ranks), which "
+                     "--device_loader_max_mb 4096 does not raise: reading it memory-mapped"]
