@@ -43,6 +43,7 @@ from accel_ddp.data import build_datasets, epoch_order, steps_per_epoch  # noqa:
 from accel_ddp.models import build_model  # noqa: E402
 from accel_ddp.optim import build_optimizer  # noqa: E402
 from accel_ddp.tracking.startup import process_age  # noqa: E402
+from benchmarks.common import exit_now  # noqa: E402
 
 
 def load(args, device: torch.device):
@@ -149,3 +150,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_now()  # past the gloo teardown race at finalization (common.exit_now)

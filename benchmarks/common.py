@@ -372,6 +372,19 @@ def exit_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
 
+def exit_now(code: int = 0) -> None:
+    """End a benchmark's rank without interpreter finalization, as ``accel_ddp.exit_process`` ends train.py's.
+
+    A gloo worker thread that still holds the last collective's tensors while the interpreter
+    finalizes aborts the process ("terminate called without an active exception", SIGABRT) after a
+    run that finished (seen in ~1 of 8 bare_ddp.py launches here); the DDP module keeps the group alive
+    past ``destroy_process_group``. Every side of a comparison ends this way, so none loses rounds to it.
+    """
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(code)
+
+
 def read_jsonl(path: Path) -> list[dict]:
     if not path.is_file():
         return []

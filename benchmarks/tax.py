@@ -304,7 +304,9 @@ def main(argv: list[str] | None = None) -> int:
                         try:
                             record.update(parse(side, run_dir, WORKLOADS[w][2]), ok=info["rc"] == 0)
                         except (OSError, ValueError, KeyError, ZeroDivisionError) as err:
-                            record.update(error=f"{type(err).__name__}: {err}", log_tail=tail(run_dir / "log.txt"))
+                            record["error"] = f"{type(err).__name__}: {err}"
+                        if not record["ok"]:  # also a run whose figures were written before a failed exit
+                            record["log_tail"] = tail(run_dir / "log.txt", 60)
                         runs.append(record)
                         status = (f"{record['steps_per_sec']:.1f} steps/s" if record["ok"]
                                   else f"FAILED (exit {info['rc']}):\n{tail(run_dir / 'log.txt', 15)}")

@@ -1,0 +1,208 @@
+"""accel_ddp against what users would pick instead, on matched work, alternated in one invocation.
+
+Two comparisons (``--peers``):
+
+    trainer     the Hugging Face Trainer (peer_trainer.py) and accel_ddp on the causal LM of docs/tasks.md:
+                the 4-layer GPT-2 of examples/configs/tiny_gpt2.json on the Python Language Reference as packed
+                128-token blocks, 16 per device, lr 2e-3, 20 warmup steps, cosine, clipping 1.0, 3 epochs
+    lightning   PyTorch Lightning (peer_lightning.py) and accel_ddp on the MNIST CNN: mnist_cnn on the MNIST
+                split of common.py, 64 per device, AdamW 3e-3, cosine, clipping 1.0, 3 epochs
+
+Each peer with the defaults its docs give (``trainer``, ``lightning``) and, labelled apart, with accel_ddp's
+multi-tensor AdamW (``trainer_foreach``, ``lightning_foreach``): the implementation of the same AdamW is a
+choice of each framework's default, not of the work. accel_ddp runs with its defaults (``train.py`` with the
+work's flags only). All sides are started the same way (``accelerate launch``), 2 processes over gloo, in
+rounds whose order alternates. Figures per round, paired: samples/s over every epoch but the first (an
+epoch's start to its last optimizer step, evaluation excluded, as accel_ddp's ``EpochTimer``), rank 0's CPU
+time per step over the same window, start-up (process start to the first optimizer step, the slowest rank),
+the whole launch's wall time, and the final evaluation (eval loss; accuracy for the CNN).
+
+    python benchmarks/peers.py                                      # both, 3 rounds (~25 min on 2 cores)
+    python benchmarks/peers.py --peers trainer,trainer_foreach --rounds 3
+    python benchmarks/peers.py --peers lightning --rounds 5
+
+Needs ``lightning`` for the Lightning side (``pip install lightning``; not a dependency of accel_ddp).
+Writes ``OUT/peers.json`` (every run's figures, the table, the machine, the settings).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import (  # noqa: E402
+    REPO,
+    bench_env,
+    data_source,
+    exit_on_sigterm,
+    launch_cmd,
+    machine_info,
+    median,
+    read_jsonl,
+    run_launch,
+    tail,
+)
+
+HERE = Path(__file__).resolve().parent
+SKIP_EPOCHS = 1  # the first epoch holds one-time costs (first-step allocations, DDP's bucket rebuild)
+EPOCHS = 3
+LM = {"per_device": 16, "lr": 2e-3, "warmup": 20}
+CNN = {"per_device": 64, "lr": 3e-3}
+PEERS = {  # name: (the comparison's work, the peer's script, its extra flags)
+    "trainer": ("lm", "peer_trainer.py", []),
+    "trainer_foreach": ("lm", "peer_trainer.py", ["--optimizer", "foreach"]),
+    "lightning": ("cnn", "peer_lightning.py", []),
+    "lightning_foreach": ("cnn", "peer_lightning.py", ["--optimizer", "foreach"]),
+}
+
+
+def accel_command(work: str, nproc: int, run_dir: Path, lm_data: str) -> list[str]:
+    """accel_ddp's train.py with the work's flags and nothing else: its defaults decide the rest."""
+    if work == "lm":
+        flags = ["--task", "causal_lm", "--dataset", "hf", "--data_dir", lm_data, "--tokenizer", f"{lm_data}/tokenizer",
+                 "--model_config", str(REPO / "examples" / "configs" / "tiny_gpt2.json"), "--packing",
+                 "--max_length", "128", "--lr", str(LM["lr"]), "--warmup_steps", str(LM["warmup"]),
+                 "--global_batch_size", str(LM["per_device"] * nproc)]
+    else:
+        flags = ["--dataset", "benchmarks.common:mnist_split", "--model", "mnist_cnn", "--lr", str(CNN["lr"]),
+                 "--global_batch_size", str(CNN["per_device"] * nproc)]
+    return launch_cmd(REPO / "train.py", [*flags, "--epochs", str(EPOCHS), "--output_dir", str(run_dir)], nproc)
+
+
+def peer_command(peer: str, nproc: int, run_dir: Path, lm_data: str) -> list[str]:
+    work, script, extra = PEERS[peer]
+    flags = (["--data_dir", lm_data, "--per_device_batch_size", str(LM["per_device"]), "--lr", str(LM["lr"]),
+              "--warmup_steps", str(LM["warmup"])] if work == "lm"
+             else ["--per_device_batch_size", str(CNN["per_device"]), "--lr", str(CNN["lr"])])
+    return launch_cmd(HERE / script, [*flags, *extra, "--epochs", str(EPOCHS),
+                                      "--results_json", str(run_dir / "peer.json")], nproc)
+
+
+def rates(epochs: list[dict], samples_per_step: int) -> dict:
+    kept = epochs[SKIP_EPOCHS:] or epochs
+    steps = sum(e["steps"] for e in kept)
+    return {"samples_per_sec": steps * samples_per_step / sum(e["seconds"] for e in kept),
+            "cpu_ms_per_step": 1e3 * sum(e["cpu_seconds"] for e in kept) / steps, "steps_per_epoch": kept[0]["steps"]}
+
+
+def parse(side: str, run_dir: Path, samples_per_step: int) -> dict:
+    """A finished run's figures, from what each program writes (accel_ddp: summary.json and metrics.jsonl)."""
+    if side != "accel":
+        result = json.loads((run_dir / "peer.json").read_text())
+        return {**rates(result["epochs"], result["samples_per_step"]), "startup_sec": result["startup_sec"],
+                "eval_loss": result["eval_loss"], "eval_accuracy": result.get("eval_accuracy"),
+                "optimizer_kernels": result.get("optimizer_kernels")}
+    summary = json.loads((run_dir / "summary.json").read_text())
+    per_epoch = summary["steps_per_epoch"]
+    records = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "step_time_p50_ms" in r]
+    epochs = [{"steps": per_epoch, "seconds": per_epoch * samples_per_step / r["samples_per_sec"],
+               "cpu_seconds": per_epoch * r["cpu_ms_per_step"] / 1e3} for r in records]
+    return {**rates(epochs, samples_per_step), "startup_sec": summary.get("startup_sec"),
+            "eval_loss": summary.get("eval_loss"), "eval_accuracy": summary.get("eval_accuracy")}
+
+
+def lm_folder(tmp: Path) -> str:
+    folder = tmp / "pydoc_lm"
+    if not (folder / "tokenizer").is_dir():
+        subprocess.run([sys.executable, str(REPO / "examples" / "pydoc_text.py"), "lm", "--out", str(folder)],
+                       check=True, capture_output=True, env=bench_env(1))
+    return str(folder)
+
+
+def spread(values: list[float], spec: str) -> str:
+    values = [v for v in values if v is not None]
+    if not values:
+        return "-"
+    return f"{format(median(values), spec)} [{format(min(values), spec)}-{format(max(values), spec)}]"
+
+
+def table(runs: list[dict], peers: list[str]) -> str:
+    head = (f"{'peer':18} {'peer samples/s':>20} {'accel samples/s':>20} {'accel/peer':>19} | "
+            f"{'CPU ms/step: peer':>21} {'accel':>21} {'accel/peer':>19} | {'start-up s: peer':>17} {'accel':>17} | "
+            f"{'eval loss: peer':>15} {'accel':>7}")
+    lines = [head, "-" * len(head)]
+    for peer in peers:
+        done = [r for r in runs if r["peer"] == peer and r["ok"]]
+        rounds = {k: {r["side"]: r for r in done if r["round"] == k} for k in sorted({r["round"] for r in done})}
+        paired = [(got["peer"], got["accel"]) for got in rounds.values() if {"peer", "accel"} <= got.keys()]
+
+        peer_col = lambda key, spec, runs=paired: spread([p[key] for p, _ in runs], spec)  # noqa: E731
+        accel_col = lambda key, spec, runs=paired: spread([a[key] for _, a in runs], spec)  # noqa: E731
+        ratio = lambda key, runs=paired: spread([a[key] / p[key] for p, a in runs], ".3f")  # noqa: E731
+        lines.append(f"{peer:18} {peer_col('samples_per_sec', '.1f'):>20} {accel_col('samples_per_sec', '.1f'):>20} "
+                     f"{ratio('samples_per_sec'):>19} | {peer_col('cpu_ms_per_step', '.2f'):>21} "
+                     f"{accel_col('cpu_ms_per_step', '.2f'):>21} {ratio('cpu_ms_per_step'):>19} | "
+                     f"{peer_col('startup_sec', '.2f'):>17} {accel_col('startup_sec', '.2f'):>17} | "
+                     f"{peer_col('eval_loss', '.4f'):>15} {accel_col('eval_loss', '.4f'):>7}")
+    lines.append(f"median [min-max] over {len({r['round'] for r in runs})} alternated rounds; ratios paired per round; "
+                 "samples/s and CPU ms/step (rank 0's process) over every epoch but the first; eval loss after the "
+                 "last epoch")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--peers", default="trainer,lightning", help=f"comma separated, from {','.join(PEERS)}")
+    p.add_argument("--rounds", type=int, default=3, help="alternated rounds (peer first in even rounds)")
+    p.add_argument("--nproc", type=int, default=2, help="processes per run")
+    p.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS per rank; default CPUs // nproc")
+    p.add_argument("--out", default=str(REPO / "outputs" / "benchmarks" / "peers"), help="folder for peers.json")
+    p.add_argument("--timeout", type=float, default=900, help="seconds before one run is ended")
+    args = p.parse_args(argv)
+    exit_on_sigterm()
+    peers = [x for x in args.peers.split(",") if x]
+    if bad := [x for x in peers if x not in PEERS]:
+        p.error(f"unknown peer(s) {bad}; choose from {', '.join(PEERS)}")
+    args.threads = args.threads or max(1, (os.cpu_count() or 1) // args.nproc)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    machine = machine_info()
+    print(f"data (cnn): {data_source()}")
+    print(f"machine: {machine['cpu']}, {machine['cpus']} CPUs, torch {machine['torch']}, accelerate "
+          f"{machine['accelerate']}; {args.nproc} processes, OMP_NUM_THREADS={args.threads}", flush=True)
+    runs: list[dict] = []
+    result = {"settings": vars(args), "machine": machine, "runs": runs}
+    env = bench_env(args.threads)
+    with tempfile.TemporaryDirectory(prefix="accel_ddp_peers_") as tmp:
+        lm_data = lm_folder(Path(tmp)) if any(PEERS[x][0] == "lm" for x in peers) else ""
+        for k in range(args.rounds):
+            for peer in peers:
+                work = PEERS[peer][0]
+                samples_per_step = (LM if work == "lm" else CNN)["per_device"] * args.nproc
+                for side in (("peer", "accel") if k % 2 == 0 else ("accel", "peer")):
+                    run_dir = Path(tmp) / f"{peer}_{side}_{k}"
+                    run_dir.mkdir()
+                    cmd = (accel_command(work, args.nproc, run_dir, lm_data) if side == "accel"
+                           else peer_command(peer, args.nproc, run_dir, lm_data))
+                    info = run_launch(cmd, env, run_dir / "log.txt", args.timeout)
+                    record = {"peer": peer, "side": side, "round": k, "rc": info["rc"], "wall_sec": info["wall_sec"],
+                              "load_avg": os.getloadavg()[0], "ok": False}
+                    try:
+                        record.update(parse(side, run_dir, samples_per_step), ok=info["rc"] == 0)
+                    except (OSError, ValueError, KeyError, ZeroDivisionError) as err:
+                        record["error"] = f"{type(err).__name__}: {err}"
+                    if not record["ok"]:
+                        record["log_tail"] = tail(run_dir / "log.txt", 40)
+                    runs.append(record)
+                    status = (f"{record['samples_per_sec']:.1f} samples/s, eval loss {record['eval_loss']:.4f}"
+                              if record["ok"] else f"FAILED (exit {info['rc']}):\n{tail(run_dir / 'log.txt', 15)}")
+                    print(f"  round {k} {peer} {side:5} {status} (wall {info['wall_sec']:.1f}s, "
+                          f"load {record['load_avg']:.1f})", flush=True)
+                    (out / "peers.json").write_text(json.dumps(result, indent=1) + "\n")
+    text = table(runs, peers)
+    print("\n" + text)
+    result["table_text"] = text
+    (out / "peers.json").write_text(json.dumps(result, indent=1) + "\n")
+    print(f"\nwrote {out / 'peers.json'}")
+    return 0 if all(r["ok"] for r in runs) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
