@@ -173,10 +173,14 @@ def rng_state(step: int) -> dict[str, Any]:
 
     states: dict[str, Any] = {"step": step, "random_state": random.getstate(),
                               "numpy_random_seed": np.random.get_state(), "torch_manual_seed": torch.get_rng_state()}
-    if acc_ckpt.is_xpu_available():
-        states["torch_xpu_manual_seed"] = torch.xpu.get_rng_state_all()
-    if acc_ckpt.is_cuda_available():
-        states["torch_cuda_manual_seed"] = torch.cuda.get_rng_state_all()
+    # The device generators under the keys save_accelerator_state writes and load_accelerator_state reads for
+    # them, in accelerate 1.15 (is_xpu_available/is_cuda_available) and 1.16 (get_torch_accelerator_backend: the
+    # native module's get_rng_state_all for both). Asked of torch, not of accelerate.checkpointing's imports,
+    # which 1.16 renamed.
+    for device in ("xpu", "cuda"):
+        module = getattr(torch, device, None)
+        if module is not None and module.is_available():
+            states[f"torch_{device}_manual_seed"] = module.get_rng_state_all()
     return states
 
 
