@@ -451,15 +451,20 @@ _MULTI_GPU_QUESTIONS = [("Should distributed operations be checked", "no"), ("to
                         ("DeepSpeed", "no"), ("FullyShardedDataParallel", "no"), ("Megatron-LM", "no")]
 
 
+# Accelerate 1.15 asks "What GPU(s) (by id) ...?"; 1.16 names the machine's devices: "What CPU(s) (by id) ...?"
+# where there is no GPU. The same question, answered the same way.
+WHICH_DEVICES = "(by id) should be used for training on this machine"
+
+
 def _multi_gpu(processes: str, mixed_precision: int, machines: list[tuple] = (("How many different machines", "1"),)):
     return [THIS_MACHINE, MULTI_GPU, *machines, *_MULTI_GPU_QUESTIONS, ("How many GPU(s)", processes),
-            ("What GPU(s) (by id)", "all"), ("numa efficiency", "no"), ("mixed precision", mixed_precision)]
+            (WHICH_DEVICES, "all"), ("numa efficiency", "no"), ("mixed precision", mixed_precision)]
 
 
 ANSWERS = {  # shipped file -> answers
     "4gpu.yaml": _multi_gpu("4", 2),  # mixed precision: 0 no, 1 fp16, 2 bf16
     "1gpu_debug.yaml": [THIS_MACHINE, ("Which type of machine are you using?", 0), ("CPU only", "no"),
-                        ("torch dynamo", "no"), ("DeepSpeed", "no"), ("What GPU(s) (by id)", "0"),
+                        ("torch dynamo", "no"), ("DeepSpeed", "no"), (WHICH_DEVICES, "0"),
                         ("numa efficiency", "no"), ("mixed precision", 2)],
     "cpu_2proc.yaml": _multi_gpu("2", 0),
     "2node_8gpu.yaml": _multi_gpu("8", 2, [("How many different machines", "2"), ("rank of this machine", 0),
