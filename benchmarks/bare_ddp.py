@@ -1,8 +1,8 @@
 """The bare DDP loop: plain ``torch.distributed`` + ``DistributedDataParallel``, no Accelerate, nothing extra.
 
 The baseline for accel_ddp's per-step cost (``tax.py``): the same model, optimizer (built by
-accel_ddp's own ``build_optimizer``, so the same parameter groups and the same multi-tensor or
-fused implementation), per-rank batch and samples, with the data already on the device as
+accel_ddp's own ``build_optimizer``, so the same parameter groups and the same fused or
+multi-tensor implementation), per-rank batch and samples, with the data already on the device as
 normalised float tensors, so that each step is a gather, forward, loss, backward (DDP's
 all-reduce), optional clipping, the optimizer step and ``zero_grad``. No logging, no LR schedule,
 no preemption flag, no timers beyond one clock reading per step: the fastest loop a user could
@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from accel_ddp.data import build_datasets, epoch_order, steps_per_epoch  # noqa: E402  (no Accelerate import)
 from accel_ddp.models import build_model  # noqa: E402
-from accel_ddp.optim import build_optimizer  # noqa: E402
+from accel_ddp.optim import build_optimizer, use_fused_optimizer  # noqa: E402
 from accel_ddp.tracking.startup import process_age  # noqa: E402
 from benchmarks.common import exit_now  # noqa: E402
 
@@ -105,7 +105,8 @@ def main() -> None:
     torch.manual_seed(args.seed)
     inputs, labels, model, loss_of = load(args, device)
     model = model.to(device)
-    optimizer = build_optimizer(args.optimizer, model, args.lr, 0.0, fused=cuda)
+    fused = use_fused_optimizer(args.optimizer, device.type)  # as accel_ddp decides
+    optimizer = build_optimizer(args.optimizer, model, args.lr, 0.0, fused=fused)
     if world > 1:  # as Accelerate: one process trains the plain model (a 1-rank DDP would copy every gradient)
         model = DDP(model, device_ids=[local_rank] if cuda else None, gradient_as_bucket_view=True)
     params = list(model.parameters())

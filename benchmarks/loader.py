@@ -98,7 +98,7 @@ def run_worker(args: argparse.Namespace) -> None:
 
     from accel_ddp.data import MNIST_MEAN, MNIST_STD, InMemoryDataset, build_loaders
     from accel_ddp.models import build_model
-    from accel_ddp.optim import build_optimizer
+    from accel_ddp.optim import build_optimizer, use_fused_optimizer
 
     cuda = torch.cuda.is_available()
     world = PartialState(cpu=not cuda).num_processes
@@ -111,7 +111,8 @@ def run_worker(args: argparse.Namespace) -> None:
     dataset = InMemoryDataset(images, labels, mean=(MNIST_MEAN,), std=(MNIST_STD,), scale=255.0)
     torch.manual_seed(0)
     model = build_model(args.model, 10, (1, 28, 28))
-    optimizer = build_optimizer("adamw", model, 1e-3, 0.0, fused=cuda)
+    fused = use_fused_optimizer("adamw", "cuda" if cuda else "cpu")
+    optimizer = build_optimizer("adamw", model, 1e-3, 0.0, fused=fused)
     model, optimizer = accelerator.prepare(model, optimizer)
 
     def train_step(inputs, targets):  # the body of train.py's loop

@@ -7,7 +7,7 @@ gradient_clip_val=1.0)`` and ``trainer.fit(model, train_loader, val_loader)``: t
 Lightning user writes; Lightning adds the ``DistributedSampler``), a validation pass after each epoch.
 Everything else is Lightning's default: its logger, its checkpoint after each epoch, the progress bar off
 (``TQDM_DISABLE`` as on accel_ddp's side). ``torch.optim.AdamW`` as the docs write it runs per tensor on the
-CPU; ``--optimizer foreach`` asks for the multi-tensor kernels accel_ddp asks for (the matched-work variant).
+CPU; ``--optimizer fused`` asks for the fused kernels accel_ddp asks for (the matched-work variant).
 Launched the way accel_ddp is (``accelerate launch``: Lightning takes torchrun's environment):
 
     accelerate launch --config_file accelerate_configs/cpu_2proc.yaml benchmarks/peer_lightning.py \
@@ -57,8 +57,8 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--per_device_batch_size", type=int, default=64)
     p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--optimizer", choices=("default", "foreach"), default="default",
-                   help="default: torch.optim.AdamW as Lightning's docs write it; foreach: accel_ddp's multi-tensor")
+    p.add_argument("--optimizer", choices=("default", "fused"), default="default",
+                   help="default: torch.optim.AdamW as Lightning's docs write it; fused: accel_ddp's, fused AdamW")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--results_json", required=True)
     args = p.parse_args()
@@ -84,10 +84,10 @@ def main() -> None:
             self.log("val_acc", (logits.argmax(1) == y).float().mean(), sync_dist=True)
 
         def configure_optimizers(self):
-            if args.optimizer == "foreach":
+            if args.optimizer == "fused":
                 from accel_ddp.optim import build_optimizer
 
-                optimizer = build_optimizer("adamw", self, args.lr, 0.0)
+                optimizer = build_optimizer("adamw", self, args.lr, 0.0, fused=True)
             else:
                 optimizer = torch.optim.AdamW(self.parameters(), lr=args.lr, weight_decay=0.0)
             total = self.trainer.estimated_stepping_batches

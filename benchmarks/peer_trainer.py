@@ -5,8 +5,8 @@ wrote, the tokenizer mapped over the texts, ``group_texts`` joining them and cut
 ``--block_size`` tokens (labels a copy of ``input_ids``), a GPT-2 from ``examples/configs/tiny_gpt2.json``,
 ``Trainer(...).train()`` and an evaluation after each epoch. Settings that define the work are set to
 accel_ddp's (learning rate, warmup, cosine schedule, per-device batch, epochs, clipping, no weight decay);
-everything else is the Trainer's default, its optimizer included (``adamw_torch_fused``) unless
-``--optimizer foreach`` asks for the multi-tensor AdamW accel_ddp runs on the CPU (the matched-work variant).
+everything else is the Trainer's default, its optimizer included: ``adamw_torch_fused``, the fused AdamW
+accel_ddp also takes on the CPU and on CUDA.
 Launched the way accel_ddp is (``accelerate launch``; the Trainer reads torchrun's environment):
 
     accelerate launch --config_file accelerate_configs/cpu_2proc.yaml benchmarks/peer_trainer.py \
@@ -78,8 +78,6 @@ def main() -> None:
     p.add_argument("--per_device_batch_size", type=int, default=16)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--warmup_steps", type=int, default=20)
-    p.add_argument("--optimizer", choices=("default", "foreach"), default="default",
-                   help="default: the Trainer's own (adamw_torch_fused); foreach: accel_ddp's multi-tensor AdamW")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--results_json", required=True)
     args = p.parse_args()
@@ -121,13 +119,8 @@ def main() -> None:
             # model per process (parallel_mode NOT_PARALLEL: every rank reads every block, no all-reduce;
             # transformers 5.24, seen here). The Trainer's docs name use_cpu for CPU training.
             use_cpu=not torch.cuda.is_available())
-        optimizers = (None, None)
-        if args.optimizer == "foreach":
-            from accel_ddp.optim import build_optimizer
-
-            optimizers = (build_optimizer("adamw", model, args.lr, 0.0), None)  # the Trainer adds its schedule
         trainer = Trainer(model=model, args=training_args, train_dataset=data["train"], eval_dataset=data["test"],
-                          data_collator=default_data_collator, callbacks=[clock], optimizers=optimizers)
+                          data_collator=default_data_collator, callbacks=[clock])
         trainer.train()
     eval_loss = [r["eval_loss"] for r in trainer.state.log_history if "eval_loss" in r][-1]  # the last epoch's
     optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)  # inside Accelerate's wrapper

@@ -8,9 +8,10 @@ Two comparisons (``--peers``):
     lightning   PyTorch Lightning (peer_lightning.py) and accel_ddp on the MNIST CNN: mnist_cnn on the MNIST
                 split of common.py, 64 per device, AdamW 3e-3, cosine, clipping 1.0, 3 epochs
 
-Each peer with the defaults its docs give (``trainer``, ``lightning``) and, labelled apart, with accel_ddp's
-multi-tensor AdamW (``trainer_foreach``, ``lightning_foreach``): the implementation of the same AdamW is a
-choice of each framework's default, not of the work. accel_ddp runs with its defaults (``train.py`` with the
+Each peer with the defaults its docs give (``trainer``, ``lightning``). The Trainer's default AdamW is the fused
+one accel_ddp also takes; Lightning's docs write ``torch.optim.AdamW``, which runs per tensor on the CPU, so
+``lightning_fused`` (labelled apart) gives it accel_ddp's fused AdamW: the implementation of the same AdamW is
+each framework's default, not the work. accel_ddp runs with its defaults (``train.py`` with the
 work's flags only). All sides are started the same way (``accelerate launch``), 2 processes over gloo, in
 rounds whose order alternates. Figures per round, paired: samples/s over every epoch but the first (an
 epoch's start to its last optimizer step, evaluation excluded, as accel_ddp's ``EpochTimer``), rank 0's CPU
@@ -18,7 +19,7 @@ time per step over the same window, start-up (process start to the first optimiz
 the whole launch's wall time, and the final evaluation (eval loss; accuracy for the CNN).
 
     python benchmarks/peers.py                                      # both, 3 rounds (~25 min on 2 cores)
-    python benchmarks/peers.py --peers trainer,trainer_foreach --rounds 3
+    python benchmarks/peers.py --peers trainer,lightning,lightning_fused --rounds 3
     python benchmarks/peers.py --peers lightning --rounds 5
 
 Needs ``lightning`` for the Lightning side (``pip install lightning``; not a dependency of accel_ddp).
@@ -57,9 +58,8 @@ LM = {"per_device": 16, "lr": 2e-3, "warmup": 20}
 CNN = {"per_device": 64, "lr": 3e-3}
 PEERS = {  # name: (the comparison's work, the peer's script, its extra flags)
     "trainer": ("lm", "peer_trainer.py", []),
-    "trainer_foreach": ("lm", "peer_trainer.py", ["--optimizer", "foreach"]),
     "lightning": ("cnn", "peer_lightning.py", []),
-    "lightning_foreach": ("cnn", "peer_lightning.py", ["--optimizer", "foreach"]),
+    "lightning_fused": ("cnn", "peer_lightning.py", ["--optimizer", "fused"]),
 }
 
 

@@ -32,7 +32,7 @@ def build(workload: str):
     from accel_ddp.data import DeviceLoader, build_datasets
     from accel_ddp.lifecycle.preemption import LossWatch, PreemptionWatcher
     from accel_ddp.models import build_model
-    from accel_ddp.optim import build_lr_scheduler, build_optimizer
+    from accel_ddp.optim import build_lr_scheduler, build_optimizer, use_fused_optimizer
     from accel_ddp.step import LossAccumulator, build_update
     from accel_ddp.tasks.protocol import build_task
     from accel_ddp.tracking.meters import EpochTimer, progress_bar
@@ -47,7 +47,7 @@ def build(workload: str):
 
         bundle, batch = mnist_split("", False), 64
         model = build_model("mnist_cnn", bundle.num_classes, bundle.input_shape)
-    optimizer = build_optimizer("adamw", model, 3e-3, 0.0, fused=device.type == "cuda")
+    optimizer = build_optimizer("adamw", model, 3e-3, 0.0, fused=use_fused_optimizer("adamw", device.type))
     scheduler = build_lr_scheduler(optimizer, "cosine", 0, 10**9)
     model, optimizer, scheduler = accelerator.prepare(model.to(device), optimizer, scheduler)
     loader = DeviceLoader(bundle.train, batch, batch, seed=0, device=device)

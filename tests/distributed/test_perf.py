@@ -243,11 +243,13 @@ def test_fused_optimizer_is_requested():
 
 
 def test_fused_kernels_only_where_they_run():
-    """Fused on CUDA, except SGD under FSDP2 (no DTensor rule for aten._fused_sgd_ in torch 2.14): foreach there."""
-    assert use_fused_optimizer("adamw", "cuda") and use_fused_optimizer("sgd", "cuda")
-    assert use_fused_optimizer("adamw", "cuda", fsdp2=True)
-    assert not use_fused_optimizer("sgd", "cuda", fsdp2=True)
-    assert not use_fused_optimizer("adamw", "cpu") and not use_fused_optimizer("sgd", "cpu")
+    """Fused on CUDA and the CPU, except SGD under FSDP2 (no DTensor rule for aten._fused_sgd_ in torch 2.14):
+    foreach there and on other devices."""
+    for device in ("cuda", "cpu"):
+        assert use_fused_optimizer("adamw", device) and use_fused_optimizer("sgd", device)
+        assert use_fused_optimizer("adamw", device, fsdp2=True)
+        assert not use_fused_optimizer("sgd", device, fsdp2=True)
+    assert not use_fused_optimizer("adamw", "mps") and not use_fused_optimizer("sgd", "xpu")
 
 
 @pytest.mark.gpu
