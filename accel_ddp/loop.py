@@ -106,32 +106,11 @@ def fit(run: Run) -> FitResult:
     ``micro_step`` = one forward/backward per rank; ``step`` = one optimizer step over the global batch.
     Every rank takes the same branches at the same step: evaluations, saves and stops are collective.
     """
-    cfg, accelerator, plan = run.cfg, run.accelerator, run.plan
+    cfg, plan = run.cfg, run.plan
     save_every = 0 if cfg.checkpointing_steps in (None, "epoch") else int(cfg.checkpointing_steps)
     step = run.start_step  # epochs have a fixed number of steps, so the step alone says where we are
-    watch = LossWatch(accelerator, step)  # a nan/inf loss is noticed at the next sync point, named by its first step
-    guard = run.anomalies  # --on_anomaly skip|rollback: bad steps' updates left out (anomaly.py)
-    if guard is not None:
-        guard.restart(step)
-    steps = TrainStep(accelerator, run.model, run.task, run.optimizer, run.scheduler, plan.accumulation,
-                      cfg.global_batch_size, cfg.max_grad_norm, step, check_loss=_debug_check(run, watch),
-                      guard=guard if guard is not None and guard.skips else None,  # stop + --spike_factor: logs only
-                      per_device_batch=plan.per_device_batch)
-    stops = StopPoints(run.checkpoints, run.preemption, watch, steps.losses, run.bar, plan.total_steps, guard)
-    log = StepLog(run, steps.losses, guard)
-    eval_metrics: dict[str, Any] = {}
-    evaluated_at = None  # the step of the last evaluation: the final weights are always evaluated once
-    best = run.checkpoints.best  # --metric_for_best_model, --early_stopping_patience (checkpoint/best.py)
-
-    def evaluate_now(epoch: int) -> bool:  # True: early stopping ends the run at this step, on every rank alike
-        nonlocal eval_metrics, evaluated_at
-        stops.if_not_finite(step)
-        eval_metrics, evaluated_at = evaluate_and_log(run, step, epoch), step
-        if best and best.after_eval(eval_metrics, step):  # decided on the gathered metrics: the same everywhere
-            return True
-        stops.if_preempted(step)  # the evaluation was finished: its metrics are logged, then the step saved
-        return False
-
+    watch, steps, stops, log = _step_parts(run, step)
+    evals = Evaluations(run, stops)
     for epoch in range(step // plan.steps_per_epoch, plan.num_epochs):
         if step >= plan.total_steps:  # resumed from the last step's checkpoint
             break
@@ -149,7 +128,7 @@ def fit(run: Run) -> FitResult:
             if run.preemption.stop_requested():  # ranks compare flags every ~1 s: all stop after the same step
                 stops.stop(step)
             if run.eval_loader is not None and cfg.eval_every and step % cfg.eval_every == 0:
-                if evaluate_now(epoch):
+                if evals.now(step, epoch):
                     break
                 log.paused(step)
             if save_every and step % save_every == 0:
@@ -158,21 +137,66 @@ def fit(run: Run) -> FitResult:
             if step >= plan.total_steps:
                 break
         log.epoch_done(step, epoch)
-        if best and best.stopped_at is not None:  # stopped early within the epoch
+        if evals.stopped_early:  # within the epoch
             break
-        if run.eval_loader is not None and not cfg.eval_every and evaluate_now(epoch):
+        if run.eval_loader is not None and not cfg.eval_every and evals.now(step, epoch):
             break
         if cfg.checkpointing_steps == "epoch" and step == (epoch + 1) * plan.steps_per_epoch:
             stops.if_preempted(step, stops.save(step))
         log.meter.reset(step)  # the next log line's samples/s leaves out this epoch's evaluation and checkpoint
     log.close()
     stops.if_not_finite(step)  # before finish() exports the weights
-    if run.eval_loader is not None and evaluated_at != step:  # also a run resumed from its last step's checkpoint
-        eval_metrics = evaluate_and_log(run, step, plan.num_epochs - 1)
-        if best:
-            best.after_eval(eval_metrics, step)  # the final weights are a best-model candidate
+    eval_metrics = evals.final(step, plan.num_epochs - 1)
     run.checkpoints.wait()  # --async_checkpointing: the last save sealed before the final outputs
     return FitResult(step, eval_metrics, log.timer, log.meter)
+
+
+def _step_parts(run: Run, step: int) -> tuple[LossWatch, TrainStep, StopPoints, StepLog]:
+    """What ``fit`` drives from ``step`` on: the non-finite watch, the optimizer step, the stop points, the log."""
+    watch = LossWatch(run.accelerator, step)  # a nan/inf loss is noticed at the next sync point, named by its step
+    guard = run.anomalies  # --on_anomaly skip|rollback: bad steps' updates left out (anomaly.py)
+    if guard is not None:
+        guard.restart(step)
+    steps = TrainStep(run.accelerator, run.model, run.task, run.optimizer, run.scheduler, run.plan.accumulation,
+                      run.cfg.global_batch_size, run.cfg.max_grad_norm, step, check_loss=_debug_check(run, watch),
+                      guard=guard if guard is not None and guard.skips else None,  # stop + --spike_factor: logs only
+                      per_device_batch=run.plan.per_device_batch)
+    stops = StopPoints(run.checkpoints, run.preemption, watch, steps.losses, run.bar, run.plan.total_steps, guard)
+    return watch, steps, stops, StepLog(run, steps.losses, guard)
+
+
+class Evaluations:
+    """The run's evaluations: every ``--eval_every`` steps or epoch, and the final weights once.
+
+    Each is ranked for the best model and early stopping (``checkpoint/best.py``) on the gathered metrics, so
+    every rank decides the same."""
+
+    def __init__(self, run: Run, stops: StopPoints):
+        self.run, self.stops, self.best = run, stops, run.checkpoints.best
+        self.metrics: dict[str, Any] = {}
+        self.at: int | None = None  # the step of the last evaluation
+
+    @property
+    def stopped_early(self) -> bool:
+        return bool(self.best) and self.best.stopped_at is not None
+
+    def now(self, step: int, epoch: int) -> bool:
+        """Evaluate after ``step``; True: early stopping ends the run here, on every rank alike."""
+        self.stops.if_not_finite(step)
+        self.metrics, self.at = evaluate_and_log(self.run, step, epoch), step
+        if self.best and self.best.after_eval(self.metrics, step):
+            return True
+        self.stops.if_preempted(step)  # the evaluation was finished: its metrics are logged, then the step saved
+        return False
+
+    def final(self, step: int, epoch: int) -> dict[str, Any]:
+        """The final weights' metrics: evaluated unless the last evaluation was of this step (a candidate for the
+        best model too); also for a run resumed from its last step's checkpoint."""
+        if self.run.eval_loader is not None and self.at != step:
+            self.metrics = evaluate_and_log(self.run, step, epoch)
+            if self.best:
+                self.best.after_eval(self.metrics, step)
+        return self.metrics
 
 
 def _debug_check(run: Run, watch: LossWatch) -> Callable[[torch.Tensor, int], None] | None:
