@@ -1,4 +1,4 @@
-"""The run's hyperparameters against a checkpoint's: which are recorded, and which win on a resume (this run's).
+"""The run's facts against a checkpoint's: which must match, which are recorded, and which win on a resume (this run's).
 
     with flags_in_force(optimizer, scheduler):
         step = checkpoints.resume("auto")
@@ -10,8 +10,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from accel_ddp.util.messages import warn
+from accel_ddp.util.validation import ConfigError
+
 # Recorded in every checkpoint.json; a resume with other values warns, and this run's values are in force.
 HYPERPARAMETERS = ("lr", "lr_schedule", "warmup_steps", "weight_decay", "max_grad_norm")
+# Run facts that decide what an optimizer step means; a checkpoint made with other values cannot continue.
+# A stream has no epoch length: its steps_per_epoch is the run's --max_steps, which a longer run raises.
+MUST_MATCH = ("global_batch_size", "steps_per_epoch", "optimizer")
 
 
 @contextmanager
@@ -38,3 +44,30 @@ def flags_in_force(optimizer: Any, scheduler: Any) -> Iterator[None]:
         for group, lr in zip(optimizer.param_groups, lrs, strict=True):
             group["lr"] = lr
         schedule._last_lr = lrs
+
+
+def check_compatible(folder: str, meta: dict[str, Any], run_facts: dict[str, Any], is_main: bool) -> None:
+    """A ConfigError when ``meta`` (a checkpoint.json) was made with other MUST_MATCH facts than ``run_facts``;
+    on the main process, a warning for each difference that this run's values settle (world size,
+    hyperparameters, seed, total steps)."""
+    streams = meta.get("loader") == run_facts.get("loader") == "streaming"
+    for key in MUST_MATCH:
+        if key in meta and meta[key] != run_facts.get(key) and not (streams and key == "steps_per_epoch"):
+            raise ConfigError(f"--resume_from_checkpoint {folder}: it was made with {key} {meta[key]}, this run "
+                              f"has {run_facts.get(key)}; resume with the options of the run that saved it")
+    if not is_main:
+        return
+    if meta.get("world_size") != run_facts.get("world_size"):
+        warn(f"{folder} was saved by {meta.get('world_size')} ranks, this run has "
+             f"{run_facts.get('world_size')}: the global batch keeps each step's samples, so training "
+             "continues equivalently (equal within float tolerance, not bitwise)")
+    changed = [f"{key} {meta[key]} -> {run_facts[key]}" for key in HYPERPARAMETERS
+               if key in meta and key in run_facts and meta[key] != run_facts[key]]
+    if changed:
+        warn(f"{folder} was saved with other hyperparameters ({', '.join(changed)}): this run's values are in "
+             f"force from step {meta['step']} on (the schedule continues at that step), and config.yaml "
+             "records them")
+    for key, why in (("seed", "the data order"), ("total_steps", "the learning-rate schedule")):
+        if key in meta and meta[key] != run_facts.get(key):
+            warn(f"{folder} was saved with {key} {meta[key]}, this run has {run_facts.get(key)}: "
+                 f"{why} after the resume differs from the original run's")

@@ -49,7 +49,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import gather_object
 
-from accel_ddp.checkpoint.hyperparameters import HYPERPARAMETERS, flags_in_force  # noqa: F401 - re-exported
+from accel_ddp.checkpoint.hyperparameters import HYPERPARAMETERS, check_compatible, flags_in_force  # noqa: F401
 from accel_ddp.checkpoint.manifest import (  # noqa: F401 - CorruptCheckpoint, checkpoint_name, ...: this module's interface too
     _STEP_DIR,
     CorruptCheckpoint,
@@ -73,9 +73,6 @@ from accel_ddp.util.messages import first_line, warn
 from accel_ddp.util.validation import ConfigError
 
 FORMAT_VERSION = 1
-# Run facts that decide what an optimizer step means; a checkpoint made with other values cannot continue.
-# A stream has no epoch length: its steps_per_epoch is the run's --max_steps, which a longer run raises.
-MUST_MATCH = ("global_batch_size", "steps_per_epoch", "optimizer")
 
 
 class CheckpointManager:
@@ -229,7 +226,7 @@ class CheckpointManager:
         if choice is None:
             return 0
         folder, local, meta = choice  # local: the folder itself, or its copy downloaded from the store
-        self._check_compatible(folder, meta)
+        check_compatible(folder, meta, self.run_facts, self.accelerator.is_main_process)
         acc = self.accelerator
         own_rng = rng_file(local, acc.process_index)
         has_rng = os.path.isfile(own_rng)
@@ -363,29 +360,6 @@ class CheckpointManager:
             raise ConfigError(f"--resume_from_checkpoint {spec}: {self.root} holds a newer checkpoint, "
                               f"{os.path.basename(folder)}, that this run would overwrite; continue from the newest "
                               "with auto, or give this run another --output_dir")
-
-    def _check_compatible(self, folder: str, meta: dict[str, Any]) -> None:
-        streams = meta.get("loader") == self.run_facts.get("loader") == "streaming"
-        for key in MUST_MATCH:
-            if key in meta and meta[key] != self.run_facts.get(key) and not (streams and key == "steps_per_epoch"):
-                raise ConfigError(f"--resume_from_checkpoint {folder}: it was made with {key} {meta[key]}, this run "
-                                  f"has {self.run_facts.get(key)}; resume with the options of the run that saved it")
-        if not self.accelerator.is_main_process:
-            return
-        if meta.get("world_size") != self.run_facts.get("world_size"):
-            warn(f"{folder} was saved by {meta.get('world_size')} ranks, this run has "
-                  f"{self.run_facts.get('world_size')}: the global batch keeps each step's samples, so training "
-                  "continues equivalently (equal within float tolerance, not bitwise)")
-        changed = [f"{key} {meta[key]} -> {self.run_facts[key]}" for key in HYPERPARAMETERS
-                   if key in meta and key in self.run_facts and meta[key] != self.run_facts[key]]
-        if changed:
-            warn(f"{folder} was saved with other hyperparameters ({', '.join(changed)}): this run's values are in "
-                  f"force from step {meta['step']} on (the schedule continues at that step), and config.yaml "
-                  "records them")
-        for key, why in (("seed", "the data order"), ("total_steps", "the learning-rate schedule")):
-            if key in meta and meta[key] != self.run_facts.get(key):
-                warn(f"{folder} was saved with {key} {meta[key]}, this run has {self.run_facts.get(key)}: "
-                      f"{why} after the resume differs from the original run's")
 
     def _load_weights_hook(self, models, input_dir) -> None:
         for i, model in enumerate(models):
