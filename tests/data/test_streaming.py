@@ -312,9 +312,10 @@ def test_streaming_resumed_on_more_ranks_puts_every_rank_in_the_saved_pass(tmp_p
 
 def test_packed_text_trains_the_same_weights_in_memory_and_memory_mapped_with_workers_or_without(tmp_path,
                                                                                                  monkeypatch):
-    """Packed text fits in memory: the device loader serves its blocks (no worker, no attention mask). Kept
-    memory-mapped (--device_loader_max_mb 0: the datasets cache read through DataLoader workers, batches with an
-    all-ones attention mask), it trains the same weights, with workers or without, dropout included."""
+    """Packed text fits in memory: the device loader serves its blocks (no worker, no attention mask), or a
+    DataLoader with --loader dataloader. Kept memory-mapped (--device_loader_max_mb 0: the datasets cache read
+    through DataLoader workers, batches with an all-ones attention mask), it trains the same weights, with
+    workers or without, dropout included."""
     pytest.importorskip("transformers")
     import datasets
 
@@ -332,13 +333,16 @@ def test_packed_text_trains_the_same_weights_in_memory_and_memory_mapped_with_wo
                                                    '"n_positions": 64, "vocab_size": 8}')
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf_cache"))
     runs = {}
-    for name, flags in (("w0", ["--num_workers", "0"]), ("w1", ["--num_workers", "1"]), ("memory", [])):
-        mapped = [] if name == "memory" else ["--device_loader_max_mb", "0"]
+    for name, flags in (("w0", ["--num_workers", "0"]), ("w1", ["--num_workers", "1"]), ("memory", []),
+                        ("memory_dataloader", ["--loader", "dataloader"])):
+        mapped = ["--device_loader_max_mb", "0"] if name.startswith("w") else []
         runs[name] = train_ranks(lm_args(tmp_path / "corpus", tmp_path / name, "--packing", "--max_steps", "6",
                                          *mapped, *flags))[0]
     assert (runs["w1"]["loader"], runs["w1"]["data_source"]) == ("dataloader", "memory_mapped")
     assert (runs["memory"]["loader"], runs["memory"]["data_source"]) == ("device", "in_memory")
+    assert (runs["memory_dataloader"]["loader"], runs["memory_dataloader"]["data_source"]) == ("dataloader",
+                                                                                               "in_memory")
     without = load_weights(tmp_path / "w0")
-    for name in ("w1", "memory"):
+    for name in ("w1", "memory", "memory_dataloader"):
         weights = load_weights(tmp_path / name)
         assert all(torch.equal(weights[k], without[k]) for k in without), name
