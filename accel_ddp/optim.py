@@ -18,9 +18,9 @@ FUSED_DEVICES = ("cuda", "cpu")  # where torch has fused AdamW and SGD kernels (
 def use_fused_optimizer(name: str, device_type: str, fsdp2: bool = False) -> bool:
     """Whether ``build_optimizer`` should ask for the fused (one-kernel) implementation.
 
-    On CUDA and on the CPU, yes: on the CPU the fused AdamW step is 3-4x faster than the multi-tensor
-    one (tiny GPT-2: 3.57 -> 0.82 ms; mnist_cnn: 2.82 -> 1.05 ms; the mlp: 0.31 -> 0.12 ms, one thread,
-    see benchmarks/README.md), fused SGD 1.9x. The exception is SGD under FSDP2: FSDP2's parameters are
+    On CUDA and on the CPU, yes: on the CPU the fused AdamW step is 2.6-4.4x faster than the multi-tensor
+    one (tiny GPT-2: 3.84 -> 0.88 ms; mnist_cnn: 2.69 -> 0.65 ms; the mlp: 0.26 -> 0.10 ms, one thread,
+    benchmarks/optimizer_kernels.py), fused SGD 2.0-2.6x. The exception is SGD under FSDP2: FSDP2's parameters are
     DTensors, and torch 2.14 has a DTensor rule for the fused Adam/AdamW kernels only
     (``torch/distributed/tensor/_ops/_pointwise_ops.py``), so fused SGD stops with ``NotImplementedError
     ... aten._fused_sgd_.default``. The multi-tensor (``foreach``) SGD it gets instead has DTensor rules

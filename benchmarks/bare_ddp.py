@@ -58,7 +58,7 @@ def load(args, device: torch.device):
         bundle, tokenizer = build_text(args.data_dir, HFSource(), options)
         model = build_transformers_model("causal_lm", config_file=args.model_config, tokenizer=tokenizer,
                                          max_length=args.max_length)
-        tokens = torch.stack(list(bundle.train["input_ids"])).to(device)  # (blocks, max_length): packed, no padding
+        tokens = bundle.train.inputs.to(device)  # TokenBlocks (blocks, max_length): packed, no padding
 
         def next_token_loss(model, ids, _):
             logits = model(input_ids=ids).logits
