@@ -379,10 +379,16 @@ def exit_now(code: int = 0) -> None:
     finalizes aborts the process ("terminate called without an active exception", SIGABRT) after a
     run that finished (seen in ~1 of 8 bare_ddp.py launches here); the DDP module keeps the group alive
     past ``destroy_process_group``. Every side of a comparison ends this way, so none loses rounds to it.
+    atexit handlers run first (``tax.py --profile`` writes its report in one).
     """
-    for stream in (sys.stdout, sys.stderr):
-        stream.flush()
-    os._exit(code)
+    import atexit
+
+    try:
+        atexit._run_exitfuncs()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        os._exit(code)
 
 
 def read_jsonl(path: Path) -> list[dict]:
