@@ -421,6 +421,34 @@ def median(values: list[float]) -> float:
     return statistics.median(values) if values else math.nan
 
 
+def accel_epochs(run_dir: Path, samples_per_step: int) -> tuple[list[dict], dict]:
+    """(per epoch: optimizer steps, seconds, rank 0's CPU seconds; summary.json) of a finished accel_ddp run, from
+    its summary.json and the epoch records of metrics.jsonl (the ones with step-time percentiles)."""
+    summary = json.loads((run_dir / "summary.json").read_text())
+    per_epoch = summary["steps_per_epoch"]
+    records = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "step_time_p50_ms" in r]
+    epochs = [{"steps": per_epoch, "seconds": per_epoch * samples_per_step / r["samples_per_sec"],
+               "cpu_seconds": per_epoch * r.get("cpu_ms_per_step", math.nan) / 1e3} for r in records]
+    return epochs, summary
+
+
+def pydoc_lm_folder(tmp: Path) -> str:
+    """The causal-LM benchmarks' text folder under ``tmp`` (examples/pydoc_text.py lm), written the first time."""
+    folder = tmp / "pydoc_lm"
+    if not (folder / "tokenizer").is_dir():
+        subprocess.run([sys.executable, str(REPO / "examples" / "pydoc_text.py"), "lm", "--out", str(folder)],
+                       check=True, capture_output=True, env=bench_env(1))
+    return str(folder)
+
+
+def spread(values: list[float], spec: str) -> str:
+    """``median [min-max]`` of the values that are not None, formatted with ``spec``; "-" for none."""
+    values = [v for v in values if v is not None]
+    if not values:
+        return "-"
+    return f"{format(median(values), spec)} [{format(min(values), spec)}-{format(max(values), spec)}]"
+
+
 def machine_info() -> dict:
     import platform
 

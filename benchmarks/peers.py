@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -40,14 +39,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import (  # noqa: E402
     REPO,
+    accel_epochs,
     bench_env,
     data_source,
     exit_on_sigterm,
     launch_cmd,
     machine_info,
-    median,
-    read_jsonl,
+    pydoc_lm_folder,
     run_launch,
+    spread,
     tail,
 )
 
@@ -99,28 +99,9 @@ def parse(side: str, run_dir: Path, samples_per_step: int) -> dict:
         return {**rates(result["epochs"], result["samples_per_step"]), "startup_sec": result["startup_sec"],
                 "eval_loss": result["eval_loss"], "eval_accuracy": result.get("eval_accuracy"),
                 "optimizer_kernels": result.get("optimizer_kernels")}
-    summary = json.loads((run_dir / "summary.json").read_text())
-    per_epoch = summary["steps_per_epoch"]
-    records = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "step_time_p50_ms" in r]
-    epochs = [{"steps": per_epoch, "seconds": per_epoch * samples_per_step / r["samples_per_sec"],
-               "cpu_seconds": per_epoch * r["cpu_ms_per_step"] / 1e3} for r in records]
+    epochs, summary = accel_epochs(run_dir, samples_per_step)
     return {**rates(epochs, samples_per_step), "startup_sec": summary.get("startup_sec"),
             "eval_loss": summary.get("eval_loss"), "eval_accuracy": summary.get("eval_accuracy")}
-
-
-def lm_folder(tmp: Path) -> str:
-    folder = tmp / "pydoc_lm"
-    if not (folder / "tokenizer").is_dir():
-        subprocess.run([sys.executable, str(REPO / "examples" / "pydoc_text.py"), "lm", "--out", str(folder)],
-                       check=True, capture_output=True, env=bench_env(1))
-    return str(folder)
-
-
-def spread(values: list[float], spec: str) -> str:
-    values = [v for v in values if v is not None]
-    if not values:
-        return "-"
-    return f"{format(median(values), spec)} [{format(min(values), spec)}-{format(max(values), spec)}]"
 
 
 def table(runs: list[dict], peers: list[str]) -> str:
@@ -171,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {"settings": vars(args), "machine": machine, "runs": runs}
     env = bench_env(args.threads)
     with tempfile.TemporaryDirectory(prefix="accel_ddp_peers_") as tmp:
-        lm_data = lm_folder(Path(tmp)) if any(PEERS[x][0] == "lm" for x in peers) else ""
+        lm_data = pydoc_lm_folder(Path(tmp)) if any(PEERS[x][0] == "lm" for x in peers) else ""
         for k in range(args.rounds):
             for peer in peers:
                 work = PEERS[peer][0]

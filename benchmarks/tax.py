@@ -36,9 +36,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import json
-import math
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -47,14 +45,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import (  # noqa: E402
     REPO,
+    accel_epochs,
     bench_env,
     data_source,
     exit_on_sigterm,
     launch_cmd,
     machine_info,
-    median,
-    read_jsonl,
+    pydoc_lm_folder,
     run_launch,
+    spread,
     tail,
     through,
 )
@@ -105,30 +104,14 @@ def parse(side: str, run_dir: Path, batch: int) -> dict:
     if side == "bare":
         result = json.loads((run_dir / "bare.json").read_text())
         return {**per_step(result["epochs"]), "startup_sec": result["startup_sec"]}
-    summary = json.loads((run_dir / "summary.json").read_text())
-    per_epoch = summary["steps_per_epoch"]
-    records = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "step_time_p50_ms" in r]
-    epochs = [{"steps": per_epoch, "seconds": per_epoch * batch / r["samples_per_sec"],
-               "cpu_seconds": per_epoch * r.get("cpu_ms_per_step", math.nan) / 1e3} for r in records]
+    epochs, summary = accel_epochs(run_dir, batch)
     return {**per_step(epochs), "startup_sec": summary.get("startup_sec"),
             "startup_phases_sec": summary.get("startup_phases_sec")}
 
 
 def lm_data(workload: str, tmp: Path) -> str:
     """The lm workload's text folder under ``tmp``, written by examples/pydoc_text.py the first time; "" otherwise."""
-    if workload != "lm":
-        return ""
-    folder = tmp / "pydoc_lm"
-    if not (folder / "tokenizer").is_dir():
-        subprocess.run([sys.executable, str(REPO / "examples" / "pydoc_text.py"), "lm", "--out", str(folder)],
-                       check=True, capture_output=True, env=bench_env(1))
-    return str(folder)
-
-
-def spread(values: list[float], spec: str) -> str:
-    if not values:
-        return "-"
-    return f"{format(median(values), spec)} [{format(min(values), spec)}-{format(max(values), spec)}]"
+    return pydoc_lm_folder(tmp) if workload == "lm" else ""
 
 
 def table(runs: list[dict], workloads: list[str], pairs: list[str], nproc: int, sides: list[str]) -> str:
