@@ -246,10 +246,16 @@ def as_in_memory(dataset: Dataset) -> InMemoryDataset | None:
     return None
 
 
-def is_in_memory(dataset: Dataset) -> bool:
-    """Whether :func:`as_in_memory` can take this dataset, without copying anything."""
+def without_subsets(dataset: Dataset) -> Dataset:
+    """The dataset under any :class:`~torch.utils.data.Subset` wrappers (``--debug``'s, a caller's)."""
     while isinstance(dataset, Subset):
         dataset = dataset.dataset
+    return dataset
+
+
+def is_in_memory(dataset: Dataset) -> bool:
+    """Whether :func:`as_in_memory` can take this dataset, without copying anything."""
+    dataset = without_subsets(dataset)
     return isinstance(dataset, InMemoryDataset) or (
         isinstance(dataset, TensorDataset) and len(dataset.tensors) == 2
     )

@@ -15,7 +15,7 @@ from torch.utils.data import Dataset, IterableDataset, Subset
 
 from accel_ddp.config import DEBUG_MAX_STEPS, TEXT_TASKS, TrainConfig
 from accel_ddp.data import HFSource, build_datasets
-from accel_ddp.data.in_memory import TokenBlocks
+from accel_ddp.data.in_memory import TokenBlocks, without_subsets
 from accel_ddp.data.memory_budget import in_memory_limit
 from accel_ddp.data.text import PadCollate, TextOptions, build_text, has_tokenizer, pad_token_id
 from accel_ddp.lifecycle.preemption import PreemptionWatcher
@@ -78,15 +78,9 @@ def resolve_data(cfg: TrainConfig, accelerator: Accelerator, train_dataset, eval
         if eval_dataset is not None:
             eval_dataset = Subset(eval_dataset, range(min(len(eval_dataset), 4 * cfg.global_batch_size)))
     collate_fn = collate_fn or (resolve(cfg.collate_fn, {}, kind="collate_fn") if cfg.collate_fn else None)
-    if collate_fn is None and input_shape is None and not isinstance(_unwrapped(train_dataset), TokenBlocks):
+    if collate_fn is None and input_shape is None and not isinstance(without_subsets(train_dataset), TokenBlocks):
         collate_fn = PadCollate(pad_token_id(tokenizer))  # dict samples, maybe of different lengths
     return Data(train_dataset, eval_dataset, num_classes, input_shape, tokenizer, collate_fn, limit)
-
-
-def _unwrapped(dataset: Dataset) -> Dataset:
-    while isinstance(dataset, Subset):  # --debug's
-        dataset = dataset.dataset
-    return dataset
 
 
 def local_main_first(accelerator: Accelerator, build: Callable[[], T], main_first: bool = False, *,

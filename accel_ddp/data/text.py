@@ -26,6 +26,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import default_collate
@@ -155,8 +156,10 @@ def _blocks_in_memory(splits, max_length: int, source: HFSource) -> tuple[TokenB
         if source.memory_limit is not None:
             say(source.memory_limit.note("the packed token blocks", nbytes, source.in_memory_max_mb))
         return None
-    # One columnar read per split (the numpy format stacks the equal-length blocks), then a tensor that owns it.
-    return tuple(TokenBlocks(torch.from_numpy(ds.with_format("numpy")[:]["input_ids"].astype("int64", copy=True)))
+    # One columnar read per split: the numpy format stacks the equal-length blocks into a fresh array, which the
+    # tensor shares (copied only if it is not int64 and contiguous: no second copy at the peak).
+    return tuple(TokenBlocks(torch.from_numpy(np.ascontiguousarray(ds.with_format("numpy")[:]["input_ids"],
+                                                                   dtype=np.int64)))
                  for ds in splits)
 
 
