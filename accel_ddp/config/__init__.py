@@ -3,8 +3,11 @@
     >>> from accel_ddp.config import TrainConfig
     >>> cfg = TrainConfig(dataset="digits", epochs=2)
 
-- ``options``: TrainConfig, the batch layout derived from it (``batch_layout``, ``accumulation_steps``), its groups
-  (``sections()``: docs/flags.md's tables and ``--help``'s groups);
+- ``options``: TrainConfig, every field and its type and range checks, the batch layout derived from it
+  (``batch_layout``);
+- ``layout``: the batch layout's arithmetic (``accumulation_steps``, ``largest_micro_batch``), shared by
+  ``batch_layout``, the samplers and the micro-batch probe;
+- ``sections``: TrainConfig's groups (``sections()``: docs/flags.md's tables and ``--help``'s groups);
 - ``checks``: the options that only make sense together, each refused with one ``ConfigError`` line;
 - ``choices``: the vocabulary: allowed values, limits, the Hugging Face aliases, renamed flags, store schemes.
 
@@ -59,12 +62,6 @@ from accel_ddp.config.choices import (  # noqa: F401 - the layer's names, as bef
     URL_SCHEME,
     _opt,
 )
-from accel_ddp.config.options import (  # noqa: F401 - the layer's names, as before the split
-    Section,
-    TrainConfig,
-    accumulation_steps,
-    field_types,
-    largest_micro_batch,
-    new_spelling,
-    sections,
-)
+from accel_ddp.config.layout import accumulation_steps, largest_micro_batch  # noqa: F401
+from accel_ddp.config.options import TrainConfig, field_types, new_spelling  # noqa: F401
+from accel_ddp.config.sections import Section, sections  # noqa: F401

@@ -1,5 +1,5 @@
-"""TrainConfig: every option with its default, one-line help and range; the batch layout derived from it; its
-groups (``sections()``) for docs/flags.md and ``--help``."""
+"""TrainConfig: every option with its default, one-line help and range, checked whatever its source; the batch
+layout derived from it (``batch_layout``, arithmetic in ``config/layout.py``)."""
 
 from __future__ import annotations
 
@@ -37,6 +37,7 @@ from accel_ddp.config.choices import (
     SYNTHETIC_MAX_BYTES,
     _opt,
 )
+from accel_ddp.config.layout import accumulation_steps, largest_micro_batch
 from accel_ddp.util.validation import INT_MAX, ConfigError, check_range, checked_type, show
 
 
@@ -364,57 +365,6 @@ class TrainConfig:
         out = dataclasses.asdict(self)
         out["synthetic_shape"] = list(self.synthetic_shape)
         return out
-
-
-def accumulation_steps(per_device_batch_size: int, global_batch_size: int, world_size: int) -> int:
-    """Micro-steps per optimizer step of a batch layout: ``global = world_size * per_device * accumulation``.
-
-    The one place the layout is derived and checked (``TrainConfig.batch_layout``, the samplers built from it).
-    """
-    if per_device_batch_size <= 0 or global_batch_size % (world_size * per_device_batch_size) != 0:
-        raise ConfigError(
-            f"--global_batch_size {global_batch_size} is not divisible by world size {world_size} "
-            f"x --per_device_batch_size {per_device_batch_size}; pick a global batch that is a multiple of "
-            f"{world_size * max(per_device_batch_size, 1)}"
-        )
-    return global_batch_size // (world_size * per_device_batch_size)
-
-
-def largest_micro_batch(global_batch_size: int, world_size: int, at_most: int | None = None) -> int:
-    """The largest micro-batch that divides this rank's share of the global batch (``global / world``), at most
-    ``at_most``: where ``--per_device_batch_size auto`` starts, and (``at_most`` = half the last) where it goes next.
-
-        >>> largest_micro_batch(96, 2), largest_micro_batch(96, 2, at_most=20), largest_micro_batch(96, 2, at_most=11)
-        (48, 16, 8)
-    """
-    if global_batch_size % world_size:
-        raise ConfigError(f"--global_batch_size {global_batch_size} is not divisible by world size {world_size}; "
-                          f"pick a global batch that is a multiple of {world_size}")
-    share = global_batch_size // world_size
-    at_most = share if at_most is None else max(1, min(at_most, share))
-    return next(size for size in range(at_most, 0, -1) if share % size == 0)
-
-
-class Section(typing.NamedTuple):
-    """One group of options: docs/flags.md's table under ``### Title`` (then the note), and a ``--help`` group."""
-
-    title: str  # "Task"
-    note: str  # "How a batch reaches the model, its loss and the eval metrics: docs/tasks.md." or ""
-    fields: list[dataclasses.Field]
-
-
-def sections() -> list[Section]:
-    """TrainConfig's fields in groups, in order: each ``_opt(..., section="name (note)")`` starts one."""
-    grouped: list[Section] = []
-    for f in dataclasses.fields(TrainConfig):
-        if "section" in f.metadata:
-            name, _, note = f.metadata["section"].partition(" (")
-            note = note.removesuffix(")")
-            grouped.append(Section(name[0].upper() + name[1:], f"{note[:1].upper()}{note[1:]}." if note else "", []))
-        if not grouped:
-            raise TypeError(f"TrainConfig.{f.name}, the first field, must name its section (_opt(..., section=...))")
-        grouped[-1].fields.append(f)
-    return grouped
 
 
 def field_types() -> dict[str, Any]:
