@@ -23,6 +23,7 @@ worker, no per-batch Arrow read and no collate; larger ones stay memory-mapped.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -37,7 +38,7 @@ from accel_ddp.data.hf_source import bad_text_named
 from accel_ddp.data.in_memory import TokenBlocks
 from accel_ddp.data.memory_budget import say
 from accel_ddp.util.messages import note
-from accel_ddp.util.optional import require
+from accel_ddp.util.optional import import_quietly, require
 from accel_ddp.util.validation import ConfigError
 
 DEFAULT_TEXT_COLUMN = "text"
@@ -113,6 +114,18 @@ def load_tokenizer(name: str | None) -> Any:
         first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
         raise ConfigError(f"--tokenizer {name}: no tokenizer folder there and no Hub tokenizer of that name in the "
                           f"local cache ({first}); give a folder written by tokenizer.save_pretrained") from None
+
+
+def import_text_libraries() -> None:
+    """What ``build_text`` imports before it reads anything: datasets, Transformers and its tokenizer classes
+    (lazy attributes, imported on first access). No data and no files; a missing package is reported by the
+    build."""
+    import_quietly("datasets", "transformers")
+    transformers = sys.modules.get("transformers")
+    try:
+        transformers.AutoTokenizer, transformers.PreTrainedTokenizerFast  # noqa: B018 - the access imports them
+    except (AttributeError, ImportError):  # not installed, or without tokenizers: the build says so
+        pass
 
 
 def build_text(data_dir: str, source: HFSource, options: TextOptions) -> tuple[DatasetBundle, Any]:

@@ -22,3 +22,13 @@ def require(package: str, feature: str) -> ModuleType:
         extra = EXTRAS.get(package)
         how = f"pip install 'accel_ddp[{extra}]' (or pip install {package})" if extra else f"pip install {package}"
         raise ConfigError(f"{feature} needs the {package} package, which is not installed; {how}") from None
+
+
+def import_quietly(*packages: str) -> None:
+    """Import what is installed of ``packages`` ahead of its use, saying nothing about what is not: its user
+    ``require``s it later and reports a missing one there, as one line."""
+    for package in packages:
+        try:
+            importlib.import_module(package)
+        except ImportError:
+            pass

@@ -267,3 +267,38 @@ def test_cli_reports_missing_mnist_in_one_line_with_exit_code_2(tmp_path, capfd)
     assert main_ranks(args, world_size=1) == [2]
     lines = [line for line in capfd.readouterr().err.splitlines() if line.startswith("accel_ddp: error:")]
     assert len(lines) == 1 and "--download" in lines[0] and str(tmp_path) in lines[0]
+
+
+def test_a_rank_waiting_for_the_tokenizing_one_imports_the_text_libraries_meanwhile(tmp_path):
+    """Rank 1 waits in local_main_first while rank 0 tokenizes: it imports datasets and the tokenizer classes during
+    that wait (import_text_libraries), not after it, where they would add ~1.6 s to the start-up's critical path.
+    Rank 0, which imports them inside its own build, does not run it; rank 1 builds only once rank 0 is done."""
+    import time
+
+    def run():
+        from accelerate import Accelerator
+
+        import accel_ddp.data.resolve as resolve
+        from accel_ddp.data.bundle import DatasetBundle
+
+        events = {}
+
+        def build_text(*_args):
+            events["build_start"] = time.monotonic()
+            if os.environ["RANK"] == "0":
+                time.sleep(1.0)  # the tokenizing
+            events["build_end"] = time.monotonic()
+            data = torch.utils.data.TensorDataset(torch.zeros(4, 8, dtype=torch.long), torch.zeros(4))
+            return DatasetBundle(data, data, 10, (8,)), None
+
+        resolve.build_text = build_text
+        resolve.import_text_libraries = lambda: events.setdefault("imports", time.monotonic())
+        cfg = parse_args(["--task", "causal_lm", "--dataset", "hf", "--data_dir", str(tmp_path), "--tokenizer",
+                          str(tmp_path), "--max_length", "8", "--loader", "dataloader"])
+        resolve.resolve_data(cfg, Accelerator(cpu=True), None, None)
+        return events
+
+    first, waiting = run_ranks(run)
+    assert "imports" not in first
+    assert waiting["imports"] < first["build_end"] - 0.5  # during rank 0's build, not after it
+    assert waiting["build_start"] >= first["build_end"]
