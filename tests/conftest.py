@@ -13,6 +13,7 @@ skipped where there is none (``pytest -m gpu`` runs only them).
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import sys
 import tempfile
@@ -36,6 +37,13 @@ import accel_ddp.loop  # noqa: E402,F401 - torch, Accelerate and the package, fo
 from tests.helpers.runs import gpu_count  # noqa: E402
 
 _PLOT = accel_ddp.tracking.recorder.RunRecorder.plot  # writes curves.png; see _no_curves_png
+
+
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto`` (pyproject.toml's addopts): a worker per core, at most 4. Each worker holds torch and the package
+    (~0.8 GB) and forks 2-rank groups and launches; past a few workers the cores, not the workers, are the limit."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(cores, 4))
 
 
 def pytest_collection_modifyitems(config, items):
