@@ -1,7 +1,8 @@
 """Text for the text tasks, made offline: a tiny GPT-2, token sequences, templated reviews and a word tokenizer.
 
 ``build_sequences`` and ``build_gpt`` are importable as ``tests.helpers.text:NAME`` (``--dataset``, ``--model``).
-Transformers is imported where it is used: a test module that needs it skips without it (``importorskip``).
+Transformers is imported where it is used (and its GPT-2 modelling preloaded here, for the forked ranks): a test
+module that needs it skips without it (``importorskip``).
 """
 
 from __future__ import annotations
@@ -11,6 +12,22 @@ from pathlib import Path
 import torch
 
 VOCAB = 48
+
+
+def _load_gpt2_here() -> None:
+    """Import Transformers' GPT-2 modelling in the test process, once, when a text test module imports this one:
+    the ranks it forks inherit it instead of each importing it (~2.5 s a rank, on every run; under pytest-xdist,
+    in a worker where no earlier test had imported it, 35 s for the four runs of one test). Without Transformers
+    nothing happens here: the test modules that need it skip (``importorskip``)."""
+    try:
+        import transformers
+
+        transformers.GPT2LMHeadModel, transformers.GPT2ForSequenceClassification  # noqa: B018 - the access imports
+    except ImportError:
+        pass
+
+
+_load_gpt2_here()
 
 
 def tiny_gpt(vocab: int = VOCAB, positions: int = 32, dropout: float = 0.0):
