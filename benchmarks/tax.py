@@ -18,10 +18,12 @@ Workloads (``--workloads``):
 
 Pairs (``--pairs``), accel_ddp side / bare side:
 
-    defaults  train.py defaults (AdamW foreach, clipping 1.0, cosine schedule, preemption watch, logging,
-              timers) / AdamW foreach + clip_grad_norm_ 1.0: the issue's target pair
-    noclip    --max_grad_norm 0 / AdamW foreach, no clipping
+    defaults  train.py defaults (AdamW, fused where torch has the kernel, as both sides decide; clipping 1.0,
+              cosine schedule, preemption watch, logging, timers) / AdamW + clip_grad_norm_ 1.0: the issue's pair
+    noclip    --max_grad_norm 0 / AdamW, no clipping
     sgd       --optimizer sgd --max_grad_norm 0 --lr_schedule constant / SGD (momentum 0.9, Nesterov), no clipping
+    compile   --compile / the defaults' bare side, eager: not matched work; run with defaults to see what
+              torch.compile buys (the ratio of the two pairs' ratios) and costs (the start-up table)
 
     python benchmarks/tax.py                                   # mlp and cnn, defaults, 2 processes, 3 rounds
     python benchmarks/tax.py --workloads mlp --pairs defaults,noclip,sgd --rounds 5
@@ -73,6 +75,9 @@ PAIRS = {  # name: (accel_ddp flags, bare_ddp.py flags)
     "noclip": (["--max_grad_norm", "0"], ["--optimizer", "adamw", "--max_grad_norm", "0"]),
     "sgd": (["--optimizer", "sgd", "--max_grad_norm", "0", "--lr_schedule", "constant"],
             ["--optimizer", "sgd", "--max_grad_norm", "0"]),
+    # Not matched work (the bare loop stays eager): with "defaults" in the same invocation, the ratio of the two
+    # pairs' ratios is what --compile buys over accel_ddp's eager default, and the start-up table its cost.
+    "compile": (["--compile"], ["--optimizer", "adamw", "--max_grad_norm", "1.0"]),
 }
 PROFILE_AFTER = 30  # optimizer steps before cProfile starts (start-up and warm-up left out)
 PROFILE_STEPS = 0  # optimizer steps profiled; 0: to the end of the run (evaluations and the final outputs included)
