@@ -122,9 +122,11 @@ def import_text_libraries() -> None:
     build."""
     import_quietly("datasets", "transformers")
     transformers = sys.modules.get("transformers")
+    if transformers is None:  # not installed: the build says so
+        return
     try:
         transformers.AutoTokenizer, transformers.PreTrainedTokenizerFast  # noqa: B018 - the access imports them
-    except (AttributeError, ImportError):  # not installed, or without tokenizers: the build says so
+    except ImportError:  # without the tokenizers package: the build says so
         pass
 
 
