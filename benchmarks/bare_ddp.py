@@ -2,8 +2,9 @@
 
 The baseline for accel_ddp's per-step cost (``tax.py``): the same model, optimizer (built by
 accel_ddp's own ``build_optimizer``, so the same parameter groups and the same fused or
-multi-tensor implementation), per-rank batch and samples, with the data already on the device as
-normalised float tensors, so that each step is a gather, forward, loss, backward (DDP's
+multi-tensor implementation), malloc thresholds (on the CPU pinned as accel_ddp pins them,
+``--glibc_default`` to leave them), per-rank batch and samples, with the data already on the
+device as normalised float tensors, so that each step is a gather, forward, loss, backward (DDP's
 all-reduce), optional clipping, the optimizer step and ``zero_grad``. No logging, no LR schedule,
 no preemption flag, no timers beyond one clock reading per step: the fastest loop a user could
 write by hand. Launch it the way accel_ddp is launched (``tax.py`` does):
@@ -43,6 +44,7 @@ from accel_ddp.data import build_datasets, epoch_order, steps_per_epoch  # noqa:
 from accel_ddp.models import build_model  # noqa: E402
 from accel_ddp.optim import build_optimizer, use_fused_optimizer  # noqa: E402
 from accel_ddp.tracking.startup import process_age  # noqa: E402
+from accel_ddp.util.host_memory import keep_freed_host_memory  # noqa: E402
 from benchmarks.common import exit_now  # noqa: E402
 
 
@@ -92,10 +94,15 @@ def main() -> None:
     parser.add_argument("--tokenizer", help="lm: its tokenizer folder")
     parser.add_argument("--model_config", help="lm: a Transformers config (examples/configs/tiny_gpt2.json)")
     parser.add_argument("--max_length", type=int, default=128, help="lm: tokens per packed block")
+    parser.add_argument("--glibc_default", action="store_true",
+                        help="leave glibc's moving malloc thresholds as a hand-written loop gets them (tax.py's "
+                             "'malloc' pair); default: pinned on the CPU, as accel_ddp does")
     args = parser.parse_args()
     started = time.perf_counter() - (process_age() or 0.0)  # this process's start, as accel_ddp's startup_sec
 
     cuda = torch.cuda.is_available()
+    if not cuda and not args.glibc_default:  # as accel_ddp's ranks on the CPU (accel_ddp/util/host_memory.py)
+        keep_freed_host_memory()
     dist.init_process_group("nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))

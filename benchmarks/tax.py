@@ -24,6 +24,8 @@ Pairs (``--pairs``), accel_ddp side / bare side:
     sgd       --optimizer sgd --max_grad_norm 0 --lr_schedule constant / SGD (momentum 0.9, Nesterov), no clipping
     compile   --compile / the defaults' bare side, eager: not matched work; run with defaults to see what
               torch.compile buys (the ratio of the two pairs' ratios) and costs (the start-up table)
+    malloc    train.py defaults / the defaults' bare side with glibc's moving malloc thresholds (--glibc_default):
+              not matched work; what pinning them (accel_ddp/util/host_memory.py) buys over a hand-written loop
 
     python benchmarks/tax.py                                   # mlp and cnn, defaults, 2 processes, 3 rounds
     python benchmarks/tax.py --workloads mlp --pairs defaults,noclip,sgd --rounds 5
@@ -78,6 +80,8 @@ PAIRS = {  # name: (accel_ddp flags, bare_ddp.py flags)
     # Not matched work (the bare loop stays eager): with "defaults" in the same invocation, the ratio of the two
     # pairs' ratios is what --compile buys over accel_ddp's eager default, and the start-up table its cost.
     "compile": (["--compile"], ["--optimizer", "adamw", "--max_grad_norm", "1.0"]),
+    # Not matched work either: the bare loop as written by hand, with glibc's malloc thresholds left to move.
+    "malloc": ([], ["--optimizer", "adamw", "--max_grad_norm", "1.0", "--glibc_default"]),
 }
 PROFILE_AFTER = 30  # optimizer steps before cProfile starts (start-up and warm-up left out)
 PROFILE_STEPS = 0  # optimizer steps profiled; 0: to the end of the run (evaluations and the final outputs included)

@@ -22,6 +22,7 @@ from accelerate.utils import DDPCommunicationHookType, DistributedDataParallelKw
 from accel_ddp.config import TrainConfig
 from accel_ddp.distributed.preflight import build_fsdp_plugin, check_launch_devices
 from accel_ddp.lifecycle.failure import WORLD_SIZE_VARS
+from accel_ddp.util.host_memory import keep_freed_host_memory
 from accel_ddp.util.validation import ConfigError, LaunchError
 
 
@@ -60,6 +61,8 @@ def build_accelerator(cfg: TrainConfig, trackers: Callable[[PartialState], dict[
     if cfg.mixed_precision is not None:  # issue 22: --mixed_precision wins over the launch config (a note says so)
         override_mixed_precision(cfg.mixed_precision, cpu, is_main=os.environ.get("RANK", "0") == "0")
     check_launch_devices(cuda_available=not cpu)  # one process per GPU; GPUs this torch cannot use
+    if cpu:  # the step's freed tensors reused, not faulted in again each step (util/host_memory.py)
+        keep_freed_host_memory()
     if not cpu and cfg.tf32:  # TF32 tensor cores for fp32 matmuls/convs: ~8x on Ampere+, 10-bit mantissa
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True

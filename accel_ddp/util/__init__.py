@@ -7,6 +7,7 @@ crash-safe write, and the messages module (warnings, notes, error lines, which r
     optional.py     an optional package, or one line naming the pip install
     atomic.py       atomic_write_text: readers see the old file or the new, never half
     model_outputs.py  logits_of: a model's logits, whatever it returns
+    host_memory.py  keep_freed_host_memory: glibc keeps a CPU step's freed memory for the next step
 
 May import: nothing from accel_ddp (the standard library; torch and Accelerate only inside a function).
 """
