@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import sys
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 
 from accel_ddp import TrainConfig, train
 from tests.helpers.data import IndexDataset, IndexRecorder
+from tests.helpers.host_memory import PAGES
 from tests.helpers.multiproc import run_ranks
 from tests.helpers.runs import (
     CPU_2PROC,
@@ -256,3 +258,19 @@ def test_plain_python(tmp_path):
             "--global_batch_size", "16", "--epochs", "1"]
     check(run_single([*args, "--output_dir", str(tmp_path / "p")]))
     assert read_summary(tmp_path / "p")["world_size"] == 1
+
+
+@pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc only")
+def test_every_cpu_rank_keeps_a_steps_freed_host_memory_for_the_next_step():
+    def fn():
+        from accel_ddp.distributed.world import build_accelerator
+        from tests.helpers.host_memory import faults_per_step, give_freed_memory_back
+
+        give_freed_memory_back()  # whatever the forked test process had set
+        before = faults_per_step(3)
+        build_accelerator(TrainConfig(global_batch_size=2))
+        return before, faults_per_step()
+
+    for before, after in run_ranks(fn, world_size=2):
+        assert min(before[1:]) >= PAGES // 2  # glibc gave each step's memory back
+        assert max(after[1:]) < PAGES // 20, f"faults per step: {after} (before the world formed: {before})"
