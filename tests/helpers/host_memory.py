@@ -2,13 +2,16 @@
 
     faults_per_step()    # [faults of step 1, step 2, ...]: ~PAGES each while glibc gives the memory back
 
-Plain ``malloc``/``free`` through ctypes (no torch), so a fresh interpreter runs it in a fraction of a second.
+Plain ``malloc``/``free`` through ctypes (no torch, no Accelerate): a fresh interpreter runs it in a fraction
+of a second.
 """
 
 from __future__ import annotations
 
 import ctypes
 import resource
+
+from accel_ddp.util.host_memory import M_MMAP_THRESHOLD, M_TRIM_THRESHOLD
 
 BLOCKS, BLOCK_BYTES = 10, 8 << 20  # 80 MiB a step: over the 64 MiB glibc trims at however far its threshold moved
 PAGES = BLOCKS * BLOCK_BYTES // resource.getpagesize()
@@ -33,4 +36,4 @@ def faults_per_step(steps: int = 5) -> list[int]:
 def give_freed_memory_back() -> None:
     """glibc's default thresholds (128 KiB), held there: whatever this process inherited, freed blocks go back."""
     libc = ctypes.CDLL("libc.so.6")
-    assert libc.mallopt(-3, 128 << 10) == 1 and libc.mallopt(-1, 128 << 10) == 1  # M_MMAP_ / M_TRIM_THRESHOLD
+    assert libc.mallopt(M_MMAP_THRESHOLD, 128 << 10) == 1 and libc.mallopt(M_TRIM_THRESHOLD, 128 << 10) == 1
