@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import sys
 
 import pytest
@@ -12,7 +11,7 @@ import torch
 
 from accel_ddp import TrainConfig, train
 from tests.helpers.data import IndexDataset, IndexRecorder
-from tests.helpers.host_memory import PAGES
+from tests.helpers.host_memory import GLIBC, PAGES
 from tests.helpers.multiproc import run_ranks
 from tests.helpers.runs import (
     CPU_2PROC,
@@ -260,7 +259,7 @@ def test_plain_python(tmp_path):
     assert read_summary(tmp_path / "p")["world_size"] == 1
 
 
-@pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc only")
+@pytest.mark.skipif(not GLIBC, reason="glibc's malloc thresholds only")
 def test_every_cpu_rank_keeps_a_steps_freed_host_memory_for_the_next_step():
     def fn():
         from accel_ddp.distributed.world import build_accelerator

@@ -9,12 +9,14 @@ of a second.
 from __future__ import annotations
 
 import ctypes
+import platform
 import resource
 
 from accel_ddp.util.host_memory import M_MMAP_THRESHOLD, M_TRIM_THRESHOLD
 
 BLOCKS, BLOCK_BYTES = 10, 8 << 20  # 80 MiB a step: over the 64 MiB glibc trims at however far its threshold moved
 PAGES = BLOCKS * BLOCK_BYTES // resource.getpagesize()
+GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
 
 
 def faults_per_step(steps: int = 5) -> list[int]:

@@ -4,18 +4,15 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from accel_ddp.util.host_memory import keep_freed_host_memory, why_left_alone
-from tests.helpers.host_memory import PAGES
+from tests.helpers.host_memory import GLIBC, PAGES
+from tests.helpers.runs import REPO
 
-REPO = Path(__file__).resolve().parents[2]
-GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
 PROBE = """
 import json, sys
 from accel_ddp.util.host_memory import keep_freed_host_memory
