@@ -33,6 +33,7 @@ from accel_ddp.data import build_loaders, usable_cpus
 from accel_ddp.data.resolve import resolve_data
 from accel_ddp.distributed.preflight import check_fsdp, check_shared_output_dir
 from accel_ddp.distributed.world import build_accelerator, prepare
+from accel_ddp.kernels import fuse_activations
 from accel_ddp.lifecycle import failure
 from accel_ddp.lifecycle.failure import main_process_decides
 from accel_ddp.lifecycle.preemption import (
@@ -129,6 +130,9 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
     named = f" (--model {cfg.model})" if model is None else ""
     model = _model(cfg, accelerator, model, data, memory_format)
     named = f"{type(model).__name__}{named}, {sum(p.numel() for p in model.parameters()):,} parameters"
+    fused = fuse_activations(model) if cfg.fused_kernels else 0  # before DDP wraps it: same math, fewer kernels
+    if fused:
+        named += f", {fused} tanh-GELU module{'s' if fused > 1 else ''} on torch's one kernel (--fused_kernels)"
     # --per_device_batch_size auto: the largest micro-batch that fits on every rank, before DDP wraps the model
     chosen = choose_micro_batch(cfg, accelerator, model, task, data) if cfg.auto_batch else None
     if chosen is not None:

@@ -3,7 +3,8 @@
 The baseline for accel_ddp's per-step cost (``tax.py``): the same model, optimizer (built by
 accel_ddp's own ``build_optimizer``, so the same parameter groups and the same fused or
 multi-tensor implementation), malloc thresholds (on the CPU pinned as accel_ddp pins them,
-``--glibc_default`` to leave them), per-rank batch and samples, with the data already on the
+``--glibc_default`` to leave them), activation kernels (accel_ddp's ``fuse_activations``;
+``--model_kernels`` keeps the model's own), per-rank batch and samples, with the data already on the
 device as normalised float tensors, so that each step is a gather, forward, loss, backward (DDP's
 all-reduce), optional clipping, the optimizer step and ``zero_grad``. No logging, no LR schedule,
 no preemption flag, no timers beyond one clock reading per step: the fastest loop a user could
@@ -41,6 +42,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from accel_ddp.data import build_datasets, epoch_order, steps_per_epoch  # noqa: E402  (no Accelerate import)
+from accel_ddp.kernels import fuse_activations  # noqa: E402
 from accel_ddp.models import build_model  # noqa: E402
 from accel_ddp.optim import build_optimizer, use_fused_optimizer  # noqa: E402
 from accel_ddp.tracking.startup import process_age  # noqa: E402
@@ -62,9 +64,10 @@ def load(args, device: torch.device):
                                          max_length=args.max_length)
         tokens = bundle.train.inputs.to(device)  # TokenBlocks (blocks, max_length): packed, no padding
 
-        def next_token_loss(model, ids, _):
+        def next_token_loss(model, ids, _):  # labels shifted, not logits: no copy of the (B, T, vocab) logits
             logits = model(input_ids=ids).logits
-            return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
+            labels = F.pad(ids[:, 1:], (0, 1), value=-100)
+            return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
 
         return tokens, None, model, next_token_loss
     if args.workload == "mlp":
@@ -94,6 +97,9 @@ def main() -> None:
     parser.add_argument("--tokenizer", help="lm: its tokenizer folder")
     parser.add_argument("--model_config", help="lm: a Transformers config (examples/configs/tiny_gpt2.json)")
     parser.add_argument("--max_length", type=int, default=128, help="lm: tokens per packed block")
+    parser.add_argument("--model_kernels", action="store_true",
+                        help="keep the model's own activation modules (tax.py's 'kernels' pair); default: accel_ddp's "
+                             "one-kernel tanh GELU, as accel_ddp's --fused_kernels does")
     parser.add_argument("--glibc_default", action="store_true",
                         help="leave glibc's moving malloc thresholds as a hand-written loop gets them (tax.py's "
                              "'malloc' pair); default: pinned on the CPU, as accel_ddp does")
@@ -112,6 +118,8 @@ def main() -> None:
     torch.manual_seed(args.seed)
     inputs, labels, model, loss_of = load(args, device)
     model = model.to(device)
+    if not args.model_kernels:
+        fuse_activations(model)  # as accel_ddp's --fused_kernels (the default)
     fused = use_fused_optimizer(args.optimizer, device.type)  # as accel_ddp decides
     optimizer = build_optimizer(args.optimizer, model, args.lr, 0.0, fused=fused)
     if world > 1:  # as Accelerate: one process trains the plain model (a 1-rank DDP would copy every gradient)

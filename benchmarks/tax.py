@@ -26,6 +26,8 @@ Pairs (``--pairs``), accel_ddp side / bare side:
               torch.compile buys (the ratio of the two pairs' ratios) and costs (the start-up table)
     malloc    train.py defaults / the defaults' bare side with glibc's moving malloc thresholds (--glibc_default):
               not matched work; what pinning them (accel_ddp/util/host_memory.py) buys over a hand-written loop
+    kernels   train.py defaults / the defaults' bare side with the model's own activation modules (--model_kernels):
+              not matched work; what --fused_kernels (accel_ddp/kernels.py) buys on the lm over a hand-written loop
 
     python benchmarks/tax.py                                   # mlp and cnn, defaults, 2 processes, 3 rounds
     python benchmarks/tax.py --workloads mlp --pairs defaults,noclip,sgd --rounds 5
@@ -82,6 +84,9 @@ PAIRS = {  # name: (accel_ddp flags, bare_ddp.py flags)
     "compile": (["--compile"], ["--optimizer", "adamw", "--max_grad_norm", "1.0"]),
     # Not matched work either: the bare loop as written by hand, with glibc's malloc thresholds left to move.
     "malloc": ([], ["--optimizer", "adamw", "--max_grad_norm", "1.0", "--glibc_default"]),
+    # Not matched work: the bare loop with the model's own activation modules (Transformers' Python tanh GELU on the
+    # lm) against accel_ddp's --fused_kernels default; on mlp and cnn both sides are the same.
+    "kernels": ([], ["--optimizer", "adamw", "--max_grad_norm", "1.0", "--model_kernels"]),
 }
 PROFILE_AFTER = 30  # optimizer steps before cProfile starts (start-up and warm-up left out)
 PROFILE_STEPS = 0  # optimizer steps profiled; 0: to the end of the run (evaluations and the final outputs included)

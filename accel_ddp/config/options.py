@@ -216,6 +216,9 @@ class TrainConfig:
     ddp_timeout: int = _opt(1800, "seconds a collective may wait for a missing rank before the job fails",
                             low=1, high=DDP_TIMEOUT_MAX)
     compile: bool = _opt(False, "torch.compile the model (first steps are slower while it compiles)")
+    fused_kernels: bool = _opt(
+        True, "one-kernel versions of the same math in Transformers models (tanh GELU); false keeps the model's own"
+    )
     channels_last: bool = _opt(False, "store image models and batches channels-last (faster convs on GPUs)")
     tf32: bool = _opt(True, "CUDA only: TF32 tensor cores for fp32 matmuls and convolutions")
     profile: bool = _opt(False, "record a torch.profiler trace of a few steps into OUTPUT_DIR/profile")

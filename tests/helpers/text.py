@@ -30,12 +30,13 @@ def _load_gpt2_here() -> None:
 _load_gpt2_here()
 
 
-def tiny_gpt(vocab: int = VOCAB, positions: int = 32, dropout: float = 0.0):
+def tiny_gpt(vocab: int = VOCAB, positions: int = 32, dropout: float = 0.0, activation: str = "gelu_new"):
     """A two-layer GPT-2 (``GPT2LMHeadModel``) small enough for a CPU test step in milliseconds."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     config = GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=vocab, n_positions=positions,
-                        resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout, bos_token_id=1, eos_token_id=1)
+                        resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout, bos_token_id=1, eos_token_id=1,
+                        activation_function=activation)
     return GPT2LMHeadModel(config)
 
 

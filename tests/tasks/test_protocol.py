@@ -72,6 +72,41 @@ def test_token_exact_accumulation_gives_one_gradient_whatever_the_layout(tmp_pat
     assert (trained[key] - initial[key]).abs().max() > 1e-2
 
 
+def _graph_nodes(root) -> list[str]:
+    """The names of the autograd nodes reachable from ``root`` (a ``grad_fn``)."""
+    names, stack, seen = [], [root], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.append(type(node).__name__)
+        stack.extend(child for child, _ in node.next_functions)
+    return names
+
+
+def test_the_causal_lm_loss_reads_the_models_logits_as_they_are():
+    """The labels move one place left, not the logits: the loss reaches the (B, T, vocab) logits through a view
+    only (slicing off their last position copied the whole tensor forward, and filled and copied another in the
+    backward); the value is still the next-token loss over the T - 1 predicted positions of each row."""
+    from types import SimpleNamespace
+
+    from accel_ddp.tasks.protocol import build_task
+
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 5, 7, generator=generator, requires_grad=True)
+    ids = torch.randint(0, 7, (2, 5), generator=generator)
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
+    loss = build_task("causal_lm").default_loss(SimpleNamespace(logits=logits), {"input_ids": ids,
+                                                                                 "attention_mask": mask})
+    nodes = _graph_nodes(loss.value.grad_fn)
+    assert "AccumulateGrad" in nodes and not [n for n in nodes if n.startswith(("Slice", "Clone", "Copy", "Unsafe"))]
+    labels = ids[:, 1:].masked_fill(mask[:, 1:] == 0, IGNORE_INDEX)
+    expected = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 7), labels.reshape(-1), reduction="sum")
+    torch.testing.assert_close(loss.value, expected)
+    assert int(loss.items) == 4 + 2  # row 0 predicts 4 tokens, row 1 its 2 real ones after the first
+
+
 # ----------------------------------------------------------------------------- evaluation counts each item once
 
 
