@@ -127,7 +127,8 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
                       memory_format)
     data = resolve_data(cfg, accelerator, train_dataset, eval_dataset, collate_fn, preemption=preemption)
     phase_done("data")
-    named = f" (--model {cfg.model})" if model is None else ""
+    source = f"--model_config {cfg.model_config}" if cfg.model_config else f"--model {cfg.model}"
+    named = f" ({source})" if model is None else ""  # --model_config wins over --model (models.py)
     model = _model(cfg, accelerator, model, data, memory_format)
     named = f"{type(model).__name__}{named}, {sum(p.numel() for p in model.parameters()):,} parameters"
     fused = fuse_activations(model) if cfg.fused_kernels else 0  # before DDP wraps it: same math, fewer kernels

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 transformers = pytest.importorskip("transformers")
 
@@ -239,6 +240,10 @@ def test_sequence_classification_on_a_csv_of_labelled_texts(corpus, datasets_cac
 
     model = AutoModelForSequenceClassification.from_pretrained(tmp_path / "cls" / "hf_model")
     assert model.config.num_labels == 2 and model.config.pad_token_id == 0
+    said = yaml.safe_load((tmp_path / "cls" / "config.yaml").read_text())
+    assert said["startup"]["model"].startswith(  # the flag that named the model, and the kernels swapped in it
+        f"GPT2ForSequenceClassification (--model_config {corpus / 'gpt2.json'}), "), said["startup"]["model"]
+    assert said["startup"]["model"].endswith(" tanh-GELU modules on torch's one kernel (--fused_kernels)")
 
 
 def test_crash_mid_epoch_then_resume_is_bitwise_exact_for_a_pretrained_lm_folder(corpus, datasets_cache, tmp_path):
