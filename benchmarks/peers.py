@@ -11,7 +11,9 @@ Two comparisons (``--peers``):
 Each peer with the defaults its docs give (``trainer``, ``lightning``). The Trainer's default AdamW is the fused
 one accel_ddp also takes; Lightning's docs write ``torch.optim.AdamW``, which runs per tensor on the CPU, so
 ``lightning_fused`` (labelled apart) gives it accel_ddp's fused AdamW: the implementation of the same AdamW is
-each framework's default, not the work. accel_ddp runs with its defaults (``train.py`` with the
+each framework's default, not the work. ``trainer_own_gelu`` (labelled apart) runs accel_ddp with
+``--fused_kernels false``, the model's own Python tanh GELU as the Trainer runs it: what the one-kernel GELU
+of accel_ddp's default adds to the comparison. accel_ddp runs with its defaults (``train.py`` with the
 work's flags only). All sides are started the same way (``accelerate launch``), 2 processes over gloo, in
 rounds whose order alternates. Figures per round, paired: samples/s over every epoch but the first (an
 epoch's start to its last optimizer step, evaluation excluded, as accel_ddp's ``EpochTimer``), rank 0's CPU
@@ -56,15 +58,17 @@ SKIP_EPOCHS = 1  # the first epoch holds one-time costs (first-step allocations,
 EPOCHS = 3
 LM = {"per_device": 16, "lr": 2e-3, "warmup": 20}
 CNN = {"per_device": 64, "lr": 3e-3}
-PEERS = {  # name: (the comparison's work, the peer's script, its extra flags)
-    "trainer": ("lm", "peer_trainer.py", []),
-    "lightning": ("cnn", "peer_lightning.py", []),
-    "lightning_fused": ("cnn", "peer_lightning.py", ["--optimizer", "fused"]),
+PEERS = {  # name: (the comparison's work, the peer's script, its extra flags, accel_ddp's extra flags)
+    "trainer": ("lm", "peer_trainer.py", [], []),
+    "trainer_own_gelu": ("lm", "peer_trainer.py", [], ["--fused_kernels", "false"]),
+    "lightning": ("cnn", "peer_lightning.py", [], []),
+    "lightning_fused": ("cnn", "peer_lightning.py", ["--optimizer", "fused"], []),
 }
 
 
-def accel_command(work: str, nproc: int, run_dir: Path, lm_data: str) -> list[str]:
-    """accel_ddp's train.py with the work's flags and nothing else: its defaults decide the rest."""
+def accel_command(work: str, nproc: int, run_dir: Path, lm_data: str, extra: list[str]) -> list[str]:
+    """accel_ddp's train.py with the work's flags and nothing else (``extra``: a labelled variant's): its defaults
+    decide the rest."""
     if work == "lm":
         flags = ["--task", "causal_lm", "--dataset", "hf", "--data_dir", lm_data, "--tokenizer", f"{lm_data}/tokenizer",
                  "--model_config", str(REPO / "examples" / "configs" / "tiny_gpt2.json"), "--packing",
@@ -73,11 +77,12 @@ def accel_command(work: str, nproc: int, run_dir: Path, lm_data: str) -> list[st
     else:
         flags = ["--dataset", "benchmarks.common:mnist_split", "--model", "mnist_cnn", "--lr", str(CNN["lr"]),
                  "--global_batch_size", str(CNN["per_device"] * nproc)]
-    return launch_cmd(REPO / "train.py", [*flags, "--epochs", str(EPOCHS), "--output_dir", str(run_dir)], nproc)
+    return launch_cmd(REPO / "train.py", [*flags, *extra, "--epochs", str(EPOCHS), "--output_dir", str(run_dir)],
+                      nproc)
 
 
 def peer_command(peer: str, nproc: int, run_dir: Path, lm_data: str) -> list[str]:
-    work, script, extra = PEERS[peer]
+    work, script, extra, _ = PEERS[peer]
     flags = (["--data_dir", lm_data, "--per_device_batch_size", str(LM["per_device"]), "--lr", str(LM["lr"]),
               "--warmup_steps", str(LM["warmup"])] if work == "lm"
              else ["--per_device_batch_size", str(CNN["per_device"]), "--lr", str(CNN["lr"])])
@@ -160,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
                 for side in (("peer", "accel") if k % 2 == 0 else ("accel", "peer")):
                     run_dir = Path(tmp) / f"{peer}_{side}_{k}"
                     run_dir.mkdir()
-                    cmd = (accel_command(work, args.nproc, run_dir, lm_data) if side == "accel"
+                    cmd = (accel_command(work, args.nproc, run_dir, lm_data, PEERS[peer][3]) if side == "accel"
                            else peer_command(peer, args.nproc, run_dir, lm_data))
                     info = run_launch(cmd, env, run_dir / "log.txt", args.timeout)
                     record = {"peer": peer, "side": side, "round": k, "rc": info["rc"], "wall_sec": info["wall_sec"],
