@@ -41,6 +41,7 @@ REPO = Path(__file__).resolve().parents[1]
 DATA_ENV = "ACCEL_DDP_BENCH_MNIST"
 DEFAULT_MNIST_DIR = REPO.parent / "shared" / "data" / "mnist"
 CPU_2PROC = REPO / "accelerate_configs" / "cpu_2proc.yaml"
+TINY_GPT2_CONFIG = REPO / "examples" / "configs" / "tiny_gpt2.json"  # docs/tasks.md's 4-layer GPT-2
 N_TRAIN, N_EVAL = 8000, 2000  # the split of the 10,000 test images when the training files are absent
 MNIST_MEAN, MNIST_STD = 0.1307, 0.3081  # examples/mnist's Normalize((0.1307,), (0.3081,))
 TV_NAMES = {"train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
@@ -247,6 +248,14 @@ def cnn_bn_half(num_classes: int, input_shape: tuple[int, ...]):
 
 
 # ----------------------------------------------------------------------------- launching
+
+
+def tiny_gpt2():
+    """docs/tasks.md's 4-layer GPT-2 (``TINY_GPT2_CONFIG``) with fresh weights from torch's current seed; needs
+    transformers."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(TINY_GPT2_CONFIG))
 
 
 def free_port() -> int:

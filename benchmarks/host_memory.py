@@ -35,13 +35,13 @@ def one_run(side: str) -> dict:
         if keep_freed_host_memory() != "pinned":
             raise SystemExit("glibc's thresholds could not be pinned here (not glibc, or set in the environment)")
     import torch
-    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from benchmarks.common import tiny_gpt2
 
     torch.manual_seed(0)
-    config = GPT2Config.from_json_file(str(REPO / "examples" / "configs" / "tiny_gpt2.json"))
-    model = GPT2LMHeadModel(config)
+    model = tiny_gpt2()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
-    blocks = torch.randint(0, config.vocab_size, (16, 8, 128))
+    blocks = torch.randint(0, model.config.vocab_size, (16, 8, 128))
 
     def step(i: int) -> None:
         batch = blocks[i % len(blocks)]

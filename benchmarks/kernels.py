@@ -36,6 +36,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from accel_ddp.kernels import fuse_activations  # noqa: E402
 from accel_ddp.tasks.protocol import build_task  # noqa: E402
+from benchmarks.common import tiny_gpt2  # noqa: E402
 
 
 def sliced_logits_loss(outputs, batch) -> torch.Tensor:
@@ -46,11 +47,8 @@ def sliced_logits_loss(outputs, batch) -> torch.Tensor:
 
 def build_variants(blocks: torch.Tensor) -> dict:
     """name -> a function running one optimizer step on the next block."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
     torch.manual_seed(0)
-    config = GPT2Config.from_json_file(str(REPO / "examples" / "configs" / "tiny_gpt2.json"))
-    reference = GPT2LMHeadModel(config)
+    reference = tiny_gpt2()
     task = build_task("causal_lm")
     variants = {}
     for name in ("before", "labels", "fused"):

@@ -21,19 +21,17 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from accel_ddp.models import build_model  # noqa: E402
+from benchmarks.common import tiny_gpt2  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
 KERNELS = {"per tensor": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}
 
 
 def models() -> dict[str, torch.nn.Module]:
     found = {"mlp": build_model("mlp", 10, (1, 8, 8)), "mnist_cnn": build_model("mnist_cnn", 10, (1, 28, 28))}
     try:
-        from transformers import AutoConfig, AutoModelForCausalLM
-    except ImportError:
-        return found
-    config = AutoConfig.from_pretrained(REPO / "examples" / "configs" / "tiny_gpt2.json")
-    found["tiny_gpt2"] = AutoModelForCausalLM.from_config(config)
+        found["tiny_gpt2"] = tiny_gpt2()
+    except ImportError:  # no transformers
+        pass
     return found
 
 

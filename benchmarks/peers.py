@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import (  # noqa: E402
     REPO,
+    TINY_GPT2_CONFIG,
     accel_epochs,
     bench_env,
     data_source,
@@ -71,7 +72,7 @@ def accel_command(work: str, nproc: int, run_dir: Path, lm_data: str, extra: lis
     decide the rest."""
     if work == "lm":
         flags = ["--task", "causal_lm", "--dataset", "hf", "--data_dir", lm_data, "--tokenizer", f"{lm_data}/tokenizer",
-                 "--model_config", str(REPO / "examples" / "configs" / "tiny_gpt2.json"), "--packing",
+                 "--model_config", str(TINY_GPT2_CONFIG), "--packing",
                  "--max_length", "128", "--lr", str(LM["lr"]), "--warmup_steps", str(LM["warmup"]),
                  "--global_batch_size", str(LM["per_device"] * nproc)]
     else:

@@ -51,6 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import (  # noqa: E402
     REPO,
+    TINY_GPT2_CONFIG,
     accel_epochs,
     bench_env,
     data_source,
@@ -67,7 +68,7 @@ from benchmarks.common import (  # noqa: E402
 HERE = Path(__file__).resolve().parent
 SKIP_EPOCHS = 1  # the first epoch holds one-time costs (first-step allocations, DDP's bucket rebuild)
 LM_DATA = "{lm_data}"  # replaced by the folder examples/pydoc_text.py lm writes once per invocation
-LM_MODEL = ["--model_config", str(REPO / "examples" / "configs" / "tiny_gpt2.json"), "--max_length", "128",
+LM_MODEL = ["--model_config", str(TINY_GPT2_CONFIG), "--max_length", "128",
             "--tokenizer", f"{LM_DATA}/tokenizer", "--data_dir", LM_DATA, "--lr", "2e-3"]
 WORKLOADS = {  # name: (accel_ddp flags, bare_ddp.py flags, global batch, default epochs)
     "mlp": ([], ["--workload", "mlp"], 64, 15),
