@@ -166,6 +166,7 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
     teardown.callback(recorder.close)
     facts = _run_facts(cfg, accelerator, plan, loaders.kind, loaders.source)
     checkpoints = _checkpoints(cfg, accelerator, teardown, facts, plan, (model, optimizer, scheduler))
+    checkpoints.store.stopping = lambda: preemption.signalled  # a store call under way gives up soon after a signal
     block = StartupBlock.describe(cfg, facts, epochs=plan.num_epochs, workers=_workers(loaders.train), model=named,
                                   data_sizes=_debug_sizes(cfg, data), cpus=usable_cpus())
     start_step = _agree_start(cfg, accelerator, checkpoints, (optimizer, scheduler), plan, recorder, facts, block,
@@ -186,7 +187,8 @@ def _checkpoints(cfg: TrainConfig, accelerator: Accelerator, teardown: ExitStack
     model, optimizer, scheduler = state
     checkpoints = CheckpointManager(accelerator, cfg.output_dir, cfg.keep_last,
                                     {**facts, "seed": cfg.seed, "optimizer": cfg.optimizer, "model": cfg.model,
-                                     **{name: getattr(cfg, name) for name in HYPERPARAMETERS}}, cfg.checkpoint_dir)
+                                     **{name: getattr(cfg, name) for name in HYPERPARAMETERS}}, cfg.checkpoint_dir,
+                                    cfg.store_timeout)
     checkpoints.claim_store(cfg.output_dir)  # --checkpoint_dir: one run per prefix, like the output folder's lock
     teardown.callback(checkpoints.release_store)
     # The best model and early stopping (checkpoint/best.py): stored with each checkpoint, restored by resume.
@@ -234,7 +236,7 @@ def _join(cfg: TrainConfig, teardown: ExitStack, preemption: PreemptionWatcher) 
     teardown.push(_claim_failure)  # before the group goes: the ranks it then stops know that they are not first
     main_process_decides(accelerator, lambda: check_output_dir(cfg.output_dir))  # a bad folder: now, not after data
     if cfg.checkpoint_dir:  # a store that cannot even be opened (no account, bad settings): now too, one line
-        main_process_decides(accelerator, lambda: open_store(cfg.checkpoint_dir) and None)
+        main_process_decides(accelerator, lambda: open_store(cfg.checkpoint_dir, timeout=cfg.store_timeout) and None)
     check_shared_output_dir(accelerator, cfg.output_dir)  # several machines: one folder for all of them
     if accelerator.is_main_process and (hazard := restart_hazard()):
         print(f"accel_ddp: warning: {hazard}", file=sys.stderr, flush=True)

@@ -59,7 +59,7 @@ from accel_ddp.checkpoint.manifest import (  # noqa: F401 - CorruptCheckpoint, c
     rng_file,
     rng_not_restored,
 )
-from accel_ddp.checkpoint.storage import StoreError, StoreFailed, open_store
+from accel_ddp.checkpoint.storage import DEFAULT_STORE_TIMEOUT, StoreError, StoreFailed, open_store
 from accel_ddp.checkpoint.weights import load_weights, plain_state_dict
 from accel_ddp.lifecycle.failure import main_process_decides
 from accel_ddp.outputs.files import (
@@ -88,11 +88,11 @@ class CheckpointManager:
     """
 
     def __init__(self, accelerator: Accelerator, output_dir: str, keep_last: int, run_facts: dict[str, Any],
-                 checkpoint_dir: str | None = None):
+                 checkpoint_dir: str | None = None, store_timeout: float = DEFAULT_STORE_TIMEOUT):
         self.accelerator = accelerator
         self.staging = os.path.join(output_dir, CHECKPOINTS_DIR)  # where saves are written before their seal
         # --checkpoint_dir: sealed checkpoints go to an object store (storage.py); else they stay in staging
-        self.store = open_store(checkpoint_dir or self.staging, self.staging)
+        self.store = open_store(checkpoint_dir or self.staging, self.staging, store_timeout)
         self.root = self.store.root
         self.keep_last = keep_last
         self.run_facts = dict(run_facts)

@@ -39,7 +39,14 @@ class StopPoints:
     def save(self, step: int) -> str:
         """A checkpoint of ``step``; a nan/inf state is never saved."""
         self.if_not_finite(step)
-        return self.checkpoints.save(step)
+        try:
+            return self.checkpoints.save(step)
+        except ConfigError as err:  # raised on every rank at once (the save's collectives carry it)
+            if not self.preemption.agree():
+                raise
+            # A signal came during a save that failed (a store cut short, a full disk): a stop, not bad input
+            raise Preempted(self.preemption.reason, step, self.checkpoints.last_saved_folder, unsaved=str(err),
+                            signal_name=self.preemption.signal_name) from err
 
     def stop(self, step: int, saved: str | None = None) -> NoReturn:
         """Preempted: every rank saves this step (unless ``saved`` already holds it), then stops."""
