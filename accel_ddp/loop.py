@@ -37,6 +37,7 @@ from accel_ddp.lifecycle.preemption import (
 )
 from accel_ddp.lifecycle.stops import StopPoints
 from accel_ddp.models import export_pretrained
+from accel_ddp.outputs.files import WriteFailed
 from accel_ddp.outputs.model_card import launch_command, write_model_card
 from accel_ddp.outputs.run_dir import (
     RunFinished,
@@ -90,6 +91,11 @@ def train(
             except AnomalyStop:  # it names the newest checkpoint, maybe one in flight: sealed before the exit
                 run.checkpoints.wait()
                 raise
+            except WriteFailed as err:  # a metrics line on a disk that an async save filled: the save is the news
+                failed = run.checkpoints.failed_save(err)
+                if failed is err:
+                    raise
+                raise failed from err
 
 
 @dataclass

@@ -57,7 +57,17 @@ from typing import Any
 
 from accel_ddp.checkpoint.manifest import _STEP_DIR, checkpoint_name, list_checkpoints
 from accel_ddp.config import STORE_PACKAGES, URL_SCHEME
-from accel_ddp.outputs.files import WriteFailed, fsync_dir, relative_files, remove_dir, set_aside, write_failure
+from accel_ddp.outputs.files import (
+    READ_ONLY,
+    READ_ONLY_ERRNOS,
+    WRITABLE_FIX,
+    WriteFailed,
+    fsync_dir,
+    relative_files,
+    remove_dir,
+    set_aside,
+    write_failure,
+)
 from accel_ddp.outputs.names import LOCK_NAME, MARKER_NAME, STORE_CLAIM_NAME
 from accel_ddp.util.atomic import atomic_write_text
 from accel_ddp.util.messages import first_line, warn
@@ -356,9 +366,11 @@ class ObjectStore:
 
     def _local_or_store(self, err: OSError, dest: str) -> None:
         """A download that failed: this machine's disk (full, read-only) is named as such, the rest is the store's."""
-        if err.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
-            raise WriteFailed(f"cannot download {self.root}'s checkpoint into {dest}: {write_failure(err, dest)}; "
-                              "free space there (room for one checkpoint) or give another --output_dir") from None
+        if err.errno in (errno.ENOSPC, errno.EDQUOT, *READ_ONLY_ERRNOS):
+            why = write_failure(err, dest)
+            fix = WRITABLE_FIX if why.startswith(READ_ONLY) else \
+                "free space there (room for one checkpoint) or give another --output_dir"
+            raise WriteFailed(f"cannot download {self.root}'s checkpoint into {dest}: {why}; {fix}") from None
         raise self._failed("download", err) from None
 
     def _call(self, what: str, method: str, *args: Any, passes: type[Exception] | tuple = (), nbytes: int = 0,
