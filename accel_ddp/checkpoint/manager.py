@@ -57,6 +57,7 @@ from accel_ddp.checkpoint.manifest import (  # noqa: F401 - CorruptCheckpoint, c
     checkpoint_name,
     list_checkpoints,
     read_checkpoint,
+    refused_pickle,
     rng_file,
     rng_not_restored,
     unsafe_file,
@@ -273,15 +274,15 @@ class CheckpointManager:
             raise
         except Exception as err:  # torch.load or load_state_dict refused a file the manifest vouched for
             unsafe = unsafe_file(local) if isinstance(err, pickle.UnpicklingError) else None
-            if unsafe is None:
+            if unsafe is None:  # never torch's advice to load with weights_only=False: refused_pickle's words
                 raise ConfigError(f"--resume_from_checkpoint {folder}: cannot load it ({type(err).__name__}: "
-                                  f"{first_line(err)}); resume from another checkpoint") from err
+                                  f"{refused_pickle(err) or first_line(err)}); resume from another checkpoint") from err
             unsafe = unsafe.replace(local, folder)  # the store's object, not the downloaded copy
         if spec != "auto":
             raise ConfigError(f"--resume_from_checkpoint {folder}: {unsafe}; resume from another checkpoint, or use "
                               "auto, which passes over it") from None
         if self.accelerator.is_main_process:
-            warn(f"skipping an unsafe checkpoint: {unsafe}; falling back to the previous one")
+            warn(f"skipping a checkpoint that does not load safely: {unsafe}; falling back to the previous one")
         return False
 
     def _say_if_not_exact(self, folder: str, meta: dict[str, Any], ranks: list[tuple[bool, list[str] | None]]) -> None:

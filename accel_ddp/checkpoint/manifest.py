@@ -155,10 +155,7 @@ def _load_state(path: str) -> Any:
     except ImportError:  # torch could not import its own code: this environment is broken, not the file
         raise
     except Exception as err:  # unpickling refused, truncated, unreadable: all mean we cannot resume from it
-        refused = refused_pickle(err)
-        if refused:
-            raise CorruptCheckpoint(unsafe_line(path, refused)) from None
-        raise CorruptCheckpoint(f"{path} cannot be loaded ({type(err).__name__}: {first_line(err)})") from None
+        raise CorruptCheckpoint(refusal_line(path, err)) from None
 
 
 def refused_pickle(err: BaseException) -> str | None:
@@ -172,23 +169,26 @@ def refused_pickle(err: BaseException) -> str | None:
     return found.group(0) if found else "an object of a type it does not allow"
 
 
-def unsafe_line(path: str, refused: str) -> str:
-    return (f"{path} holds objects that a safe load (torch.load with weights_only=True) refuses ({refused}): no save "
-            "of accel_ddp writes them, so it was altered; it is never unpickled otherwise")
+def refusal_line(path: str, err: BaseException) -> str:
+    """Why ``path`` cannot be loaded: objects a safe load refuses (a global: code to run), or the error's words."""
+    refused = refused_pickle(err)
+    if refused and "GLOBAL" in refused:
+        return (f"{path} holds objects that a safe load (torch.load with weights_only=True) refuses ({refused}): no "
+                "save of accel_ddp writes them, so it was altered; it is never unpickled otherwise")
+    return f"{path} cannot be loaded ({type(err).__name__}: {refused or first_line(err)})"
 
 
 def unsafe_file(folder: str) -> str | None:
-    """After ``load_state`` raised an unpickling error: which pickle of ``folder`` a safe load refuses, and why (one
-    line), or None. Only then: ``optimizer.bin`` is not read before ``load_state`` (it may be gigabytes)."""
+    """After ``load_state`` raised an unpickling error: the line for the first pickle of ``folder`` that a safe load
+    refuses, or None. Only then: ``optimizer.bin`` is not read before ``load_state`` (it may be gigabytes)."""
     for name in relative_files(folder):
         if name.endswith((".bin", ".pkl", ".pt")):
             path = os.path.join(folder, name)
             try:
                 accelerate_load(path, map_location="cpu")
             except Exception as err:  # noqa: BLE001 - only the unpickler's refusal is an answer
-                refused = refused_pickle(err)
-                if refused:
-                    return unsafe_line(path, refused)
+                if refused_pickle(err):
+                    return refusal_line(path, err)
     return None
 
 
