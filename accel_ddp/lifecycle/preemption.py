@@ -29,7 +29,8 @@ scancel signal them too, and torch's worker handler would let them die. Exit cod
         --max_grad_norm, or rerun with --debug to see the operation that made it
     75  preempted (EX_TEMPFAIL, "try again"), or the launcher died: a checkpoint of the current step
         was saved; relaunch the same command with --resume_from_checkpoint auto to continue exactly
-        where it stopped (stopped during start-up: nothing trained, nothing saved)
+        where it stopped (stopped during start-up: nothing trained, nothing saved; a save that failed or that a
+        stuck store held when the signal came: not saved, the line names the last intact checkpoint)
 
 ``accelerate launch`` does not pass these on: it exits 1 when the job failed, 128 + the signal
 when it was itself signalled (accelerate 1.16; 1 before), and logs each worker's exit code. Batch
