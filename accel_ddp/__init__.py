@@ -4,8 +4,8 @@
 ``accel_ddp.config``, the CLI's ``--help``, the doctor) then costs no Accelerate import.
 
 The loop's story is at the root (``loop``, ``assemble``, ``step``, ``anomaly``, ``batch_size``, ``evaluate``,
-``models``, ``optim``, ``kernels``, ``step_graph``) with the options in ``config/``; infrastructure lives in subpackages, each
-``__init__`` saying what it holds and what it may import.
+``models``, ``optim``, ``kernels``, ``step_graph``) with the options in ``config/``; infrastructure lives in
+subpackages, each ``__init__`` saying what it holds and what it may import.
 Imports run one way: each layer imports only layers to its left.
 
     util -> config -> lifecycle -> outputs -> tracking, checkpoint -> distributed -> data -> tasks

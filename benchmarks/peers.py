@@ -84,7 +84,7 @@ def matched_precision(choice: str) -> str:
 
 
 def accel_command(work: str, nproc: int, run_dir: Path, lm_data: str, extra: list[str],
-                  mixed_precision: str = "no") -> list[str]:
+                  mixed_precision: str = "no", epochs: int = EPOCHS) -> list[str]:
     """accel_ddp's train.py with the work's flags and nothing else (``extra``: a labelled variant's): its defaults
     decide the rest."""
     if work == "lm":
@@ -95,18 +95,19 @@ def accel_command(work: str, nproc: int, run_dir: Path, lm_data: str, extra: lis
     else:
         flags = ["--dataset", "benchmarks.common:mnist_split", "--model", "mnist_cnn", "--lr", str(CNN["lr"]),
                  "--global_batch_size", str(CNN["per_device"] * nproc)]
-    return launch_cmd(REPO / "train.py", [*flags, *extra, "--epochs", str(EPOCHS), "--output_dir", str(run_dir)],
+    return launch_cmd(REPO / "train.py", [*flags, *extra, "--epochs", str(epochs), "--output_dir", str(run_dir)],
                       nproc, mixed_precision)
 
 
-def peer_command(peer: str, nproc: int, run_dir: Path, lm_data: str, mixed_precision: str = "no") -> list[str]:
+def peer_command(peer: str, nproc: int, run_dir: Path, lm_data: str, mixed_precision: str = "no",
+                 epochs: int = EPOCHS) -> list[str]:
     """The peer's script with the work's flags and the same precision as accel_ddp's side (the Trainer's
     ``bf16=True``, Lightning's ``precision="bf16-mixed"``: each one's own switch for bf16 autocast)."""
     work, script, extra, _ = PEERS[peer]
     flags = (["--data_dir", lm_data, "--per_device_batch_size", str(LM["per_device"]), "--lr", str(LM["lr"]),
               "--warmup_steps", str(LM["warmup"])] if work == "lm"
              else ["--per_device_batch_size", str(CNN["per_device"]), "--lr", str(CNN["lr"])])
-    return launch_cmd(HERE / script, [*flags, *extra, "--epochs", str(EPOCHS), "--mixed_precision", mixed_precision,
+    return launch_cmd(HERE / script, [*flags, *extra, "--epochs", str(epochs), "--mixed_precision", mixed_precision,
                                       "--results_json", str(run_dir / "peer.json")], nproc, mixed_precision)
 
 
@@ -169,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS per rank; default CPUs // nproc")
     p.add_argument("--out", default=str(REPO / "outputs" / "benchmarks" / "peers"), help="folder for peers.json")
     p.add_argument("--timeout", type=float, default=900, help="seconds before one run is ended")
+    p.add_argument("--epochs", type=int, default=EPOCHS, help=f"epochs per run (the first is not measured; {EPOCHS})")
     p.add_argument("--mixed_precision", choices=("auto", "no", "bf16"), default="auto",
                    help="every side's precision; auto: bf16 on a GPU that has it, else no")
     args = p.parse_args(argv)
@@ -198,8 +200,9 @@ def main(argv: list[str] | None = None) -> int:
                     run_dir = Path(tmp) / f"{peer}_{side}_{k}"
                     run_dir.mkdir()
                     precision = args.mixed_precision
-                    cmd = (accel_command(work, args.nproc, run_dir, lm_data, PEERS[peer][3], precision)
-                           if side == "accel" else peer_command(peer, args.nproc, run_dir, lm_data, precision))
+                    cmd = (accel_command(work, args.nproc, run_dir, lm_data, PEERS[peer][3], precision, args.epochs)
+                           if side == "accel" else peer_command(peer, args.nproc, run_dir, lm_data, precision,
+                                                                args.epochs))
                     info = run_launch(cmd, env, run_dir / "log.txt", args.timeout)
                     record = {"peer": peer, "side": side, "round": k, "rc": info["rc"], "wall_sec": info["wall_sec"],
                               "load_avg": os.getloadavg()[0], "ok": False}
