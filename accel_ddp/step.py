@@ -357,6 +357,8 @@ class TrainStep:
         self.graph = None if graphs is None else StepGraph(self._train_on, graph_warmup(accelerator), graphs)
         if graphs is not None:  # each group's LR: the device tensor the schedule updates and the replays read
             device_learning_rates(getattr(optimizer, "optimizer", optimizer), accelerator.device)
+            # the item count's all-reduce in stream order (captured with the step), not an async Work waited on
+            self.losses._async_count = False
 
     def _train_on(self, batch) -> None:
         """The micro-step's device work: forward, loss, backward; at the step's last, rescale, clip and update."""

@@ -80,6 +80,7 @@ def test_the_launches_it_can_capture_pass(change):
     assert graph_problem(**{**GOOD, **change}) is None
 
 
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")
 def test_the_capturable_optimizer_reads_the_lr_the_schedule_updates_in_place():
     """A float LR would be baked into the captured kernels; the schedule fills this tensor before every replay."""
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
@@ -169,18 +170,20 @@ def _train_with(args: list[str], graphs: bool):
     return summary, [(b.captures, len(b.eager_batches)) for b in backends]
 
 
-def test_a_run_through_the_captured_step_trains_exactly_as_the_eager_run(tmp_path):
-    """Warm-up steps, the capture and every replay: weights, logged losses and the LR schedule bit for bit."""
+@pytest.mark.parametrize("world_size, warmup", [(1, 3), (2, 11)])
+def test_a_run_through_the_captured_step_trains_exactly_as_the_eager_run(tmp_path, world_size, warmup):
+    """Warm-up steps, the capture and every replay: weights, logged losses and the LR schedule bit for bit; under
+    DDP (2 ranks; gloo here, NCCL on GPUs) after DDP's 11 eager steps, with the all-reduces replayed too."""
     runs = {}
     for graphs in (False, True):
         out = tmp_path / f"graphs_{graphs}"
-        [(summary, backends)] = run_ranks(lambda g=graphs, o=out: _train_with([*TINY, "--output_dir", str(o)], g),
-                                          world_size=1)
-        runs[graphs] = (summary, backends, load_weights(out), read_metrics(out))
+        ranks = run_ranks(lambda g=graphs, o=out: _train_with([*TINY, "--output_dir", str(o)], g),
+                          world_size=world_size)
+        runs[graphs] = (ranks[0][0], [backends for _, backends in ranks], load_weights(out), read_metrics(out))
     (eager, no_backends, eager_weights, eager_log), (graphed, backends, graph_weights, graph_log) = runs[0], runs[1]
-    assert no_backends == [] and backends == [(1, 3)]  # 3 eager warm-up steps, one capture, replays after
+    assert no_backends == [[]] * world_size and backends == [[(1, warmup)]] * world_size  # one capture per rank
     assert graphed["optimizer_steps"] == eager["optimizer_steps"] == 16
     assert eager_weights.keys() == graph_weights.keys()
     assert all(torch.equal(eager_weights[k], graph_weights[k]) for k in eager_weights)
     losses = [(r["step"], r["loss"], r["lr"]) for r in eager_log if "loss" in r]
-    assert losses and losses == [(r["step"], r["loss"], r["lr"]) for r in graph_log if "loss" in r]
+    assert len(losses) == 8 and losses == [(r["step"], r["loss"], r["lr"]) for r in graph_log if "loss" in r]
