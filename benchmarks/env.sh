@@ -33,7 +33,8 @@ print(" ".join(names.get(m, m) for m in sys.argv[1:] if u.find_spec(m) is None))
             return 0
         fi
         echo "pip install from $WHEELHOUSE failed: run 'bash benchmarks/wheelhouse.sh $missing' on a machine where" \
-             "pip reaches its index, bring wheelhouse/ here, then rerun" >&2
+             "pip reaches its index, bring wheelhouse/ here, then rerun (torch and torchvision come with the" \
+             "image: its CUDA build)" >&2
         return 1
     fi
     echo "installing what is missing ($missing): $PY -m pip install -e $REPO${extra:+[$extra]}" >&2
