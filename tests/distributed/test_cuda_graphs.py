@@ -187,3 +187,42 @@ def test_a_run_through_the_captured_step_trains_exactly_as_the_eager_run(tmp_pat
     assert all(torch.equal(eager_weights[k], graph_weights[k]) for k in eager_weights)
     losses = [(r["step"], r["loss"], r["lr"]) for r in eager_log if "loss" in r]
     assert len(losses) == 8 and losses == [(r["step"], r["loss"], r["lr"]) for r in graph_log if "loss" in r]
+
+
+def _corpus(root):
+    """Packed text for a causal LM: texts/{train,test}.json, a word tokenizer and a 2-layer GPT-2's config."""
+    import json
+
+    from tests.helpers.text import build_word_tokenizer, sentences
+
+    (root / "texts").mkdir(parents=True)
+    train, test = sentences(160, seed=0), sentences(40, seed=1)
+    for split, rows in (("train", train), ("test", test)):
+        (root / "texts" / f"{split}.json").write_text("".join(json.dumps({"text": t}) + "\n" for t, _ in rows))
+    build_word_tokenizer([text for text, _ in train], root / "tokenizer")
+    (root / "gpt2.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 2, "n_head": 2, "n_embd": 32,
+                                                "n_positions": 32, "vocab_size": 8}))
+    return root
+
+
+def test_the_token_exact_loss_of_packed_text_through_the_captured_step_is_the_eager_runs(tmp_path, monkeypatch):
+    """The (sum, num_items) loss: the step's item count all-reduced and the gradients rescaled inside the captured
+    step (2 DDP ranks), against the eager run's asynchronous count: the same weights and logged losses."""
+    import datasets
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf_cache"))
+    corpus = _corpus(tmp_path / "corpus")
+    lm = ["--task", "causal_lm", "--dataset", "hf", "--data_dir", str(corpus / "texts"), "--packing",
+          "--tokenizer", str(corpus / "tokenizer"), "--model_config", str(corpus / "gpt2.json"), "--max_length", "16",
+          "--global_batch_size", "8", "--epochs", "2", "--log_every", "2"]
+    runs = {}
+    for graphs in (False, True):
+        out = tmp_path / f"graphs_{graphs}"
+        ranks = run_ranks(lambda g=graphs, o=out: _train_with([*lm, "--output_dir", str(o)], g), world_size=2)
+        runs[graphs] = (ranks[0][0], [b for _, b in ranks], load_weights(out), read_metrics(out))
+    (eager, _, eager_weights, eager_log), (graphed, backends, graph_weights, graph_log) = runs[False], runs[True]
+    assert graphed["loader"] == "device" and backends == [[(1, 11)]] * 2
+    assert graphed["optimizer_steps"] == eager["optimizer_steps"] > 11  # replays after DDP's 11 eager steps
+    assert all(torch.equal(eager_weights[k], graph_weights[k]) for k in eager_weights)
+    losses = [(r["step"], r["loss"]) for r in eager_log if "loss" in r]
+    assert losses and losses == [(r["step"], r["loss"]) for r in graph_log if "loss" in r]
