@@ -48,6 +48,7 @@ from accel_ddp.outputs.run_dir import (
     check_output_dir,
     claim_output_dir,
 )
+from accel_ddp.step_graph import construction_stream, graph_problem
 from accel_ddp.tasks.probe import probe_task
 from accel_ddp.tasks.protocol import Task, build_task
 from accel_ddp.tracking.meters import (
@@ -58,6 +59,7 @@ from accel_ddp.tracking.startup import StartupClock
 from accel_ddp.tracking.startup_block import StartupBlock, finished, resumed_from
 from accel_ddp.tracking.trackers import tracking_kwargs
 from accel_ddp.util.registry import resolve
+from accel_ddp.util.validation import ConfigError
 
 
 @dataclass
@@ -152,11 +154,15 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
     plan.auto_batch = chosen.facts() if chosen is not None else None
     phase_done("loaders")
 
+    if cfg.cuda_graphs:  # what only the launch and the loaders tell (the options' clashes: config/checks.py)
+        _refuse_graphs(cfg, accelerator, plan.accumulation, loaders.kind)
     optimizer = build_optimizer(cfg.optimizer, model, cfg.lr, cfg.weight_decay,
-                                fused=use_fused_optimizer(cfg.optimizer, accelerator.device.type, accelerator.is_fsdp2))
+                                fused=use_fused_optimizer(cfg.optimizer, accelerator.device.type, accelerator.is_fsdp2),
+                                capturable=cfg.cuda_graphs)
     # --warmup_ratio (issue 22): a fraction of this run's total steps, so resolved here, once the total is known
     scheduler = build_lr_scheduler(optimizer, cfg.lr_schedule, cfg.warmup_for(plan.total_steps), plan.total_steps)
-    model, optimizer, scheduler = prepare(accelerator, model, optimizer, scheduler)
+    with construction_stream(cfg.cuda_graphs):  # DDP built on a side stream before a whole-step capture
+        model, optimizer, scheduler = prepare(accelerator, model, optimizer, scheduler)
     probe_task(task, accelerator, model, data, evaluates=loaders.eval is not None, loaders=loaders)
     phase_done("optimizer_and_prepare")
 
@@ -247,6 +253,17 @@ def _say(block: StartupBlock, is_main: bool) -> None:
         print(block.text(warnings=False), end="", flush=True)
         for warning in block.warnings:
             print(f"accel_ddp: warning: {warning}", file=sys.stderr, flush=True)
+
+
+def _refuse_graphs(cfg: TrainConfig, accelerator: Accelerator, accumulation: int, loader_kind: str) -> None:
+    """--cuda_graphs where this launch and these loaders cannot be captured: one line (accel_ddp/step_graph.py)."""
+    backend = torch.distributed.get_backend() if torch.distributed.is_initialized() else None
+    problem = graph_problem(device_type=accelerator.device.type, distributed_type=accelerator.distributed_type.value,
+                            num_processes=accelerator.num_processes, backend=backend, accumulation=accumulation,
+                            loader_kind=loader_kind, packing=cfg.packing,
+                            mixed_precision=str(accelerator.mixed_precision))
+    if problem is not None:
+        raise ConfigError(problem)
 
 
 def _workers(loader) -> int | None:

@@ -42,6 +42,7 @@ from accel_ddp.outputs.run_dir import (
     RunFinished,
 )
 from accel_ddp.step import TrainStep
+from accel_ddp.step_graph import CudaGraphs
 from accel_ddp.tracking.meters import (
     EpochTimer,
     ThroughputMeter,
@@ -160,7 +161,8 @@ def _step_parts(run: Run, step: int) -> tuple[LossWatch, TrainStep, StopPoints, 
     steps = TrainStep(run.accelerator, run.model, run.task, run.optimizer, run.scheduler, run.plan.accumulation,
                       run.cfg.global_batch_size, run.cfg.max_grad_norm, step, check_loss=_debug_check(run, watch),
                       guard=guard if guard is not None and guard.skips else None,  # stop + --spike_factor: logs only
-                      per_device_batch=run.plan.per_device_batch)
+                      per_device_batch=run.plan.per_device_batch,
+                      graphs=CudaGraphs() if run.cfg.cuda_graphs else None)  # --cuda_graphs: checked in setup
     stops = StopPoints(run.checkpoints, run.preemption, watch, steps.losses, run.bar, run.plan.total_steps, guard)
     return watch, steps, stops, StepLog(run, steps.losses, guard)
 

@@ -102,6 +102,7 @@ def pieces(s: dict) -> list[tuple[str, object, object]]:
             if s["accelerator"].sync_gradients:
                 s["losses"].finish_step(model)
                 s["update"]()
+        s["losses"].step_done()
         s["scheduler"].step()
         s["watch"].after_step(s["losses"].running_loss)
         s["timer"].step_done()

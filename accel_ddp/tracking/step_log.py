@@ -49,7 +49,8 @@ class StepLog:
             if not math.isfinite(mean_loss):
                 on_bad_loss(step)
             tokens = self.losses.logged_items if self.tokens else None  # real tokens, all ranks
-            run.recorder.log({"step": step, "epoch": epoch, "loss": mean_loss, "lr": run.scheduler.get_last_lr()[0],
+            lr = float(run.scheduler.get_last_lr()[0])  # a tensor under --cuda_graphs (the capturable AdamW's)
+            run.recorder.log({"step": step, "epoch": epoch, "loss": mean_loss, "lr": lr,
                               **self.meter.record(step, tokens, self.losses.logged_steps)})
             run.bar.set_postfix(loss=f"{mean_loss:.4f}", refresh=False)  # shown at the bar's next redraw (<= 0.1 s)
 
