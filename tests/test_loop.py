@@ -285,7 +285,8 @@ def _imports_at_load(module: str) -> set[str]:
 
 @pytest.mark.parametrize(
     "module",
-    ["accel_ddp.models", "accel_ddp.kernels", "accel_ddp.data", "accel_ddp.config", "accel_ddp.tracking.startup"],
+    ["accel_ddp.models", "accel_ddp.fused_activations", "accel_ddp.data", "accel_ddp.config",
+     "accel_ddp.tracking.startup"],
 )
 def test_light_modules_import_no_accelerate(module):
     """benchmarks/bare_ddp.py builds its model and data with these: they must not pull in Accelerate."""
