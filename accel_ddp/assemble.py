@@ -21,7 +21,7 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 
 from accel_ddp.anomaly import AnomalyGuard
-from accel_ddp.batch_size import choose_micro_batch
+from accel_ddp.auto_batch import choose_micro_batch
 from accel_ddp.checkpoint.async_save import AsyncSaver, check_async_checkpointing
 from accel_ddp.checkpoint.best import BestModel
 from accel_ddp.checkpoint.manager import HYPERPARAMETERS, CheckpointManager
@@ -33,7 +33,7 @@ from accel_ddp.data import build_loaders, usable_cpus
 from accel_ddp.data.resolve import resolve_data
 from accel_ddp.distributed.preflight import check_fsdp, check_shared_output_dir
 from accel_ddp.distributed.world import build_accelerator, prepare
-from accel_ddp.kernels import fuse_activations
+from accel_ddp.fused_activations import fuse_activations
 from accel_ddp.lifecycle import failure
 from accel_ddp.lifecycle.failure import main_process_decides
 from accel_ddp.lifecycle.preemption import (

@@ -69,7 +69,7 @@ from accel_ddp.outputs.files import (
     write_failure,
 )
 from accel_ddp.outputs.names import CHECKPOINTS_DIR, MARKER_NAME, SUMMARY_NAME, WEIGHTS_NAME
-from accel_ddp.util.messages import first_line, warn
+from accel_ddp.util.messages import first_line, say, warn
 from accel_ddp.util.validation import ConfigError
 
 FORMAT_VERSION = 1
@@ -244,7 +244,7 @@ class CheckpointManager:
         self._say_if_not_exact(folder, meta, gather_object([(has_rng, mine)]))
         if acc.is_main_process:
             epoch = meta["step"] // self.run_facts["steps_per_epoch"]
-            print(f"accel_ddp: resumed from {folder} (optimizer step {meta['step']}, epoch {epoch})", flush=True)
+            say(f"resumed from {folder} (optimizer step {meta['step']}, epoch {epoch})")
         self.last_saved_step, self.last_saved_folder = meta["step"], folder
         if self.best:
             self.best.restore(meta)  # the best so far and the patience counter continue
@@ -279,7 +279,7 @@ class CheckpointManager:
             for folder in self.store.unsealed():  # in a store, an interrupted upload: its objects without a manifest
                 warn(f"ignoring {folder}: it has no {MARKER_NAME}, so its save never finished")
             if not candidates:
-                print(f"accel_ddp: no checkpoint in {self.root}; starting from scratch", flush=True)
+                say(f"no checkpoint in {self.root}; starting from scratch")
                 return None
             for _, folder in reversed(candidates):
                 try:

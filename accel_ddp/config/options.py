@@ -323,7 +323,7 @@ class TrainConfig:
         """
         if self.gradient_accumulation_steps is not None:
             self._resolve_accumulation(world_size)
-        if self.auto_batch:  # the probe's first candidate (accel_ddp/batch_size.py)
+        if self.auto_batch:  # the probe's first candidate (accel_ddp/auto_batch.py)
             per_device = largest_micro_batch(self.global_batch_size, world_size, self.auto_batch_cap)
         else:
             per_device = self.per_device_batch_size or self.global_batch_size // world_size
