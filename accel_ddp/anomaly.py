@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from accel_ddp.lifecycle.preemption import NonFiniteLoss
+from accel_ddp.lifecycle.non_finite import NonFiniteLoss
 from accel_ddp.outputs.names import ANOMALIES_NAME
 from accel_ddp.util.atomic import atomic_write_text
 from accel_ddp.util.validation import ConfigError

@@ -29,12 +29,8 @@ from accel_ddp.assemble import Run, setup
 from accel_ddp.checkpoint.weights import export_weights
 from accel_ddp.config import TrainConfig
 from accel_ddp.evaluate import evaluate
-from accel_ddp.lifecycle.preemption import (
-    LossWatch,
-    NonFiniteLoss,
-    PreemptionWatcher,
-    trace_non_finite,
-)
+from accel_ddp.lifecycle.non_finite import LossWatch, NonFiniteLoss, trace_non_finite
+from accel_ddp.lifecycle.preemption import PreemptionWatcher
 from accel_ddp.lifecycle.stops import StopPoints
 from accel_ddp.models import export_pretrained
 from accel_ddp.outputs.model_card import launch_command, write_model_card

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import Any, NoReturn
 
-from accel_ddp.lifecycle.preemption import LossWatch, NonFiniteLoss, Preempted, PreemptionWatcher
+from accel_ddp.lifecycle.non_finite import LossWatch, NonFiniteLoss
+from accel_ddp.lifecycle.preemption import Preempted, PreemptionWatcher
 from accel_ddp.util.validation import ConfigError
 
 
