@@ -211,12 +211,3 @@ def _span(steps: Iterable[int]) -> str:
     if len(steps) == 1:
         return str(steps[0])
     return f"{steps[0]}-{steps[-1]}" if steps == list(range(steps[0], steps[-1] + 1)) else ", ".join(map(str, steps))
-
-
-def roll_back(checkpoints, recorder, bar, back: RolledBack) -> int:
-    """Every rank: reload ``back.folder`` (weights, optimizer, schedule, RNGs) and forget the metrics after it;
-    the step to train on from (``fit`` replays from there, leaving out the recorded steps)."""
-    step = checkpoints.resume(back.folder)
-    recorder.rewind(step)
-    bar.n = step  # tqdm's count: the replayed steps are counted again
-    return step
