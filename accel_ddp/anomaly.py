@@ -38,12 +38,11 @@ from accel_ddp.util.validation import ConfigError
 
 
 class AnomalyStop(NonFiniteLoss):
-    """Too many anomalies in a row (``--max_anomalies``), a spike under ``stop``, or a rollback with no checkpoint
-    before the bad step: every rank stops with the non-finite loss's exit code (3)."""
+    """A non-finite loss (exit code 3) that ``--on_anomaly`` could not skip or roll back: too many anomalies in a row
+    (``--max_anomalies``), a spike under ``stop``, or a rollback with no checkpoint before the bad step."""
 
     def __init__(self, message: str, step: int, checkpoint: str | None):
-        Exception.__init__(self, message)
-        self.step, self.checkpoint = step, checkpoint
+        super().__init__(step, checkpoint, message=message)
 
 
 class RolledBack(Exception):  # noqa: N818 - an outcome, caught by train()

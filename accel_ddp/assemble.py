@@ -60,7 +60,36 @@ from accel_ddp.tracking.trackers import tracking_kwargs
 from accel_ddp.util.registry import resolve
 
 
-@dataclass
+@dataclass(frozen=True)
+class Cadence:
+    """When the loop logs, evaluates and saves (accel_ddp/after_step.py), decided once from ``--log_every``,
+    ``--eval_every``, ``--checkpointing_steps`` and whether there is an eval set; the same on every rank."""
+
+    log_every: int  # a log line every N optimizer steps, and after the last
+    eval_every: int  # an evaluation every N optimizer steps; 0: none by step count
+    eval_at_epoch_end: bool  # --eval_every 0 with an eval set: at each epoch's end
+    save_every: int  # a checkpoint every N optimizer steps; 0: none by step count
+    save_at_epoch_end: bool  # --checkpointing_steps epoch: after each full epoch
+
+    @classmethod
+    def from_config(cls, cfg: TrainConfig, evaluates: bool) -> Cadence:
+        by_epoch = cfg.checkpointing_steps == "epoch"
+        return cls(log_every=cfg.log_every, eval_every=cfg.eval_every if evaluates else 0,
+                   eval_at_epoch_end=evaluates and not cfg.eval_every,
+                   save_every=0 if cfg.checkpointing_steps is None or by_epoch else int(cfg.checkpointing_steps),
+                   save_at_epoch_end=by_epoch)
+
+    def logs(self, step: int, total_steps: int) -> bool:
+        return step % self.log_every == 0 or step == total_steps
+
+    def evaluates(self, step: int) -> bool:
+        return bool(self.eval_every) and step % self.eval_every == 0
+
+    def saves(self, step: int) -> bool:
+        return bool(self.save_every) and step % self.save_every == 0
+
+
+@dataclass(frozen=True)
 class Plan:
     """What an optimizer step means for this run, derived once from the config and the world size."""
 
@@ -69,6 +98,7 @@ class Plan:
     steps_per_epoch: int  # optimizer steps; the trailing partial global batch is dropped
     total_steps: int  # optimizer steps of the whole run
     num_epochs: int
+    cadence: Cadence  # when the loop logs, evaluates and saves
     auto_batch: dict[str, Any] | None = None  # --per_device_batch_size auto: what was asked, tried, and from where
 
 
@@ -148,8 +178,8 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
         collate_fn=data.collate_fn, max_steps=cfg.max_steps,
         memory_limit=data.memory_limit,  # the machine's budget (data/memory_budget.py): device memory left for data
     )
-    plan = _plan(cfg, loaders.steps_per_epoch, per_device_batch, accumulation)
-    plan.auto_batch = chosen.facts() if chosen is not None else None
+    plan = _plan(cfg, loaders.steps_per_epoch, per_device_batch, accumulation, evaluates=loaders.eval is not None,
+                 auto_batch=chosen.facts() if chosen is not None else None)
     phase_done("loaders")
 
     optimizer = build_optimizer(cfg.optimizer, model, cfg.lr, cfg.weight_decay,
@@ -272,11 +302,14 @@ def _model(cfg: TrainConfig, accelerator: Accelerator, model, data, memory_forma
     return model.to(memory_format=memory_format)  # NHWC convolutions: faster on tensor cores
 
 
-def _plan(cfg: TrainConfig, steps_in_epoch: int, per_device_batch: int, accumulation: int) -> Plan:
+def _plan(cfg: TrainConfig, steps_in_epoch: int, per_device_batch: int, accumulation: int, *, evaluates: bool,
+          auto_batch: dict[str, Any] | None) -> Plan:
     total_steps = cfg.max_steps or cfg.epochs * steps_in_epoch
     if cfg.debug:
         total_steps = min(total_steps, DEBUG_MAX_STEPS)
-    return Plan(per_device_batch, accumulation, steps_in_epoch, total_steps, math.ceil(total_steps / steps_in_epoch))
+    return Plan(per_device_batch=per_device_batch, accumulation=accumulation, steps_per_epoch=steps_in_epoch,
+                total_steps=total_steps, num_epochs=math.ceil(total_steps / steps_in_epoch),
+                cadence=Cadence.from_config(cfg, evaluates), auto_batch=auto_batch)
 
 
 def _run_facts(cfg: TrainConfig, accelerator: Accelerator, plan: Plan, loader_kind: str,

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
-from accel_ddp.after_step import Evaluations, roll_back, step_parts
+from accel_ddp.after_step import AfterStep, roll_back
 from accel_ddp.anomaly import AnomalyStop, RolledBack
 from accel_ddp.assemble import Run, setup
 from accel_ddp.checkpoint.weights import export_weights
@@ -77,7 +77,7 @@ def train(
             try:
                 return finish(run, fit(run))
             except RolledBack as back:  # --on_anomaly rollback: every rank reloads the checkpoint and trains on
-                run.start_step = roll_back(run.checkpoints, run.recorder, run.bar, back)
+                run.start_step = roll_back(run, back)
             except AnomalyStop:  # it names the newest checkpoint, maybe one in flight: sealed before the exit
                 run.checkpoints.wait()
                 raise
@@ -95,13 +95,13 @@ def fit(run: Run) -> FitResult:
     """The training loop, from ``run.start_step`` to the last optimizer step.
 
     ``micro_step`` = one forward/backward per rank; ``step`` = one optimizer step over the global batch.
-    Every rank takes the same branches at the same step: evaluations, saves and stops are collective.
+    Every rank takes the same branches at the same step: what follows a step (log lines, evaluations, saves, stops:
+    accel_ddp/after_step.py) is decided by the plan's cadence and by collectives.
     """
-    cfg, plan = run.cfg, run.plan
-    save_every = 0 if cfg.checkpointing_steps in (None, "epoch") else int(cfg.checkpointing_steps)
+    plan = run.plan
     step = run.start_step  # epochs have a fixed number of steps, so the step alone says where we are
-    watch, steps, stops, log = step_parts(run, step)
-    evals = Evaluations(run, stops)
+    after = AfterStep(run, step)  # the optimizer step (after.steps), and what follows each one
+    steps, log = after.steps, after.log
     for epoch in range(step // plan.steps_per_epoch, plan.num_epochs):
         if step >= plan.total_steps:  # resumed from the last step's checkpoint
             break
@@ -114,31 +114,11 @@ def fit(run: Run) -> FitResult:
             if not steps.micro_step(batch):  # forward, backward; on the step's last micro-step the update
                 continue
             step = steps.step
-            watch.after_step(steps.losses.running_loss)
-            log.step_done(step, epoch, on_bad_loss=stops.if_not_finite, last_saved=stops.last_saved)
-            if run.preemption.stop_requested():  # ranks compare flags every ~1 s: all stop after the same step
-                stops.stop(step)
-            if run.eval_loader is not None and cfg.eval_every and step % cfg.eval_every == 0:
-                if evals.now(step, epoch):
-                    break
-                log.paused(step)
-            if save_every and step % save_every == 0:
-                stops.if_preempted(step, stops.save(step))  # a signal during the save: it completes, then all stop
-                log.paused(step)
-            if step >= plan.total_steps:
+            if after.step_done(step, epoch):  # log, stop, evaluate, save; True: early stopping or the last step
                 break
-        log.epoch_done(step, epoch)
-        if evals.stopped_early:  # within the epoch
+        if after.epoch_done(step, epoch):  # the epoch's record, evaluation and save; True: early stopping
             break
-        if run.eval_loader is not None and not cfg.eval_every and evals.now(step, epoch):
-            break
-        if cfg.checkpointing_steps == "epoch" and step == (epoch + 1) * plan.steps_per_epoch:
-            stops.if_preempted(step, stops.save(step))
-        log.meter.reset(step)  # the next log line's samples/s leaves out this epoch's evaluation and checkpoint
-    log.close()
-    stops.if_not_finite(step)  # before finish() exports the weights
-    eval_metrics = evals.final(step, plan.num_epochs - 1)
-    run.checkpoints.wait()  # --async_checkpointing: the last save sealed before the final outputs
+    eval_metrics = after.finish(step)  # checked, evaluated and sealed before finish() exports the weights
     return FitResult(step, eval_metrics, log.timer, log.meter)
 
 
