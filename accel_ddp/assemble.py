@@ -14,22 +14,26 @@ import time
 from contextlib import ExitStack
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from accelerate import Accelerator
+from accelerate.optimizer import AcceleratedOptimizer
+from accelerate.scheduler import AcceleratedScheduler
 from accelerate.utils import set_seed
+from torch.utils.data import DataLoader
+from tqdm.auto import tqdm
 
 from accel_ddp.anomaly import AnomalyGuard
 from accel_ddp.batch_size import choose_micro_batch
-from accel_ddp.checkpoint.async_save import AsyncSaver, check_async_checkpointing
 from accel_ddp.checkpoint.best import BestModel
 from accel_ddp.checkpoint.manager import HYPERPARAMETERS, CheckpointManager
 from accel_ddp.checkpoint.start import where_to_start
-from accel_ddp.checkpoint.storage import open_store
+from accel_ddp.checkpoint.storage import check_store
+from accel_ddp.checkpoint.train_state import Position, TrainState
 from accel_ddp.checkpoint.weights import load_weights
 from accel_ddp.config import DEBUG_MAX_STEPS, TrainConfig
-from accel_ddp.data import build_loaders, usable_cpus
+from accel_ddp.data import DeviceEvalLoader, DeviceLoader, HostLoader, StreamingLoader, build_loaders, usable_cpus
 from accel_ddp.data.resolve import resolve_data
 from accel_ddp.distributed.preflight import check_fsdp, check_shared_output_dir
 from accel_ddp.distributed.world import build_accelerator, prepare
@@ -58,6 +62,9 @@ from accel_ddp.tracking.startup import StartupClock
 from accel_ddp.tracking.startup_block import StartupBlock, finished, resumed_from
 from accel_ddp.tracking.trackers import tracking_kwargs
 from accel_ddp.util.registry import resolve
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase  # imported by text tasks only
 
 
 @dataclass(frozen=True)
@@ -102,29 +109,34 @@ class Plan:
     auto_batch: dict[str, Any] | None = None  # --per_device_batch_size auto: what was asked, tried, and from where
 
 
-@dataclass
+TrainLoader = DeviceLoader | HostLoader | StreamingLoader  # batches on the device, in the global-batch order
+EvalLoader = DataLoader | DeviceEvalLoader  # a prepared DataLoader (gather_for_metrics), or sliced on the device
+
+
+@dataclass(kw_only=True)
 class Run:
-    """Everything ``fit`` and ``finish`` need, built by ``setup``. Collective objects are on every rank."""
+    """Everything ``fit`` and ``finish`` need, built by ``setup``, each part complete. Collective objects are on every
+    rank. ``start_step`` is the one field that changes: a rollback (``--on_anomaly rollback``) moves it back."""
 
     cfg: TrainConfig
     accelerator: Accelerator
     model: torch.nn.Module  # wrapped by accelerator.prepare (DDP, FSDP or as is)
     task: Task  # how batches reach the model, the loss, the eval metrics
-    optimizer: Any
-    scheduler: Any
-    train_loader: Any  # a DeviceLoader, HostLoader (a DataLoader) or StreamingLoader: batches on the device
-    eval_loader: Any  # None when there is no eval set
+    optimizer: AcceleratedOptimizer
+    scheduler: AcceleratedScheduler
+    train_loader: TrainLoader
+    eval_loader: EvalLoader | None  # None when there is no eval set
     plan: Plan
     facts: dict[str, Any]  # world size, batch layout, loader... : config.yaml, checkpoints and summary.json
     recorder: RunRecorder
-    checkpoints: CheckpointManager
+    checkpoints: CheckpointManager  # saves and restores the run's TrainState (checkpoint/train_state.py) as one
     preemption: PreemptionWatcher
     start_step: int  # 0, or the optimizer step of the checkpoint resumed from
     started: float  # time.perf_counter() when train() began
     startup: StartupClock  # process start -> first optimizer step, by phase (summary.json's startup_sec)
-    tokenizer: Any = None  # text tasks: saved beside a Transformers model's final weights
-    bar: Any = None  # the progress bar (tqdm): closed by the teardown, so an error never shares its line
-    anomalies: AnomalyGuard | None = None  # --on_anomaly skip|rollback, --spike_factor (None: the loop as it was)
+    tokenizer: PreTrainedTokenizerBase | None  # text tasks: saved beside a Transformers model's final weights
+    bar: tqdm  # the progress bar: closed by the teardown, so an error never shares its line
+    anomalies: AnomalyGuard | None  # --on_anomaly skip|rollback, --spike_factor (None: the loop as it was)
 
 
 def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None, eval_dataset=None, *,
@@ -195,35 +207,38 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
     recorder = RunRecorder(cfg.output_dir, accelerator.is_main_process, accelerator=accelerator)
     teardown.callback(recorder.close)
     facts = _run_facts(cfg, accelerator, plan, loaders.kind, loaders.source)
-    checkpoints = _checkpoints(cfg, accelerator, teardown, facts, plan, (model, optimizer, scheduler))
+    anomalies = AnomalyGuard(cfg, accelerator, recorder) if cfg.on_anomaly != "stop" or cfg.spike_factor else None
+    state = TrainState(accelerator=accelerator, model=model, optimizer=optimizer, scheduler=scheduler,
+                       # the best model and early stopping (checkpoint/best.py): their records go with each checkpoint
+                       best=BestModel.from_config(cfg, plan.steps_per_epoch, plan.total_steps), anomalies=anomalies,
+                       positions=loaders.train if isinstance(loaders.train, Position) else None)
+    checkpoints = _checkpoints(cfg, accelerator, teardown, facts, state)
     block = StartupBlock.describe(cfg, facts, epochs=plan.num_epochs, workers=_workers(loaders.train), model=named,
                                   data_sizes=_debug_sizes(cfg, data), cpus=usable_cpus())
     start_step = _agree_start(cfg, accelerator, checkpoints, (optimizer, scheduler), plan, recorder, facts, block,
                               preemption)
+    if anomalies is not None:
+        anomalies.begin(start_step)  # a resumed run's log continues; a fresh start forgets an earlier run's
     phase_done("resume_and_config")
     bar = progress_bar(plan.total_steps, start_step, accelerator.is_local_main_process)
     teardown.callback(bar.close)  # first on an error: the bar's line ends before any rank prints the error
-    anomalies = AnomalyGuard(cfg, accelerator, recorder, start_step) \
-        if cfg.on_anomaly != "stop" or cfg.spike_factor else None
-    return Run(cfg, accelerator, model, task, optimizer, scheduler, loaders.train, loaders.eval, plan, facts, recorder,
-               checkpoints, preemption, start_step, started, startup, data.tokenizer, bar, anomalies)
+    return Run(cfg=cfg, accelerator=accelerator, model=model, task=task, optimizer=optimizer, scheduler=scheduler,
+               train_loader=loaders.train, eval_loader=loaders.eval, plan=plan, facts=facts, recorder=recorder,
+               checkpoints=checkpoints, preemption=preemption, start_step=start_step, started=started,
+               startup=startup, tokenizer=data.tokenizer, bar=bar, anomalies=anomalies)
 
 
-def _checkpoints(cfg: TrainConfig, accelerator: Accelerator, teardown: ExitStack, facts: dict[str, Any], plan: Plan,
-                 state: tuple) -> CheckpointManager:
-    """Where checkpoints go (the output folder or --checkpoint_dir's store, claimed), with the best model's record
-    and, with --async_checkpointing, the writer thread."""
-    model, optimizer, scheduler = state
+def _checkpoints(cfg: TrainConfig, accelerator: Accelerator, teardown: ExitStack, facts: dict[str, Any],
+                 state: TrainState) -> CheckpointManager:
+    """Where checkpoints go (the output folder or --checkpoint_dir's store, claimed), what they hold (``state``)
+    and, with --async_checkpointing, their writer thread."""
     checkpoints = CheckpointManager(accelerator, cfg.output_dir, cfg.keep_last,
                                     {**facts, "seed": cfg.seed, "optimizer": cfg.optimizer, "model": cfg.model,
-                                     **{name: getattr(cfg, name) for name in HYPERPARAMETERS}}, cfg.checkpoint_dir)
+                                     **{name: getattr(cfg, name) for name in HYPERPARAMETERS}},
+                                    state=state, checkpoint_dir=cfg.checkpoint_dir,
+                                    async_timeout=cfg.ddp_timeout if cfg.async_checkpointing else None)
     checkpoints.claim_store(cfg.output_dir)  # --checkpoint_dir: one run per prefix, like the output folder's lock
     teardown.callback(checkpoints.release_store)
-    # The best model and early stopping (checkpoint/best.py): stored with each checkpoint, restored by resume.
-    checkpoints.best = BestModel.from_config(cfg, plan.steps_per_epoch, plan.total_steps)
-    if cfg.async_checkpointing:  # writes in a background thread (checkpoint/async_save.py)
-        check_async_checkpointing(accelerator)
-        checkpoints.saver = AsyncSaver(checkpoints, model, optimizer, scheduler, cfg.ddp_timeout)
     return checkpoints
 
 
@@ -264,7 +279,7 @@ def _join(cfg: TrainConfig, teardown: ExitStack, preemption: PreemptionWatcher) 
     teardown.push(_claim_failure)  # before the group goes: the ranks it then stops know that they are not first
     main_process_decides(accelerator, lambda: check_output_dir(cfg.output_dir))  # a bad folder: now, not after data
     if cfg.checkpoint_dir:  # a store that cannot even be opened (no account, bad settings): now too, one line
-        main_process_decides(accelerator, lambda: open_store(cfg.checkpoint_dir) and None)
+        main_process_decides(accelerator, lambda: check_store(cfg.checkpoint_dir))
     check_shared_output_dir(accelerator, cfg.output_dir)  # several machines: one folder for all of them
     if accelerator.is_main_process and (hazard := restart_hazard()):
         print(f"accel_ddp: warning: {hazard}", file=sys.stderr, flush=True)

@@ -288,7 +288,7 @@ def _read_stream(folder: Path, *, buffer: int, steps: int, save_to: Path | None 
                              seed=0, num_workers=0)
     batches = loader
     if resume_from is not None:
-        loader._load_hook([], str(resume_from))
+        loader.load_position(str(resume_from))
         batches = loader.skip_first_batches(steps)
     seen = []
     for x, _ in batches:
@@ -296,7 +296,7 @@ def _read_stream(folder: Path, *, buffer: int, steps: int, save_to: Path | None 
             break
         seen += x[:, 0].long().tolist()
         if save_to is not None and len(seen) == 2 * steps:
-            loader._save_hook([], [], str(save_to))
+            loader.save_position(str(save_to))
             break
     return seen
 

@@ -47,13 +47,13 @@ def _stream(files: list[str], world: int, *, max_steps: int, workers: int = 1, b
                                  num_workers=workers)
         batches = loader
         if resume_from is not None:
-            loader._load_hook([], str(resume_from))
+            loader.load_position(str(resume_from))
             batches = loader.skip_first_batches(int(resume_from.name))
         seen = []
         for x, _ in batches:
             seen.append((loader.data_epoch, x[:, 0].long().tolist()))
             if len(seen) == stop_after:
-                loader._save_hook([], [], str(save_to))
+                loader.save_position(str(save_to))
                 break
         return seen
 
