@@ -49,7 +49,7 @@ class Record(Protocol):
 class Position(Protocol):
     """A data position kept in files of its own in the checkpoint folder, one per rank (a stream's readers)."""
 
-    def save_position(self, folder: str) -> None: ...
+    def position_files(self) -> dict[str, str]: ...
 
     def load_position(self, folder: str) -> None: ...
 
@@ -70,8 +70,9 @@ class TrainState:
         """Accelerate's save pre-hook: our weight files instead of its DDP-prefixed ones; the stream's positions."""
         for i, model in enumerate(models[: len(weights)]):
             weights[i] = plain_state_dict(self.accelerator.unwrap_model(model, keep_torch_compile=False).state_dict())
-        if self.positions is not None:
-            self.positions.save_position(folder)
+        for name, text in self.position_files().items():
+            with open(os.path.join(folder, name), "w", encoding="utf-8") as fh:
+                fh.write(text)
 
     def load_files(self, models: list[torch.nn.Module], folder: str) -> None:
         """Accelerate's load pre-hook: the weights loaded here (any world size), the stream's positions."""
@@ -82,6 +83,10 @@ class TrainState:
         models.clear()  # loaded: Accelerate would expect DDP's "module." keys
         if self.positions is not None:
             self.positions.load_position(folder)
+
+    def position_files(self) -> dict[str, str]:
+        """This rank's data position files, taken now: {} where the step alone places the data."""
+        return {} if self.positions is None else self.positions.position_files()
 
     def records(self) -> dict[str, Any]:
         """``checkpoint.json``'s share of the state, taken at the save step."""

@@ -287,10 +287,10 @@ class StreamingLoader:
                 "num_workers": self.num_workers, "made_from": self.made_from,
                 "workers": {str(w): s for w, s in self.states.items()}, "next_worker": self.next_slot}
 
-    def save_position(self, output_dir: str) -> None:
-        """Into a checkpoint folder: this rank's readers' positions (the run's TrainState calls it at each save)."""
-        with open(os.path.join(output_dir, STATE_FILE.format(rank=self.rank)), "w", encoding="utf-8") as fh:
-            json.dump(self._position(), fh)
+    def position_files(self) -> dict[str, str]:
+        """This rank's readers' positions now, as the checkpoint folder's file names and contents (the run's
+        TrainState takes them at each save step)."""
+        return {STATE_FILE.format(rank=self.rank): json.dumps(self._position())}
 
     def load_position(self, input_dir: str) -> None:
         """From the checkpoint folder resumed from (the run's TrainState calls it): where this rank's readers go on."""
