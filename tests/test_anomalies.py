@@ -130,6 +130,31 @@ def test_rollback_replays_without_the_bad_step_then_a_kill_and_resume_is_bitwise
     assert read_summary(killed)["anomaly_rollbacks"] == 1
 
 
+def test_the_anomaly_log_is_saved_with_each_checkpoint_and_restored_with_it(reference, tmp_path):
+    """The log is part of the training state (checkpoint/train_state.py): step 6's checkpoint holds the skip of step
+    5, so a run branched off it into an empty folder (no anomalies.json there) continues the log. A checkpoint saved
+    without it (the layout before) resumes with anomalies.json's."""
+    _, skipped = reference
+    args = [*ARGS, "--on_anomaly", "skip", "--checkpointing_steps", "6"]
+    killed = tmp_path / "killed"
+    with pytest.raises(RankFailed):
+        ranks([*args, "--output_dir", str(killed)], kill_after=7)
+    marker = killed / "checkpoints" / "step_00000006" / "checkpoint.json"
+    meta = json.loads(marker.read_text())
+    assert meta["anomalies"] == {"skipped": {"5": "non_finite"}, "rollbacks": []}
+
+    branch = tmp_path / "branch"
+    assert ranks([*args, "--resume_from_checkpoint", str(marker.parent), "--output_dir", str(branch)]) == [0, 0]
+    assert read_summary(branch)["anomaly_skipped_steps"] == 1
+    assert_same_weights(branch, skipped)
+
+    del meta["anomalies"]
+    marker.write_text(json.dumps(meta))
+    assert ranks([*args, "--resume_from_checkpoint", "auto", "--output_dir", str(killed)]) == [0, 0]
+    assert read_summary(killed)["anomaly_skipped_steps"] == 1
+    assert_same_weights(killed, skipped)
+
+
 def test_rollback_without_a_checkpoint_before_the_bad_step_stops(tmp_path, capfd):
     capfd.readouterr()
     assert ranks([*ARGS, "--on_anomaly", "rollback", "--output_dir", str(tmp_path)]) == [3, 3]

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent / "accel_ddp"
 LAYERS = [
     {"util"}, {"config"}, {"lifecycle"}, {"outputs"}, {"tracking", "checkpoint"}, {"distributed"}, {"data"},
     {"tasks"}, {"models", "optim", "fused_activations", "step_graph"}, {"step", "anomaly", "evaluate", "auto_batch"},
-    {"assemble"}, {"loop"},
+    {"assemble"}, {"after_step"}, {"loop"},
     {"cli", "accel_ddp"},
     {"__main__"},
 ]

@@ -62,6 +62,12 @@ def open_store(root: str, staging: str | None = None) -> LocalStore | ObjectStor
     return ObjectStore(root, staging) if URL_SCHEME.match(root) else LocalStore(root)
 
 
+def check_store(root: str) -> None:
+    """Open the store for ``root`` once, to refuse one that cannot even be opened (no account, bad settings) with its
+    one line before any data is read; the run opens its own later (``CheckpointManager``)."""
+    open_store(root)
+
+
 class LocalStore:
     """Checkpoints as folders on a local or shared file system: renamed into place, fsynced (the fast path)."""
 

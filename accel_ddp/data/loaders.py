@@ -171,8 +171,7 @@ def build_loaders(
         kind = "streaming"
         train_loader = StreamingLoader(
             train_dataset, per_device_batch_size, global_batch_size, max_steps=max_steps, seed=seed, rank=rank,
-            world_size=world, device=accelerator.device, num_workers=num_workers, collate_fn=collate_fn,
-            accelerator=accelerator)
+            world_size=world, device=accelerator.device, num_workers=num_workers, collate_fn=collate_fn)
     else:
         kind = choose_loader(loader, train_dataset, device_loader_max_mb, memory_limit)
         if kind == "device" and collate_fn is not None:

@@ -132,7 +132,7 @@ def _agree(made: Claim, err: BaseException) -> None:
 def exit_code(err: BaseException) -> int:
     """The exit code of a run that raised ``err``: 2 bad input, 3 a nan/inf loss, 1 anything else (a
     ``ServiceFailure`` too: a store that failed mid-run, which a relaunch may get past)."""
-    from accel_ddp.lifecycle.preemption import EXIT_NON_FINITE, NonFiniteLoss  # torch: imported once it fails
+    from accel_ddp.lifecycle.non_finite import EXIT_NON_FINITE, NonFiniteLoss  # torch: imported once it fails
 
     if isinstance(err, (ConfigError, LaunchError)):
         return 2

@@ -15,6 +15,7 @@ import pytest
 
 from accel_ddp.data import HFSource, build_datasets
 from accel_ddp.util.validation import ConfigError
+from tests.helpers.checkpoints import save_stream_position
 from tests.helpers.data import batches_until_data_error, hf_image_dataset
 from tests.helpers.multiproc import run_ranks
 from tests.helpers.runs import main_ranks
@@ -288,7 +289,7 @@ def _read_stream(folder: Path, *, buffer: int, steps: int, save_to: Path | None 
                              seed=0, num_workers=0)
     batches = loader
     if resume_from is not None:
-        loader._load_hook([], str(resume_from))
+        loader.load_position(str(resume_from))
         batches = loader.skip_first_batches(steps)
     seen = []
     for x, _ in batches:
@@ -296,7 +297,7 @@ def _read_stream(folder: Path, *, buffer: int, steps: int, save_to: Path | None 
             break
         seen += x[:, 0].long().tolist()
         if save_to is not None and len(seen) == 2 * steps:
-            loader._save_hook([], [], str(save_to))
+            save_stream_position(loader, save_to)
             break
     return seen
 

@@ -152,6 +152,7 @@ def test_a_batch_unlike_the_captured_one_is_one_line(other):
 def _train_with(args: list[str], graphs: bool):
     """``train`` on this CPU with the capture replaced by :class:`Rerun` and the CUDA-only capturable AdamW by the
     CPU's fused AdamW with a tensor LR (the same in both runs: the comparison is of the capture, not the kernels)."""
+    import accel_ddp.after_step
     import accel_ddp.assemble
     import accel_ddp.loop
     from accel_ddp.cli.args import parse_args
@@ -165,7 +166,7 @@ def _train_with(args: list[str], graphs: bool):
 
     accel_ddp.assemble.build_optimizer = cpu_adamw
     accel_ddp.assemble._refuse_graphs = lambda *args: None  # the CPU would be refused: the wiring is what is tested
-    accel_ddp.loop.CudaGraphs = lambda: backends.append(Rerun()) or backends[-1]
+    accel_ddp.after_step.CudaGraphs = lambda: backends.append(Rerun()) or backends[-1]
     summary = accel_ddp.loop.train(parse_args([*args, *(["--cuda_graphs"] if graphs else [])]))
     return summary, [(b.captures, len(b.eager_batches)) for b in backends]
 

@@ -19,3 +19,9 @@ def assert_same_weights(output_dir: Path, reference: Path) -> None:
 
 def steps_of(output_dir: Path) -> list[int]:
     return [step for step, _ in list_checkpoints(str(output_dir / "checkpoints"))]
+
+
+def save_stream_position(loader, folder) -> None:
+    """What a checkpoint writes of a stream's position (the run's TrainState's ``position_files``), into ``folder``."""
+    for name, text in loader.position_files().items():
+        (Path(folder) / name).write_text(text)
