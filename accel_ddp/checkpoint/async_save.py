@@ -66,6 +66,7 @@ class AsyncSaver:
         self.wait()
         acc = self.manager.accelerator
         state = snapshot(acc, self.model, self.optimizer, self.scheduler, self._buffers)
+        state["files"] = self.manager.state.position_files()  # a stream's positions at this step (train_state.py)
         self._pending, self._outcome = (step, tmp, final), None
         self._thread = threading.Thread(target=self._write, args=(state, step, tmp, final), daemon=True,
                                         name=f"accel_ddp-checkpoint-{step}")
@@ -211,6 +212,9 @@ def write_state(state: dict[str, Any], folder: str, rank: int) -> None:
         if "scaler" in state:
             torch.save(state["scaler"], os.path.join(folder, acc_ckpt.SCALER_NAME))
     torch.save(state["rng"], rng_file(folder, rank))
+    for name, text in state.get("files", {}).items():  # small JSON files: a stream's positions
+        with open(os.path.join(folder, name), "w", encoding="utf-8") as fh:
+            fh.write(text)
 
 
 def _host(t: torch.Tensor, name: str, buffers: dict[str, torch.Tensor], copies: dict[tuple, torch.Tensor]):

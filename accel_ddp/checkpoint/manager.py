@@ -50,6 +50,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import gather_object
 
+from accel_ddp.checkpoint.async_save import AsyncSaver, check_async_checkpointing
 from accel_ddp.checkpoint.hyperparameters import HYPERPARAMETERS, check_compatible, flags_in_force  # noqa: F401
 from accel_ddp.checkpoint.manifest import (  # noqa: F401 - CorruptCheckpoint, checkpoint_name, ...: this module's interface too
     _STEP_DIR,
@@ -63,7 +64,7 @@ from accel_ddp.checkpoint.manifest import (  # noqa: F401 - CorruptCheckpoint, c
     unsafe_file,
 )
 from accel_ddp.checkpoint.storage import DEFAULT_STORE_TIMEOUT, StoreError, StoreFailed, open_store
-from accel_ddp.checkpoint.weights import load_weights, plain_state_dict
+from accel_ddp.checkpoint.train_state import TrainState
 from accel_ddp.lifecycle.failure import main_process_decides
 from accel_ddp.outputs.files import (
     READ_ONLY,
@@ -73,8 +74,8 @@ from accel_ddp.outputs.files import (
     relative_files,
     write_failure,
 )
-from accel_ddp.outputs.names import CHECKPOINTS_DIR, MARKER_NAME, SUMMARY_NAME, WEIGHTS_NAME
-from accel_ddp.util.messages import first_line, warn
+from accel_ddp.outputs.names import CHECKPOINTS_DIR, MARKER_NAME, SUMMARY_NAME
+from accel_ddp.util.messages import first_line, say, warn
 from accel_ddp.util.validation import ConfigError
 
 FORMAT_VERSION = 1
@@ -85,16 +86,19 @@ class CheckpointManager:
 
     ``save``, ``resume`` and ``check_fresh_start`` are collective: every rank calls them at the same
     point. ``run_facts`` (world size, global batch, steps per epoch, ...) go into every
-    ``checkpoint.json`` and are compared on resume.
+    ``checkpoint.json`` and are compared on resume. ``state`` is what is saved and restored, as one
+    (``train_state.py``); ``async_timeout`` (--async_checkpointing: seconds the sealing writer waits for the other
+    ranks) writes each save in a background thread.
 
-        >>> checkpoints = CheckpointManager(accelerator, "outputs/run", keep_last=3, run_facts=facts)
+        >>> checkpoints = CheckpointManager(accelerator, "outputs/run", keep_last=3, run_facts=facts, state=state)
         >>> step = checkpoints.resume("auto")           # 0 when there is nothing to resume
         >>> checkpoints.save(step)                       # -> "outputs/run/checkpoints/step_00000100"
     """
 
-    def __init__(self, accelerator: Accelerator, output_dir: str, keep_last: int, run_facts: dict[str, Any],
-                 checkpoint_dir: str | None = None, store_timeout: float = DEFAULT_STORE_TIMEOUT):
-        self.accelerator = accelerator
+    def __init__(self, accelerator: Accelerator, output_dir: str, keep_last: int, run_facts: dict[str, Any], *,
+                 state: TrainState, checkpoint_dir: str | None = None, store_timeout: float = DEFAULT_STORE_TIMEOUT,
+                 async_timeout: float | None = None):
+        self.accelerator, self.state = accelerator, state
         self.staging = os.path.join(output_dir, CHECKPOINTS_DIR)  # where saves are written before their seal
         # --checkpoint_dir: sealed checkpoints go to an object store (storage.py); else they stay in staging
         self.store = open_store(checkpoint_dir or self.staging, self.staging, store_timeout)
@@ -103,12 +107,16 @@ class CheckpointManager:
         self.run_facts = dict(run_facts)
         self.last_saved_step: int | None = None
         self.last_saved_folder: str | None = None  # the newest checkpoint this run saved or resumed from
-        self.saver = None  # --async_checkpointing: an async_save.AsyncSaver, which writes in a background thread
-        self.best = None  # a best.BestModel: its records go into checkpoint.json, its checkpoint is never pruned
-        # We write and read the weights ourselves, without DDP's "module." prefix, so that a checkpoint
-        # loads at any world size and a mismatch is reported key by key.
-        accelerator.register_save_state_pre_hook(self._unwrapped_weights_hook)
-        accelerator.register_load_state_pre_hook(self._load_weights_hook)
+        self.best = state.best  # its records go into checkpoint.json, its checkpoint is never pruned
+        self._records: dict[str, Any] = {}  # the state's records at the last save step: its checkpoint.json's
+        # --async_checkpointing: the state copied to host memory at the save step, written by a background thread
+        self.saver: AsyncSaver | None = None
+        if async_timeout is not None:
+            check_async_checkpointing(accelerator)  # not for FSDP or DeepSpeed: their save is collective
+            self.saver = AsyncSaver(self, state.model, state.optimizer, state.scheduler, async_timeout)
+        # The weights (and a stream's positions) go through the state's hooks: see train_state.py.
+        accelerator.register_save_state_pre_hook(state.save_files)
+        accelerator.register_load_state_pre_hook(state.load_files)
 
     # ---- saving
 
@@ -121,12 +129,14 @@ class CheckpointManager:
         tmp = os.path.join(self.staging, f".tmp-{checkpoint_name(step)}")
         if self.saver is not None:  # --async_checkpointing: the previous save sealed, this one copied and started
             self.saver.wait()
+            self._records = self.state.records()
             self._on_main_then_all(lambda: self._writing(step, tmp, lambda: _fresh_folder(tmp)))
             self.saver.save(step, tmp, final)  # last_saved_step and _folder follow once it is sealed (wait)
             return final
         # Each stage ends in a collective that carries its outcome: a write the file system refuses (a full disk)
         # on any rank stops every rank with one line, the unsealed folder removed and the earlier checkpoints as
         # they were. The main process's stages are its decisions; each rank writes its own RNG file.
+        self._records = self.state.records()
         self._on_main_then_all(lambda: self._writing(step, tmp, lambda: _fresh_folder(tmp)))
         try:
             acc.save_state(tmp)  # each rank writes its RNG state; the main process everything else
@@ -195,8 +205,7 @@ class CheckpointManager:
         steps_per_epoch = self.run_facts["steps_per_epoch"]
         meta = {"format": FORMAT_VERSION, "step": step, "epoch": step // steps_per_epoch,
                 "step_in_epoch": step % steps_per_epoch, **self.run_facts,
-                "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "files": files,
-                **({"best": self.best.state()} if self.best else {})}
+                "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "files": files, **self._records}
         self.store.seal(tmp, final, meta)  # checkpoint.json last: on disk fsynced then renamed, in a store uploaded
 
     def _prune(self, keep: str) -> None:
@@ -212,10 +221,6 @@ class CheckpointManager:
             if path not in (keep, best):  # the best checkpoint is kept besides the newest keep_last
                 self.store.remove(path)
         self.store.clean(up_to=saved)  # debris of saves or deletions a crash interrupted
-
-    def _unwrapped_weights_hook(self, models, weights, output_dir) -> None:
-        for i, model in enumerate(models[: len(weights)]):
-            weights[i] = plain_state_dict(self.accelerator.unwrap_model(model, keep_torch_compile=False).state_dict())
 
     # ---- resuming
 
@@ -258,10 +263,9 @@ class CheckpointManager:
         self._say_if_not_exact(folder, meta, gather_object([(has_rng, mine)]))
         if acc.is_main_process:
             epoch = meta["step"] // self.run_facts["steps_per_epoch"]
-            print(f"accel_ddp: resumed from {folder} (optimizer step {meta['step']}, epoch {epoch})", flush=True)
+            say(f"resumed from {folder} (optimizer step {meta['step']}, epoch {epoch})")
         self.last_saved_step, self.last_saved_folder = meta["step"], folder
-        if self.best:
-            self.best.restore(meta)  # the best so far and the patience counter continue
+        self.state.restore_records(meta)  # the best so far, the patience counter and the anomaly log continue
         return meta["step"]
 
     def _loaded(self, spec: str, folder: str, local: str) -> bool:
@@ -315,7 +319,7 @@ class CheckpointManager:
             for folder in self.store.unsealed() if not unsafe else ():  # an interrupted upload (said once)
                 warn(f"ignoring {folder}: it has no {MARKER_NAME}, so its save never finished")
             if not candidates:
-                print(f"accel_ddp: no checkpoint in {self.root}; starting from scratch", flush=True)
+                say(f"no checkpoint in {self.root}; starting from scratch")
                 return None
             for _, folder in reversed(candidates):
                 if folder in unsafe:
@@ -398,13 +402,6 @@ class CheckpointManager:
             raise ConfigError(f"--resume_from_checkpoint {spec}: {self.root} holds a newer checkpoint, "
                               f"{os.path.basename(folder)}, that this run would overwrite; continue from the newest "
                               "with auto, or give this run another --output_dir")
-
-    def _load_weights_hook(self, models, input_dir) -> None:
-        for i, model in enumerate(models):
-            name = WEIGHTS_NAME if i == 0 else WEIGHTS_NAME.replace(".", f"_{i}.")
-            load_weights(self.accelerator.unwrap_model(model, keep_torch_compile=False),
-                         os.path.join(input_dir, name), source="--resume_from_checkpoint")
-        models.clear()  # loaded: Accelerate would expect DDP's "module." keys
 
     def local_folder(self, step: int) -> str:
         """Collective: a local folder holding the checkpoint of ``step`` (downloaded from a store by the main

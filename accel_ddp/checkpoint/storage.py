@@ -70,7 +70,7 @@ from accel_ddp.outputs.files import (
 )
 from accel_ddp.outputs.names import LOCK_NAME, MARKER_NAME, STORE_CLAIM_NAME
 from accel_ddp.util.atomic import atomic_write_text
-from accel_ddp.util.messages import first_line, warn
+from accel_ddp.util.messages import first_line, say, warn
 from accel_ddp.util.validation import ConfigError, ServiceFailure
 
 FETCHED_DIR = ".fetched"  # under the staging folder: checkpoints downloaded from the store to be verified and loaded
@@ -99,6 +99,12 @@ def open_store(root: str, staging: str | None = None,
     """The store for ``root``: a local folder, or a URL (``--checkpoint_dir``) staged through ``staging``, each call
     bounded by ``timeout`` seconds (``--store_timeout``)."""
     return ObjectStore(root, staging, timeout) if URL_SCHEME.match(root) else LocalStore(root)
+
+
+def check_store(root: str) -> None:
+    """Open the store for ``root`` once, to refuse one that cannot even be opened (no account, bad settings) with its
+    one line before any data is read; the run opens its own later (``CheckpointManager``)."""
+    open_store(root)
 
 
 class LocalStore:
@@ -314,9 +320,8 @@ class ObjectStore:
                 f"host {held.get('host')}, --output_dir {held.get('output_dir')}, pid {held.get('pid')}, since "
                 f"{held.get('since')}); wait for that run to end, or, if it is dead, delete {self.root}/{LOCK_NAME} "
                 "and relaunch")
-        print(f"accel_ddp: taking over {self.root}/{LOCK_NAME}, left by pid {held.get('pid')} on host "
-              f"{held.get('host')} (since {held.get('since')}), which no longer holds {owner['output_dir']}",
-              flush=True)
+        say(f"taking over {self.root}/{LOCK_NAME}, left by pid {held.get('pid')} on host {held.get('host')} (since "
+            f"{held.get('since')}), which no longer holds {owner['output_dir']}")
 
     def check_claim(self) -> None:
         """Before a seal or a deletion: the lock object still holds our bytes, or StoreError (another run wrote it:

@@ -2,7 +2,7 @@
 on resume.
 
 Every run here is forked ranks of a gloo group (tests/helpers/multiproc.py), not a launch. Config-level cases
-(types, ranges, YAML) live in tests/test_config.py; the run folder's lock and bad output folders in
+(types, ranges, YAML) live in tests/cli/test_args.py and tests/config/; the run folder's lock and bad output folders in
 tests/outputs/test_run_dir.py, users' functions in tests/tasks/test_user_code.py, a nan loss in
 tests/lifecycle/test_non_finite.py.
 """
@@ -28,6 +28,7 @@ from accel_ddp.checkpoint.manager import (
     list_checkpoints,
     read_checkpoint,
 )
+from accel_ddp.checkpoint.train_state import TrainState
 from accel_ddp.cli.train import main
 from accel_ddp.outputs.files import file_sha256
 from accel_ddp.tracking.recorder import RunRecorder
@@ -286,7 +287,8 @@ def test_keep_last_never_prunes_checkpoints_newer_than_the_one_saved(tmp_path):
 
         register_load_state_pre_hook = register_save_state_pre_hook
 
-    manager = CheckpointManager(Stub(), str(tmp_path), keep_last=1, run_facts={})
+    nothing = TrainState(accelerator=Stub(), model=torch.nn.Identity(), optimizer=None, scheduler=None)  # not saved
+    manager = CheckpointManager(nothing.accelerator, str(tmp_path), keep_last=1, run_facts={}, state=nothing)
     manager._prune(keep=str(root / "step_00000020"))  # a run resumed at 10 past damaged 30 and 40
     assert [s for s, _ in list_checkpoints(str(root))] == [20, 30, 40]
 

@@ -42,3 +42,9 @@ def plant_pickle(folder: Path, name: str, proof: Path) -> None:
     meta = json.loads((folder / MARKER_NAME).read_text())
     meta["files"][name] = {"bytes": path.stat().st_size, "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
     (folder / MARKER_NAME).write_text(json.dumps(meta))
+
+
+def save_stream_position(loader, folder) -> None:
+    """What a checkpoint writes of a stream's position (the run's TrainState's ``position_files``), into ``folder``."""
+    for name, text in loader.position_files().items():
+        (Path(folder) / name).write_text(text)
