@@ -179,7 +179,15 @@ class AfterStep:
     def save(self, step: int) -> str:
         """A checkpoint of ``step``; a nan/inf state is never saved."""
         self.non_finite.check(step)
-        return self.checkpoints.save(step)
+        try:
+            return self.checkpoints.save(step)
+        except ConfigError as err:  # raised on every rank at once (the save's collectives carry it)
+            preemption = self.run.preemption
+            if not preemption.agree():
+                raise
+            # A signal came during a save that failed (a store cut short, a full disk): a stop, not bad input
+            raise Preempted(preemption.reason, step, self.checkpoints.last_saved_folder, unsaved=str(err),
+                            signal_name=preemption.signal_name) from err
 
     def stop(self, step: int, saved: str | None = None) -> NoReturn:
         """Preempted: every rank saves this step (unless ``saved`` already holds it), then stops."""

@@ -219,6 +219,7 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
                        best=BestModel.from_config(cfg, plan.steps_per_epoch, plan.total_steps), anomalies=anomalies,
                        positions=loaders.train if isinstance(loaders.train, Position) else None)
     checkpoints = _checkpoints(cfg, accelerator, teardown, facts, state)
+    checkpoints.store.stopping = lambda: preemption.signalled  # a store call under way gives up soon after a signal
     block = StartupBlock.describe(cfg, facts, epochs=plan.num_epochs, workers=_workers(loaders.train), model=named,
                                   data_sizes=_debug_sizes(cfg, data), cpus=usable_cpus())
     start_step = _agree_start(cfg, accelerator, checkpoints, (optimizer, scheduler), plan, recorder, facts, block,
@@ -241,7 +242,7 @@ def _checkpoints(cfg: TrainConfig, accelerator: Accelerator, teardown: ExitStack
     checkpoints = CheckpointManager(accelerator, cfg.output_dir, cfg.keep_last,
                                     {**facts, "seed": cfg.seed, "optimizer": cfg.optimizer, "model": cfg.model,
                                      **{name: getattr(cfg, name) for name in HYPERPARAMETERS}},
-                                    state=state, checkpoint_dir=cfg.checkpoint_dir,
+                                    state=state, checkpoint_dir=cfg.checkpoint_dir, store_timeout=cfg.store_timeout,
                                     async_timeout=cfg.ddp_timeout if cfg.async_checkpointing else None)
     checkpoints.claim_store(cfg.output_dir)  # --checkpoint_dir: one run per prefix, like the output folder's lock
     teardown.callback(checkpoints.release_store)

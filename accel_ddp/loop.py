@@ -30,6 +30,7 @@ from accel_ddp.checkpoint.weights import export_weights
 from accel_ddp.config import TrainConfig
 from accel_ddp.lifecycle.preemption import PreemptionWatcher
 from accel_ddp.models import export_pretrained
+from accel_ddp.outputs.files import WriteFailed
 from accel_ddp.outputs.model_card import launch_command, write_model_card
 from accel_ddp.outputs.run_dir import (
     RunFinished,
@@ -81,6 +82,11 @@ def train(
             except AnomalyStop:  # it names the newest checkpoint, maybe one in flight: sealed before the exit
                 run.checkpoints.wait()
                 raise
+            except WriteFailed as err:  # a metrics line on a disk that an async save filled: the save is the news
+                failed = run.checkpoints.failed_save(err)
+                if failed is err:
+                    raise
+                raise failed from err
 
 
 @dataclass

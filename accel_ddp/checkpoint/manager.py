@@ -40,6 +40,7 @@ NumPy's RNG types allow-listed; we never register custom objects (Accelerate unp
 from __future__ import annotations
 
 import os
+import pickle
 import shutil
 import time
 from collections.abc import Callable
@@ -57,13 +58,17 @@ from accel_ddp.checkpoint.manifest import (  # noqa: F401 - CorruptCheckpoint, c
     checkpoint_name,
     list_checkpoints,
     read_checkpoint,
+    refused_pickle,
     rng_file,
     rng_not_restored,
+    unsafe_file,
 )
-from accel_ddp.checkpoint.storage import StoreError, StoreFailed, open_store
+from accel_ddp.checkpoint.storage import DEFAULT_STORE_TIMEOUT, StoreError, StoreFailed, open_store
 from accel_ddp.checkpoint.train_state import TrainState
 from accel_ddp.lifecycle.failure import main_process_decides
 from accel_ddp.outputs.files import (
+    READ_ONLY,
+    WRITABLE_FIX,
     WriteFailed,
     fingerprint,
     relative_files,
@@ -91,11 +96,12 @@ class CheckpointManager:
     """
 
     def __init__(self, accelerator: Accelerator, output_dir: str, keep_last: int, run_facts: dict[str, Any], *,
-                 state: TrainState, checkpoint_dir: str | None = None, async_timeout: float | None = None):
+                 state: TrainState, checkpoint_dir: str | None = None, store_timeout: float = DEFAULT_STORE_TIMEOUT,
+                 async_timeout: float | None = None):
         self.accelerator, self.state = accelerator, state
         self.staging = os.path.join(output_dir, CHECKPOINTS_DIR)  # where saves are written before their seal
         # --checkpoint_dir: sealed checkpoints go to an object store (storage.py); else they stay in staging
-        self.store = open_store(checkpoint_dir or self.staging, self.staging)
+        self.store = open_store(checkpoint_dir or self.staging, self.staging, store_timeout)
         self.root = self.store.root
         self.keep_last = keep_last
         self.run_facts = dict(run_facts)
@@ -154,6 +160,16 @@ class CheckpointManager:
         if self.saver is not None:
             self.saver.wait()
 
+    def failed_save(self, err: WriteFailed) -> WriteFailed:
+        """``err`` (a write the file system refused on this process alone, e.g. a metrics line), or the failure of the
+        save in flight that filled the disk first, its ``.tmp-`` folder removed (--async_checkpointing)."""
+        why = self.saver.failed_here() if self.saver is not None else None
+        if why is None:
+            return err
+        failed = WriteFailed(why)
+        failed.only_this_rank = err.only_this_rank
+        return failed
+
     def newest(self) -> tuple[int, str] | None:
         """(step, folder) of the newest checkpoint of this run, the one in flight included (a rollback to it waits
         for its seal in ``resume``), as a synchronous save would have it; None before any."""
@@ -179,9 +195,10 @@ class CheckpointManager:
     def _cannot_save(self, step: int, why: str) -> str:
         intact = f" ({os.path.basename(self.last_saved_folder)}, the last checkpoint, is intact)" \
             if self.last_saved_folder else ""
-        return (f"cannot save the checkpoint of step {step} in {self.root}: {why}; free space there (a lower "
-                f"--keep_last keeps fewer checkpoints) or give another --output_dir, then resume with "
-                f"--resume_from_checkpoint auto{intact}")
+        fix = WRITABLE_FIX if why.startswith(READ_ONLY) else \
+            "free space there (a lower --keep_last keeps fewer checkpoints) or give another --output_dir"
+        return f"cannot save the checkpoint of step {step} in {self.root}: {why}; {fix}, then resume with " \
+               f"--resume_from_checkpoint auto{intact}"
 
     def _seal(self, tmp: str, final: str, step: int) -> None:
         files = {name: fingerprint(os.path.join(tmp, name)) for name in relative_files(tmp)}
@@ -226,21 +243,19 @@ class CheckpointManager:
         # A rollback (anomaly.py) while a save is in flight: its writer prunes, cleans the store's downloads and
         # seals a newer checkpoint; all of that is done before we choose, download and load.
         self.wait()
-        choice = self._on_main_then_all(lambda: self._choose(spec))
-        if choice is None:
-            return 0
-        folder, local, meta = choice  # local: the folder itself, or its copy downloaded from the store
-        check_compatible(folder, meta, self.run_facts, self.accelerator.is_main_process)
-        acc = self.accelerator
-        own_rng = rng_file(local, acc.process_index)
-        has_rng = os.path.isfile(own_rng)
-        try:
-            acc.load_state(local)
-        except (ConfigError, torch.OutOfMemoryError):
-            raise
-        except Exception as err:  # torch.load or load_state_dict refused a file the manifest vouched for
-            raise ConfigError(f"--resume_from_checkpoint {folder}: cannot load it ({type(err).__name__}: "
-                              f"{first_line(err)}); resume from another checkpoint") from err
+        unsafe: list[str] = []  # auto: checkpoints whose load a safe unpickler refused, passed over
+        while True:
+            choice = self._on_main_then_all(lambda: self._choose(spec, unsafe))
+            if choice is None:
+                return 0
+            folder, local, meta = choice  # local: the folder itself, or its copy downloaded from the store
+            check_compatible(folder, meta, self.run_facts, self.accelerator.is_main_process)
+            acc = self.accelerator
+            own_rng = rng_file(local, acc.process_index)
+            has_rng = os.path.isfile(own_rng)
+            if self._loaded(spec, folder, local):
+                break
+            unsafe.append(folder)  # every rank alike: each read the same optimizer and scheduler files
         acc.step = 0  # checkpoints sit on optimizer-step boundaries: the accumulation counter restarts there
         # Before anything draws a random number: did load_state restore this rank's RNGs? It skips an RNG file it
         # cannot load or apply with an INFO log line only (huggingface/accelerate#4283).
@@ -252,6 +267,27 @@ class CheckpointManager:
         self.last_saved_step, self.last_saved_folder = meta["step"], folder
         self.state.restore_records(meta)  # the best so far, the patience counter and the anomaly log continue
         return meta["step"]
+
+    def _loaded(self, spec: str, folder: str, local: str) -> bool:
+        """``load_state`` from ``local``; False where ``auto`` passes over a file a safe unpickler refuses (its
+        state is then replaced by the next choice's load, whole: weights, optimizer, schedule, RNG)."""
+        try:
+            self.accelerator.load_state(local)
+            return True
+        except (ConfigError, torch.OutOfMemoryError):
+            raise
+        except Exception as err:  # torch.load or load_state_dict refused a file the manifest vouched for
+            unsafe = unsafe_file(local) if isinstance(err, pickle.UnpicklingError) else None
+            if unsafe is None:  # never torch's advice to load with weights_only=False: refused_pickle's words
+                raise ConfigError(f"--resume_from_checkpoint {folder}: cannot load it ({type(err).__name__}: "
+                                  f"{refused_pickle(err) or first_line(err)}); resume from another checkpoint") from err
+            unsafe = unsafe.replace(local, folder)  # the store's object, not the downloaded copy
+        if spec != "auto":
+            raise ConfigError(f"--resume_from_checkpoint {folder}: {unsafe}; resume from another checkpoint, or use "
+                              "auto, which passes over it") from None
+        if self.accelerator.is_main_process:
+            warn(f"skipping a checkpoint that does not load safely: {unsafe}; falling back to the previous one")
+        return False
 
     def _say_if_not_exact(self, folder: str, meta: dict[str, Any], ranks: list[tuple[bool, list[str] | None]]) -> None:
         """One loud warning (main process) when some rank's random streams do not continue the checkpoint's.
@@ -275,16 +311,19 @@ class CheckpointManager:
               f"augmentation on those ranks differ from the original run's from step {meta['step']} on (weights, "
               "optimizer, schedule and data position are restored exactly)")
 
-    def _choose(self, spec: str) -> tuple[str, str, dict[str, Any]] | None:
-        """``(folder, local copy, checkpoint.json)`` of the checkpoint to resume, or None (auto, nothing saved)."""
+    def _choose(self, spec: str, unsafe: list[str] = ()) -> tuple[str, str, dict[str, Any]] | None:
+        """``(folder, local copy, checkpoint.json)`` of the checkpoint to resume, or None (auto, nothing saved);
+        ``unsafe``: folders ``auto`` passed over already (their load was refused)."""
         if spec == "auto":
             candidates = self.store.sealed()
-            for folder in self.store.unsealed():  # in a store, an interrupted upload: its objects without a manifest
+            for folder in self.store.unsealed() if not unsafe else ():  # an interrupted upload (said once)
                 warn(f"ignoring {folder}: it has no {MARKER_NAME}, so its save never finished")
             if not candidates:
                 say(f"no checkpoint in {self.root}; starting from scratch")
                 return None
             for _, folder in reversed(candidates):
+                if folder in unsafe:
+                    continue
                 try:
                     local, meta = self._verified(folder)
                 except CorruptCheckpoint as err:
@@ -293,7 +332,7 @@ class CheckpointManager:
                 self._check_within_run(folder, meta)
                 return folder, local, meta
             raise ConfigError(f"--resume_from_checkpoint auto: all {len(candidates)} checkpoints in {self.root} "
-                              "are damaged (see the warnings above); move them away to start from scratch")
+                              "are damaged or unsafe (see the warnings above); move them away to start from scratch")
         if self.store.remote and self.store.is_own(spec):
             try:
                 local, meta = self._verified(spec)

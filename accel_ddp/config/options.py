@@ -153,6 +153,10 @@ class TrainConfig:
         None, "an object store URL for the checkpoints (s3://bucket/run, gs://, az://, file://) instead of "
         "OUTPUT_DIR/checkpoints; logs, metrics and the final weights stay in --output_dir"
     )
+    store_timeout: float = _opt(
+        60.0, "--checkpoint_dir: seconds each call to the object store may take (plus 1 s per MiB it carries, retries "
+        "included) before the run stops with exit code 2 (a store that stopped answering)", low=1, high=86400
+    )
     async_checkpointing: bool = _opt(
         False, "copy the state to host memory at each save and write it in a background thread while training goes on"
     )
@@ -279,6 +283,10 @@ class TrainConfig:
         _check_cuda_graphs(self)
         if self.with_tracking and "all" not in self.report_to.split(","):  # `all`: checked once it is resolved
             self.check_tracker_wait(len(self.report_to.split(",")))
+        if self.checkpoint_dir and self.store_timeout >= self.ddp_timeout:  # the other ranks wait for the main's call
+            raise ConfigError(f"--store_timeout {self.store_timeout:g} s is not less than --ddp_timeout "
+                              f"{self.ddp_timeout} s: the other ranks' wait for a save would fail first, without "
+                              "naming the store; lower --store_timeout or raise --ddp_timeout")
         if self.init_from is not None and not self.init_from.endswith(".safetensors"):
             raise ConfigError(f"--init_from {show(self.init_from)}: expected a .safetensors weights file, "
                               "e.g. OUTPUT_DIR/model.safetensors")

@@ -23,13 +23,15 @@ scancel signal them too, and torch's worker handler would let them die. Exit cod
     1   an error (a Python exception on some rank, or a rank killed); an object store that failed once
         the run held its lock (one line, util.validation.ServiceFailure: a relaunch may get past it)
     2   bad input: options, missing or damaged checkpoint, weights of another model, an output folder
-        that is unusable or in use by another run, a --checkpoint_dir that refuses the run at its start
+        that is unusable or in use by another run, a --checkpoint_dir that refuses the run at its start or
+        stops answering (a call past --store_timeout)
     3   the training loss became nan or inf: every rank stopped at the same step, nothing was saved
         after the first bad step (the last checkpoint before it is intact); lower --lr, clip with
         --max_grad_norm, or rerun with --debug to see the operation that made it
     75  preempted (EX_TEMPFAIL, "try again"), or the launcher died: a checkpoint of the current step
         was saved; relaunch the same command with --resume_from_checkpoint auto to continue exactly
-        where it stopped (stopped during start-up: nothing trained, nothing saved)
+        where it stopped (stopped during start-up: nothing trained, nothing saved; a save that failed or that a
+        stuck store held when the signal came: not saved, the line names the last intact checkpoint)
 
 ``accelerate launch`` does not pass these on: it exits 1 when the job failed, 128 + the signal
 when it was itself signalled (accelerate 1.16; 1 before), and logs each worker's exit code. Batch
@@ -84,8 +86,12 @@ class Preempted(Exception):  # noqa: N818 - it is an outcome, not a failure
     is saved; or during start-up (``phase``), before any optimizer step, with nothing saved."""
 
     def __init__(self, reason: str, step: int | None, checkpoint: str | None, *, phase: str | None = None,
-                 signal_name: str | None = None):
-        if phase is not None:
+                 signal_name: str | None = None, unsaved: str | None = None):
+        if unsaved is not None:  # the save of this step failed (a store that stopped answering): the last one stands
+            last = f"{checkpoint}, the last checkpoint, is intact" if checkpoint else "no checkpoint was saved"
+            text = (f"{reason}: stopped after optimizer step {step} without its checkpoint ({unsaved}); {last}; "
+                    "relaunch with --resume_from_checkpoint auto to continue")
+        elif phase is not None:
             text = (f"{reason} during start-up ({phase}): no optimizer step taken in this launch, nothing saved; "
                     "relaunch the same command")
         else:

@@ -71,6 +71,8 @@ def test_yaml_errors_name_the_file(tmp_path):
         parse_args(["--config", str(unknown)])
     with pytest.raises(ConfigError, match="no such file"):
         parse_args(["--config", str(tmp_path / "missing.yaml")])
+    with pytest.raises(ConfigError, match=rf"^--config {tmp_path} is a folder; give the path of a YAML recipe file"):
+        parse_args(["--config", str(tmp_path)])
 
 
 @pytest.mark.parametrize(
