@@ -58,6 +58,7 @@ from accel_ddp.tracking.startup import StartupClock
 from accel_ddp.tracking.startup_block import StartupBlock, finished, resumed_from
 from accel_ddp.tracking.trackers import tracking_kwargs
 from accel_ddp.util.registry import resolve
+from accel_ddp.util.validation import ConfigError
 
 
 @dataclass
@@ -130,6 +131,10 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
     source = f"--model_config {cfg.model_config}" if cfg.model_config else f"--model {cfg.model}"
     named = f" ({source})" if model is None else ""  # --model_config wins over --model (models.py)
     model = _model(cfg, accelerator, model, data, memory_format)
+    if not any(p.requires_grad for p in model.parameters()):  # else DDP's RuntimeError, or an optimizer of nothing
+        raise ConfigError(f"the model {type(model).__name__}{named} has no trainable parameters, so there is nothing "
+                          "to train; give a model with parameters (nn.Parameter, or layers such as nn.Linear) that "
+                          "require gradients")
     named = f"{type(model).__name__}{named}, {sum(p.numel() for p in model.parameters()):,} parameters"
     fused = fuse_activations(model) if cfg.fused_kernels else 0  # before DDP wraps it: same math, fewer kernels
     if fused:

@@ -80,7 +80,7 @@ class TrainConfig:
     label_column: str | None = _opt(None, "hf: label column; default the ClassLabel column, else 'label'")
     synthetic_samples: int = _opt(2048, "synthetic dataset: number of training samples (eval gets a quarter)", low=1)
     synthetic_shape: tuple[int, ...] = _opt((1, 28, 28), "synthetic dataset: shape of one input, e.g. 1 28 28")
-    synthetic_classes: int = _opt(10, "synthetic dataset: number of classes", low=1, high=1_000_000)
+    synthetic_classes: int = _opt(10, "synthetic dataset: number of classes (2 or more)", low=2, high=1_000_000)
     text_column: str | None = _opt(None, "hf with a text --task: the column of raw text; default 'text'")
     tokenizer: str | None = _opt(
         None, "text tasks: tokenizer folder (save_pretrained) or Hub name; default the --model folder's own"

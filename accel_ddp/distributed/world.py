@@ -101,6 +101,9 @@ def override_mixed_precision(requested: str, cpu: bool, is_main: bool, env=os.en
     if cpu and requested == "fp16":  # the doctor's twin check (cli/doctor_checks.py) for launch configs
         raise ConfigError("--mixed_precision fp16 on CPU: Accelerate silently trains in fp32; use --mixed_precision "
                           "bf16 or no on CPU")
+    if cpu and requested == "fp8":  # else Accelerate's ValueError from inside Accelerator()
+        raise ConfigError("--mixed_precision fp8 needs a GPU with FP8 support (NVIDIA Ada or Hopper and later) and "
+                          "none is usable here; use --mixed_precision bf16 or no on CPU")
     launched = env.get("ACCELERATE_MIXED_PRECISION")
     if is_main and launched is not None and launched != requested:
         print(f"accel_ddp: note: --mixed_precision {requested} overrides the launch config's mixed_precision "

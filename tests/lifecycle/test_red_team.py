@@ -1,0 +1,127 @@
+"""The red team's cases (issue 39), as the suite's own: input a user can give ends in one line and exit 2, never a
+traceback (T1-T6, T9); options that make a run silently wrong are refused up front (S1-S7); Ctrl-C and a closed
+terminal stop like SIGTERM (T7, S8); a killed DataLoader worker (T8).
+
+Forked ranks (tests/helpers/runs.py ``main_ranks``) unless only a launch shows the behaviour.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from accel_ddp.data import DatasetBundle
+from tests.helpers.runs import main_ranks
+
+HERE = "tests.lifecycle.test_red_team"
+
+
+# ----------------------------------------------------------------------------- user code the cases name
+
+
+def no_rows(data_dir: str, download: bool) -> DatasetBundle:
+    """T1: a builder whose training set is empty."""
+    return DatasetBundle(TensorDataset(torch.zeros(0, 4), torch.zeros(0, dtype=torch.long)), None, 2, (4,))
+
+
+def float_labels(data_dir: str, download: bool) -> DatasetBundle:
+    """T2: labels of a float dtype for a classification loss."""
+    x = torch.randn(64, 4)
+    return DatasetBundle(TensorDataset(x, (x[:, 0] > 0).float()), None, 2, (4,))
+
+
+def wrong_shape(data_dir: str, download: bool) -> DatasetBundle:
+    """T3: the builder declares input_shape (7,) for 4-feature samples."""
+    x = torch.randn(64, 4)
+    return DatasetBundle(TensorDataset(x, (x[:, 0] > 0).long()), None, 2, (7,))
+
+
+def one_class(data_dir: str, download: bool) -> DatasetBundle:
+    """S1: a dataset that declares a single class."""
+    x = torch.randn(64, 4)
+    return DatasetBundle(TensorDataset(x, torch.zeros(64, dtype=torch.long)), None, 1, (4,))
+
+
+def no_classes(data_dir: str, download: bool) -> DatasetBundle:
+    """S2: num_classes 0."""
+    x = torch.randn(64, 4)
+    return DatasetBundle(TensorDataset(x, torch.zeros(64, dtype=torch.long)), None, 0, (4,))
+
+
+class NoParameters(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([x[:, :1], -x[:, :1]], dim=1)
+
+
+def no_parameters(num_classes: int, input_shape: tuple[int, ...]) -> nn.Module:
+    """T4: a model with nothing to train."""
+    return NoParameters()
+
+
+def one_error_line(err: str) -> str:
+    """The run's one ``accel_ddp: error:`` line (no traceback)."""
+    assert "Traceback" not in err, err[-3000:]
+    lines = [line for line in err.splitlines() if "accel_ddp: error:" in line]
+    assert len(lines) == 1, err[-3000:]
+    return lines[0]
+
+
+def assert_refused(args: list[str], capfd, *words: str, world_size: int = 2) -> str:
+    capfd.readouterr()
+    assert main_ranks(args, world_size) == [2] * world_size
+    line = one_error_line(capfd.readouterr().err)
+    for word in words:
+        assert re.search(word, line), line
+    return line
+
+
+def user_data(name: str, tmp_path, *extra: str) -> list[str]:
+    return ["--dataset", f"{HERE}:{name}", "--model", "mlp", "--hidden_size", "8", "--global_batch_size", "16",
+            "--epochs", "1", "--output_dir", str(tmp_path / "run"), *extra]
+
+
+# ============================================================================= T1-T6: bad input, one line, exit 2
+
+
+def test_t1_a_dataset_of_zero_rows_is_refused(tmp_path, capfd):
+    assert_refused(user_data("no_rows", tmp_path), capfd, r"no_rows", r"no (training )?samples|0 rows")
+
+
+def test_t2_float_labels_for_classification_are_refused(tmp_path, capfd):
+    assert_refused(user_data("float_labels", tmp_path), capfd, r"float", r"label", r"long|integer|int64")
+
+
+def test_t3_an_input_shape_that_is_not_the_samples_is_refused(tmp_path, capfd):
+    assert_refused(user_data("wrong_shape", tmp_path), capfd, r"input_shape \(7,\)", r"\(4,\)")
+
+
+def test_t4_a_model_with_no_parameters_is_refused(tmp_path, capfd):
+    args = user_data("no_rows", tmp_path)
+    args[args.index("--dataset") + 1] = "synthetic"
+    args[args.index("--model") + 1] = f"{HERE}:no_parameters"
+    assert_refused([*args, "--synthetic_shape", "4", "--synthetic_classes", "2", "--synthetic_samples", "64"], capfd,
+                   r"no (trainable )?parameters")
+
+
+def test_t6_fp8_on_a_cpu_is_refused(tmp_path, capfd, tiny_args):
+    assert_refused([*tiny_args, "--mixed_precision", "fp8", "--output_dir", str(tmp_path / "run")], capfd,
+                   r"--mixed_precision fp8", r"GPU")
+
+
+# ============================================================================= S1-S7: refused up front, or warned
+
+
+def test_s1_one_synthetic_class_is_refused(tmp_path, capfd, tiny_args):
+    assert_refused([*tiny_args, "--synthetic_classes", "1", "--output_dir", str(tmp_path / "run")], capfd,
+                   r"--synthetic_classes must be >= 2, got 1")
+
+
+def test_s1_a_dataset_declaring_one_class_is_refused(tmp_path, capfd):
+    assert_refused(user_data("one_class", tmp_path), capfd, r"num_classes 1", r"2 or more")
+
+
+def test_s2_a_dataset_declaring_no_classes_is_refused(tmp_path, capfd):
+    assert_refused(user_data("no_classes", tmp_path), capfd, r"num_classes 0", r"2 or more")
