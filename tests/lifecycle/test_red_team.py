@@ -125,3 +125,19 @@ def test_s1_a_dataset_declaring_one_class_is_refused(tmp_path, capfd):
 
 def test_s2_a_dataset_declaring_no_classes_is_refused(tmp_path, capfd):
     assert_refused(user_data("no_classes", tmp_path), capfd, r"num_classes 0", r"2 or more")
+
+
+def test_t5_causal_lm_on_texts_that_are_all_empty_is_refused(tmp_path, capfd, monkeypatch):
+    import datasets
+
+    from tests.helpers.text import build_word_tokenizer, lm_args, sentences
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf_cache"))
+    corpus = tmp_path / "corpus"
+    (corpus / "texts").mkdir(parents=True)
+    for split in ("train", "test"):
+        (corpus / "texts" / f"{split}.json").write_text('{"text": ""}\n' * 40)
+    build_word_tokenizer([text for text, _ in sentences(20, seed=0)], corpus / "tokenizer")
+    (corpus / "gpt2.json").write_text('{"model_type": "gpt2", "n_layer": 1, "n_head": 2, "n_embd": 16, '
+                                      '"n_positions": 64, "vocab_size": 8}')
+    assert_refused(lm_args(corpus, tmp_path / "run", "--max_steps", "2"), capfd, r"empty|no tokens?", r"--packing|text")
