@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 
+import pytest
 import torch
 from torch import nn
 from torch.utils.data import TensorDataset
@@ -141,3 +142,54 @@ def test_t5_causal_lm_on_texts_that_are_all_empty_is_refused(tmp_path, capfd, mo
     (corpus / "gpt2.json").write_text('{"model_type": "gpt2", "n_layer": 1, "n_head": 2, "n_embd": 16, '
                                       '"n_positions": 64, "vocab_size": 8}')
     assert_refused(lm_args(corpus, tmp_path / "run", "--max_steps", "2"), capfd, r"empty|no tokens?", r"--packing|text")
+
+
+# ============================================================================= T9: a rank that stops answering
+
+
+def test_t9_a_stopped_rank_is_named_with_the_timeout_in_one_line(tmp_path, capfd, tiny_args, monkeypatch):
+    """SIGSTOP on rank 1 after step 3 with --ddp_timeout 3: rank 0's collective times out and it says, in one line,
+    which rank did not answer and within which timeout (not gloo's raw ``Timed out waiting 3000ms for recv``).
+    Rank 1 is SIGKILLed once rank 0 has reported, as the launcher would."""
+    import multiprocessing
+    import os
+    import signal
+    import time
+
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    import accel_ddp.lifecycle.failure as failure
+    from accel_ddp.cli.train import main
+    from tests.helpers.multiproc import RankFailed, run_ranks
+
+    monkeypatch.setattr(failure, "ACK_WAIT_S", 1.0)  # the stopped rank never reports: no need to wait 10 s for it
+    done = tmp_path / "rank0.code"
+    args = [*tiny_args, "--ddp_timeout", "3", "--output_dir", str(tmp_path / "run")]
+
+    def killer(rank1: int) -> None:
+        while not done.exists():
+            time.sleep(0.1)
+        os.kill(rank1, signal.SIGKILL)
+        os._exit(0)
+
+    def rank_main() -> int:
+        if os.environ["RANK"] == "1":
+            steps = [0]
+
+            def after_step(*_):
+                steps[0] += 1
+                if steps[0] == 3:
+                    multiprocessing.get_context("fork").Process(target=killer, args=(os.getpid(),)).start()
+                    os.kill(os.getpid(), signal.SIGSTOP)
+
+            register_optimizer_step_post_hook(after_step)
+        code = main(args)
+        done.write_text(str(code))
+        return code
+
+    capfd.readouterr()
+    with pytest.raises(RankFailed, match="rank 1 failed:\nexited with code -9"):
+        run_ranks(rank_main, world_size=2, timeout=90)
+    assert done.read_text() == "1"
+    line = one_error_line(capfd.readouterr().err)
+    assert re.search(r"rank 1 did not answer within --ddp_timeout 3 s", line), line
