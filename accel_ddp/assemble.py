@@ -57,6 +57,7 @@ from accel_ddp.tracking.recorder import RunRecorder
 from accel_ddp.tracking.startup import StartupClock
 from accel_ddp.tracking.startup_block import StartupBlock, finished, resumed_from
 from accel_ddp.tracking.trackers import tracking_kwargs
+from accel_ddp.util.messages import warn
 from accel_ddp.util.registry import resolve
 from accel_ddp.util.validation import ConfigError
 
@@ -98,6 +99,17 @@ class Run:
     anomalies: AnomalyGuard | None = None  # --on_anomaly skip|rollback, --spike_factor (None: the loop as it was)
 
 
+def _check_eval_set(cfg: TrainConfig, data) -> None:
+    """The best model and early stopping rank evaluations: without an eval set the last weights would be exported
+    as the best, and the patience never run out."""
+    given = [flag for flag, on in (("--load_best_model_at_end", cfg.load_best_model_at_end),
+                                   (f"--early_stopping_patience {cfg.early_stopping_patience}",
+                                    cfg.early_stopping_patience)) if on]
+    if given and data.eval is None:
+        raise ConfigError(f"{' and '.join(given)} rank evaluations, but --dataset {cfg.dataset} has no eval set; give "
+                          "a dataset with an eval split, or drop the flag")
+
+
 def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None, eval_dataset=None, *,
           loss_fn=None, metrics=(), collate_fn=None, preemption: PreemptionWatcher | None = None) -> Run:
     """Join the process group, build data, model, optimizer and schedule, and agree on where to start.
@@ -127,6 +139,7 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
     task = build_task(cfg.task, loss_fn or (resolve(cfg.loss, {}, kind="loss") if cfg.loss else None), metrics,
                       memory_format)
     data = resolve_data(cfg, accelerator, train_dataset, eval_dataset, collate_fn, preemption=preemption)
+    _check_eval_set(cfg, data)
     phase_done("data")
     source = f"--model_config {cfg.model_config}" if cfg.model_config else f"--model {cfg.model}"
     named = f" ({source})" if model is None else ""  # --model_config wins over --model (models.py)
@@ -160,7 +173,12 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
     optimizer = build_optimizer(cfg.optimizer, model, cfg.lr, cfg.weight_decay,
                                 fused=use_fused_optimizer(cfg.optimizer, accelerator.device.type, accelerator.is_fsdp2))
     # --warmup_ratio (issue 22): a fraction of this run's total steps, so resolved here, once the total is known
-    scheduler = build_lr_scheduler(optimizer, cfg.lr_schedule, cfg.warmup_for(plan.total_steps), plan.total_steps)
+    warmup = cfg.warmup_for(plan.total_steps)
+    if warmup > plan.total_steps:  # still a run (a smoke test, a short resume), but not the schedule asked for
+        warn(f"--warmup_steps {warmup} is longer than this run's {plan.total_steps} optimizer steps: the learning rate "
+             f"never reaches --lr {cfg.lr:g} (at most {cfg.lr * plan.total_steps / warmup:.3g}); lower --warmup_steps "
+             "or train longer", ranks="main")
+    scheduler = build_lr_scheduler(optimizer, cfg.lr_schedule, warmup, plan.total_steps)
     model, optimizer, scheduler = prepare(accelerator, model, optimizer, scheduler)
     probe_task(task, accelerator, model, data, evaluates=loaders.eval is not None, loaders=loaders)
     phase_done("optimizer_and_prepare")

@@ -14,6 +14,7 @@ from accel_ddp.config.checks import (
     _check_data,
     _check_hf_fields,
     _check_per_device,
+    _check_rollback,
     _check_task,
     _check_tracking,
     _check_urls,
@@ -271,6 +272,7 @@ class TrainConfig:
         _check_task(self)
         _check_data(self)
         _check_best_model(self)
+        _check_rollback(self)
         if self.with_tracking and "all" not in self.report_to.split(","):  # `all`: checked once it is resolved
             self.check_tracker_wait(len(self.report_to.split(",")))
         if self.init_from is not None and not self.init_from.endswith(".safetensors"):

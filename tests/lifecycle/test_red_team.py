@@ -52,6 +52,12 @@ def no_classes(data_dir: str, download: bool) -> DatasetBundle:
     return DatasetBundle(TensorDataset(x, torch.zeros(64, dtype=torch.long)), None, 0, (4,))
 
 
+def no_eval(data_dir: str, download: bool) -> DatasetBundle:
+    """S4: a training set and no eval set."""
+    x = torch.randn(64, 4)
+    return DatasetBundle(TensorDataset(x, (x[:, 0] > 0).long()), None, 2, (4,))
+
+
 class NoParameters(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.cat([x[:, :1], -x[:, :1]], dim=1)
@@ -193,3 +199,57 @@ def test_t9_a_stopped_rank_is_named_with_the_timeout_in_one_line(tmp_path, capfd
     assert done.read_text() == "1"
     line = one_error_line(capfd.readouterr().err)
     assert re.search(r"rank 1 did not answer within --ddp_timeout 3 s", line), line
+
+
+@pytest.mark.parametrize("flags", [["--streaming", "--max_steps", "40", "--checkpointing_steps", "epoch"],
+                                   ["--on_anomaly", "rollback"]], ids=["S3", "S7"])
+def test_s3_s7_options_that_would_be_silently_wrong_are_refused(flags):
+    from accel_ddp.cli.args import parse_args
+    from accel_ddp.util.validation import ConfigError
+
+    expected = {"S3": r"--streaming with --checkpointing_steps epoch: a stream has no epochs",
+                "S7": r"--on_anomaly rollback reloads the last checkpoint, but no checkpoint is saved; add "
+                      r"--checkpointing_steps"}
+    with pytest.raises(ConfigError, match=expected["S3" if flags[0] == "--streaming" else "S7"]):
+        parse_args(["--dataset", "hf", *flags])
+
+
+def test_s5_a_flag_given_twice_with_different_values_is_said_once(capfd):
+    from accel_ddp.cli.args import parse_args
+
+    capfd.readouterr()
+    assert parse_args(["--lr", "1e-3", "--epochs", "2", "--lr=1e-4", "--synthetic_shape", "1", "8", "8",
+                       "--synthetic_shape", "1", "4", "4"]).lr == 1e-4
+    err = capfd.readouterr().err.splitlines()
+    assert err == ["accel_ddp: warning: --lr 1e-3 and --lr 1e-4: --lr is given 2 times; the last, --lr 1e-4, is used "
+                   "(give it once to silence this)",
+                   "accel_ddp: warning: --synthetic_shape 1 8 8 and --synthetic_shape 1 4 4: --synthetic_shape is "
+                   "given 2 times; the last, --synthetic_shape 1 4 4, is used (give it once to silence this)"], err
+    parse_args(["--lr", "1e-3", "--lr", "1e-3"])  # the same value twice: nothing to say
+    assert capfd.readouterr().err == ""
+
+
+def test_s5_a_yaml_key_given_twice_is_refused(tmp_path):
+    from accel_ddp.cli.args import parse_args
+    from accel_ddp.util.validation import ConfigError
+
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("lr: 0.001\nepochs: 2\nlr: 0.0001\n")
+    with pytest.raises(ConfigError, match=r"recipe.yaml: key 'lr' is given twice \(lines 1 and 3\); which one"):
+        parse_args(["--config", str(recipe)])
+
+
+@pytest.mark.parametrize("flag", [["--load_best_model_at_end", "--checkpointing_steps", "epoch"],
+                                  ["--early_stopping_patience", "2"]], ids=["best", "patience"])
+def test_s4_the_best_model_or_early_stopping_without_an_eval_set_is_refused(flag, tmp_path, capfd):
+    assert_refused(user_data("no_eval", tmp_path, *flag), capfd, rf"{flag[0]}.* rank evaluations, but --dataset "
+                   rf"{HERE}:no_eval has no eval set")
+
+
+def test_s6_a_warmup_longer_than_the_run_is_said_once(tmp_path, capfd, tiny_args):
+    capfd.readouterr()
+    args = [*tiny_args, "--max_steps", "5", "--warmup_steps", "50", "--output_dir", str(tmp_path / "run")]
+    assert main_ranks(args, 2) == [0, 0]
+    err = capfd.readouterr().err
+    assert err.count("--warmup_steps 50 is longer than this run's 5 optimizer steps: the learning rate never reaches "
+                     "--lr 0.003 (at most 0.0003)") == 1, err[-3000:]
