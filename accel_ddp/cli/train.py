@@ -29,15 +29,18 @@ def main(argv: list[str] | None = None) -> int:
     Bad input is one line on stderr and exit code 2, a nan/inf loss one line and 3, anything else
     its traceback and 1; a rank stopped by another rank's failure prints nothing and exits with that
     rank's code. Preemption (SIGTERM or SIGUSR1) saves a checkpoint and exits with ``EXIT_PREEMPTED``
-    (75); the exit codes are listed in ``accel_ddp/lifecycle/preemption.py``.
+    (75), Ctrl-C (SIGINT) and a closed terminal (SIGHUP) likewise with 130 and 129; the exit codes are listed
+    in ``accel_ddp/lifecycle/preemption.py``.
     """
     try:
         _parse_and_train(argv)
     except Preempted as stop:
         ignore_preemption_signals()  # exiting with 75: the launcher's follow-up SIGTERM must not make it a kill
+        code = stop.exit_code
         if os.environ.get("RANK", "0") == "0":
-            print(f"accel_ddp: preempted: {stop} (exit code {EXIT_PREEMPTED})", file=sys.stderr, flush=True)
-        return EXIT_PREEMPTED
+            what = "preempted" if code == EXIT_PREEMPTED else "interrupted"
+            print(f"accel_ddp: {what}: {stop} (exit code {code})", file=sys.stderr, flush=True)
+        return code
     except Exception as err:  # noqa: BLE001 - every failure gets its exit code and, once per launch, its report
         return failure.report(err, failure.exit_code(err))
     return 0

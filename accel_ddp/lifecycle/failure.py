@@ -59,7 +59,8 @@ from accel_ddp.util.validation import ConfigError, LaunchError, ServiceFailure
 # learn of the failure at their next collective (a step at most) or fail alike at once.
 ACK_WAIT_S = 10.0
 POLL_S = 0.02  # between two looks at the store while waiting (a blocking wait logs a warning on its timeout)
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # the launcher's stop, SLURM's warning: recorded while reporting
+# The launcher's stop, SLURM's warning, Ctrl-C and a closed terminal (forwarded by torchrun): recorded while reporting.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP)
 # Where a launcher puts the rank and the world size: torchrun, then MPI's (the names Accelerate reads).
 RANK_VARS = ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "MV2_COMM_WORLD_RANK")
 WORLD_SIZE_VARS = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")

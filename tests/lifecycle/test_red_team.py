@@ -253,3 +253,114 @@ def test_s6_a_warmup_longer_than_the_run_is_said_once(tmp_path, capfd, tiny_args
     err = capfd.readouterr().err
     assert err.count("--warmup_steps 50 is longer than this run's 5 optimizer steps: the learning rate never reaches "
                      "--lr 0.003 (at most 0.0003)") == 1, err[-3000:]
+
+
+# ============================================================================= T7, S8: Ctrl-C and a closed terminal
+
+INTERRUPT_AT = 3
+
+
+def _interrupted_args(out, *extra: str, steps: int = 8, save_every: int = 4) -> list[str]:
+    return ["--dataset", "synthetic", "--synthetic_samples", "256", "--synthetic_shape", "1", "8", "8", "--model",
+            "mnist_cnn", "--global_batch_size", "32", "--max_steps", str(steps), "--loader", "dataloader",
+            "--num_workers", "1", "--checkpointing_steps", str(save_every), "--output_dir", str(out), *extra]
+
+
+def _signalled_ranks(args: list[str], sig: int, pids) -> list[int]:
+    """``main(args)`` on 2 forked ranks, each in a process group of its own with its DataLoader worker (as torchrun
+    starts them); after optimizer step INTERRUPT_AT rank 1 sends ``sig`` to every rank's group (what torchrun does
+    with a Ctrl-C or SIGHUP it got: ``os.killpg`` per worker), from a process of its own session."""
+    import os
+    import subprocess
+    import sys
+
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    import accel_ddp.lifecycle.preemption as preemption
+    from accel_ddp.cli.train import main
+    from tests.helpers.multiproc import run_ranks
+
+    pids.mkdir(exist_ok=True)
+
+    def rank_main() -> int:
+        os.setpgrp()
+        rank = int(os.environ["RANK"])
+        (pids / f"rank{rank}").write_text(str(os.getpid()))
+        preemption.CHECK_EVERY_SECONDS = 0  # compare after every step: the stop comes right after the signal's step
+        if rank == 1:
+            steps = [0]
+
+            def after_step(*_):
+                steps[0] += 1
+                if steps[0] == INTERRUPT_AT:
+                    groups = [int(p.read_text()) for p in sorted(pids.glob("rank*"))]
+                    calls = "; ".join(f"os.killpg({pid}, {int(sig)})" for pid in groups)
+                    subprocess.run([sys.executable, "-S", "-c", f"import os; {calls}"], start_new_session=True,
+                                   check=True)
+
+            register_optimizer_step_post_hook(after_step)
+        return main(args)
+
+    return run_ranks(rank_main, world_size=2)
+
+
+@pytest.mark.parametrize("signame,code", [("SIGINT", 130), ("SIGHUP", 129)])
+def test_t7_s8_ctrl_c_and_a_closed_terminal_save_the_step_and_resume_bitwise(signame, code, tmp_path, capfd):
+    import signal
+
+    from accel_ddp.checkpoint.manager import list_checkpoints
+    from tests.helpers.checkpoints import assert_same_weights
+    from tests.helpers.runs import read_summary
+
+    whole, out = tmp_path / "whole", tmp_path / "run"
+    assert main_ranks(_interrupted_args(whole)) == [0, 0]
+    capfd.readouterr()
+    assert _signalled_ranks(_interrupted_args(out), getattr(signal, signame), tmp_path / "pids") == [code, code]
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err and "killed by signal" not in err, err[-3000:]
+    lines = [line for line in err.splitlines() if line.startswith("accel_ddp: interrupted:")]
+    assert lines == [f"accel_ddp: interrupted: {signame} received: stopped after optimizer step {INTERRUPT_AT} and "
+                     f"saved {out / 'checkpoints' / f'step_{INTERRUPT_AT:08d}'}; relaunch with "
+                     f"--resume_from_checkpoint auto to continue (exit code {code})"], err[-3000:]
+    assert [step for step, _ in list_checkpoints(str(out / "checkpoints"))] == [INTERRUPT_AT]
+    assert main_ranks(_interrupted_args(out, "--resume_from_checkpoint", "auto")) == [0, 0]
+    assert read_summary(out)["resumed_from_step"] == INTERRUPT_AT
+    assert_same_weights(out, whole)
+
+
+@pytest.mark.slow
+def test_t7_ctrl_c_to_the_launchers_process_group_stops_every_rank_with_a_checkpoint(tmp_path):
+    """A real `accelerate launch` in a session of its own, as a terminal runs it; SIGINT to its process group (what
+    Ctrl-C sends): torchrun forwards it to each worker's group, every rank saves and exits 130, one line, no
+    KeyboardInterrupt anywhere (the launcher's own included)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from accel_ddp.checkpoint.manager import list_checkpoints
+    from tests.helpers.multiproc import free_port
+    from tests.helpers.runs import CPU_2PROC, REPO, TRAIN_SCRIPT, log_of, suite_env, wait_for_checkpoint
+
+    out = tmp_path / "run"
+    args = _interrupted_args(out, steps=400, save_every=2)
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CPU_2PROC), "--num_processes",
+           "2", "--main_process_port", str(free_port()), str(TRAIN_SCRIPT), *args]
+    with open(tmp_path / "run.log", "w") as log:
+        proc = subprocess.Popen(cmd, env=suite_env(), cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    try:
+        wait_for_checkpoint(proc, out, 2)
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    text = log_of(out)
+    assert "Traceback" not in text and "KeyboardInterrupt" not in text, text[-4000:]
+    lines = [line for line in text.splitlines() if "accel_ddp: interrupted: SIGINT received: stopped after" in line]
+    assert len(lines) == 1 and lines[0].endswith("(exit code 130)"), text[-4000:]
+    step = int(lines[0].split("optimizer step ")[1].split()[0])
+    assert [s for s, _ in list_checkpoints(str(out / "checkpoints"))][-1] == step
+    assert proc.returncode == 128 + signal.SIGINT, proc.returncode  # accelerate launch: 128 + its own signal
