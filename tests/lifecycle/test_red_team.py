@@ -364,3 +364,50 @@ def test_t7_ctrl_c_to_the_launchers_process_group_stops_every_rank_with_a_checkp
     step = int(lines[0].split("optimizer step ")[1].split()[0])
     assert [s for s, _ in list_checkpoints(str(out / "checkpoints"))][-1] == step
     assert proc.returncode == 128 + signal.SIGINT, proc.returncode  # accelerate launch: 128 + its own signal
+
+
+# ============================================================================= T8: a DataLoader worker killed
+
+
+def test_t8_a_killed_dataloader_worker_is_restarted_and_the_run_ends_bitwise_as_without(tmp_path, capfd):
+    """kill -9 of rank 1's DataLoader worker after step 3: its workers start again at the first micro-batch it had
+    not trained on, one line says so, and the run ends with the weights of the run without the kill, bit for bit
+    (nothing to resume: nothing was lost)."""
+    import os
+    import signal
+
+    import psutil
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    from accel_ddp.cli.train import main
+    from tests.helpers.checkpoints import assert_same_weights
+    from tests.helpers.multiproc import run_ranks
+
+    whole, out = tmp_path / "whole", tmp_path / "run"
+    assert main_ranks(_interrupted_args(whole)) == [0, 0]
+    killed = tmp_path / "killed"
+
+    def rank_main() -> int:
+        if os.environ["RANK"] == "1":
+            steps = [0]
+
+            def after_step(*_):
+                steps[0] += 1
+                if steps[0] == INTERRUPT_AT:
+                    workers = psutil.Process().children()
+                    assert len(workers) == 1, workers
+                    killed.write_text(str(workers[0].pid))
+                    os.kill(workers[0].pid, signal.SIGKILL)
+
+            register_optimizer_step_post_hook(after_step)
+        return main(_interrupted_args(out))
+
+    capfd.readouterr()
+    assert run_ranks(rank_main, world_size=2) == [0, 0]
+    err = capfd.readouterr().err
+    assert "Traceback" not in err, err[-3000:]
+    lines = [line[line.index("accel_ddp:"):] for line in err.splitlines() if "DataLoader worker" in line]
+    assert lines == [f"accel_ddp: warning: a DataLoader worker of rank 1 ended (pid {killed.read_text()}, killed by "
+                     f"SIGKILL); started its workers again at micro-batch {INTERRUPT_AT} of epoch 0: the same batches "
+                     "follow"], err
+    assert_same_weights(out, whole)
