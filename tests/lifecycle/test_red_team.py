@@ -411,3 +411,38 @@ def test_t8_a_killed_dataloader_worker_is_restarted_and_the_run_ends_bitwise_as_
                      f"SIGKILL); started its workers again at micro-batch {INTERRUPT_AT} of epoch 0: the same batches "
                      "follow"], err
     assert_same_weights(out, whole)
+
+
+# ============================================================================= the layout claim, exactly as said
+
+LAYOUT_ARGS = ["--dataset", "synthetic", "--synthetic_samples", "320", "--global_batch_size", "32", "--max_steps", "12",
+               "--optimizer", "adamw", "--lr", "0.01", "--warmup_steps", "3", "--eval_every", "0"]
+
+
+def _layout_weights(tmp_path, model: list[str], world: int) -> dict:
+    from tests.helpers.runs import load_weights, train_ranks
+
+    out = tmp_path / f"{model[1]}-{world}"
+    train_ranks([*LAYOUT_ARGS, *model, "--output_dir", str(out)], world_size=world, timeout=300)
+    return load_weights(out)
+
+
+def _largest_difference(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[key] - b[key]).abs().max()) for key in a)
+
+
+def test_a_model_without_randomness_ends_with_the_same_weights_on_1_2_and_4_ranks(tmp_path):
+    """README's claim: 1, 2 and 4 processes (per-device batch 32, 16, 8) end within float rounding (1e-5)."""
+    model = ["--model", "mlp", "--hidden_size", "16", "--synthetic_shape", "12"]
+    one = _layout_weights(tmp_path, model, 1)
+    for world in (2, 4):
+        assert _largest_difference(_layout_weights(tmp_path, model, world), one) < 1e-5, world
+    assert float(one["1.weight"].abs().max()) > 0.1  # trained: far beyond the tolerance from zero
+
+
+def test_with_dropout_the_layouts_differ_by_the_dropout_draws_as_documented(tmp_path):
+    """docs/debugging.md: dropout's masks come from each rank's own generator, so another layout draws other masks
+    and the weights differ by more than rounding (the size measured there)."""
+    model = ["--model", "mnist_cnn", "--synthetic_shape", "1", "8", "8"]
+    assert _largest_difference(_layout_weights(tmp_path, model, 2), _layout_weights(tmp_path, model, 1)) > 1e-3
