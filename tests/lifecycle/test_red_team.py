@@ -366,6 +366,32 @@ def test_t7_ctrl_c_to_the_launchers_process_group_stops_every_rank_with_a_checkp
     assert proc.returncode == 128 + signal.SIGINT, proc.returncode  # accelerate launch: 128 + its own signal
 
 
+def _workers_through_ctrl_c_and_hangup() -> tuple[list[bool], int]:
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from accel_ddp.data.loaders import build_train_loader
+    from tests.helpers.data import IndexDataset
+
+    loader = iter(build_train_loader(IndexDataset(64), 4, 4, num_workers=2))  # 16 batches
+    next(loader)
+    workers = list(loader._workers)
+    job = "; ".join(f"os.kill({w.pid}, {int(sig)})" for w in workers for sig in (signal.SIGINT, signal.SIGHUP))
+    subprocess.run([sys.executable, "-S", "-c", f"import os; {job}"], check=True)  # as a terminal's would
+    time.sleep(0.5)
+    return [w.is_alive() for w in workers], sum(1 for _ in loader)
+
+
+def test_t7_s8_dataloader_workers_ignore_ctrl_c_and_hangup():
+    """torch's worker loop ends quietly on KeyboardInterrupt and SIGHUP's default kills: either would make the rank's
+    next read fail (or, since T8, restart its workers); ours ignore both and serve on."""
+    from tests.helpers.multiproc import run_ranks
+
+    assert run_ranks(_workers_through_ctrl_c_and_hangup, world_size=1) == [([True, True], 15)]
+
+
 # ============================================================================= T8: a DataLoader worker killed
 
 
