@@ -60,6 +60,9 @@ def build_accelerator(cfg: TrainConfig, trackers: Callable[[PartialState], dict[
     cpu = not torch.cuda.is_available()
     if cfg.mixed_precision is not None:  # issue 22: --mixed_precision wins over the launch config (a note says so)
         override_mixed_precision(cfg.mixed_precision, cpu, is_main=os.environ.get("RANK", "0") == "0")
+    if cpu and os.environ.get("ACCELERATE_MIXED_PRECISION") == "fp8":  # else Accelerate's ValueError, per rank
+        raise ConfigError("the launch config's mixed_precision fp8 needs a GPU with FP8 support (NVIDIA Ada or Hopper "
+                          "and later) and none is usable here; launch with --mixed_precision no (or bf16) on CPU")
     check_launch_devices(cuda_available=not cpu)  # one process per GPU; GPUs this torch cannot use
     if cpu:  # the step's freed tensors reused, not faulted in again each step (util/host_memory.py)
         keep_freed_host_memory()

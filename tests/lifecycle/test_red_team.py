@@ -118,6 +118,15 @@ def test_t6_fp8_on_a_cpu_is_refused(tmp_path, capfd, tiny_args):
                    r"--mixed_precision fp8", r"GPU")
 
 
+def test_t6_a_launch_configs_fp8_on_a_cpu_is_refused(tmp_path, capfd, tiny_args):
+    """`accelerate launch --mixed_precision fp8` (or a launch config saying fp8) sets the workers' environment."""
+    capfd.readouterr()
+    args = [*tiny_args, "--output_dir", str(tmp_path / "run")]
+    assert main_ranks(args, 2, env={"ACCELERATE_MIXED_PRECISION": "fp8"}) == [2, 2]
+    line = one_error_line(capfd.readouterr().err)
+    assert "the launch config's mixed_precision fp8 needs a GPU" in line, line
+
+
 # ============================================================================= S1-S7: refused up front, or warned
 
 
