@@ -194,6 +194,8 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
     start_step = _agree_start(cfg, accelerator, checkpoints, (optimizer, scheduler), plan, recorder, facts, block,
                               preemption)
     phase_done("resume_and_config")
+    for line in getattr(cfg, "repeated_flags", ()):  # the command line's flags given twice (cli/args.py)
+        warn(line, ranks="main")
     bar = progress_bar(plan.total_steps, start_step, accelerator.is_local_main_process)
     teardown.callback(bar.close)  # first on an error: the bar's line ends before any rank prints the error
     anomalies = AnomalyGuard(cfg, accelerator, recorder, start_step) \

@@ -31,7 +31,6 @@ from accel_ddp.config import (
     sections,
     warn_deprecated,
 )
-from accel_ddp.util.messages import warn
 from accel_ddp.util.validation import ConfigError, scalar_type, show
 
 
@@ -271,11 +270,11 @@ def _renamed(values: dict[str, Any]) -> dict[str, Any]:
     return values
 
 
-def _say_repeated(argv: list[str]) -> None:
-    """A flag given twice with different values (``--lr 1e-3 --lr 1e-4``): argparse keeps the last without a word.
-    Said once, naming both and the one used; not refused: appending overrides to a base command line is how
-    wrapper scripts (and ~20 of this suite's tests) vary a run, and the run is the one the last value describes.
-    The same value twice is harmless. A tuple flag's values run to the next ``--flag``."""
+def repeated_flags(argv: list[str]) -> list[str]:
+    """A line for each flag given twice with different values (``--lr 1e-3 --lr 1e-4``), which argparse settles
+    without a word: the last wins. Said, not refused: appending overrides to a base command line is how wrapper
+    scripts (and ~20 of this suite's tests) vary a run, and the run is the one the last value describes. The same
+    value twice is harmless. A tuple flag's values run to the next ``--flag``."""
     given: dict[str, list[str]] = {}
     name = None
     for arg in argv:
@@ -285,20 +284,20 @@ def _say_repeated(argv: list[str]) -> None:
             name = None if equals else name
         elif name is not None:
             given[name][-1] = f"{given[name][-1]} {arg}".strip()
-    for name, values in given.items():
-        if len(set(values)) > 1:
-            shown = " and ".join(f"--{name} {value}".strip() for value in values)
-            warn(f"{shown}: --{name} is given {len(values)} times; the last, --{name} {values[-1]}, is used (give it "
-                 "once to silence this)".replace(f"--{name} ,", f"--{name},"), ranks="first")
+    return [f"{' and '.join(f'--{name} {value}'.strip() for value in values)}: --{name} is given {len(values)} "
+            f"times; the last, {f'--{name} {values[-1]}'.strip()}, is used (give it once to silence this)"
+            for name, values in given.items() if len(set(values)) > 1]
 
 
 def parse_args(argv: list[str] | None = None) -> TrainConfig:
     """Defaults, then the ``--config`` recipe, then CLI flags."""
     argv = sys.argv[1:] if argv is None else argv
-    _say_repeated(argv)
     args = vars(build_parser().parse_args(argv))
     recipe = load_recipe(args.pop("config")) if "config" in args else {}
     values = _translated(_renamed(dict(recipe)))
     values.update(_translated(_renamed(dict(args))))
     _check_constant_schedule(values, [recipe, args])
-    return TrainConfig(**values)
+    cfg = TrainConfig(**values)
+    # Said once the run starts (accel_ddp/assemble.py), after every check of its input: bad input stays one line.
+    cfg.repeated_flags = repeated_flags(argv)
+    return cfg

@@ -223,19 +223,26 @@ def test_s3_s7_options_that_would_be_silently_wrong_are_refused(flags):
         parse_args(["--dataset", "hf", *flags])
 
 
-def test_s5_a_flag_given_twice_with_different_values_is_said_once(capfd):
+def test_s5_a_flag_given_twice_with_different_values_is_said_once_when_the_run_starts(tmp_path, capfd, tiny_args):
     from accel_ddp.cli.args import parse_args
 
-    capfd.readouterr()
     assert parse_args(["--lr", "1e-3", "--epochs", "2", "--lr=1e-4", "--synthetic_shape", "1", "8", "8",
-                       "--synthetic_shape", "1", "4", "4"]).lr == 1e-4
-    err = capfd.readouterr().err.splitlines()
-    assert err == ["accel_ddp: warning: --lr 1e-3 and --lr 1e-4: --lr is given 2 times; the last, --lr 1e-4, is used "
-                   "(give it once to silence this)",
-                   "accel_ddp: warning: --synthetic_shape 1 8 8 and --synthetic_shape 1 4 4: --synthetic_shape is "
-                   "given 2 times; the last, --synthetic_shape 1 4 4, is used (give it once to silence this)"], err
-    parse_args(["--lr", "1e-3", "--lr", "1e-3"])  # the same value twice: nothing to say
-    assert capfd.readouterr().err == ""
+                       "--synthetic_shape", "1", "4", "4"]).repeated_flags == [
+        "--lr 1e-3 and --lr 1e-4: --lr is given 2 times; the last, --lr 1e-4, is used (give it once to silence this)",
+        "--synthetic_shape 1 8 8 and --synthetic_shape 1 4 4: --synthetic_shape is given 2 times; the last, "
+        "--synthetic_shape 1 4 4, is used (give it once to silence this)"]
+    assert parse_args(["--lr", "1e-3", "--lr", "1e-3", "--debug", "--debug"]).repeated_flags == []  # the same value
+    capfd.readouterr()
+    args = [*tiny_args, "--max_steps", "2", "--output_dir", str(tmp_path / "run"), "--max_steps", "1"]
+    assert main_ranks(args, 2) == [0, 0]
+    err = capfd.readouterr().err
+    assert err.count("accel_ddp: warning: --max_steps 2 and --max_steps 1: --max_steps is given 2 times; the last, "
+                     "--max_steps 1, is used") == 1, err
+    args[args.index("--dataset") + 1] = "nope"  # bad input stays one line: the run never started
+    assert main_ranks(args, 2) == [2, 2]
+    err = capfd.readouterr().err
+    assert "given 2 times" not in err
+    one_error_line(err)
 
 
 def test_s5_a_yaml_key_given_twice_is_refused(tmp_path):
