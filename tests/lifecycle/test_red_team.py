@@ -1,6 +1,8 @@
 """The red team's cases (issue 39), as the suite's own: input a user can give ends in one line and exit 2, never a
-traceback (T1-T6, T9); options that make a run silently wrong are refused up front (S1-S7); Ctrl-C and a closed
-terminal stop like SIGTERM (T7, S8); a killed DataLoader worker (T8).
+traceback (T1-T6; T9, a stopped rank: one line naming it, exit 1); options that make a run silently wrong are
+refused up front, or said once where the run still means something (S1-S7); Ctrl-C and a closed terminal stop like
+SIGTERM, exit 130 and 129 (T7, S8); a killed DataLoader worker is replaced and the run goes on bitwise (T8); the
+layout claim exactly as README says it.
 
 Forked ranks (tests/helpers/runs.py ``main_ranks``) unless only a launch shows the behaviour.
 """
