@@ -123,7 +123,7 @@ def fit(run: Run) -> FitResult:
             if not steps.micro_step(batch):  # forward, backward; on the step's last micro-step the update
                 continue
             step = steps.step
-            watch.after_step(steps.losses.running_loss)
+            watch.after_step(steps.losses.step_values)  # this step's losses, kept: no device work per step
             log.step_done(step, epoch, on_bad_loss=stops.if_not_finite, last_saved=stops.last_saved)
             if run.preemption.stop_requested():  # ranks compare flags every ~1 s: all stop after the same step
                 stops.stop(step)
