@@ -180,6 +180,12 @@ class LossAccumulator:
     the backpropagated values near the magnitude of a per-sample mean (fp16 loss scaling, fp16
     gradient compression); it cancels out.
 
+    On one process with one micro-step per optimizer step there is nothing to rescale: the sum is
+    backpropagated with gradient ``1 / items`` (the bits of backpropagating ``sum / items``).
+
+    The losses reported in log lines are kept as the detached device scalars each micro-step makes
+    and summed at the log line (or a check before it): no device work per step for the log.
+
     A micro-batch whose sum is not 0 over 0 items is a broken loss (the count left out, or
     counting the wrong thing): the step would train on the raw sum. It is counted on the device
     with the running sums and refused (bad input, exit 2) where the loop syncs anyway: at a log
