@@ -31,6 +31,7 @@ from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import DistributedType
 
+from accel_ddp.step_graph import DDP_WARMUP, EAGER_WARMUP, StepGraph, device_learning_rates
 from accel_ddp.util.messages import empty_sum, out_of_memory
 from accel_ddp.util.validation import ConfigError
 
@@ -210,8 +211,11 @@ class LossAccumulator:
         # added into the running sums above at the next log line or check (_fold): no device operation per step
         # for the log's sake (benchmarks/ops_per_step.py: host operations per step within a few of a bare loop's).
         self._pending: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        # Off under --cuda_graphs (TrainStep): a replay runs none of this Python, so the sums are added on the device
+        # in the captured step instead, and the watch gets a copy of the running loss after each step.
+        self.keep_losses = guard is None
         self._folded_since_log = False  # some kept losses are in running / running_mean already
-        self.step_values: list[torch.Tensor] = []  # this optimizer step's losses, for the non-finite watch
+        self._step_values: list[torch.Tensor] = []  # this optimizer step's kept losses, for the non-finite watch
         self._step_started = True  # the next micro-step begins an optimizer step (step_values starts over)
         # One micro-step per optimizer step on one process, plain backward: the step's items are this micro-batch's,
         # so a (sum, num_items) loss is backpropagated with gradient 1 / items (what autograd's ones_like would have
@@ -237,7 +241,7 @@ class LossAccumulator:
             self.summed = summed
         elif summed != self.summed:
             raise ConfigError("the loss switched between a mean and a (sum, num_items) pair; return one kind")
-        if self.guard is None:
+        if self.keep_losses:
             self._keep(loss)
             if summed and self._single:  # 0 items: a gradient of 1 (the sum's own: zero over no items)
                 loss.value.backward(torch.reciprocal(loss.items.clamp_min(1)).to(loss.value.dtype))
@@ -248,8 +252,9 @@ class LossAccumulator:
                     self._count = self._launch_count()
             self._backward(loss.value / self.nominal if summed else loss.value)
             return
-        trained = self.guard.poisoned(loss.value)
-        running, running_mean = self._step_running, self._step_mean
+        trained = loss.value if self.guard is None else self.guard.poisoned(loss.value)
+        running, running_mean = (self.running, self.running_mean) if self.guard is None else \
+            (self._step_running, self._step_mean)
         if summed:
             value, items = loss.value.detach().double(), loss.items.double()
             self.step_items += items
@@ -265,9 +270,9 @@ class LossAccumulator:
     def _keep(self, loss: Loss) -> None:
         """This micro-step's loss (and items) for the log and the non-finite watch, as detached device scalars."""
         if self._step_started:
-            self.step_values, self._step_started = [], False
+            self._step_values, self._step_started = [], False
         value = loss.value.detach()
-        self.step_values.append(value)
+        self._step_values.append(value)
         self._pending.append((value, loss.items))
 
     def _fold(self) -> None:
@@ -297,17 +302,14 @@ class LossAccumulator:
         """With a guard, after the update: the step's loss joins the running sums unless its update was skipped
         (device-side ``where``: no sync, and a nan of a skipped step does not spread)."""
         skipped = self.guard.last_bad_flag
-        kept, kept_mean = torch.where(skipped, 0.0, self._step_running), torch.where(skipped, 0.0, self._step_mean)
-        self.running += kept
-        self.running_mean += kept_mean
-        self.step_values = [kept[0] if self.summed else kept_mean]  # a skipped step's nan does not stop the run
+        self.running += torch.where(skipped, 0.0, self._step_running)
+        self.running_mean += torch.where(skipped, 0.0, self._step_mean)
         self._step_running.zero_()
         self._step_mean.zero_()
 
     def finish_step(self, model: torch.nn.Module) -> None:
-        """At the optimizer step's last micro-step (gradients synced), before clipping and the update."""
-        self.steps_since_log += 1
-        self._step_started = True
+        """At the optimizer step's last micro-step (gradients synced), before clipping and the update (device work
+        only: under --cuda_graphs it is captured once and replayed; the caller counts the step, ``step_done``)."""
         if not self.summed or self._single:
             return
         acc = self.accelerator
@@ -324,6 +326,11 @@ class LossAccumulator:
         scale_gradients(self._params[1], factor)
         self.step_items.zero_()
 
+    def step_done(self) -> None:
+        """Host bookkeeping of each optimizer step, outside the (maybe captured) device work."""
+        self.steps_since_log += 1
+        self._step_started = True
+
     def _launch_count(self) -> tuple[torch.Tensor, object]:
         """All-reduce a copy of this step's item count without waiting (``async_op=True``).
 
@@ -334,6 +341,12 @@ class LossAccumulator:
         """
         count = self.step_items.clone()
         return count, torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.SUM, async_op=True)
+
+    @property
+    def step_values(self) -> list[torch.Tensor]:
+        """This optimizer step's losses for the non-finite watch: the kept ones, or else (a guard: skipped steps left
+        out; --cuda_graphs) a copy of the running loss, non-finite from the first bad step to the next log line."""
+        return self._step_values if self.keep_losses else [self.running_loss.clone()]
 
     @property
     def running_loss(self) -> torch.Tensor:
@@ -348,11 +361,12 @@ class LossAccumulator:
         nan when some micro-step's sum was not 0 over 0 items: the loop then stops, and
         :meth:`empty_sum_problem` (whose count this call leaves as it is) says why.
         """
-        if self._folded_since_log or not self._pending:  # a check folded some, or a guard keeps the sums
+        fresh = not self._folded_since_log and bool(self._pending)
+        if fresh:  # the usual log line: the kept losses alone, not added into the running sums first
+            local = self._folded()
+        else:  # a check folded some, or the sums are kept on the device (a guard, --cuda_graphs)
             self._fold()
             local = self.running if self.summed else self.running_mean
-        else:  # the usual log line: the kept losses alone, not added into the running sums first
-            local = self._folded()
         since_log = local
         if self.accelerator.num_processes > 1:
             since_log = self.accelerator.reduce(local, reduction="sum" if self.summed else "mean")
@@ -368,7 +382,7 @@ class LossAccumulator:
         else:
             trained = self.steps_since_log - skipped
             mean = since_log.item() / trained if trained else math.nan
-        if self._folded_since_log or self.guard is not None:
+        if not fresh:
             self.running.zero_()
             self.running_mean.zero_()
         self._folded_since_log = False
@@ -397,6 +411,11 @@ def scale_gradients(parameters, factor: torch.Tensor) -> None:
         torch._foreach_mul_(grads, factor.to(device=device, dtype=dtype))
 
 
+def graph_warmup(accelerator: Accelerator) -> int:
+    """Eager steps before a --cuda_graphs capture: more under DDP (accel_ddp/step_graph.py)."""
+    return DDP_WARMUP if accelerator.num_processes > 1 else EAGER_WARMUP
+
+
 class TrainStep:
     """One micro-step on this rank: forward and loss, backward (gradients all-reduced on the step's last), and
     there the token-exact rescale, clip, optimizer step, zero_grad and the schedule's step.
@@ -411,7 +430,7 @@ class TrainStep:
     def __init__(self, accelerator: Accelerator, model, task, optimizer, scheduler, accumulation: int,
                  global_batch_size: int, max_grad_norm: float, start_step: int = 0,
                  check_loss: Callable[[torch.Tensor, int], None] | None = None, guard=None,
-                 per_device_batch: int | None = None):
+                 per_device_batch: int | None = None, graphs=None):
         self.accelerator, self.model, self.task, self.scheduler = accelerator, model, task, scheduler
         # guard (--on_anomaly skip|rollback): a bad step's update is left out on every rank, its loss off the log
         self.guard = guard
@@ -420,6 +439,26 @@ class TrainStep:
         self.step = start_step  # optimizer steps done
         self.check_loss = check_loss  # --debug: (each micro-step's loss, the step it belongs to) before its backward
         self.layout = (per_device_batch, accumulation)  # named by the one line of an out-of-memory error
+        # --cuda_graphs (accel_ddp/step_graph.py): the whole step captured after a few eager ones, then replayed
+        self.graph = None if graphs is None else StepGraph(self._train_on, graph_warmup(accelerator), graphs)
+        if graphs is not None:  # each group's LR: the device tensor the schedule updates and the replays read
+            device_learning_rates(getattr(optimizer, "optimizer", optimizer), accelerator.device)
+            # the item count's all-reduce in stream order (captured with the step), not an async Work waited on
+            self.losses._async_count = False
+            # a replay runs no Python: the losses summed on the device in the captured step, the eager backward
+            self.losses.keep_losses = self.losses._single = False
+
+    def _train_on(self, batch) -> None:
+        """The micro-step's device work: forward, loss, backward; at the step's last, rescale, clip and update."""
+        loss = self.task.training_loss(self.model, batch)  # a mean, or a (sum, num_items) pair
+        if self.check_loss is not None:
+            self.check_loss(loss.value, self.step + 1)
+        self.losses.backward(loss)
+        if self.accelerator.sync_gradients:  # the step's last micro-step: gradients are synced
+            self.losses.finish_step(self.model)  # (sum, num_items): the gradient of total loss / total items
+            self.update()  # clip (--max_grad_norm), optimizer step, zero_grad
+            if self.guard is not None:
+                self.losses.end_step()  # a skipped step's loss stays out of the logged mean
 
     def micro_step(self, batch) -> bool:
         """Forward and backward ``batch``; the optimizer step where it completes one (returns True).
@@ -432,19 +471,12 @@ class TrainStep:
         """
         try:
             with self.accelerator.accumulate(self.model):
-                loss = self.task.training_loss(self.model, batch)  # a mean, or a (sum, num_items) pair
-                if self.check_loss is not None:
-                    self.check_loss(loss.value, self.step + 1)
-                self.losses.backward(loss)
-                if self.accelerator.sync_gradients:  # the step's last micro-step: gradients are synced
-                    self.losses.finish_step(self.model)  # (sum, num_items): the gradient of total loss / total items
-                    self.update()  # clip (--max_grad_norm), optimizer step, zero_grad
-                    if self.guard is not None:
-                        self.losses.end_step()  # a skipped step's loss stays out of the logged mean
+                (self.graph or self._train_on)(batch)
         except torch.OutOfMemoryError as err:
             raise ConfigError(out_of_memory(self.step + 1, *self.layout)) from err
         if not self.accelerator.sync_gradients:
             return False
+        self.losses.step_done()
         self.scheduler.step()  # exactly once per optimizer step
         self.step += 1
         return True

@@ -15,7 +15,7 @@ import torch
 from accel_ddp.cli.args import parse_args
 from accel_ddp.data import DatasetBundle, build_datasets
 from accel_ddp.data.in_memory import TokenBlocks
-from accel_ddp.kernels import fuse_activations
+from accel_ddp.fused_activations import fuse_activations
 from accel_ddp.models import build_model
 from accel_ddp.optim import build_optimizer, use_fused_optimizer
 from benchmarks.ops_per_step import SKIP, TARGET, OpCounter, difference

@@ -513,3 +513,22 @@ def test_device_loader_holds_the_set_normalised_where_it_fits_with_the_same_bits
         assert torch.equal(x, nx) and torch.equal(y, ny)
     augmented = InMemoryDataset(images, torch.arange(64) % 5, scale=255.0, augment="crop_flip")
     assert DeviceLoader(augmented, 8, 16, seed=3, normalised_max_mb=1).data.inputs.dtype == torch.uint8  # crop first
+
+
+def test_the_device_and_host_loaders_share_one_typed_contract():
+    """One constructor (GlobalBatchLoader's) and one protocol (TrainLoader): built alike, the two loaders have the
+    same layout and serve the same samples in the same micro-steps."""
+    from accel_ddp.data.loaders import TrainLoader
+    from accel_ddp.data.sampler import GlobalBatchLoader
+
+    data = TensorDataset(torch.arange(44.0).view(44, 1), torch.zeros(44, dtype=torch.long))
+    layout = {"per_device_batch_size": 2, "global_batch_size": 8, "seed": 3, "rank": 1, "world_size": 2}
+    loaders = DeviceLoader(data, **layout), HostLoader(data, num_workers=0, **layout)
+    for loader in loaders:
+        assert isinstance(loader, GlobalBatchLoader) and isinstance(loader, TrainLoader)
+        assert (len(loader), loader.steps_per_epoch, loader.accumulation, loader.device) == \
+            (10, 5, 2, torch.device("cpu"))
+        assert (loader.rank, loader.world_size, loader.seed, loader.per_device_batch_size) == (1, 2, 3, 2)
+    device, host = ([batch[0].flatten().tolist() for batch in loader] for loader in loaders)
+    assert device == host and len(device) == 10
+    assert not isinstance(data, TrainLoader)
