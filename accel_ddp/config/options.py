@@ -89,6 +89,10 @@ class TrainConfig:
         512, "text tasks: tokens per sequence (longer texts are cut; the block size with --packing)", low=1
     )
     packing: bool = _opt(False, "causal_lm: concatenate the texts and cut them into --max_length blocks (no padding)")
+    text_cache: str | None = _opt(
+        None, "causal_lm --packing from --data_dir: folder caching the packed blocks between runs, keyed by the data "
+        "files, tokenizer and block size; default $ACCEL_DDP_CACHE/text_blocks or ~/.cache/accel_ddp/text_blocks; "
+        "'off': tokenize every run")
     collate_fn: str | None = _opt(
         None, "'pkg.module:function' turning a list of samples into a batch; default pads text, stacks tensors"
     )

@@ -37,12 +37,14 @@ from accel_ddp.data.hf import HFSource, _label_column, _labels, load_splits
 from accel_ddp.data.hf_source import bad_text_named
 from accel_ddp.data.in_memory import TokenBlocks
 from accel_ddp.data.memory_budget import say
+from accel_ddp.data.text_cache import cache_key, read_blocks, write_blocks
 from accel_ddp.util.messages import note
 from accel_ddp.util.optional import import_quietly, require
 from accel_ddp.util.validation import ConfigError
 
 DEFAULT_TEXT_COLUMN = "text"
 LABEL_PAD = -100  # padded label positions count for nothing in the loss (accel_ddp.tasks.protocol.IGNORE_INDEX)
+MAP_BATCH = 1000  # texts per datasets.map batch: packing drops each batch's tail, so the blocks depend on it
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json", "spiece.model")
 
 
@@ -54,6 +56,8 @@ class TextOptions(NamedTuple):
     max_length: int = 512
     packing: bool = False
     labels: bool = True  # sequence_classification: a label per text; causal_lm: the tokens are the labels
+    cache_dir: str | None = None  # causal_lm --packing with --data_dir: the packed blocks' cache (text_cache.py)
+    cache_write: bool = True  # this process writes a missing entry (one per machine: the local main process)
 
 
 class PadCollate:
@@ -136,6 +140,10 @@ def build_text(data_dir: str, source: HFSource, options: TextOptions) -> tuple[D
     tokenizer = load_tokenizer(options.tokenizer)
     if options.labels:  # sequence_classification pads each batch
         _ensure_pad_token(tokenizer, options.tokenizer)
+    key = _cache_key(data_dir, source, options, tokenizer)
+    cached = read_blocks(options.cache_dir, key) if key else None
+    if cached is not None and _fits(cached, source):
+        return DatasetBundle(*(TokenBlocks(t) for t in cached), len(tokenizer), (options.max_length,)), tokenizer
     require("datasets", "--dataset hf")
     train, eval_split = load_splits(data_dir, source)
     if eval_split is None:  # a fixed tenth of train, the same on every rank
@@ -159,8 +167,30 @@ def build_text(data_dir: str, source: HFSource, options: TextOptions) -> tuple[D
                               f"block of --max_length {options.max_length} tokens; lower --max_length, or give "
                               "it more text")
     held = _blocks_in_memory(splits, options.max_length, source) if options.packing and not options.labels else None
+    if key and held is not None and options.cache_write:
+        write_blocks(options.cache_dir, key, tuple(blocks.inputs for blocks in held),
+                     {"data_dir": os.path.abspath(data_dir), "tokenizer": options.tokenizer,
+                      "max_length": options.max_length})
     train_set, eval_set = held or (ds.with_format("torch") for ds in splits)
     return DatasetBundle(train_set, eval_set, num_classes, (options.max_length,)), tokenizer
+
+
+def _cache_key(data_dir: str, source: HFSource, options: TextOptions, tokenizer) -> str | None:
+    """The packed blocks' cache key, or None where they are not cached: off, not packed causal_lm, a Hub dataset
+    (its revision is the datasets cache's business), a stream, or no such --data_dir (the build says so)."""
+    if (options.cache_dir is None or not options.packing or options.labels or source.name is not None
+            or source.streaming or not os.path.exists(data_dir)):
+        return None
+    settings = {"max_length": options.max_length, "text_column": options.text_column or DEFAULT_TEXT_COLUMN,
+                "train_split": source.train_split, "eval_split": source.eval_split, "map_batch": MAP_BATCH,
+                "held_out": (0.1, 0)}  # build_text's held-out tenth: test_size, seed
+    return cache_key(data_dir, tokenizer, settings)
+
+
+def _fits(blocks: tuple[torch.Tensor, ...], source: HFSource) -> bool:
+    """Cached blocks are served from memory only where the budget allows them (else the memory-mapped path)."""
+    nbytes = sum(t.numel() * t.element_size() for t in blocks)
+    return source.in_memory_max_mb is None or nbytes <= source.in_memory_max_mb * 2**20
 
 
 def _blocks_in_memory(splits, max_length: int, source: HFSource) -> tuple[TokenBlocks, TokenBlocks] | None:
@@ -198,7 +228,7 @@ def _ensure_pad_token(tokenizer, name: str) -> None:
 def _tokenize(ds, tokenizer, column: str, options: TextOptions):
     """One ``datasets.map`` (cached): every text to ``input_ids``; packed into blocks with ``--packing``."""
     return ds.map(
-        _tokenize_batch, batched=True, remove_columns=ds.column_names, desc="tokenizing",
+        _tokenize_batch, batched=True, batch_size=MAP_BATCH, remove_columns=ds.column_names, desc="tokenizing",
         fn_kwargs={"tokenizer": tokenizer, "column": column, "max_length": options.max_length,
                    "packing": options.packing},
     )
