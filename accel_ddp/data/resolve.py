@@ -59,7 +59,7 @@ def resolve_data(cfg: TrainConfig, accelerator: Accelerator, train_dataset, eval
         # Tokenized on each machine's first process, then read from the datasets cache by the others.
         bundle, tokenizer = local_main_first(accelerator, lambda: build_text(cfg.data_dir, hf, text),
                                              preemption=preemption, phase="data: tokenizing",
-                                             while_waiting=import_text_libraries)
+                                             while_waiting=lambda: import_text_libraries(cfg.data_dir, hf, text))
     elif train_dataset is None:
         bundle = local_main_first(accelerator, lambda: build_datasets(  # one download per --data_dir
             cfg.dataset, cfg.data_dir, cfg.download, samples=cfg.synthetic_samples,

@@ -37,7 +37,7 @@ from accel_ddp.data.hf import HFSource, _label_column, _labels, load_splits
 from accel_ddp.data.hf_source import bad_text_named
 from accel_ddp.data.in_memory import TokenBlocks
 from accel_ddp.data.memory_budget import say
-from accel_ddp.data.text_cache import cache_key, read_blocks, write_blocks
+from accel_ddp.data.text_cache import cache_key, has_entry, read_blocks, write_blocks
 from accel_ddp.util.messages import note
 from accel_ddp.util.optional import import_quietly, require
 from accel_ddp.util.validation import ConfigError
@@ -120,18 +120,32 @@ def load_tokenizer(name: str | None) -> Any:
                           f"local cache ({first}); give a folder written by tokenizer.save_pretrained") from None
 
 
-def import_text_libraries() -> None:
-    """What ``build_text`` imports before it reads anything: datasets, Transformers and its tokenizer classes
-    (lazy attributes, imported on first access). No data and no files; a missing package is reported by the
-    build."""
-    import_quietly("datasets", "transformers")
+def import_text_libraries(data_dir: str | None = None, source: HFSource | None = None,
+                          options: TextOptions | None = None) -> None:
+    """What ``build_text`` imports before it reads anything: Transformers and its tokenizer classes (lazy attributes,
+    imported on first access), then datasets, unless the packed blocks of ``data_dir``/``source``/``options`` are
+    already in ``--text_cache`` (a second run reads them without datasets: ~2 s of imports off the data phase of a
+    waiting rank). No data read; a missing package is reported by the build."""
+    import_quietly("transformers")
     transformers = sys.modules.get("transformers")
-    if transformers is None:  # not installed: the build says so
-        return
     try:
-        transformers.AutoTokenizer, transformers.PreTrainedTokenizerFast  # noqa: B018 - the access imports them
+        if transformers is not None:
+            transformers.AutoTokenizer, transformers.PreTrainedTokenizerFast  # noqa: B018 - the access imports them
     except ImportError:  # without the tokenizers package: the build says so
-        pass
+        transformers = None
+    if transformers is not None and options is not None and _cached(data_dir, source, options):
+        return
+    import_quietly("datasets")
+
+
+def _cached(data_dir: str, source: HFSource, options: TextOptions) -> bool:
+    """Are these blocks in the cache (an entry with a manifest: read_blocks checks it)? False on any error: the
+    build meets it again and says so."""
+    try:
+        key = _cache_key(data_dir, source, options, load_tokenizer(options.tokenizer))
+    except (ConfigError, OSError, ValueError):
+        return False
+    return key is not None and has_entry(options.cache_dir, key)
 
 
 def build_text(data_dir: str, source: HFSource, options: TextOptions) -> tuple[DatasetBundle, Any]:

@@ -88,6 +88,10 @@ def entry_dir(cache_dir: str, key: str) -> str:
     return os.path.join(os.path.expanduser(cache_dir), key)
 
 
+def has_entry(cache_dir: str, key: str) -> bool:
+    return os.path.isfile(os.path.join(entry_dir(cache_dir, key), MANIFEST))
+
+
 def read_blocks(cache_dir: str, key: str) -> tuple[torch.Tensor, ...] | None:
     """The cached (train, eval) blocks, or None: no entry, or a damaged one (one line; the caller rebuilds it)."""
     folder = entry_dir(cache_dir, key)

@@ -152,3 +152,21 @@ def test_the_flag_off_and_its_default_folder(monkeypatch, tmp_path):
     assert cache_root(None) == str(tmp_path / "text_blocks")
     monkeypatch.delenv("ACCEL_DDP_CACHE")
     assert cache_root(None) == os.path.expanduser("~/.cache/accel_ddp/text_blocks")
+
+
+def test_a_waiting_rank_skips_importing_datasets_where_the_blocks_are_cached(texts, tmp_path, monkeypatch):
+    """import_text_libraries (run by a rank while its machine's first process builds): datasets only on a miss."""
+    import accel_ddp.data.text as text
+    from accel_ddp.data.hf import HFSource
+    from accel_ddp.data.text import TextOptions
+
+    cache = tmp_path / "blocks"
+    imported = []
+    monkeypatch.setattr(text, "import_quietly", lambda *names: imported.extend(names))
+    options = TextOptions(str(texts.parent / "tok"), max_length=16, packing=True, labels=False, cache_dir=str(cache))
+    text.import_text_libraries(str(texts), HFSource(in_memory_max_mb=64.0), options)
+    assert imported == ["transformers", "datasets"]
+    build(texts, cache)
+    imported.clear()
+    text.import_text_libraries(str(texts), HFSource(in_memory_max_mb=64.0), options)
+    assert imported == ["transformers"]
