@@ -48,6 +48,7 @@ from accel_ddp.outputs.run_dir import (
     check_output_dir,
     claim_output_dir,
 )
+from accel_ddp.tasks.chunked_loss import autocast_dtype, split_output_layer
 from accel_ddp.tasks.probe import probe_task
 from accel_ddp.tasks.protocol import Task, build_task
 from accel_ddp.tracking.meters import (
@@ -134,6 +135,10 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
     fused = fuse_activations(model) if cfg.fused_kernels else 0  # before DDP wraps it: same math, fewer kernels
     if fused:
         named += f", {fused} tanh-GELU module{'s' if fused > 1 else ''} on torch's one kernel (--fused_kernels)"
+    if cfg.chunked_loss:  # before DDP wraps it: training forwards return hidden states, the task applies the layer
+        task.split_head = split_output_layer(model)
+        task.compute_dtype = autocast_dtype(accelerator.mixed_precision)
+        named += ", output layer chunked into the loss (--chunked_loss)"
     # --per_device_batch_size auto: the largest micro-batch that fits on every rank, before DDP wraps the model
     chosen = choose_micro_batch(cfg, accelerator, model, task, data) if cfg.auto_batch else None
     if chosen is not None:

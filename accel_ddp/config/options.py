@@ -223,6 +223,9 @@ class TrainConfig:
     fused_kernels: bool = _opt(
         True, "one-kernel versions of the same math in Transformers models (tanh GELU); false keeps the model's own"
     )
+    chunked_loss: bool = _opt(
+        False, "causal_lm with a Transformers model: the output layer and loss computed a chunk of tokens at a time, "
+        "no (tokens, vocabulary) float32 logits (GPU memory; unmeasured on a GPU)")
     channels_last: bool = _opt(False, "store image models and batches channels-last (faster convs on GPUs)")
     tf32: bool = _opt(True, "CUDA only: TF32 tensor cores for fp32 matmuls and convolutions")
     profile: bool = _opt(False, "record a torch.profiler trace of a few steps into OUTPUT_DIR/profile")
