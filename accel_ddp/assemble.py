@@ -33,7 +33,7 @@ from accel_ddp.data import build_loaders, usable_cpus
 from accel_ddp.data.resolve import resolve_data
 from accel_ddp.distributed.preflight import check_fsdp, check_shared_output_dir
 from accel_ddp.distributed.world import build_accelerator, prepare
-from accel_ddp.kernels import fuse_activations
+from accel_ddp.kernels import compile_regions, fuse_activations
 from accel_ddp.lifecycle import failure
 from accel_ddp.lifecycle.failure import main_process_decides
 from accel_ddp.lifecycle.preemption import (
@@ -41,7 +41,7 @@ from accel_ddp.lifecycle.preemption import (
     PreemptionWatcher,
     restart_hazard,
 )
-from accel_ddp.models import build_configured_model
+from accel_ddp.models import build_configured_model, set_attn_implementation
 from accel_ddp.optim import build_lr_scheduler, build_optimizer, use_fused_optimizer
 from accel_ddp.outputs.run_dir import (
     RunFinished,
@@ -135,6 +135,9 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
     fused = fuse_activations(model) if cfg.fused_kernels else 0  # before DDP wraps it: same math, fewer kernels
     if fused:
         named += f", {fused} tanh-GELU module{'s' if fused > 1 else ''} on torch's one kernel (--fused_kernels)"
+    if cfg.compile_regions:  # in place, before DDP wraps it: the same parameter names, compiled at the first step
+        regions = compile_regions(model)
+        named += f", {regions} repeated block{'s' if regions != 1 else ''} compiled (--compile_regions)"
     if cfg.chunked_loss:  # before DDP wraps it: training forwards return hidden states, the task applies the layer
         task.split_head = split_output_layer(model)
         task.compute_dtype = autocast_dtype(accelerator.mixed_precision)
@@ -270,6 +273,8 @@ def _model(cfg: TrainConfig, accelerator: Accelerator, model, data, memory_forma
     """The caller's model or the configured one, checked for FSDP2, with ``--init_from``'s weights, in its layout."""
     if model is None:
         model = build_configured_model(cfg, data)
+    elif cfg.attn_implementation is not None:
+        set_attn_implementation(model, cfg.attn_implementation)
     if accelerator.is_fsdp2:  # before anything is built on it: what FSDP2 cannot shard or cast
         check_fsdp(model, channels_last=cfg.channels_last, mixed_precision=accelerator.mixed_precision)
     if cfg.init_from:

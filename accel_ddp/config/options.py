@@ -223,6 +223,12 @@ class TrainConfig:
     fused_kernels: bool = _opt(
         True, "one-kernel versions of the same math in Transformers models (tanh GELU); false keeps the model's own"
     )
+    compile_regions: bool = _opt(
+        False, "torch.compile each repeated block of the model in place (regional compilation, as Accelerate's "
+        "compile_regions): compiles in seconds, not minutes; its time is in the first_step start-up phase")
+    attn_implementation: str | None = _opt(
+        None, "Transformers models: attention kernels, eager, sdpa, flash_attention_2, flash_attention_3 or "
+        "flex_attention; default Transformers' own (sdpa where the model supports it)")
     chunked_loss: bool = _opt(
         False, "causal_lm with a Transformers model: the output layer and loss computed a chunk of tokens at a time, "
         "no (tokens, vocabulary) float32 logits (GPU memory; unmeasured on a GPU)")
