@@ -8,7 +8,7 @@ never a stale read:
 
 - the data files under ``--data_dir`` (each file's relative path, byte count and modification time
   in ns: an edit, a copy over it or a new file changes it; the bytes are not hashed, which would cost
-  as much as reading them);
+  as much as reading them; datasets' own ``cache-*.arrow`` and lock files left out);
 - the tokenizer's content (a fast tokenizer's full JSON, vocabulary, merges, normalizer and special
   tokens; a slow one's vocabulary and special tokens), whatever folder or Hub name it came from;
 - the packing settings (``--max_length``, ``--text_column``, the splits, the held-out tenth, the
@@ -58,9 +58,17 @@ def data_files_key(data_dir: str) -> list[list[Any]]:
         return [[os.path.basename(data_dir), stat.st_size, stat.st_mtime_ns]]
     rows = []
     for name in relative_files(data_dir):
+        if _datasets_own(os.path.basename(name)):
+            continue
         stat = os.stat(os.path.join(data_dir, name))
         rows.append([name, stat.st_size, stat.st_mtime_ns])
     return rows
+
+
+def _datasets_own(name: str) -> bool:
+    """A file datasets writes beside a ``save_to_disk`` folder's data (``map``'s ``cache-*.arrow``, locks): not
+    data, and written by the first build, so keying on it would make every first hit a miss."""
+    return (name.startswith("cache-") and name.endswith(".arrow")) or name.endswith(".lock")
 
 
 def tokenizer_digest(tokenizer: Any) -> str:
