@@ -139,7 +139,7 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
         regions = compile_regions(model)
         named += f", {regions} repeated block{'s' if regions != 1 else ''} compiled (--compile_regions)"
     if cfg.chunked_loss:  # before DDP wraps it: training forwards return hidden states, the task applies the layer
-        task.split_head = split_output_layer(model)
+        task.split_head = split_output_layer(model, sharded=accelerator.is_fsdp2)
         task.compute_dtype = autocast_dtype(accelerator.mixed_precision)
         named += ", output layer chunked into the loss (--chunked_loss)"
     # --per_device_batch_size auto: the largest micro-batch that fits on every rank, before DDP wraps the model

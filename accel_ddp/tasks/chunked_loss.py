@@ -53,9 +53,13 @@ class HiddenStatesHead(torch.nn.Module):
         return F.linear(hidden, self.weight, self.bias)
 
 
-def split_output_layer(model: torch.nn.Module) -> HiddenStatesHead:
+def split_output_layer(model: torch.nn.Module, sharded: bool = False) -> HiddenStatesHead:
     """Replace a Transformers causal LM's output layer by a :class:`HiddenStatesHead` (in place, before DDP wraps
-    the model) and return it; a model it cannot split is refused with one line."""
+    the model) and return it; a model it cannot split is refused with one line. ``sharded`` (FSDP2): refused, the
+    layer's weight is gathered only inside the model's forward, and the loss uses it outside."""
+    if sharded:
+        raise ConfigError("--chunked_loss under FSDP: the output layer's sharded weight is gathered only inside the "
+                          "model's forward, and the chunked loss needs it outside; drop --chunked_loss")
     get_head = getattr(model, "get_output_embeddings", None)
     head = get_head() if callable(get_head) else None
     name = type(model).__name__

@@ -130,6 +130,8 @@ def test_a_model_it_cannot_split_is_refused_with_one_line():
     assert capped.final_logit_softcapping is not None
     with pytest.raises(ConfigError, match="final_logit_softcapping"):
         split_output_layer(transformers.Gemma2ForCausalLM(capped))
+    with pytest.raises(ConfigError, match="--chunked_loss under FSDP"):
+        split_output_layer(tiny_gpt(), sharded=True)
     with pytest.raises(ConfigError, match="--chunked_loss computes --task causal_lm's own loss"):
         TrainConfig(chunked_loss=True)  # --task classification
     with pytest.raises(ConfigError, match="not --loss"):
