@@ -45,14 +45,16 @@ from accel_ddp.lifecycle.preemption import (
     PreemptionWatcher,
     restart_hazard,
 )
-from accel_ddp.models import build_configured_model
+from accel_ddp.models import build_configured_model, set_attn_implementation
 from accel_ddp.optim import build_lr_scheduler, build_optimizer, use_fused_optimizer
 from accel_ddp.outputs.run_dir import (
     RunFinished,
     check_output_dir,
     claim_output_dir,
 )
+from accel_ddp.regional_compile import compile_regions
 from accel_ddp.step_graph import construction_stream, graph_problem
+from accel_ddp.tasks.chunked_loss import autocast_dtype, split_output_layer
 from accel_ddp.tasks.probe import probe_task
 from accel_ddp.tasks.protocol import Task, build_task
 from accel_ddp.tracking.meters import (
@@ -195,6 +197,13 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
     fused = fuse_activations(model) if cfg.fused_kernels else 0  # before DDP wraps it: same math, fewer kernels
     if fused:
         named += f", {fused} tanh-GELU module{'s' if fused > 1 else ''} on torch's one kernel (--fused_kernels)"
+    if cfg.compile_regions:  # in place, before DDP wraps it: the same parameter names, compiled at the first step
+        regions = compile_regions(model)
+        named += f", {regions} repeated block{'s' if regions != 1 else ''} compiled (--compile_regions)"
+    if cfg.chunked_loss:  # before DDP wraps it: training forwards return hidden states, the task applies the layer
+        task.split_head = split_output_layer(model, sharded=accelerator.is_fsdp2)
+        task.compute_dtype = autocast_dtype(accelerator.mixed_precision)
+        named += ", output layer chunked into the loss (--chunked_loss)"
     # --per_device_batch_size auto: the largest micro-batch that fits on every rank, before DDP wraps the model
     chosen = choose_micro_batch(cfg, accelerator, model, task, data) if cfg.auto_batch else None
     if chosen is not None:
@@ -352,6 +361,8 @@ def _model(cfg: TrainConfig, accelerator: Accelerator, model, data, memory_forma
     """The caller's model or the configured one, checked for FSDP2, with ``--init_from``'s weights, in its layout."""
     if model is None:
         model = build_configured_model(cfg, data)
+    elif cfg.attn_implementation is not None:
+        set_attn_implementation(model, cfg.attn_implementation)
     if accelerator.is_fsdp2:  # before anything is built on it: what FSDP2 cannot shard or cast
         check_fsdp(model, channels_last=cfg.channels_last, mixed_precision=accelerator.mixed_precision)
     if cfg.init_from:

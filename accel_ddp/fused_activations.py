@@ -57,3 +57,4 @@ def _python_tanh_gelu_classes() -> tuple[type, ...]:
     if activations is None:  # no Transformers model was built in this process
         return ()
     return tuple(getattr(activations, name) for name in PYTHON_TANH_GELUS if hasattr(activations, name))
+

@@ -174,14 +174,15 @@ def is_pretrained_folder(name: str) -> bool:
 
 def build_transformers_model(
     task: str, folder: str | None = None, config_file: str | None = None, *, num_labels: int | None = None,
-    tokenizer: Any = None, max_length: int | None = None,
+    tokenizer: Any = None, max_length: int | None = None, attn_implementation: str | None = None,
 ) -> nn.Module:
     """``AutoModelFor<task>`` from a ``save_pretrained`` folder, or from a config file with fresh weights.
 
     From a config, the vocabulary size and special token ids follow the tokenizer (the config is
     then reusable with any tokenizer). A folder's weights load in float32, whatever they were saved
     in (mixed precision is ``--mixed_precision``'s job); a classification head of another size is
-    replaced by a fresh one for ``num_labels`` classes.
+    replaced by a fresh one for ``num_labels`` classes. ``attn_implementation`` (``--attn_implementation``)
+    goes to ``from_config``/``from_pretrained`` as is; one the model or this machine cannot run is refused.
     """
     what = f"--model_config {config_file}" if config_file else f"--model {folder}"
     if task not in AUTO_CLASSES:
@@ -192,6 +193,7 @@ def build_transformers_model(
     overrides: dict[str, Any] = {"num_labels": num_labels} if task == "sequence_classification" and num_labels else {}
     if tokenizer is not None and tokenizer.pad_token_id is not None:
         overrides["pad_token_id"] = tokenizer.pad_token_id  # sequence classifiers find each text's last token by it
+    attention = {"attn_implementation": attn_implementation} if attn_implementation else {}
     try:
         if config_file:
             if tokenizer is not None:
@@ -200,19 +202,48 @@ def build_transformers_model(
             # Overrides go in before the config is built: it checks its token ids against its vocabulary size.
             with open(config_file, encoding="utf-8") as fh:
                 values = {**json.load(fh), **overrides}
-            model = auto.from_config(transformers.AutoConfig.for_model(**values))
+            model = auto.from_config(transformers.AutoConfig.for_model(**values), **attention)
         else:
             model = auto.from_pretrained(folder, dtype=torch.float32, ignore_mismatched_sizes="num_labels" in overrides,
-                                         **overrides)
-    except (OSError, ValueError, KeyError, TypeError) as err:  # bad JSON, an unknown model type, missing weights...
-        first = (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
-        raise ConfigError(f"{what}: cannot build a {AUTO_CLASSES[task]} from it ({first}); give a Transformers "
-                          "config.json or save_pretrained folder of a model that has one") from None
+                                         **overrides, **attention)
+    except (ImportError, ValueError) as err:
+        if attention and ("attn" in str(err) or "ttention" in str(err)):  # Transformers' own check of the name
+            raise ConfigError(attention_refused(what, attn_implementation, err)) from None
+        if isinstance(err, ImportError):
+            raise
+        raise ConfigError(built_refused(what, task, err)) from None
+    except (OSError, KeyError, TypeError) as err:  # bad JSON, an unknown model type, missing weights...
+        raise ConfigError(built_refused(what, task, err)) from None
     positions = getattr(model.config, "max_position_embeddings", None)
     if max_length and positions and max_length > positions:
         raise ConfigError(f"--max_length {max_length} exceeds the {positions} positions of {what}; "
                           f"use --max_length {positions} or less")
     return model
+
+
+def built_refused(what: str, task: str, err: BaseException) -> str:
+    first = (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
+    return (f"{what}: cannot build a {AUTO_CLASSES[task]} from it ({first}); give a Transformers config.json or "
+            "save_pretrained folder of a model that has one")
+
+
+def attention_refused(what: str, name: str, err: BaseException) -> str:
+    first = (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
+    return f"--attn_implementation {name}: {what} cannot use it ({first}); choose sdpa or eager, or drop the flag"
+
+
+def set_attn_implementation(model: nn.Module, name: str) -> None:
+    """``--attn_implementation`` for a model the caller built: Transformers' ``set_attn_implementation``, else
+    refused with one line (the flag means nothing to a model that is not a Transformers one)."""
+    setter = getattr(model, "set_attn_implementation", None)
+    what = f"the model {type(model).__name__}"
+    if not callable(setter):
+        raise ConfigError(f"--attn_implementation {name}: {what} is not a Transformers model (no "
+                          "set_attn_implementation); drop the flag")
+    try:
+        setter(name)
+    except (ImportError, ValueError) as err:
+        raise ConfigError(attention_refused(what, name, err)) from None
 
 
 def export_pretrained(accelerator, model: nn.Module, tokenizer: Any, output_dir: str) -> str | None:
@@ -249,7 +280,11 @@ def build_configured_model(cfg: TrainConfig, data: Data) -> torch.nn.Module:
     if transformers_model:
         return build_transformers_model(
             cfg.task, None if cfg.model_config else cfg.model, cfg.model_config, num_labels=data.num_classes,
-            tokenizer=data.tokenizer, max_length=cfg.max_length if data.tokenizer is not None else None)
+            tokenizer=data.tokenizer, max_length=cfg.max_length if data.tokenizer is not None else None,
+            attn_implementation=cfg.attn_implementation)
+    if cfg.attn_implementation is not None:
+        raise ConfigError(f"--attn_implementation {cfg.attn_implementation} chooses a Transformers model's attention; "
+                          f"--model {cfg.model} is not one: drop the flag")
     if cfg.task in TEXT_TASKS and ":" not in cfg.model:
         raise ConfigError(f"--task {cfg.task} needs a Transformers model: --model FOLDER (save_pretrained) or "
                           f"--model_config config.json, or your own --model pkg.module:function")

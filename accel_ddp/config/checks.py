@@ -9,6 +9,7 @@ import os
 from typing import Any
 
 from accel_ddp.config.choices import (
+    ATTN_IMPLEMENTATIONS,
     MIXED_PRECISIONS,
     PATH_FLAGS,
     REPORT_TO,
@@ -94,6 +95,15 @@ def _check_task(cfg: Any) -> None:
                               "--task causal_lm")
     if cfg.packing and cfg.task != "causal_lm":
         raise ConfigError("--packing only applies to --task causal_lm; drop it")
+    if cfg.attn_implementation is not None and cfg.attn_implementation not in ATTN_IMPLEMENTATIONS:
+        raise ConfigError(f"--attn_implementation {show(cfg.attn_implementation)} is unknown; choose one of "
+                          f"{', '.join(ATTN_IMPLEMENTATIONS)}")
+    if cfg.compile_regions and cfg.compile:
+        raise ConfigError("--compile_regions and --compile: the first compiles the model's repeated blocks, the "
+                          "second the whole model; give one")
+    if cfg.chunked_loss and (cfg.task != "causal_lm" or cfg.loss is not None):
+        raise ConfigError("--chunked_loss computes --task causal_lm's own loss" + (
+            f", not --loss {cfg.loss}" if cfg.task == "causal_lm" else "") + "; drop --chunked_loss")
     if cfg.task == "causal_lm" and cfg.max_length < 2:  # else loss 0.0 and perplexity 1.0 over no token at all
         raise ConfigError(f"--max_length {cfg.max_length} with --task causal_lm leaves no next token to predict "
                           "(each sequence predicts its tokens after the first); use --max_length 2 or more")

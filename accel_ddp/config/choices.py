@@ -49,6 +49,9 @@ REPORT_TO = (*ACCELERATE_TRACKERS, "csv", "all")
 COMM_HOOKS = ("none", "fp16", "bf16")
 
 LOADERS = ("auto", "device", "dataloader")
+# --attn_implementation: the names Transformers' from_pretrained / from_config take (transformers 5.25,
+# PreTrainedModel.get_correct_attn_implementation); whether a model supports one is checked when it is built.
+ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
 
 ON_ANOMALY = ("stop", "skip", "rollback")  # what a nan/inf or spiking step does (accel_ddp/anomaly.py)
 

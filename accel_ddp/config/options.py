@@ -91,6 +91,10 @@ class TrainConfig:
         512, "text tasks: tokens per sequence (longer texts are cut; the block size with --packing)", low=1
     )
     packing: bool = _opt(False, "causal_lm: concatenate the texts and cut them into --max_length blocks (no padding)")
+    text_cache: str | None = _opt(
+        None, "causal_lm --packing from --data_dir: folder caching the packed blocks between runs, keyed by the data "
+        "files, tokenizer and block size; default $ACCEL_DDP_CACHE/text_blocks or ~/.cache/accel_ddp/text_blocks; "
+        "'off': tokenize every run")
     collate_fn: str | None = _opt(
         None, "'pkg.module:function' turning a list of samples into a batch; default pads text, stacks tensors"
     )
@@ -229,6 +233,15 @@ class TrainConfig:
     fused_kernels: bool = _opt(
         True, "one-kernel versions of the same math in Transformers models (tanh GELU); false keeps the model's own"
     )
+    compile_regions: bool = _opt(
+        False, "torch.compile each repeated block of the model in place (regional compilation, as Accelerate's "
+        "compile_regions): compiles in seconds, not minutes; its time is in the first_step start-up phase")
+    attn_implementation: str | None = _opt(
+        None, "Transformers models: attention kernels, eager, sdpa, flash_attention_2, flash_attention_3 or "
+        "flex_attention; default Transformers' own (sdpa where the model supports it)")
+    chunked_loss: bool = _opt(
+        False, "causal_lm with a Transformers model: the output layer and loss computed a chunk of tokens at a time, "
+        "no (tokens, vocabulary) float32 logits (GPU memory; unmeasured on a GPU)")
     channels_last: bool = _opt(False, "store image models and batches channels-last (faster convs on GPUs)")
     tf32: bool = _opt(True, "CUDA only: TF32 tensor cores for fp32 matmuls and convolutions")
     profile: bool = _opt(False, "record a torch.profiler trace of a few steps into OUTPUT_DIR/profile")

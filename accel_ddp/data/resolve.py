@@ -18,6 +18,7 @@ from accel_ddp.data import HFSource, build_datasets
 from accel_ddp.data.in_memory import TokenBlocks, without_subsets
 from accel_ddp.data.memory_budget import in_memory_limit
 from accel_ddp.data.text import PadCollate, TextOptions, build_text, has_tokenizer, import_text_libraries, pad_token_id
+from accel_ddp.data.text_cache import cache_root
 from accel_ddp.lifecycle.preemption import PreemptionWatcher
 from accel_ddp.util.optional import import_quietly
 from accel_ddp.util.registry import resolve
@@ -52,11 +53,13 @@ def resolve_data(cfg: TrainConfig, accelerator: Accelerator, train_dataset, eval
                   in_memory_max_mb=math.inf if limit is None else limit.decode_mb, memory_limit=limit)
     if train_dataset is None and cfg.task in TEXT_TASKS and cfg.dataset == "hf":
         text = TextOptions(cfg.tokenizer or (cfg.model if has_tokenizer(cfg.model) else None), cfg.text_column,
-                           cfg.max_length, cfg.packing, labels=cfg.task == "sequence_classification")
+                           cfg.max_length, cfg.packing, labels=cfg.task == "sequence_classification",
+                           cache_dir=cache_root(cfg.text_cache),
+                           cache_write=accelerator.is_local_main_process)  # goes first (local_main_first)
         # Tokenized on each machine's first process, then read from the datasets cache by the others.
         bundle, tokenizer = local_main_first(accelerator, lambda: build_text(cfg.data_dir, hf, text),
                                              preemption=preemption, phase="data: tokenizing",
-                                             while_waiting=import_text_libraries)
+                                             while_waiting=lambda: import_text_libraries(cfg.data_dir, hf, text))
     elif train_dataset is None:
         bundle = local_main_first(accelerator, lambda: build_datasets(  # one download per --data_dir
             cfg.dataset, cfg.data_dir, cfg.download, samples=cfg.synthetic_samples,

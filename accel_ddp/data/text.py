@@ -37,12 +37,14 @@ from accel_ddp.data.hf import HFSource, _label_column, _labels, load_splits
 from accel_ddp.data.hf_source import bad_text_named
 from accel_ddp.data.in_memory import TokenBlocks
 from accel_ddp.data.memory_budget import say
+from accel_ddp.data.text_cache import cache_key, has_entry, read_blocks, write_blocks
 from accel_ddp.util.messages import note
 from accel_ddp.util.optional import import_quietly, require
 from accel_ddp.util.validation import ConfigError
 
 DEFAULT_TEXT_COLUMN = "text"
 LABEL_PAD = -100  # padded label positions count for nothing in the loss (accel_ddp.tasks.protocol.IGNORE_INDEX)
+MAP_BATCH = 1000  # texts per datasets.map batch: packing drops each batch's tail, so the blocks depend on it
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json", "spiece.model")
 
 
@@ -54,6 +56,8 @@ class TextOptions(NamedTuple):
     max_length: int = 512
     packing: bool = False
     labels: bool = True  # sequence_classification: a label per text; causal_lm: the tokens are the labels
+    cache_dir: str | None = None  # causal_lm --packing with --data_dir: the packed blocks' cache (text_cache.py)
+    cache_write: bool = True  # this process writes a missing entry (one per machine: the local main process)
 
 
 class PadCollate:
@@ -116,18 +120,32 @@ def load_tokenizer(name: str | None) -> Any:
                           f"local cache ({first}); give a folder written by tokenizer.save_pretrained") from None
 
 
-def import_text_libraries() -> None:
-    """What ``build_text`` imports before it reads anything: datasets, Transformers and its tokenizer classes
-    (lazy attributes, imported on first access). No data and no files; a missing package is reported by the
-    build."""
-    import_quietly("datasets", "transformers")
+def import_text_libraries(data_dir: str | None = None, source: HFSource | None = None,
+                          options: TextOptions | None = None) -> None:
+    """What ``build_text`` imports before it reads anything: Transformers and its tokenizer classes (lazy attributes,
+    imported on first access), then datasets, unless the packed blocks of ``data_dir``/``source``/``options`` are
+    already in ``--text_cache`` (a second run reads them without datasets: ~2 s of imports off the data phase of a
+    waiting rank). No data read; a missing package is reported by the build."""
+    import_quietly("transformers")
     transformers = sys.modules.get("transformers")
-    if transformers is None:  # not installed: the build says so
-        return
     try:
-        transformers.AutoTokenizer, transformers.PreTrainedTokenizerFast  # noqa: B018 - the access imports them
+        if transformers is not None:
+            transformers.AutoTokenizer, transformers.PreTrainedTokenizerFast  # noqa: B018 - the access imports them
     except ImportError:  # without the tokenizers package: the build says so
-        pass
+        transformers = None
+    if transformers is not None and options is not None and _cached(data_dir, source, options):
+        return
+    import_quietly("datasets")
+
+
+def _cached(data_dir: str, source: HFSource, options: TextOptions) -> bool:
+    """Are these blocks in the cache (an entry with a manifest: read_blocks checks it)? False on any error: the
+    build meets it again and says so."""
+    try:
+        key = _cache_key(data_dir, source, options, load_tokenizer(options.tokenizer))
+    except (ConfigError, OSError, ValueError):
+        return False
+    return key is not None and has_entry(options.cache_dir, key)
 
 
 def build_text(data_dir: str, source: HFSource, options: TextOptions) -> tuple[DatasetBundle, Any]:
@@ -136,6 +154,10 @@ def build_text(data_dir: str, source: HFSource, options: TextOptions) -> tuple[D
     tokenizer = load_tokenizer(options.tokenizer)
     if options.labels:  # sequence_classification pads each batch
         _ensure_pad_token(tokenizer, options.tokenizer)
+    key = _cache_key(data_dir, source, options, tokenizer)
+    cached = read_blocks(options.cache_dir, key) if key else None
+    if cached is not None and _fits(cached, source):
+        return DatasetBundle(*(TokenBlocks(t) for t in cached), len(tokenizer), (options.max_length,)), tokenizer
     require("datasets", "--dataset hf")
     train, eval_split = load_splits(data_dir, source)
     if eval_split is None:  # a fixed tenth of train, the same on every rank
@@ -161,6 +183,10 @@ def build_text(data_dir: str, source: HFSource, options: TextOptions) -> tuple[D
                               f"block of --max_length {options.max_length} tokens; lower --max_length, or give "
                               "it more text")
     held = _blocks_in_memory(splits, options.max_length, source) if options.packing and not options.labels else None
+    if key and held is not None and options.cache_write:
+        write_blocks(options.cache_dir, key, tuple(blocks.inputs for blocks in held),
+                     {"data_dir": os.path.abspath(data_dir), "tokenizer": options.tokenizer,
+                      "max_length": options.max_length})
     train_set, eval_set = held or (ds.with_format("torch") for ds in splits)
     return DatasetBundle(train_set, eval_set, num_classes, (options.max_length,)), tokenizer
 
@@ -176,6 +202,24 @@ def _say_short_texts_left_out(tokenized, texts: int, name: str, max_length: int)
         note(f"--task causal_lm: {texts - len(tokenized)} of the {texts} training texts of {name} are empty or a "
              f"single token (nothing to predict) and are left out; --packing joins texts into blocks of "
              f"--max_length {max_length}", ranks="main")
+
+
+def _cache_key(data_dir: str, source: HFSource, options: TextOptions, tokenizer) -> str | None:
+    """The packed blocks' cache key, or None where they are not cached: off, not packed causal_lm, a Hub dataset
+    (its revision is the datasets cache's business), a stream, or no such --data_dir (the build says so)."""
+    if (options.cache_dir is None or not options.packing or options.labels or source.name is not None
+            or source.streaming or not os.path.exists(data_dir)):
+        return None
+    settings = {"max_length": options.max_length, "text_column": options.text_column or DEFAULT_TEXT_COLUMN,
+                "train_split": source.train_split, "eval_split": source.eval_split, "map_batch": MAP_BATCH,
+                "held_out": (0.1, 0)}  # build_text's held-out tenth: test_size, seed
+    return cache_key(data_dir, tokenizer, settings)
+
+
+def _fits(blocks: tuple[torch.Tensor, ...], source: HFSource) -> bool:
+    """Cached blocks are served from memory only where the budget allows them (else the memory-mapped path)."""
+    nbytes = sum(t.numel() * t.element_size() for t in blocks)
+    return source.in_memory_max_mb is None or nbytes <= source.in_memory_max_mb * 2**20
 
 
 def _blocks_in_memory(splits, max_length: int, source: HFSource) -> tuple[TokenBlocks, TokenBlocks] | None:
@@ -213,7 +257,7 @@ def _ensure_pad_token(tokenizer, name: str) -> None:
 def _tokenize(ds, tokenizer, column: str, options: TextOptions):
     """One ``datasets.map`` (cached): every text to ``input_ids``; packed into blocks with ``--packing``."""
     return ds.map(
-        _tokenize_batch, batched=True, remove_columns=ds.column_names, desc="tokenizing",
+        _tokenize_batch, batched=True, batch_size=MAP_BATCH, remove_columns=ds.column_names, desc="tokenizing",
         fn_kwargs={"tokenizer": tokenizer, "column": column, "max_length": options.max_length,
                    "packing": options.packing, "drop_short": not options.labels},
     )

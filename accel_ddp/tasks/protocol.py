@@ -47,6 +47,7 @@ from accel_ddp.tasks.batches import (
     model_loss,
     per_item,
 )
+from accel_ddp.tasks.chunked_loss import linear_cross_entropy
 from accel_ddp.tasks.user_code import check_count, check_scalar, fresh_copies, metric_values
 from accel_ddp.util.messages import empty_sum, warn
 from accel_ddp.util.model_outputs import logits_of
@@ -271,9 +272,15 @@ class CausalLMTask(Task):
 
     name = "causal_lm"
     held_back = frozenset({"labels"})
+    split_head: Any = None  # --chunked_loss: the model's chunked_loss.HiddenStatesHead (training: hidden states out)
+    compute_dtype: torch.dtype | None = None  # --chunked_loss: the matmuls' dtype (the run's autocast dtype)
 
     def default_loss(self, outputs: Any, batch: Any) -> Loss:
         logits, labels = self._shifted(outputs, batch)
+        if self.split_head is not None and self.split_head.training:  # "logits" are the last hidden states
+            head = self.split_head
+            total = linear_cross_entropy(logits, head.weight, head.bias, labels, self.compute_dtype)
+            return Loss(total, (labels != IGNORE_INDEX).sum())
         # F.cross_entropy's own two kernels (torch's cross_entropy is log_softmax, then nll_loss), called directly
         # because the second also counts the labels that are not ignored (its total_weight): the items, with no
         # kernel of their own (2 host operations fewer per micro-step, benchmarks/ops_per_step.py). 2: sum.

@@ -292,7 +292,7 @@ def test_a_rank_waiting_for_the_tokenizing_one_imports_the_text_libraries_meanwh
             return DatasetBundle(data, data, 10, (8,)), None
 
         resolve.build_text = build_text
-        resolve.import_text_libraries = lambda: events.setdefault("imports", time.monotonic())
+        resolve.import_text_libraries = lambda *_args: events.setdefault("imports", time.monotonic())
         cfg = parse_args(["--task", "causal_lm", "--dataset", "hf", "--data_dir", str(tmp_path), "--tokenizer",
                           str(tmp_path), "--max_length", "8", "--loader", "dataloader"])
         resolve.resolve_data(cfg, Accelerator(cpu=True), None, None)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import compileall
 import os
+import tempfile
 from pathlib import Path
 
 OFFERED_VARIABLE = "ACCEL_DDP_TESTS_OFFERED_GPUS"  # set once, by the first process of a pytest run
@@ -36,6 +37,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 for _name, _value in {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1",
                       "TOKENIZERS_PARALLELISM": "false"}.items():
     os.environ[_name] = _value
+
+# --text_cache's default folder: one per test session, never the developer's ~/.cache (accel_ddp.data.text_cache).
+os.environ["ACCEL_DDP_CACHE"] = tempfile.mkdtemp(prefix="accel_ddp_cache_")
 
 # The repository's own bytecode, written once here. Where the environment sets PYTHONDONTWRITEBYTECODE (this
 # project's machines and CI do), no import writes it, and every interpreter the suite starts (each launch's

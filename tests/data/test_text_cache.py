@@ -1,0 +1,174 @@
+"""--text_cache: the packed blocks of causal_lm read back on a second run, keyed by data, tokenizer and settings."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from tests.helpers.multiproc import run_ranks  # noqa: E402
+from tests.helpers.text import build_word_tokenizer, sentences  # noqa: E402
+
+
+@pytest.fixture
+def texts(tmp_path, monkeypatch) -> Path:
+    import datasets
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf_cache"))
+    folder = tmp_path / "texts"
+    folder.mkdir()
+    for split, seed in (("train", 0), ("test", 1)):
+        (folder / f"{split}.json").write_text("".join(f'{{"text": "{t}"}}\n' for t, _ in sentences(60, seed)))
+    build_word_tokenizer([t for t, _ in sentences(60, 0)], tmp_path / "tok")
+    return folder
+
+
+class Counted:
+    """Counts what a build does: tokenizer calls (text._tokenize_batch) and data reads (text.load_splits)."""
+
+    def __init__(self, monkeypatch):
+        import accel_ddp.data.text as text
+
+        self.tokenize = self.loads = 0
+        tokenize, load = text._tokenize_batch, text.load_splits
+
+        def counted_tokenize(*args, **kwargs):
+            self.tokenize += 1
+            return tokenize(*args, **kwargs)
+
+        def counted_load(*args, **kwargs):
+            self.loads += 1
+            return load(*args, **kwargs)
+
+        monkeypatch.setattr(text, "_tokenize_batch", counted_tokenize)
+        monkeypatch.setattr(text, "load_splits", counted_load)
+
+
+def build(texts: Path, cache: Path, max_length: int = 16, cache_dir: str | None = "default"):
+    from accel_ddp.data.hf import HFSource
+    from accel_ddp.data.text import TextOptions, build_text
+
+    options = TextOptions(str(texts.parent / "tok"), max_length=max_length, packing=True, labels=False,
+                          cache_dir=str(cache) if cache_dir == "default" else cache_dir)
+    bundle, _ = build_text(str(texts), HFSource(in_memory_max_mb=64.0), options)
+    return bundle
+
+
+def entries(cache: Path) -> list[Path]:
+    return sorted(p for p in cache.iterdir() if not p.name.startswith(".")) if cache.exists() else []
+
+
+def test_a_second_run_reads_the_blocks_from_the_cache_without_reading_or_tokenizing_the_texts(
+        texts, tmp_path, monkeypatch):
+    from accel_ddp.data.in_memory import TokenBlocks
+
+    cache = tmp_path / "blocks"
+    first = build(texts, cache)
+    (texts / "cache-0123abcd.arrow").write_bytes(b"datasets' own")  # what map writes beside save_to_disk data
+    counts = Counted(monkeypatch)
+    second = build(texts, cache)
+    assert (counts.tokenize, counts.loads) == (0, 0)
+    assert isinstance(second.train, TokenBlocks) and isinstance(second.eval, TokenBlocks)
+    assert torch.equal(first.train.inputs, second.train.inputs) and torch.equal(first.eval.inputs, second.eval.inputs)
+    assert (second.num_classes, second.input_shape) == (first.num_classes, first.input_shape)
+    assert len(entries(cache)) == 1
+    (texts / "cache-0123abcd.arrow").unlink()  # not an Arrow file: the build below would read it as data
+    # off: every run tokenizes again
+    build(texts, cache, cache_dir=None)
+    assert counts.tokenize > 0 and counts.loads == 1
+
+
+def test_a_changed_data_file_block_size_or_tokenizer_is_a_new_entry_never_a_stale_read(texts, tmp_path, monkeypatch):
+    cache = tmp_path / "blocks"
+    first = build(texts, cache)
+    counts = Counted(monkeypatch)
+    with open(texts / "train.json", "a") as fh:  # one more text
+        fh.write('{"text": "the movie was good and the food was great ."}\n')
+    grown = build(texts, cache)
+    assert counts.loads == 1 and len(grown.train) >= len(first.train) and len(entries(cache)) == 2
+    longer = build(texts, cache, max_length=24)
+    assert counts.loads == 2 and longer.train.inputs.shape[1] == 24 and len(entries(cache)) == 3
+    build_word_tokenizer([t for t, _ in sentences(30, 5)], texts.parent / "tok")  # another vocabulary
+    build(texts, cache)
+    assert counts.loads == 3 and len(entries(cache)) == 4
+
+
+def test_a_corrupt_entry_is_rebuilt_with_one_line(texts, tmp_path, monkeypatch, capsys):
+    cache = tmp_path / "blocks"
+    first = build(texts, cache)
+    (entry,) = entries(cache)
+    data = bytearray((entry / "train.npy").read_bytes())
+    data[-1] ^= 0xFF  # same size, other bytes: only the digest shows it
+    (entry / "train.npy").write_bytes(bytes(data))
+    capsys.readouterr()
+    counts = Counted(monkeypatch)
+    again = build(texts, cache)
+    lines = [line for line in capsys.readouterr().err.splitlines() if "--text_cache" in line]
+    assert len(lines) == 1 and "damaged" in lines[0] and "sha256" in lines[0] and "rebuilding" in lines[0], lines
+    assert counts.loads == 1 and torch.equal(again.train.inputs, first.train.inputs)
+    counts.loads = 0
+    (entry / "eval.npy").write_bytes(b"short")  # truncated: the byte count shows it
+    build(texts, cache)
+    assert counts.loads == 1 and "bytes" in capsys.readouterr().err
+    counts.loads = 0
+    build(texts, cache)  # rewritten whole: a hit again
+    assert counts.loads == 0 and entries(cache) == [entry]
+
+
+def test_every_rank_reads_the_same_blocks_and_only_the_first_process_writes_the_cache(texts, tmp_path):
+    """Two forked ranks of one machine through resolve_data: rank 0 builds and writes the entry (local_main_first),
+    rank 1 waits, then reads it: no tokenizing on rank 1, one writer, the same blocks on both."""
+    cache = tmp_path / "blocks"
+
+    def run():
+        from accelerate import Accelerator
+
+        import accel_ddp.data.text as text
+        from accel_ddp.cli.args import parse_args
+        from accel_ddp.data.resolve import resolve_data
+
+        writes, tokenized = [], []
+        write, tokenize = text.write_blocks, text._tokenize_batch
+        text.write_blocks = lambda *a, **k: (writes.append(1), write(*a, **k))[1]
+        text._tokenize_batch = lambda *a, **k: (tokenized.append(1), tokenize(*a, **k))[1]
+        cfg = parse_args(["--task", "causal_lm", "--dataset", "hf", "--data_dir", str(texts), "--tokenizer",
+                          str(texts.parent / "tok"), "--max_length", "16", "--packing", "--text_cache", str(cache)])
+        data = resolve_data(cfg, Accelerator(cpu=True), None, None)
+        return data.train.inputs, data.eval.inputs, len(writes), len(tokenized) > 0
+
+    (train0, eval0, writes0, tokenized0), (train1, eval1, writes1, tokenized1) = run_ranks(run)
+    assert torch.equal(train0, train1) and torch.equal(eval0, eval1)
+    assert (writes0, writes1) == (1, 0) and (tokenized0, tokenized1) == (True, False)
+    assert len(entries(cache)) == 1 and not [p for p in cache.iterdir() if p.name.startswith(".tmp")]
+
+
+def test_the_flag_off_and_its_default_folder(monkeypatch, tmp_path):
+    from accel_ddp.data.text_cache import cache_root
+
+    assert cache_root("off") is None
+    monkeypatch.setenv("ACCEL_DDP_CACHE", str(tmp_path))
+    assert cache_root(None) == str(tmp_path / "text_blocks")
+    monkeypatch.delenv("ACCEL_DDP_CACHE")
+    assert cache_root(None) == os.path.expanduser("~/.cache/accel_ddp/text_blocks")
+
+
+def test_a_waiting_rank_skips_importing_datasets_where_the_blocks_are_cached(texts, tmp_path, monkeypatch):
+    """import_text_libraries (run by a rank while its machine's first process builds): datasets only on a miss."""
+    import accel_ddp.data.text as text
+    from accel_ddp.data.hf import HFSource
+    from accel_ddp.data.text import TextOptions
+
+    cache = tmp_path / "blocks"
+    imported = []
+    monkeypatch.setattr(text, "import_quietly", lambda *names: imported.extend(names))
+    options = TextOptions(str(texts.parent / "tok"), max_length=16, packing=True, labels=False, cache_dir=str(cache))
+    text.import_text_libraries(str(texts), HFSource(in_memory_max_mb=64.0), options)
+    assert imported == ["transformers", "datasets"]
+    build(texts, cache)
+    imported.clear()
+    text.import_text_libraries(str(texts), HFSource(in_memory_max_mb=64.0), options)
+    assert imported == ["transformers"]
