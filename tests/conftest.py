@@ -1,8 +1,8 @@
 """The suite's fixtures and hooks; the helpers every test shares are in tests/helpers/ (no test module imports
 another).
 
-The test process imports torch, Accelerate and accel_ddp once, here, so that the ranks forked by
-``tests.helpers.multiproc.run_ranks`` start with everything loaded.
+The process that runs tests imports torch, Accelerate and accel_ddp once, in ``pytest_configure`` here, so that the
+ranks forked by ``tests.helpers.multiproc.run_ranks`` start with everything loaded (xdist's controller skips them).
 
 The suite tests CPU semantics, also on a GPU machine: before torch loads, ``tests.helpers.env`` hides every GPU
 (``CUDA_VISIBLE_DEVICES=''``), so forked ranks and launches see none. Tests that need a GPU opt in with
