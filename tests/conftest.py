@@ -1,8 +1,8 @@
 """The suite's fixtures and hooks; the helpers every test shares are in tests/helpers/ (no test module imports
 another).
 
-The test process imports torch, Accelerate and accel_ddp once, here, so that the ranks forked by
-``tests.helpers.multiproc.run_ranks`` start with everything loaded.
+The process that runs tests imports torch, Accelerate and accel_ddp once, in ``pytest_configure`` here, so that the
+ranks forked by ``tests.helpers.multiproc.run_ranks`` start with everything loaded (xdist's controller skips them).
 
 The suite tests CPU semantics, also on a GPU machine: before torch loads, ``tests.helpers.env`` hides every GPU
 (``CUDA_VISIBLE_DEVICES=''``), so forked ranks and launches see none. Tests that need a GPU opt in with
@@ -23,20 +23,32 @@ import tests.helpers.env  # noqa: F401 - first: the GPUs hidden and the thread v
 
 # isort: split
 
-import datasets  # noqa: E402,F401 - Accelerate imports it to prepare any DataLoader: 1.6 s per rank otherwise
-import matplotlib.figure  # noqa: E402,F401 - curves.png on every main process
 import pytest  # noqa: E402
-import torch._dynamo  # noqa: E402,F401 - torch.optim imports it on first use: ~2 s once here, not per rank
-import tqdm  # noqa: E402
 
-# No tqdm monitor thread in the test process: the first progress bar (datasets' own, building test data) would
-# start one that runs until the process ends, and every rank forked later would inherit its locks mid-use.
-tqdm.tqdm.monitor_interval = 0
-
-import accel_ddp.loop  # noqa: E402,F401 - torch, Accelerate and the package, for every forked rank
 from tests.helpers.runs import gpu_count  # noqa: E402
 
-_PLOT = accel_ddp.tracking.recorder.RunRecorder.plot  # writes curves.png; see _no_curves_png
+_PLOT = None  # RunRecorder.plot, which writes curves.png; see _no_curves_png
+
+
+def pytest_configure(config):
+    """The process that runs tests imports torch, Accelerate and the package before any test module, once, so that
+    every rank forked from it starts with them loaded. pytest-xdist's controller runs no test and collects none:
+    it skips them (~4.5 s of CPU of a suite of ~300)."""
+    if os.environ.get("PYTEST_XDIST_WORKER") is None and getattr(config.option, "numprocesses", None):
+        return
+    global _PLOT
+    import datasets  # noqa: F401 - Accelerate imports it to prepare any DataLoader: 1.6 s per rank otherwise
+    import matplotlib.figure  # noqa: F401 - curves.png on every main process
+    import torch._dynamo  # noqa: F401 - torch.optim imports it on first use: ~2 s once here, not per rank
+    import tqdm
+
+    # No tqdm monitor thread in the test process: the first progress bar (datasets' own, building test data) would
+    # start one that runs until the process ends, and every rank forked later would inherit its locks mid-use.
+    tqdm.tqdm.monitor_interval = 0
+
+    import accel_ddp.loop  # torch, Accelerate and the package, for every forked rank
+
+    _PLOT = accel_ddp.tracking.recorder.RunRecorder.plot
 
 
 def pytest_xdist_auto_num_workers(config):
@@ -126,6 +138,8 @@ def s3():
 def quick_stream_ends(monkeypatch):
     """datasets sleeps 5 s whenever a shuffled parquet stream's reader threads end (apache/arrow#45214): a
     second of a streaming test's wall time per pass. A fraction of a second is plenty for the tests' tiny files."""
+    import datasets.config
+
     monkeypatch.setattr(datasets.config, "SLEEP_TIME_ON_THREADS_SHUTDOWN", 0.2)
 
 

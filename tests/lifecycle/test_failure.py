@@ -349,8 +349,13 @@ def test_exit_process_ends_cleanly_with_a_collective_still_in_flight():
         with ThreadPoolExecutor(times) as pool:
             return list(pool.map(end, [how] * times))
 
-    # A race: give the plain exit a few chances to show it, so that the check below is not vacuous.
-    if not any("terminate called without an active exception" in result.stderr for result in together("sys_exit", 4)):
+    # A race: give the plain exit up to four chances to show it, so that the check below is not vacuous; two at a time
+    # (both cores), the second pair only if the first did not show it (each try is an interpreter: ~2 s of CPU).
+    def shows_the_race() -> bool:
+        return any("terminate called without an active exception" in result.stderr
+                   for result in together("sys_exit", 2))
+
+    if not (shows_the_race() or shows_the_race()):
         pytest.skip("this torch/Python did not abort when gloo freed a tensor during teardown; "
                     "the setup does not reproduce the race")
     for result in together("exit_process", 3):
