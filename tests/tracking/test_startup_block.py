@@ -43,7 +43,11 @@ def test_two_ranks_print_one_block_with_the_batch_layout_then_a_resume_says_wher
         "accumulation": "2 micro-steps per optimizer step", "global batch": "16 = 2 processes x 4 x 2",
         "steps per epoch": "16", "total steps": "32 optimizer steps", "epochs": "2",
         "loader": "device (the training set held on the device); data in memory", "task": "classification",
-        "model": "Sequential (--model mlp), 3,466 parameters", "start": "fresh"}
+        "model": "Sequential (--model mlp), 3,466 parameters", "examples": "256 training, 64 eval",
+        "optimizer": "adamw, weight decay 0, gradients clipped to norm 1",
+        "learning rate": "0.003 after 0 warmup steps, then cosine to 0", "seed": "0", "output folder": str(out),
+        "checkpoints": "every 8 optimizer steps, the newest 3 kept",
+        "trackers": "metrics.jsonl only (--with_tracking --report_to NAME adds one)", "start": "fresh"}
     assert blocks((out / RUN_LOG_NAME).read_text()) == [block]
     startup = yaml.safe_load((out / "config.yaml").read_text())["startup"]
     assert startup["accumulation"] == block["accumulation"] and startup["per-device batch"] == 4
@@ -116,3 +120,45 @@ def test_the_per_device_line_says_how_auto_found_it():
     facts["auto_batch"]["from"] = "checkpoint"
     assert StartupBlock.describe(TrainConfig(), facts, epochs=2, workers=3, model="m", cpus=2, env={}).lines[
         "per-device batch"] == "8 (--per_device_batch_size auto: the resumed checkpoint's)"
+
+
+def _facts(world: int, per_device: int, accumulation: int) -> dict:
+    return {"world_size": world, "num_machines": 1, "per_device_batch_size": per_device,
+            "grad_accum_steps": accumulation, "global_batch_size": world * per_device * accumulation,
+            "mixed_precision": "no", "device": "cpu", "distributed_type": "MULTI_CPU", "steps_per_epoch": 5,
+            "total_steps": 100, "loader": "dataloader", "data_source": "in_memory"}
+
+
+def test_the_block_says_what_the_trainers_says(tmp_path):
+    """Issue 40: optimizer, learning rate and schedule with the warmup, seed, output folder, checkpoint cadence,
+    trackers, example counts, and a token task's tokens per step."""
+    cfg = parse_args(["--task", "causal_lm", "--max_length", "128", "--packing", "--optimizer", "sgd", "--lr", "0.1",
+                      "--warmup_ratio", "0.1", "--lr_schedule", "linear", "--seed", "7", "--max_grad_norm", "0",
+                      "--weight_decay", "0.01", "--checkpointing_steps", "epoch", "--keep_last", "2",
+                      "--with_tracking", "--report_to", "csv", "--output_dir", str(tmp_path)])
+    lines = StartupBlock.describe(cfg, _facts(2, 8, 4), epochs=20, workers=None, model="m", env={},
+                                  examples=(1000, None)).lines
+    assert {key: lines[key] for key in ("examples", "optimizer", "learning rate", "seed", "output folder",
+                                        "checkpoints", "trackers", "tokens per step")} == {
+        "examples": "1,000 training, no eval set", "optimizer": "sgd, weight decay 0.01, no gradient clipping",
+        "learning rate": "0.1 after 10 warmup steps, then linear to 0", "seed": "7", "output folder": str(tmp_path),
+        "checkpoints": "each epoch, the newest 2 kept", "trackers": "csv, and metrics.jsonl",
+        "tokens per step": "8,192 = 64 sequences x 128"}
+    plain = StartupBlock.describe(parse_args([]), _facts(1, 64, 1), epochs=1, workers=None, model="m", env={}).lines
+    assert "tokens per step" not in plain and plain["examples"] == "training set streamed (size unknown), no eval set"
+    assert plain["checkpoints"] == "none saved (--checkpointing_steps N saves every N optimizer steps)"
+
+
+def test_a_global_batch_made_by_a_per_device_batch_says_how_to_keep_it():
+    """The Trainer's meaning: --per_device_train_batch_size 8 on 2 processes is a global batch of 16 (not 64), and
+    the block says it changes with the processes and which flag keeps it."""
+    cfg = parse_args(["--per_device_train_batch_size", "8"])
+    assert cfg.batch_layout(2) == (8, 1) and cfg.global_batch_size == 16
+    line = StartupBlock.describe(cfg, _facts(2, 8, 1), epochs=1, workers=None, model="m", env={}).lines[
+        "global batch"]
+    assert line == ("16 = 2 processes x 8 x 1 (from the per-device batch: it changes with the processes; "
+                    "--global_batch_size 16 keeps it)")
+    fixed = parse_args(["--per_device_train_batch_size", "8", "--global_batch_size", "64"])
+    assert fixed.batch_layout(2) == (8, 4)
+    assert StartupBlock.describe(fixed, _facts(2, 8, 4), epochs=1, workers=None, model="m", env={}).lines[
+        "global batch"] == "64 = 2 processes x 8 x 4"
