@@ -1,8 +1,9 @@
 """How a worker ends: preemption (SIGTERM or SIGUSR1 -> every rank saves and stops), a non-finite loss, exit codes.
 
-The signal flow. ``main()`` installs the recording handler (``PreemptionWatcher.install``) before
-it parses the options; from then on a signal is recorded, never fatal. Under torchrun a thread
-also watches the launcher (``watch_launcher``): its death is recorded like a signal. Nothing acts
+The signal flow. ``main()`` installs the recording handler (``PreemptionWatcher.install``) once the
+options parsed (bad ones are refused before torch is imported); from then on a signal is recorded,
+never fatal. Under torchrun a thread also watches the launcher (``watch_launcher``): its death is
+recorded like a signal. Nothing acts
 on a record at once; the ranks compare them (an all-reduce, MAX) at points every rank reaches
 together, so every rank decides the same way at the same point:
 
