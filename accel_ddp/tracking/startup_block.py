@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from accel_ddp.config import DEBUG_MAX_STEPS
+from accel_ddp.util.cpu_bf16 import cpu_bf16_verdict, cpu_has_bf16_units, read_cpuinfo
 
 HEADER = "accel_ddp: ***** Running training *****"
 SOURCES = {"in_memory": "data in memory", "memory_mapped": "memory-mapped (read per batch)",
@@ -157,11 +158,18 @@ def debug_changes(cfg: Any, total_steps: int, full_train: int | None) -> str:
             "shape checks, every micro-step's loss checked")
 
 
-def mistakes(device: str, local_processes: int, precision: str, source: str, cpus: int) -> list[str]:
-    """What looks like a launch config meant for another machine: half precision on CPU, more CPU ranks than cores."""
+def mistakes(device: str, local_processes: int, precision: str, source: str, cpus: int,
+             cpu_bf16: bool | None = None) -> list[str]:
+    """What looks like a launch config meant for another machine: half precision on CPU, more CPU ranks than cores.
+
+    bf16 on CPU gets the doctor's verdict (util/cpu_bf16.py); ``cpu_bf16``: the CPU has bf16 units (None: read them).
+    Asked for with --mixed_precision on a CPU that has them, it is no mistake."""
     found = []
-    if device == "cpu" and precision in ("bf16", "fp16", "fp8"):
-        what = {"bf16": "autocast on CPU is usually slower than fp32 for small models",
+    if device == "cpu" and precision == "bf16" and cpu_bf16 is None:
+        cpu_bf16 = cpu_has_bf16_units(read_cpuinfo())
+    asked_where_it_may_pay = precision == "bf16" and cpu_bf16 and source == "--mixed_precision"
+    if device == "cpu" and precision in ("bf16", "fp16", "fp8") and not asked_where_it_may_pay:
+        what = {"bf16": cpu_bf16_verdict(bool(cpu_bf16)),
                 "fp16": "Accelerate trains in fp32 on CPU (no fp16 autocast there)",
                 "fp8": "fp8 needs a GPU that has it"}[precision]
         hint = ("; this looks like a GPU launch config on a machine without a usable GPU: for CPU use "

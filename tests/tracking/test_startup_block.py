@@ -8,6 +8,7 @@ from accel_ddp.cli.args import parse_args
 from accel_ddp.config import TrainConfig
 from accel_ddp.outputs.names import RUN_LOG_NAME
 from accel_ddp.tracking.startup_block import HEADER, StartupBlock, mistakes
+from accel_ddp.util.cpu_bf16 import cpu_bf16_verdict, cpu_has_bf16_units, read_cpuinfo
 from tests.helpers.runs import REPO, launcher_env, main_ranks, read_summary
 
 ACCUMULATING = ["--dataset", "synthetic", "--synthetic_samples", "256", "--synthetic_shape", "1", "8", "8",
@@ -90,8 +91,9 @@ def test_a_gpu_launch_config_on_a_cpu_machine_is_one_warning(tmp_path, capfd):
     assert env["ACCELERATE_MIXED_PRECISION"] == "bf16"
     assert main_ranks([*ACCUMULATING, "--max_steps", "2", "--output_dir", str(tmp_path)], env=env) == [0, 0]
     printed = capfd.readouterr()
-    warning = ("accel_ddp: warning: 2 processes on CPU in bf16 (launch config): autocast on CPU is usually slower "
-               "than fp32 for small models; this looks like a GPU launch config on a machine without a usable GPU")
+    verdict = cpu_bf16_verdict(cpu_has_bf16_units(read_cpuinfo()))  # the doctor's words on this CPU
+    warning = (f"accel_ddp: warning: 2 processes on CPU in bf16 (launch config): {verdict}; this looks like a GPU "
+               "launch config on a machine without a usable GPU")
     assert printed.err.count(warning) == 1 and "warning" not in blocks(printed.out)[0]  # not twice on a console
     assert blocks(printed.out)[0]["mixed precision"] == "bf16 (launch config)"
     assert blocks((tmp_path / RUN_LOG_NAME).read_text())[0]["warning"].startswith(warning.split("warning: ")[1])
@@ -162,3 +164,23 @@ def test_a_global_batch_made_by_a_per_device_batch_says_how_to_keep_it():
     assert fixed.batch_layout(2) == (8, 4)
     assert StartupBlock.describe(fixed, _facts(2, 8, 4), epochs=1, workers=None, model="m", env={}).lines[
         "global batch"] == "64 = 2 processes x 8 x 4"
+
+
+def test_the_run_and_the_doctor_give_one_verdict_on_bf16_on_a_cpu(tmp_path):
+    """Issue 40: the doctor called bf16 on this CPU "usually faster, keep it", the run "usually slower". Both now say
+    util/cpu_bf16.py's verdict for the CPU's units; asked for with --mixed_precision where it may pay, the run is
+    silent, as the doctor's note is no warning."""
+    from accel_ddp.cli.doctor_checks import _check_precision
+    from accel_ddp.cli.doctor_report import Report
+    from accel_ddp.cli.machine import MachineFacts
+
+    for units in (True, False):
+        facts = MachineFacts(gpu_count=0, nccl_available=False, cpu_count=2, cpu_bf16=units)
+        report = Report(source=None, facts=facts)
+        _check_precision(report, {}, facts, type("Launch", (), {"mixed": "bf16"})(), cpu=True)
+        (finding,) = report.findings
+        assert cpu_bf16_verdict(units) in finding.problem
+        (warned,) = mistakes("cpu", 1, "bf16", "launch config", cpus=2, cpu_bf16=units)
+        assert cpu_bf16_verdict(units) in warned
+    assert mistakes("cpu", 1, "bf16", "--mixed_precision", cpus=2, cpu_bf16=True) == []
+    assert len(mistakes("cpu", 1, "bf16", "--mixed_precision", cpus=2, cpu_bf16=False)) == 1
