@@ -114,7 +114,7 @@ class ResNet18(nn.Module):
                 nn.init.zeros_(module.bias)
 
     def _stage(self, planes: int, stride: int) -> nn.Sequential:
-        from torchvision.models.resnet import BasicBlock
+        BasicBlock = require("torchvision", "--model resnet18").models.resnet.BasicBlock  # noqa: N806 - its class
 
         downsample = None
         if stride != 1 or self._planes != planes:
