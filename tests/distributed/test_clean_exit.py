@@ -56,7 +56,7 @@ def _readme_example() -> str:
 @pytest.mark.slow
 def test_the_readme_example_ends_with_exit_code_0_under_a_two_process_launch(tmp_path):
     """The README's example verbatim (no exit_process), three two-rank launches at once: each exits 0 with its
-    figure, no abort. (Before the fix about 1 run in 4 aborted; 20 of 20 after it, docs/development.md.)"""
+    figure, no abort. (What it measured: docs/development.md, "Ending a script".)"""
     code = _readme_example()
     assert "exit_process" not in code
     runs = []
