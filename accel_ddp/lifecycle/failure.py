@@ -303,20 +303,26 @@ def refuse_options(err: ConfigError) -> int:
     (issue 20): every rank writes its error file at once and takes SIGTERM as exit 2; rank 0 prints, then leaves
     once its machine's other ranks have written theirs (``EARLY_ACK_S`` at most); the others wait for the launcher to
     stop them (``EARLY_WAIT_S``) and, never stopped (rank 0 did not fail alike), print their own line. Without
-    torchrun and with several ranks (mpirun, forked test ranks) nobody stops the others: ``report`` as usual.
+    torchrun and with several ranks (mpirun) nobody stops the others, and where torch is loaded already (a caller's
+    process, forked test ranks) the store costs no import: ``report`` as usual.
     """
     rank, world = _rank(), world_size()
     message = f"{type(err).__name__}: {first_line(err)}"
     under_torchrun = bool(os.environ.get("TORCHELASTIC_RUN_ID"))
-    if world > 1 and not under_torchrun:
+    if world > 1 and (not under_torchrun or "torch" in sys.modules):
         return report(err, 2)
-    if under_torchrun and threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, lambda *_: _leave_now(2))  # the launcher stopping us: our code, not a kill
+    handles = under_torchrun and threading.current_thread() is threading.main_thread()
     if rank == 0 or world == 1:
+        if handles:  # a SIGTERM now must not lose the line: it waits until the line is out
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
         write_error_file(message)
         print_report(error_line(err))
+        if handles:
+            signal.signal(signal.SIGTERM, lambda *_: _leave_now(2))
         _wait_until(_local_error_files_written, EARLY_ACK_S)
         return 2
+    if handles:
+        signal.signal(signal.SIGTERM, lambda *_: _leave_now(2))  # the launcher stopping us: our code, not a kill
     write_error_file(f"stopped because rank 0 failed: {message}")
     _wait_until(lambda: False, EARLY_WAIT_S)
     write_error_file(message)  # not stopped: rank 0 did not fail alike, so this rank's line is the one

@@ -84,3 +84,14 @@ def test_under_torchrun_rank_0_prints_and_another_rank_stopped_by_the_launcher_i
     out, err = other.communicate(timeout=60)
     assert (other.returncode, err, out) == (2, "", "")
     assert _error_file(tmp_path, 1)["message"].startswith("stopped because rank 0 failed: ConfigError: --lr must be")
+
+
+def test_under_torchrun_a_sigterm_just_before_rank_0_prints_does_not_lose_the_line(tmp_path):
+    """The launcher's SIGTERM (another rank exited first) reaches rank 0 as it is about to print: the line still
+    comes, then rank 0 exits 2 (here rank 0 sends it to itself, inside ``print_report``)."""
+    (tmp_path / "attempt_0" / "0").mkdir(parents=True)
+    code = ("import os, signal, sys\nimport accel_ddp.lifecycle.failure as failure\nreal = failure.print_report\n"
+            "failure.print_report = lambda text: (os.kill(os.getpid(), signal.SIGTERM), real(text))\n"
+            + PROBE.format(argv=["--lr", "nan"]))
+    result = run_python(code, env={**_torchrun_env(tmp_path, 0), "LOCAL_WORLD_SIZE": "1"})
+    assert (result.stdout, result.stderr) == ("2 False False\n", LINE)
