@@ -252,7 +252,8 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
     checkpoints = _checkpoints(cfg, accelerator, teardown, facts, state)
     checkpoints.store.stopping = lambda: preemption.signalled  # a store call under way gives up soon after a signal
     block = StartupBlock.describe(cfg, facts, epochs=plan.num_epochs, workers=_workers(loaders.train), model=named,
-                                  data_sizes=_debug_sizes(cfg, data), cpus=usable_cpus())
+                                  data_sizes=_debug_sizes(cfg, data), cpus=usable_cpus(),
+                                  examples=(_length(data.train), _length(data.eval)))
     start_step = _agree_start(cfg, accelerator, checkpoints, (optimizer, scheduler), plan, recorder, facts, block,
                               preemption)
     if anomalies is not None:
@@ -355,6 +356,14 @@ def _debug_sizes(cfg: TrainConfig, data) -> tuple[tuple[int, int], ...]:
     """--debug: (kept, full) samples of the training and eval sets that data/resolve.py cut to a Subset."""
     sets = [d for d in (data.train, data.eval) if isinstance(d, torch.utils.data.Subset)] if cfg.debug else []
     return tuple((len(d), len(d.dataset)) for d in sets if len(d) < len(d.dataset))
+
+
+def _length(dataset) -> int | None:
+    """Samples in ``dataset`` for the start-up block; None for a stream (or no dataset)."""
+    try:
+        return len(dataset) if dataset is not None else None
+    except TypeError:  # an iterable dataset without __len__
+        return None
 
 
 def _model(cfg: TrainConfig, accelerator: Accelerator, model, data, memory_format) -> torch.nn.Module:

@@ -15,6 +15,7 @@ also saved with ``save_pretrained`` (:func:`export_pretrained`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -29,6 +30,7 @@ from torch.utils.data import Dataset
 from accel_ddp.checkpoint.weights import plain_state_dict
 from accel_ddp.config import TEXT_TASKS, TrainConfig
 from accel_ddp.outputs.names import PRETRAINED_SUBDIR
+from accel_ddp.util.messages import prints
 from accel_ddp.util.optional import require
 from accel_ddp.util.registry import resolve
 from accel_ddp.util.validation import ConfigError
@@ -112,7 +114,7 @@ class ResNet18(nn.Module):
                 nn.init.zeros_(module.bias)
 
     def _stage(self, planes: int, stride: int) -> nn.Sequential:
-        from torchvision.models.resnet import BasicBlock
+        BasicBlock = require("torchvision", "--model resnet18").models.resnet.BasicBlock  # noqa: N806 - its class
 
         downsample = None
         if stride != 1 or self._planes != planes:
@@ -172,6 +174,26 @@ def is_pretrained_folder(name: str) -> bool:
     return os.path.isfile(os.path.join(name, "config.json"))
 
 
+@contextlib.contextmanager
+def _load_report_on_the_first_rank():
+    """Transformers' LOAD REPORT (a fresh head's missing keys, unused weights) once per launch, not once per rank:
+    every rank loads the same folder, so the others' reports say nothing new. It is a warning of the
+    ``transformers.modeling_utils`` logger (transformers/utils/loading_report.py ``log_state_dict_report``), which
+    the other ranks raise to errors for the load only."""
+    import logging
+
+    if prints("first"):
+        yield
+        return
+    log = logging.getLogger("transformers.modeling_utils")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
 def build_transformers_model(
     task: str, folder: str | None = None, config_file: str | None = None, *, num_labels: int | None = None,
     tokenizer: Any = None, max_length: int | None = None, attn_implementation: str | None = None,
@@ -204,8 +226,9 @@ def build_transformers_model(
                 values = {**json.load(fh), **overrides}
             model = auto.from_config(transformers.AutoConfig.for_model(**values), **attention)
         else:
-            model = auto.from_pretrained(folder, dtype=torch.float32, ignore_mismatched_sizes="num_labels" in overrides,
-                                         **overrides, **attention)
+            with _load_report_on_the_first_rank():
+                model = auto.from_pretrained(folder, dtype=torch.float32, **overrides, **attention,
+                                             ignore_mismatched_sizes="num_labels" in overrides)
     except (ImportError, ValueError) as err:
         if attention and ("attn" in str(err) or "ttention" in str(err)):  # Transformers' own check of the name
             raise ConfigError(attention_refused(what, attn_implementation, err)) from None

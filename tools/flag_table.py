@@ -74,6 +74,9 @@ def _hf_names() -> list[str]:
             for alias, (ours, note) in config.HF_ALIASES.items()]
     out += ["", "Options of their own under their Hugging Face names, with the meaning derived as there (rows above): "
             + ", ".join(f"`--{name}`" for name in config.HF_FIELDS) + "."]
+    out += ["", "Refused, with what to do instead (`--report_to none` is accepted: no trackers):", "",
+            "| Hugging Face name | instead |", "| --- | --- |"]
+    out += [f"| `--{name}` | {_cell(instead)} |" for name, instead in config.FOREIGN_FLAGS.items()]
     return out
 
 

@@ -21,10 +21,12 @@ from typing import Any
 
 from accel_ddp.config import (
     EXPANDED_VALUES,
+    FOREIGN_FLAGS,
     HF_ALIASES,
     HF_SCHEDULES,
     LR_SCHEDULES,
     RENAMED_FLAGS,
+    SWITCH_ALIASES,
     TrainConfig,
     field_types,
     new_spelling,
@@ -74,14 +76,39 @@ def _known_names() -> list[str]:
 
 
 def did_you_mean(name: str) -> str:
-    """`` did you mean --learning_rate (= --lr)?`` for a mistyped option name, or ''."""
+    """`` did you mean --learning_rate (= --lr)?`` for a mistyped option name, or ''.
+
+    A name of the Trainer's or Accelerate's examples that we lack (``FOREIGN_FLAGS``) gets its replacement instead;
+    otherwise only a near spelling is suggested (``_near``): ``--gradient_checkpointing`` is not a typo of
+    ``--async_checkpointing``, nor ``--overwrite_output_dir`` of ``--output_dir``.
+    """
     names = _known_names()
     spelled = name.replace("-", "_")
+    if spelled in FOREIGN_FLAGS and spelled not in names:
+        return f"; not a flag here: {FOREIGN_FLAGS[spelled]}"  # a recipe's key
     match = [spelled] if spelled in names else difflib.get_close_matches(spelled, names, n=1, cutoff=0.6)
-    if not match:
+    if not match or not _near(spelled, match[0]):
         return ""
     alias = f" (= --{HF_ALIASES[match[0]][0]})" if match[0] in HF_ALIASES else ""
     return f"; did you mean --{match[0]}{alias}?"
+
+
+def _near(typed: str, known: str) -> bool:
+    """A typo of ``known``: a few edits away (one per four letters, at least two), its beginning (``--lr_sched``),
+    or some of its words (``--warmup`` of ``--warmup_steps``)."""
+    words = set(known.split("_"))
+    return (_edits(typed, known) <= max(2, len(typed) // 4) or known.startswith(typed)
+            or set(typed.split("_")) <= words)
+
+
+def _edits(a: str, b: str) -> int:
+    """Levenshtein distance (insertions, deletions, substitutions)."""
+    row = list(range(len(b) + 1))
+    for i, char in enumerate(a, 1):
+        previous, row[0] = row[0], i
+        for j, other in enumerate(b, 1):
+            previous, row[j] = row[j], min(row[j] + 1, row[j - 1] + 1, previous + (char != other))
+    return row[-1]
 
 
 def _unknown_flag(leftover: list[str]) -> str:
@@ -90,6 +117,8 @@ def _unknown_flag(leftover: list[str]) -> str:
     if flag is None:
         return f"unrecognized arguments: {' '.join(leftover)}"
     name = flag[2:].partition("=")[0]
+    if name.replace("-", "_") in FOREIGN_FLAGS:
+        return f"--{name} is not a flag here: {FOREIGN_FLAGS[name.replace('-', '_')]}"
     return f"unknown flag --{name}{did_you_mean(name)}"
 
 
@@ -141,6 +170,10 @@ def _add_aliases(parser: argparse.ArgumentParser, hints: dict[str, Any]) -> None
     group = parser.add_argument_group("Hugging Face names", "aliases of ours, as in run_clm_no_trainer.py and the "
                                       "Trainer (docs/flags.md#hugging-face-names)")
     for alias, (ours, note) in HF_ALIASES.items():
+        if alias in SWITCH_ALIASES:  # --bf16, as in the Trainer: a switch
+            group.add_argument(f"--{alias}", type=_parse_bool, nargs="?", const=True,
+                               help=f"= --{ours}" + (f"; {note}" if note else ""))
+            continue
         field_name = ours.split()[0]
         kind = {"num_train_epochs": float, "dataset_name": str, "block_size": int}.get(
             alias, scalar_type(hints.get(field_name, str))[0])
@@ -227,6 +260,10 @@ def _alias_values(alias: str, value: Any) -> dict[str, Any]:
             raise ConfigError(f"--num_train_epochs {show(value)}: only whole epochs here; for part of an epoch "
                               "give --max_steps (optimizer steps)")
         return {"epochs": int(value)}
+    if alias in SWITCH_ALIASES:
+        if not isinstance(value, bool):
+            raise ConfigError(f"--{alias} {show(value)}: a switch (true or false); or give --mixed_precision {alias}")
+        return {"mixed_precision": alias} if value else {}
     if alias == "lr_scheduler_type":
         if value not in HF_SCHEDULES:
             raise ConfigError(f"--lr_scheduler_type {show(value)} has no equivalent here; choose one of "

@@ -14,6 +14,7 @@ from typing import Any
 
 from accel_ddp.cli.doctor_report import ERROR, NOTE, WARNING, Report
 from accel_ddp.cli.machine import MachineFacts
+from accel_ddp.util.cpu_bf16 import cpu_bf16_verdict
 
 _LABEL = r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
 _HOSTNAME = re.compile(rf"(?=.{{1,253}}$){_LABEL}(\.{_LABEL})*")  # RFC 1123 host name
@@ -169,13 +170,11 @@ def _check_precision(report: Report, config: dict[str, Any], facts: MachineFacts
     elif mixed == "bf16" and facts.gpu_count and not facts.bf16_supported:
         report.add(ERROR, f"mixed_precision bf16 but this GPU ({facts.gpu_name or 'pre-Ampere'}) has no bf16 support",
                    "use mixed_precision: fp16 (Accelerate adds a grad scaler) or no")
-    elif mixed == "bf16" and not facts.gpu_count and facts.cpu_bf16:
-        report.add(NOTE, "mixed_precision bf16 on CPU: this CPU has bf16 units (AMX/AVX512-BF16), so autocast "
-                   "is usually faster than fp32 (1.3-1.6x for the MNIST CNNs on an AMX Xeon core)",
-                   "keep it; compare with mixed_precision: 'no' once for your model")
+    elif mixed == "bf16" and not facts.gpu_count and facts.cpu_bf16:  # the run's start-up block says the same
+        report.add(NOTE, f"mixed_precision bf16 on CPU: {cpu_bf16_verdict(True)}",
+                   "compare with mixed_precision: 'no' once for your model, and keep the faster")
     elif mixed == "bf16" and not facts.gpu_count:
-        report.add(WARNING, "mixed_precision bf16 on CPU without bf16 units (no AMX/AVX512-BF16): autocast "
-                   "emulates bf16 and is usually slower than fp32",
+        report.add(WARNING, f"mixed_precision bf16 on CPU without bf16 units: {cpu_bf16_verdict(False)}",
                    "use mixed_precision: 'no' on this CPU (keep bf16 for the GPU run you compare against)")
     elif mixed == "fp16" and not facts.gpu_count:
         report.add(ERROR, "mixed_precision fp16 on CPU: Accelerate silently trains in fp32",

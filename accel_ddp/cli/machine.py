@@ -12,6 +12,8 @@ import platform
 import shutil
 from dataclasses import dataclass
 
+from accel_ddp.util.cpu_bf16 import cpu_has_bf16_units, read_cpuinfo  # noqa: F401 - cpu_has_bf16_units: tests, doctor
+
 
 @dataclass(frozen=True)
 class MachineFacts:
@@ -48,7 +50,7 @@ class MachineFacts:
             cpu_count=usable_cpus(),
             mpirun_available=shutil.which("mpirun") is not None or shutil.which("mpiexec") is not None,
             gpu_name=torch.cuda.get_device_name(0) if gpu_count else "",
-            cpu_bf16=cpu_has_bf16_units(_read_cpuinfo()),
+            cpu_bf16=cpu_has_bf16_units(read_cpuinfo()),
             unusable_gpus=unusable,
             cuda_problem=problem,
         )
@@ -59,23 +61,6 @@ class MachineFacts:
             gpus += f" ({self.unusable_gpus} listed by the driver that this torch cannot use)"
         nccl = "" if not self.gpu_count else ", NCCL" if self.nccl_available else ", no NCCL"
         return f"{gpus}{nccl}, {self.cpu_count} CPU core(s)" + (" with bf16 units" if self.cpu_bf16 else "")
-
-
-def _read_cpuinfo() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as fh:
-            return fh.read()
-    except OSError:  # not Linux: assume no bf16 units, the cautious answer
-        return ""
-
-
-def cpu_has_bf16_units(cpuinfo: str) -> bool:
-    """Whether /proc/cpuinfo's flags list AMX-BF16 or AVX512-BF16 (Sapphire Rapids, Cooper Lake, Zen 4 and later)."""
-    for line in cpuinfo.splitlines():
-        if line.startswith("flags"):
-            flags = set(line.partition(":")[2].split())
-            return bool(flags & {"amx_bf16", "avx512_bf16"})
-    return False
 
 
 def software_versions() -> dict[str, str]:

@@ -6,24 +6,30 @@ reported once per launch: :mod:`accel_ddp.lifecycle.failure`); ``run()`` exits w
 
 from __future__ import annotations
 
+import sys
 import traceback
 from typing import NoReturn
 
 from accel_ddp.cli.args import parse_args
 from accel_ddp.lifecycle import failure
-from accel_ddp.lifecycle.preemption import (
-    EXIT_PREEMPTED,
-    Preempted,
-    PreemptionWatcher,
-    exit_process,
-    ignore_preemption_signals,
-)
-from accel_ddp.loop import train
 from accel_ddp.util.messages import warn
+from accel_ddp.util.validation import ConfigError
 
 
 def main(argv: list[str] | None = None) -> int:
-    """CLI entry point: returns the exit code; a failure is reported once per launch (``accel_ddp.lifecycle.failure``).
+    """CLI entry point: returns the exit code. Bad flags and a bad recipe are refused here, before torch is
+    imported (one line, exit 2, within a second of the start: ``failure.refuse_options``); then ``train_main``."""
+    try:
+        cfg = parse_args(argv)
+    except ConfigError as err:
+        return failure.refuse_options(err)
+    except Exception as err:  # noqa: BLE001 - a bug in the parsing: its report, as below
+        return failure.report(err, failure.exit_code(err))
+    return train_main(cfg)
+
+
+def train_main(cfg) -> int:
+    """Train on good options: the exit code; a failure is reported once per launch (``accel_ddp.lifecycle.failure``).
 
     Bad input is one line on stderr and exit code 2, a nan/inf loss one line and 3, anything else
     its traceback and 1; a rank stopped by another rank's failure prints nothing and exits with that
@@ -31,8 +37,11 @@ def main(argv: list[str] | None = None) -> int:
     (75), Ctrl-C (SIGINT) and a closed terminal (SIGHUP) likewise with 130 and 129; the exit codes are listed
     in ``accel_ddp/lifecycle/preemption.py``.
     """
+    # torch, Accelerate and the loop: imported once the options are good
+    from accel_ddp.lifecycle.preemption import EXIT_PREEMPTED, Preempted, ignore_preemption_signals
+
     try:
-        _parse_and_train(argv)
+        _train(cfg)
     except Preempted as stop:
         ignore_preemption_signals()  # exiting with 75: the launcher's follow-up SIGTERM must not make it a kill
         code = stop.exit_code
@@ -44,16 +53,13 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _parse_and_train(argv: list[str] | None) -> None:
-    """``train(parse_args(argv))``, with the preemption handlers installed before parsing (a signal from then on
-    is recorded, not fatal; uninstalled again when the options are bad)."""
-    preemption = PreemptionWatcher().install()
-    try:
-        cfg = parse_args(argv)
-    except BaseException:
-        preemption.uninstall()
-        raise
-    train(cfg, preemption=preemption)
+def _train(cfg) -> None:
+    """``train(cfg)``, with the preemption handlers installed as soon as torch is imported (a signal from then on is
+    recorded, not fatal; before, it ends the process as usual, as nothing is there to save)."""
+    from accel_ddp.lifecycle.preemption import PreemptionWatcher
+    from accel_ddp.loop import train
+
+    train(cfg, preemption=PreemptionWatcher().install())
 
 
 def run(argv: list[str] | None = None) -> NoReturn:
@@ -67,5 +73,10 @@ def run(argv: list[str] | None = None) -> NoReturn:
     except Exception:  # noqa: BLE001 - the report itself failed: Python's traceback, then the same safe exit
         traceback.print_exc()
         code = 1
+    if "torch" not in sys.modules:  # refused before torch: no thread of gloo's to race the interpreter's exit
+        sys.stdout.flush()
+        sys.exit(code)
+    from accel_ddp.lifecycle.preemption import exit_process
+
     exit_process(code)
 

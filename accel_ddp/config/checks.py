@@ -48,6 +48,10 @@ def _check_tracking(cfg: Any) -> None:
         raise ConfigError(f"--with_tracking is a switch (true or false), got {cfg.with_tracking!r}; name the trackers "
                           f"with --report_to, e.g. --with_tracking --report_to {cfg.with_tracking}")
     names = [name.strip().lower() for name in str(cfg.report_to).split(",") if name.strip()]
+    if names == ["none"]:  # the Trainer's "no trackers" (metrics.jsonl is still written)
+        if cfg.with_tracking:
+            raise ConfigError("--report_to none and --with_tracking contradict each other; give one of them")
+        names = ["all"]  # the default: tracking stays off
     unknown = [name for name in names if name not in REPORT_TO]
     if unknown or not names:
         raise ConfigError(f"--report_to {cfg.report_to!r}: unknown tracker {', '.join(unknown) or '(none given)'}; "

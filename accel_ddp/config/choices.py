@@ -79,8 +79,8 @@ HF_ALIASES: dict[str, tuple[str, str]] = {
     "num_train_epochs": ("epochs", "a whole number (2.0 is 2); for part of an epoch use --max_steps"),
     "max_train_steps": ("max_steps", ""),
     "per_device_train_batch_size": (
-        "per_device_batch_size", "the global batch stays the unit (64 unless --global_batch_size or "
-        "--gradient_accumulation_steps): accumulation = global / (processes x this)"),
+        "per_device_batch_size", "without --global_batch_size, as in the Trainer: global = processes x this x "
+        "--gradient_accumulation_steps (default 1); with it, accumulation = global / (processes x this)"),
     "per_device_eval_batch_size": ("eval_batch_size", ""),
     "lr_scheduler_type": ("lr_schedule", "linear, cosine, constant_with_warmup (= constant); constant only "
                           "without warmup (the Hugging Face constant has none); the others are refused"),
@@ -94,6 +94,30 @@ HF_ALIASES: dict[str, tuple[str, str]] = {
     "dataset_name": ("dataset hf --hf_name", "without an eval split a tenth of train is held out (not 5 percent)"),
     "dataset_config_name": ("hf_config", ""),
     "block_size": ("max_length --packing true", "causal_lm: texts concatenated and cut into blocks of this size"),
+    "bf16": ("mixed_precision bf16", "a switch, as in the Trainer (--bf16 false: unset)"),
+    "fp16": ("mixed_precision fp16", "a switch, as in the Trainer (--fp16 false: unset)"),
+    "save_total_limit": ("keep_last", "newest complete checkpoints kept (the best one besides them)"),
+}
+
+# The HF_ALIASES that are switches (--bf16, --bf16 true): each sets ``mixed_precision`` to its own name.
+SWITCH_ALIASES = ("bf16", "fp16")
+
+
+# Names a Trainer or Accelerate-example user types that have no alias here: refused with their replacement, before
+# any "did you mean" (a similar-looking flag of ours means something else). ``--report_to none`` is accepted
+# (config/checks.py). The command line and the recipe's keys alike (cli/args.py).
+FOREIGN_FLAGS: dict[str, str] = {
+    "overwrite_output_dir": "a run never overwrites a finished run's folder; give a new --output_dir or delete the "
+                            "old one first (--resume_from_checkpoint auto continues the run in it)",
+    "gradient_checkpointing": "not in this version: it comes with the fine-tuning work (docs/flags.md lists it once "
+                              "it is there); lower --per_device_batch_size to save memory meanwhile",
+    "do_train": "training always runs; drop it",
+    "do_eval": "evaluation runs whenever there is an eval set (--eval_every sets how often); drop it",
+    "evaluation_strategy": "evaluation runs each epoch, or every N optimizer steps with --eval_every N",
+    "eval_strategy": "evaluation runs each epoch, or every N optimizer steps with --eval_every N",
+    "save_strategy": "checkpoints are saved every N optimizer steps with --checkpointing_steps N (none by default)",
+    "logging_dir": "trackers write under --output_dir; choose them with --with_tracking --report_to",
+    "local_rank": "the launcher sets LOCAL_RANK in the environment; drop it (accelerate launch passes no flag)",
 }
 
 

@@ -122,9 +122,11 @@ class TrainConfig:
     max_steps: int | None = _opt(None, "stop after this many optimizer steps (overrides --epochs)", low=1)
     global_batch_size: int | None = _opt(
         None, f"samples per optimizer step summed over all ranks; fixed whatever the world size; default "
-        f"{DEFAULT_GLOBAL_BATCH}, or processes x per-device x --gradient_accumulation_steps", low=1)
+        f"{DEFAULT_GLOBAL_BATCH}, or processes x --per_device_batch_size x --gradient_accumulation_steps (1) when "
+        "a per-device batch is given (the Trainer's meaning)", low=1)
     per_device_batch_size: int | str | None = _opt(
-        None, "samples per forward pass on one rank; default global/world (no accumulation); auto (or auto:CAP): "
+        None, "samples per forward pass on one rank; default global/world (no accumulation); without "
+        "--global_batch_size it sets the global batch (x processes); auto (or auto:CAP): "
         "the largest that fits in memory, found by a probe at start (docs/long-runs.md)", low=1
     )
     gradient_accumulation_steps: int | None = _opt(
@@ -195,7 +197,8 @@ class TrainConfig:
     with_tracking: bool = _opt(False, "also log to the trackers of --report_to (metrics.jsonl is always written)")
     report_to: str = _opt(
         "all", "trackers for --with_tracking, comma-separated: " + ", ".join(REPORT_TO[:-1])
-        + "; all = every installed one configured to run here (docs/tracking.md), plus csv"
+        + "; all = every installed one configured to run here (docs/tracking.md), plus csv; none = no trackers "
+        "(the Trainer's name: --with_tracking off)"
     )
     tracker_project_name: str = _opt(
         "accel_ddp", "--with_tracking: the project (W&B, Comet, SwanLab, Trackio) or experiment (MLflow, Aim, ClearML)"
@@ -254,6 +257,12 @@ class TrainConfig:
             value = checked_type(f.name, getattr(self, f.name), hints[f.name], f.default)
             check_range(f.name, value, f.metadata.get("low"), f.metadata.get("high"))
             setattr(self, f.name, value)
+        # A per-device batch without a global one means what it means in the Trainer: global = processes x it x
+        # accumulation (1 unless given), resolved once the world size is known (batch_layout). The start-up block
+        # then says how to keep it fixed across world sizes (--global_batch_size).
+        self.global_batch_derived = self.global_batch_size is None and isinstance(self.per_device_batch_size, int)
+        if self.global_batch_derived and self.gradient_accumulation_steps is None:
+            self.gradient_accumulation_steps = 1
         if self.global_batch_size is None and self.gradient_accumulation_steps is None:
             self.global_batch_size = DEFAULT_GLOBAL_BATCH
         _check_hf_fields(self)

@@ -34,6 +34,7 @@ from accel_ddp.data.hf import HFSource, build_hf
 from accel_ddp.data.hf_stream import build_stream
 from accel_ddp.data.in_memory import InMemoryDataset
 from accel_ddp.util.messages import first_line
+from accel_ddp.util.optional import require
 from accel_ddp.util.registry import resolve
 from accel_ddp.util.validation import ConfigError
 
@@ -124,7 +125,7 @@ def _build_idx_dataset(name: str, folder: str, data_dir: str, download: bool, me
     folders = [raw_dir, os.path.join(data_dir, folder), data_dir]
     files = ["train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"]
     if any(_find_file(f, folders) is None for f in files) and download:
-        import torchvision.datasets
+        torchvision = require("torchvision", f"--dataset {name} --download")
 
         try:
             getattr(torchvision.datasets, folder)(root=data_dir, train=True, download=True)
@@ -210,7 +211,7 @@ def build_cifar10(data_dir: str, download: bool) -> DatasetBundle:
     folder = os.path.join(data_dir, "cifar-10-batches-py")
     names = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]
     if not all(os.path.isfile(os.path.join(folder, n)) for n in names) and download:
-        from torchvision.datasets import CIFAR10
+        CIFAR10 = require("torchvision", "--dataset cifar10 --download").datasets.CIFAR10  # noqa: N806 - its class
 
         try:  # torchvision checks the archive's md5 before extracting it
             CIFAR10(root=data_dir, train=True, download=True)
@@ -255,8 +256,9 @@ def build_imagefolder(data_dir: str, download: bool, image_size: int | None = No
     """Images in one subfolder per class: DATA_DIR/train/<class>/* and DATA_DIR/val/<class>/* (or test, eval),
     or DATA_DIR/<class>/* with a fixed 10% held out. Decoded per sample on the DataLoader path (workers)."""
     from PIL import Image
-    from torchvision import transforms
-    from torchvision.datasets import ImageFolder
+
+    torchvision = require("torchvision", "--dataset imagefolder")
+    transforms, ImageFolder = torchvision.transforms, torchvision.datasets.ImageFolder  # noqa: N806 - its class
 
     train_dir = os.path.join(data_dir, "train")
     root = train_dir if os.path.isdir(train_dir) else data_dir

@@ -45,6 +45,19 @@ def single_process_trap(env=os.environ) -> str | None:
             "accelerate_configs/cpu_2proc.yaml); for one process, num_processes: 1 and no MASTER_ADDR set")
 
 
+def import_dynamo_before_the_group() -> None:
+    """Import ``torch._dynamo`` before the process group forms, so that ``end_training`` really ends the group.
+
+    Imported while a group exists (the first optimizer step imports it: torch.optim's ``add_param_group``), it keeps
+    that group alive after ``destroy_process_group`` (measured, torch 2.14: gloo's worker threads still run after
+    ``end_training`` and a collection; imported first, they are gone). A group left to the interpreter's exit is
+    destroyed during finalization, where gloo's threads may need the GIL that Python 3.11-3.13 no longer gives:
+    ``terminate called without an active exception``, SIGABRT, after a run that succeeded (issue 40: about 1 in 4
+    two-rank scripts that ended without ``exit_process``). It costs nothing: the run imports it anyway.
+    """
+    import torch._dynamo  # noqa: F401
+
+
 def build_accelerator(cfg: TrainConfig, trackers: Callable[[PartialState], dict[str, Any]] | None = None
                       ) -> tuple[Accelerator, int, int]:
     """Join the process group and derive (per-device batch, accumulation) from the world size.
@@ -57,6 +70,7 @@ def build_accelerator(cfg: TrainConfig, trackers: Callable[[PartialState], dict[
     """
     if cfg.debug:
         os.environ["ACCELERATE_DEBUG_MODE"] = "1"  # cross-rank shape checks on every collective
+    import_dynamo_before_the_group()
     cpu = not torch.cuda.is_available()
     if cfg.mixed_precision is not None:  # issue 22: --mixed_precision wins over the launch config (a note says so)
         override_mixed_precision(cfg.mixed_precision, cpu)

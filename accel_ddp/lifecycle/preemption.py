@@ -1,9 +1,10 @@
 """How a worker ends: preemption (SIGTERM or SIGUSR1 -> every rank saves and stops; Ctrl-C's SIGINT and a closed
 terminal's SIGHUP alike), exit codes (a non-finite loss: ``non_finite.py``).
 
-The signal flow. ``main()`` installs the recording handler (``PreemptionWatcher.install``) before
-it parses the options; from then on a signal is recorded, never fatal. Under torchrun a thread
-also watches the launcher (``watch_launcher``): its death is recorded like a signal. Nothing acts
+The signal flow. ``main()`` installs the recording handler (``PreemptionWatcher.install``) once the
+options parsed (bad ones are refused before torch is imported); from then on a signal is recorded,
+never fatal. Under torchrun a thread also watches the launcher (``watch_launcher``): its death is
+recorded like a signal. Nothing acts
 on a record at once; the ranks compare them (an all-reduce, MAX) at points every rank reaches
 together, so every rank decides the same way at the same point:
 

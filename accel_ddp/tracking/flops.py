@@ -145,7 +145,9 @@ def counted_flops(model: torch.nn.Module, batch: Any) -> float | None:
               for k, v in model.named_parameters()}
     state = {**params, **{k: torch.empty_like(v, device="meta") for k, v in model.named_buffers()}}
     try:
-        with FlopCounterMode(display=False) as counter:
+        # Anomaly mode (--debug) checks each backward's outputs for nan, which meta tensors cannot answer: the count
+        # would fail with torch's "Error detected in SumBackward0" warning, a false error. The count is not training.
+        with torch.autograd.set_detect_anomaly(False), FlopCounterMode(display=False) as counter:
             if isinstance(batch, Mapping):
                 outputs = functional_call(model, state, (), {k: meta(v) for k, v in batch.items()})
             else:

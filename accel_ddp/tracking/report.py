@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import textwrap
 from typing import Any
 
 import yaml
@@ -68,6 +69,8 @@ def read_yaml(path: str) -> dict[str, Any]:
 def _format_value(value: Any, formatter=str) -> str:
     if value is None:
         return "-"
+    if isinstance(value, dict):  # startup_phases_sec: "imports 3.1, process_group 0.4, ..." (wraps between pairs)
+        return ", ".join(f"{key} {_format_value(item)}" for key, item in value.items())
     if formatter is str and isinstance(value, float):
         return f"{value:.4g}"
     return formatter(value)
@@ -87,8 +90,11 @@ def format_summary(output_dir: str) -> str:
              if os.path.exists(os.path.join(output_dir, name))]
     rows.append(("files", ", ".join(files) or "-"))
     width = max(len(label) for label, _ in rows)
-    rule = "-" * (width + 2 + max(len(value) for _, value in rows))
-    lines = [f"run {output_dir}", rule]
-    lines += [f"{label:<{width}}  {value}" for label, value in rows]
-    lines.append(rule)
-    return "\n".join(lines)
+    room = max(COLUMNS - width - 2, 20)  # a long value (startup_phases_sec) wraps under itself
+    lines = [f"{label:<{width}}  {part}" if i == 0 else f"{'':<{width}}  {part}"
+             for label, value in rows for i, part in enumerate(textwrap.wrap(value, room) or [value])]
+    rule = "-" * max(len(line) for line in lines)
+    return "\n".join([f"run {output_dir}", rule, *lines, rule])
+
+
+COLUMNS = 100  # `accel-ddp summary` fits a terminal this wide

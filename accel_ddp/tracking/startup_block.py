@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from accel_ddp.config import DEBUG_MAX_STEPS
+from accel_ddp.util.cpu_bf16 import cpu_bf16_verdict, cpu_has_bf16_units, read_cpuinfo
 
 HEADER = "accel_ddp: ***** Running training *****"
 SOURCES = {"in_memory": "data in memory", "memory_mapped": "memory-mapped (read per batch)",
@@ -35,11 +36,13 @@ class StartupBlock:
 
     @classmethod
     def describe(cls, cfg: Any, facts: dict[str, Any], *, epochs: int, workers: int | None, model: str,
-                 data_sizes: tuple[tuple[int, int], ...] = (), cpus: int = 1, env=os.environ) -> StartupBlock:
+                 data_sizes: tuple[tuple[int, int], ...] = (), cpus: int = 1, env=os.environ,
+                 examples: tuple[int | None, int | None] = (None, None)) -> StartupBlock:
         """From the config, the run's facts (assemble._run_facts), and what only the loop knows.
 
         ``workers``: the training loader's DataLoader workers per rank (None: no DataLoader); ``data_sizes``:
-        --debug's (kept, full) sample counts of the training and eval sets; ``cpus``: the cores this rank may use.
+        --debug's (kept, full) sample counts of the training and eval sets; ``cpus``: the cores this rank may use;
+        ``examples``: the samples of the training and eval sets as trained (None: a stream's, unknown; no eval set).
         """
         world, machines = facts["world_size"], facts["num_machines"]
         per_device, accumulation, global_batch = (facts["per_device_batch_size"], facts["grad_accum_steps"],
@@ -52,13 +55,16 @@ class StartupBlock:
             "mixed precision": f"{precision} ({source})",
             "per-device batch": str(per_device) + _auto(facts.get("auto_batch")),
             "accumulation": f"{accumulation} micro-step{'s' * (accumulation > 1)} per optimizer step",
-            "global batch": f"{global_batch} = {_processes(world)} x {per_device} x {accumulation}",
+            "global batch": f"{global_batch} = {_processes(world)} x {per_device} x {accumulation}"
+                            + _derived(cfg, global_batch),
             "steps per epoch": str(facts["steps_per_epoch"]),
             "total steps": f"{facts['total_steps']} optimizer steps",
             "epochs": str(epochs),
             "loader": _loader(facts["loader"], workers, facts["data_source"]),
             "task": cfg.task,
             "model": model,
+            "examples": _examples(*examples),
+            **training_lines(cfg, facts["total_steps"], global_batch),
         }
         if cfg.debug:
             lines["debug"] = debug_changes(cfg, facts["total_steps"], data_sizes[0][1] if data_sizes else None)
@@ -82,6 +88,48 @@ class StartupBlock:
         """config.yaml's ``startup:`` section: the same lines (whole numbers as numbers), the warnings as a list."""
         lines = {label: int(value) if value.isdigit() else value for label, value in self.lines.items()}
         return {**lines, "start": self.start, "warnings": list(self.warnings)}
+
+
+def training_lines(cfg: Any, total_steps: int, global_batch: int) -> dict[str, str]:
+    """What the Trainer's block says besides the layout: optimizer, learning rate and its schedule, seed, where the
+    run writes, how often it saves, what it reports to, and the tokens of a step for a token task."""
+    clip = f"gradients clipped to norm {cfg.max_grad_norm:g}" if cfg.max_grad_norm else "no gradient clipping"
+    decay = {"constant": "then constant", "linear": "then linear to 0", "cosine": "then cosine to 0"}
+    warmup = cfg.warmup_for(total_steps)
+    lines = {
+        "optimizer": f"{cfg.optimizer}, weight decay {cfg.weight_decay:g}, {clip}",
+        "learning rate": f"{cfg.lr:g} after {warmup} warmup step{'s' * (warmup != 1)}, "
+                         f"{decay.get(cfg.lr_schedule, cfg.lr_schedule)}",
+        "seed": str(cfg.seed),
+        "output folder": cfg.output_dir + (f" (checkpoints in {cfg.checkpoint_dir})" if cfg.checkpoint_dir else ""),
+        "checkpoints": _cadence(cfg.checkpointing_steps, cfg.keep_last),
+        "trackers": f"{cfg.report_to}, and metrics.jsonl" if cfg.with_tracking else
+                    "metrics.jsonl only (--with_tracking --report_to NAME adds one)",
+    }
+    if cfg.task == "causal_lm":  # a token task: the step's unit people compare
+        length = cfg.max_length
+        lines["tokens per step"] = (f"{global_batch * length:,} = {global_batch} sequences x {length}"
+                                    + ("" if cfg.packing else " at most (padding is not trained on)"))
+    return lines
+
+
+def _cadence(every: str | None, keep: int) -> str:
+    if every is None:
+        return "none saved (--checkpointing_steps N saves every N optimizer steps)"
+    when = "each epoch" if str(every) == "epoch" else f"every {every} optimizer steps"
+    return f"{when}, the newest {keep} kept"
+
+
+def _examples(train: int | None, evaluated: int | None) -> str:
+    first = f"{train:,} training" if train is not None else "training set streamed (size unknown)"
+    return f"{first}, {f'{evaluated:,} eval' if evaluated is not None else 'no eval set'}"
+
+
+def _derived(cfg: Any, global_batch: int) -> str:
+    """After the global batch a per-device batch made (the Trainer's meaning), how to keep it on another world size."""
+    if not getattr(cfg, "global_batch_derived", False):
+        return ""
+    return f" (from the per-device batch: it changes with the processes; --global_batch_size {global_batch} keeps it)"
 
 
 def precision_source(flag: str | None, env=os.environ) -> str:
@@ -110,11 +158,18 @@ def debug_changes(cfg: Any, total_steps: int, full_train: int | None) -> str:
             "shape checks, every micro-step's loss checked")
 
 
-def mistakes(device: str, local_processes: int, precision: str, source: str, cpus: int) -> list[str]:
-    """What looks like a launch config meant for another machine: half precision on CPU, more CPU ranks than cores."""
+def mistakes(device: str, local_processes: int, precision: str, source: str, cpus: int,
+             cpu_bf16: bool | None = None) -> list[str]:
+    """What looks like a launch config meant for another machine: half precision on CPU, more CPU ranks than cores.
+
+    bf16 on CPU gets the doctor's verdict (util/cpu_bf16.py); ``cpu_bf16``: the CPU has bf16 units (None: read them).
+    Asked for with --mixed_precision on a CPU that has them, it is no mistake."""
     found = []
-    if device == "cpu" and precision in ("bf16", "fp16", "fp8"):
-        what = {"bf16": "autocast on CPU is usually slower than fp32 for small models",
+    if device == "cpu" and precision == "bf16" and cpu_bf16 is None:
+        cpu_bf16 = cpu_has_bf16_units(read_cpuinfo())
+    asked_where_it_may_pay = precision == "bf16" and cpu_bf16 and source == "--mixed_precision"
+    if device == "cpu" and precision in ("bf16", "fp16", "fp8") and not asked_where_it_may_pay:
+        what = {"bf16": cpu_bf16_verdict(bool(cpu_bf16)),
                 "fp16": "Accelerate trains in fp32 on CPU (no fp16 autocast there)",
                 "fp8": "fp8 needs a GPU that has it"}[precision]
         hint = ("; this looks like a GPU launch config on a machine without a usable GPU: for CPU use "

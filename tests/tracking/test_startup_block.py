@@ -8,6 +8,7 @@ from accel_ddp.cli.args import parse_args
 from accel_ddp.config import TrainConfig
 from accel_ddp.outputs.names import RUN_LOG_NAME
 from accel_ddp.tracking.startup_block import HEADER, StartupBlock, mistakes
+from accel_ddp.util.cpu_bf16 import cpu_bf16_verdict, cpu_has_bf16_units, read_cpuinfo
 from tests.helpers.runs import REPO, launcher_env, main_ranks, read_summary
 
 ACCUMULATING = ["--dataset", "synthetic", "--synthetic_samples", "256", "--synthetic_shape", "1", "8", "8",
@@ -43,7 +44,11 @@ def test_two_ranks_print_one_block_with_the_batch_layout_then_a_resume_says_wher
         "accumulation": "2 micro-steps per optimizer step", "global batch": "16 = 2 processes x 4 x 2",
         "steps per epoch": "16", "total steps": "32 optimizer steps", "epochs": "2",
         "loader": "device (the training set held on the device); data in memory", "task": "classification",
-        "model": "Sequential (--model mlp), 3,466 parameters", "start": "fresh"}
+        "model": "Sequential (--model mlp), 3,466 parameters", "examples": "256 training, 64 eval",
+        "optimizer": "adamw, weight decay 0, gradients clipped to norm 1",
+        "learning rate": "0.003 after 0 warmup steps, then cosine to 0", "seed": "0", "output folder": str(out),
+        "checkpoints": "every 8 optimizer steps, the newest 3 kept",
+        "trackers": "metrics.jsonl only (--with_tracking --report_to NAME adds one)", "start": "fresh"}
     assert blocks((out / RUN_LOG_NAME).read_text()) == [block]
     startup = yaml.safe_load((out / "config.yaml").read_text())["startup"]
     assert startup["accumulation"] == block["accumulation"] and startup["per-device batch"] == 4
@@ -86,8 +91,9 @@ def test_a_gpu_launch_config_on_a_cpu_machine_is_one_warning(tmp_path, capfd):
     assert env["ACCELERATE_MIXED_PRECISION"] == "bf16"
     assert main_ranks([*ACCUMULATING, "--max_steps", "2", "--output_dir", str(tmp_path)], env=env) == [0, 0]
     printed = capfd.readouterr()
-    warning = ("accel_ddp: warning: 2 processes on CPU in bf16 (launch config): autocast on CPU is usually slower "
-               "than fp32 for small models; this looks like a GPU launch config on a machine without a usable GPU")
+    verdict = cpu_bf16_verdict(cpu_has_bf16_units(read_cpuinfo()))  # the doctor's words on this CPU
+    warning = (f"accel_ddp: warning: 2 processes on CPU in bf16 (launch config): {verdict}; this looks like a GPU "
+               "launch config on a machine without a usable GPU")
     assert printed.err.count(warning) == 1 and "warning" not in blocks(printed.out)[0]  # not twice on a console
     assert blocks(printed.out)[0]["mixed precision"] == "bf16 (launch config)"
     assert blocks((tmp_path / RUN_LOG_NAME).read_text())[0]["warning"].startswith(warning.split("warning: ")[1])
@@ -116,3 +122,65 @@ def test_the_per_device_line_says_how_auto_found_it():
     facts["auto_batch"]["from"] = "checkpoint"
     assert StartupBlock.describe(TrainConfig(), facts, epochs=2, workers=3, model="m", cpus=2, env={}).lines[
         "per-device batch"] == "8 (--per_device_batch_size auto: the resumed checkpoint's)"
+
+
+def _facts(world: int, per_device: int, accumulation: int) -> dict:
+    return {"world_size": world, "num_machines": 1, "per_device_batch_size": per_device,
+            "grad_accum_steps": accumulation, "global_batch_size": world * per_device * accumulation,
+            "mixed_precision": "no", "device": "cpu", "distributed_type": "MULTI_CPU", "steps_per_epoch": 5,
+            "total_steps": 100, "loader": "dataloader", "data_source": "in_memory"}
+
+
+def test_the_block_says_what_the_trainers_says(tmp_path):
+    """Issue 40: optimizer, learning rate and schedule with the warmup, seed, output folder, checkpoint cadence,
+    trackers, example counts, and a token task's tokens per step."""
+    cfg = parse_args(["--task", "causal_lm", "--max_length", "128", "--packing", "--optimizer", "sgd", "--lr", "0.1",
+                      "--warmup_ratio", "0.1", "--lr_schedule", "linear", "--seed", "7", "--max_grad_norm", "0",
+                      "--weight_decay", "0.01", "--checkpointing_steps", "epoch", "--keep_last", "2",
+                      "--with_tracking", "--report_to", "csv", "--output_dir", str(tmp_path)])
+    lines = StartupBlock.describe(cfg, _facts(2, 8, 4), epochs=20, workers=None, model="m", env={},
+                                  examples=(1000, None)).lines
+    assert {key: lines[key] for key in ("examples", "optimizer", "learning rate", "seed", "output folder",
+                                        "checkpoints", "trackers", "tokens per step")} == {
+        "examples": "1,000 training, no eval set", "optimizer": "sgd, weight decay 0.01, no gradient clipping",
+        "learning rate": "0.1 after 10 warmup steps, then linear to 0", "seed": "7", "output folder": str(tmp_path),
+        "checkpoints": "each epoch, the newest 2 kept", "trackers": "csv, and metrics.jsonl",
+        "tokens per step": "8,192 = 64 sequences x 128"}
+    plain = StartupBlock.describe(parse_args([]), _facts(1, 64, 1), epochs=1, workers=None, model="m", env={}).lines
+    assert "tokens per step" not in plain and plain["examples"] == "training set streamed (size unknown), no eval set"
+    assert plain["checkpoints"] == "none saved (--checkpointing_steps N saves every N optimizer steps)"
+
+
+def test_a_global_batch_made_by_a_per_device_batch_says_how_to_keep_it():
+    """The Trainer's meaning: --per_device_train_batch_size 8 on 2 processes is a global batch of 16 (not 64), and
+    the block says it changes with the processes and which flag keeps it."""
+    cfg = parse_args(["--per_device_train_batch_size", "8"])
+    assert cfg.batch_layout(2) == (8, 1) and cfg.global_batch_size == 16
+    line = StartupBlock.describe(cfg, _facts(2, 8, 1), epochs=1, workers=None, model="m", env={}).lines[
+        "global batch"]
+    assert line == ("16 = 2 processes x 8 x 1 (from the per-device batch: it changes with the processes; "
+                    "--global_batch_size 16 keeps it)")
+    fixed = parse_args(["--per_device_train_batch_size", "8", "--global_batch_size", "64"])
+    assert fixed.batch_layout(2) == (8, 4)
+    assert StartupBlock.describe(fixed, _facts(2, 8, 4), epochs=1, workers=None, model="m", env={}).lines[
+        "global batch"] == "64 = 2 processes x 8 x 4"
+
+
+def test_the_run_and_the_doctor_give_one_verdict_on_bf16_on_a_cpu(tmp_path):
+    """Issue 40: the doctor called bf16 on this CPU "usually faster, keep it", the run "usually slower". Both now say
+    util/cpu_bf16.py's verdict for the CPU's units; asked for with --mixed_precision where it may pay, the run is
+    silent, as the doctor's note is no warning."""
+    from accel_ddp.cli.doctor_checks import _check_precision
+    from accel_ddp.cli.doctor_report import Report
+    from accel_ddp.cli.machine import MachineFacts
+
+    for units in (True, False):
+        facts = MachineFacts(gpu_count=0, nccl_available=False, cpu_count=2, cpu_bf16=units)
+        report = Report(source=None, facts=facts)
+        _check_precision(report, {}, facts, type("Launch", (), {"mixed": "bf16"})(), cpu=True)
+        (finding,) = report.findings
+        assert cpu_bf16_verdict(units) in finding.problem
+        (warned,) = mistakes("cpu", 1, "bf16", "launch config", cpus=2, cpu_bf16=units)
+        assert cpu_bf16_verdict(units) in warned
+    assert mistakes("cpu", 1, "bf16", "--mixed_precision", cpus=2, cpu_bf16=True) == []
+    assert len(mistakes("cpu", 1, "bf16", "--mixed_precision", cpus=2, cpu_bf16=False)) == 1
