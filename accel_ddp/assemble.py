@@ -33,6 +33,7 @@ from accel_ddp.data import build_loaders, usable_cpus
 from accel_ddp.data.resolve import resolve_data
 from accel_ddp.distributed.preflight import check_fsdp, check_shared_output_dir
 from accel_ddp.distributed.world import build_accelerator, prepare
+from accel_ddp.finetune import describe_parameters, finetune_facts, prepare_for_finetuning
 from accel_ddp.kernels import fuse_activations
 from accel_ddp.lifecycle import failure
 from accel_ddp.lifecycle.failure import main_process_decides
@@ -130,7 +131,8 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
     source = f"--model_config {cfg.model_config}" if cfg.model_config else f"--model {cfg.model}"
     named = f" ({source})" if model is None else ""  # --model_config wins over --model (models.py)
     model = _model(cfg, accelerator, model, data, memory_format)
-    named = f"{type(model).__name__}{named}, {sum(p.numel() for p in model.parameters()):,} parameters"
+    named = f"{type(model).__name__}{named}, {describe_parameters(model)}"  # trainable of total where some are frozen
+    tuned = finetune_facts(model)  # a frozen base: the parameter counts and its fingerprint (checkpoints, summary)
     fused = fuse_activations(model) if cfg.fused_kernels else 0  # before DDP wraps it: same math, fewer kernels
     if fused:
         named += f", {fused} tanh-GELU module{'s' if fused > 1 else ''} on torch's one kernel (--fused_kernels)"
@@ -164,7 +166,7 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
     teardown.callback(claim_output_dir(accelerator, cfg.output_dir).release)
     recorder = RunRecorder(cfg.output_dir, accelerator.is_main_process, accelerator=accelerator)
     teardown.callback(recorder.close)
-    facts = _run_facts(cfg, accelerator, plan, loaders.kind, loaders.source)
+    facts = {**_run_facts(cfg, accelerator, plan, loaders.kind, loaders.source), **tuned}
     checkpoints = _checkpoints(cfg, accelerator, teardown, facts, plan, (model, optimizer, scheduler))
     block = StartupBlock.describe(cfg, facts, epochs=plan.num_epochs, workers=_workers(loaders.train), model=named,
                                   data_sizes=_debug_sizes(cfg, data), cpus=usable_cpus())
@@ -262,13 +264,15 @@ def _debug_sizes(cfg: TrainConfig, data) -> tuple[tuple[int, int], ...]:
 
 
 def _model(cfg: TrainConfig, accelerator: Accelerator, model, data, memory_format) -> torch.nn.Module:
-    """The caller's model or the configured one, checked for FSDP2, with ``--init_from``'s weights, in its layout."""
+    """The caller's model or the configured one, checked for FSDP2, with ``--init_from``'s weights, made ready for
+    fine-tuning (``finetune.py``), in its layout."""
     if model is None:
         model = build_configured_model(cfg, data)
     if accelerator.is_fsdp2:  # before anything is built on it: what FSDP2 cannot shard or cast
         check_fsdp(model, channels_last=cfg.channels_last, mixed_precision=accelerator.mixed_precision)
     if cfg.init_from:
         load_weights(model, cfg.init_from)  # every rank reads the same file before DDP wraps the model
+    model = prepare_for_finetuning(cfg, model)  # --gradient_checkpointing, --peft lora (the base frozen)
     return model.to(memory_format=memory_format)  # NHWC convolutions: faster on tensor cores
 
 

@@ -60,7 +60,7 @@ from accel_ddp.checkpoint.manifest import (  # noqa: F401 - CorruptCheckpoint, c
     rng_not_restored,
 )
 from accel_ddp.checkpoint.storage import StoreError, StoreFailed, open_store
-from accel_ddp.checkpoint.weights import load_weights, plain_state_dict
+from accel_ddp.checkpoint.weights import load_weights, trainable_state_dict
 from accel_ddp.lifecycle.failure import main_process_decides
 from accel_ddp.outputs.files import (
     WriteFailed,
@@ -199,7 +199,8 @@ class CheckpointManager:
 
     def _unwrapped_weights_hook(self, models, weights, output_dir) -> None:
         for i, model in enumerate(models[: len(weights)]):
-            weights[i] = plain_state_dict(self.accelerator.unwrap_model(model, keep_torch_compile=False).state_dict())
+            # a fine-tuned model's frozen base is not saved (its fingerprint is in checkpoint.json: finetune.py)
+            weights[i] = trainable_state_dict(self.accelerator.unwrap_model(model, keep_torch_compile=False))
 
     # ---- resuming
 
@@ -365,7 +366,7 @@ class CheckpointManager:
         for i, model in enumerate(models):
             name = WEIGHTS_NAME if i == 0 else WEIGHTS_NAME.replace(".", f"_{i}.")
             load_weights(self.accelerator.unwrap_model(model, keep_torch_compile=False),
-                         os.path.join(input_dir, name), source="--resume_from_checkpoint")
+                         os.path.join(input_dir, name), source="--resume_from_checkpoint", keep_frozen=True)
         models.clear()  # loaded: Accelerate would expect DDP's "module." keys
 
     def local_folder(self, step: int) -> str:
