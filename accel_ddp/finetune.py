@@ -89,7 +89,7 @@ def add_lora(model: nn.Module, r: int, alpha: float, dropout: float, targets: st
     if not hasattr(model, "config") or not hasattr(model, "save_pretrained"):
         raise ConfigError(f"--peft lora: {type(model).__name__} is not a Transformers model; give --model a "
                           "save_pretrained folder (or --model_config), or pass a Transformers model to train()")
-    peft = require_peft("--peft lora")
+    peft = require("peft", "--peft lora")  # the finetune extra
     names = [name.strip() for name in targets.split(",") if name.strip()]
     target_modules: str | list[str] = "all-linear" if names == ["all-linear"] else names
     if target_modules != "all-linear":
@@ -103,16 +103,6 @@ def add_lora(model: nn.Module, r: int, alpha: float, dropout: float, targets: st
     # use: enable_activation_checkpointing); without it the backward stops at the first adapter, as it should.
     _input_grads_off(tuned)
     return tuned
-
-
-def require_peft(feature: str):
-    """The peft package, or one line naming the extra that installs it."""
-    try:
-        import peft
-    except ImportError:
-        raise ConfigError(f'{feature} needs the peft package, which is not installed; pip install "accel_ddp[finetune]" '
-                          "(or pip install peft)") from None
-    return peft
 
 
 def _linear_names(model: nn.Module) -> list[str]:

@@ -17,7 +17,8 @@ ROOT = Path(__file__).resolve().parent.parent / "accel_ddp"
 # package itself (its __init__: the public names, and __version__ for the doctor).
 LAYERS = [
     {"util"}, {"config"}, {"lifecycle"}, {"outputs"}, {"tracking", "checkpoint"}, {"distributed"}, {"data"},
-    {"tasks"}, {"models", "optim", "kernels", "finetune"}, {"step", "anomaly", "evaluate", "batch_size"}, {"assemble"}, {"loop"},
+    {"tasks"}, {"models", "optim", "kernels", "finetune"}, {"step", "anomaly", "evaluate", "batch_size"}, {"assemble"},
+    {"loop"},
     {"cli", "accel_ddp"},
     {"__main__"},
 ]

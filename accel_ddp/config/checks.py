@@ -206,5 +206,6 @@ def _check_peft(cfg: Any) -> None:
         given = [f"--{f.name}" for f in dataclasses.fields(cfg)
                  if (f.name.startswith("lora_") or f.name == "merge_adapter") and getattr(cfg, f.name) != f.default]
         if given:
-            raise ConfigError(f"{', '.join(given)} without --peft: nothing would use {'them' if len(given) > 1 else 'it'}"
-                              "; add --peft lora, or drop it")
+            them = "them" if len(given) > 1 else "it"
+            raise ConfigError(f"{', '.join(given)} without --peft: nothing would use {them}; add --peft lora, or "
+                              f"drop {them}")

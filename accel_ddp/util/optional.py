@@ -7,7 +7,8 @@ from types import ModuleType
 
 from accel_ddp.util.validation import ConfigError
 
-EXTRAS = {"transformers": "nlp", "tokenizers": "nlp", "tensorboard": "tracking"}  # package -> setup.cfg extra
+# package -> setup.cfg extra
+EXTRAS = {"transformers": "nlp", "tokenizers": "nlp", "tensorboard": "tracking", "peft": "finetune"}
 
 
 def require(package: str, feature: str) -> ModuleType:
