@@ -4,12 +4,12 @@
 ``accel_ddp.config``, the CLI's ``--help``, the doctor) then costs no Accelerate import.
 
 The loop's story is at the root (``loop``, ``assemble``, ``step``, ``anomaly``, ``batch_size``, ``evaluate``,
-``models``, ``optim``, ``kernels``) with the options in ``config/``; infrastructure lives in subpackages, each
-``__init__`` saying what it holds and what it may import.
+``models``, ``optim``, ``kernels``, ``finetune``) with the options in ``config/``; infrastructure lives in
+subpackages, each ``__init__`` saying what it holds and what it may import.
 Imports run one way: each layer imports only layers to its left.
 
     util -> config -> lifecycle -> outputs -> tracking, checkpoint -> distributed -> data -> tasks
-         -> models, optim, kernels -> step, anomaly, batch_size, evaluate -> assemble -> loop -> cli
+         -> models, optim, kernels, finetune -> step, anomaly, batch_size, evaluate -> assemble -> loop -> cli
 
 (``assemble`` builds a run from everything below it, ``loop`` trains it; nothing imports ``cli`` but ``__main__``.)
 """

@@ -272,7 +272,7 @@ def _model(cfg: TrainConfig, accelerator: Accelerator, model, data, memory_forma
         check_fsdp(model, channels_last=cfg.channels_last, mixed_precision=accelerator.mixed_precision)
     if cfg.init_from:
         load_weights(model, cfg.init_from)  # every rank reads the same file before DDP wraps the model
-    model = prepare_for_finetuning(cfg, model)  # --gradient_checkpointing, --peft lora (the base frozen)
+    model = prepare_for_finetuning(cfg, model, sharded=accelerator.is_fsdp2)  # --gradient_checkpointing, --peft
     return model.to(memory_format=memory_format)  # NHWC convolutions: faster on tensor cores
 
 

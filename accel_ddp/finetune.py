@@ -36,10 +36,14 @@ from accel_ddp.util.validation import ConfigError
 DIGEST_VALUES = 64  # values per frozen tensor read into the fingerprint: a changed base shows, at no real cost
 
 
-def prepare_for_finetuning(cfg: TrainConfig, model: nn.Module) -> nn.Module:
+def prepare_for_finetuning(cfg: TrainConfig, model: nn.Module, sharded: bool = False) -> nn.Module:
     """``model`` with ``--gradient_checkpointing`` on and ``--peft lora``'s adapters added (the base frozen).
 
-    Call it before DDP wraps the model (and after ``--init_from`` loaded the base's weights)."""
+    Call it before DDP wraps the model (and after ``--init_from`` loaded the base's weights). ``sharded``: an
+    FSDP launch, where --peft is refused (its trainable-only checkpoints and exports are written for DDP)."""
+    if cfg.peft and sharded:
+        raise ConfigError(f"--peft {cfg.peft} under FSDP is not supported yet; launch with a DDP config (the "
+                          "frozen base is not trained, so its memory is weights only), or drop --peft")
     if cfg.gradient_checkpointing:
         enable_activation_checkpointing(model)
     if cfg.peft == "lora":

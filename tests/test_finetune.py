@@ -335,3 +335,25 @@ def test_the_adapter_loads_with_peft_and_the_merged_model_without_it_with_the_sa
     assert "lora" not in " ".join(k for k, _ in merged.named_parameters())
     assert torch.allclose(adapter_logits, merged_logits, atol=1e-5, rtol=0)
     assert not torch.allclose(adapter_logits, base_logits, atol=1e-3)
+
+
+def test_peft_under_fsdp_is_refused_before_anything_is_built():
+    from accel_ddp.finetune import prepare_for_finetuning
+
+    with pytest.raises(ConfigError, match="--peft lora under FSDP is not supported yet; launch with a DDP config"):
+        prepare_for_finetuning(TrainConfig(peft="lora", task="causal_lm"), tiny_gpt(), sharded=True)
+
+
+def test_the_fingerprint_is_the_bases_whatever_the_adapters_and_changes_with_its_weights():
+    from accel_ddp.finetune import add_lora, base_fingerprint
+
+    torch.manual_seed(0)
+    plain = tiny_gpt().requires_grad_(False)
+    fingerprint = base_fingerprint(plain)
+    for targets in ("c_attn", "all-linear"):
+        torch.manual_seed(0)
+        assert base_fingerprint(add_lora(tiny_gpt(), 2, 4.0, 0.0, targets)) == fingerprint
+    with torch.no_grad():
+        plain.transformer.h[1].mlp.c_fc.weight[0, 0] += 1.0
+    assert base_fingerprint(plain) != fingerprint
+    assert base_fingerprint(tiny_gpt()) is None  # nothing frozen

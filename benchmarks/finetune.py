@@ -1,0 +1,86 @@
+"""What LoRA buys on docs/tasks.md's GPT-2: trainable share, checkpoint size and time per step against full
+fine-tuning of the same base, on the same data, in the same invocation (docs/tasks.md#fine-tuning).
+
+The base is the 4-layer GPT-2 of examples/configs/tiny_gpt2.json (seeded fresh weights, written with
+save_pretrained: size and speed do not depend on what it learnt), the data the Python Language Reference's
+paragraphs (examples/pydoc_text.py lm), packed into 128-token blocks, global batch 32, one process. Each variant
+trains --steps optimizer steps and saves one checkpoint; the figures are summary.json's step-time median and the
+checkpoint folder's bytes. Variants: full fine-tuning, LoRA (r 8 on every linear layer), LoRA with
+--gradient_checkpointing, and full fine-tuning with --gradient_checkpointing.
+
+    python benchmarks/finetune.py --steps 30 --out outputs/bench_finetune
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the clone's accel_ddp, as bare_ddp.py does
+from benchmarks.common import REPO, bench_env, tiny_gpt2  # noqa: E402
+
+VARIANTS = {
+    "full": [],
+    "lora": ["--peft", "lora", "--lora_r", "8"],
+    "lora_checkpointing": ["--peft", "lora", "--lora_r", "8", "--gradient_checkpointing"],
+    "full_checkpointing": ["--gradient_checkpointing"],
+}
+
+
+def prepare(out: Path) -> tuple[Path, Path]:
+    """The data (with its tokenizer) and the base model folder, made once under ``out``."""
+    import torch
+
+    data, base = out / "data", out / "base"
+    if not (data / "tokenizer").is_dir():
+        subprocess.run([sys.executable, str(REPO / "examples" / "pydoc_text.py"), "lm", "--out", str(data)],
+                       check=True, env=bench_env(1))
+    if not (base / "config.json").is_file():
+        torch.manual_seed(0)
+        tiny_gpt2().save_pretrained(str(base))
+    return data, base
+
+
+def run(name: str, extra: list[str], data: Path, base: Path, out: Path, steps: int, threads: int) -> dict:
+    folder = out / name
+    args = ["--task", "causal_lm", "--dataset", "hf", "--data_dir", str(data), "--tokenizer", str(data / "tokenizer"),
+            "--model", str(base), "--packing", "--max_length", "128", "--global_batch_size", "32",
+            "--max_steps", str(steps), "--checkpointing_steps", str(steps), "--lr", "1e-3", "--eval_every", "0",
+            "--output_dir", str(folder), *extra]
+    subprocess.run(["rm", "-rf", str(folder)], check=True)
+    subprocess.run([sys.executable, str(REPO / "train.py"), *args], check=True, env=bench_env(threads),
+                   stdout=subprocess.DEVNULL)
+    summary = json.loads((folder / "summary.json").read_text())
+    checkpoint = folder / "checkpoints" / f"step_{steps:08d}"
+    return {"step_ms": summary["step_time_p50_ms"],
+            "checkpoint_bytes": sum(f.stat().st_size for f in checkpoint.iterdir() if f.is_file()),
+            "trainable": summary.get("trainable_parameters"), "total": summary.get("total_parameters")}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=30, help="optimizer steps per variant")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads of the one process")
+    parser.add_argument("--out", default="outputs/bench_finetune")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, full first")
+    args = parser.parse_args()
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    data, base = prepare(out)
+    results = {}
+    for name in args.variants.split(","):
+        results[name] = run(name, VARIANTS[name], data, base, out, args.steps, args.threads)
+    full = results["full"]
+    print(f"{'variant':<20} {'trainable':>22} {'step p50 ms':>12} {'x full':>7} {'checkpoint':>12} {'x full':>7}")
+    for name, r in results.items():
+        trainable = f"{r['trainable']:,} ({100 * r['trainable'] / r['total']:.2f}%)" if r["trainable"] else "all"
+        print(f"{name:<20} {trainable:>22} {r['step_ms']:>12.1f} {r['step_ms'] / full['step_ms']:>7.2f} "
+              f"{r['checkpoint_bytes'] / 2**20:>9.2f} MiB {r['checkpoint_bytes'] / full['checkpoint_bytes']:>7.3f}")
+    (out / "finetune.json").write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
