@@ -19,7 +19,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the clone's accel_ddp, as bare_ddp.py does
+# The clone's accel_ddp, as bare_ddp.py does; and not this folder, whose kernels.py would stand in for the
+# `kernels` package that Transformers' GPT-2 imports
+sys.path[0] = str(Path(__file__).resolve().parents[1])
 from benchmarks.common import REPO, bench_env, tiny_gpt2  # noqa: E402
 
 VARIANTS = {

@@ -106,7 +106,7 @@ class TrainConfig:
 
     peft: str | None = _opt(
         None, "lora: train LoRA adapters (the peft library) on a frozen Transformers model; unset: train every "
-        "parameter", section="fine-tuning (a pretrained Transformers model: docs/tasks.md#fine-tuning)")
+        "parameter", section="fine-tuning (LoRA adapters on a pretrained Transformers model: docs/tasks.md)")
     lora_r: int = _opt(8, "--peft lora: rank of each adapter (its A is r x in, its B out x r)", low=1, high=65536)
     lora_alpha: float = _opt(16.0, "--peft lora: scale; an adapter's update is (lora_alpha / lora_r) x B A",
                              low=1e-6)
