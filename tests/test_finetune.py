@@ -185,6 +185,43 @@ def test_a_checkpoint_holds_the_adapter_and_its_optimizer_state_and_the_base_fin
     assert (folder / "model.safetensors").stat().st_size * 10 < (out / "model.safetensors").stat().st_size
 
 
+@pytest.mark.parametrize("extra", [["--async_checkpointing"],
+                                   ["--eval_every", "2", "--load_best_model_at_end"]])
+def test_async_saves_and_the_best_checkpoint_hold_and_load_the_trainable_state(base, tmp_path, extra):
+    """--async_checkpointing's snapshot saves what the synchronous save does; --load_best_model_at_end loads an
+    adapter checkpoint back (its frozen base left out) into the final weights."""
+    out = tmp_path / "run"
+    [summary] = train_ranks(lora_args(base, out, "--checkpointing_steps", "2", *extra), world_size=1)
+    for step in steps_of(out):
+        weights = load_file(str(out / "checkpoints" / f"step_{step:08d}" / "model.safetensors"))
+        assert len(weights) == 8 and all("lora_" in k for k in weights)
+    if "--load_best_model_at_end" in extra:
+        best = load_file(str(out / "checkpoints" / f"step_{summary['best_step']:08d}" / "model.safetensors"))
+        final = load_weights(out)
+        assert all(torch.equal(final[k], v) for k, v in best.items())
+
+
+def test_lora_on_a_model_from_a_config_and_ddp_without_find_unused_parameters(tmp_path):
+    """--model_config builds the base with fresh weights; DDP wraps it with find_unused_parameters off and only the
+    adapters to reduce."""
+    config = tmp_path / "gpt2.json"
+    tiny_gpt().config.to_json_file(str(config))
+    args = [*DATA, "--model_config", str(config), *LORA, *STEPS, "--output_dir", str(tmp_path / "run")]
+
+    def rank() -> tuple:
+        from contextlib import ExitStack
+
+        from accel_ddp.assemble import setup
+        from accel_ddp.cli.args import parse_args
+
+        with ExitStack() as teardown:
+            ddp = setup(parse_args(args), teardown).model
+            reduced = sum(p.numel() for p in ddp.module.parameters() if p.requires_grad)
+            return type(ddp).__name__, ddp.find_unused_parameters, reduced
+
+    assert run_ranks(rank, world_size=2) == [("DistributedDataParallel", False, TRAINABLE)] * 2
+
+
 @pytest.fixture(scope="module")
 def reference(base, tmp_path_factory) -> tuple[Path, list[str]]:
     """The uninterrupted adapter run on 2 ranks, with dropout in the base and the adapters (RNG state matters),
