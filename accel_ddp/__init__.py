@@ -3,15 +3,18 @@
 ``train`` and ``exit_process`` are imported on first use: ``import accel_ddp.models`` (or
 ``accel_ddp.config``, the CLI's ``--help``, the doctor) then costs no Accelerate import.
 
-The loop's story is at the root (``loop``, ``assemble``, ``step``, ``anomaly``, ``batch_size``, ``evaluate``,
-``models``, ``optim``, ``kernels``, ``finetune``) with the options in ``config/``; infrastructure lives in
-subpackages, each ``__init__`` saying what it holds and what it may import.
+The loop's story is at the root (``loop``, ``after_step``, ``assemble``, ``step``, ``anomaly``, ``auto_batch``,
+``evaluate``, ``models``, ``optim``, ``fused_activations``, ``step_graph``,
+``finetune``) with the options in ``config/``;
+infrastructure lives in subpackages, each ``__init__`` saying what it holds and what it may import.
 Imports run one way: each layer imports only layers to its left.
 
     util -> config -> lifecycle -> outputs -> tracking, checkpoint -> distributed -> data -> tasks
-         -> models, optim, kernels, finetune -> step, anomaly, batch_size, evaluate -> assemble -> loop -> cli
+         -> models, optim, fused_activations, step_graph, finetune -> step, anomaly, auto_batch, evaluate
+         -> assemble -> after_step -> loop -> cli
 
-(``assemble`` builds a run from everything below it, ``loop`` trains it; nothing imports ``cli`` but ``__main__``.)
+(``assemble`` builds a run from everything below it, ``loop`` trains it, ``after_step`` decides what follows each
+optimizer step; nothing imports ``cli`` but ``__main__``.)
 """
 
 from accel_ddp.config import TrainConfig

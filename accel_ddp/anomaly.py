@@ -31,19 +31,18 @@ from typing import Any
 
 import torch
 
-from accel_ddp.lifecycle.preemption import NonFiniteLoss
+from accel_ddp.lifecycle.non_finite import NonFiniteLoss
 from accel_ddp.outputs.names import ANOMALIES_NAME
 from accel_ddp.util.atomic import atomic_write_text
 from accel_ddp.util.validation import ConfigError
 
 
 class AnomalyStop(NonFiniteLoss):
-    """Too many anomalies in a row (``--max_anomalies``), a spike under ``stop``, or a rollback with no checkpoint
-    before the bad step: every rank stops with the non-finite loss's exit code (3)."""
+    """A non-finite loss (exit code 3) that ``--on_anomaly`` could not skip or roll back: too many anomalies in a row
+    (``--max_anomalies``), a spike under ``stop``, or a rollback with no checkpoint before the bad step."""
 
     def __init__(self, message: str, step: int, checkpoint: str | None):
-        Exception.__init__(self, message)
-        self.step, self.checkpoint = step, checkpoint
+        super().__init__(step, checkpoint, message=message)
 
 
 class RolledBack(Exception):  # noqa: N818 - an outcome, caught by train()
@@ -57,12 +56,18 @@ class RolledBack(Exception):  # noqa: N818 - an outcome, caught by train()
 class AnomalyGuard:
     """The per-step skip decision, the host's view of it, and ``anomalies.json`` (one per run, built by ``setup``).
 
-        >>> guard = AnomalyGuard(cfg, accelerator, recorder, start_step)
+    Its log (the steps left out, the rollbacks) is part of the run's training state (checkpoint/train_state.py): each
+    checkpoint holds it as it was at the save step. ``anomalies.json`` holds it as it is now, decisions made after
+    the last checkpoint included (a rollback's, which a resumed run must leave out again): a resume takes that file
+    where it exists, else the checkpoint's copy.
+
+        >>> guard = AnomalyGuard(cfg, accelerator, recorder)
+        >>> guard.begin(start_step)            # once the start is agreed (a resume restored the log before)
         >>> bad = guard.decide(grad_norm)      # in the update, once per optimizer step: a device bool
         >>> guard.resolve(step, last_saved)    # where the loop syncs: lines, records, rollback or stop
     """
 
-    def __init__(self, cfg, accelerator, recorder, start_step: int):
+    def __init__(self, cfg, accelerator, recorder):
         if accelerator.scaler is not None and cfg.on_anomaly != "stop":
             raise ConfigError(f"--on_anomaly {cfg.on_anomaly} with --mixed_precision fp16 is not supported (its "
                               "loss scaler skips steps by itself); use --mixed_precision bf16 or --on_anomaly stop")
@@ -72,12 +77,31 @@ class AnomalyGuard:
         self.accelerator, self.main = accelerator, accelerator.is_main_process
         self.path = os.path.join(cfg.output_dir, ANOMALIES_NAME)
         self.recorder = recorder
-        self.known = read_anomalies(self.path) if start_step else {"skipped": {}, "rollbacks": []}
-        if not start_step and self.main and os.path.exists(self.path):  # a fresh start: an earlier run's choices go
-            os.remove(self.path)
+        self.known: dict[str, Any] = {"skipped": {}, "rollbacks": []}
+        self.restored: dict[str, Any] | None = None  # the log of the checkpoint resumed from, if it holds one
         self.device = accelerator.device
         self.history: list[tuple[int, float]] = []  # (step, logged loss) of the last --spike_window log lines
         self.in_a_row, self.last_bad = 0, None
+        self.restart(0)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The log at this step, for the checkpoint (train_state.py)."""
+        return json.loads(json.dumps(self.known))  # a copy: the log grows while an async save is written
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        """The checkpoint's copy of the log, used by :meth:`begin` on a resume. A rollback keeps the log in memory,
+        which holds the checkpoint's and every decision since."""
+        usable = isinstance(state, dict) and isinstance(state.get("skipped"), dict) and \
+            isinstance(state.get("rollbacks"), list)
+        self.restored = state if usable else None
+
+    def begin(self, start_step: int) -> None:
+        """Once the start is agreed: a resumed run continues the log (``anomalies.json``, else the checkpoint's); a
+        fresh start forgets an earlier run's choices."""
+        if start_step:
+            self.known = read_anomalies(self.path, self.restored)
+        elif self.main and os.path.exists(self.path):
+            os.remove(self.path)
         self.restart(start_step)
 
     def restart(self, step: int) -> None:
@@ -191,10 +215,11 @@ class AnomalyGuard:
         return {"anomaly_skipped_steps": len(self.known["skipped"]), "anomaly_rollbacks": len(self.known["rollbacks"])}
 
 
-def read_anomalies(path: str) -> dict[str, Any]:
-    """``anomalies.json`` of a resumed run ({} when absent); a damaged one is bad input (exit 2)."""
+def read_anomalies(path: str, saved: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``anomalies.json`` of a resumed run (``saved``, the checkpoint's copy, or an empty log when absent); a damaged
+    one is bad input (exit 2)."""
     if not os.path.exists(path):
-        return {"skipped": {}, "rollbacks": []}
+        return saved if saved is not None else {"skipped": {}, "rollbacks": []}
     try:
         with open(path, encoding="utf-8") as fh:
             data = json.load(fh)
@@ -211,12 +236,3 @@ def _span(steps: Iterable[int]) -> str:
     if len(steps) == 1:
         return str(steps[0])
     return f"{steps[0]}-{steps[-1]}" if steps == list(range(steps[0], steps[-1] + 1)) else ", ".join(map(str, steps))
-
-
-def roll_back(checkpoints, recorder, bar, back: RolledBack) -> int:
-    """Every rank: reload ``back.folder`` (weights, optimizer, schedule, RNGs) and forget the metrics after it;
-    the step to train on from (``fit`` replays from there, leaving out the recorded steps)."""
-    step = checkpoints.resume(back.folder)
-    recorder.rewind(step)
-    bar.n = step  # tqdm's count: the replayed steps are counted again
-    return step

@@ -14,27 +14,31 @@ import time
 from contextlib import ExitStack
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from accelerate import Accelerator
+from accelerate.optimizer import AcceleratedOptimizer
+from accelerate.scheduler import AcceleratedScheduler
 from accelerate.utils import set_seed
+from torch.utils.data import DataLoader
+from tqdm.auto import tqdm
 
 from accel_ddp.anomaly import AnomalyGuard
-from accel_ddp.batch_size import choose_micro_batch
-from accel_ddp.checkpoint.async_save import AsyncSaver, check_async_checkpointing
+from accel_ddp.auto_batch import choose_micro_batch
 from accel_ddp.checkpoint.best import BestModel
 from accel_ddp.checkpoint.manager import HYPERPARAMETERS, CheckpointManager
 from accel_ddp.checkpoint.start import where_to_start
-from accel_ddp.checkpoint.storage import open_store
+from accel_ddp.checkpoint.storage import check_store
+from accel_ddp.checkpoint.train_state import Position, TrainState
 from accel_ddp.checkpoint.weights import load_weights
 from accel_ddp.config import DEBUG_MAX_STEPS, TrainConfig
-from accel_ddp.data import build_loaders, usable_cpus
+from accel_ddp.data import DeviceEvalLoader, DeviceLoader, HostLoader, StreamingLoader, build_loaders, usable_cpus
 from accel_ddp.data.resolve import resolve_data
 from accel_ddp.distributed.preflight import check_fsdp, check_shared_output_dir
 from accel_ddp.distributed.world import build_accelerator, prepare
 from accel_ddp.finetune import describe_parameters, finetune_facts, prepare_for_finetuning
-from accel_ddp.kernels import fuse_activations
+from accel_ddp.fused_activations import fuse_activations
 from accel_ddp.lifecycle import failure
 from accel_ddp.lifecycle.failure import main_process_decides
 from accel_ddp.lifecycle.preemption import (
@@ -49,6 +53,7 @@ from accel_ddp.outputs.run_dir import (
     check_output_dir,
     claim_output_dir,
 )
+from accel_ddp.step_graph import construction_stream, graph_problem
 from accel_ddp.tasks.probe import probe_task
 from accel_ddp.tasks.protocol import Task, build_task
 from accel_ddp.tracking.meters import (
@@ -59,9 +64,42 @@ from accel_ddp.tracking.startup import StartupClock
 from accel_ddp.tracking.startup_block import StartupBlock, finished, resumed_from
 from accel_ddp.tracking.trackers import tracking_kwargs
 from accel_ddp.util.registry import resolve
+from accel_ddp.util.validation import ConfigError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase  # imported by text tasks only
 
 
-@dataclass
+@dataclass(frozen=True)
+class Cadence:
+    """When the loop logs, evaluates and saves (accel_ddp/after_step.py), decided once from ``--log_every``,
+    ``--eval_every``, ``--checkpointing_steps`` and whether there is an eval set; the same on every rank."""
+
+    log_every: int  # a log line every N optimizer steps, and after the last
+    eval_every: int  # an evaluation every N optimizer steps; 0: none by step count
+    eval_at_epoch_end: bool  # --eval_every 0 with an eval set: at each epoch's end
+    save_every: int  # a checkpoint every N optimizer steps; 0: none by step count
+    save_at_epoch_end: bool  # --checkpointing_steps epoch: after each full epoch
+
+    @classmethod
+    def from_config(cls, cfg: TrainConfig, evaluates: bool) -> Cadence:
+        by_epoch = cfg.checkpointing_steps == "epoch"
+        return cls(log_every=cfg.log_every, eval_every=cfg.eval_every if evaluates else 0,
+                   eval_at_epoch_end=evaluates and not cfg.eval_every,
+                   save_every=0 if cfg.checkpointing_steps is None or by_epoch else int(cfg.checkpointing_steps),
+                   save_at_epoch_end=by_epoch)
+
+    def logs(self, step: int, total_steps: int) -> bool:
+        return step % self.log_every == 0 or step == total_steps
+
+    def evaluates(self, step: int) -> bool:
+        return bool(self.eval_every) and step % self.eval_every == 0
+
+    def saves(self, step: int) -> bool:
+        return bool(self.save_every) and step % self.save_every == 0
+
+
+@dataclass(frozen=True)
 class Plan:
     """What an optimizer step means for this run, derived once from the config and the world size."""
 
@@ -70,32 +108,38 @@ class Plan:
     steps_per_epoch: int  # optimizer steps; the trailing partial global batch is dropped
     total_steps: int  # optimizer steps of the whole run
     num_epochs: int
+    cadence: Cadence  # when the loop logs, evaluates and saves
     auto_batch: dict[str, Any] | None = None  # --per_device_batch_size auto: what was asked, tried, and from where
 
 
-@dataclass
+TrainLoader = DeviceLoader | HostLoader | StreamingLoader  # batches on the device, in the global-batch order
+EvalLoader = DataLoader | DeviceEvalLoader  # a prepared DataLoader (gather_for_metrics), or sliced on the device
+
+
+@dataclass(kw_only=True)
 class Run:
-    """Everything ``fit`` and ``finish`` need, built by ``setup``. Collective objects are on every rank."""
+    """Everything ``fit`` and ``finish`` need, built by ``setup``, each part complete. Collective objects are on every
+    rank. ``start_step`` is the one field that changes: a rollback (``--on_anomaly rollback``) moves it back."""
 
     cfg: TrainConfig
     accelerator: Accelerator
     model: torch.nn.Module  # wrapped by accelerator.prepare (DDP, FSDP or as is)
     task: Task  # how batches reach the model, the loss, the eval metrics
-    optimizer: Any
-    scheduler: Any
-    train_loader: Any  # a DeviceLoader, HostLoader (a DataLoader) or StreamingLoader: batches on the device
-    eval_loader: Any  # None when there is no eval set
+    optimizer: AcceleratedOptimizer
+    scheduler: AcceleratedScheduler
+    train_loader: TrainLoader
+    eval_loader: EvalLoader | None  # None when there is no eval set
     plan: Plan
     facts: dict[str, Any]  # world size, batch layout, loader... : config.yaml, checkpoints and summary.json
     recorder: RunRecorder
-    checkpoints: CheckpointManager
+    checkpoints: CheckpointManager  # saves and restores the run's TrainState (checkpoint/train_state.py) as one
     preemption: PreemptionWatcher
     start_step: int  # 0, or the optimizer step of the checkpoint resumed from
     started: float  # time.perf_counter() when train() began
     startup: StartupClock  # process start -> first optimizer step, by phase (summary.json's startup_sec)
-    tokenizer: Any = None  # text tasks: saved beside a Transformers model's final weights
-    bar: Any = None  # the progress bar (tqdm): closed by the teardown, so an error never shares its line
-    anomalies: AnomalyGuard | None = None  # --on_anomaly skip|rollback, --spike_factor (None: the loop as it was)
+    tokenizer: PreTrainedTokenizerBase | None  # text tasks: saved beside a Transformers model's final weights
+    bar: tqdm  # the progress bar: closed by the teardown, so an error never shares its line
+    anomalies: AnomalyGuard | None  # --on_anomaly skip|rollback, --spike_factor (None: the loop as it was)
 
 
 def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None, eval_dataset=None, *,
@@ -150,15 +194,19 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
         collate_fn=data.collate_fn, max_steps=cfg.max_steps,
         memory_limit=data.memory_limit,  # the machine's budget (data/memory_budget.py): device memory left for data
     )
-    plan = _plan(cfg, loaders.steps_per_epoch, per_device_batch, accumulation)
-    plan.auto_batch = chosen.facts() if chosen is not None else None
+    plan = _plan(cfg, loaders.steps_per_epoch, per_device_batch, accumulation, evaluates=loaders.eval is not None,
+                 auto_batch=chosen.facts() if chosen is not None else None)
     phase_done("loaders")
 
+    if cfg.cuda_graphs:  # what only the launch and the loaders tell (the options' clashes: config/checks.py)
+        _refuse_graphs(cfg, accelerator, plan.accumulation, loaders.kind)
     optimizer = build_optimizer(cfg.optimizer, model, cfg.lr, cfg.weight_decay,
-                                fused=use_fused_optimizer(cfg.optimizer, accelerator.device.type, accelerator.is_fsdp2))
+                                fused=use_fused_optimizer(cfg.optimizer, accelerator.device.type, accelerator.is_fsdp2),
+                                capturable=cfg.cuda_graphs)
     # --warmup_ratio (issue 22): a fraction of this run's total steps, so resolved here, once the total is known
     scheduler = build_lr_scheduler(optimizer, cfg.lr_schedule, cfg.warmup_for(plan.total_steps), plan.total_steps)
-    model, optimizer, scheduler = prepare(accelerator, model, optimizer, scheduler)
+    with construction_stream(cfg.cuda_graphs):  # DDP built on a side stream before a whole-step capture
+        model, optimizer, scheduler = prepare(accelerator, model, optimizer, scheduler)
     probe_task(task, accelerator, model, data, evaluates=loaders.eval is not None, loaders=loaders)
     phase_done("optimizer_and_prepare")
 
@@ -167,35 +215,39 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
     recorder = RunRecorder(cfg.output_dir, accelerator.is_main_process, accelerator=accelerator)
     teardown.callback(recorder.close)
     facts = {**_run_facts(cfg, accelerator, plan, loaders.kind, loaders.source), **tuned}
-    checkpoints = _checkpoints(cfg, accelerator, teardown, facts, plan, (model, optimizer, scheduler))
+    anomalies = AnomalyGuard(cfg, accelerator, recorder) if cfg.on_anomaly != "stop" or cfg.spike_factor else None
+    state = TrainState(accelerator=accelerator, model=model, optimizer=optimizer, scheduler=scheduler,
+                       # the best model and early stopping (checkpoint/best.py): their records go with each checkpoint
+                       best=BestModel.from_config(cfg, plan.steps_per_epoch, plan.total_steps), anomalies=anomalies,
+                       positions=loaders.train if isinstance(loaders.train, Position) else None)
+    checkpoints = _checkpoints(cfg, accelerator, teardown, facts, state)
+    checkpoints.store.stopping = lambda: preemption.signalled  # a store call under way gives up soon after a signal
     block = StartupBlock.describe(cfg, facts, epochs=plan.num_epochs, workers=_workers(loaders.train), model=named,
                                   data_sizes=_debug_sizes(cfg, data), cpus=usable_cpus())
     start_step = _agree_start(cfg, accelerator, checkpoints, (optimizer, scheduler), plan, recorder, facts, block,
                               preemption)
+    if anomalies is not None:
+        anomalies.begin(start_step)  # a resumed run's log continues; a fresh start forgets an earlier run's
     phase_done("resume_and_config")
     bar = progress_bar(plan.total_steps, start_step, accelerator.is_local_main_process)
     teardown.callback(bar.close)  # first on an error: the bar's line ends before any rank prints the error
-    anomalies = AnomalyGuard(cfg, accelerator, recorder, start_step) \
-        if cfg.on_anomaly != "stop" or cfg.spike_factor else None
-    return Run(cfg, accelerator, model, task, optimizer, scheduler, loaders.train, loaders.eval, plan, facts, recorder,
-               checkpoints, preemption, start_step, started, startup, data.tokenizer, bar, anomalies)
+    return Run(cfg=cfg, accelerator=accelerator, model=model, task=task, optimizer=optimizer, scheduler=scheduler,
+               train_loader=loaders.train, eval_loader=loaders.eval, plan=plan, facts=facts, recorder=recorder,
+               checkpoints=checkpoints, preemption=preemption, start_step=start_step, started=started,
+               startup=startup, tokenizer=data.tokenizer, bar=bar, anomalies=anomalies)
 
 
-def _checkpoints(cfg: TrainConfig, accelerator: Accelerator, teardown: ExitStack, facts: dict[str, Any], plan: Plan,
-                 state: tuple) -> CheckpointManager:
-    """Where checkpoints go (the output folder or --checkpoint_dir's store, claimed), with the best model's record
-    and, with --async_checkpointing, the writer thread."""
-    model, optimizer, scheduler = state
+def _checkpoints(cfg: TrainConfig, accelerator: Accelerator, teardown: ExitStack, facts: dict[str, Any],
+                 state: TrainState) -> CheckpointManager:
+    """Where checkpoints go (the output folder or --checkpoint_dir's store, claimed), what they hold (``state``)
+    and, with --async_checkpointing, their writer thread."""
     checkpoints = CheckpointManager(accelerator, cfg.output_dir, cfg.keep_last,
                                     {**facts, "seed": cfg.seed, "optimizer": cfg.optimizer, "model": cfg.model,
-                                     **{name: getattr(cfg, name) for name in HYPERPARAMETERS}}, cfg.checkpoint_dir)
+                                     **{name: getattr(cfg, name) for name in HYPERPARAMETERS}},
+                                    state=state, checkpoint_dir=cfg.checkpoint_dir, store_timeout=cfg.store_timeout,
+                                    async_timeout=cfg.ddp_timeout if cfg.async_checkpointing else None)
     checkpoints.claim_store(cfg.output_dir)  # --checkpoint_dir: one run per prefix, like the output folder's lock
     teardown.callback(checkpoints.release_store)
-    # The best model and early stopping (checkpoint/best.py): stored with each checkpoint, restored by resume.
-    checkpoints.best = BestModel.from_config(cfg, plan.steps_per_epoch, plan.total_steps)
-    if cfg.async_checkpointing:  # writes in a background thread (checkpoint/async_save.py)
-        check_async_checkpointing(accelerator)
-        checkpoints.saver = AsyncSaver(checkpoints, model, optimizer, scheduler, cfg.ddp_timeout)
     return checkpoints
 
 
@@ -236,7 +288,7 @@ def _join(cfg: TrainConfig, teardown: ExitStack, preemption: PreemptionWatcher) 
     teardown.push(_claim_failure)  # before the group goes: the ranks it then stops know that they are not first
     main_process_decides(accelerator, lambda: check_output_dir(cfg.output_dir))  # a bad folder: now, not after data
     if cfg.checkpoint_dir:  # a store that cannot even be opened (no account, bad settings): now too, one line
-        main_process_decides(accelerator, lambda: open_store(cfg.checkpoint_dir) and None)
+        main_process_decides(accelerator, lambda: check_store(cfg.checkpoint_dir))
     check_shared_output_dir(accelerator, cfg.output_dir)  # several machines: one folder for all of them
     if accelerator.is_main_process and (hazard := restart_hazard()):
         print(f"accel_ddp: warning: {hazard}", file=sys.stderr, flush=True)
@@ -249,6 +301,17 @@ def _say(block: StartupBlock, is_main: bool) -> None:
         print(block.text(warnings=False), end="", flush=True)
         for warning in block.warnings:
             print(f"accel_ddp: warning: {warning}", file=sys.stderr, flush=True)
+
+
+def _refuse_graphs(cfg: TrainConfig, accelerator: Accelerator, accumulation: int, loader_kind: str) -> None:
+    """--cuda_graphs where this launch and these loaders cannot be captured: one line (accel_ddp/step_graph.py)."""
+    backend = torch.distributed.get_backend() if torch.distributed.is_initialized() else None
+    problem = graph_problem(device_type=accelerator.device.type, distributed_type=accelerator.distributed_type.value,
+                            num_processes=accelerator.num_processes, backend=backend, accumulation=accumulation,
+                            loader_kind=loader_kind, packing=cfg.packing,
+                            mixed_precision=str(accelerator.mixed_precision))
+    if problem is not None:
+        raise ConfigError(problem)
 
 
 def _workers(loader) -> int | None:
@@ -276,11 +339,14 @@ def _model(cfg: TrainConfig, accelerator: Accelerator, model, data, memory_forma
     return model.to(memory_format=memory_format)  # NHWC convolutions: faster on tensor cores
 
 
-def _plan(cfg: TrainConfig, steps_in_epoch: int, per_device_batch: int, accumulation: int) -> Plan:
+def _plan(cfg: TrainConfig, steps_in_epoch: int, per_device_batch: int, accumulation: int, *, evaluates: bool,
+          auto_batch: dict[str, Any] | None) -> Plan:
     total_steps = cfg.max_steps or cfg.epochs * steps_in_epoch
     if cfg.debug:
         total_steps = min(total_steps, DEBUG_MAX_STEPS)
-    return Plan(per_device_batch, accumulation, steps_in_epoch, total_steps, math.ceil(total_steps / steps_in_epoch))
+    return Plan(per_device_batch=per_device_batch, accumulation=accumulation, steps_per_epoch=steps_in_epoch,
+                total_steps=total_steps, num_epochs=math.ceil(total_steps / steps_in_epoch),
+                cadence=Cadence.from_config(cfg, evaluates), auto_batch=auto_batch)
 
 
 def _run_facts(cfg: TrainConfig, accelerator: Accelerator, plan: Plan, loader_kind: str,

@@ -1,5 +1,5 @@
-"""The training run, read top to bottom: ``setup`` (accel_ddp/assemble.py) -> ``fit`` -> ``evaluate_and_log`` ->
-``finish``.
+"""The training run, read top to bottom: ``setup`` (accel_ddp/assemble.py) -> ``fit`` (what follows each optimizer
+step: accel_ddp/after_step.py) -> ``finish``.
 
 ``train()`` is the Python API; ``main()`` the CLI (returns an exit code); ``run()`` the script
 entry point (``train.py``, ``accel-ddp train``), which exits the process safely.
@@ -22,26 +22,19 @@ from typing import Any
 
 import torch
 from torch.utils.data import Dataset
-from tqdm.auto import tqdm
 
-from accel_ddp.anomaly import AnomalyStop, RolledBack, roll_back
+from accel_ddp.after_step import AfterStep, roll_back
+from accel_ddp.anomaly import AnomalyStop, RolledBack
 from accel_ddp.assemble import Run, setup
 from accel_ddp.checkpoint.weights import export_weights
 from accel_ddp.config import TrainConfig
-from accel_ddp.evaluate import evaluate
-from accel_ddp.lifecycle.preemption import (
-    LossWatch,
-    NonFiniteLoss,
-    PreemptionWatcher,
-    trace_non_finite,
-)
-from accel_ddp.lifecycle.stops import StopPoints
+from accel_ddp.lifecycle.preemption import PreemptionWatcher
 from accel_ddp.models import export_pretrained
+from accel_ddp.outputs.files import WriteFailed
 from accel_ddp.outputs.model_card import launch_command, write_model_card
 from accel_ddp.outputs.run_dir import (
     RunFinished,
 )
-from accel_ddp.step import TrainStep
 from accel_ddp.tracking.meters import (
     EpochTimer,
     ThroughputMeter,
@@ -49,7 +42,6 @@ from accel_ddp.tracking.meters import (
     memory_record,
     timed,
 )
-from accel_ddp.tracking.step_log import StepLog
 
 
 def train(
@@ -86,10 +78,15 @@ def train(
             try:
                 return finish(run, fit(run))
             except RolledBack as back:  # --on_anomaly rollback: every rank reloads the checkpoint and trains on
-                run.start_step = roll_back(run.checkpoints, run.recorder, run.bar, back)
+                run.start_step = roll_back(run, back)
             except AnomalyStop:  # it names the newest checkpoint, maybe one in flight: sealed before the exit
                 run.checkpoints.wait()
                 raise
+            except WriteFailed as err:  # a metrics line on a disk that an async save filled: the save is the news
+                failed = run.checkpoints.failed_save(err)
+                if failed is err:
+                    raise
+                raise failed from err
 
 
 @dataclass
@@ -104,13 +101,13 @@ def fit(run: Run) -> FitResult:
     """The training loop, from ``run.start_step`` to the last optimizer step.
 
     ``micro_step`` = one forward/backward per rank; ``step`` = one optimizer step over the global batch.
-    Every rank takes the same branches at the same step: evaluations, saves and stops are collective.
+    Every rank takes the same branches at the same step: what follows a step (log lines, evaluations, saves, stops:
+    accel_ddp/after_step.py) is decided by the plan's cadence and by collectives.
     """
-    cfg, plan = run.cfg, run.plan
-    save_every = 0 if cfg.checkpointing_steps in (None, "epoch") else int(cfg.checkpointing_steps)
+    plan = run.plan
     step = run.start_step  # epochs have a fixed number of steps, so the step alone says where we are
-    watch, steps, stops, log = _step_parts(run, step)
-    evals = Evaluations(run, stops)
+    after = AfterStep(run, step)  # the optimizer step (after.steps), and what follows each one
+    steps, log = after.steps, after.log
     for epoch in range(step // plan.steps_per_epoch, plan.num_epochs):
         if step >= plan.total_steps:  # resumed from the last step's checkpoint
             break
@@ -123,94 +120,12 @@ def fit(run: Run) -> FitResult:
             if not steps.micro_step(batch):  # forward, backward; on the step's last micro-step the update
                 continue
             step = steps.step
-            watch.after_step(steps.losses.running_loss)
-            log.step_done(step, epoch, on_bad_loss=stops.if_not_finite, last_saved=stops.last_saved)
-            if run.preemption.stop_requested():  # ranks compare flags every ~1 s: all stop after the same step
-                stops.stop(step)
-            if run.eval_loader is not None and cfg.eval_every and step % cfg.eval_every == 0:
-                if evals.now(step, epoch):
-                    break
-                log.paused(step)
-            if save_every and step % save_every == 0:
-                stops.if_preempted(step, stops.save(step))  # a signal during the save: it completes, then all stop
-                log.paused(step)
-            if step >= plan.total_steps:
+            if after.step_done(step, epoch):  # log, stop, evaluate, save; True: early stopping or the last step
                 break
-        log.epoch_done(step, epoch)
-        if evals.stopped_early:  # within the epoch
+        if after.epoch_done(step, epoch):  # the epoch's record, evaluation and save; True: early stopping
             break
-        if run.eval_loader is not None and not cfg.eval_every and evals.now(step, epoch):
-            break
-        if cfg.checkpointing_steps == "epoch" and step == (epoch + 1) * plan.steps_per_epoch:
-            stops.if_preempted(step, stops.save(step))
-        log.meter.reset(step)  # the next log line's samples/s leaves out this epoch's evaluation and checkpoint
-    log.close()
-    stops.if_not_finite(step)  # before finish() exports the weights
-    eval_metrics = evals.final(step, plan.num_epochs - 1)
-    run.checkpoints.wait()  # --async_checkpointing: the last save sealed before the final outputs
+    eval_metrics = after.finish(step)  # checked, evaluated and sealed before finish() exports the weights
     return FitResult(step, eval_metrics, log.timer, log.meter)
-
-
-def _step_parts(run: Run, step: int) -> tuple[LossWatch, TrainStep, StopPoints, StepLog]:
-    """What ``fit`` drives from ``step`` on: the non-finite watch, the optimizer step, the stop points, the log."""
-    watch = LossWatch(run.accelerator, step)  # a nan/inf loss is noticed at the next sync point, named by its step
-    guard = run.anomalies  # --on_anomaly skip|rollback: bad steps' updates left out (anomaly.py)
-    if guard is not None:
-        guard.restart(step)
-    steps = TrainStep(run.accelerator, run.model, run.task, run.optimizer, run.scheduler, run.plan.accumulation,
-                      run.cfg.global_batch_size, run.cfg.max_grad_norm, step, check_loss=_debug_check(run, watch),
-                      guard=guard if guard is not None and guard.skips else None,  # stop + --spike_factor: logs only
-                      per_device_batch=run.plan.per_device_batch)
-    stops = StopPoints(run.checkpoints, run.preemption, watch, steps.losses, run.bar, run.plan.total_steps, guard)
-    return watch, steps, stops, StepLog(run, steps.losses, guard)
-
-
-class Evaluations:
-    """The run's evaluations: every ``--eval_every`` steps or epoch, and the final weights once.
-
-    Each is ranked for the best model and early stopping (``checkpoint/best.py``) on the gathered metrics, so
-    every rank decides the same."""
-
-    def __init__(self, run: Run, stops: StopPoints):
-        self.run, self.stops, self.best = run, stops, run.checkpoints.best
-        self.metrics: dict[str, Any] = {}
-        self.at: int | None = None  # the step of the last evaluation
-
-    @property
-    def stopped_early(self) -> bool:
-        return bool(self.best) and self.best.stopped_at is not None
-
-    def now(self, step: int, epoch: int) -> bool:
-        """Evaluate after ``step``; True: early stopping ends the run here, on every rank alike."""
-        self.stops.if_not_finite(step)
-        self.metrics, self.at = evaluate_and_log(self.run, step, epoch), step
-        if self.best and self.best.after_eval(self.metrics, step):
-            return True
-        self.stops.if_preempted(step)  # the evaluation was finished: its metrics are logged, then the step saved
-        return False
-
-    def final(self, step: int, epoch: int) -> dict[str, Any]:
-        """The final weights' metrics: evaluated unless the last evaluation was of this step (a candidate for the
-        best model too); also for a run resumed from its last step's checkpoint."""
-        if self.run.eval_loader is not None and self.at != step:
-            self.metrics = evaluate_and_log(self.run, step, epoch)
-            if self.best:
-                self.best.after_eval(self.metrics, step)
-        return self.metrics
-
-
-def _debug_check(run: Run, watch: LossWatch) -> Callable[[torch.Tensor, int], None] | None:
-    """``--debug``: every micro-step's loss is checked on every rank (a sync per step), so a nan/inf stops the run
-    before its backward, with a trace of the operation that made it; None otherwise (checked at sync points)."""
-    if not run.cfg.debug:
-        return None
-
-    def check(loss: torch.Tensor, step: int) -> None:
-        if watch.any_rank(loss):
-            raise NonFiniteLoss(step, run.checkpoints.last_saved_folder, trace_non_finite(run.accelerator, run.model,
-                                                                                          loss))
-
-    return check
 
 
 def finish(run: Run, result: FitResult) -> dict[str, Any]:
@@ -269,19 +184,3 @@ def _epoch_batches(loader, epoch: int, skip: int) -> Iterable:
     """
     loader.set_epoch(epoch)
     return loader if skip == 0 else loader.skip_first_batches(skip)
-
-
-def evaluate_and_log(run: Run, step: int, epoch: int) -> dict[str, Any]:
-    """Evaluate on every rank, log the metrics (main process) and return them."""
-    # Evaluation must not move the training RNG stream (its loader draws a seed): a resumed run skips
-    # the evaluations that came before its checkpoint and must still replay the same dropout masks.
-    with torch.random.fork_rng(devices=[]):
-        metrics = evaluate(run.accelerator, run.model, run.eval_loader, run.task)
-    run.recorder.log({"step": step, "epoch": epoch, **metrics})
-    if run.accelerator.is_main_process:
-        shown = " ".join(f"{k} {v:.4f}" for k, v in metrics.items() if isinstance(v, float))
-        shown = shown if metrics.get("eval_loss") is not None else f"no eval items {shown}".strip()  # a null loss
-        tqdm.write(f"step {step} epoch {epoch}: {shown} ({metrics['eval_samples']} samples)")
-    return metrics
-
-

@@ -30,7 +30,7 @@ def use_fused_optimizer(name: str, device_type: str, fsdp2: bool = False) -> boo
 
 
 def build_optimizer(
-    name: str, model: nn.Module, lr: float, weight_decay: float, fused: bool = False
+    name: str, model: nn.Module, lr: float, weight_decay: float, fused: bool = False, capturable: bool = False
 ) -> torch.optim.Optimizer:
     """``sgd`` (momentum 0.9, Nesterov) or ``adamw``; biases and norms get no weight decay.
 
@@ -38,16 +38,30 @@ def build_optimizer(
     launch per tensor. Otherwise the multi-tensor (``foreach``) implementation, asked for
     explicitly: torch picks it by itself only for CUDA tensors, and on the CPU it nearly halves
     an AdamW step against the per-tensor loop (mnist_cnn: 6.8 -> 3.7 ms; see benchmarks/README.md).
+
+    ``capturable`` (``--cuda_graphs``, AdamW only): the multi-tensor AdamW that a CUDA graph can capture, its step
+    count on the device and its LR a tensor (the schedule ``fill_``s it; a float would be baked into the graph).
+    torch documents ``capturable=True`` with a tensor LR for Adam/AdamW (``torch.optim.AdamW``'s ``lr``).
     """
+    if capturable:
+        if name != "adamw":
+            raise ConfigError(f"--cuda_graphs needs --optimizer adamw (a capturable optimizer), not {name}")
+        return torch.optim.AdamW(_groups(model, weight_decay), lr=torch.tensor(float(lr)), capturable=True,
+                                 foreach=True)
     extra = {"fused": True} if fused else {"foreach": True}
-    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = _groups(model, weight_decay)
     if name == "sgd":
         return torch.optim.SGD(groups, lr=lr, momentum=0.9, nesterov=True, **extra)
     if name == "adamw":
         return torch.optim.AdamW(groups, lr=lr, **extra)
     raise ConfigError(f"unknown optimizer {name!r}; choose sgd or adamw")
+
+
+def _groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Weight decay for matrices and convolution kernels; none for biases and norms."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
 def lr_multiplier(step: int, schedule: str, warmup_steps: int, total_steps: int) -> float:

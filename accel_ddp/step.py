@@ -31,6 +31,7 @@ from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import DistributedType
 
+from accel_ddp.step_graph import DDP_WARMUP, EAGER_WARMUP, StepGraph, device_learning_rates
 from accel_ddp.util.messages import empty_sum, out_of_memory
 from accel_ddp.util.validation import ConfigError
 
@@ -244,8 +245,8 @@ class LossAccumulator:
         self._step_mean.zero_()
 
     def finish_step(self, model: torch.nn.Module) -> None:
-        """At the optimizer step's last micro-step (gradients synced), before clipping and the update."""
-        self.steps_since_log += 1
+        """At the optimizer step's last micro-step (gradients synced), before clipping and the update (device work
+        only: under --cuda_graphs it is captured once and replayed; the caller counts the step, ``step_done``)."""
         if not self.summed:
             return
         acc = self.accelerator
@@ -261,6 +262,10 @@ class LossAccumulator:
             self._params = (model, list(model.parameters()))
         scale_gradients(self._params[1], factor)
         self.step_items.zero_()
+
+    def step_done(self) -> None:
+        """Host bookkeeping of each optimizer step, outside the (maybe captured) device work."""
+        self.steps_since_log += 1
 
     def _launch_count(self) -> tuple[torch.Tensor, object]:
         """All-reduce a copy of this step's item count without waiting (``async_op=True``).
@@ -320,6 +325,11 @@ def scale_gradients(parameters, factor: torch.Tensor) -> None:
         torch._foreach_mul_(grads, factor.to(device=device, dtype=dtype))
 
 
+def graph_warmup(accelerator: Accelerator) -> int:
+    """Eager steps before a --cuda_graphs capture: more under DDP (accel_ddp/step_graph.py)."""
+    return DDP_WARMUP if accelerator.num_processes > 1 else EAGER_WARMUP
+
+
 class TrainStep:
     """One micro-step on this rank: forward and loss, backward (gradients all-reduced on the step's last), and
     there the token-exact rescale, clip, optimizer step, zero_grad and the schedule's step.
@@ -334,7 +344,7 @@ class TrainStep:
     def __init__(self, accelerator: Accelerator, model, task, optimizer, scheduler, accumulation: int,
                  global_batch_size: int, max_grad_norm: float, start_step: int = 0,
                  check_loss: Callable[[torch.Tensor, int], None] | None = None, guard=None,
-                 per_device_batch: int | None = None):
+                 per_device_batch: int | None = None, graphs=None):
         self.accelerator, self.model, self.task, self.scheduler = accelerator, model, task, scheduler
         # guard (--on_anomaly skip|rollback): a bad step's update is left out on every rank, its loss off the log
         self.guard = guard
@@ -343,6 +353,24 @@ class TrainStep:
         self.step = start_step  # optimizer steps done
         self.check_loss = check_loss  # --debug: (each micro-step's loss, the step it belongs to) before its backward
         self.layout = (per_device_batch, accumulation)  # named by the one line of an out-of-memory error
+        # --cuda_graphs (accel_ddp/step_graph.py): the whole step captured after a few eager ones, then replayed
+        self.graph = None if graphs is None else StepGraph(self._train_on, graph_warmup(accelerator), graphs)
+        if graphs is not None:  # each group's LR: the device tensor the schedule updates and the replays read
+            device_learning_rates(getattr(optimizer, "optimizer", optimizer), accelerator.device)
+            # the item count's all-reduce in stream order (captured with the step), not an async Work waited on
+            self.losses._async_count = False
+
+    def _train_on(self, batch) -> None:
+        """The micro-step's device work: forward, loss, backward; at the step's last, rescale, clip and update."""
+        loss = self.task.training_loss(self.model, batch)  # a mean, or a (sum, num_items) pair
+        if self.check_loss is not None:
+            self.check_loss(loss.value, self.step + 1)
+        self.losses.backward(loss)
+        if self.accelerator.sync_gradients:  # the step's last micro-step: gradients are synced
+            self.losses.finish_step(self.model)  # (sum, num_items): the gradient of total loss / total items
+            self.update()  # clip (--max_grad_norm), optimizer step, zero_grad
+            if self.guard is not None:
+                self.losses.end_step()  # a skipped step's loss stays out of the logged mean
 
     def micro_step(self, batch) -> bool:
         """Forward and backward ``batch``; the optimizer step where it completes one (returns True).
@@ -355,19 +383,12 @@ class TrainStep:
         """
         try:
             with self.accelerator.accumulate(self.model):
-                loss = self.task.training_loss(self.model, batch)  # a mean, or a (sum, num_items) pair
-                if self.check_loss is not None:
-                    self.check_loss(loss.value, self.step + 1)
-                self.losses.backward(loss)
-                if self.accelerator.sync_gradients:  # the step's last micro-step: gradients are synced
-                    self.losses.finish_step(self.model)  # (sum, num_items): the gradient of total loss / total items
-                    self.update()  # clip (--max_grad_norm), optimizer step, zero_grad
-                    if self.guard is not None:
-                        self.losses.end_step()  # a skipped step's loss stays out of the logged mean
+                (self.graph or self._train_on)(batch)
         except torch.OutOfMemoryError as err:
             raise ConfigError(out_of_memory(self.step + 1, *self.layout)) from err
         if not self.accelerator.sync_gradients:
             return False
+        self.losses.step_done()
         self.scheduler.step()  # exactly once per optimizer step
         self.step += 1
         return True

@@ -22,8 +22,8 @@ import torch
 from accelerate import Accelerator
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the clone's accel_ddp, as bare_ddp.py does
-from accel_ddp.checkpoint.async_save import AsyncSaver  # noqa: E402
 from accel_ddp.checkpoint.manager import CheckpointManager  # noqa: E402
+from accel_ddp.checkpoint.train_state import TrainState  # noqa: E402
 
 
 def build(width: int, layers: int, accelerator: Accelerator):
@@ -38,9 +38,9 @@ def build(width: int, layers: int, accelerator: Accelerator):
 
 def stalls(accelerator, model, optimizer, scheduler, folder: str, saves: int, asynchronous: bool) -> list[float]:
     facts = {"steps_per_epoch": 1000, "world_size": 1, "global_batch_size": 8}
-    manager = CheckpointManager(accelerator, folder, keep_last=2, run_facts=facts)
-    if asynchronous:
-        manager.saver = AsyncSaver(manager, model, optimizer, scheduler, peer_timeout=600)
+    state = TrainState(accelerator=accelerator, model=model, optimizer=optimizer, scheduler=scheduler)
+    manager = CheckpointManager(accelerator, folder, keep_last=2, run_facts=facts, state=state,
+                                async_timeout=600 if asynchronous else None)
     out = []
     for i in range(1, saves + 1):
         manager.wait()  # the previous write, outside the timing (the loop trains meanwhile)

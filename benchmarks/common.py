@@ -381,6 +381,23 @@ def exit_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
 
+def slowest_rank(seconds: float) -> tuple[float, bool]:
+    """The largest ``seconds`` over the ranks of the process group a peer's framework formed, and whether this is
+    rank 0; ``(seconds, True)`` without a group (one process). Under NCCL (a GPU) the tensor must live on this
+    rank's GPU: a CPU tensor there fails ("No backend type associated with device type cpu"), the crash that
+    cost peers.py its Trainer side on the first GPU run (issue 38)."""
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return seconds, True
+    device = (torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if dist.get_backend() == "nccl"
+              else torch.device("cpu"))
+    value = torch.tensor([seconds], dtype=torch.float64, device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return float(value), dist.get_rank() == 0
+
+
 def exit_now(code: int = 0) -> None:
     """End a benchmark's rank without interpreter finalization, as ``accel_ddp.exit_process`` ends train.py's.
 

@@ -8,8 +8,8 @@ and the loss, not the all-reduce). Variants, alternated in every round in one in
     before   the model's own activation modules, the loss of accel_ddp before this change: logits[:, :-1]
              flattened (a copy of the (B, T, vocab) logits; its backward fills and copies another)
     labels   the model's own activation modules, accel_ddp's causal-LM loss (labels shifted, logits as they are)
-    fused    accel_ddp's defaults: the loss above and --fused_kernels (accel_ddp/kernels.py: torch's one-kernel
-             tanh GELU in place of Transformers' Python one)
+    fused    accel_ddp's defaults: the loss above and --fused_kernels (accel_ddp/fused_activations.py: torch's
+             one-kernel tanh GELU in place of Transformers' Python one)
 
 Printed: CPU ms per step (median and range over rounds, each round the mean of ``--steps`` steps) and each
 variant's step time over ``before``'s, paired per round; then the loss alone (forward and backward on fixed
@@ -34,7 +34,7 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from accel_ddp.kernels import fuse_activations  # noqa: E402
+from accel_ddp.fused_activations import fuse_activations  # noqa: E402
 from accel_ddp.tasks.protocol import build_task  # noqa: E402
 from benchmarks.common import tiny_gpt2  # noqa: E402
 

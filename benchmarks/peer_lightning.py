@@ -1,8 +1,9 @@
 """PyTorch Lightning on the MNIST CNN work of ``peers.py``, written as its docs write it.
 
 A ``LightningModule`` around accel_ddp's ``mnist_cnn`` (the same layers), ``configure_optimizers`` returning
-AdamW with a per-step cosine schedule, ``Trainer(accelerator="cpu", devices=N, strategy="ddp",
-gradient_clip_val=1.0)`` and ``trainer.fit(model, train_loader, val_loader)``: the loaders are plain
+AdamW with a per-step cosine schedule, ``Trainer(accelerator="auto", devices=N, strategy="ddp",
+gradient_clip_val=1.0)`` (its GPU where there is one; ``--mixed_precision bf16``: ``precision="bf16-mixed"``)
+and ``trainer.fit(model, train_loader, val_loader)``: the loaders are plain
 ``DataLoader``s over the benchmark split as normalised float tensors in memory (the fastest input a
 Lightning user writes; Lightning adds the ``DistributedSampler``), a validation pass after each epoch.
 Everything else is Lightning's default: its logger, its checkpoint after each epoch, the progress bar off
@@ -30,7 +31,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from accel_ddp.models import build_model  # noqa: E402
 from accel_ddp.tracking.startup import process_age  # noqa: E402
-from benchmarks.common import MNIST_MEAN, MNIST_STD, exit_now, load_split  # noqa: E402
+from benchmarks.common import MNIST_MEAN, MNIST_STD, exit_now, load_split, slowest_rank  # noqa: E402
 
 
 def loaders(batch: int) -> tuple[DataLoader, DataLoader]:
@@ -60,6 +60,8 @@ def main() -> None:
     p.add_argument("--optimizer", choices=("default", "fused"), default="default",
                    help="default: torch.optim.AdamW as Lightning's docs write it; fused: accel_ddp's, fused AdamW")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--mixed_precision", choices=("no", "bf16"), default="no",
+                   help="bf16: Lightning's precision='bf16-mixed', as accel_ddp's side runs on a GPU")
     p.add_argument("--results_json", required=True)
     args = p.parse_args()
     started = time.perf_counter() - (process_age() or 0.0)
@@ -115,17 +117,19 @@ def main() -> None:
 
     clock = EpochClock()
     with tempfile.TemporaryDirectory(prefix="peer_lightning_") as out:
-        trainer = L.Trainer(accelerator="cpu", devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")), strategy="ddp",
+        # accelerator="auto" (Lightning's default): its GPU where there is one, as accel_ddp picks the device itself
+        trainer = L.Trainer(accelerator="auto", devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")), strategy="ddp",
+                            precision="bf16-mixed" if args.mixed_precision == "bf16" else "32-true",
                             max_epochs=args.epochs,
                             gradient_clip_val=1.0, default_root_dir=out, callbacks=[clock],
                             enable_progress_bar=False, enable_model_summary=False)
         trainer.fit(LitCNN(), train_loader, val_loader)
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
-    startup = torch.tensor([clock.first_step_at - started], dtype=torch.float64)
-    dist.all_reduce(startup, op=dist.ReduceOp.MAX)
-    if dist.get_rank() == 0:
+    startup, rank_zero = slowest_rank(clock.first_step_at - started)
+    if rank_zero:
         Path(args.results_json).write_text(json.dumps({
-            "epochs": clock.epochs, "startup_sec": startup.item(), "eval_loss": metrics.get("val_loss"),
+            "epochs": clock.epochs, "startup_sec": startup, "eval_loss": metrics.get("val_loss"),
+            "mixed_precision": args.mixed_precision, "accelerator": type(trainer.accelerator).__name__,
             "eval_accuracy": metrics.get("val_acc"),
             "samples_per_step": args.per_device_batch_size * trainer.world_size,
             "optimizer_kernels": {k: v for k, v in trainer.optimizers[0].defaults.items() if k in ("foreach", "fused")},

@@ -14,7 +14,8 @@ Launched the way accel_ddp is (``accelerate launch``; the Trainer reads torchrun
 
 Timing as accel_ddp's ``EpochTimer``: per epoch, from its start to its last optimizer step, and the process's
 CPU time over the same window (a ``TrainerCallback``); start-up from the process's start to the end of the
-first optimizer step, the largest over the ranks.
+first optimizer step, the largest over the ranks (``common.slowest_rank``: on the GPU under NCCL).
+``--mixed_precision bf16``: the Trainer's ``bf16=True``, matching accel_ddp's bf16 on a GPU.
 """
 
 from __future__ import annotations
@@ -28,12 +29,11 @@ from itertools import chain
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from accel_ddp.tracking.startup import process_age  # noqa: E402
-from benchmarks.common import exit_now  # noqa: E402
+from benchmarks.common import exit_now, slowest_rank  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -79,6 +79,8 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--warmup_steps", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--mixed_precision", choices=("no", "bf16"), default="no",
+                   help="bf16: the Trainer's bf16=True (autocast), as accel_ddp's side runs on a GPU")
     p.add_argument("--results_json", required=True)
     args = p.parse_args()
     started = time.perf_counter() - (process_age() or 0.0)
@@ -118,18 +120,18 @@ def main() -> None:
             # Without use_cpu, the Trainer under torchrun on a machine without a GPU trains one independent
             # model per process (parallel_mode NOT_PARALLEL: every rank reads every block, no all-reduce;
             # transformers 5.24, seen here). The Trainer's docs name use_cpu for CPU training.
-            use_cpu=not torch.cuda.is_available())
+            use_cpu=not torch.cuda.is_available(), bf16=args.mixed_precision == "bf16")
         trainer = Trainer(model=model, args=training_args, train_dataset=data["train"], eval_dataset=data["test"],
                           data_collator=default_data_collator, callbacks=[clock])
         trainer.train()
     eval_loss = [r["eval_loss"] for r in trainer.state.log_history if "eval_loss" in r][-1]  # the last epoch's
     optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)  # inside Accelerate's wrapper
-    startup = torch.tensor([clock.first_step_at - started], dtype=torch.float64)
-    dist.all_reduce(startup, op=dist.ReduceOp.MAX)
-    if dist.get_rank() == 0:
+    startup, rank_zero = slowest_rank(clock.first_step_at - started)
+    if rank_zero:
         Path(args.results_json).write_text(json.dumps({
-            "epochs": clock.epochs, "startup_sec": startup.item(), "eval_loss": eval_loss,
-            "samples_per_step": args.per_device_batch_size * dist.get_world_size(),
+            "epochs": clock.epochs, "startup_sec": startup, "eval_loss": eval_loss,
+            "samples_per_step": args.per_device_batch_size * training_args.world_size,
+            "mixed_precision": args.mixed_precision, "device": str(training_args.device),
             "train_blocks": len(data["train"]), "optimizer": type(optimizer).__name__,
             "optimizer_kernels": {k: v for k, v in optimizer.defaults.items() if k in ("foreach", "fused")},
         }))

@@ -20,6 +20,11 @@ epoch's start to its last optimizer step, evaluation excluded, as accel_ddp's ``
 time per step over the same window, start-up (process start to the first optimizer step, the slowest rank),
 the whole launch's wall time, and the final evaluation (eval loss; accuracy for the CNN).
 
+On a GPU (``--nproc 1`` on one): every side trains on it, in the same precision (``--mixed_precision auto``: bf16
+where the GPU has it, as accel_ddp's GPU runs; the Trainer gets ``bf16=True``, Lightning ``bf16-mixed``), the
+Trainer and Lightning choosing the device themselves (Lightning's ``accelerator="auto"``). A side that fails keeps
+its whole log in ``OUT/logs/`` and its first traceback is printed.
+
     python benchmarks/peers.py                                      # both, 3 rounds (~25 min on 2 cores)
     python benchmarks/peers.py --peers trainer,lightning,lightning_fused --rounds 3
     python benchmarks/peers.py --peers lightning --rounds 5
@@ -33,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -67,7 +73,18 @@ PEERS = {  # name: (the comparison's work, the peer's script, its extra flags, a
 }
 
 
-def accel_command(work: str, nproc: int, run_dir: Path, lm_data: str, extra: list[str]) -> list[str]:
+def matched_precision(choice: str) -> str:
+    """``auto``: bf16 on a GPU that has it (what accel_ddp's GPU runs use, and what each peer is then given), else
+    no (fp32: on the CPU bf16 autocast is slower for these models); otherwise the choice itself."""
+    if choice != "auto":
+        return choice
+    import torch
+
+    return "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
+
+
+def accel_command(work: str, nproc: int, run_dir: Path, lm_data: str, extra: list[str],
+                  mixed_precision: str = "no", epochs: int = EPOCHS) -> list[str]:
     """accel_ddp's train.py with the work's flags and nothing else (``extra``: a labelled variant's): its defaults
     decide the rest."""
     if work == "lm":
@@ -78,17 +95,28 @@ def accel_command(work: str, nproc: int, run_dir: Path, lm_data: str, extra: lis
     else:
         flags = ["--dataset", "benchmarks.common:mnist_split", "--model", "mnist_cnn", "--lr", str(CNN["lr"]),
                  "--global_batch_size", str(CNN["per_device"] * nproc)]
-    return launch_cmd(REPO / "train.py", [*flags, *extra, "--epochs", str(EPOCHS), "--output_dir", str(run_dir)],
-                      nproc)
+    return launch_cmd(REPO / "train.py", [*flags, *extra, "--epochs", str(epochs), "--output_dir", str(run_dir)],
+                      nproc, mixed_precision)
 
 
-def peer_command(peer: str, nproc: int, run_dir: Path, lm_data: str) -> list[str]:
+def peer_command(peer: str, nproc: int, run_dir: Path, lm_data: str, mixed_precision: str = "no",
+                 epochs: int = EPOCHS) -> list[str]:
+    """The peer's script with the work's flags and the same precision as accel_ddp's side (the Trainer's
+    ``bf16=True``, Lightning's ``precision="bf16-mixed"``: each one's own switch for bf16 autocast)."""
     work, script, extra, _ = PEERS[peer]
     flags = (["--data_dir", lm_data, "--per_device_batch_size", str(LM["per_device"]), "--lr", str(LM["lr"]),
               "--warmup_steps", str(LM["warmup"])] if work == "lm"
              else ["--per_device_batch_size", str(CNN["per_device"]), "--lr", str(CNN["lr"])])
-    return launch_cmd(HERE / script, [*flags, *extra, "--epochs", str(EPOCHS),
-                                      "--results_json", str(run_dir / "peer.json")], nproc)
+    return launch_cmd(HERE / script, [*flags, *extra, "--epochs", str(epochs), "--mixed_precision", mixed_precision,
+                                      "--results_json", str(run_dir / "peer.json")], nproc, mixed_precision)
+
+
+def keep_log(run_dir: Path, out: Path, name: str) -> Path:
+    """A failed side's whole log, copied into the results folder (the run folders are temporary)."""
+    kept = out / "logs" / f"{name}.log"
+    kept.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(run_dir / "log.txt", kept)
+    return kept
 
 
 def rates(epochs: list[dict], samples_per_step: int) -> dict:
@@ -142,18 +170,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS per rank; default CPUs // nproc")
     p.add_argument("--out", default=str(REPO / "outputs" / "benchmarks" / "peers"), help="folder for peers.json")
     p.add_argument("--timeout", type=float, default=900, help="seconds before one run is ended")
+    p.add_argument("--epochs", type=int, default=EPOCHS, help=f"epochs per run (the first is not measured; {EPOCHS})")
+    p.add_argument("--mixed_precision", choices=("auto", "no", "bf16"), default="auto",
+                   help="every side's precision; auto: bf16 on a GPU that has it, else no")
     args = p.parse_args(argv)
     exit_on_sigterm()
     peers = [x for x in args.peers.split(",") if x]
     if bad := [x for x in peers if x not in PEERS]:
         p.error(f"unknown peer(s) {bad}; choose from {', '.join(PEERS)}")
     args.threads = args.threads or max(1, (os.cpu_count() or 1) // args.nproc)
+    args.mixed_precision = matched_precision(args.mixed_precision)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     machine = machine_info()
     print(f"data (cnn): {data_source()}")
     print(f"machine: {machine['cpu']}, {machine['cpus']} CPUs, torch {machine['torch']}, accelerate "
-          f"{machine['accelerate']}; {args.nproc} processes, OMP_NUM_THREADS={args.threads}", flush=True)
+          f"{machine['accelerate']}; {args.nproc} processes, OMP_NUM_THREADS={args.threads}, mixed precision "
+          f"{args.mixed_precision} on every side", flush=True)
     runs: list[dict] = []
     result = {"settings": vars(args), "machine": machine, "runs": runs}
     env = bench_env(args.threads)
@@ -166,8 +199,10 @@ def main(argv: list[str] | None = None) -> int:
                 for side in (("peer", "accel") if k % 2 == 0 else ("accel", "peer")):
                     run_dir = Path(tmp) / f"{peer}_{side}_{k}"
                     run_dir.mkdir()
-                    cmd = (accel_command(work, args.nproc, run_dir, lm_data, PEERS[peer][3]) if side == "accel"
-                           else peer_command(peer, args.nproc, run_dir, lm_data))
+                    precision = args.mixed_precision
+                    cmd = (accel_command(work, args.nproc, run_dir, lm_data, PEERS[peer][3], precision, args.epochs)
+                           if side == "accel" else peer_command(peer, args.nproc, run_dir, lm_data, precision,
+                                                                args.epochs))
                     info = run_launch(cmd, env, run_dir / "log.txt", args.timeout)
                     record = {"peer": peer, "side": side, "round": k, "rc": info["rc"], "wall_sec": info["wall_sec"],
                               "load_avg": os.getloadavg()[0], "ok": False}
@@ -175,11 +210,13 @@ def main(argv: list[str] | None = None) -> int:
                         record.update(parse(side, run_dir, samples_per_step), ok=info["rc"] == 0)
                     except (OSError, ValueError, KeyError, ZeroDivisionError) as err:
                         record["error"] = f"{type(err).__name__}: {err}"
-                    if not record["ok"]:
-                        record["log_tail"] = tail(run_dir / "log.txt", 40)
+                    if not record["ok"]:  # the whole log kept, its cause (the first traceback) on the screen
+                        record["log"] = str(keep_log(run_dir, out, f"{peer}_{side}_{k}"))
+                        record["log_tail"] = tail(run_dir / "log.txt", 60)
                     runs.append(record)
                     status = (f"{record['samples_per_sec']:.1f} samples/s, eval loss {record['eval_loss']:.4f}"
-                              if record["ok"] else f"FAILED (exit {info['rc']}):\n{tail(run_dir / 'log.txt', 15)}")
+                              if record["ok"] else f"FAILED (exit {info['rc']}; whole log: {record['log']}):\n"
+                              f"{record['log_tail']}")
                     print(f"  round {k} {peer} {side:5} {status} (wall {info['wall_sec']:.1f}s, "
                           f"load {record['load_avg']:.1f})", flush=True)
                     (out / "peers.json").write_text(json.dumps(result, indent=1) + "\n")

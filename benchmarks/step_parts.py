@@ -30,7 +30,8 @@ def build(workload: str):
     from accelerate import Accelerator
 
     from accel_ddp.data import DeviceLoader, build_datasets
-    from accel_ddp.lifecycle.preemption import LossWatch, PreemptionWatcher
+    from accel_ddp.lifecycle.non_finite import LossWatch
+    from accel_ddp.lifecycle.preemption import PreemptionWatcher
     from accel_ddp.models import build_model
     from accel_ddp.optim import build_lr_scheduler, build_optimizer, use_fused_optimizer
     from accel_ddp.step import LossAccumulator, build_update
@@ -102,6 +103,7 @@ def pieces(s: dict) -> list[tuple[str, object, object]]:
             if s["accelerator"].sync_gradients:
                 s["losses"].finish_step(model)
                 s["update"]()
+        s["losses"].step_done()
         s["scheduler"].step()
         s["watch"].after_step(s["losses"].running_loss)
         s["timer"].step_done()

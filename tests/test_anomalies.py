@@ -1,8 +1,8 @@
 """--on_anomaly skip|rollback on two forked ranks: a non-finite batch at optimizer step K on one rank.
 
-The fault is injected here, in the ranks' own process (as tests/helpers/faults.py does): ``bad_step_mlp``'s training
-forward is nan during optimizer step K on one rank, K read from the LR scheduler (restored by a checkpoint, so a
-rollback or a resume meets the bad batch again at the same step).
+The fault (tests/helpers/anomaly.py) is injected in the ranks' own process, as tests/helpers/faults.py does:
+``bad_step_mlp``'s training forward is nan during optimizer step K on one rank, K read from the LR scheduler
+(restored by a checkpoint, so a rollback or a resume meets the bad batch again at the same step).
 
 The reference for "skip" is precise: the same run on clean data whose optimizer ``step()`` call of step K is
 dropped on every rank (the schedule, the data order and every other step unchanged).
@@ -11,77 +11,14 @@ dropped on every rank (the schedule, the data order and every other step unchang
 from __future__ import annotations
 
 import json
-import os
-import signal
 
 import pytest
 
 from accel_ddp.cli.train import main
 from tests.helpers import faults
-from tests.helpers.anomaly import fused_skip_equals_never_stepping
+from tests.helpers.anomaly import ARGS, BAD, FAULT, fused_skip_equals_never_stepping, install
 from tests.helpers.multiproc import RankFailed, run_ranks
 from tests.helpers.runs import load_weights, read_metrics, read_summary
-
-ARGS = ["--dataset", "synthetic", "--synthetic_samples", "256", "--synthetic_shape", "1", "8", "8",
-        "--model", "tests.test_anomalies:bad_step_mlp", "--global_batch_size", "32", "--max_steps", "10",
-        "--log_every", "2", "--lr", "0.01"]
-BAD = (5, 1)  # optimizer step, rank
-_FAULT: dict = {}  # this rank's: the step and rank to poison, the scheduler that says which step runs
-
-
-def bad_step_mlp(num_classes: int, input_shape: tuple[int, ...]):
-    """A small mlp whose training output is nan during optimizer step _FAULT["step"] on rank _FAULT["rank"]."""
-    from accel_ddp.models import build_mlp
-
-    model = build_mlp(num_classes, input_shape, hidden_size=16)
-
-    def poison(module, args, output):
-        scheduler = _FAULT.get("scheduler")
-        if module.training and scheduler is not None and \
-                (scheduler.last_epoch + 1, int(os.environ.get("RANK", "0"))) == (_FAULT.get("step"), _FAULT["rank"]):
-            return output * _FAULT.get("factor", float("nan"))
-        return output
-
-    model.register_forward_hook(poison)
-    return model
-
-
-def install(bad: tuple[int, int] | None = BAD, drop_update_at: int | None = None, kill_after: int | None = None,
-            factor: float = float("nan")):
-    """In a rank: multiply the output of step ``bad`` by ``factor``; drop the optimizer's step() call of
-    ``drop_update_at`` (the reference); SIGKILL every rank right after optimizer step ``kill_after``."""
-    import accel_ddp.assemble as assemble
-
-    _FAULT.update(step=bad[0] if bad else None, rank=bad[1] if bad else None, factor=factor)
-    build_scheduler, build_optimizer = assemble.build_lr_scheduler, assemble.build_optimizer
-
-    def scheduler_seen(*args, **kwargs):
-        scheduler = _FAULT["scheduler"] = build_scheduler(*args, **kwargs)
-        if kill_after is not None:
-            step = type(scheduler).step
-
-            def step_then_die(self, *a, **k):
-                step(self, *a, **k)
-                if self.last_epoch == kill_after:
-                    os.kill(os.getpid(), signal.SIGKILL)
-
-            scheduler.__class__ = type("Dying", (type(scheduler),), {"step": step_then_die})
-        return scheduler
-
-    def optimizer_dropping(*args, **kwargs):
-        optimizer = build_optimizer(*args, **kwargs)
-        if drop_update_at is not None:
-            calls, step = [0], type(optimizer).step
-
-            def maybe_step(self, *a, **k):
-                calls[0] += 1
-                return None if calls[0] == drop_update_at else step(self, *a, **k)
-
-            # A subclass, not an attribute: the LR scheduler wraps the bound method.
-            optimizer.__class__ = type("Dropping", (type(optimizer),), {"step": maybe_step})
-        return optimizer
-
-    assemble.build_lr_scheduler, assemble.build_optimizer = scheduler_seen, optimizer_dropping
 
 
 def ranks(args: list[str], **fault) -> list[int]:
@@ -141,16 +78,16 @@ def test_skip_prints_one_line_on_the_main_process(tmp_path, capfd):
 def test_max_anomalies_in_a_row_stops_as_today(tmp_path, capfd):
     def rank() -> int:
         install()
-        _FAULT["step"] = None
+        FAULT["step"] = None
         # Every training forward of rank 1 is nan from step 3 on.
         import accel_ddp.assemble as assemble
         sched = assemble.build_lr_scheduler
 
         def seen(*a, **k):
             s = sched(*a, **k)
-            _FAULT["scheduler"] = type("Late", (), {"last_epoch": property(lambda self: 2 if s.last_epoch >= 2
+            FAULT["scheduler"] = type("Late", (), {"last_epoch": property(lambda self: 2 if s.last_epoch >= 2
                                                                              else -9)})()
-            _FAULT["step"] = 3
+            FAULT["step"] = 3
             return s
 
         assemble.build_lr_scheduler = seen
@@ -191,6 +128,31 @@ def test_rollback_replays_without_the_bad_step_then_a_kill_and_resume_is_bitwise
     assert_same_weights(killed, whole)
     assert read_summary(killed)["resumed_from_step"] == 6
     assert read_summary(killed)["anomaly_rollbacks"] == 1
+
+
+def test_the_anomaly_log_is_saved_with_each_checkpoint_and_restored_with_it(reference, tmp_path):
+    """The log is part of the training state (checkpoint/train_state.py): step 6's checkpoint holds the skip of step
+    5, so a run branched off it into an empty folder (no anomalies.json there) continues the log. A checkpoint saved
+    without it (the layout before) resumes with anomalies.json's."""
+    _, skipped = reference
+    args = [*ARGS, "--on_anomaly", "skip", "--checkpointing_steps", "6"]
+    killed = tmp_path / "killed"
+    with pytest.raises(RankFailed):
+        ranks([*args, "--output_dir", str(killed)], kill_after=7)
+    marker = killed / "checkpoints" / "step_00000006" / "checkpoint.json"
+    meta = json.loads(marker.read_text())
+    assert meta["anomalies"] == {"skipped": {"5": "non_finite"}, "rollbacks": []}
+
+    branch = tmp_path / "branch"
+    assert ranks([*args, "--resume_from_checkpoint", str(marker.parent), "--output_dir", str(branch)]) == [0, 0]
+    assert read_summary(branch)["anomaly_skipped_steps"] == 1
+    assert_same_weights(branch, skipped)
+
+    del meta["anomalies"]
+    marker.write_text(json.dumps(meta))
+    assert ranks([*args, "--resume_from_checkpoint", "auto", "--output_dir", str(killed)]) == [0, 0]
+    assert read_summary(killed)["anomaly_skipped_steps"] == 1
+    assert_same_weights(killed, skipped)
 
 
 def test_rollback_without_a_checkpoint_before_the_bad_step_stops(tmp_path, capfd):

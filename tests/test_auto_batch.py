@@ -269,7 +269,7 @@ def test_a_streamed_probe_measures_batches_of_the_candidate_size(tmp_path, quick
 
 
 def test_the_probe_samples_repeat_a_short_source_up_to_the_size():
-    from accel_ddp.batch_size import probe_samples
+    from accel_ddp.auto_batch import probe_samples
 
     assert probe_samples(list(range(3)), 8) == [0, 1, 2, 0, 1, 2, 0, 1]
     assert probe_samples(list(range(10)), 4) == [0, 1, 2, 3]
@@ -282,7 +282,7 @@ def test_the_probe_reserves_the_memory_of_data_the_device_loader_will_hold(monke
     its type is not the CPU's, and fork_rng leaves it alone."""
     from types import SimpleNamespace
 
-    import accel_ddp.batch_size as batch_size
+    import accel_ddp.auto_batch as auto_batch
     from accel_ddp.data import InMemoryDataset
     from accel_ddp.data.resolve import Data
 
@@ -292,14 +292,14 @@ def test_the_probe_reserves_the_memory_of_data_the_device_loader_will_hold(monke
     cfg = TrainConfig(per_device_batch_size="auto", global_batch_size=32, loader=loader)
     accelerator = SimpleNamespace(device=torch.device("meta"), num_processes=1)
     reserves = []
-    monkeypatch.setattr(batch_size, "_fits", lambda *args: reserves.append(args[-1]) or True)
+    monkeypatch.setattr(auto_batch, "_fits", lambda *args: reserves.append(args[-1]) or True)
     model = oom_model(4, (1, 8, 8))
-    state = batch_size._state_bytes(cfg, model, 1)
-    chosen = batch_size._probe(cfg, accelerator, model, None, data)
+    state = auto_batch._state_bytes(cfg, model, 1)
+    chosen = auto_batch._probe(cfg, accelerator, model, None, data)
     assert (chosen.size, chosen.tried) == (32, [32])
     assert reserves == [state + (train.nbytes + held.nbytes if on_device else 0)]
     accelerator.device = torch.device("cpu")  # host memory: not what the probe measures
-    assert batch_size.device_data_bytes(cfg, accelerator, data) == 0
+    assert auto_batch.device_data_bytes(cfg, accelerator, data) == 0
 
 
 @pytest.mark.parametrize(("device", "fork"), [
@@ -309,6 +309,6 @@ def test_the_probe_reserves_the_memory_of_data_the_device_loader_will_hold(monke
     ("xpu:0", {"devices": [torch.device("xpu:0")], "device_type": "xpu"}),
 ])
 def test_the_probe_forks_the_generators_of_the_device_in_use(device, fork):
-    from accel_ddp.batch_size import rng_fork
+    from accel_ddp.auto_batch import rng_fork
 
     assert rng_fork(torch.device(device)) == fork

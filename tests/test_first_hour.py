@@ -128,14 +128,14 @@ def test_warmup_ratio_is_of_the_total_steps():
 
 def test_mixed_precision_wins_over_the_launch_config(capsys):
     env = {"ACCELERATE_MIXED_PRECISION": "no"}
-    override_mixed_precision("bf16", cpu=True, is_main=True, env=env)
+    override_mixed_precision("bf16", cpu=True, env=env)
     assert env["ACCELERATE_MIXED_PRECISION"] == "bf16"
     assert capsys.readouterr().err == ("accel_ddp: note: --mixed_precision bf16 overrides the launch config's "
                                        "mixed_precision no\n")
-    override_mixed_precision("bf16", cpu=True, is_main=True, env=env)  # the same: no note
+    override_mixed_precision("bf16", cpu=True, env=env)  # the same: no note
     assert capsys.readouterr().err == ""
     with pytest.raises(ConfigError, match="--mixed_precision fp16 on CPU: Accelerate silently trains in fp32"):
-        override_mixed_precision("fp16", cpu=True, is_main=True, env={})
+        override_mixed_precision("fp16", cpu=True, env={})
 
 
 def test_hf_names_train_as_ours_and_config_yaml_replays(tmp_path, tiny_args):

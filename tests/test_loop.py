@@ -1,5 +1,5 @@
-"""What the loop does per optimizer step beyond the bare DDP loop: no host syncs, a cheap preemption check,
-an optimizer update with torch's arithmetic; start-up time; imports kept off the light paths.
+"""What the loop does per optimizer step beyond the bare DDP loop: no host syncs, a cheap preemption check;
+start-up time; imports kept off the light paths (the update's arithmetic: tests/test_step.py).
 
 Speed itself is measured in benchmarks/tax.py, against the bare loop; these tests pin the behaviour.
 """
@@ -20,7 +20,6 @@ from torch.utils.data import TensorDataset
 
 from accel_ddp.cli.args import parse_args
 from accel_ddp.data.builtin import read_digits
-from accel_ddp.step import build_clip
 from accel_ddp.tracking.startup import StartupClock, process_age
 from tests.helpers.multiproc import free_port, run_ranks
 from tests.helpers.runs import REPO, load_weights, read_metrics, train_ranks
@@ -108,63 +107,6 @@ def test_ranks_compare_flags_now_and_then_not_after_every_step(tmp_path):
 
     checks = run_ranks(count_all_reduces, world_size=2)
     assert checks[0] == checks[1] and 2 <= checks[0] < 64, checks
-
-
-# ----------------------------------------------------------------------------- optimizer update
-
-
-def test_fused_clip_gives_torch_clip_grad_norm_bits():
-    torch.manual_seed(0)
-    for scale in (1e-3, 10.0):  # a norm under the limit (no change) and one over it
-        params = [torch.nn.Parameter(torch.randn(shape)) for shape in ((7, 5), (5,), (3, 7, 2), (4,))]
-        twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
-        for p, twin in zip(params[:-1], twins[:-1], strict=True):  # the last has no gradient
-            p.grad = torch.randn_like(p) * scale
-            twin.grad = p.grad.clone()
-        norm = build_clip(params, 1.0)()
-        assert torch.equal(norm, torch.nn.utils.clip_grad_norm_(twins, 1.0))
-        assert all(torch.equal(p.grad, t.grad) for p, t in zip(params[:-1], twins[:-1], strict=True))
-        assert params[-1].grad is None
-
-
-def test_backward_and_update_give_the_weights_of_accelerates_methods():
-    """build_backward + build_update's fast path (Tensor.backward, torch optimizer, fused clip) against
-    Accelerate's backward, clip_grad_norm_, step and zero_grad: the same bits. With accumulation,
-    build_backward is Accelerate's (it divides the loss)."""
-    def both_ways():
-        from accelerate import Accelerator
-
-        from accel_ddp.models import build_model
-        from accel_ddp.optim import build_optimizer
-        from accel_ddp.step import build_backward, build_update
-
-        accelerator = Accelerator(cpu=True)
-        assert build_backward(accelerator) is torch.Tensor.backward
-        weights = []
-        for fast in (True, False):
-            torch.manual_seed(0)
-            model = build_model("mlp", 3, (5,), 8)
-            model, optimizer = accelerator.prepare(model, build_optimizer("adamw", model, 0.1, 0.01))
-            update = build_update(accelerator, model, optimizer, max_grad_norm=0.5)
-            assert update.__name__ == "update"  # one process, no fp16: the torch optimizer's own step
-            data = torch.randn(16, 5), torch.randint(0, 3, (16,))
-            for _ in range(3):
-                loss = torch.nn.functional.cross_entropy(model(data[0]), data[1])
-                if fast:
-                    build_backward(accelerator)(loss)
-                    update()
-                else:
-                    accelerator.backward(loss)
-                    accelerator.clip_grad_norm_(model.parameters(), 0.5)
-                    optimizer.step()
-                    optimizer.zero_grad(set_to_none=True)
-                assert all(p.grad is None for p in model.parameters())
-            weights.append([p.detach().clone() for p in model.parameters()])
-        accelerator.gradient_state.plugin_kwargs["num_steps"] = 2  # accumulation: Accelerate divides the loss
-        return build_backward(accelerator) == accelerator.backward and all(
-            torch.equal(a, b) for a, b in zip(*weights, strict=True))
-
-    assert run_ranks(both_ways, world_size=1) == [True]
 
 
 def test_one_process_launch_on_cpu_trains_the_plain_model_with_the_same_bits(tmp_path):
@@ -285,7 +227,8 @@ def _imports_at_load(module: str) -> set[str]:
 
 @pytest.mark.parametrize(
     "module",
-    ["accel_ddp.models", "accel_ddp.kernels", "accel_ddp.data", "accel_ddp.config", "accel_ddp.tracking.startup"],
+    ["accel_ddp.models", "accel_ddp.fused_activations", "accel_ddp.data", "accel_ddp.config",
+     "accel_ddp.tracking.startup"],
 )
 def test_light_modules_import_no_accelerate(module):
     """benchmarks/bare_ddp.py builds its model and data with these: they must not pull in Accelerate."""

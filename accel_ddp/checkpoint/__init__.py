@@ -1,6 +1,7 @@
 """Training state on disk: save and prune, the manifest that proves a checkpoint whole, resume, final weights.
 
     manager.py    CheckpointManager: save (every rank calls the collective), prune, find the one to resume
+    train_state.py  TrainState: what a checkpoint holds (weights, optimizer, schedule, data position, records), as one
     manifest.py   each checkpoint's marker: its files' sizes and hashes, the run it belongs to
     storage.py    where sealed checkpoints live: a local folder, or an object store (--checkpoint_dir, fsspec)
     hyperparameters.py  the hyperparameters recorded with each checkpoint, and this run's winning on a resume

@@ -46,6 +46,7 @@ from accel_ddp.util.validation import ConfigError, ServiceFailure
 DONE_PREFIX = ".done-"  # + rank: that rank's files are written (removed before the seal hashes the folder)
 FAILED_PREFIX = ".failed-"  # + rank: that rank's write failed; the file holds why
 POLL_SECONDS = 0.02
+ABANDON_WAIT_S = 30.0  # how long a failing process waits for its writer to fail too (or finish) before it exits
 
 
 class AsyncSaver:
@@ -65,6 +66,7 @@ class AsyncSaver:
         self.wait()
         acc = self.manager.accelerator
         state = snapshot(acc, self.model, self.optimizer, self.scheduler, self._buffers)
+        state["files"] = self.manager.state.position_files()  # a stream's positions at this step (train_state.py)
         self._pending, self._outcome = (step, tmp, final), None
         self._thread = threading.Thread(target=self._write, args=(state, step, tmp, final), daemon=True,
                                         name=f"accel_ddp-checkpoint-{step}")
@@ -91,6 +93,21 @@ class AsyncSaver:
             raise WriteFailed(self.manager._cannot_save(step, why))
         self.manager.last_saved_step, self.manager.last_saved_folder = step, final  # a pair: both sealed
         return final
+
+    def failed_here(self, timeout: float = ABANDON_WAIT_S) -> str | None:
+        """Not collective: this process is stopping on a write the file system refused (a metrics line: the disk
+        the save filled). If this rank's write of the save in flight failed too, the save is named instead and its
+        ``.tmp-`` folder removed (main process): the line, or None (no save in flight, or it did not fail)."""
+        if self._pending is None:
+            return None
+        self._thread.join(timeout)  # a full disk fails the writer as fast as the metrics line
+        if self._thread.is_alive() or self._outcome is None or self._bug is not False:
+            return None
+        step, tmp, _ = self._pending
+        self._pending = None
+        if self.manager.accelerator.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return self.manager._cannot_save(step, self._outcome)
 
     @property
     def pending_step(self) -> int | None:
@@ -195,6 +212,9 @@ def write_state(state: dict[str, Any], folder: str, rank: int) -> None:
         if "scaler" in state:
             torch.save(state["scaler"], os.path.join(folder, acc_ckpt.SCALER_NAME))
     torch.save(state["rng"], rng_file(folder, rank))
+    for name, text in state.get("files", {}).items():  # small JSON files: a stream's positions
+        with open(os.path.join(folder, name), "w", encoding="utf-8") as fh:
+            fh.write(text)
 
 
 def _host(t: torch.Tensor, name: str, buffers: dict[str, torch.Tensor], copies: dict[tuple, torch.Tensor]):

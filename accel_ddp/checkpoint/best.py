@@ -30,6 +30,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from accel_ddp.util.messages import say
 from accel_ddp.util.validation import ConfigError
 
 LOWER_IS_BETTER_SUFFIXES = ("loss", "perplexity")
@@ -149,5 +150,5 @@ class BestModel:
         load_weights(accelerator.unwrap_model(model, keep_torch_compile=False), os.path.join(folder, WEIGHTS_NAME),
                      source="--load_best_model_at_end", keep_frozen=True)
         if accelerator.is_main_process:
-            print(f"accel_ddp: --load_best_model_at_end: the final weights are {folder}'s ({self.metric} "
-                  f"{self.kept_metric:.6g}, step {self.kept_step} of {step})", flush=True)
+            say(f"--load_best_model_at_end: the final weights are {folder}'s ({self.metric} {self.kept_metric:.6g}, "
+                f"step {self.kept_step} of {step})")

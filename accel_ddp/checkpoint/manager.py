@@ -40,6 +40,7 @@ NumPy's RNG types allow-listed; we never register custom objects (Accelerate unp
 from __future__ import annotations
 
 import os
+import pickle
 import shutil
 import time
 from collections.abc import Callable
@@ -49,6 +50,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import gather_object
 
+from accel_ddp.checkpoint.async_save import AsyncSaver, check_async_checkpointing
 from accel_ddp.checkpoint.hyperparameters import HYPERPARAMETERS, check_compatible, flags_in_force  # noqa: F401
 from accel_ddp.checkpoint.manifest import (  # noqa: F401 - CorruptCheckpoint, checkpoint_name, ...: this module's interface too
     _STEP_DIR,
@@ -56,20 +58,24 @@ from accel_ddp.checkpoint.manifest import (  # noqa: F401 - CorruptCheckpoint, c
     checkpoint_name,
     list_checkpoints,
     read_checkpoint,
+    refused_pickle,
     rng_file,
     rng_not_restored,
+    unsafe_file,
 )
-from accel_ddp.checkpoint.storage import StoreError, StoreFailed, open_store
-from accel_ddp.checkpoint.weights import load_weights, trainable_state_dict
+from accel_ddp.checkpoint.storage import DEFAULT_STORE_TIMEOUT, StoreError, StoreFailed, open_store
+from accel_ddp.checkpoint.train_state import TrainState
 from accel_ddp.lifecycle.failure import main_process_decides
 from accel_ddp.outputs.files import (
+    READ_ONLY,
+    WRITABLE_FIX,
     WriteFailed,
     fingerprint,
     relative_files,
     write_failure,
 )
-from accel_ddp.outputs.names import CHECKPOINTS_DIR, MARKER_NAME, SUMMARY_NAME, WEIGHTS_NAME
-from accel_ddp.util.messages import first_line, warn
+from accel_ddp.outputs.names import CHECKPOINTS_DIR, MARKER_NAME, SUMMARY_NAME
+from accel_ddp.util.messages import first_line, say, warn
 from accel_ddp.util.validation import ConfigError
 
 FORMAT_VERSION = 1
@@ -80,30 +86,37 @@ class CheckpointManager:
 
     ``save``, ``resume`` and ``check_fresh_start`` are collective: every rank calls them at the same
     point. ``run_facts`` (world size, global batch, steps per epoch, ...) go into every
-    ``checkpoint.json`` and are compared on resume.
+    ``checkpoint.json`` and are compared on resume. ``state`` is what is saved and restored, as one
+    (``train_state.py``); ``async_timeout`` (--async_checkpointing: seconds the sealing writer waits for the other
+    ranks) writes each save in a background thread.
 
-        >>> checkpoints = CheckpointManager(accelerator, "outputs/run", keep_last=3, run_facts=facts)
+        >>> checkpoints = CheckpointManager(accelerator, "outputs/run", keep_last=3, run_facts=facts, state=state)
         >>> step = checkpoints.resume("auto")           # 0 when there is nothing to resume
         >>> checkpoints.save(step)                       # -> "outputs/run/checkpoints/step_00000100"
     """
 
-    def __init__(self, accelerator: Accelerator, output_dir: str, keep_last: int, run_facts: dict[str, Any],
-                 checkpoint_dir: str | None = None):
-        self.accelerator = accelerator
+    def __init__(self, accelerator: Accelerator, output_dir: str, keep_last: int, run_facts: dict[str, Any], *,
+                 state: TrainState, checkpoint_dir: str | None = None, store_timeout: float = DEFAULT_STORE_TIMEOUT,
+                 async_timeout: float | None = None):
+        self.accelerator, self.state = accelerator, state
         self.staging = os.path.join(output_dir, CHECKPOINTS_DIR)  # where saves are written before their seal
         # --checkpoint_dir: sealed checkpoints go to an object store (storage.py); else they stay in staging
-        self.store = open_store(checkpoint_dir or self.staging, self.staging)
+        self.store = open_store(checkpoint_dir or self.staging, self.staging, store_timeout)
         self.root = self.store.root
         self.keep_last = keep_last
         self.run_facts = dict(run_facts)
         self.last_saved_step: int | None = None
         self.last_saved_folder: str | None = None  # the newest checkpoint this run saved or resumed from
-        self.saver = None  # --async_checkpointing: an async_save.AsyncSaver, which writes in a background thread
-        self.best = None  # a best.BestModel: its records go into checkpoint.json, its checkpoint is never pruned
-        # We write and read the weights ourselves, without DDP's "module." prefix, so that a checkpoint
-        # loads at any world size and a mismatch is reported key by key.
-        accelerator.register_save_state_pre_hook(self._unwrapped_weights_hook)
-        accelerator.register_load_state_pre_hook(self._load_weights_hook)
+        self.best = state.best  # its records go into checkpoint.json, its checkpoint is never pruned
+        self._records: dict[str, Any] = {}  # the state's records at the last save step: its checkpoint.json's
+        # --async_checkpointing: the state copied to host memory at the save step, written by a background thread
+        self.saver: AsyncSaver | None = None
+        if async_timeout is not None:
+            check_async_checkpointing(accelerator)  # not for FSDP or DeepSpeed: their save is collective
+            self.saver = AsyncSaver(self, state.model, state.optimizer, state.scheduler, async_timeout)
+        # The weights (and a stream's positions) go through the state's hooks: see train_state.py.
+        accelerator.register_save_state_pre_hook(state.save_files)
+        accelerator.register_load_state_pre_hook(state.load_files)
 
     # ---- saving
 
@@ -116,12 +129,14 @@ class CheckpointManager:
         tmp = os.path.join(self.staging, f".tmp-{checkpoint_name(step)}")
         if self.saver is not None:  # --async_checkpointing: the previous save sealed, this one copied and started
             self.saver.wait()
+            self._records = self.state.records()
             self._on_main_then_all(lambda: self._writing(step, tmp, lambda: _fresh_folder(tmp)))
             self.saver.save(step, tmp, final)  # last_saved_step and _folder follow once it is sealed (wait)
             return final
         # Each stage ends in a collective that carries its outcome: a write the file system refuses (a full disk)
         # on any rank stops every rank with one line, the unsealed folder removed and the earlier checkpoints as
         # they were. The main process's stages are its decisions; each rank writes its own RNG file.
+        self._records = self.state.records()
         self._on_main_then_all(lambda: self._writing(step, tmp, lambda: _fresh_folder(tmp)))
         try:
             acc.save_state(tmp)  # each rank writes its RNG state; the main process everything else
@@ -144,6 +159,16 @@ class CheckpointManager:
         """Collective: the save in flight (--async_checkpointing) sealed on every rank, or its WriteFailed."""
         if self.saver is not None:
             self.saver.wait()
+
+    def failed_save(self, err: WriteFailed) -> WriteFailed:
+        """``err`` (a write the file system refused on this process alone, e.g. a metrics line), or the failure of the
+        save in flight that filled the disk first, its ``.tmp-`` folder removed (--async_checkpointing)."""
+        why = self.saver.failed_here() if self.saver is not None else None
+        if why is None:
+            return err
+        failed = WriteFailed(why)
+        failed.only_this_rank = err.only_this_rank
+        return failed
 
     def newest(self) -> tuple[int, str] | None:
         """(step, folder) of the newest checkpoint of this run, the one in flight included (a rollback to it waits
@@ -170,17 +195,17 @@ class CheckpointManager:
     def _cannot_save(self, step: int, why: str) -> str:
         intact = f" ({os.path.basename(self.last_saved_folder)}, the last checkpoint, is intact)" \
             if self.last_saved_folder else ""
-        return (f"cannot save the checkpoint of step {step} in {self.root}: {why}; free space there (a lower "
-                f"--keep_last keeps fewer checkpoints) or give another --output_dir, then resume with "
-                f"--resume_from_checkpoint auto{intact}")
+        fix = WRITABLE_FIX if why.startswith(READ_ONLY) else \
+            "free space there (a lower --keep_last keeps fewer checkpoints) or give another --output_dir"
+        return f"cannot save the checkpoint of step {step} in {self.root}: {why}; {fix}, then resume with " \
+               f"--resume_from_checkpoint auto{intact}"
 
     def _seal(self, tmp: str, final: str, step: int) -> None:
         files = {name: fingerprint(os.path.join(tmp, name)) for name in relative_files(tmp)}
         steps_per_epoch = self.run_facts["steps_per_epoch"]
         meta = {"format": FORMAT_VERSION, "step": step, "epoch": step // steps_per_epoch,
                 "step_in_epoch": step % steps_per_epoch, **self.run_facts,
-                "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "files": files,
-                **({"best": self.best.state()} if self.best else {})}
+                "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "files": files, **self._records}
         self.store.seal(tmp, final, meta)  # checkpoint.json last: on disk fsynced then renamed, in a store uploaded
 
     def _prune(self, keep: str) -> None:
@@ -196,11 +221,6 @@ class CheckpointManager:
             if path not in (keep, best):  # the best checkpoint is kept besides the newest keep_last
                 self.store.remove(path)
         self.store.clean(up_to=saved)  # debris of saves or deletions a crash interrupted
-
-    def _unwrapped_weights_hook(self, models, weights, output_dir) -> None:
-        for i, model in enumerate(models[: len(weights)]):
-            # a fine-tuned model's frozen base is not saved (its fingerprint is in checkpoint.json: finetune.py)
-            weights[i] = trainable_state_dict(self.accelerator.unwrap_model(model, keep_torch_compile=False))
 
     # ---- resuming
 
@@ -223,21 +243,19 @@ class CheckpointManager:
         # A rollback (anomaly.py) while a save is in flight: its writer prunes, cleans the store's downloads and
         # seals a newer checkpoint; all of that is done before we choose, download and load.
         self.wait()
-        choice = self._on_main_then_all(lambda: self._choose(spec))
-        if choice is None:
-            return 0
-        folder, local, meta = choice  # local: the folder itself, or its copy downloaded from the store
-        check_compatible(folder, meta, self.run_facts, self.accelerator.is_main_process)
-        acc = self.accelerator
-        own_rng = rng_file(local, acc.process_index)
-        has_rng = os.path.isfile(own_rng)
-        try:
-            acc.load_state(local)
-        except (ConfigError, torch.OutOfMemoryError):
-            raise
-        except Exception as err:  # torch.load or load_state_dict refused a file the manifest vouched for
-            raise ConfigError(f"--resume_from_checkpoint {folder}: cannot load it ({type(err).__name__}: "
-                              f"{first_line(err)}); resume from another checkpoint") from err
+        unsafe: list[str] = []  # auto: checkpoints whose load a safe unpickler refused, passed over
+        while True:
+            choice = self._on_main_then_all(lambda: self._choose(spec, unsafe))
+            if choice is None:
+                return 0
+            folder, local, meta = choice  # local: the folder itself, or its copy downloaded from the store
+            check_compatible(folder, meta, self.run_facts, self.accelerator.is_main_process)
+            acc = self.accelerator
+            own_rng = rng_file(local, acc.process_index)
+            has_rng = os.path.isfile(own_rng)
+            if self._loaded(spec, folder, local):
+                break
+            unsafe.append(folder)  # every rank alike: each read the same optimizer and scheduler files
         acc.step = 0  # checkpoints sit on optimizer-step boundaries: the accumulation counter restarts there
         # Before anything draws a random number: did load_state restore this rank's RNGs? It skips an RNG file it
         # cannot load or apply with an INFO log line only (huggingface/accelerate#4283).
@@ -245,11 +263,31 @@ class CheckpointManager:
         self._say_if_not_exact(folder, meta, gather_object([(has_rng, mine)]))
         if acc.is_main_process:
             epoch = meta["step"] // self.run_facts["steps_per_epoch"]
-            print(f"accel_ddp: resumed from {folder} (optimizer step {meta['step']}, epoch {epoch})", flush=True)
+            say(f"resumed from {folder} (optimizer step {meta['step']}, epoch {epoch})")
         self.last_saved_step, self.last_saved_folder = meta["step"], folder
-        if self.best:
-            self.best.restore(meta)  # the best so far and the patience counter continue
+        self.state.restore_records(meta)  # the best so far, the patience counter and the anomaly log continue
         return meta["step"]
+
+    def _loaded(self, spec: str, folder: str, local: str) -> bool:
+        """``load_state`` from ``local``; False where ``auto`` passes over a file a safe unpickler refuses (its
+        state is then replaced by the next choice's load, whole: weights, optimizer, schedule, RNG)."""
+        try:
+            self.accelerator.load_state(local)
+            return True
+        except (ConfigError, torch.OutOfMemoryError):
+            raise
+        except Exception as err:  # torch.load or load_state_dict refused a file the manifest vouched for
+            unsafe = unsafe_file(local) if isinstance(err, pickle.UnpicklingError) else None
+            if unsafe is None:  # never torch's advice to load with weights_only=False: refused_pickle's words
+                raise ConfigError(f"--resume_from_checkpoint {folder}: cannot load it ({type(err).__name__}: "
+                                  f"{refused_pickle(err) or first_line(err)}); resume from another checkpoint") from err
+            unsafe = unsafe.replace(local, folder)  # the store's object, not the downloaded copy
+        if spec != "auto":
+            raise ConfigError(f"--resume_from_checkpoint {folder}: {unsafe}; resume from another checkpoint, or use "
+                              "auto, which passes over it") from None
+        if self.accelerator.is_main_process:
+            warn(f"skipping a checkpoint that does not load safely: {unsafe}; falling back to the previous one")
+        return False
 
     def _say_if_not_exact(self, folder: str, meta: dict[str, Any], ranks: list[tuple[bool, list[str] | None]]) -> None:
         """One loud warning (main process) when some rank's random streams do not continue the checkpoint's.
@@ -273,16 +311,19 @@ class CheckpointManager:
               f"augmentation on those ranks differ from the original run's from step {meta['step']} on (weights, "
               "optimizer, schedule and data position are restored exactly)")
 
-    def _choose(self, spec: str) -> tuple[str, str, dict[str, Any]] | None:
-        """``(folder, local copy, checkpoint.json)`` of the checkpoint to resume, or None (auto, nothing saved)."""
+    def _choose(self, spec: str, unsafe: list[str] = ()) -> tuple[str, str, dict[str, Any]] | None:
+        """``(folder, local copy, checkpoint.json)`` of the checkpoint to resume, or None (auto, nothing saved);
+        ``unsafe``: folders ``auto`` passed over already (their load was refused)."""
         if spec == "auto":
             candidates = self.store.sealed()
-            for folder in self.store.unsealed():  # in a store, an interrupted upload: its objects without a manifest
+            for folder in self.store.unsealed() if not unsafe else ():  # an interrupted upload (said once)
                 warn(f"ignoring {folder}: it has no {MARKER_NAME}, so its save never finished")
             if not candidates:
-                print(f"accel_ddp: no checkpoint in {self.root}; starting from scratch", flush=True)
+                say(f"no checkpoint in {self.root}; starting from scratch")
                 return None
             for _, folder in reversed(candidates):
+                if folder in unsafe:
+                    continue
                 try:
                     local, meta = self._verified(folder)
                 except CorruptCheckpoint as err:
@@ -291,7 +332,7 @@ class CheckpointManager:
                 self._check_within_run(folder, meta)
                 return folder, local, meta
             raise ConfigError(f"--resume_from_checkpoint auto: all {len(candidates)} checkpoints in {self.root} "
-                              "are damaged (see the warnings above); move them away to start from scratch")
+                              "are damaged or unsafe (see the warnings above); move them away to start from scratch")
         if self.store.remote and self.store.is_own(spec):
             try:
                 local, meta = self._verified(spec)
@@ -361,13 +402,6 @@ class CheckpointManager:
             raise ConfigError(f"--resume_from_checkpoint {spec}: {self.root} holds a newer checkpoint, "
                               f"{os.path.basename(folder)}, that this run would overwrite; continue from the newest "
                               "with auto, or give this run another --output_dir")
-
-    def _load_weights_hook(self, models, input_dir) -> None:
-        for i, model in enumerate(models):
-            name = WEIGHTS_NAME if i == 0 else WEIGHTS_NAME.replace(".", f"_{i}.")
-            load_weights(self.accelerator.unwrap_model(model, keep_torch_compile=False),
-                         os.path.join(input_dir, name), source="--resume_from_checkpoint", keep_frozen=True)
-        models.clear()  # loaded: Accelerate would expect DDP's "module." keys
 
     def local_folder(self, step: int) -> str:
         """Collective: a local folder holding the checkpoint of ``step`` (downloaded from a store by the main

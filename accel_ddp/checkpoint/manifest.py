@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import random
 import re
 from collections.abc import Iterable
@@ -25,7 +26,7 @@ from accelerate.utils import RNG_STATE_NAME, SCALER_NAME
 from accelerate.utils import load as accelerate_load
 from accelerate.utils.constants import FSDP_MODEL_NAME, OPTIMIZER_NAME, SCHEDULER_NAME
 
-from accel_ddp.outputs.files import file_sha256
+from accel_ddp.outputs.files import file_sha256, relative_files
 from accel_ddp.outputs.names import MARKER_NAME, WEIGHTS_NAME
 from accel_ddp.util.messages import first_line
 from accel_ddp.util.validation import ConfigError
@@ -154,7 +155,41 @@ def _load_state(path: str) -> Any:
     except ImportError:  # torch could not import its own code: this environment is broken, not the file
         raise
     except Exception as err:  # unpickling refused, truncated, unreadable: all mean we cannot resume from it
-        raise CorruptCheckpoint(f"{path} cannot be loaded ({type(err).__name__}: {first_line(err)})") from None
+        raise CorruptCheckpoint(refusal_line(path, err)) from None
+
+
+def refused_pickle(err: BaseException) -> str | None:
+    """What torch's ``weights_only`` unpickler refused, in its own words, or None for any other error. Never its
+    first lines: they advise re-running ``torch.load`` with ``weights_only=False``, i.e. running the file's code
+    (torch/serialization.py ``_get_wo_message``)."""
+    if not isinstance(err, pickle.UnpicklingError) or "weights_only" not in str(err):
+        return None
+    found = re.search(r"(?:Unsupported global: |Trying to load unsupported )GLOBAL [\w.]*\w|Unsupported operand \S+",
+                      str(err))  # not the rest of its line either: advice to allowlist the global
+    return found.group(0) if found else "an object of a type it does not allow"
+
+
+def refusal_line(path: str, err: BaseException) -> str:
+    """Why ``path`` cannot be loaded: objects a safe load refuses (a global: code to run), or the error's words."""
+    refused = refused_pickle(err)
+    if refused and "GLOBAL" in refused:
+        return (f"{path} holds objects that a safe load (torch.load with weights_only=True) refuses ({refused}): no "
+                "save of accel_ddp writes them, so it was altered; it is never unpickled otherwise")
+    return f"{path} cannot be loaded ({type(err).__name__}: {refused or first_line(err)})"
+
+
+def unsafe_file(folder: str) -> str | None:
+    """After ``load_state`` raised an unpickling error: the line for the first pickle of ``folder`` that a safe load
+    refuses, or None. Only then: ``optimizer.bin`` is not read before ``load_state`` (it may be gigabytes)."""
+    for name in relative_files(folder):
+        if name.endswith((".bin", ".pkl", ".pt")):
+            path = os.path.join(folder, name)
+            try:
+                accelerate_load(path, map_location="cpu")
+            except Exception as err:  # noqa: BLE001 - only the unpickler's refusal is an answer
+                if refused_pickle(err):
+                    return refusal_line(path, err)
+    return None
 
 
 # What Accelerate's save_accelerator_state writes into random_states_<rank>.pkl and load_accelerator_state sets

@@ -62,7 +62,7 @@ def recorded_layout(cfg: TrainConfig, accelerator: Accelerator) -> dict[str, Any
         # Where the checkpoints are sealed: OUTPUT_DIR/checkpoints, or --checkpoint_dir's store (whose staging
         # folder holds only .tmp-* and .fetched/ debris, never a sealed checkpoint)
         staging = os.path.join(cfg.output_dir, CHECKPOINTS_DIR)
-        store = open_store(cfg.checkpoint_dir or staging, staging)
+        store = open_store(cfg.checkpoint_dir or staging, staging, cfg.store_timeout)
         spec = cfg.resume_from_checkpoint
         folders = [folder for _, folder in reversed(store.sealed())] if spec == "auto" else [spec]
         for folder in folders:

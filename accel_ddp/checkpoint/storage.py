@@ -24,10 +24,27 @@ old holder dead (a host name and a path prove nothing: two containers can share 
 the conditional write, a later run can still overwrite the lock; so every seal and every deletion first checks
 that the lock object still holds our bytes, and the run stops with one line where it does not. Only the main
 process calls any of this.
+
+No call waits forever (``--store_timeout`` T, docs/checkpoints.md "A store that stops answering"). A server
+that accepts connections but never answers (stopped, not closed) hangs s3fs's PutObject for good: botocore
+adds ``Expect: 100-continue`` and aiohttp's wait for the ``100 Continue`` is outside its ``sock_read``
+timeout (measured against such a server: ``read_timeout=1`` bounded a GET, never a PUT). So every call of
+an async file system (s3fs, gcsfs, adlfs: ``AsyncFileSystem``) runs its coroutine on the file system's loop
+(what fsspec's ``sync`` does, fsspec/asyn.py) under our own deadline, T seconds plus 1 s per MiB it carries,
+retries included, and is cancelled past it (``StoreStalled``: one line naming the store and the bound, exit 2
+on every rank, as ``main_process_decides`` and the async saver's gather carry it). Inside that bound each
+request of s3fs gets T/3 to connect and T/3 to answer (botocore ``Config(connect_timeout, read_timeout)``
+through s3fs's ``config_kwargs``; s3fs's defaults are 5 s and 15 s) and botocore's standard retry mode 3
+attempts; s3fs's own retry loop (``S3FileSystem.retries``, 5 by default, around botocore's own 5 legacy
+attempts: up to 25 tries of 15 s per call) is cut to one. A stop signal (SIGTERM, SIGUSR1) that comes while
+a call is under way cuts it ``STOP_GRACE_S`` later: torchrun SIGKILLs 30 s after its SIGTERM, and the run
+must still stop with its line and exit code (``StopPoints.save``).
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import errno
 import json
 import os
@@ -35,17 +52,33 @@ import shutil
 import socket
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from accel_ddp.checkpoint.manifest import _STEP_DIR, checkpoint_name, list_checkpoints
 from accel_ddp.config import STORE_PACKAGES, URL_SCHEME
-from accel_ddp.outputs.files import WriteFailed, fsync_dir, relative_files, remove_dir, set_aside, write_failure
+from accel_ddp.outputs.files import (
+    READ_ONLY,
+    READ_ONLY_ERRNOS,
+    WRITABLE_FIX,
+    WriteFailed,
+    fsync_dir,
+    relative_files,
+    remove_dir,
+    set_aside,
+    write_failure,
+)
 from accel_ddp.outputs.names import LOCK_NAME, MARKER_NAME, STORE_CLAIM_NAME
 from accel_ddp.util.atomic import atomic_write_text
-from accel_ddp.util.messages import first_line, warn
+from accel_ddp.util.messages import first_line, say, warn
 from accel_ddp.util.validation import ConfigError, ServiceFailure
 
 FETCHED_DIR = ".fetched"  # under the staging folder: checkpoints downloaded from the store to be verified and loaded
+DEFAULT_STORE_TIMEOUT = 60.0  # seconds: --store_timeout's default (config/options.py)
+SECONDS_PER_MIB = 1.0  # a transfer's bound grows by this per MiB: a store slower than 1 MiB/s counts as stalled
+REQUEST_ATTEMPTS = 3  # botocore's standard retry mode, each attempt within T / REQUEST_ATTEMPTS
+STOP_GRACE_S = 5.0  # a call under way when a stop signal comes ends this much later at most
+POLL_S = 0.1  # how often a waiting call looks at its deadline and for a stop signal
 
 
 class StoreError(ConfigError):
@@ -53,13 +86,25 @@ class StoreError(ConfigError):
     holds or took): bad input, one line, exit 2."""
 
 
+class StoreStalled(StoreError):
+    """A call to the store did not finish within its bound (``--store_timeout``), or a stop signal cut it."""
+
+
 class StoreFailed(ServiceFailure):
     """The object store failed an operation once its lock was ours (its settings worked): one line, exit 1."""
 
 
-def open_store(root: str, staging: str | None = None) -> LocalStore | ObjectStore:
-    """The store for ``root``: a local folder, or a URL (``--checkpoint_dir``) staged through ``staging``."""
-    return ObjectStore(root, staging) if URL_SCHEME.match(root) else LocalStore(root)
+def open_store(root: str, staging: str | None = None,
+               timeout: float = DEFAULT_STORE_TIMEOUT) -> LocalStore | ObjectStore:
+    """The store for ``root``: a local folder, or a URL (``--checkpoint_dir``) staged through ``staging``, each call
+    bounded by ``timeout`` seconds (``--store_timeout``)."""
+    return ObjectStore(root, staging, timeout) if URL_SCHEME.match(root) else LocalStore(root)
+
+
+def check_store(root: str) -> None:
+    """Open the store for ``root`` once, to refuse one that cannot even be opened (no account, bad settings) with its
+    one line before any data is read; the run opens its own later (``CheckpointManager``)."""
+    open_store(root)
 
 
 class LocalStore:
@@ -123,14 +168,18 @@ class ObjectStore:
 
     remote = True
 
-    def __init__(self, url: str, staging: str | None):
+    def __init__(self, url: str, staging: str | None, timeout: float = DEFAULT_STORE_TIMEOUT):
         scheme = URL_SCHEME.match(url).group(1).lower()
+        self.timeout = timeout
+        self.stopping: Callable[[], bool] = lambda: False  # has a stop signal come? (set by the loop's setup)
+        self._stalled = False  # a call ran past its bound: the lock is left alone at the end (a relaunch takes it)
         package, extra = STORE_PACKAGES.get(scheme, (scheme, scheme))
         try:
             import fsspec
 
-            # auto_mkdir: the local file system (file://) makes parent folders as object stores need none
-            self.fs, self.path = fsspec.core.url_to_fs(url, **({"auto_mkdir": True} if scheme == "file" else {}))
+            self.fs, self.path = fsspec.core.url_to_fs(url, **_fs_options(scheme, timeout))
+            if scheme == "s3":
+                self.fs.retries = 1  # botocore retries (config_kwargs); s3fs's loop around it would multiply them
         except ImportError:  # config/checks.py found the package; an import that still fails is one line too
             raise ConfigError(f"--checkpoint_dir {url} needs the {package} package, which cannot be imported; "
                               f"pip install \"accel_ddp[{extra}]\"") from None
@@ -155,7 +204,7 @@ class ObjectStore:
         try:
             # no maxdepth: s3fs lists a whole prefix in one paginated request then, and walks it folder by folder
             # with one (s3fs/core.py _find)
-            keys = self._call("list", lambda: self.fs.find(self.path), passes=FileNotFoundError)
+            keys = self._call("list", "find", self.path, passes=FileNotFoundError)
         except FileNotFoundError:  # nothing under the prefix yet (a bucket that is missing fails the lock first)
             keys = []
         for key in keys:
@@ -180,17 +229,18 @@ class ObjectStore:
         existing = self._steps().get(int(_STEP_DIR.match(final.rsplit("/", 1)[1]).group(1)))
         if existing:  # sealed but damaged (auto skipped it): kept for its owner, under another name
             aside = f"{key}.damaged-{time.strftime('%Y%m%dT%H%M%S')}"
-            for obj in self._call("list", lambda: self.fs.find(key)):  # object by object: no rename in a store
-                self._call("move", lambda obj=obj: self.fs.copy(obj, aside + obj[len(key):]))
+            for obj in self._call("list", "find", key):  # object by object: no rename in a store
+                self._call("move", "copy", obj, aside + obj[len(key):])
             self.remove(final)
             aside_url = self.root + aside[len(self.path):]
             warn(f"{final} was damaged; moved it to {aside_url} and saved step {meta['step']} in its place")
         elif existing is False:  # unsealed objects of a save a crash interrupted
-            self._call("delete", lambda: self.fs.rm(key, recursive=True))
+            self._call("delete", "rm", key, recursive=True)
         for name in relative_files(tmp):
-            self._call("upload", lambda name=name: self.fs.put_file(os.path.join(tmp, name), f"{key}/{name}"))
+            path = os.path.join(tmp, name)
+            self._call("upload", "put_file", path, f"{key}/{name}", nbytes=os.path.getsize(path))
         body = json.dumps(meta, indent=2).encode()
-        self._call("upload", lambda: self.fs.pipe_file(f"{key}/{MARKER_NAME}", body))
+        self._call("upload", "pipe_file", f"{key}/{MARKER_NAME}", body)
         shutil.rmtree(tmp, ignore_errors=True)
 
     def remove(self, folder: str) -> None:
@@ -198,17 +248,17 @@ class ObjectStore:
         self.check_claim()
         key = self._key(folder)
         try:
-            self._call("delete", lambda: self.fs.rm_file(f"{key}/{MARKER_NAME}"), passes=FileNotFoundError)
+            self._call("delete", "rm_file", f"{key}/{MARKER_NAME}", passes=FileNotFoundError)
         except FileNotFoundError:
             pass
-        self._call("delete", lambda: self.fs.rm(key, recursive=True))
+        self._call("delete", "rm", key, recursive=True)
 
     def clean(self, up_to: int) -> None:
         """Unsealed prefixes up to the step just sealed (a crash's partial uploads) and the local staging debris."""
         self.check_claim()
         for step, has_marker in self._steps().items():
             if not has_marker and step <= up_to:
-                self._call("delete", lambda step=step: self.fs.rm(self._key(self.folder(step)), recursive=True))
+                self._call("delete", "rm", self._key(self.folder(step)), recursive=True)
         if os.path.isdir(self.staging):
             for name in os.listdir(self.staging):
                 if name.startswith((".tmp-", ".trash-", FETCHED_DIR)):
@@ -219,11 +269,11 @@ class ObjectStore:
         key, name = self._key(folder), folder.rsplit("/", 1)[1]
         dest = os.path.join(self.staging, FETCHED_DIR, name)
         shutil.rmtree(dest, ignore_errors=True)
-        for obj in self._call("list", lambda: self.fs.find(key)):
+        for obj, size in self._call("list", "find", key, detail=True).items():
             path = os.path.join(dest, *obj[len(key):].strip("/").split("/"))
             try:
                 os.makedirs(os.path.dirname(path), exist_ok=True)
-                self._call("download", lambda obj=obj, path=path: self.fs.get_file(obj, path), passes=OSError)
+                self._call("download", "get_file", obj, path, passes=OSError, nbytes=size.get("size") or 0)
             except OSError as err:
                 self._local_or_store(err, dest)
         os.makedirs(dest, exist_ok=True)  # no objects at all: an empty folder, which read_checkpoint calls unsealed
@@ -235,7 +285,7 @@ class ObjectStore:
         if not self.is_own(folder):
             return LocalStore.manifest(self, folder)
         self.fs.invalidate_cache()
-        return self.fs.cat_file(f"{self._key(folder.rstrip('/'))}/{MARKER_NAME}")
+        return self._call("read", "cat_file", f"{self._key(folder.rstrip('/'))}/{MARKER_NAME}", passes=OSError)
 
     def is_own(self, spec: str) -> bool:
         head, _, name = spec.rstrip("/").rpartition("/")
@@ -250,13 +300,13 @@ class ObjectStore:
         held = self._owner(lock)  # looked for first: the only check where a store ignores the conditional write
         if held:
             self._take_over(held, owner)
-            self._call("lock", lambda: self.fs.pipe_file(lock, data))
+            self._call("lock", "pipe_file", lock, data)
         else:
             try:
-                self._call("lock", lambda: self.fs.pipe_file(lock, data, mode="create"), passes=FileExistsError)
+                self._call("lock", "pipe_file", lock, data, mode="create", passes=FileExistsError)
             except FileExistsError:  # another run wrote it since we looked
                 self._take_over(self._owner(lock), owner)
-                self._call("lock", lambda: self.fs.pipe_file(lock, data))
+                self._call("lock", "pipe_file", lock, data)
         if self._owner(lock) != owner:  # a store that ignored mode="create" and a racing run that wrote last
             raise StoreError(f"--checkpoint_dir {self.root}: another run wrote {self.root}/{LOCK_NAME} at the same "
                              "time; give each run its own --checkpoint_dir")
@@ -270,9 +320,8 @@ class ObjectStore:
                 f"host {held.get('host')}, --output_dir {held.get('output_dir')}, pid {held.get('pid')}, since "
                 f"{held.get('since')}); wait for that run to end, or, if it is dead, delete {self.root}/{LOCK_NAME} "
                 "and relaunch")
-        print(f"accel_ddp: taking over {self.root}/{LOCK_NAME}, left by pid {held.get('pid')} on host "
-              f"{held.get('host')} (since {held.get('since')}), which no longer holds {owner['output_dir']}",
-              flush=True)
+        say(f"taking over {self.root}/{LOCK_NAME}, left by pid {held.get('pid')} on host {held.get('host')} (since "
+            f"{held.get('since')}), which no longer holds {owner['output_dir']}")
 
     def check_claim(self) -> None:
         """Before a seal or a deletion: the lock object still holds our bytes, or StoreError (another run wrote it:
@@ -281,7 +330,7 @@ class ObjectStore:
             return
         lock = f"{self.path}/{LOCK_NAME}"
         try:
-            now = self._call("lock check", lambda: self.fs.cat_file(lock), passes=FileNotFoundError)
+            now = self._call("lock check", "cat_file", lock, passes=FileNotFoundError)
         except FileNotFoundError:
             now = None
         if now != self._lock_data:
@@ -298,9 +347,13 @@ class ObjectStore:
         if self._lock_data is None:
             return
         self._lock_data, data = None, self._lock_data
+        if self._stalled:  # another call would wait as long: the next run from this output folder takes it over
+            warn(f"left the lock object {self.root}/{LOCK_NAME} behind (the store stopped answering); a relaunch "
+                 "with the same --output_dir takes it over")
+            return
         try:
-            if self.fs.cat_file(lock) == data:
-                self.fs.rm_file(lock)
+            if self._call("lock check", "cat_file", lock) == data:
+                self._call("delete", "rm_file", lock)
         except Exception as err:  # noqa: BLE001 - the run's outcome stands; the next claimant is told how to clear it
             warn(f"could not delete the lock object {self.root}/{LOCK_NAME} ({first_line(err)}); delete it before "
                  "another run uses this --checkpoint_dir")
@@ -308,29 +361,66 @@ class ObjectStore:
     def _owner(self, lock: str) -> dict[str, Any]:
         """The lock object's owner; {} where there is none. ``exists`` first: s3fs's cat_file of a missing key
         raises FileNotFoundError too, but a store's wrapper may not."""
-        if not self._call("lock", lambda: self.fs.exists(lock)):
+        if not self._call("lock", "exists", lock):
             return {}
         try:
-            return _parsed(self._call("lock", lambda: self.fs.cat_file(lock), passes=FileNotFoundError)) or \
+            return _parsed(self._call("lock", "cat_file", lock, passes=FileNotFoundError)) or \
                 {"host": "?", "output_dir": "?", "pid": "?", "since": "? (an unreadable lock object)"}
         except FileNotFoundError:
             return {}
 
     def _local_or_store(self, err: OSError, dest: str) -> None:
         """A download that failed: this machine's disk (full, read-only) is named as such, the rest is the store's."""
-        if err.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
-            raise WriteFailed(f"cannot download {self.root}'s checkpoint into {dest}: {write_failure(err, dest)}; "
-                              "free space there (room for one checkpoint) or give another --output_dir") from None
+        if err.errno in (errno.ENOSPC, errno.EDQUOT, *READ_ONLY_ERRNOS):
+            why = write_failure(err, dest)
+            fix = WRITABLE_FIX if why.startswith(READ_ONLY) else \
+                "free space there (room for one checkpoint) or give another --output_dir"
+            raise WriteFailed(f"cannot download {self.root}'s checkpoint into {dest}: {why}; {fix}") from None
         raise self._failed("download", err) from None
 
-    def _call(self, what: str, fn, passes: type[Exception] | tuple = ()):
-        """``fn()``; a failure of the store is one line naming it (``passes``: the errors the caller handles)."""
+    def _call(self, what: str, method: str, *args: Any, passes: type[Exception] | tuple = (), nbytes: int = 0,
+              **kwargs: Any) -> Any:
+        """The file system's ``method(*args, **kwargs)`` within its bound (``nbytes``: what it carries); a failure of
+        the store is one line naming it (``passes``: the errors the caller handles)."""
         try:
-            return fn()
+            if getattr(self.fs, "async_impl", False):
+                return self._bounded(what, method, args, kwargs, nbytes)
+            return getattr(self.fs, method)(*args, **kwargs)  # a local file system (file://) does not stall
         except Exception as err:
             if isinstance(err, (ConfigError, ServiceFailure, *(passes if isinstance(passes, tuple) else (passes,)))):
                 raise
             raise self._failed(what, err) from None
+
+    def _bounded(self, what: str, method: str, args: tuple, kwargs: dict, nbytes: int) -> Any:
+        """``method``'s coroutine on the file system's loop, cancelled past ``--store_timeout`` plus 1 s per MiB,
+        or ``STOP_GRACE_S`` after a stop signal that came while it ran: a StoreStalled either way."""
+        started = time.monotonic()
+        limit = self.timeout + nbytes / 2**20 * SECONDS_PER_MIB
+        deadline, signalled = started + limit, self.stopping()  # a save after the signal (preemption's) runs in full
+        future = asyncio.run_coroutine_threadsafe(getattr(self.fs, f"_{method}")(*args, **kwargs), self.fs.loop)
+        while True:
+            try:
+                return future.result(timeout=POLL_S)
+            except concurrent.futures.TimeoutError:
+                if future.done():  # the call's own TimeoutError (asyncio's is the same class): the store's failure
+                    raise
+            now = time.monotonic()
+            if not signalled and self.stopping():
+                signalled, deadline = True, min(deadline, now + STOP_GRACE_S)
+                limit = -1.0  # the signal's cut, not the store's bound
+            if now < deadline:
+                continue
+            future.cancel()
+            self._stalled = True
+            article = "an" if what[0] in "aeiou" else "a"
+            if limit < 0:
+                raise StoreStalled(f"--checkpoint_dir {self.root}: the store had not finished {article} {what} "
+                                   f"{now - started:.0f} s after it began, {STOP_GRACE_S:.0f} s after the stop signal")
+            per_mib = f" plus {SECONDS_PER_MIB:g} s per MiB" if nbytes else ""
+            raise StoreStalled(f"--checkpoint_dir {self.root}: the store did not finish {article} {what} within "
+                               f"{limit:.0f} s (--store_timeout {self.timeout:g}{per_mib}): it stopped answering; "
+                               "check that it is up and reachable (or raise --store_timeout), then relaunch with "
+                               "--resume_from_checkpoint auto")
 
     def _failed(self, what: str, err: BaseException) -> StoreError | StoreFailed:
         """Before the lock is ours, a refusal is the settings' (exit 2); after, the store failed a run it served."""
@@ -340,6 +430,19 @@ class ObjectStore:
         if self._lock_data is None:
             return StoreError(line)
         return StoreFailed(f"{line}, then relaunch with --resume_from_checkpoint auto")
+
+
+def _fs_options(scheme: str, timeout: float) -> dict[str, Any]:
+    """The file system's own bounds per request, inside ours per call: s3fs hands ``config_kwargs`` to botocore's
+    ``Config`` (s3fs/core.py ``_prepare_config_kwargs``; connect_timeout, read_timeout, retries). gcsfs and adlfs
+    get ours per call only."""
+    if scheme == "file":
+        return {"auto_mkdir": True}  # the local file system makes parent folders as object stores need none
+    if scheme == "s3":
+        request = max(timeout / REQUEST_ATTEMPTS, 1.0)
+        return {"config_kwargs": {"connect_timeout": request, "read_timeout": request,
+                                  "retries": {"max_attempts": REQUEST_ATTEMPTS, "mode": "standard"}}}
+    return {}
 
 
 def _folder_id(output_dir: str) -> str:

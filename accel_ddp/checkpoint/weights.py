@@ -66,6 +66,13 @@ def load_weights(model: torch.nn.Module, path: str, source: str = "--init_from",
                 f"{k} {tuple(state[k].shape)} vs model {tuple(expected[k].shape)}" for k in reshaped[:3]))
         raise ConfigError(f"{source} {path} holds the weights of a different model: {'; '.join(problems)}; "
                           "use the --model and sizes (e.g. --hidden_size) of the run that wrote it")
+    damaged = next((k for k, v in sorted(state.items()) if v.is_floating_point() and not bool(torch.isfinite(v).all())),
+                   None)
+    if damaged is not None:  # else exit 3 at the first step, "lower --lr": no learning rate trains from nan weights
+        bad = int((~torch.isfinite(state[damaged])).sum())
+        raise ConfigError(f"{source} {path}: its tensor {damaged} holds nan or inf values ({bad} of "
+                          f"{state[damaged].numel()}); these weights are damaged (saved by a run that diverged?); "
+                          "give weights without them, e.g. an earlier checkpoint's model.safetensors")
     model.load_state_dict({own_names[k]: v for k, v in state.items()}, strict=not keep_frozen)
 
 

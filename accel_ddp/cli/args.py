@@ -167,6 +167,8 @@ def load_recipe(path: str) -> dict[str, Any]:
     """Read a YAML recipe whose keys are TrainConfig fields (values are checked by ``TrainConfig``)."""
     import yaml
 
+    if os.path.isdir(path):
+        raise ConfigError(f"--config {path} is a folder; give the path of a YAML recipe file in it")
     if not os.path.isfile(path):
         raise ConfigError(f"--config {path}: no such file; give the path of a YAML recipe")
     try:

@@ -6,8 +6,6 @@ reported once per launch: :mod:`accel_ddp.lifecycle.failure`); ``run()`` exits w
 
 from __future__ import annotations
 
-import os
-import sys
 import traceback
 from typing import NoReturn
 
@@ -21,6 +19,7 @@ from accel_ddp.lifecycle.preemption import (
     ignore_preemption_signals,
 )
 from accel_ddp.loop import train
+from accel_ddp.util.messages import warn
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,8 +34,7 @@ def main(argv: list[str] | None = None) -> int:
         _parse_and_train(argv)
     except Preempted as stop:
         ignore_preemption_signals()  # exiting with 75: the launcher's follow-up SIGTERM must not make it a kill
-        if os.environ.get("RANK", "0") == "0":
-            print(f"accel_ddp: preempted: {stop} (exit code {EXIT_PREEMPTED})", file=sys.stderr, flush=True)
+        warn(f"{stop} (exit code {EXIT_PREEMPTED})", kind="preempted", ranks="first")
         return EXIT_PREEMPTED
     except Exception as err:  # noqa: BLE001 - every failure gets its exit code and, once per launch, its report
         return failure.report(err, failure.exit_code(err))

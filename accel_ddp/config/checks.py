@@ -209,3 +209,24 @@ def _check_peft(cfg: Any) -> None:
             them = "them" if len(given) > 1 else "it"
             raise ConfigError(f"{', '.join(given)} without --peft: nothing would use {them}; add --peft lora, or "
                               f"drop {them}")
+
+
+def _check_cuda_graphs(cfg: Any) -> None:
+    """``--cuda_graphs`` with options whose guarantees a captured step cannot keep (accel_ddp/step_graph.py; the
+    launch-dependent refusals, no CUDA, gloo, accumulation, the loader, fp16, come once the run is set up)."""
+    if not cfg.cuda_graphs:
+        return
+    why = {"debug": "--debug checks every loss on the host (a sync per step)",
+           "on_anomaly": f"--on_anomaly {cfg.on_anomaly} decides each step's update on the host",
+           "streaming": "--streaming batches vary in shape",
+           "compile": "--compile graphs the model its own way (torch.compile's mode reduce-overhead)",
+           "optimizer": f"--optimizer {cfg.optimizer} is not capturable (AdamW is)",
+           "ddp_comm_hook": f"--ddp_comm_hook {cfg.ddp_comm_hook} completes on host callbacks",
+           "loader": "--loader dataloader (without --packing) has batches of varying shapes"}
+    clashes = {"debug": cfg.debug, "on_anomaly": cfg.on_anomaly != "stop", "streaming": cfg.streaming,
+               "compile": cfg.compile, "optimizer": cfg.optimizer != "adamw",
+               "ddp_comm_hook": cfg.ddp_comm_hook != "none",
+               "loader": cfg.loader == "dataloader" and not cfg.packing}
+    for name, clash in clashes.items():
+        if clash:
+            raise ConfigError(f"--cuda_graphs cannot keep its guarantees here: {why[name]}; drop one of them")

@@ -11,6 +11,7 @@ from typing import Any
 
 from accel_ddp.config.checks import (
     _check_best_model,
+    _check_cuda_graphs,
     _check_data,
     _check_hf_fields,
     _check_peft,
@@ -170,6 +171,10 @@ class TrainConfig:
         None, "an object store URL for the checkpoints (s3://bucket/run, gs://, az://, file://) instead of "
         "OUTPUT_DIR/checkpoints; logs, metrics and the final weights stay in --output_dir"
     )
+    store_timeout: float = _opt(
+        60.0, "--checkpoint_dir: seconds each call to the object store may take (plus 1 s per MiB it carries, retries "
+        "included) before the run stops with exit code 2 (a store that stopped answering)", low=1, high=86400
+    )
     async_checkpointing: bool = _opt(
         False, "copy the state to host memory at each save and write it in a background thread while training goes on"
     )
@@ -234,6 +239,10 @@ class TrainConfig:
     ddp_timeout: int = _opt(1800, "seconds a collective may wait for a missing rank before the job fails",
                             low=1, high=DDP_TIMEOUT_MAX)
     compile: bool = _opt(False, "torch.compile the model (first steps are slower while it compiles)")
+    cuda_graphs: bool = _opt(
+        False, "CUDA only, unmeasured: capture the whole optimizer step once as a CUDA graph and replay it (AdamW, "
+        "one micro-step per step, batches of one shape; docs/performance.md)"
+    )
     fused_kernels: bool = _opt(
         True, "one-kernel versions of the same math in Transformers models (tanh GELU); false keeps the model's own"
     )
@@ -290,8 +299,13 @@ class TrainConfig:
         _check_peft(self)
         _check_data(self)
         _check_best_model(self)
+        _check_cuda_graphs(self)
         if self.with_tracking and "all" not in self.report_to.split(","):  # `all`: checked once it is resolved
             self.check_tracker_wait(len(self.report_to.split(",")))
+        if self.checkpoint_dir and self.store_timeout >= self.ddp_timeout:  # the other ranks wait for the main's call
+            raise ConfigError(f"--store_timeout {self.store_timeout:g} s is not less than --ddp_timeout "
+                              f"{self.ddp_timeout} s: the other ranks' wait for a save would fail first, without "
+                              "naming the store; lower --store_timeout or raise --ddp_timeout")
         if self.init_from is not None and not self.init_from.endswith(".safetensors"):
             raise ConfigError(f"--init_from {show(self.init_from)}: expected a .safetensors weights file, "
                               "e.g. OUTPUT_DIR/model.safetensors")
@@ -336,7 +350,7 @@ class TrainConfig:
         """
         if self.gradient_accumulation_steps is not None:
             self._resolve_accumulation(world_size)
-        if self.auto_batch:  # the probe's first candidate (accel_ddp/batch_size.py)
+        if self.auto_batch:  # the probe's first candidate (accel_ddp/auto_batch.py)
             per_device = largest_micro_batch(self.global_batch_size, world_size, self.auto_batch_cap)
         else:
             per_device = self.per_device_batch_size or self.global_batch_size // world_size

@@ -22,7 +22,7 @@ import torch
 from torch.utils.data import Dataset
 
 from accel_ddp.data.in_memory import as_in_memory, crop_flip_params
-from accel_ddp.data.sampler import GlobalBatchLoader, GlobalBatchSampler
+from accel_ddp.data.sampler import GlobalBatchLoader
 from accel_ddp.util.validation import ConfigError
 
 
@@ -68,11 +68,8 @@ class DeviceLoader(GlobalBatchLoader):
                 f"--loader device: a {type(dataset).__name__} is not tensors in memory; use --loader dataloader, "
                 "or give an accel_ddp.data.InMemoryDataset or a TensorDataset"
             )
-        self.sampler = GlobalBatchSampler(len(data), per_device_batch_size, global_batch_size, seed=seed, rank=rank,
-                                          world_size=world_size)
-        self.per_device_batch_size, self.global_batch_size = per_device_batch_size, global_batch_size
-        self.seed, self.rank, self.world_size = seed, rank, world_size
-        self.device = torch.device(device)
+        super().__init__(len(data), per_device_batch_size, global_batch_size, seed=seed, rank=rank,
+                         world_size=world_size, device=device)
         self.data = data.to(self.device)
 
     def rank_indices(self, epoch: int) -> torch.Tensor:

@@ -16,6 +16,8 @@ that no path needs a full decode; float inputs are served as stored.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -170,28 +172,56 @@ def _read_sample(table, read) -> torch.Tensor:
     return torch.cat(parts)
 
 
-def _label_ids(train, eval_split, column: str) -> tuple[dict[str, int] | None, int]:
-    """(names -> ids, or None for a column of ids; number of classes), from the label column alone."""
-    import datasets
-    import pyarrow.compute as pc
+@dataclass(frozen=True)
+class LabelValues:
+    """What the label rule needs of a label column, however a path reads it (Arrow columns, numpy arrays, rows)."""
 
-    feature = train.features[column]
+    numeric: bool  # every value a number
+    bounds: Callable[[], tuple[Any, Any, bool]]  # numeric only: (smallest, largest, all whole numbers)
+    where: Callable[[Any], str]  # numeric only: where the value given is found, for the error line
+    names: Callable[[], list[str]]  # otherwise: the distinct values as text
+
+
+def class_ids(feature, column: str, values: LabelValues) -> tuple[dict[str, int] | None, int]:
+    """The one label rule of every hf path: (names -> ids, or None for a column of ids; number of classes).
+
+    A ClassLabel declares its K classes; numbers must be class ids 0, 1, 2, ... (K = the largest + 1, at most
+    ``MAX_CLASSES``); anything else is a class name, numbered in sorted order (the same on every rank).
+    """
+    import datasets
+
     if isinstance(feature, datasets.ClassLabel):
         return None, feature.num_classes
-    columns = [ds.data.column(column) for ds in (train, eval_split) if ds is not None]
-    if all(pa_type_is_number(c.type) for c in columns):
-        low = min(pc.min(c).as_py() for c in columns)
-        high = max(pc.max(c).as_py() for c in columns)
-        if low < 0 or any(not pc.all(pc.equal(c, pc.round(c))).as_py() for c in columns):
+    if values.numeric:
+        low, high, whole = values.bounds()
+        if low < 0 or not whole:
             raise ConfigError(f"hf: labels in {column!r} must be class ids 0, 1, 2, ...; got {low}..")
         if high >= MAX_CLASSES:
-            split, c = next((name, c) for name, c in zip(("train", "eval"), columns, strict=False)
-                            if pc.max(c).as_py() == high)
-            raise ConfigError(too_many_ids(high, column, f"row {pc.index(c, high).as_py()} of the {split!r} split"))
+            raise ConfigError(too_many_ids(high, column, values.where(high)))
         return None, int(high) + 1
-    names = sorted({str(v) for c in columns for v in pc.unique(c).to_pylist()})
+    names = values.names()
     check_class_names(len(names), column)
     return {name: i for i, name in enumerate(names)}, len(names)
+
+
+def _label_ids(train, eval_split, column: str) -> tuple[dict[str, int] | None, int]:
+    """``class_ids`` from the label column's Arrow data alone (no row is decoded)."""
+    import pyarrow.compute as pc
+
+    columns = [ds.data.column(column) for ds in (train, eval_split) if ds is not None]
+
+    def bounds() -> tuple[Any, Any, bool]:
+        return (min(pc.min(c).as_py() for c in columns), max(pc.max(c).as_py() for c in columns),
+                all(pc.all(pc.equal(c, pc.round(c))).as_py() for c in columns))
+
+    def where(high: Any) -> str:
+        split, c = next((name, c) for name, c in zip(("train", "eval"), columns, strict=False)
+                        if pc.max(c).as_py() == high)
+        return f"row {pc.index(c, high).as_py()} of the {split!r} split"
+
+    return class_ids(train.features[column], column, LabelValues(
+        all(pa_type_is_number(c.type) for c in columns), bounds, where,
+        lambda: sorted({str(v) for c in columns for v in pc.unique(c).to_pylist()})))
 
 
 def too_many_ids(high: Any, column: str, place: str) -> str:
@@ -271,33 +301,24 @@ def _decode_images(ds, column: str, image_size: int | None, layout, split: str =
 
 
 def _labels(train, eval_, column: str):
-    """(train labels, eval labels, number of classes): ClassLabel ids, integers, or sorted names."""
-    import datasets
-
+    """(train labels, eval labels, number of classes): ``class_ids`` over the decoded columns, names mapped."""
     def column_of(ds):
         return None if ds is None else np.asarray(ds.with_format("numpy", columns=[column])[:][column])
 
     train_raw, eval_raw = column_of(train), column_of(eval_)
-    feature = train.features[column]
-    if isinstance(feature, datasets.ClassLabel):
-        num_classes = feature.num_classes
-        mapped = [train_raw, eval_raw]
-    elif np.issubdtype(train_raw.dtype, np.number):
-        both = train_raw if eval_raw is None else np.concatenate([train_raw, eval_raw])
-        if both.min() < 0 or not np.array_equal(both, np.round(both)):
-            raise ConfigError(f"hf: labels in {column!r} must be class ids 0, 1, 2, ...; got {both.min()}..")
-        if both.max() >= MAX_CLASSES:
-            row = int(both.argmax())
-            split, row = ("train", row) if row < len(train_raw) else ("eval", row - len(train_raw))
-            raise ConfigError(too_many_ids(both.max().item(), column, f"row {row} of the {split!r} split"))
-        num_classes = int(both.max()) + 1
-        mapped = [train_raw, eval_raw]
-    else:  # names: classes in sorted order, the same on every rank
-        names = sorted({str(v) for v in train_raw} | ({str(v) for v in eval_raw} if eval_raw is not None else set()))
-        check_class_names(len(names), column)
-        index = {name: i for i, name in enumerate(names)}
-        num_classes = len(names)
-        mapped = [None if raw is None else np.array([index[str(v)] for v in raw]) for raw in (train_raw, eval_raw)]
+    both = train_raw if eval_raw is None else np.concatenate([train_raw, eval_raw])
+
+    def where(high: Any) -> str:
+        row = int(both.argmax())
+        split, row = ("train", row) if row < len(train_raw) else ("eval", row - len(train_raw))
+        return f"row {row} of the {split!r} split"
+
+    ids, num_classes = class_ids(train.features[column], column, LabelValues(
+        np.issubdtype(train_raw.dtype, np.number),
+        lambda: (both.min(), both.max().item(), np.array_equal(both, np.round(both))), where,
+        lambda: sorted({str(v) for v in both})))
+    mapped = [raw if ids is None or raw is None else np.array([ids[str(v)] for v in raw])
+              for raw in (train_raw, eval_raw)]
     tensors = [None if m is None else torch.from_numpy(np.asarray(m, dtype=np.int64)) for m in mapped]
     return tensors[0], tensors[1], num_classes
 

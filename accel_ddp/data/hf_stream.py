@@ -12,7 +12,7 @@ imports the other (``builtin`` chooses between them).
 from __future__ import annotations
 
 from accel_ddp.data.bundle import DataError, DatasetBundle
-from accel_ddp.data.hf import MAX_CLASSES, STATS_SAMPLE, _uint8_stats, check_class_names, too_many_ids
+from accel_ddp.data.hf import STATS_SAMPLE, LabelValues, _uint8_stats, class_ids
 from accel_ddp.data.hf_source import _input_column, _label_column, empty_split, load_splits
 from accel_ddp.data.mapped import ImageRows, MappedDataset, image_mode, open_image
 from accel_ddp.data.streaming import StreamSource, read_failure
@@ -63,21 +63,11 @@ def build_stream(data_dir: str, source, image_size: int | None) -> DatasetBundle
 
 
 def _stream_labels(feature, rows: list[dict], column: str) -> tuple[dict[str, int] | None, int]:
-    """Class ids and count: from a ClassLabel, else from the labels of the eval split and the first training rows."""
-    import datasets
-
-    if isinstance(feature, datasets.ClassLabel):
-        return None, feature.num_classes
+    """``class_ids`` from the labels of the eval split and the first training rows (a stream is not read whole)."""
     values = [row[column] for row in rows]
-    if all(isinstance(v, int) for v in values):
-        if min(values) < 0:
-            raise ConfigError(f"hf: labels in {column!r} must be class ids 0, 1, 2, ...; got {min(values)}")
-        if max(values) >= MAX_CLASSES:
-            raise ConfigError(too_many_ids(max(values), column, "among the first training rows and the eval split"))
-        return None, max(values) + 1
-    names = sorted({str(v) for v in values})
-    check_class_names(len(names), column)
-    return {name: i for i, name in enumerate(names)}, len(names)
+    return class_ids(feature, column, LabelValues(
+        all(isinstance(v, int) for v in values), lambda: (min(values), max(values), True),
+        lambda high: "among the first training rows and the eval split", lambda: sorted({str(v) for v in values})))
 
 
 class _CheckedLabels:

@@ -30,7 +30,6 @@ from accel_ddp.data.in_memory import as_in_memory, is_in_memory
 from accel_ddp.data.mapped import MappedDataset, is_arrow_dataset
 from accel_ddp.data.sampler import (
     GlobalBatchLoader,
-    GlobalBatchSampler,
     PlacedBatch,
     global_rngs_restored,
     sample_seed,
@@ -134,9 +133,8 @@ class HostLoader(GlobalBatchLoader):
         collate_fn: Callable[[list], Any] | None = None,
         worker_init_fn: Callable[[int], None] | None = None,
     ):
-        self.sampler = GlobalBatchSampler(len(dataset), per_device_batch_size, global_batch_size, seed=seed,
-                                          rank=rank, world_size=world_size)
-        self.device = torch.device(device)
+        super().__init__(len(dataset), per_device_batch_size, global_batch_size, seed=seed, rank=rank,
+                         world_size=world_size, device=device)
         workers = default_num_workers(dataset) if num_workers is None else num_workers
         self.loader = DataLoader(
             readable(dataset),

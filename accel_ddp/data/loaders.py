@@ -7,8 +7,8 @@ loader, whose source has no random access, keeps every rank in step instead).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, NamedTuple
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
@@ -24,8 +24,8 @@ from accel_ddp.util.messages import note
 from accel_ddp.util.registry import describe
 from accel_ddp.util.validation import ConfigError
 
-__all__ = ["Loaders", "build_eval_loader", "build_loaders", "build_train_loader", "choose_loader", "data_seed",
-           "data_source", "default_num_workers", "first_samples", "usable_cpus"]
+__all__ = ["Loaders", "TrainLoader", "build_eval_loader", "build_loaders", "build_train_loader", "choose_loader",
+           "data_seed", "data_source", "default_num_workers", "first_samples", "usable_cpus"]
 
 
 def build_train_loader(
@@ -106,8 +106,26 @@ def choose_loader(loader: str, dataset: Dataset, device_loader_max_mb: float, me
     return "device"
 
 
+@runtime_checkable
+class TrainLoader(Protocol):
+    """What the loop asks of every training loader (DeviceLoader, HostLoader, StreamingLoader): a prepared
+    DataLoader's surface, micro-batches on the device, each optimizer step's samples the same for any world size.
+    (The loaders of host batches also take a ``batch_check`` hook: accel_ddp.tasks.labels.)"""
+
+    steps_per_epoch: int  # optimizer steps per epoch (streaming: the whole run)
+    accumulation: int  # micro-batches per optimizer step on each rank
+
+    def __len__(self) -> int: ...  # micro-batches left in this epoch on this rank
+
+    def __iter__(self) -> Iterator[Any]: ...
+
+    def set_epoch(self, epoch: int) -> None: ...
+
+    def skip_first_batches(self, num_batches: int) -> Iterable[Any]: ...  # the epoch after its first micro-batches
+
+
 class Loaders(NamedTuple):
-    train: Any  # a DeviceLoader, HostLoader or StreamingLoader: batches on the device
+    train: TrainLoader  # a DeviceLoader, HostLoader or StreamingLoader: batches on the device
     eval: Any  # a prepared DataLoader (gather_for_metrics counts each sample once), a DeviceEvalLoader, or None
     kind: str  # "device", "dataloader" or "streaming": summary.json's "loader"
     source: str = "in_memory"  # "in_memory", "memory_mapped", "streaming" or "map_style": summary.json's "data_source"
@@ -153,8 +171,7 @@ def build_loaders(
         kind = "streaming"
         train_loader = StreamingLoader(
             train_dataset, per_device_batch_size, global_batch_size, max_steps=max_steps, seed=seed, rank=rank,
-            world_size=world, device=accelerator.device, num_workers=num_workers, collate_fn=collate_fn,
-            accelerator=accelerator)
+            world_size=world, device=accelerator.device, num_workers=num_workers, collate_fn=collate_fn)
     else:
         kind = choose_loader(loader, train_dataset, device_loader_max_mb, memory_limit)
         if kind == "device" and collate_fn is not None:

@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import math
 import os
-import sys
 from typing import NamedTuple
+
+from accel_ddp.util.messages import note
 
 DECODE_WORKING_FACTOR = 2  # peak resident set / decoded size while decoding (issue 25: "about twice")
 DEVICE_SHARE = 0.25  # of the device memory free at start-up: the model, optimizer and activations need the rest
@@ -111,10 +112,10 @@ class InMemoryLimit(NamedTuple):
     how: str  # the budget's arithmetic, for the line that says why
 
     def note(self, what: str, nbytes: int, limit_mb: float, instead: str = "reading it memory-mapped") -> str | None:
-        """The line to print when ``nbytes`` is over ``limit_mb`` because of the machine's budget (not the flag)."""
+        """The note to print when ``nbytes`` is over ``limit_mb`` because of the machine's budget (not the flag)."""
         if nbytes <= limit_mb * 2**20 or nbytes > self.configured_mb * 2**20:
             return None
-        return (f"accel_ddp: note: {what} would take {nbytes / 2**20:.3g} MiB per rank, over this machine's "
+        return (f"{what} would take {nbytes / 2**20:.3g} MiB per rank, over this machine's "
                 f"budget of {limit_mb:.3g} MiB ({self.how}), which --device_loader_max_mb {self.configured_mb:g} "
                 f"does not raise: {instead}")
 
@@ -149,9 +150,7 @@ def in_memory_limit(accelerator, configured_mb: float) -> InMemoryLimit:
                          _how(host_mb, dev_mb, ranks, accelerator.num_processes))
 
 
-def say(line: str | None) -> None:
-    """Print ``line`` from the main process (every rank decides the same; one line per run)."""
-    from accelerate import PartialState
-
-    if line and PartialState().is_main_process:
-        print(line, file=sys.stderr, flush=True)
+def say(message: str | None) -> None:
+    """``message`` as a note from the main process (every rank decides the same; one line per run)."""
+    if message:
+        note(message, ranks="main")

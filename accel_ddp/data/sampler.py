@@ -199,11 +199,20 @@ class GlobalBatchLoader:
     """What the device loader and the DataLoader path share: a prepared DataLoader's surface over a sampler.
 
     ``len()`` (micro-batches per rank left this epoch), ``set_epoch``, ``skip_first_batches`` (a
-    :class:`SkippedPass`), ``steps_per_epoch``, ``accumulation`` and ``total_batch_size``. A subclass
-    sets ``self.sampler`` and iterates it, calling ``sampler.set_epoch(epoch + 1)`` after a full pass.
+    :class:`SkippedPass`), ``steps_per_epoch``, ``accumulation`` and ``total_batch_size``, and one constructor:
+    the sampler over the dataset's ``size`` samples, the layout, and the ``device`` batches go to. A subclass
+    iterates ``self.sampler``, calling ``sampler.set_epoch(epoch + 1)`` after a full pass.
     """
 
     sampler: GlobalBatchSampler
+
+    def __init__(self, size: int, per_device_batch_size: int, global_batch_size: int, *, seed: int, rank: int = 0,
+                 world_size: int = 1, device: torch.device | str = "cpu"):
+        self.sampler = GlobalBatchSampler(size, per_device_batch_size, global_batch_size, seed=seed, rank=rank,
+                                          world_size=world_size)
+        self.per_device_batch_size, self.global_batch_size = per_device_batch_size, global_batch_size
+        self.seed, self.rank, self.world_size = seed, rank, world_size
+        self.device = torch.device(device)
 
     @property
     def epoch(self) -> int:

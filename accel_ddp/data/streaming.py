@@ -123,7 +123,8 @@ class StreamingLoader:
     """Micro-batches of this rank's share of a stream, moved to ``device``; the loader surface of the others.
 
     ``len()`` is the whole run (``max_steps * accumulation`` micro-batches): the loop sees one epoch.
-    Registers its checkpoint hooks with ``accelerator`` (a JSON file per rank; nothing unpickled).
+    Its position goes into each checkpoint through the run's TrainState (``save_position``/``load_position``: a JSON
+    file per rank; nothing unpickled).
     """
 
     batch_check = None  # set after the start-up probe: check(batch, where) on each host batch (accel_ddp.tasks.labels)
@@ -131,7 +132,7 @@ class StreamingLoader:
     def __init__(self, source: StreamSource, per_device_batch_size: int, global_batch_size: int, *,
                  max_steps: int | None, seed: int, rank: int = 0, world_size: int = 1,
                  device: torch.device | str = "cpu", num_workers: int | None = None,
-                 collate_fn: Callable | None = None, accelerator=None):
+                 collate_fn: Callable | None = None):
         if max_steps is None:
             raise ConfigError("--streaming: a stream has no length to count epochs by; set --max_steps")
         self.accumulation = accumulation_steps(per_device_batch_size, global_batch_size, world_size)
@@ -158,9 +159,6 @@ class StreamingLoader:
         self._group = None
         if world_size > 1 and dist.is_initialized() and dist.get_backend() != "gloo":
             self._group = dist.new_group(backend="gloo")  # the step check must not wait for the GPU stream
-        if accelerator is not None:
-            accelerator.register_save_state_pre_hook(self._save_hook)
-            accelerator.register_load_state_pre_hook(self._load_hook)
 
     @property
     def total_batch_size(self) -> int:
@@ -289,11 +287,13 @@ class StreamingLoader:
                 "num_workers": self.num_workers, "made_from": self.made_from,
                 "workers": {str(w): s for w, s in self.states.items()}, "next_worker": self.next_slot}
 
-    def _save_hook(self, models, weights, output_dir: str) -> None:
-        with open(os.path.join(output_dir, STATE_FILE.format(rank=self.rank)), "w", encoding="utf-8") as fh:
-            json.dump(self._position(), fh)
+    def position_files(self) -> dict[str, str]:
+        """This rank's readers' positions now, as the checkpoint folder's file names and contents (the run's
+        TrainState takes them at each save step)."""
+        return {STATE_FILE.format(rank=self.rank): json.dumps(self._position())}
 
-    def _load_hook(self, models, input_dir: str) -> None:
+    def load_position(self, input_dir: str) -> None:
+        """From the checkpoint folder resumed from (the run's TrainState calls it): where this rank's readers go on."""
         # The pass comes from rank 0's file on every rank (all ranks saved the same pass: they agree on every
         # step), so a rank with no file of its own (the world grew) or another world size lands in the same pass
         # as the others: in different passes they would read different shuffles and end them at different steps.

@@ -10,7 +10,6 @@ is a ``LaunchError``, never a quiet single-process run.
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -21,8 +20,9 @@ from accelerate.utils import DDPCommunicationHookType, DistributedDataParallelKw
 
 from accel_ddp.config import TrainConfig
 from accel_ddp.distributed.preflight import build_fsdp_plugin, check_launch_devices
-from accel_ddp.lifecycle.failure import WORLD_SIZE_VARS
 from accel_ddp.util.host_memory import keep_freed_host_memory
+from accel_ddp.util.messages import note
+from accel_ddp.util.ranks import WORLD_SIZE_VARS
 from accel_ddp.util.validation import ConfigError, LaunchError
 
 
@@ -59,7 +59,7 @@ def build_accelerator(cfg: TrainConfig, trackers: Callable[[PartialState], dict[
         os.environ["ACCELERATE_DEBUG_MODE"] = "1"  # cross-rank shape checks on every collective
     cpu = not torch.cuda.is_available()
     if cfg.mixed_precision is not None:  # issue 22: --mixed_precision wins over the launch config (a note says so)
-        override_mixed_precision(cfg.mixed_precision, cpu, is_main=os.environ.get("RANK", "0") == "0")
+        override_mixed_precision(cfg.mixed_precision, cpu)
     check_launch_devices(cuda_available=not cpu)  # one process per GPU; GPUs this torch cannot use
     if cpu:  # the step's freed tensors reused, not faulted in again each step (util/host_memory.py)
         keep_freed_host_memory()
@@ -91,7 +91,7 @@ def build_accelerator(cfg: TrainConfig, trackers: Callable[[PartialState], dict[
     return accelerator, per_device, accumulation
 
 
-def override_mixed_precision(requested: str, cpu: bool, is_main: bool, env=os.environ) -> None:
+def override_mixed_precision(requested: str, cpu: bool, env=os.environ) -> None:
     """Make ``--mixed_precision`` the run's precision, as the accelerate examples' flag does.
 
     Accelerate takes the precision from ``ACCELERATE_MIXED_PRECISION`` (written by ``accelerate launch`` from
@@ -102,9 +102,8 @@ def override_mixed_precision(requested: str, cpu: bool, is_main: bool, env=os.en
         raise ConfigError("--mixed_precision fp16 on CPU: Accelerate silently trains in fp32; use --mixed_precision "
                           "bf16 or no on CPU")
     launched = env.get("ACCELERATE_MIXED_PRECISION")
-    if is_main and launched is not None and launched != requested:
-        print(f"accel_ddp: note: --mixed_precision {requested} overrides the launch config's mixed_precision "
-              f"{launched}", file=sys.stderr, flush=True)
+    if launched is not None and launched != requested:  # every rank alike, before the group: the first says it
+        note(f"--mixed_precision {requested} overrides the launch config's mixed_precision {launched}", ranks="first")
     env["ACCELERATE_MIXED_PRECISION"] = requested
 
 

@@ -1,10 +1,10 @@
 """How a run ends: preemption signals, non-finite losses, failure reports (one per launch), exit codes.
 
     failure.py      the first failing rank reports, the others stay quiet; exit codes; main_process_decides
+    non_finite.py   a nan/inf training loss: NonFiniteLoss (exit 3), LossWatch (the first bad step), --debug's trace
     peers.py        the store the ranks agree on, and closing this rank's connections so its peers learn at once
-    preemption.py   SIGTERM/SIGUSR1 (or a dead launcher): every rank saves and stops; a non-finite loss; exit codes
+    preemption.py   SIGTERM/SIGUSR1 (or a dead launcher): every rank saves and stops; exit codes
     stdio.py        stdout/stderr without a reader: writes go to /dev/null instead of failing the run
-    stops.py        StopPoints: the loop's collective stops (nan/inf, a broken loss sum, preemption) and saves
 
 May import: util. Everything above raises into it, so it imports nothing above util.
 """

@@ -52,6 +52,7 @@ from typing import Any
 from accel_ddp.lifecycle.peers import close_peer_connections, rank_store
 from accel_ddp.util.atomic import atomic_write_text
 from accel_ddp.util.messages import error_line, first_line
+from accel_ddp.util.ranks import launch_rank, launch_world_size
 from accel_ddp.util.validation import ConfigError, LaunchError, ServiceFailure
 
 # How long a failing rank waits for the others to report before it exits anyway, at most: the others
@@ -59,9 +60,6 @@ from accel_ddp.util.validation import ConfigError, LaunchError, ServiceFailure
 ACK_WAIT_S = 10.0
 POLL_S = 0.02  # between two looks at the store while waiting (a blocking wait logs a warning on its timeout)
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # the launcher's stop, SLURM's warning: recorded while reporting
-# Where a launcher puts the rank and the world size: torchrun, then MPI's (the names Accelerate reads).
-RANK_VARS = ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "MV2_COMM_WORLD_RANK")
-WORLD_SIZE_VARS = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
 # What gloo and the store say when the other end of a connection went away (gloo/transport/tcp/pair.cc).
 _LOST_PEER = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
 # The one line of a rank that lost a peer that never reported (killed, out of memory): gloo's traceback says no more.
@@ -105,7 +103,7 @@ def claim(err: BaseException, code: int) -> Claim:
     made = getattr(err, "_accel_ddp_claim", None)
     if made is not None:
         return made
-    rank, world = _rank(), world_size()
+    rank, world = launch_rank(), launch_world_size()
     mine = {"rank": rank, "code": code, "message": f"{type(err).__name__}: {first_line(err)}"}
     made = Claim(rank, world, mine, stop=_Recorder().install() if world > 1 else None, nccl=_nccl())
     if world > 1:
@@ -134,7 +132,7 @@ def _agree(made: Claim, err: BaseException) -> None:
 def exit_code(err: BaseException) -> int:
     """The exit code of a run that raised ``err``: 2 bad input, 3 a nan/inf loss, 1 anything else (a
     ``ServiceFailure`` too: a store that failed mid-run, which a relaunch may get past)."""
-    from accel_ddp.lifecycle.preemption import EXIT_NON_FINITE, NonFiniteLoss  # torch: imported once it fails
+    from accel_ddp.lifecycle.non_finite import EXIT_NON_FINITE, NonFiniteLoss  # torch: imported once it fails
 
     if isinstance(err, (ConfigError, LaunchError)):
         return 2
@@ -192,7 +190,7 @@ def _report_text(err: BaseException, code: int) -> str:
     if code != 1 or isinstance(err, ServiceFailure):  # a store that failed mid-run: its one line, no traceback
         return error_line(err)
     if lost_peer(err):
-        return error_line(_LOST.format(rank=_rank()))
+        return error_line(_LOST.format(rank=launch_rank()))
     return "".join(traceback.format_exception(err))
 
 
@@ -315,18 +313,3 @@ def write_error_file(message: str, callstack: str | None = None) -> None:
         atomic_write_text(path, json.dumps(data))
     except OSError:  # the summary then says <N/A>; the error itself is on stderr
         pass
-
-
-def world_size() -> int:
-    return _env_int(WORLD_SIZE_VARS, 1)
-
-
-def _rank() -> int:
-    return _env_int(RANK_VARS, 0)
-
-
-def _env_int(names: tuple[str, ...], default: int) -> int:
-    for name in names:
-        if os.environ.get(name, "").isdigit():
-            return int(os.environ[name])
-    return default

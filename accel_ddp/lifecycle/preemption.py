@@ -1,4 +1,5 @@
-"""How a worker ends: preemption (SIGTERM or SIGUSR1 -> every rank saves and stops), a non-finite loss, exit codes.
+"""How a worker ends: preemption (SIGTERM or SIGUSR1 -> every rank saves and stops), exit codes (a non-finite
+loss: ``non_finite.py``).
 
 The signal flow. ``main()`` installs the recording handler (``PreemptionWatcher.install``) before
 it parses the options; from then on a signal is recorded, never fatal. Under torchrun a thread
@@ -22,13 +23,15 @@ scancel signal them too, and torch's worker handler would let them die. Exit cod
     1   an error (a Python exception on some rank, or a rank killed); an object store that failed once
         the run held its lock (one line, util.validation.ServiceFailure: a relaunch may get past it)
     2   bad input: options, missing or damaged checkpoint, weights of another model, an output folder
-        that is unusable or in use by another run, a --checkpoint_dir that refuses the run at its start
+        that is unusable or in use by another run, a --checkpoint_dir that refuses the run at its start or
+        stops answering (a call past --store_timeout)
     3   the training loss became nan or inf: every rank stopped at the same step, nothing was saved
         after the first bad step (the last checkpoint before it is intact); lower --lr, clip with
         --max_grad_norm, or rerun with --debug to see the operation that made it
     75  preempted (EX_TEMPFAIL, "try again"), or the launcher died: a checkpoint of the current step
         was saved; relaunch the same command with --resume_from_checkpoint auto to continue exactly
-        where it stopped (stopped during start-up: nothing trained, nothing saved)
+        where it stopped (stopped during start-up: nothing trained, nothing saved; a save that failed or that a
+        stuck store held when the signal came: not saved, the line names the last intact checkpoint)
 
 ``accelerate launch`` does not pass these on: it exits 1 when the job failed, 128 + the signal
 when it was itself signalled (accelerate 1.16; 1 before), and logs each worker's exit code. Batch
@@ -54,7 +57,6 @@ import signal
 import sys
 import threading
 import time
-import warnings
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, NoReturn, TypeVar
@@ -62,13 +64,10 @@ from typing import Any, NoReturn, TypeVar
 import torch
 import torch.distributed as dist
 from accelerate import Accelerator
-from accelerate.utils import gather_object
 
 from accel_ddp.lifecycle.stdio import guard_stdio, silence_dead_pipes
-from accel_ddp.util.messages import first_line
 
 EXIT_PREEMPTED = 75  # sysexits.h EX_TEMPFAIL: the job may be retried
-EXIT_NON_FINITE = 3  # not 75: a relaunch would diverge again
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # SIGUSR1: what SLURM's --signal sends by default
 # Ranks compare their preemption flags about this often: the bound on the delay from a signal to the stop,
 # against the launcher's 30 s between its SIGTERM and its SIGKILL and SLURM's --signal lead time (minutes).
@@ -87,8 +86,12 @@ class Preempted(Exception):  # noqa: N818 - it is an outcome, not a failure
     is saved; or during start-up (``phase``), before any optimizer step, with nothing saved."""
 
     def __init__(self, reason: str, step: int | None, checkpoint: str | None, *, phase: str | None = None,
-                 signal_name: str | None = None):
-        if phase is not None:
+                 signal_name: str | None = None, unsaved: str | None = None):
+        if unsaved is not None:  # the save of this step failed (a store that stopped answering): the last one stands
+            last = f"{checkpoint}, the last checkpoint, is intact" if checkpoint else "no checkpoint was saved"
+            text = (f"{reason}: stopped after optimizer step {step} without its checkpoint ({unsaved}); {last}; "
+                    "relaunch with --resume_from_checkpoint auto to continue")
+        elif phase is not None:
             text = (f"{reason} during start-up ({phase}): no optimizer step taken in this launch, nothing saved; "
                     "relaunch the same command")
         else:
@@ -288,71 +291,6 @@ def flag_group(timeout: timedelta | None = None):
     if dist.get_backend() == "gloo":
         return None  # the default group; its timeout is the one Accelerate formed it with (--ddp_timeout)
     return dist.new_group(backend="gloo", timeout=timeout)
-
-
-class NonFiniteLoss(Exception):  # noqa: N818 - an outcome, like Preempted
-    """Raised by ``train()`` on every rank once the loss of some optimizer step was nan or inf."""
-
-    def __init__(self, step: int, checkpoint: str | None, detail: str = ""):
-        kept = f"the last checkpoint, {checkpoint}, is from before it" if checkpoint else "no checkpoint was saved"
-        super().__init__(f"the training loss became nan or inf at optimizer step {step}{detail}; every rank stopped "
-                         f"and {kept}; lower --lr, clip with --max_grad_norm, or rerun with --debug to see where")
-        self.step, self.checkpoint = step, checkpoint
-
-
-class LossWatch:
-    """Finds the first optimizer step whose loss was nan or inf, without a host sync per step.
-
-    ``after_step`` counts, on the device, the steps whose running loss was finite: one ``isfinite`` and
-    one in-place add (about 11 us on a CPU; no sync on a GPU). The running loss stays non-finite once
-    it is, until the loop resets it at a log line, which checks first; so the count stops growing at
-    the first bad step. ``first_bad_step`` is collective (an all-reduce and one ``.item()``): the loop
-    calls it only where it syncs anyway (a log line whose loss is not finite, evaluations) and before
-    every save, and every rank learns the same step.
-
-        >>> watch = LossWatch(accelerator, start_step=0)
-        >>> watch.after_step(running_loss)               # every optimizer step
-        >>> watch.first_bad_step(step)                    # at a sync point: None, or the first bad step
-    """
-
-    def __init__(self, accelerator: Accelerator, start_step: int):
-        self.accelerator = accelerator
-        self._start = start_step
-        self._finite_steps = torch.zeros((), dtype=torch.int64, device=accelerator.device)
-
-    def after_step(self, running_loss: torch.Tensor) -> None:
-        self._finite_steps.add_(torch.isfinite(running_loss))
-
-    def first_bad_step(self, step: int) -> int | None:
-        """The first non-finite step over all ranks up to ``step``, or None (collective)."""
-        finite = -int(self.accelerator.reduce(-self._finite_steps, "max").item())  # the fewest, on any rank
-        return None if finite >= step - self._start else self._start + finite + 1
-
-    def any_rank(self, loss: torch.Tensor) -> bool:
-        """--debug only (a host sync per call): is ``loss`` nan or inf on any rank right now? (collective)"""
-        bad = (~torch.isfinite(loss.detach())).to(torch.int64)
-        return bool(self.accelerator.reduce(bad, "max").item())
-
-
-def trace_non_finite(accelerator: Accelerator, model: torch.nn.Module, loss: torch.Tensor) -> str:
-    """--debug: the backward of a nan/inf loss under anomaly detection, without gradient sync, on the ranks that
-    have one. We print torch's forward trace of the operation that made it (a warning, which filters could
-    hide); every rank gets the error's first line for its message."""
-    found = ""
-    if not bool(torch.isfinite(loss.detach())):
-        with warnings.catch_warnings(record=True) as traces:
-            warnings.simplefilter("always")
-            try:
-                # Gradients of the parameters without accumulating them: DDP's reducer hooks, armed by a
-                # forward that ran in sync, fire on accumulation, and an all-reduce the finite ranks never
-                # join would hang them (no_sync entered after the forward does not disarm them).
-                params = [p for p in model.parameters() if p.requires_grad]
-                torch.autograd.grad(loss, params, allow_unused=True)
-            except RuntimeError as err:
-                found = f" ({first_line(err)})"
-        for trace in traces:
-            print(f"accel_ddp: rank {accelerator.process_index}: {trace.message}", file=sys.stderr, flush=True)
-    return next((text for text in gather_object([found]) if text), "")  # collective
 
 
 def ignore_preemption_signals() -> None:

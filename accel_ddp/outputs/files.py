@@ -23,6 +23,11 @@ LOW_SPACE = 1 << 20  # bytes: below this, a write that failed without an errno f
 # What to do when the run's own files (weights, summary, metrics) cannot be written: the checkpoints hold the run.
 OUTPUTS_FIX = ("free space there or give another --output_dir (a copy of this one), then resume with "
                "--resume_from_checkpoint auto: it continues from the last checkpoint")
+# A folder that refuses writes for want of permission, not of space: a read-only mount (EROFS), an immutable
+# folder (chattr +i: EPERM, even for root) or one without write permission (EACCES).
+READ_ONLY_ERRNOS = (errno.EROFS, errno.EPERM, errno.EACCES)
+READ_ONLY = "it is read-only"  # how write_failure's answer starts for those
+WRITABLE_FIX = "make it writable (a read-write mount, chmod u+w, chattr -i) or give another --output_dir"
 
 
 class WriteFailed(ConfigError):
@@ -100,6 +105,8 @@ def write_failure(err: BaseException, folder: str) -> str | None:
     if code in (errno.ENOSPC, errno.EDQUOT) or (code is None and _torch_write_error(err) and free < LOW_SPACE):
         full = "over its quota" if code == errno.EDQUOT else "full"
         return f"the file system is {full} ({_size(free)} free there)"
+    if code in READ_ONLY_ERRNOS:
+        return f"{READ_ONLY} ({os.strerror(code)}: a read-only mount, an immutable folder or no write permission)"
     if code is not None:
         return f"the file system refused it ({os.strerror(code)})"
     if _torch_write_error(err):
@@ -143,4 +150,6 @@ def written(call: Callable[[], Any], what: str, folder: str, fix: str) -> Any:
         why = write_failure(err, folder)
         if why is None:
             raise
+        if why.startswith(READ_ONLY):  # no space to free: the fix for a full disk would mislead
+            fix = fix.replace("free space there", WRITABLE_FIX.replace(" or give another --output_dir", ""))
         raise WriteFailed(f"cannot write {what} in {folder}: {why}; {fix}") from err

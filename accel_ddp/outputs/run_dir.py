@@ -45,6 +45,7 @@ from accel_ddp.outputs.names import (
     TRACKERS_NAME,
     WEIGHTS_NAME,
 )
+from accel_ddp.util.messages import say
 from accel_ddp.util.validation import ConfigError
 
 
@@ -177,8 +178,8 @@ def stop_if_finished(accelerator: Accelerator, output_dir: str, total_steps: int
     summary = main_process_decides(accelerator, lambda: finished_summary(output_dir, total_steps, global_batch_size))
     if summary is not None:
         if accelerator.is_main_process:
-            print(f"accel_ddp: {output_dir} already finished at step {summary['optimizer_steps']} "
-                  f"(see its {SUMMARY_NAME}); nothing to do", flush=True)
+            say(f"{output_dir} already finished at step {summary['optimizer_steps']} (see its {SUMMARY_NAME}); "
+                "nothing to do")
         raise RunFinished(summary)
 
 

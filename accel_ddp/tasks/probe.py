@@ -11,6 +11,7 @@ from accelerate import Accelerator
 from accelerate.utils import send_to_device
 
 from accel_ddp.data.loaders import first_samples
+from accel_ddp.tasks import finite
 from accel_ddp.tasks import labels as label_check
 from accel_ddp.tasks.protocol import Task
 from accel_ddp.util.registry import describe
@@ -40,6 +41,8 @@ def probe_task(task: Task, accelerator: Accelerator, model, data: Data, evaluate
     forward = label_check.forward_ranges(task, model)
     if (line := label_check.problem(forward, batch, lambda row: f"training sample {row}")) is not None:
         raise ConfigError(line)  # before the forward that it would crash
+    if (line := finite.in_memory_problem(data) or finite.batch_problem(batch, lambda row: f"training sample {row}")):
+        raise ConfigError(line)  # not exit 3 and "lower --lr" at the first step that meets it
     batch = send_to_device(batch, accelerator.device)
     shapes_only = data.input_shape is not None and task.loss_fn is None
     outputs = task.check(getattr(model, "_orig_mod", model) if shapes_only else model, batch, evaluates, shapes_only)

@@ -41,7 +41,7 @@ from accel_ddp.tracking.folder_snapshot import FolderSnapshot
 from accel_ddp.tracking.tracker_thread import TrackerInterrupted
 from accel_ddp.tracking.trackers import RUN_IDS, GuardedTracker, flat_hparams
 from accel_ddp.util.atomic import atomic_write_text
-from accel_ddp.util.messages import first_line, warn
+from accel_ddp.util.messages import first_line, say, warn
 from accel_ddp.util.validation import ConfigError
 
 
@@ -185,7 +185,7 @@ class RunRecorder:
             if start_step and not tracker.continued:
                 why = (f"{TRACKERS_NAME} holds no run of it" if tracker.name in RUN_IDS
                        else "accel_ddp continues csv, tensorboard, wandb and mlflow runs only")
-                print(f"accel_ddp: {tracker.name} starts a new run at step {start_step} ({why})", flush=True)
+                say(f"{tracker.name} starts a new run at step {start_step} ({why})")
         return False
 
     def log(self, record: dict[str, Any]) -> None:

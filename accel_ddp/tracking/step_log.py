@@ -1,28 +1,25 @@
 """What each optimizer step leaves behind on the host: the progress bar, step times, the profile, log lines.
 
     log = StepLog(run, losses)
-    log.step_done(step, epoch, on_bad_loss)   # after every optimizer step; a log line every --log_every steps
+    log.step_done(step)                       # after every optimizer step: timers, the profile, the bar
+    log.line(step, epoch, mean_loss)          # at a log step (accel_ddp/after_step.py decides which, and the loss)
     log.paused(step)                          # after an evaluation or a save: not training time
     log.epoch_done(step, epoch)               # the epoch's step-time figures and peak memory (collective)
 
-Host clocks only; the one host sync is the logged loss's (``LossAccumulator.mean_since_log``), at a log line.
+Host clocks only: the logged loss (the one host sync of a log line) is read by the caller.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
 from typing import Any
 
 from accel_ddp.tracking.meters import EpochTimer, StepProfiler, ThroughputMeter, memory_record
 
 
 class StepLog:
-    def __init__(self, run: Any, losses: Any, guard: Any = None):
+    def __init__(self, run: Any, losses: Any):
         cfg = run.cfg
         self.run, self.losses = run, losses
-        self.guard = guard  # --on_anomaly / --spike_factor: skipped steps left out of the mean, spikes judged
-        self.log_every, self.total_steps = cfg.log_every, run.plan.total_steps
         # samples/s, real tokens/s, model FLOP/s and MFU between log lines (tracking/meters.py, tracking/flops.py)
         self.meter = ThroughputMeter.for_run(run.accelerator, run.model, cfg.global_batch_size,
                                              run.accelerator.mixed_precision, cfg.tf32, run.start_step)
@@ -30,28 +27,23 @@ class StepLog:
         self.timer = EpochTimer(cfg.global_batch_size)  # per-epoch step-time percentiles and data-wait share
         self.profiler = StepProfiler(cfg.profile, cfg.output_dir, run.accelerator.process_index)
 
-    def step_done(self, step: int, epoch: int, on_bad_loss: Callable[[int], None],
-                  last_saved: Callable[[], Any] = lambda: None) -> None:
-        """After optimizer ``step``: timers, the bar, and at a log step the log line (``on_bad_loss`` first where
-        the loss is not finite: it raises on every rank, which all reach the same log step)."""
+    def step_done(self, step: int) -> None:
+        """After optimizer ``step``: timers, the start-up clock's first step, the profile, the bar."""
         run = self.run
         self.timer.step_done()
         if step == run.start_step + 1:
             run.startup.mark("first_step")
         self.profiler.step()
         run.bar.update(1)
-        if step % self.log_every == 0 or step == self.total_steps:
-            guard = self.guard
-            skipped = guard.resolve(step, last_saved()) if guard is not None else 0  # one D2H copy more
-            mean_loss = self.losses.mean_since_log(skipped)  # the one host sync: .item() stalls the GPU
-            if guard is not None:
-                guard.after_log(step, mean_loss, last_saved())  # --spike_factor: on the all-reduced loss
-            if not math.isfinite(mean_loss):
-                on_bad_loss(step)
-            tokens = self.losses.logged_items if self.tokens else None  # real tokens, all ranks
-            run.recorder.log({"step": step, "epoch": epoch, "loss": mean_loss, "lr": run.scheduler.get_last_lr()[0],
-                              **self.meter.record(step, tokens, self.losses.logged_steps)})
-            run.bar.set_postfix(loss=f"{mean_loss:.4f}", refresh=False)  # shown at the bar's next redraw (<= 0.1 s)
+
+    def line(self, step: int, epoch: int, mean_loss: float) -> None:
+        """A log step's line: ``mean_loss`` (all-reduced), the learning rate and the throughput since the last."""
+        run = self.run
+        tokens = self.losses.logged_items if self.tokens else None  # real tokens, all ranks
+        lr = float(run.scheduler.get_last_lr()[0])  # a tensor under --cuda_graphs (the capturable AdamW's)
+        run.recorder.log({"step": step, "epoch": epoch, "loss": mean_loss, "lr": lr,
+                          **self.meter.record(step, tokens, self.losses.logged_steps)})
+        run.bar.set_postfix(loss=f"{mean_loss:.4f}", refresh=False)  # shown at the bar's next redraw (<= 0.1 s)
 
     def paused(self, step: int) -> None:
         """After an evaluation or a checkpoint: neither is training throughput nor step time."""

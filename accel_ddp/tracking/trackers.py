@@ -14,12 +14,10 @@ tracker is built: tracker_builds.py.
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Callable
 from typing import Any
 
 from accelerate.tracking import GeneralTracker
-from tqdm.auto import tqdm
 
 from accel_ddp.config import ACCELERATE_TRACKERS
 from accel_ddp.lifecycle.failure import main_process_decides
@@ -28,7 +26,7 @@ from accel_ddp.tracking.configured import skipped_line, unconfigured
 from accel_ddp.tracking.csv_tracker import CSVTracker
 from accel_ddp.tracking.tracker_builds import TrackerRun, _new_tracker
 from accel_ddp.tracking.tracker_thread import TrackerInterrupted, TrackerThread, TrackerTimedOut
-from accel_ddp.util.messages import first_line, line, note
+from accel_ddp.util.messages import first_line, note, warn
 from accel_ddp.util.validation import ConfigError
 
 __all__ = ["CSVTracker", "TrackerRun", "_new_tracker"]  # built elsewhere, used from here
@@ -223,9 +221,8 @@ class GuardedTracker(GeneralTracker):
         except Exception as err:  # noqa: BLE001 - a tracker's trouble must not end a training run
             self.failed = True
             where = "at the end of the run" if step is None else f"at step {step}"
-            tqdm.write(line("warning", f"tracker {self.name} failed {where} ({type(err).__name__}: "
-                            f"{first_line(err, 200, '...')}); it gets no more records and the run goes on "
-                            f"({METRICS_NAME} has them all)"), file=sys.stderr)  # clears the progress bar's line first
+            warn(f"tracker {self.name} failed {where} ({type(err).__name__}: {first_line(err, 200, '...')}); it gets "
+                 f"no more records and the run goes on ({METRICS_NAME} has them all)", above_bar=True)
 
     def _cannot_start(self, err: BaseException) -> str:
         fix = START_FIXES.get(self.name, f"check {self.name}'s settings")

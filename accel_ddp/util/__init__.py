@@ -2,7 +2,9 @@
 crash-safe write, and the messages module (warnings, notes, error lines, which rank prints).
 
     validation.py   ConfigError / LaunchError and the value checks behind every "accel_ddp: error:" line
-    messages.py     every console line: warning, note, error, first_line; which rank prints it
+    messages.py     every console line: warning, note, error, what the run does (say), first_line; which rank
+                    prints it
+    ranks.py        who is rank 0 before the process group exists: the launcher's RANK/WORLD_SIZE (or MPI's)
     registry.py     name -> builder lookup, ``pkg.module:function`` for a user's own
     optional.py     an optional package, or one line naming the pip install
     atomic.py       atomic_write_text: readers see the old file or the new, never half

@@ -2,12 +2,13 @@
 
     warn("--foo is deprecated ...", ranks="first")     # accel_ddp: warning: --foo is deprecated ...
     warn("padding with <eos>", kind="note", ranks="main")
+    say("resumed from outputs/run/checkpoints/step_00000100 ...")   # accel_ddp: resumed from ... (stdout)
     error_line("--lr -1: must be > 0; pass a positive number")   # accel_ddp: error: --lr -1: ...
     first_line(err)                                    # an error's first line, for a one-line message
 
 Which rank prints (``ranks``):
 
-- ``"first"``: the process the launcher numbered 0 (``RANK`` unset or 0). For what every rank finds
+- ``"first"``: the process the launcher numbered 0 (``accel_ddp.util.ranks``: the one rule). For what every rank finds
   alike before the process group exists (the command line, the config): one line, not one per rank.
 - ``"main"``: Accelerate's main process, once the group exists (every rank sees the same batches).
 - ``"every"``: each rank that finds it; for what is that rank's own (its stream position, its checkpoint
@@ -19,8 +20,9 @@ A failing launch's ``accel_ddp: error:`` line is printed by the rank that failed
 
 from __future__ import annotations
 
-import os
 import sys
+
+from accel_ddp.util.ranks import is_first_rank
 
 PREFIX = "accel_ddp"
 
@@ -42,7 +44,7 @@ def prints(ranks: str) -> bool:
     if ranks == "every":
         return True
     if ranks == "first":
-        return os.environ.get("RANK", "0") == "0"
+        return is_first_rank()
     if ranks == "main":
         from accelerate import PartialState  # imported here: the CLI's messages need no Accelerate
 
@@ -55,10 +57,29 @@ def line(kind: str, message: object) -> str:
     return f"{PREFIX}: {kind}: {message}"
 
 
-def warn(message: str, kind: str = "warning", ranks: str = "every") -> None:
-    """``accel_ddp: <kind>: <message>`` on stderr, from the ``ranks`` that print it (see the module's docstring)."""
+def warn(message: str, kind: str = "warning", ranks: str = "every", above_bar: bool = False) -> None:
+    """``accel_ddp: <kind>: <message>`` on stderr, from the ``ranks`` that print it (see the module's docstring).
+
+    ``above_bar``: while a progress bar may be on screen (training), through ``tqdm.write``, which clears the
+    bar's line first and redraws it below."""
     if prints(ranks):
-        print(line(kind, message), file=sys.stderr, flush=True)
+        _write(line(kind, message), sys.stderr, above_bar)
+
+
+def say(message: str, ranks: str = "every", err: bool = False, above_bar: bool = False) -> None:
+    """``accel_ddp: <message>`` on stdout (stderr with ``err``): what the run is doing, e.g. where it resumed from."""
+    if prints(ranks):
+        _write(f"{PREFIX}: {message}", sys.stderr if err else sys.stdout, above_bar)
+
+
+def _write(text: str, stream, above_bar: bool) -> None:
+    if above_bar:
+        from tqdm.auto import tqdm
+
+        tqdm.write(text, file=stream)
+        stream.flush()
+    else:
+        print(text, file=stream, flush=True)
 
 
 def note(message: str, ranks: str = "every") -> None:

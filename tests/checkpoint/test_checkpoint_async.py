@@ -161,8 +161,8 @@ def test_a_rollback_while_a_save_is_in_flight_waits_for_it_and_rolls_back_to_it(
     step 6). The checkpoint in flight is the newest one from before it, as a synchronous save's would be: every rank
     waits for its seal (and the prune of step 2 that follows) before loading it, and the run ends normally."""
     from accel_ddp.anomaly import AnomalyGuard
-    from tests.test_anomalies import ARGS as ANOMALY_ARGS
-    from tests.test_anomalies import install
+    from tests.helpers.anomaly import ARGS as ANOMALY_ARGS
+    from tests.helpers.anomaly import install
 
     out = tmp_path / "run"
     args = [*ANOMALY_ARGS, "--on_anomaly", "rollback", "--checkpointing_steps", "2", "--keep_last", "1",

@@ -2,7 +2,7 @@
 on resume.
 
 Every run here is forked ranks of a gloo group (tests/helpers/multiproc.py), not a launch. Config-level cases
-(types, ranges, YAML) live in tests/test_config.py; the run folder's lock and bad output folders in
+(types, ranges, YAML) live in tests/cli/test_args.py and tests/config/; the run folder's lock and bad output folders in
 tests/outputs/test_run_dir.py, users' functions in tests/tasks/test_user_code.py, a nan loss in
 tests/lifecycle/test_non_finite.py.
 """
@@ -28,10 +28,11 @@ from accel_ddp.checkpoint.manager import (
     list_checkpoints,
     read_checkpoint,
 )
+from accel_ddp.checkpoint.train_state import TrainState
 from accel_ddp.cli.train import main
 from accel_ddp.outputs.files import file_sha256
 from accel_ddp.tracking.recorder import RunRecorder
-from tests.helpers.checkpoints import assert_same_weights, steps_of
+from tests.helpers.checkpoints import assert_same_weights, plant_pickle, steps_of
 from tests.helpers.files import CHECKPOINTED_ARGS as ARGS
 from tests.helpers.files import as_unprivileged, chown_tree, ckpt, edit_marker, error_lines, snapshot
 from tests.helpers.multiproc import run_ranks
@@ -286,7 +287,8 @@ def test_keep_last_never_prunes_checkpoints_newer_than_the_one_saved(tmp_path):
 
         register_load_state_pre_hook = register_save_state_pre_hook
 
-    manager = CheckpointManager(Stub(), str(tmp_path), keep_last=1, run_facts={})
+    nothing = TrainState(accelerator=Stub(), model=torch.nn.Identity(), optimizer=None, scheduler=None)  # not saved
+    manager = CheckpointManager(nothing.accelerator, str(tmp_path), keep_last=1, run_facts={}, state=nothing)
     manager._prune(keep=str(root / "step_00000020"))  # a run resumed at 10 past damaged 30 and 40
     assert [s for s, _ in list_checkpoints(str(root))] == [20, 30, 40]
 
@@ -326,6 +328,61 @@ def test_a_start_from_scratch_never_overwrites_a_finished_run(stopped_at_20, tmp
     lines = error_lines(capfd.readouterr().err)
     assert len(lines) == 1 and "holds a finished run" in lines[0] and "another --output_dir" in lines[0], lines
     assert snapshot(out) == before
+
+
+# ----------------------------------------------------------------------------- 1b. a malicious pickle, resealed
+
+
+def _planted(source: Path, tmp_path: Path, name: str, capfd) -> tuple[Path, Path]:
+    """A copy of ``source`` whose step_20 ``name`` is a pickle that would create ``proof``, its manifest recomputed."""
+    out, proof = copy_run(source, tmp_path), tmp_path / "payload-ran"
+    plant_pickle(ckpt(out, 20), name, proof)
+    capfd.readouterr()
+    return out, proof
+
+
+def test_auto_passes_over_a_malicious_optimizer_file_and_resumes_the_newest_safe_checkpoint(stopped_at_20,
+                                                                                              thirty_steps, tmp_path,
+                                                                                              capfd):
+    """step_20's optimizer.bin replaced by a pickle that would run code, its manifest recomputed: the manifest passes,
+    the safe load refuses it on every rank; auto says so in one line naming the file (never torch's advice to load
+    with weights_only=False), resumes step 15 and ends with the uninterrupted run's weights, bit for bit."""
+    out, proof = _planted(stopped_at_20, tmp_path, "optimizer.bin", capfd)
+    assert main_ranks([*ARGS, "--max_steps", "30", "--output_dir", str(out), "--resume_from_checkpoint", "auto"]) \
+        == [0, 0]
+    err = capfd.readouterr().err
+    skipped = [line for line in err.splitlines() if "skipping a checkpoint that does not load safely" in line]
+    assert len(skipped) == 1, err
+    assert f"{ckpt(out, 20) / 'optimizer.bin'} holds objects that a safe load" in skipped[0]
+    assert "(Unsupported global: GLOBAL io.open)" in skipped[0], skipped
+    assert skipped[0].endswith("falling back to the previous one")
+    assert "weights_only=False" not in err and "weights_only` set to `False" not in err
+    assert not proof.exists()
+    assert read_summary(out)["resumed_from_step"] == 15
+    assert_same_weights(out, thirty_steps)
+
+
+def test_an_explicit_malicious_checkpoint_is_one_line_exit_2(stopped_at_20, tmp_path, capfd):
+    out, proof = _planted(stopped_at_20, tmp_path, "optimizer.bin", capfd)
+    assert main_ranks([*ARGS, "--max_steps", "30", "--output_dir", str(out),
+                       "--resume_from_checkpoint", str(ckpt(out, 20))]) == [2, 2]
+    err = capfd.readouterr().err
+    lines = error_lines(err)
+    assert len(lines) == 1, err
+    assert f"{ckpt(out, 20)}: {ckpt(out, 20) / 'optimizer.bin'} holds objects that a safe load" in lines[0]
+    assert lines[0].endswith("or use auto, which passes over it")
+    assert "weights_only=False" not in err and "Traceback" not in err and not proof.exists()
+
+
+def test_a_malicious_scheduler_file_is_skipped_without_torchs_advice(stopped_at_20, tmp_path, capfd):
+    """scheduler.bin is read when auto verifies a checkpoint: the same words, before any load."""
+    out, proof = _planted(stopped_at_20, tmp_path, "scheduler.bin", capfd)
+    assert main_ranks([*ARGS, "--max_steps", "30", "--output_dir", str(out), "--resume_from_checkpoint", "auto"]) \
+        == [0, 0]
+    err = capfd.readouterr().err
+    assert read_summary(out)["resumed_from_step"] == 15
+    assert f"{ckpt(out, 20) / 'scheduler.bin'} holds objects that a safe load" in err, err
+    assert "weights_only=False" not in err and not proof.exists()
 
 
 # ----------------------------------------------------------------------------- 4b. a full disk

@@ -114,14 +114,14 @@ def test_a_2_rank_run_killed_mid_upload_resumes_bitwise_from_the_newest_sealed_c
 
         def seal_then_die(self, tmp, final, meta):
             if final.endswith("step_00000006"):  # its first object uploaded, then the job dies, as a node fails
-                put = self.fs.put_file
+                put = self.fs._put_file  # the coroutine: the store runs it on the file system's loop, bounded
 
-                def put_then_die(*args, **kwargs):
-                    put(*args, **kwargs)
+                async def put_then_die(*args, **kwargs):
+                    await put(*args, **kwargs)
                     for pid in (int((pids / r).read_text()) for r in ("1", "0")):
                         os.kill(pid, signal.SIGKILL)
 
-                self.fs.put_file = put_then_die
+                self.fs._put_file = put_then_die
             return seal(self, tmp, final, meta)
 
         storage.ObjectStore.seal = seal_then_die

@@ -40,6 +40,7 @@ from accel_ddp.checkpoint.manager import (
     list_checkpoints,
     read_checkpoint,
 )
+from accel_ddp.checkpoint.train_state import TrainState
 from accel_ddp.cli.train import main
 from accel_ddp.lifecycle.preemption import PreemptionWatcher
 from tests.helpers import faults
@@ -112,7 +113,9 @@ def test_prune_keeps_the_newest_k_and_never_the_one_just_written(tmp_path):
         _fake_checkpoint(root, step)
     _fake_checkpoint(root, 50, complete=False)  # not a checkpoint: never counted, never loaded
     (root / ".tmp-step_00000060").mkdir()       # debris of a crashed save
-    manager = CheckpointManager(_StubAccelerator(), str(tmp_path), keep_last=2, run_facts={})
+    stub = _StubAccelerator()
+    nothing = TrainState(accelerator=stub, model=torch.nn.Identity(), optimizer=None, scheduler=None)  # not saved
+    manager = CheckpointManager(stub, str(tmp_path), keep_last=2, run_facts={}, state=nothing)
     manager._prune(keep=str(root / "step_00000040"))
     assert [s for s, _ in list_checkpoints(str(root))] == [30, 40]
     assert not (root / ".tmp-step_00000060").exists()

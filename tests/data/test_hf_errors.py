@@ -15,6 +15,7 @@ import pytest
 
 from accel_ddp.data import HFSource, build_datasets
 from accel_ddp.util.validation import ConfigError
+from tests.helpers.checkpoints import save_stream_position
 from tests.helpers.data import batches_until_data_error, hf_image_dataset
 from tests.helpers.multiproc import run_ranks
 from tests.helpers.runs import main_ranks
@@ -288,7 +289,7 @@ def _read_stream(folder: Path, *, buffer: int, steps: int, save_to: Path | None 
                              seed=0, num_workers=0)
     batches = loader
     if resume_from is not None:
-        loader._load_hook([], str(resume_from))
+        loader.load_position(str(resume_from))
         batches = loader.skip_first_batches(steps)
     seen = []
     for x, _ in batches:
@@ -296,7 +297,7 @@ def _read_stream(folder: Path, *, buffer: int, steps: int, save_to: Path | None 
             break
         seen += x[:, 0].long().tolist()
         if save_to is not None and len(seen) == 2 * steps:
-            loader._save_hook([], [], str(save_to))
+            save_stream_position(loader, save_to)
             break
     return seen
 
@@ -370,3 +371,47 @@ def test_an_image_folder_with_an_empty_eval_folder_or_one_image_is_one_line(tmp_
     write_png_classes(tmp_path / "b", ["cat"], per_class=1)
     with pytest.raises(ConfigError, match=f"imagefolder: {tmp_path / 'b'} holds 1 image and no eval folder"):
         build_datasets("imagefolder", str(tmp_path / "b"), download=False)
+
+
+@pytest.mark.parametrize(("labels", "expected"), [
+    ([2, 0, 1, 2], (None, 3)),
+    (["cat", "ant", "cat", "bee"], ({"ant": 0, "bee": 1, "cat": 2}, 3)),
+    ([1, -1, 0, 1], "hf: labels in 'label' must be class ids 0, 1, 2, ...; got -1.."),
+    ([0, 100_000, 1, 2], "hf: label 100000 in column 'label' ("),
+])
+def test_the_in_memory_mapped_and_streamed_paths_share_one_label_rule(labels, expected):
+    """Three readers of a label column (decoded into memory, Arrow memory-mapped, the rows a stream looked at) give
+    the same classes, or the same refusal, for the same labels: one rule (accel_ddp.data.hf.class_ids)."""
+    import datasets
+
+    from accel_ddp.data.hf import _label_ids, _labels
+    from accel_ddp.data.hf_stream import _stream_labels
+
+    train, eval_ = datasets.Dataset.from_dict({"label": labels[:3]}), datasets.Dataset.from_dict({"label": labels[3:]})
+    readers = {"mapped": lambda: _label_ids(train, eval_, "label"),
+               "stream": lambda: _stream_labels(train.features["label"], [{"label": v} for v in labels], "label"),
+               "in_memory": lambda: _labels(train, eval_, "label")}
+    if isinstance(expected, str):
+        for name, read in readers.items():
+            with pytest.raises(ConfigError) as err:
+                read()
+            assert str(err.value).startswith(expected), name
+        return
+    assert readers["mapped"]() == readers["stream"]() == expected
+    train_y, eval_y, num_classes = readers["in_memory"]()
+    ids = expected[0]
+    assert num_classes == expected[1]
+    assert train_y.tolist() + eval_y.tolist() == [v if ids is None else ids[v] for v in labels]
+
+
+def test_a_class_label_declares_the_classes_on_every_path():
+    import datasets
+
+    from accel_ddp.data.hf import _label_ids, _labels
+    from accel_ddp.data.hf_stream import _stream_labels
+
+    features = datasets.Features({"label": datasets.ClassLabel(names=["a", "b", "c", "d"])})
+    train = datasets.Dataset.from_dict({"label": [0, 2]}, features=features)
+    assert _label_ids(train, None, "label") == _stream_labels(features["label"], [], "label") == (None, 4)
+    train_y, eval_y, num_classes = _labels(train, None, "label")
+    assert (train_y.tolist(), eval_y, num_classes) == ([0, 2], None, 4)

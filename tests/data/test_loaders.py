@@ -496,3 +496,22 @@ def test_resume_on_another_world_size_continues_with_the_same_global_batches(tmp
     resumed = served(1, "moved", resume=True)
     assert len(whole) == 36 and resumed == whole[15:]
     assert read_summary(tmp_path / "moved")["world_size"] == 1
+
+
+def test_the_device_and_host_loaders_share_one_typed_contract():
+    """One constructor (GlobalBatchLoader's) and one protocol (TrainLoader): built alike, the two loaders have the
+    same layout and serve the same samples in the same micro-steps."""
+    from accel_ddp.data.loaders import TrainLoader
+    from accel_ddp.data.sampler import GlobalBatchLoader
+
+    data = TensorDataset(torch.arange(44.0).view(44, 1), torch.zeros(44, dtype=torch.long))
+    layout = {"per_device_batch_size": 2, "global_batch_size": 8, "seed": 3, "rank": 1, "world_size": 2}
+    loaders = DeviceLoader(data, **layout), HostLoader(data, num_workers=0, **layout)
+    for loader in loaders:
+        assert isinstance(loader, GlobalBatchLoader) and isinstance(loader, TrainLoader)
+        assert (len(loader), loader.steps_per_epoch, loader.accumulation, loader.device) == \
+            (10, 5, 2, torch.device("cpu"))
+        assert (loader.rank, loader.world_size, loader.seed, loader.per_device_batch_size) == (1, 2, 3, 2)
+    device, host = ([batch[0].flatten().tolist() for batch in loader] for loader in loaders)
+    assert device == host and len(device) == 10
+    assert not isinstance(data, TrainLoader)

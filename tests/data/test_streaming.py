@@ -19,6 +19,7 @@ from accel_ddp.data import (
 from accel_ddp.data.loaders import data_source
 from accel_ddp.util.validation import ConfigError
 from tests.helpers import faults
+from tests.helpers.checkpoints import save_stream_position
 from tests.helpers.data import image_shards, write_shards
 from tests.helpers.multiproc import RankFailed, run_ranks
 from tests.helpers.runs import load_weights, main_ranks, read_metrics, train_ranks
@@ -47,13 +48,13 @@ def _stream(files: list[str], world: int, *, max_steps: int, workers: int = 1, b
                                  num_workers=workers)
         batches = loader
         if resume_from is not None:
-            loader._load_hook([], str(resume_from))
+            loader.load_position(str(resume_from))
             batches = loader.skip_first_batches(int(resume_from.name))
         seen = []
         for x, _ in batches:
             seen.append((loader.data_epoch, x[:, 0].long().tolist()))
             if len(seen) == stop_after:
-                loader._save_hook([], [], str(save_to))
+                save_stream_position(loader, save_to)
                 break
         return seen
 
@@ -174,16 +175,21 @@ def test_streaming_cli_run_on_uneven_files_resumes_and_counts_eval_exactly(tmp_p
     assert [r["step"] for r in evals] == [10, 20, 30]
 
 
-def test_a_streaming_run_given_more_steps_continues_where_it_stopped(tmp_path, quick_stream_ends):
+@pytest.mark.parametrize("saves", [[], ["--async_checkpointing"]])
+def test_a_streaming_run_given_more_steps_continues_where_it_stopped(tmp_path, quick_stream_ends, saves):
     """A finished streaming run relaunched with a higher --max_steps continues from its checkpoint (a stream's
     "epoch" is the whole run, so its steps_per_epoch grows with --max_steps; not a reason to refuse). Without a
     shuffle buffer and with the ranks reading in their own process, it ends with the weights of a run given the
-    whole length at once (docs/large-datasets.md: the resumed order is the uninterrupted one)."""
+    whole length at once (docs/large-datasets.md: the resumed order is the uninterrupted one). An asynchronous save
+    holds the stream's positions too: they are part of the run's TrainState."""
     data = image_shards(tmp_path / "d", [40, 40], n_test=4)  # one file per rank: 10 steps per pass
     common = ["--dataset", "hf", "--data_dir", str(data), "--streaming", "--global_batch_size", "8",
               "--shuffle_buffer", "0", "--num_workers", "0", "--lr_schedule", "constant", "--hidden_size", "16"]
     longer = [*common, "--max_steps", "14", "--output_dir"]
-    train_ranks([*common, "--max_steps", "7", "--checkpointing_steps", "7", "--output_dir", str(tmp_path / "run")])
+    train_ranks([*common, "--max_steps", "7", "--checkpointing_steps", "7", *saves, "--output_dir",
+                 str(tmp_path / "run")])
+    saved = {p.name for p in (tmp_path / "run" / "checkpoints" / "step_00000007").iterdir()}
+    assert {"data_state_rank0.json", "data_state_rank1.json"} <= saved
     summaries = train_ranks([*longer, str(tmp_path / "run"), "--resume_from_checkpoint", "auto"])
     assert [(s["resumed_from_step"], s["optimizer_steps"]) for s in summaries] == [(7, 14), (7, 14)]
     train_ranks([*longer, str(tmp_path / "whole")])

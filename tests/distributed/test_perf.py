@@ -21,7 +21,6 @@ from accel_ddp.cli.args import parse_args
 from accel_ddp.distributed.world import build_accelerator
 from accel_ddp.loop import setup
 from accel_ddp.models import build_model
-from accel_ddp.optim import build_optimizer, use_fused_optimizer
 from tests.helpers.multiproc import RankFailed, run_ranks
 from tests.helpers.runs import check, gpu_env, launch, read_metrics, read_summary, run_python, train_ranks
 
@@ -232,24 +231,6 @@ def test_channels_last_reaches_model_and_batches(tmp_path, channels_last):
     train(cfg, model=probe, train_dataset=data)
     assert len(probe.formats) == 4
     assert all(batch == channels_last and weight == channels_last for batch, weight in probe.formats)
-
-
-def test_fused_optimizer_is_requested():
-    model = build_model("mlp", num_classes=3, input_shape=(4,), hidden_size=8)
-    assert build_optimizer("adamw", model, lr=1e-3, weight_decay=0.0, fused=True).defaults["fused"] is True
-    unfused = build_optimizer("adamw", model, lr=1e-3, weight_decay=0.0, fused=False)
-    assert not unfused.defaults.get("fused") and unfused.defaults["foreach"] is True  # multi-tensor on the CPU
-    assert build_optimizer("sgd", model, lr=1e-3, weight_decay=0.0, fused=True).defaults["fused"] is True
-
-
-def test_fused_kernels_only_where_they_run():
-    """Fused on CUDA and the CPU, except SGD under FSDP2 (no DTensor rule for aten._fused_sgd_ in torch 2.14):
-    foreach there and on other devices."""
-    for device in ("cuda", "cpu"):
-        assert use_fused_optimizer("adamw", device) and use_fused_optimizer("sgd", device)
-        assert use_fused_optimizer("adamw", device, fsdp2=True)
-        assert not use_fused_optimizer("sgd", device, fsdp2=True)
-    assert not use_fused_optimizer("adamw", "mps") and not use_fused_optimizer("sgd", "xpu")
 
 
 @pytest.mark.gpu

@@ -111,13 +111,25 @@ def test_gpus_this_torch_cannot_use_refuse_the_launch(tmp_path):
                     "install the torch build that matches the driver", "CUDA_VISIBLE_DEVICES=''")
 
 
-def test_cpu_training_stays_allowed_without_usable_gpu_evidence(monkeypatch):
-    # This machine: a CUDA build of torch, no driver (NVML cannot load), and the suite hides GPUs anyway.
-    assert torch.version.cuda and unusable_gpus() == (0, "")
+@pytest.mark.parametrize("cuda_build", ["13.0", None])
+def test_cpu_training_stays_allowed_without_usable_gpu_evidence(monkeypatch, cuda_build):
+    """This machine as it is (the suite hides its GPUs, if any, whatever the torch build), then either build of torch
+    as the test sets it: no GPU listed by the driver lets a CPU run start; four listed refuse it on a CUDA build of
+    torch only (a CPU-only build has nothing to use them with)."""
+    assert unusable_gpus() == (0, "")
+    check_launch_devices(cuda_available=False)
+
+    def init():
+        raise RuntimeError(TOO_OLD)
+
+    monkeypatch.setattr(torch.version, "cuda", cuda_build)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "init", init)
+    monkeypatch.setattr(torch.cuda, "_device_count_nvml", lambda: 0)  # no driver, or every GPU hidden
+    assert unusable_gpus() == (0, "")
     check_launch_devices(cuda_available=False)
     monkeypatch.setattr(torch.cuda, "_device_count_nvml", lambda: 4)
-    monkeypatch.setattr(torch.version, "cuda", None)  # a CPU-only build: nothing to use the GPUs with
-    assert unusable_gpus() == (0, "")
+    assert unusable_gpus() == ((4, " ".join(TOO_OLD.split())) if cuda_build else (0, ""))
 
 
 def test_doctor_reports_gpus_this_torch_cannot_use():

@@ -11,6 +11,7 @@
     text        a tiny GPT-2, token sequences, a word tokenizer (for the text tasks)
     checkpoints comparing runs' weights and checkpoints, watching a launched run
     output      reading what a run printed (error lines, PNG sizes, metric series)
+    anomaly     the --on_anomaly fault (a nan batch at step K on one rank) and the fused optimizers' skipped step
 
 Fixtures live in tests/conftest.py. This package imports no test module.
 """

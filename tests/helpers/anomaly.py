@@ -1,8 +1,75 @@
-"""The fused optimizers' skipped step, for tests/test_anomalies.py, importable without tests/conftest.py (which
-hides the GPUs): the GPU test runs it in a subprocess on CUDA.
+"""What tests of --on_anomaly share: the fault (a non-finite batch at optimizer step K on one rank, ``bad_step_mlp`` and
+``install``), for tests/test_anomalies.py and tests/checkpoint/test_checkpoint_async.py; and the fused optimizers'
+skipped step, importable without tests/conftest.py (which hides the GPUs): the GPU test runs it in a subprocess on
+CUDA.
 """
 
 from __future__ import annotations
+
+import os
+import signal
+
+ARGS = ["--dataset", "synthetic", "--synthetic_samples", "256", "--synthetic_shape", "1", "8", "8",
+        "--model", "tests.helpers.anomaly:bad_step_mlp", "--global_batch_size", "32", "--max_steps", "10",
+        "--log_every", "2", "--lr", "0.01"]
+BAD = (5, 1)  # optimizer step, rank
+FAULT: dict = {}  # this rank's: the step and rank to poison, the scheduler that says which step runs
+
+
+def bad_step_mlp(num_classes: int, input_shape: tuple[int, ...]):
+    """A small mlp whose training output is nan during optimizer step FAULT["step"] on rank FAULT["rank"]."""
+    from accel_ddp.models import build_mlp
+
+    model = build_mlp(num_classes, input_shape, hidden_size=16)
+
+    def poison(module, args, output):
+        scheduler = FAULT.get("scheduler")
+        if module.training and scheduler is not None and \
+                (scheduler.last_epoch + 1, int(os.environ.get("RANK", "0"))) == (FAULT.get("step"), FAULT["rank"]):
+            return output * FAULT.get("factor", float("nan"))
+        return output
+
+    model.register_forward_hook(poison)
+    return model
+
+
+def install(bad: tuple[int, int] | None = BAD, drop_update_at: int | None = None, kill_after: int | None = None,
+            factor: float = float("nan")):
+    """In a rank: multiply the output of step ``bad`` by ``factor``; drop the optimizer's step() call of
+    ``drop_update_at`` (the reference); SIGKILL every rank right after optimizer step ``kill_after``."""
+    import accel_ddp.assemble as assemble
+
+    FAULT.update(step=bad[0] if bad else None, rank=bad[1] if bad else None, factor=factor)
+    build_scheduler, build_optimizer = assemble.build_lr_scheduler, assemble.build_optimizer
+
+    def scheduler_seen(*args, **kwargs):
+        scheduler = FAULT["scheduler"] = build_scheduler(*args, **kwargs)
+        if kill_after is not None:
+            step = type(scheduler).step
+
+            def step_then_die(self, *a, **k):
+                step(self, *a, **k)
+                if self.last_epoch == kill_after:
+                    os.kill(os.getpid(), signal.SIGKILL)
+
+            scheduler.__class__ = type("Dying", (type(scheduler),), {"step": step_then_die})
+        return scheduler
+
+    def optimizer_dropping(*args, **kwargs):
+        optimizer = build_optimizer(*args, **kwargs)
+        if drop_update_at is not None:
+            calls, step = [0], type(optimizer).step
+
+            def maybe_step(self, *a, **k):
+                calls[0] += 1
+                return None if calls[0] == drop_update_at else step(self, *a, **k)
+
+            # A subclass, not an attribute: the LR scheduler wraps the bound method.
+            optimizer.__class__ = type("Dropping", (type(optimizer),), {"step": maybe_step})
+        return optimizer
+
+    assemble.build_lr_scheduler, assemble.build_optimizer = scheduler_seen, optimizer_dropping
+
 
 
 class _Guard:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -23,6 +24,13 @@ BUCKET = "accel-ddp-test"
 @contextlib.contextmanager
 def s3_server():
     """The server up with BUCKET in it and its environment set (the forked ranks inherit it); a boto3 client."""
+    with s3_server_process() as (client, _):
+        yield client
+
+
+@contextlib.contextmanager
+def s3_server_process():
+    """``s3_server``'s, with the server's process too (a test stops it with SIGSTOP: a store that stops answering)."""
     missing = [name for name in ("moto", "s3fs", "boto3", "flask") if importlib.util.find_spec(name) is None]
     if missing:
         pytest.skip(f"the object-store tests need {', '.join(missing)} (pip install -e '.[test]')")
@@ -47,8 +55,9 @@ def s3_server():
                 time.sleep(0.2)
         client = boto3.client("s3")
         client.create_bucket(Bucket=BUCKET)
-        yield client
+        yield client, server
     finally:
+        server.send_signal(signal.SIGCONT)  # a test that stopped it
         server.terminate()
         server.wait(timeout=30)
         for key, value in saved.items():

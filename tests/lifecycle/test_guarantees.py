@@ -291,9 +291,9 @@ def test_a_signal_during_an_evaluation_finishes_it_then_saves_that_step(matrix, 
     out = tmp_path / "run"
 
     def during_first_evaluation(rank: int, fire) -> None:
-        import accel_ddp.loop as loop
+        import accel_ddp.after_step as after_step
 
-        evaluate = loop.evaluate
+        evaluate = after_step.evaluate
 
         def signalled(*args, **kwargs):
             if rank == 1 and not (tmp_path / "fired").exists():
@@ -301,7 +301,7 @@ def test_a_signal_during_an_evaluation_finishes_it_then_saves_that_step(matrix, 
                 fire()
             return evaluate(*args, **kwargs)
 
-        loop.evaluate = signalled
+        after_step.evaluate = signalled
 
     capfd.readouterr()
     codes = run_signalled(args_for(matrix, "dataloader", out, *eval_every), tmp_path / "pids", signal.SIGTERM, "job",

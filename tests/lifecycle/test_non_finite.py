@@ -1,4 +1,4 @@
-"""A loss that turns nan or inf (accel_ddp/lifecycle/preemption.py LossWatch): every rank stops at the same step,
+"""A loss that turns nan or inf (accel_ddp/lifecycle/non_finite.py LossWatch): every rank stops at the same step,
 nothing saved after it, metrics stay JSON."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from accel_ddp.checkpoint.manager import (
     read_checkpoint,
 )
 from accel_ddp.cli.train import main
-from accel_ddp.lifecycle.preemption import LossWatch
+from accel_ddp.lifecycle.non_finite import LossWatch
 from accel_ddp.tracking.recorder import RunRecorder
 from tests.helpers import faults
 from tests.helpers.checkpoints import steps_of

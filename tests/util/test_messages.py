@@ -1,10 +1,12 @@
-"""accel_ddp.util.messages: the one format of a warning, note and error line, and which rank prints it."""
+"""accel_ddp.util.messages: the one format of a warning, note and error line, and which rank prints it (the rank
+rule of accel_ddp.util.ranks)."""
 
 from __future__ import annotations
 
 import pytest
 
-from accel_ddp.util.messages import error_line, first_line, note, prints, warn
+from accel_ddp.util.messages import error_line, first_line, note, prints, say, warn
+from accel_ddp.util.ranks import RANK_VARS, WORLD_SIZE_VARS, launch_rank, launch_world_size
 
 
 def test_first_line_is_the_first_stripped_line_cut_to_its_limit():
@@ -22,6 +24,12 @@ def test_lines_have_the_one_format(capsys):
     assert err == "accel_ddp: warning: --foo is deprecated\naccel_ddp: note: padding with <eos>\n"
     assert error_line("--lr -1: must be > 0; pass a positive number") == \
         "accel_ddp: error: --lr -1: must be > 0; pass a positive number\n"
+    say("resumed from step 4")
+    say("preempted", err=True)
+    warn("above the bar", above_bar=True)
+    out = capsys.readouterr()
+    assert out.out == "accel_ddp: resumed from step 4\n"
+    assert out.err == "accel_ddp: preempted\naccel_ddp: warning: above the bar\n"
 
 
 @pytest.mark.parametrize(("rank", "printed"), [(None, True), ("0", True), ("1", False)])
@@ -38,3 +46,18 @@ def test_first_rank_messages_print_once_per_launch(monkeypatch, capsys, rank, pr
 def test_an_unknown_rank_rule_is_a_bug_not_silence():
     with pytest.raises(ValueError, match="ranks must be"):
         prints("all")
+
+
+@pytest.mark.parametrize(("env", "rank", "world"), [
+    ({}, 0, 1), ({"RANK": "3", "WORLD_SIZE": "4"}, 3, 4),
+    ({"PMI_RANK": "1", "PMI_SIZE": "2"}, 1, 2),  # an MPI launch: the names Accelerate reads after torchrun's
+    ({"RANK": "", "OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "8"}, 2, 8),  # an empty RANK is no rank
+])
+def test_the_rank_rule_reads_the_launchers_variables(monkeypatch, capsys, env, rank, world):
+    for name in RANK_VARS + WORLD_SIZE_VARS:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert (launch_rank(), launch_world_size()) == (rank, world)
+    say("once", ranks="first")
+    assert capsys.readouterr().out == ("accel_ddp: once\n" if rank == 0 else "")

@@ -1,0 +1,86 @@
+"""A training loss that became nan or inf: the exception every rank raises (exit code 3), the device-side watch that
+finds the first bad step without a host sync per step, and ``--debug``'s trace of the operation that made it.
+
+When the loop checks (its policy: at log lines, before saves and evaluations, at the end, and with ``--debug`` every
+micro-step) is decided in one place, ``accel_ddp/after_step.py``; this module holds the mechanisms it uses.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import gather_object
+
+from accel_ddp.util.messages import first_line
+
+EXIT_NON_FINITE = 3  # not 75 (preempted): a relaunch would diverge again
+
+
+class NonFiniteLoss(Exception):  # noqa: N818 - an outcome, like Preempted
+    """Raised by ``train()`` on every rank once the loss of some optimizer step was nan or inf (exit code 3);
+    ``message`` replaces the default text (``--on_anomaly``'s stops say which rule stopped the run)."""
+
+    def __init__(self, step: int, checkpoint: str | None, detail: str = "", *, message: str | None = None):
+        kept = f"the last checkpoint, {checkpoint}, is from before it" if checkpoint else "no checkpoint was saved"
+        super().__init__(message or f"the training loss became nan or inf at optimizer step {step}{detail}; every "
+                         f"rank stopped and {kept}; lower --lr, clip with --max_grad_norm, or rerun with --debug to "
+                         "see where")
+        self.step, self.checkpoint = step, checkpoint
+
+
+class LossWatch:
+    """Finds the first optimizer step whose loss was nan or inf, without a host sync per step.
+
+    ``after_step`` counts, on the device, the steps whose running loss was finite: one ``isfinite`` and
+    one in-place add (about 11 us on a CPU; no sync on a GPU). The running loss stays non-finite once
+    it is, until the loop resets it at a log line, which checks first; so the count stops growing at
+    the first bad step. ``first_bad_step`` is collective (an all-reduce and one ``.item()``): the loop
+    calls it only where it syncs anyway (a log line whose loss is not finite, evaluations) and before
+    every save, and every rank learns the same step.
+
+        >>> watch = LossWatch(accelerator, start_step=0)
+        >>> watch.after_step(running_loss)               # every optimizer step
+        >>> watch.first_bad_step(step)                    # at a sync point: None, or the first bad step
+    """
+
+    def __init__(self, accelerator: Accelerator, start_step: int):
+        self.accelerator = accelerator
+        self._start = start_step
+        self._finite_steps = torch.zeros((), dtype=torch.int64, device=accelerator.device)
+
+    def after_step(self, running_loss: torch.Tensor) -> None:
+        self._finite_steps.add_(torch.isfinite(running_loss))
+
+    def first_bad_step(self, step: int) -> int | None:
+        """The first non-finite step over all ranks up to ``step``, or None (collective)."""
+        finite = -int(self.accelerator.reduce(-self._finite_steps, "max").item())  # the fewest, on any rank
+        return None if finite >= step - self._start else self._start + finite + 1
+
+    def any_rank(self, loss: torch.Tensor) -> bool:
+        """--debug only (a host sync per call): is ``loss`` nan or inf on any rank right now? (collective)"""
+        bad = (~torch.isfinite(loss.detach())).to(torch.int64)
+        return bool(self.accelerator.reduce(bad, "max").item())
+
+
+def trace_non_finite(accelerator: Accelerator, model: torch.nn.Module, loss: torch.Tensor) -> str:
+    """--debug: the backward of a nan/inf loss under anomaly detection, without gradient sync, on the ranks that
+    have one. We print torch's forward trace of the operation that made it (a warning, which filters could
+    hide); every rank gets the error's first line for its message."""
+    found = ""
+    if not bool(torch.isfinite(loss.detach())):
+        with warnings.catch_warnings(record=True) as traces:
+            warnings.simplefilter("always")
+            try:
+                # Gradients of the parameters without accumulating them: DDP's reducer hooks, armed by a
+                # forward that ran in sync, fire on accumulation, and an all-reduce the finite ranks never
+                # join would hang them (no_sync entered after the forward does not disarm them).
+                params = [p for p in model.parameters() if p.requires_grad]
+                torch.autograd.grad(loss, params, allow_unused=True)
+            except RuntimeError as err:
+                found = f" ({first_line(err)})"
+        for trace in traces:
+            print(f"accel_ddp: rank {accelerator.process_index}: {trace.message}", file=sys.stderr, flush=True)
+    return next((text for text in gather_object([found]) if text), "")  # collective

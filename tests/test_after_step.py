@@ -1,0 +1,76 @@
+"""What happens after optimizer step N (accel_ddp/after_step.py): the collectives every rank calls, in order.
+
+Every rank must call the same collectives in the same order, or a run hangs; a change in where the loop logs,
+evaluates, saves, compares preemption flags or checks for a non-finite loss shows here first. The expected order
+is built from the run's cadences, as the loop decides them (the order recorded on the loop before
+accel_ddp/after_step.py existed).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.helpers.collectives import record_fit_collectives
+from tests.helpers.multiproc import run_ranks
+
+FLAG = "all_reduce int64[2]"  # the preemption flags (lifecycle/preemption.py): after steps 1, 3, 7, 15, ...; agree()
+LOG = "all_reduce float32[1]"  # a log line's mean loss
+FINITE = "all_reduce int64[1]"  # the non-finite check: before each evaluation and save, and at the end
+EVAL = "all_reduce float64[6]"  # an evaluation's statistics (classification: 6 numbers)
+SAVE = ["broadcast_object_list", "all_gather_object", "broadcast_object_list"]  # a checkpoint: folder, write, seal
+EPOCH = "all_gather float64[2]"  # an epoch's end: peak memory over the ranks
+
+BASE = ["--dataset", "synthetic", "--synthetic_samples", "256", "--synthetic_shape", "1", "8", "8",
+        "--model", "mlp", "--hidden_size", "32", "--global_batch_size", "32", "--num_workers", "0"]  # 8 steps/epoch
+STEPS_PER_EPOCH = 8
+
+
+def expected(total: int, log_every: int, eval_every: int | str, save_every: int | str) -> list[str]:
+    """The collectives of ``fit`` for a run of ``total`` steps; ``eval_every``/``save_every``: a step count or
+    "epoch" (evaluation at each epoch's end: ``--eval_every 0``)."""
+    calls, next_flag, interval, evaluated = [], 1, 1, None
+
+    def stop_point(step: int) -> list[str]:  # after an evaluation or a save: a signal during it stops the run there
+        return [FLAG] if step < total else []
+
+    def evaluation(step: int) -> list[str]:
+        nonlocal evaluated
+        evaluated = step
+        return [FINITE, EVAL, *stop_point(step)]
+
+    for step in range(1, total + 1):
+        if step % log_every == 0 or step == total:
+            calls.append(LOG)
+        if step == next_flag:
+            calls.append(FLAG)
+            interval *= 2
+            next_flag = step + interval
+        if eval_every != "epoch" and step % eval_every == 0:
+            calls += evaluation(step)
+        if save_every != "epoch" and step % save_every == 0:
+            calls += [FINITE, *SAVE, *stop_point(step)]
+        if step % STEPS_PER_EPOCH == 0 or step == total:
+            calls.append(EPOCH)
+            if eval_every == "epoch":
+                calls += evaluation(step)
+            if save_every == "epoch" and step % STEPS_PER_EPOCH == 0:
+                calls += [FINITE, *SAVE, *stop_point(step)]
+    calls.append(FINITE)  # before the final outputs
+    if evaluated != total:
+        calls.append(EVAL)  # the final weights' metrics
+    return calls
+
+
+@pytest.mark.parametrize("max_steps,log_every,eval_every,save_every", [
+    (16, 3, 4, 6),  # evaluations, saves and log lines on steps of their own and together (12)
+    (14, 5, "epoch", "epoch"),  # at each epoch's end; the run ends mid-epoch, with a final evaluation
+    (13, 4, 5, 5),  # an evaluation and a save at the same step; the final evaluation of step 13
+])
+def test_every_rank_calls_the_same_collectives_in_the_order_the_cadences_give(tmp_path, max_steps, log_every,
+                                                                                eval_every, save_every):
+    args = [*BASE, "--max_steps", str(max_steps), "--log_every", str(log_every),
+            "--eval_every", "0" if eval_every == "epoch" else str(eval_every),
+            "--checkpointing_steps", str(save_every), "--output_dir", str(tmp_path)]
+    ranks = run_ranks(lambda: record_fit_collectives(args), world_size=2)
+    assert ranks[0] == ranks[1]
+    assert ranks[0] == expected(max_steps, log_every, eval_every, save_every)
