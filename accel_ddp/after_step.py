@@ -12,7 +12,7 @@ Every decision that needs the other ranks is a collective at a point every rank 
 (tests/test_after_step.py pins their order). A preemption signal stops the run after the step it was agreed on, or
 after the evaluation or save during which it came, with that step saved (``Preempted``).
 
-The non-finite policy (``NonFinite``): a nan/inf loss is counted on the device after every step (``LossWatch``) and
+The non-finite policy (``NonFinite``): each step's losses are kept and checked on the device (``LossWatch``) and
 acted on where the loop syncs anyway: at a log line whose loss is not finite, before every evaluation and save, and
 before the final outputs (every rank raises ``NonFiniteLoss``, exit 3, nothing saved after the bad step); with
 ``--debug`` every micro-step's loss is checked before its backward, with a trace of the operation that made it.
@@ -62,8 +62,8 @@ class NonFinite:
         return check
 
     def after_step(self) -> None:
-        """Every optimizer step, on the device: one more step whose running loss was finite, or not."""
-        self.watch.after_step(self.losses.running_loss)
+        """Every optimizer step: its losses, kept for the watch (no device work; checked at the sync points)."""
+        self.watch.after_step(self.losses.step_values)
 
     def check(self, step: int) -> None:
         """Before every save and evaluation, at a log line whose loss is not finite, and before the final outputs

@@ -63,6 +63,7 @@ from accel_ddp.tracking.recorder import RunRecorder
 from accel_ddp.tracking.startup import StartupClock
 from accel_ddp.tracking.startup_block import StartupBlock, finished, resumed_from
 from accel_ddp.tracking.trackers import tracking_kwargs
+from accel_ddp.util.messages import warn
 from accel_ddp.util.registry import resolve
 from accel_ddp.util.validation import ConfigError
 
@@ -142,6 +143,17 @@ class Run:
     anomalies: AnomalyGuard | None  # --on_anomaly skip|rollback, --spike_factor (None: the loop as it was)
 
 
+def _check_eval_set(cfg: TrainConfig, data) -> None:
+    """The best model and early stopping rank evaluations: without an eval set the last weights would be exported
+    as the best, and the patience never run out."""
+    given = [flag for flag, on in (("--load_best_model_at_end", cfg.load_best_model_at_end),
+                                   (f"--early_stopping_patience {cfg.early_stopping_patience}",
+                                    cfg.early_stopping_patience)) if on]
+    if given and data.eval is None:
+        raise ConfigError(f"{' and '.join(given)} rank evaluations, but --dataset {cfg.dataset} has no eval set; give "
+                          "a dataset with an eval split, or drop the flag")
+
+
 def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None, eval_dataset=None, *,
           loss_fn=None, metrics=(), collate_fn=None, preemption: PreemptionWatcher | None = None) -> Run:
     """Join the process group, build data, model, optimizer and schedule, and agree on where to start.
@@ -171,10 +183,15 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
     task = build_task(cfg.task, loss_fn or (resolve(cfg.loss, {}, kind="loss") if cfg.loss else None), metrics,
                       memory_format)
     data = resolve_data(cfg, accelerator, train_dataset, eval_dataset, collate_fn, preemption=preemption)
+    _check_eval_set(cfg, data)
     phase_done("data")
     source = f"--model_config {cfg.model_config}" if cfg.model_config else f"--model {cfg.model}"
     named = f" ({source})" if model is None else ""  # --model_config wins over --model (models.py)
     model = _model(cfg, accelerator, model, data, memory_format)
+    if not any(p.requires_grad for p in model.parameters()):  # else DDP's RuntimeError, or an optimizer of nothing
+        raise ConfigError(f"the model {type(model).__name__}{named} has no trainable parameters, so there is nothing "
+                          "to train; give a model with parameters (nn.Parameter, or layers such as nn.Linear) that "
+                          "require gradients")
     named = f"{type(model).__name__}{named}, {describe_parameters(model)}"  # trainable of total where some are frozen
     tuned = finetune_facts(model)  # a frozen base: the parameter counts and its fingerprint (checkpoints, summary)
     fused = fuse_activations(model) if cfg.fused_kernels else 0  # before DDP wraps it: same math, fewer kernels
@@ -204,7 +221,12 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
                                 fused=use_fused_optimizer(cfg.optimizer, accelerator.device.type, accelerator.is_fsdp2),
                                 capturable=cfg.cuda_graphs)
     # --warmup_ratio (issue 22): a fraction of this run's total steps, so resolved here, once the total is known
-    scheduler = build_lr_scheduler(optimizer, cfg.lr_schedule, cfg.warmup_for(plan.total_steps), plan.total_steps)
+    warmup = cfg.warmup_for(plan.total_steps)
+    if warmup > plan.total_steps:  # still a run (a smoke test, a short resume), but not the schedule asked for
+        warn(f"--warmup_steps {warmup} is longer than this run's {plan.total_steps} optimizer steps: the learning rate "
+             f"never reaches --lr {cfg.lr:g} (at most {cfg.lr * plan.total_steps / warmup:.3g}); lower --warmup_steps "
+             "or train longer", ranks="main")
+    scheduler = build_lr_scheduler(optimizer, cfg.lr_schedule, warmup, plan.total_steps)
     with construction_stream(cfg.cuda_graphs):  # DDP built on a side stream before a whole-step capture
         model, optimizer, scheduler = prepare(accelerator, model, optimizer, scheduler)
     probe_task(task, accelerator, model, data, evaluates=loaders.eval is not None, loaders=loaders)
@@ -229,6 +251,8 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
     if anomalies is not None:
         anomalies.begin(start_step)  # a resumed run's log continues; a fresh start forgets an earlier run's
     phase_done("resume_and_config")
+    for line in getattr(cfg, "repeated_flags", ()):  # the command line's flags given twice (cli/args.py)
+        warn(line, ranks="main")
     bar = progress_bar(plan.total_steps, start_step, accelerator.is_local_main_process)
     teardown.callback(bar.close)  # first on an error: the bar's line ends before any rank prints the error
     return Run(cfg=cfg, accelerator=accelerator, model=model, task=task, optimizer=optimizer, scheduler=scheduler,

@@ -181,6 +181,12 @@ class LossAccumulator:
     the backpropagated values near the magnitude of a per-sample mean (fp16 loss scaling, fp16
     gradient compression); it cancels out.
 
+    On one process with one micro-step per optimizer step there is nothing to rescale: the sum is
+    backpropagated with gradient ``1 / items`` (the bits of backpropagating ``sum / items``).
+
+    The losses reported in log lines are kept as the detached device scalars each micro-step makes
+    and summed at the log line (or a check before it): no device work per step for the log.
+
     A micro-batch whose sum is not 0 over 0 items is a broken loss (the count left out, or
     counting the wrong thing): the step would train on the raw sum. It is counted on the device
     with the running sums and refused (bad input, exit 2) where the loop syncs anyway: at a log
@@ -201,6 +207,21 @@ class LossAccumulator:
         self.running = torch.zeros(3, device=device, dtype=torch.float64)
         self.running_mean = torch.zeros((), device=device)  # since the last log: means, as the loop always summed
         self.steps_since_log = 0
+        # Without a guard, each micro-step's (loss, items) is kept as the detached device scalars it already is and
+        # added into the running sums above at the next log line or check (_fold): no device operation per step
+        # for the log's sake (benchmarks/ops_per_step.py: host operations per step within a few of a bare loop's).
+        self._pending: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        # Off under --cuda_graphs (TrainStep): a replay runs none of this Python, so the sums are added on the device
+        # in the captured step instead, and the watch gets a copy of the running loss after each step.
+        self.keep_losses = guard is None
+        self._folded_since_log = False  # some kept losses are in running / running_mean already
+        self._step_values: list[torch.Tensor] = []  # this optimizer step's kept losses, for the non-finite watch
+        self._step_started = True  # the next micro-step begins an optimizer step (step_values starts over)
+        # One micro-step per optimizer step on one process, plain backward: the step's items are this micro-batch's,
+        # so a (sum, num_items) loss is backpropagated with gradient 1 / items (what autograd's ones_like would have
+        # been, divided: the bits of backpropagating sum / items), with no count to reduce and no rescale after.
+        self._single = (accumulation == 1 and accelerator.num_processes == 1 and guard is None
+                        and self._backward is torch.Tensor.backward)
         if guard is not None:  # this step's share of running / running_mean, added by end_step unless skipped
             self._step_running, self._step_mean = torch.zeros_like(self.running), torch.zeros_like(self.running_mean)
         # Several plain ranks (DDP over torch.distributed): the step's item count is all-reduced asynchronously,
@@ -220,6 +241,17 @@ class LossAccumulator:
             self.summed = summed
         elif summed != self.summed:
             raise ConfigError("the loss switched between a mean and a (sum, num_items) pair; return one kind")
+        if self.keep_losses:
+            self._keep(loss)
+            if summed and self._single:  # 0 items: a gradient of 1 (the sum's own: zero over no items)
+                loss.value.backward(torch.reciprocal(loss.items.clamp_min(1)).to(loss.value.dtype))
+                return
+            if summed:
+                self.step_items += loss.items
+                if self._async_count and self.accelerator.sync_gradients:  # the step's last forward: counts known
+                    self._count = self._launch_count()
+            self._backward(loss.value / self.nominal if summed else loss.value)
+            return
         trained = loss.value if self.guard is None else self.guard.poisoned(loss.value)
         running, running_mean = (self.running, self.running_mean) if self.guard is None else \
             (self._step_running, self._step_mean)
@@ -235,6 +267,37 @@ class LossAccumulator:
             mean = loss.value.detach()  # summed over steps, averaged over ranks
             running_mean += mean if self.accumulation == 1 else mean / self.accumulation
 
+    def _keep(self, loss: Loss) -> None:
+        """This micro-step's loss (and items) for the log and the non-finite watch, as detached device scalars."""
+        if self._step_started:
+            self._step_values, self._step_started = [], False
+        value = loss.value.detach()
+        self._step_values.append(value)
+        self._pending.append((value, loss.items))
+
+    def _fold(self) -> None:
+        """Add the kept micro-steps' losses into the running sums (before a check between log lines)."""
+        if self._pending:
+            folded = self._folded()
+            if self.summed:
+                self.running += folded
+            else:
+                self.running_mean += folded
+            self._folded_since_log = True
+
+    def _folded(self) -> torch.Tensor:
+        """The kept micro-steps' losses summed (and forgotten): ``(loss sum, items, sums over no items)`` in
+        float64, or the sum of the means / accumulation. Half a dozen operations, at a log line or a check."""
+        values = torch.stack([value for value, _ in self._pending])
+        if self.summed:
+            items = torch.stack([items for _, items in self._pending]).to(values.dtype)
+            folded = torch.stack([values, items, values.abs() * (items == 0)]).sum(1, dtype=torch.float64)
+        else:  # summed over steps, averaged over ranks
+            folded = values.sum(dtype=self.running_mean.dtype)
+            folded = folded if self.accumulation == 1 else folded / self.accumulation
+        self._pending = []
+        return folded
+
     def end_step(self) -> None:
         """With a guard, after the update: the step's loss joins the running sums unless its update was skipped
         (device-side ``where``: no sync, and a nan of a skipped step does not spread)."""
@@ -247,7 +310,7 @@ class LossAccumulator:
     def finish_step(self, model: torch.nn.Module) -> None:
         """At the optimizer step's last micro-step (gradients synced), before clipping and the update (device work
         only: under --cuda_graphs it is captured once and replayed; the caller counts the step, ``step_done``)."""
-        if not self.summed:
+        if not self.summed or self._single:
             return
         acc = self.accelerator
         if self._count is not None:  # launched before this step's backward, in the same order on every rank
@@ -266,6 +329,7 @@ class LossAccumulator:
     def step_done(self) -> None:
         """Host bookkeeping of each optimizer step, outside the (maybe captured) device work."""
         self.steps_since_log += 1
+        self._step_started = True
 
     def _launch_count(self) -> tuple[torch.Tensor, object]:
         """All-reduce a copy of this step's item count without waiting (``async_op=True``).
@@ -279,8 +343,15 @@ class LossAccumulator:
         return count, torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.SUM, async_op=True)
 
     @property
+    def step_values(self) -> list[torch.Tensor]:
+        """This optimizer step's losses for the non-finite watch: the kept ones, or else (a guard: skipped steps left
+        out; --cuda_graphs) a copy of the running loss, non-finite from the first bad step to the next log line."""
+        return self._step_values if self.keep_losses else [self.running_loss.clone()]
+
+    @property
     def running_loss(self) -> torch.Tensor:
         """The loss summed since the last log line (a device scalar; nan or inf once any micro-step's was)."""
+        self._fold()
         return self.running[0] if self.summed else self.running_mean
 
     def mean_since_log(self, skipped: int = 0) -> float:
@@ -290,17 +361,31 @@ class LossAccumulator:
         nan when some micro-step's sum was not 0 over 0 items: the loop then stops, and
         :meth:`empty_sum_problem` (whose count this call leaves as it is) says why.
         """
+        fresh = not self._folded_since_log and bool(self._pending)
+        if fresh:  # the usual log line: the kept losses alone, not added into the running sums first
+            local = self._folded()
+        else:  # a check folded some, or the sums are kept on the device (a guard, --cuda_graphs)
+            self._fold()
+            local = self.running if self.summed else self.running_mean
+        since_log = local
+        if self.accelerator.num_processes > 1:
+            since_log = self.accelerator.reduce(local, reduction="sum" if self.summed else "mean")
         if self.summed:
-            loss_sum, items, empty_sums = self.accelerator.reduce(self.running, reduction="sum").tolist()
+            loss_sum, items, empty_sums = since_log.tolist()
             if empty_sums:
+                if local is not self.running:  # kept for empty_sum_problem, which says why the loop stops
+                    self.running += local
+                    self._folded_since_log = True
                 return math.nan
             mean = loss_sum / max(items, 1) if skipped < self.steps_since_log else math.nan
             self.logged_items, self.logged_steps = items, self.steps_since_log  # tokens/s: no sync of its own
         else:
             trained = self.steps_since_log - skipped
-            mean = self.accelerator.reduce(self.running_mean, "mean").item() / trained if trained else math.nan
-        self.running.zero_()
-        self.running_mean.zero_()
+            mean = since_log.item() / trained if trained else math.nan
+        if not fresh:
+            self.running.zero_()
+            self.running_mean.zero_()
+        self._folded_since_log = False
         self.steps_since_log = 0
         return mean
 
@@ -309,6 +394,7 @@ class LossAccumulator:
         asks before every save, evaluation and the final export, where it syncs anyway)."""
         if not self.summed:  # the same on every rank: the first micro-step decided it
             return None
+        self._fold()
         empty_sums = self.running[2:]
         if self.accelerator.num_processes > 1:
             empty_sums = self.accelerator.reduce(empty_sums, reduction="sum")
@@ -359,6 +445,8 @@ class TrainStep:
             device_learning_rates(getattr(optimizer, "optimizer", optimizer), accelerator.device)
             # the item count's all-reduce in stream order (captured with the step), not an async Work waited on
             self.losses._async_count = False
+            # a replay runs no Python: the losses summed on the device in the captured step, the eager backward
+            self.losses.keep_losses = self.losses._single = False
 
     def _train_on(self, batch) -> None:
         """The micro-step's device work: forward, loss, backward; at the step's last, rescale, clip and update."""

@@ -157,7 +157,9 @@ def test_the_anomaly_log_is_saved_with_each_checkpoint_and_restored_with_it(refe
 
 def test_rollback_without_a_checkpoint_before_the_bad_step_stops(tmp_path, capfd):
     capfd.readouterr()
-    assert ranks([*ARGS, "--on_anomaly", "rollback", "--output_dir", str(tmp_path)]) == [3, 3]
+    # the first checkpoint would be step 8, after the bad step 5 (without --checkpointing_steps: refused up front)
+    assert ranks([*ARGS, "--on_anomaly", "rollback", "--checkpointing_steps", "8", "--output_dir", str(tmp_path)]) \
+        == [3, 3]
     err = capfd.readouterr().err
     assert "no checkpoint from before it to roll back to; every rank stopped and no checkpoint was saved" in err
     assert "Traceback" not in err and err.count("accel_ddp: error:") == 1

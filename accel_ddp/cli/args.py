@@ -153,7 +153,18 @@ def _recipe_loader() -> type:
     import yaml
 
     class RecipeLoader(yaml.SafeLoader):
-        pass
+        def construct_mapping(self, node, deep=False):  # PyYAML keeps a repeated key's last value, without a word
+            seen: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=deep)
+                line = key_node.start_mark.line + 1
+                if isinstance(key, typing.Hashable) and key in seen:
+                    raise ConfigError(f"--config {node.start_mark.name}: key {show(key)} is given twice (lines "
+                                      f"{seen[key]} and {line}); which one? keep one of them")
+                seen[key] = line
+            return super().construct_mapping(node, deep)
 
     RecipeLoader.add_implicit_resolver(
         "tag:yaml.org,2002:float",
@@ -174,6 +185,8 @@ def load_recipe(path: str) -> dict[str, Any]:
     try:
         with open(path, encoding="utf-8") as fh:
             data = yaml.load(fh, Loader=_recipe_loader())  # noqa: S506 - a SafeLoader subclass
+    except ConfigError:
+        raise
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark is not None else ""
@@ -259,11 +272,34 @@ def _renamed(values: dict[str, Any]) -> dict[str, Any]:
     return values
 
 
+def repeated_flags(argv: list[str]) -> list[str]:
+    """A line for each flag given twice with different values (``--lr 1e-3 --lr 1e-4``), which argparse settles
+    without a word: the last wins. Said, not refused: appending overrides to a base command line is how wrapper
+    scripts (and ~20 of this suite's tests) vary a run, and the run is the one the last value describes. The same
+    value twice is harmless. A tuple flag's values run to the next ``--flag``."""
+    given: dict[str, list[str]] = {}
+    name = None
+    for arg in argv:
+        if arg.startswith("--") and len(arg) > 2:
+            name, equals, value = arg[2:].partition("=")
+            given.setdefault(name, []).append(value if equals else "")
+            name = None if equals else name
+        elif name is not None:
+            given[name][-1] = f"{given[name][-1]} {arg}".strip()
+    return [f"{' and '.join(f'--{name} {value}'.strip() for value in values)}: --{name} is given {len(values)} "
+            f"times; the last, {f'--{name} {values[-1]}'.strip()}, is used (give it once to silence this)"
+            for name, values in given.items() if len(set(values)) > 1]
+
+
 def parse_args(argv: list[str] | None = None) -> TrainConfig:
     """Defaults, then the ``--config`` recipe, then CLI flags."""
-    args = vars(build_parser().parse_args(sys.argv[1:] if argv is None else argv))
+    argv = sys.argv[1:] if argv is None else argv
+    args = vars(build_parser().parse_args(argv))
     recipe = load_recipe(args.pop("config")) if "config" in args else {}
     values = _translated(_renamed(dict(recipe)))
     values.update(_translated(_renamed(dict(args))))
     _check_constant_schedule(values, [recipe, args])
-    return TrainConfig(**values)
+    cfg = TrainConfig(**values)
+    # Said once the run starts (accel_ddp/assemble.py), after every check of its input: bad input stays one line.
+    cfg.repeated_flags = repeated_flags(argv)
+    return cfg

@@ -28,14 +28,17 @@ def main(argv: list[str] | None = None) -> int:
     Bad input is one line on stderr and exit code 2, a nan/inf loss one line and 3, anything else
     its traceback and 1; a rank stopped by another rank's failure prints nothing and exits with that
     rank's code. Preemption (SIGTERM or SIGUSR1) saves a checkpoint and exits with ``EXIT_PREEMPTED``
-    (75); the exit codes are listed in ``accel_ddp/lifecycle/preemption.py``.
+    (75), Ctrl-C (SIGINT) and a closed terminal (SIGHUP) likewise with 130 and 129; the exit codes are listed
+    in ``accel_ddp/lifecycle/preemption.py``.
     """
     try:
         _parse_and_train(argv)
     except Preempted as stop:
         ignore_preemption_signals()  # exiting with 75: the launcher's follow-up SIGTERM must not make it a kill
-        warn(f"{stop} (exit code {EXIT_PREEMPTED})", kind="preempted", ranks="first")
-        return EXIT_PREEMPTED
+        code = stop.exit_code
+        what = "preempted" if code == EXIT_PREEMPTED else "interrupted"
+        warn(f"{stop} (exit code {code})", kind=what, ranks="first")
+        return code
     except Exception as err:  # noqa: BLE001 - every failure gets its exit code and, once per launch, its report
         return failure.report(err, failure.exit_code(err))
     return 0

@@ -124,6 +124,13 @@ def _check_data(cfg: Any) -> None:
     if cfg.task in TEXT_TASKS:
         raise ConfigError(f"--streaming with --task {cfg.task}: text is tokenized once into a memory-mapped dataset, "
                           "which reads a batch at a time at any size; drop --streaming")
+    if cfg.checkpointing_steps == "epoch":  # the loop's one epoch is the whole run (data/streaming.py)
+        raise ConfigError("--streaming with --checkpointing_steps epoch: a stream has no epochs (the run is one, of "
+                          "--max_steps steps), so it would save once, at the end; give --checkpointing_steps N "
+                          "(optimizer steps)")
+    if not cfg.eval_every:
+        warn("--streaming evaluates once, at the end: a stream has no epochs to evaluate after; give --eval_every N "
+             "(optimizer steps) to evaluate during the run", kind="note", ranks="first")
 
 
 def _check_urls(cfg: Any) -> None:
@@ -167,6 +174,14 @@ def _checked_store(url: str) -> str:
         raise ConfigError(f"--checkpoint_dir {url} needs the {package} package, which is not installed; "
                           f"pip install {needed}")
     return url.rstrip("/")
+
+
+def _check_rollback(cfg: Any) -> None:
+    """--on_anomaly rollback reloads the last checkpoint: without --checkpointing_steps there is none to go back to
+    (the first bad step would stop the run with exit 3, as --on_anomaly stop does)."""
+    if cfg.on_anomaly == "rollback" and cfg.checkpointing_steps is None:
+        raise ConfigError("--on_anomaly rollback reloads the last checkpoint, but no checkpoint is saved; add "
+                          "--checkpointing_steps N, or use --on_anomaly skip")
 
 
 def _check_best_model(cfg: Any) -> None:

@@ -16,6 +16,7 @@ from accel_ddp.config.checks import (
     _check_hf_fields,
     _check_peft,
     _check_per_device,
+    _check_rollback,
     _check_task,
     _check_tracking,
     _check_urls,
@@ -82,7 +83,7 @@ class TrainConfig:
     label_column: str | None = _opt(None, "hf: label column; default the ClassLabel column, else 'label'")
     synthetic_samples: int = _opt(2048, "synthetic dataset: number of training samples (eval gets a quarter)", low=1)
     synthetic_shape: tuple[int, ...] = _opt((1, 28, 28), "synthetic dataset: shape of one input, e.g. 1 28 28")
-    synthetic_classes: int = _opt(10, "synthetic dataset: number of classes", low=1, high=1_000_000)
+    synthetic_classes: int = _opt(10, "synthetic dataset: number of classes (2 or more)", low=2, high=1_000_000)
     text_column: str | None = _opt(None, "hf with a text --task: the column of raw text; default 'text'")
     tokenizer: str | None = _opt(
         None, "text tasks: tokenizer folder (save_pretrained) or Hub name; default the --model folder's own"
@@ -300,6 +301,7 @@ class TrainConfig:
         _check_data(self)
         _check_best_model(self)
         _check_cuda_graphs(self)
+        _check_rollback(self)
         if self.with_tracking and "all" not in self.report_to.split(","):  # `all`: checked once it is resolved
             self.check_tracker_wait(len(self.report_to.split(",")))
         if self.checkpoint_dir and self.store_timeout >= self.ddp_timeout:  # the other ranks wait for the main's call

@@ -383,7 +383,12 @@ def build_datasets(
         )
     train, eval_, num_classes, input_shape = result
     try:
-        return DatasetBundle(train, eval_, int(num_classes), tuple(int(d) for d in input_shape))
+        bundle = DatasetBundle(train, eval_, int(num_classes), tuple(int(d) for d in input_shape))
     except (TypeError, ValueError):
         raise ConfigError(f"--dataset {name} returned num_classes {num_classes!r} and input_shape {input_shape!r}; "
                           "expected an int and a tuple of ints, e.g. 10 and (1, 28, 28)") from None
+    if bundle.num_classes < 2:  # one class: loss 0 and accuracy 1 from the start; none: nothing to predict
+        raise ConfigError(f"--dataset {name} declares num_classes {bundle.num_classes}: a classifier needs 2 or more "
+                          "classes (with one, every prediction is right and the loss is 0 from the start); return the "
+                          "number of distinct labels")
+    return bundle

@@ -19,6 +19,9 @@ torch's, NumPy's and Python's global generators per sample from ``(seed, epoch, 
 from __future__ import annotations
 
 import os
+import signal
+import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -36,6 +39,7 @@ from accel_ddp.data.sampler import (
     seed_global_rngs,
 )
 from accel_ddp.data.workers import worker_options
+from accel_ddp.util.messages import warn
 
 
 def usable_cpus() -> int:
@@ -105,6 +109,25 @@ def readable(dataset: Dataset) -> Dataset:
     return SeededSamples(dataset)
 
 
+WORKER_EXIT_WAIT_S = 2.0  # after a loader error, how long a worker whose connection broke may take to show as ended
+MAX_WORKER_RESTARTS = 3  # in one pass: a worker that dies again at once (a sample that crashes its decoder) fails
+
+
+def quiet_worker_deaths() -> None:
+    """Keep torch's SIGCHLD handler out of this process: it raises a dead worker's RuntimeError from wherever the
+    main thread is (inside a step, a collective's wait, a save), where nothing can recover. Without it the loader
+    finds the death at its next read (within ``MP_STATUS_CHECK_INTERVAL``, 5 s) and ``HostLoader`` restarts the
+    workers there (torch/utils/data/_utils/signal_handling.py: one handler per process, set at the first iterator)."""
+    from torch.utils.data._utils import signal_handling
+
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "SIGCHLD"):
+        return
+    signal_handling._SIGCHLD_handler_set = True  # torch never installs its handler in this process
+    handler = signal.getsignal(signal.SIGCHLD)
+    if getattr(handler, "__module__", None) == signal_handling.__name__:  # installed before us (a forked process)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+
+
 class HostLoader(GlobalBatchLoader):
     """Micro-batches of rank ``rank`` from a map-style dataset, read by a DataLoader and copied to ``device``.
 
@@ -156,15 +179,58 @@ class HostLoader(GlobalBatchLoader):
         on_cpu = self.device.type == "cpu"
         if not on_cpu:
             from accelerate.utils import send_to_device
+        if self.loader.num_workers:
+            quiet_worker_deaths()
+        next_micro, restarts = first, 0
         try:
-            for micro_step, batch in enumerate(self.loader, start=first):
-                if self.batch_check is not None:  # on the host, before the copy: no device sync
-                    self.batch_check(batch, lambda row, step=micro_step: self._sample_name(epoch, step, row))
-                yield batch if on_cpu else send_to_device(batch, self.device, non_blocking=True)
+            while True:
+                try:
+                    for micro_step, batch in enumerate(self.loader, start=next_micro):
+                        if self.batch_check is not None:  # on the host, before the copy: no device sync
+                            self.batch_check(batch, lambda row, step=micro_step: self._sample_name(epoch, step, row))
+                        yield batch if on_cpu else send_to_device(batch, self.device, non_blocking=True)
+                        next_micro = micro_step + 1
+                    break
+                except (RuntimeError, ConnectionError):  # ConnectionError: a tensor from a killed worker
+                    dead = self._dead_workers()
+                    if not dead or restarts >= MAX_WORKER_RESTARTS:
+                        raise
+                    restarts += 1
+                    self._restart_workers(dead, epoch, next_micro)
         except DataError as err:
             err.only_this_rank = True  # no other rank reads this batch: this one must say what went wrong
             raise
+        finally:
+            self.sampler.start = first
         self.sampler.set_epoch(epoch + 1)
+
+    def _dead_workers(self) -> list[tuple[int, int | None]]:
+        """(pid, exit code) of the workers of the current pass that have ended: none while training goes well.
+
+        A worker's death shows as torch's RuntimeError ("DataLoader worker (pid N) exited unexpectedly"), or as
+        a ConnectionError when the rank fetches a tensor the worker shared (``rebuild_storage_fd`` connects to
+        the worker's ``resource_sharer``); either way the worker's process says it."""
+        workers = getattr(self.loader._iterator, "_workers", None) or []
+        deadline = time.monotonic() + (WORKER_EXIT_WAIT_S if workers else 0)
+        while True:  # a killed worker's socket closes before the kernel has it reaped: wait for its exit a little
+            dead = [(worker.pid, worker.exitcode) for worker in workers if not worker.is_alive()]
+            if dead or time.monotonic() > deadline:
+                return dead
+            time.sleep(0.05)
+
+    def _restart_workers(self, dead: list[tuple[int, int | None]], epoch: int, micro_step: int) -> None:
+        """A worker died (killed, out of memory): new workers read on from ``micro_step``, the first micro-batch not
+        yet trained on. Each sample's reads are seeded by its place in the epoch (:class:`SeededSamples`), so the
+        same batches follow, bit for bit, and no rank notices. Through torch's private ``_iterator`` (a persistent
+        workers' iterator is kept there: torch/utils/data/dataloader.py ``DataLoader.__iter__``)."""
+        broken, self.loader._iterator = self.loader._iterator, None
+        if broken is not None:
+            broken._shutdown_workers()  # the survivors: stopped and joined, their queues closed
+        self.sampler.start = micro_step
+        how = ", ".join(f"pid {pid}, " + (f"killed by {signal.Signals(-code).name}" if code is not None and code < 0
+                                          else f"exit code {code}") for pid, code in dead)
+        warn(f"a DataLoader worker of rank {self.sampler.rank} ended ({how}); started its workers again at "
+             f"micro-batch {micro_step} of epoch {epoch}: the same batches follow", ranks="every")
 
     def _sample_name(self, epoch: int, micro_step: int, row: int) -> str:
         index = int(self.sampler.rank_indices(epoch)[micro_step, row])

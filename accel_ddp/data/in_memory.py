@@ -115,6 +115,20 @@ class InMemoryDataset(Dataset):
             batch = crop_flip(batch, crop_flip_params)
         return batch if self.affine is None else normalise(batch, self.affine)
 
+    @property
+    def normalised_nbytes(self) -> int:
+        """Bytes the samples would take normalised (float32) instead of as stored, with the labels."""
+        return self.inputs.numel() * 4 + self.labels.numel() * self.labels.element_size()
+
+    def normalised(self) -> InMemoryDataset:
+        """The same samples held normalised (float32), so that reading a batch is a gather only. The same bits as
+        normalising each batch (elementwise operations); only without augmentation, which comes first."""
+        if self.affine is None or self.augment is not None:
+            return self
+        clone = self._with(normalise(self.inputs, self.affine), self.labels)
+        clone.affine = None
+        return clone
+
     def subset(self, indices) -> InMemoryDataset:
         index = torch.as_tensor(indices, dtype=torch.long)
         return self._with(self.inputs[index], self.labels[index])

@@ -97,13 +97,18 @@ def choose_loader(loader: str, dataset: Dataset, device_loader_max_mb: float, me
                 "--loader dataloader, or return an accel_ddp.data.InMemoryDataset or TensorDataset from --dataset"
             )
         return "dataloader"
-    limit_mb = device_loader_max_mb if memory_limit is None else min(device_loader_max_mb, memory_limit.device_mb)
+    limit_mb = device_limit_mb(device_loader_max_mb, memory_limit)
     if loader == "auto" and (nbytes := as_in_memory(dataset).nbytes) > limit_mb * 2**20:
         # the budget, not the flag, decided
         if not quiet and memory_limit is not None and nbytes <= device_loader_max_mb * 2**20:
             say(memory_limit.note("the training set", nbytes, limit_mb, instead="reading it through a DataLoader"))
         return "dataloader"
     return "device"
+
+
+def device_limit_mb(device_loader_max_mb: float, memory_limit=None) -> float:
+    """MiB of training data the device loader may hold: the flag's, within the machine's budget if known."""
+    return device_loader_max_mb if memory_limit is None else min(device_loader_max_mb, memory_limit.device_mb)
 
 
 @runtime_checkable
@@ -177,7 +182,8 @@ def build_loaders(
         if kind == "device" and collate_fn is not None:
             kind = collate_route(loader, collate_fn, accelerator.is_main_process)
         make = DeviceLoader if kind == "device" else HostLoader
-        extra = {} if kind == "device" else {"num_workers": num_workers, "collate_fn": collate_fn}
+        extra = {"normalised_max_mb": device_limit_mb(device_loader_max_mb, memory_limit)} if kind == "device" \
+            else {"num_workers": num_workers, "collate_fn": collate_fn}
         train_loader = make(train_dataset, per_device_batch_size, global_batch_size, seed=seed, rank=rank,
                             world_size=world, device=accelerator.device, **extra)
     eval_loader = None

@@ -69,10 +69,16 @@ def resolve_data(cfg: TrainConfig, accelerator: Accelerator, train_dataset, eval
     else:
         num_classes, input_shape = None, None
     streamed = isinstance(train_dataset, IterableDataset)  # a stream has no [0]: its bundle gave the shape
+    if not streamed and hasattr(train_dataset, "__len__") and len(train_dataset) == 0:
+        raise ConfigError(f"the training set of --dataset {cfg.dataset} ({type(train_dataset).__name__}) holds no "
+                          "samples (0 rows), so there is nothing to train on; check its files or filters, or give a "
+                          "dataset with samples")
     if not streamed and isinstance(train_dataset[0], Mapping):  # dict samples: no single input shape
         input_shape = None
     elif input_shape is None:
         input_shape = tuple(train_dataset[0][0].shape)
+    elif not streamed:
+        _check_input_shape(cfg.dataset, input_shape, train_dataset[0][0])
     if eval_dataset is not None and not isinstance(eval_dataset, IterableDataset) and len(eval_dataset) == 0:
         raise ConfigError(f"the eval set ({type(eval_dataset).__name__}) holds no samples, so there is nothing to "
                           "evaluate; give it samples, or train without one (no eval_dataset)")
@@ -84,6 +90,17 @@ def resolve_data(cfg: TrainConfig, accelerator: Accelerator, train_dataset, eval
     if collate_fn is None and input_shape is None and not isinstance(without_subsets(train_dataset), TokenBlocks):
         collate_fn = PadCollate(pad_token_id(tokenizer))  # dict samples, maybe of different lengths
     return Data(train_dataset, eval_dataset, num_classes, input_shape, tokenizer, collate_fn, limit)
+
+
+def _check_input_shape(dataset: str, declared: tuple[int, ...], sample: Any) -> None:
+    """A builder's ``input_shape`` sizes the model's first layer: one that does not hold a sample's values would fail
+    inside the first forward (``mat1 and mat2 shapes cannot be multiplied``). Sizes compared, not shapes: a flat
+    model takes (1, 8, 8) and (64,) alike."""
+    shape = getattr(sample, "shape", None)
+    if shape is None or math.prod(shape) == math.prod(declared):
+        return
+    raise ConfigError(f"--dataset {dataset} declares input_shape {tuple(declared)}, but its first sample's input has "
+                      f"shape {tuple(shape)}; return the samples' shape as input_shape, e.g. {tuple(shape)}")
 
 
 def local_main_first(accelerator: Accelerator, build: Callable[[], T], main_first: bool = False, *,

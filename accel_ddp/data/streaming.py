@@ -157,6 +157,10 @@ class StreamingLoader:
         self.next_slot = 0  # the reader whose batch comes next in the DataLoader's round-robin
         self.start = 0
         self._group = None
+        # The step's status, all-reduced on the host (a CPU tensor over gloo) and read through its numpy view:
+        # no device sync, no tensor made per step.
+        self._flag = torch.zeros(1, dtype=torch.int32)
+        self._flag_value = self._flag.numpy()
         if world_size > 1 and dist.is_initialized() and dist.get_backend() != "gloo":
             self._group = dist.new_group(backend="gloo")  # the step check must not wait for the GPU stream
 
@@ -243,9 +247,9 @@ class StreamingLoader:
         """The worst status over the ranks: one CPU all-reduce per optimizer step."""
         if self.world_size == 1 or not dist.is_initialized():
             return status
-        flag = torch.tensor([status], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
-        return int(flag.item())
+        self._flag_value[0] = status
+        dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self._group)
+        return int(self._flag_value[0])
 
     def _stop(self, problem: str | None, bug: Exception | None) -> NoReturn:
         """Every rank stops at this step: bad data in one line (the first rank's), a bug raised with its traceback

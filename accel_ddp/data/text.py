@@ -153,6 +153,8 @@ def build_text(data_dir: str, source: HFSource, options: TextOptions) -> tuple[D
             splits = [ds.add_column("labels", y.tolist()) for ds, y in zip(splits, (train_y, eval_y), strict=True)]
         else:
             num_classes = len(tokenizer)
+    if not options.packing and not options.labels:
+        _say_short_texts_left_out(splits[0], len(train), source.name or data_dir, options.max_length)
     for name, ds in zip(("train", "eval"), splits, strict=True):
         if options.packing and len(ds) == 0:  # every text of the split together is shorter than one block
             raise ConfigError(f"--packing: the texts of the {name} split of {source.name or data_dir} make no whole "
@@ -161,6 +163,19 @@ def build_text(data_dir: str, source: HFSource, options: TextOptions) -> tuple[D
     held = _blocks_in_memory(splits, options.max_length, source) if options.packing and not options.labels else None
     train_set, eval_set = held or (ds.with_format("torch") for ds in splits)
     return DatasetBundle(train_set, eval_set, num_classes, (options.max_length,)), tokenizer
+
+
+def _say_short_texts_left_out(tokenized, texts: int, name: str, max_length: int) -> None:
+    """causal_lm without --packing: the texts of fewer than 2 tokens were left out (``_tokenize_batch``); none left
+    is bad input, some left out one note."""
+    if len(tokenized) == 0:
+        raise ConfigError(f"--task causal_lm: every one of the {texts} training texts of {name} is empty or a single "
+                          "token, so there is no next token to predict; give it texts, check --text_column, or add "
+                          "--packing to join short texts into blocks")
+    if len(tokenized) < texts:
+        note(f"--task causal_lm: {texts - len(tokenized)} of the {texts} training texts of {name} are empty or a "
+             f"single token (nothing to predict) and are left out; --packing joins texts into blocks of "
+             f"--max_length {max_length}", ranks="main")
 
 
 def _blocks_in_memory(splits, max_length: int, source: HFSource) -> tuple[TokenBlocks, TokenBlocks] | None:
@@ -200,14 +215,18 @@ def _tokenize(ds, tokenizer, column: str, options: TextOptions):
     return ds.map(
         _tokenize_batch, batched=True, remove_columns=ds.column_names, desc="tokenizing",
         fn_kwargs={"tokenizer": tokenizer, "column": column, "max_length": options.max_length,
-                   "packing": options.packing},
+                   "packing": options.packing, "drop_short": not options.labels},
     )
 
 
-def _tokenize_batch(batch: dict[str, list], tokenizer, column: str, max_length: int, packing: bool) -> dict:
+def _tokenize_batch(batch: dict[str, list], tokenizer, column: str, max_length: int, packing: bool,
+                    drop_short: bool = False) -> dict:
+    """``drop_short`` (causal_lm without packing): a text of fewer than 2 tokens has no next token to predict, and
+    a batch of only such texts has no tokens at all (GPT-2's ``cannot reshape tensor of 0 elements``): left out."""
     texts = [text if isinstance(text, str) else "" for text in batch[column]]
     if not packing:
-        return {"input_ids": tokenizer(texts, truncation=True, max_length=max_length)["input_ids"]}
+        ids = tokenizer(texts, truncation=True, max_length=max_length)["input_ids"]
+        return {"input_ids": [row for row in ids if len(row) >= 2] if drop_short else ids}
     # Join the texts of this map batch (an end-of-text token after each) and cut whole blocks; the tail of a
     # batch shorter than a block is dropped, as in Transformers' run_clm.py.
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []

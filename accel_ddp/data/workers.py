@@ -12,7 +12,9 @@ saving a checkpoint. So every DataLoader the package builds passes :class:`Worke
 ``worker_init_fn``, which torch calls after its own handlers (torch/utils/data/_utils/worker.py).
 In the worker (Linux):
 
-- SIGUSR1 is ignored.
+- SIGUSR1, SIGINT and SIGHUP are ignored (a Ctrl-C or a closed terminal reaches the whole foreground process
+  group; torch's worker loop ends quietly on KeyboardInterrupt, and SIGHUP's default kills: either way the rank
+  would fail with "DataLoader worker exited unexpectedly" instead of saving).
 - SIGTERM is blocked in every thread and taken by one thread (``sigwaitinfo``), which exits the
   worker quietly when the sender is its parent, as torch's handler does, and drops it otherwise.
   The parent's SIGTERM must still end it: torch's last resort in ``_shutdown_workers`` is
@@ -26,7 +28,7 @@ In the worker (Linux):
   of ours (the pin-memory thread forks nothing). A DataLoader iterated in a thread that ends
   before the loader is done would lose its workers with that thread.
 
-On other systems the worker keeps torch's handlers and only SIGUSR1 is ignored.
+On other systems the worker keeps torch's SIGTERM handler; SIGUSR1, SIGINT and SIGHUP are ignored.
 """
 
 from __future__ import annotations
@@ -42,7 +44,8 @@ from collections.abc import Callable
 
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 # accel_ddp.lifecycle.preemption.PREEMPTION_SIGNALS, written out: this module imports no torch.
-_JOB_SIGNALS = {signal.SIGTERM, signal.SIGUSR1}
+_JOB_SIGNALS = {signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP}
+_IGNORED = (signal.SIGUSR1, signal.SIGINT, signal.SIGHUP)  # the job's signals but SIGTERM, which the parent sends
 
 
 class WorkerInit:
@@ -102,10 +105,11 @@ class _QuietForkContext(multiprocessing.context.ForkContext):
 
 
 def deaf_to_job_signals() -> None:
-    """In a DataLoader worker's main thread, before it starts other threads: SIGUSR1 ignored, SIGTERM taken
-    by a thread that ends the worker only when its parent sent it."""
-    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR1})  # one pending since the fork: ignored now
+    """In a DataLoader worker's main thread, before it starts other threads: SIGUSR1, SIGINT and SIGHUP ignored,
+    SIGTERM taken by a thread that ends the worker only when its parent sent it."""
+    for sig in _IGNORED:
+        signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, set(_IGNORED))  # one pending since the fork: ignored now
     if not hasattr(signal, "sigwaitinfo"):  # not Linux: torch's SIGTERM handler stays
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
         return

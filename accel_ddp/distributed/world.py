@@ -60,6 +60,9 @@ def build_accelerator(cfg: TrainConfig, trackers: Callable[[PartialState], dict[
     cpu = not torch.cuda.is_available()
     if cfg.mixed_precision is not None:  # issue 22: --mixed_precision wins over the launch config (a note says so)
         override_mixed_precision(cfg.mixed_precision, cpu)
+    if cpu and os.environ.get("ACCELERATE_MIXED_PRECISION") == "fp8":  # else Accelerate's ValueError, per rank
+        raise ConfigError("the launch config's mixed_precision fp8 needs a GPU with FP8 support (NVIDIA Ada or Hopper "
+                          "and later) and none is usable here; launch with --mixed_precision no (or bf16) on CPU")
     check_launch_devices(cuda_available=not cpu)  # one process per GPU; GPUs this torch cannot use
     if cpu:  # the step's freed tensors reused, not faulted in again each step (util/host_memory.py)
         keep_freed_host_memory()
@@ -101,6 +104,9 @@ def override_mixed_precision(requested: str, cpu: bool, env=os.environ) -> None:
     if cpu and requested == "fp16":  # the doctor's twin check (cli/doctor_checks.py) for launch configs
         raise ConfigError("--mixed_precision fp16 on CPU: Accelerate silently trains in fp32; use --mixed_precision "
                           "bf16 or no on CPU")
+    if cpu and requested == "fp8":  # else Accelerate's ValueError from inside Accelerator()
+        raise ConfigError("--mixed_precision fp8 needs a GPU with FP8 support (NVIDIA Ada or Hopper and later) and "
+                          "none is usable here; use --mixed_precision bf16 or no on CPU")
     launched = env.get("ACCELERATE_MIXED_PRECISION")
     if launched is not None and launched != requested:  # every rank alike, before the group: the first says it
         note(f"--mixed_precision {requested} overrides the launch config's mixed_precision {launched}", ranks="first")

@@ -40,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import sys
 import threading
@@ -59,9 +60,13 @@ from accel_ddp.util.validation import ConfigError, LaunchError, ServiceFailure
 # learn of the failure at their next collective (a step at most) or fail alike at once.
 ACK_WAIT_S = 10.0
 POLL_S = 0.02  # between two looks at the store while waiting (a blocking wait logs a warning on its timeout)
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # the launcher's stop, SLURM's warning: recorded while reporting
+# The launcher's stop, SLURM's warning, Ctrl-C and a closed terminal (forwarded by torchrun): recorded while reporting.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP)
 # What gloo and the store say when the other end of a connection went away (gloo/transport/tcp/pair.cc).
 _LOST_PEER = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+# What gloo says when a peer did not answer within the process group's timeout (gloo/transport/tcp/unbound_buffer.cc):
+# the peer is alive (its connections open) but stopped, hung or too slow.
+_TIMED_OUT = re.compile(r"Timed out waiting (\d+)ms for (recv|send)")
 # The one line of a rank that lost a peer that never reported (killed, out of memory): gloo's traceback says no more.
 _LOST = ("rank {rank} lost its connection to another rank, which ended without reporting an error (killed? out of "
          "memory?); the launcher's summary says how it ended")
@@ -151,7 +156,7 @@ def report(err: BaseException, code: int) -> int:
     everyone = _all_reported(made, stop, wait=not alone) if made.store is not None else made.world_size == 1
     if _prints(made, err):
         # A rank not heard from may have left its progress bar mid-line: start a fresh one.
-        print_report(("" if everyone else "\n") + _report_text(err, made.first["code"]))
+        print_report(("" if everyone else "\n") + _report_text(err, made.first["code"], made))
     if made.store is not None:
         _leave(made, stop)
     return made.first["code"]
@@ -186,11 +191,39 @@ def _prints(made: Claim, err: BaseException) -> bool:
     return made.rank == 0 or made.first["code"] == 1 or getattr(err, "only_this_rank", False)
 
 
-def _report_text(err: BaseException, code: int) -> str:
+def timed_out(err: BaseException) -> re.Match | None:
+    """gloo's timeout of a collective (its milliseconds in group 1), or None."""
+    return _TIMED_OUT.search(str(err))
+
+
+def _timeout_line(err: BaseException, made: Claim | None = None) -> str:
+    """One line for gloo's "Timed out waiting Nms for recv": which rank did not answer (those that never reported to
+    the ranks' store, once every other has), within which timeout, and what to do."""
+    found = timed_out(err)
+    silent = [] if made is None or made.store is None else _silent_ranks(made)
+    who = (f"rank {silent[0]}" if len(silent) == 1 else f"ranks {', '.join(map(str, silent))}" if silent
+           else "another rank")
+    return (f"rank {made.rank if made else launch_rank()}: {who} did not answer within --ddp_timeout "
+            f"{int(found.group(1)) / 1000:g} s (gloo: {found.group(0)}); it is stopped, hung or far "
+            "slower (SIGSTOP, a debugger, a stuck read, swapping): see where with py-spy dump --pid PID, or raise "
+            "--ddp_timeout if it is only slow")
+
+
+def _silent_ranks(made: Claim) -> list[int]:
+    try:
+        return [rank for rank in range(made.world_size)
+                if rank != made.rank and not made.store.check([_reported(made, rank)])]
+    except RuntimeError:  # the store's host is the silent one
+        return []
+
+
+def _report_text(err: BaseException, code: int, made: Claim | None = None) -> str:
     if code != 1 or isinstance(err, ServiceFailure):  # a store that failed mid-run: its one line, no traceback
         return error_line(err)
     if lost_peer(err):
         return error_line(_LOST.format(rank=launch_rank()))
+    if timed_out(err):
+        return error_line(_timeout_line(err, made))
     return "".join(traceback.format_exception(err))
 
 
@@ -202,6 +235,8 @@ def _write_error_file_of(made: Claim, err: BaseException) -> None:
         write_error_file(why, why if own == first["message"] or lost_peer(err) else f"{why}\n(this rank then: {own})")
     elif first["code"] == 1 and lost_peer(err):  # with what gloo or the store said
         write_error_file(f"{_LOST.format(rank=made.rank)} ({type(err).__name__}: {first_line(err)})")
+    elif first["code"] == 1 and timed_out(err):
+        write_error_file(_timeout_line(err))
     elif first["code"] == 1 and not isinstance(err, ServiceFailure):
         write_error_file(f"{type(err).__name__}: {err}", "".join(traceback.format_exception(err)))
     else:  # the one line, no traceback: bad input is not a bug

@@ -1,5 +1,5 @@
-"""How a worker ends: preemption (SIGTERM or SIGUSR1 -> every rank saves and stops), exit codes (a non-finite
-loss: ``non_finite.py``).
+"""How a worker ends: preemption (SIGTERM or SIGUSR1 -> every rank saves and stops; Ctrl-C's SIGINT and a closed
+terminal's SIGHUP alike), exit codes (a non-finite loss: ``non_finite.py``).
 
 The signal flow. ``main()`` installs the recording handler (``PreemptionWatcher.install``) before
 it parses the options; from then on a signal is recorded, never fatal. Under torchrun a thread
@@ -32,6 +32,9 @@ scancel signal them too, and torch's worker handler would let them die. Exit cod
         was saved; relaunch the same command with --resume_from_checkpoint auto to continue exactly
         where it stopped (stopped during start-up: nothing trained, nothing saved; a save that failed or that a
         stuck store held when the signal came: not saved, the line names the last intact checkpoint)
+    130 SIGINT (Ctrl-C), 129 SIGHUP (the terminal or ssh session closed): stopped as on SIGTERM, with the
+        same checkpoint and line, but 128 + the signal as a shell reports it: a person stopped the run,
+        and a scheduler that requeues on 75 must not start it again
 
 ``accelerate launch`` does not pass these on: it exits 1 when the job failed, 128 + the signal
 when it was itself signalled (accelerate 1.16; 1 before), and logs each worker's exit code. Batch
@@ -68,7 +71,10 @@ from accelerate import Accelerator
 from accel_ddp.lifecycle.stdio import guard_stdio, silence_dead_pipes
 
 EXIT_PREEMPTED = 75  # sysexits.h EX_TEMPFAIL: the job may be retried
-PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # SIGUSR1: what SLURM's --signal sends by default
+# SIGUSR1: what SLURM's --signal sends by default; SIGINT: Ctrl-C; SIGHUP: the terminal (or ssh session) closed.
+PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP)
+# A person stopped the run: 128 + the signal, as a shell reports a process it killed, not 75 ("try again").
+EXIT_INTERRUPTED = {"SIGINT": 128 + signal.SIGINT, "SIGHUP": 128 + signal.SIGHUP}
 # Ranks compare their preemption flags about this often: the bound on the delay from a signal to the stop,
 # against the launcher's 30 s between its SIGTERM and its SIGKILL and SLURM's --signal lead time (minutes).
 # 1 s: a step longer than the interval compares after every step, a blocking all-reduce on which a rank waits for
@@ -100,6 +106,11 @@ class Preempted(Exception):  # noqa: N818 - it is an outcome, not a failure
         super().__init__(text)
         self.reason, self.step, self.checkpoint, self.phase = reason, step, checkpoint, phase
         self.signal_name = signal_name
+
+    @property
+    def exit_code(self) -> int:
+        """75 (preempted, the launcher died), or 130 / 129 for SIGINT / SIGHUP (a person stopped it)."""
+        return EXIT_INTERRUPTED.get(self.signal_name or "", EXIT_PREEMPTED)
 
 
 class _Interrupted(KeyboardInterrupt):  # noqa: N818 - what Ctrl-C raises, for the same purpose
@@ -294,7 +305,8 @@ def flag_group(timeout: timedelta | None = None):
 
 
 def ignore_preemption_signals() -> None:
-    """For a process about to exit with ``EXIT_PREEMPTED``: ignore further SIGTERM and SIGUSR1.
+    """For a process about to exit with ``EXIT_PREEMPTED`` (or 130, 129): ignore further SIGTERM, SIGUSR1, SIGINT,
+    SIGHUP.
 
     The launcher answers the first rank that exits with a SIGTERM to the others; it must not turn
     their exit code 75 into a kill. Python drops its own handlers while the interpreter shuts

@@ -60,6 +60,10 @@ def check_logit_shapes(outputs: Any, labels: torch.Tensor) -> None:
         raise ConfigError(f"the model returned {type(outputs).__name__} from forward; expected a tensor of logits "
                           f"(batch, num_classes) for labels of shape {tuple(labels.shape)}")
     soft_labels = labels.is_floating_point() and labels.shape == logits.shape  # class probabilities
+    if labels.ndim == 1 and (labels.is_floating_point() or labels.dtype == torch.bool):  # cross-entropy's dtype error
+        raise ConfigError(f"the labels are {str(labels.dtype).removeprefix('torch.')} values; the default "
+                          "cross-entropy takes integer class ids (int64, torch.long): return the label as an int "
+                          "(e.g. int(label) or labels.long()), or class probabilities of shape (batch, num_classes)")
     if logits.ndim != 2 or (labels.ndim != 1 and not soft_labels) or logits.shape[0] != labels.shape[0]:
         raise ConfigError(f"the model's output has shape {tuple(logits.shape)} but the labels have shape "
                           f"{tuple(labels.shape)}; the model must return logits of shape "

@@ -274,9 +274,12 @@ class CausalLMTask(Task):
 
     def default_loss(self, outputs: Any, batch: Any) -> Loss:
         logits, labels = self._shifted(outputs, batch)
-        total = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum",
-                                ignore_index=IGNORE_INDEX)  # flatten of the model's contiguous logits: a view
-        return Loss(total, (labels != IGNORE_INDEX).sum())
+        # F.cross_entropy's own two kernels (torch's cross_entropy is log_softmax, then nll_loss), called directly
+        # because the second also counts the labels that are not ignored (its total_weight): the items, with no
+        # kernel of their own (2 host operations fewer per micro-step, benchmarks/ops_per_step.py). 2: sum.
+        log_probs = F.log_softmax(logits.flatten(0, 1).float(), dim=-1)  # flatten of contiguous logits: a view
+        total, items = torch.ops.aten.nll_loss_forward(log_probs, labels.flatten(), None, 2, IGNORE_INDEX)
+        return Loss(total, items)
 
     metric_names = ("eval_perplexity", "eval_accuracy", "eval_tokens")
 

@@ -498,6 +498,23 @@ def test_resume_on_another_world_size_continues_with_the_same_global_batches(tmp
     assert read_summary(tmp_path / "moved")["world_size"] == 1
 
 
+def test_device_loader_holds_the_set_normalised_where_it_fits_with_the_same_bits():
+    """Without augmentation, the uint8 set is normalised once into float32 where that fits the budget: a batch is then
+    one gather (benchmarks/ops_per_step.py), with the bits of normalising each batch; over the budget it stays uint8."""
+    images = torch.randint(0, 256, (64, 3, 4, 4), dtype=torch.uint8)
+    data = InMemoryDataset(images, torch.arange(64) % 5, mean=(0.4, 0.5, 0.6), std=(0.2, 0.25, 0.3), scale=255.0)
+    per_batch = DeviceLoader(data, 8, 16, seed=3, rank=1, world_size=2)
+    normalised = DeviceLoader(data, 8, 16, seed=3, rank=1, world_size=2, normalised_max_mb=1)
+    half = data.normalised_nbytes / 2**21  # MiB: half of what the float32 copy takes
+    too_small = DeviceLoader(data, 8, 16, seed=3, rank=1, world_size=2, normalised_max_mb=half)
+    assert (per_batch.data.inputs.dtype, normalised.data.inputs.dtype, too_small.data.inputs.dtype) == (
+        torch.uint8, torch.float32, torch.uint8)
+    for (x, y), (nx, ny) in zip(per_batch, normalised, strict=True):
+        assert torch.equal(x, nx) and torch.equal(y, ny)
+    augmented = InMemoryDataset(images, torch.arange(64) % 5, scale=255.0, augment="crop_flip")
+    assert DeviceLoader(augmented, 8, 16, seed=3, normalised_max_mb=1).data.inputs.dtype == torch.uint8  # crop first
+
+
 def test_the_device_and_host_loaders_share_one_typed_contract():
     """One constructor (GlobalBatchLoader's) and one protocol (TrainLoader): built alike, the two loaders have the
     same layout and serve the same samples in the same micro-steps."""

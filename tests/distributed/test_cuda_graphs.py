@@ -23,7 +23,7 @@ TINY = ["--dataset", "synthetic", "--synthetic_samples", "256", "--synthetic_sha
 @pytest.mark.parametrize("options, why", [
     ({"debug": True}, "--debug checks every loss on the host"),
     ({"on_anomaly": "skip"}, "--on_anomaly skip decides each step's update on the host"),
-    ({"on_anomaly": "rollback"}, "--on_anomaly rollback decides"),
+    ({"on_anomaly": "rollback", "checkpointing_steps": "4"}, "--on_anomaly rollback decides"),
     ({"dataset": "hf", "hf_name": "x/y", "streaming": True, "max_steps": 4}, "--streaming batches vary in shape"),
     ({"compile": True}, "--compile graphs the model its own way"),
     ({"optimizer": "sgd"}, "--optimizer sgd is not capturable"),

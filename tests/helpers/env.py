@@ -3,6 +3,10 @@
 The suite tests CPU semantics, also on a GPU machine: the test process hides every GPU
 (``CUDA_VISIBLE_DEVICES=''``), so forked ranks and launches see none. ``OFFERED_GPUS`` keeps what the
 machine offered, for the GPU tests (``runs.gpu_env``).
+
+Under pytest-xdist the controller imports this module (through conftest.py) before it starts its workers, which
+inherit its environment: by then ``CUDA_VISIBLE_DEVICES`` is blank. So the first process to get here records the
+offered value in ``OFFERED_VARIABLE`` and every later one (each xdist worker) reads it from there.
 """
 
 from __future__ import annotations
@@ -11,8 +15,20 @@ import compileall
 import os
 from pathlib import Path
 
-# The GPUs this machine offers the suite, before it hides them (None: all of them).
-OFFERED_GPUS = os.environ.get("CUDA_VISIBLE_DEVICES")
+OFFERED_VARIABLE = "ACCEL_DDP_TESTS_OFFERED_GPUS"  # set once, by the first process of a pytest run
+_ALL = "<unset>"  # the offered CUDA_VISIBLE_DEVICES was unset: every GPU
+
+
+def _offered() -> str | None:
+    """The GPUs this machine offered the suite, before it hid them (None: all of them), recorded by the first
+    process of this pytest run (the xdist controller, or the one process of ``-n 0``)."""
+    if OFFERED_VARIABLE not in os.environ:
+        os.environ[OFFERED_VARIABLE] = os.environ.get("CUDA_VISIBLE_DEVICES", _ALL)
+    recorded = os.environ[OFFERED_VARIABLE]
+    return None if recorded == _ALL else recorded
+
+
+OFFERED_GPUS = _offered()
 os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before torch initialises CUDA: CPU semantics tests stay on the CPU
 
 # Before torch loads: two ranks on two cores, no thread oversubscription; nothing reaches the network.

@@ -87,11 +87,14 @@ def build_word_tokenizer(texts: list[str], folder: Path) -> Path:
 
 
 def lm_args(corpus: Path, out: Path, *extra: str) -> list[str]:
-    """A causal_lm run on the texts, tokenizer and gpt2.json of a corpus folder (tests/tasks' ``corpus``)."""
-    return ["--task", "causal_lm", "--dataset", "hf", "--data_dir", str(corpus / "texts"),
+    """A causal_lm run on the texts, tokenizer and gpt2.json of a corpus folder (tests/tasks' ``corpus``); a flag in
+    ``extra`` replaces the default's (a flag given twice is said in a warning line)."""
+    base = ["--task", "causal_lm", "--dataset", "hf", "--data_dir", str(corpus / "texts"),
             "--tokenizer", str(corpus / "tokenizer"), "--model_config", str(corpus / "gpt2.json"),
             "--max_length", "32", "--global_batch_size", "16", "--lr", "3e-3", "--log_every", "5",
-            "--output_dir", str(out), *extra]
+            "--output_dir", str(out)]
+    pairs = [(flag, value) for flag, value in zip(base[::2], base[1::2], strict=True) if flag not in extra]
+    return [*(arg for pair in pairs for arg in pair), *extra]
 
 
 def build_sequences(data_dir, download):

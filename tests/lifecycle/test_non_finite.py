@@ -108,8 +108,24 @@ def test_loss_watch_names_the_first_non_finite_step_from_a_device_count():
             return tensor.clone()
 
     watch = LossWatch(OneRank(), start_step=10)  # resumed at step 10
-    running = torch.zeros(())
     for step, loss in enumerate([0.5, 0.25, float("nan"), 1.0], start=11):
-        running += loss  # as the loop accumulates between log lines: once nan, nan until the reset
-        watch.after_step(running)
+        watch.after_step([torch.tensor(loss)])
         assert watch.first_bad_step(step) == (None if step < 13 else 13)
+
+
+def test_loss_watch_folds_kept_steps_into_the_count_and_keeps_the_first_bad_one():
+    """Steps of two micro-steps each, folded every 4 steps (not only when asked): a nan in step 6's second
+    micro-step names step 6, and later finite folds do not move it."""
+    class OneRank:
+        device = torch.device("cpu")
+
+        @staticmethod
+        def reduce(tensor, reduction):
+            return tensor.clone()
+
+    watch = LossWatch(OneRank(), start_step=0)
+    watch.FOLD_EVERY = 4
+    for step in range(1, 13):
+        watch.after_step([torch.tensor(1.0), torch.tensor(float("nan") if step == 6 else 2.0)])
+        assert len(watch._pending) == step % 4  # folded on its own every 4 steps
+    assert watch.first_bad_step(12) == 6

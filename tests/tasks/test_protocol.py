@@ -406,7 +406,7 @@ def _bad_text_runs(corpus: Path, out: Path) -> dict[str, tuple[list[str], str]]:
     lm = lm_args(corpus, out)
     return {
         "missing tokenizer folder": (
-            [*lm, "--tokenizer", str(corpus / "no_such_tokenizer")],
+            lm_args(corpus, out, "--tokenizer", str(corpus / "no_such_tokenizer")),
             f"--tokenizer {corpus / 'no_such_tokenizer'}: no such folder; give a folder written by "
             "tokenizer.save_pretrained"),
         "missing text column": (
