@@ -37,6 +37,7 @@ from accel_ddp.data import DeviceEvalLoader, DeviceLoader, HostLoader, Streaming
 from accel_ddp.data.resolve import resolve_data
 from accel_ddp.distributed.preflight import check_fsdp, check_shared_output_dir
 from accel_ddp.distributed.world import build_accelerator, prepare
+from accel_ddp.finetune import describe_parameters, finetune_facts, prepare_for_finetuning
 from accel_ddp.fused_activations import fuse_activations
 from accel_ddp.lifecycle import failure
 from accel_ddp.lifecycle.failure import main_process_decides
@@ -193,7 +194,8 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
         raise ConfigError(f"the model {type(model).__name__}{named} has no trainable parameters, so there is nothing "
                           "to train; give a model with parameters (nn.Parameter, or layers such as nn.Linear) that "
                           "require gradients")
-    named = f"{type(model).__name__}{named}, {sum(p.numel() for p in model.parameters()):,} parameters"
+    named = f"{type(model).__name__}{named}, {describe_parameters(model)}"  # trainable of total where some are frozen
+    tuned = finetune_facts(model)  # a frozen base: the parameter counts and its fingerprint (checkpoints, summary)
     fused = fuse_activations(model) if cfg.fused_kernels else 0  # before DDP wraps it: same math, fewer kernels
     if fused:
         named += f", {fused} tanh-GELU module{'s' if fused > 1 else ''} on torch's one kernel (--fused_kernels)"
@@ -243,7 +245,7 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
     teardown.callback(claim_output_dir(accelerator, cfg.output_dir).release)
     recorder = RunRecorder(cfg.output_dir, accelerator.is_main_process, accelerator=accelerator)
     teardown.callback(recorder.close)
-    facts = _run_facts(cfg, accelerator, plan, loaders.kind, loaders.source)
+    facts = {**_run_facts(cfg, accelerator, plan, loaders.kind, loaders.source), **tuned}
     anomalies = AnomalyGuard(cfg, accelerator, recorder) if cfg.on_anomaly != "stop" or cfg.spike_factor else None
     state = TrainState(accelerator=accelerator, model=model, optimizer=optimizer, scheduler=scheduler,
                        # the best model and early stopping (checkpoint/best.py): their records go with each checkpoint
@@ -367,7 +369,8 @@ def _length(dataset) -> int | None:
 
 
 def _model(cfg: TrainConfig, accelerator: Accelerator, model, data, memory_format) -> torch.nn.Module:
-    """The caller's model or the configured one, checked for FSDP2, with ``--init_from``'s weights, in its layout."""
+    """The caller's model or the configured one, checked for FSDP2, with ``--init_from``'s weights, made ready for
+    fine-tuning (``finetune.py``), in its layout."""
     if model is None:
         model = build_configured_model(cfg, data)
     elif cfg.attn_implementation is not None:
@@ -376,6 +379,7 @@ def _model(cfg: TrainConfig, accelerator: Accelerator, model, data, memory_forma
         check_fsdp(model, channels_last=cfg.channels_last, mixed_precision=accelerator.mixed_precision)
     if cfg.init_from:
         load_weights(model, cfg.init_from)  # every rank reads the same file before DDP wraps the model
+    model = prepare_for_finetuning(cfg, model, sharded=accelerator.is_fsdp2)  # --gradient_checkpointing, --peft
     return model.to(memory_format=memory_format)  # NHWC convolutions: faster on tensor cores
 
 

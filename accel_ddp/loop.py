@@ -134,7 +134,8 @@ def finish(run: Run, result: FitResult) -> dict[str, Any]:
     if best:  # --load_best_model_at_end: the best checkpoint's weights become the final ones (checkpoint/best.py)
         best.load_best(run.accelerator, run.model, run.checkpoints.local_folder, result.step)
     export_weights(run.accelerator, run.model, run.cfg.output_dir)
-    export_pretrained(run.accelerator, run.model, run.tokenizer, run.cfg.output_dir)  # Transformers: hf_model/
+    export_pretrained(run.accelerator, run.model, run.tokenizer, run.cfg.output_dir,  # Transformers: hf_model/
+                      merge_adapter=run.cfg.merge_adapter)  # --peft lora: adapter/ (and merged, hf_model/)
     timing = result.timer.totals()
     summary = {
         **run.facts,

@@ -29,6 +29,7 @@ from torch.utils.data import Dataset
 
 from accel_ddp.checkpoint.weights import plain_state_dict
 from accel_ddp.config import TEXT_TASKS, TrainConfig
+from accel_ddp.finetune import export_adapter, is_peft_model
 from accel_ddp.outputs.names import PRETRAINED_SUBDIR
 from accel_ddp.util.messages import prints
 from accel_ddp.util.optional import require
@@ -269,14 +270,19 @@ def set_attn_implementation(model: nn.Module, name: str) -> None:
         raise ConfigError(attention_refused(what, name, err)) from None
 
 
-def export_pretrained(accelerator, model: nn.Module, tokenizer: Any, output_dir: str) -> str | None:
+def export_pretrained(accelerator, model: nn.Module, tokenizer: Any, output_dir: str,
+                      merge_adapter: bool = False) -> str | None:
     """Save a Transformers model (and its tokenizer) with ``save_pretrained`` to ``OUTPUT_DIR/hf_model``.
 
     Loadable with ``AutoModelFor...from_pretrained(OUTPUT_DIR/hf_model)``. Every rank calls this
     (the state dict is collective under sharded strategies); the main process writes a temporary
     folder and renames it into place. Returns the folder, or None for a model without ``save_pretrained``.
+    A model with LoRA adapters (``--peft lora``) writes ``OUTPUT_DIR/adapter`` instead, and with ``merge_adapter``
+    the merged model as ``hf_model`` (``finetune.export_adapter``).
     """
     unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)  # --compile: the model, not its wrapper
+    if is_peft_model(unwrapped):  # the adapter from the unwrapped model: no DDP "module." in its names
+        return export_adapter(accelerator, unwrapped, tokenizer, output_dir, merge_adapter)
     if not hasattr(unwrapped, "save_pretrained"):
         return None
     state = plain_state_dict(accelerator.get_state_dict(model))  # no _orig_mod. keys under --compile

@@ -23,6 +23,7 @@ NOT_RUN = {
     "pip": "installs packages", "git": "clones", "cd": "",
     "pytest": "the suite itself",
     "bash script": "benchmarks/gpu_check.sh: minutes, for a GPU machine",
+    "benchmark": "a measurement (benchmarks/*.py): minutes of training",
     "tensorboard": "a server, after a run",
     "accelerate config": "interactive",
     "accel-ddp plot": "needs an earlier command's finished run (tests/tracking/test_report.py plots one)",

@@ -30,7 +30,7 @@ def test_flag_table_has_every_field_once_with_its_default_and_help_under_its_sec
     assert "| `--per_device_batch_size` | unset |" in table
     assert "| `--ddp_gradient_as_bucket_view` | `true` |" in table
     headings = re.findall(r"^### (.+)$", table, re.M)
-    assert headings == ["Data", "Model", "Task", "Optimisation", "Evaluation, logging, outputs",
+    assert headings == ["Data", "Model", "Fine-tuning", "Task", "Optimisation", "Evaluation, logging, outputs",
                         "Performance and distributed knobs", "Hugging Face names", "Old spellings"]
     grouped = {section.title: section.fields for section in sections()}  # --help's groups too
     assert [f.name for f in grouped["Model"]] == ["model", "hidden_size", "width", "model_config"]

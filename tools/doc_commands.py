@@ -232,6 +232,9 @@ def _quiet_parse(parser, argv: list[str]):
 def _script(cmd: Command, script: str, args: list[str]) -> list[str]:
     if script == "train.py":
         return _train(cmd, args)
+    if script.startswith("benchmarks/"):  # a measurement: its figures are quoted beside it
+        cmd.kind = "benchmark"
+        return _exists(script, "the script")
     cmd.kind = "example"
     problems = _exists(script, "the script")
     if "--out" in args[:-1]:

@@ -38,7 +38,7 @@ from accelerate.utils import gather_object
 from accelerate.utils import save as accelerate_save
 
 from accel_ddp.checkpoint.manifest import rng_file
-from accel_ddp.checkpoint.weights import plain_state_dict
+from accel_ddp.checkpoint.weights import trainable_state_dict
 from accel_ddp.outputs.files import WriteFailed, write_failure
 from accel_ddp.outputs.names import WEIGHTS_NAME
 from accel_ddp.util.validation import ConfigError, ServiceFailure
@@ -171,7 +171,7 @@ def snapshot(acc: Any, model: Any, optimizer: Any, scheduler: Any, buffers: dict
     state: dict[str, Any] = {"rng": rng_state(acc.step)}
     if acc.is_main_process:  # Accelerate's save writes weights, optimizer, schedule and scaler from it alone
         copies: dict[tuple, torch.Tensor] = {}  # tied weights stay one storage: save() drops the same aliases
-        weights = plain_state_dict(acc.unwrap_model(model, keep_torch_compile=False).state_dict())
+        weights = trainable_state_dict(acc.unwrap_model(model, keep_torch_compile=False))  # as the save hook's
         state["weights"] = OrderedDict((k, _host(v, f"w.{k}", buffers, copies)) for k, v in weights.items())
         state["optimizer"] = _host_tree(optimizer.state_dict(), "o", buffers)
         state["scheduler"] = copy.deepcopy(scheduler.state_dict())

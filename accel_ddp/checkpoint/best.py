@@ -148,7 +148,7 @@ class BestModel:
 
         folder = local_folder(self.kept_step)
         load_weights(accelerator.unwrap_model(model, keep_torch_compile=False), os.path.join(folder, WEIGHTS_NAME),
-                     source="--load_best_model_at_end")
+                     source="--load_best_model_at_end", keep_frozen=True)
         if accelerator.is_main_process:
             say(f"--load_best_model_at_end: the final weights are {folder}'s ({self.metric} {self.kept_metric:.6g}, "
                 f"step {self.kept_step} of {step})")

@@ -50,6 +50,7 @@ def check_compatible(folder: str, meta: dict[str, Any], run_facts: dict[str, Any
     """A ConfigError when ``meta`` (a checkpoint.json) was made with other MUST_MATCH facts than ``run_facts``;
     on the main process, a warning for each difference that this run's values settle (world size,
     hyperparameters, seed, total steps)."""
+    check_same_base(folder, meta.get("base_fingerprint"), run_facts.get("base_fingerprint"))
     streams = meta.get("loader") == run_facts.get("loader") == "streaming"
     for key in MUST_MATCH:
         if key in meta and meta[key] != run_facts.get(key) and not (streams and key == "steps_per_epoch"):
@@ -71,3 +72,18 @@ def check_compatible(folder: str, meta: dict[str, Any], run_facts: dict[str, Any
         if key in meta and meta[key] != run_facts.get(key):
             warn(f"{folder} was saved with {key} {meta[key]}, this run has {run_facts.get(key)}: "
                  f"{why} after the resume differs from the original run's")
+
+
+def check_same_base(folder: str, saved: str | None, ours: str | None) -> None:
+    """A checkpoint of a fine-tuned model holds its trainable state only: it continues only on the frozen base it
+    was trained on (``finetune.base_fingerprint``, recorded in checkpoint.json)."""
+    if saved == ours:
+        return
+    if saved is None:
+        why = "it holds a model trained in full, this run freezes a base (--peft)"
+    elif ours is None:
+        why = "it holds the trainable part of a fine-tuned model (an adapter), this run trains every parameter"
+    else:
+        why = f"its adapter belongs to another base model (fingerprint {saved}, this run's base {ours})"
+    raise ConfigError(f"--resume_from_checkpoint {folder}: {why}; resume with the --model and --peft options of the "
+                      "run that saved it, or start in another --output_dir")

@@ -33,7 +33,7 @@ from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.scheduler import AcceleratedScheduler
 
 from accel_ddp.checkpoint.best import BestModel
-from accel_ddp.checkpoint.weights import load_weights, plain_state_dict
+from accel_ddp.checkpoint.weights import load_weights, trainable_state_dict
 from accel_ddp.outputs.names import WEIGHTS_NAME
 
 
@@ -69,7 +69,8 @@ class TrainState:
     def save_files(self, models: list[torch.nn.Module], weights: list[dict[str, Any]], folder: str) -> None:
         """Accelerate's save pre-hook: our weight files instead of its DDP-prefixed ones; the stream's positions."""
         for i, model in enumerate(models[: len(weights)]):
-            weights[i] = plain_state_dict(self.accelerator.unwrap_model(model, keep_torch_compile=False).state_dict())
+            # a fine-tuned model's frozen base is not saved (its fingerprint is in checkpoint.json: finetune.py)
+            weights[i] = trainable_state_dict(self.accelerator.unwrap_model(model, keep_torch_compile=False))
         for name, text in self.position_files().items():
             with open(os.path.join(folder, name), "w", encoding="utf-8") as fh:
                 fh.write(text)
@@ -79,7 +80,7 @@ class TrainState:
         for i, model in enumerate(models):
             name = WEIGHTS_NAME if i == 0 else WEIGHTS_NAME.replace(".", f"_{i}.")
             load_weights(self.accelerator.unwrap_model(model, keep_torch_compile=False), os.path.join(folder, name),
-                         source="--resume_from_checkpoint")
+                         source="--resume_from_checkpoint", keep_frozen=True)
         models.clear()  # loaded: Accelerate would expect DDP's "module." keys
         if self.positions is not None:
             self.positions.load_position(folder)

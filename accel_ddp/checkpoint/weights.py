@@ -27,11 +27,13 @@ if TYPE_CHECKING:
     from accelerate import Accelerator
 
 
-def load_weights(model: torch.nn.Module, path: str, source: str = "--init_from") -> None:
+def load_weights(model: torch.nn.Module, path: str, source: str = "--init_from", keep_frozen: bool = False) -> None:
     """Copy a safetensors file into ``model`` (unwrapped); every key and shape must match.
 
     A file written by a DDP-wrapped model (keys ``module.*``) or by a compiled one (``_orig_mod.``,
     as earlier versions wrote under ``--compile``) is accepted too, and ``model`` may be compiled.
+    ``keep_frozen``: the file may leave out frozen parameters (a checkpoint's ``trainable_state_dict``); the
+    model keeps its own.
 
         >>> load_weights(model, "outputs/pretrain/model.safetensors")
     """
@@ -50,7 +52,7 @@ def load_weights(model: torch.nn.Module, path: str, source: str = "--init_from")
     if state and all(k.startswith("module.") for k in state) and not any(k.startswith("module.") for k in expected):
         state = {k.removeprefix("module."): v for k, v in state.items()}
     _fill_tied(state, expected)
-    missing = sorted(expected.keys() - state.keys())
+    missing = sorted(expected.keys() - state.keys() - (frozen_keys(model) if keep_frozen else set()))
     unexpected = sorted(state.keys() - expected.keys())
     reshaped = sorted(k for k in expected.keys() & state.keys() if expected[k].shape != state[k].shape)
     if missing or unexpected or reshaped:
@@ -71,7 +73,24 @@ def load_weights(model: torch.nn.Module, path: str, source: str = "--init_from")
         raise ConfigError(f"{source} {path}: its tensor {damaged} holds nan or inf values ({bad} of "
                           f"{state[damaged].numel()}); these weights are damaged (saved by a run that diverged?); "
                           "give weights without them, e.g. an earlier checkpoint's model.safetensors")
-    model.load_state_dict({own_names[k]: v for k, v in state.items()})
+    model.load_state_dict({own_names[k]: v for k, v in state.items()}, strict=not keep_frozen)
+
+
+def frozen_keys(model: torch.nn.Module) -> set[str]:
+    """The plain state-dict keys of ``model``'s frozen parameters (``requires_grad`` False), tied aliases included."""
+    frozen = {id(p) for p in model.parameters() if not p.requires_grad}
+    return {plain_name(k) for k, t in model.state_dict(keep_vars=True).items() if id(t) in frozen}
+
+
+def trainable_state_dict(model: torch.nn.Module) -> dict[str, Any]:
+    """What a checkpoint holds of ``model``: its state dict without the frozen parameters (a fine-tuned base,
+    fingerprinted instead: ``finetune.base_fingerprint``), plain names; the whole state dict when nothing is
+    frozen. Buffers are kept: they may change while training (BatchNorm's statistics)."""
+    state = plain_state_dict(model.state_dict())
+    frozen = frozen_keys(model)
+    if not frozen:
+        return state
+    return OrderedDict((k, v) for k, v in state.items() if k not in frozen)
 
 
 def plain_name(key: str) -> str:

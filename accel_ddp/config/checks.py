@@ -12,6 +12,7 @@ from accel_ddp.config.choices import (
     ATTN_IMPLEMENTATIONS,
     MIXED_PRECISIONS,
     PATH_FLAGS,
+    PEFT_METHODS,
     REPORT_TO,
     STORE_PACKAGES,
     TASKS,
@@ -219,6 +220,24 @@ def _check_best_model(cfg: Any) -> None:
         raise ConfigError(f"--load_best_model_at_end: --checkpointing_steps {save} must be a multiple of --eval_every "
                           f"({every or 'unset: evaluates per epoch'}), so that every checkpoint is evaluated; e.g. "
                           f"--eval_every {save}")
+
+
+def _check_peft(cfg: Any) -> None:
+    """--peft lora and its options: a known method, a dropout below 1, target names, and no --lora_*/--merge_adapter
+    without --peft (a flag that would do nothing)."""
+    if cfg.peft is not None and cfg.peft not in PEFT_METHODS:
+        raise ConfigError(f"--peft {show(cfg.peft)} is unknown; choose one of {', '.join(PEFT_METHODS)}")
+    if not cfg.lora_dropout < 1:
+        raise ConfigError(f"--lora_dropout must be < 1, got {cfg.lora_dropout:g}; give a value from 0 to 0.5, say")
+    if not [name for name in cfg.lora_target_modules.split(",") if name.strip()]:
+        raise ConfigError("--lora_target_modules is empty; give module names such as c_attn,c_proj, or all-linear")
+    if cfg.peft is None:
+        given = [f"--{f.name}" for f in dataclasses.fields(cfg)
+                 if (f.name.startswith("lora_") or f.name == "merge_adapter") and getattr(cfg, f.name) != f.default]
+        if given:
+            them = "them" if len(given) > 1 else "it"
+            raise ConfigError(f"{', '.join(given)} without --peft: nothing would use {them}; add --peft lora, or "
+                              f"drop {them}")
 
 
 def _check_cuda_graphs(cfg: Any) -> None:

@@ -59,6 +59,7 @@ ON_ANOMALY = ("stop", "skip", "rollback")  # what a nan/inf or spiking step does
 TASKS = ("classification", "sequence_classification", "causal_lm")
 
 TEXT_TASKS = ("sequence_classification", "causal_lm")
+PEFT_METHODS = ("lora",)  # --peft (accel_ddp/finetune.py)
 
 # Old spellings that keep working for one release, each with a warning naming the new one.
 RENAMED_FLAGS = {"fast_loader_max_mb": "device_loader_max_mb"}
@@ -109,8 +110,6 @@ SWITCH_ALIASES = ("bf16", "fp16")
 FOREIGN_FLAGS: dict[str, str] = {
     "overwrite_output_dir": "a run never overwrites a finished run's folder; give a new --output_dir or delete the "
                             "old one first (--resume_from_checkpoint auto continues the run in it)",
-    "gradient_checkpointing": "not in this version: it comes with the fine-tuning work (docs/flags.md lists it once "
-                              "it is there); lower --per_device_batch_size to save memory meanwhile",
     "do_train": "training always runs; drop it",
     "do_eval": "evaluation runs whenever there is an eval set (--eval_every sets how often); drop it",
     "evaluation_strategy": "evaluation runs each epoch, or every N optimizer steps with --eval_every N",

@@ -14,6 +14,7 @@ from accel_ddp.config.checks import (
     _check_cuda_graphs,
     _check_data,
     _check_hf_fields,
+    _check_peft,
     _check_per_device,
     _check_rollback,
     _check_task,
@@ -108,6 +109,23 @@ class TrainConfig:
     model_config: str | None = _opt(
         None, "a Transformers config.json: train that model from scratch (AutoModelFor... chosen by --task)"
     )
+
+    peft: str | None = _opt(
+        None, "lora: train LoRA adapters (the peft library) on a frozen Transformers model; unset: train every "
+        "parameter", section="fine-tuning (LoRA adapters on a pretrained Transformers model: docs/tasks.md)")
+    lora_r: int = _opt(8, "--peft lora: rank of each adapter (its A is r x in, its B out x r)", low=1, high=65536)
+    lora_alpha: float = _opt(16.0, "--peft lora: scale; an adapter's update is (lora_alpha / lora_r) x B A",
+                             low=1e-6)
+    lora_dropout: float = _opt(0.0, "--peft lora: dropout on each adapter's input (0 <= p < 1)", low=0)
+    lora_target_modules: str = _opt(
+        "all-linear", "--peft lora: comma-separated module names that get adapters (e.g. c_attn,c_proj), or "
+        "all-linear (every linear layer but the output layer)")
+    merge_adapter: bool = _opt(
+        False, "--peft lora: also export the adapter merged into the base (OUTPUT_DIR/hf_model, loadable by "
+        "Transformers without peft)")
+    gradient_checkpointing: bool = _opt(
+        False, "Transformers models: recompute each block's activations in the backward (non-reentrant; less memory, "
+        "~30% more compute)")
 
     task: str = _opt(
         "classification", "classification ((input, label) or dict batches), sequence_classification or causal_lm",
@@ -301,6 +319,7 @@ class TrainConfig:
             raise ConfigError(f"--spike_factor must be > 1 (a loss that many times the median), got "
                               f"{self.spike_factor:g}; e.g. --spike_factor 3, or 0 for no spike check")
         _check_task(self)
+        _check_peft(self)
         _check_data(self)
         _check_best_model(self)
         _check_cuda_graphs(self)

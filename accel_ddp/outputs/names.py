@@ -25,6 +25,7 @@ METRICS_NAME = "metrics.jsonl"
 SUMMARY_NAME = "summary.json"
 RUN_LOG_NAME = "run.log"  # the start-up block of each start (tracking/startup_block.py); a resumed run appends
 WEIGHTS_NAME = "model.safetensors"
+ADAPTER_SUBDIR = "adapter"  # --peft lora: PeftModel.from_pretrained(base, OUTPUT_DIR/adapter); the tokenizer too
 PRETRAINED_SUBDIR = "hf_model"  # AutoModelFor...from_pretrained(OUTPUT_DIR/hf_model); the tokenizer too
 CURVES_NAME = "curves.png"
 CSV_NAME = "metrics.csv"

@@ -8,7 +8,8 @@ from types import ModuleType
 from accel_ddp.util.validation import ConfigError
 
 # package -> setup.cfg extra
-EXTRAS = {"transformers": "nlp", "tokenizers": "nlp", "tensorboard": "tracking", "torchvision": "vision"}
+EXTRAS = {"transformers": "nlp", "tokenizers": "nlp", "tensorboard": "tracking", "torchvision": "vision",
+          "peft": "finetune"}
 
 
 def require(package: str, feature: str) -> ModuleType:

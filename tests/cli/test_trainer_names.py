@@ -49,15 +49,16 @@ def test_a_foreign_name_is_refused_with_its_replacement(flag):
     assert "did you mean" not in str(refused.value)
 
 
-def test_overwrite_output_dir_and_gradient_checkpointing_say_what_to_do_instead():
+def test_overwrite_output_dir_says_what_to_do_instead_and_gradient_checkpointing_is_the_trainers_switch():
     assert "give a new --output_dir or delete the old one first" in FOREIGN_FLAGS["overwrite_output_dir"]
-    assert "not in this version" in FOREIGN_FLAGS["gradient_checkpointing"]
+    assert parse_args(["--gradient_checkpointing"]).gradient_checkpointing is True
 
 
 @pytest.mark.parametrize("typed, suggested", [
     ("learning_rte", "learning_rate"), ("epoch", "epochs"), ("lr_sched", "lr_schedule"), ("warmup", "warmup_steps"),
     ("global_batchsize", "global_batch_size"), ("per_device_batch", "per_device_batch_size"),
-    ("gradient_checkpointing", None), ("overwrite_output_dir", None),  # their own lines, not a look-alike of ours
+    ("gradient_checkpoint", "gradient_checkpointing"),
+    ("overwrite_output_dir", None),  # its own line, not a look-alike of ours
     ("checkpoint_everything", None), ("batch_norm", None), ("max_tokens", None),
 ])
 def test_did_you_mean_suggests_only_a_near_spelling(typed, suggested):

@@ -1,0 +1,236 @@
+"""Fine-tuning a pretrained model: LoRA adapters on a frozen base (``--peft lora``), activation checkpointing
+(``--gradient_checkpointing``), the base's fingerprint, and the adapter's export.
+
+    model = prepare_for_finetuning(cfg, model)        # before DDP wraps it: checkpointing on, adapters added
+    facts = finetune_facts(model)                     # trainable/total parameters, the frozen base's fingerprint
+    export_adapter(accelerator, model, tokenizer, "outputs/run", merge=True)   # adapter/ and hf_model/
+
+What DDP needs for this is nothing special, by construction: DDP registers only the parameters that require a
+gradient (the adapters), every adapter is used in every forward, so ``find_unused_parameters`` stays off (its
+per-step graph walk is not paid); activation checkpointing is non-reentrant, which DDP supports with
+accumulation and without ``static_graph`` (the reentrant kind re-runs the forward inside the backward, and DDP
+sees its parameters "marked ready twice"). Checkpoints of a model with frozen parameters hold the trainable
+state only (``checkpoint/weights.py``'s ``trainable_state_dict``), with the fingerprint of the frozen base in
+``checkpoint.json``, checked on resume (``checkpoint/hyperparameters.py``).
+
+``peft`` is an optional extra: ``pip install "accel_ddp[finetune]"``.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import os
+import shutil
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+
+from accel_ddp.config import TrainConfig
+from accel_ddp.outputs.names import ADAPTER_SUBDIR, PRETRAINED_SUBDIR
+from accel_ddp.util.optional import require
+from accel_ddp.util.validation import ConfigError
+
+DIGEST_VALUES = 64  # values per frozen tensor read into the fingerprint: a changed base shows, at no real cost
+
+
+def prepare_for_finetuning(cfg: TrainConfig, model: nn.Module, sharded: bool = False) -> nn.Module:
+    """``model`` with ``--gradient_checkpointing`` on and ``--peft lora``'s adapters added (the base frozen).
+
+    Call it before DDP wraps the model (and after ``--init_from`` loaded the base's weights). ``sharded``: an
+    FSDP launch, where --peft is refused (its trainable-only checkpoints and exports are written for DDP)."""
+    if cfg.peft and sharded:
+        raise ConfigError(f"--peft {cfg.peft} under FSDP is not supported yet; launch with a DDP config (the "
+                          "frozen base is not trained, so its memory is weights only), or drop --peft")
+    if cfg.gradient_checkpointing:
+        enable_activation_checkpointing(model)
+    if cfg.peft == "lora":
+        model = add_lora(model, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules)
+    return model
+
+
+def enable_activation_checkpointing(model: nn.Module) -> None:
+    """Non-reentrant activation checkpointing of a Transformers model's blocks, or a ConfigError for another model.
+
+    Non-reentrant (torch.utils.checkpoint's ``use_reentrant=False``): DDP and accumulation work with it, and the
+    gradients reach parameters inside a checkpointed block whether or not its input requires a gradient, so a
+    frozen embedding needs no ``enable_input_require_grads`` (the reentrant kind needs it, and breaks DDP).
+    Transformers and peft register that hook anyway; it is taken off again (``add_lora``), which saves the
+    backward of the first block's input.
+    """
+    enable = getattr(model, "activation_checkpointing_enable", None)  # Transformers 5.x's name
+    kwargs_name = "activation_checkpointing_kwargs"
+    if enable is None:
+        enable, kwargs_name = getattr(model, "gradient_checkpointing_enable", None), "gradient_checkpointing_kwargs"
+    if enable is None or not getattr(model, "supports_gradient_checkpointing", False):
+        raise ConfigError(f"--gradient_checkpointing: {type(model).__name__} is not a Transformers model that supports "
+                          "it; drop the flag, or wrap your model's blocks in torch.utils.checkpoint.checkpoint(block, "
+                          "x, use_reentrant=False) yourself")
+    enable(**{kwargs_name: {"use_reentrant": False}})
+    if getattr(model.config, "use_cache", False):
+        model.config.use_cache = False  # a key/value cache is for generation; with checkpointing it warns each step
+    _input_grads_off(model)
+
+
+def _input_grads_off(model: nn.Module) -> None:
+    """Remove Transformers'/peft's hook that makes the input embeddings' output require a gradient (needed by
+    reentrant checkpointing only)."""
+    for module in model.modules():
+        hooked = getattr(module, "_require_grads_hooks", None) or getattr(module, "_require_grads_hook", None)
+        if hooked and hasattr(module, "disable_input_require_grads"):
+            module.disable_input_require_grads()
+
+
+def add_lora(model: nn.Module, r: int, alpha: float, dropout: float, targets: str) -> nn.Module:
+    """``model`` frozen, with LoRA adapters (peft) on the ``targets`` modules: a ``PeftModel``.
+
+    ``targets``: comma-separated module names (each must name at least one linear layer of ``model``: the last
+    part of its dotted name, or the whole name), or ``all-linear``. The adapters' B starts at zero, so the model
+    computes what the base does until the first update.
+    """
+    if not hasattr(model, "config") or not hasattr(model, "save_pretrained"):
+        raise ConfigError(f"--peft lora: {type(model).__name__} is not a Transformers model; give --model a "
+                          "save_pretrained folder (or --model_config), or pass a Transformers model to train()")
+    peft = require("peft", "--peft lora")  # the finetune extra
+    names = [name.strip() for name in targets.split(",") if name.strip()]
+    target_modules: str | list[str] = "all-linear" if names == ["all-linear"] else names
+    if target_modules != "all-linear":
+        _check_targets(model, names)
+    config = peft.LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=target_modules,
+                             fan_in_fan_out=_uses_conv1d(model), task_type=_task_type(model))
+    with warnings.catch_warnings():  # peft reads is_gradient_checkpointing, which Transformers 5 deprecates
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
+        tuned = peft.get_peft_model(model, config)
+    # get_peft_model hooks the input embeddings to require a gradient (for reentrant checkpointing, which we never
+    # use: enable_activation_checkpointing); without it the backward stops at the first adapter, as it should.
+    _input_grads_off(tuned)
+    return tuned
+
+
+def _linear_names(model: nn.Module) -> list[str]:
+    linear = (nn.Linear,) + ((_conv1d(),) if _conv1d() else ())
+    return [name for name, module in model.named_modules() if isinstance(module, linear)]
+
+
+def _conv1d():
+    try:
+        from transformers.pytorch_utils import Conv1D
+    except ImportError:
+        return None
+    return Conv1D
+
+
+def _uses_conv1d(model: nn.Module) -> bool:
+    """GPT-2's linear layers are Transformers' Conv1D, whose weight is (in, out): peft must be told."""
+    conv1d = _conv1d()
+    return conv1d is not None and any(isinstance(m, conv1d) for m in model.modules())
+
+
+def _check_targets(model: nn.Module, names: list[str]) -> None:
+    """Every name of --lora_target_modules names a linear layer (peft itself only refuses when none does)."""
+    linear = _linear_names(model)
+    missing = [name for name in names if not any(full == name or full.endswith(f".{name}") for full in linear)]
+    if missing:
+        known = sorted({full.rsplit(".", 1)[-1] for full in linear})
+        raise ConfigError(f"--lora_target_modules: {', '.join(missing)} names no linear layer of "
+                          f"{type(model).__name__}; its linear layers are {', '.join(known[:12]) or '(none)'}, "
+                          "or give all-linear")
+
+
+def _task_type(model: nn.Module) -> str | None:
+    """peft's task type, which decides the PeftModel class (its forward takes the batch's labels)."""
+    name = type(model).__name__
+    if name.endswith("ForCausalLM") or name.endswith("LMHeadModel"):
+        return "CAUSAL_LM"
+    if name.endswith("ForSequenceClassification"):
+        return "SEQ_CLS"
+    return None
+
+
+def is_peft_model(model: nn.Module) -> bool:
+    return hasattr(model, "peft_config") and hasattr(model, "merge_and_unload")
+
+
+# ----------------------------------------------------------------------------- facts and the base's fingerprint
+
+
+def parameter_counts(model: nn.Module) -> tuple[int, int]:
+    """(trainable, total) parameters, each tensor counted once (tied weights too)."""
+    params = list(model.parameters())  # parameters() yields a shared tensor once
+    return sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params)
+
+
+def describe_parameters(model: nn.Module) -> str:
+    """``1,234 parameters``, or ``12 trainable of 1,234 parameters (0.97%)`` where some are frozen."""
+    trainable, total = parameter_counts(model)
+    if trainable == total:
+        return f"{total:,} parameters"
+    return f"{trainable:,} trainable of {total:,} parameters ({100 * trainable / max(total, 1):.2f}%)"
+
+
+def base_fingerprint(model: nn.Module) -> str | None:
+    """A digest of the frozen parameters (names as in the base model, shapes, dtypes and a strided sample of
+    ``DIGEST_VALUES`` values each); None when nothing is frozen. The same base gives the same fingerprint with
+    or without adapters, whatever modules they target."""
+    digest = hashlib.sha256()
+    frozen = 0
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            continue
+        frozen += 1
+        values = param.detach().reshape(-1)
+        sample = values[:: max(1, values.numel() // DIGEST_VALUES)][:DIGEST_VALUES].to("cpu", torch.float64)
+        digest.update(f"{base_name(name)}|{tuple(param.shape)}|{param.dtype}|".encode())
+        digest.update(sample.numpy().tobytes())
+    return digest.hexdigest()[:16] if frozen else None
+
+
+def base_name(name: str) -> str:
+    """A parameter's name in the base model: without peft's ``base_model.model.`` and ``.base_layer``."""
+    return name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+
+
+def finetune_facts(model: nn.Module) -> dict[str, Any]:
+    """What a run with frozen parameters records in config.yaml, checkpoint.json and summary.json: the parameter
+    counts and the base's fingerprint (compared on resume); nothing for a run that trains every parameter."""
+    fingerprint = base_fingerprint(model)
+    if fingerprint is None:
+        return {}
+    trainable, total = parameter_counts(model)
+    return {"trainable_parameters": trainable, "total_parameters": total, "base_fingerprint": fingerprint}
+
+
+# ----------------------------------------------------------------------------- the final export
+
+
+def export_adapter(accelerator, model: nn.Module, tokenizer: Any, output_dir: str, merge: bool) -> str:
+    """Write the adapter to ``OUTPUT_DIR/adapter`` (``adapter_model.safetensors`` + ``adapter_config.json``:
+    ``PeftModel.from_pretrained(base, folder)``), and with ``merge`` the merged model to ``OUTPUT_DIR/hf_model``
+    (``save_pretrained``: ``AutoModelFor....from_pretrained`` without peft). Every rank calls it; the main
+    process writes (each folder written beside, then renamed into place). ``model``: the unwrapped PeftModel.
+
+    The merge works on a copy (one more model in memory for a moment): the trained model, and the base a
+    Python caller passed in, stay as they are.
+    """
+    adapter = os.path.join(output_dir, ADAPTER_SUBDIR)
+    if accelerator.is_main_process:
+        _write_folder(adapter, lambda tmp: model.save_pretrained(tmp), tokenizer)  # the adapter's weights only
+        if merge:
+            merged = copy.deepcopy(model).merge_and_unload()
+            _write_folder(os.path.join(output_dir, PRETRAINED_SUBDIR), lambda tmp: merged.save_pretrained(tmp),
+                          tokenizer)
+            del merged
+    accelerator.wait_for_everyone()
+    return adapter
+
+
+def _write_folder(final: str, save, tokenizer: Any) -> None:
+    tmp = f"{final}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    save(tmp)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(tmp)
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
