@@ -280,6 +280,7 @@ def _checkpoints(cfg: TrainConfig, accelerator: Accelerator, teardown: ExitStack
                                      **{name: getattr(cfg, name) for name in HYPERPARAMETERS}},
                                     state=state, checkpoint_dir=cfg.checkpoint_dir, store_timeout=cfg.store_timeout,
                                     async_timeout=cfg.ddp_timeout if cfg.async_checkpointing else None)
+    teardown.callback(checkpoints.remove_hooks)
     checkpoints.claim_store(cfg.output_dir)  # --checkpoint_dir: one run per prefix, like the output folder's lock
     teardown.callback(checkpoints.release_store)
     return checkpoints

@@ -115,8 +115,15 @@ class CheckpointManager:
             check_async_checkpointing(accelerator)  # not for FSDP or DeepSpeed: their save is collective
             self.saver = AsyncSaver(self, state.model, state.optimizer, state.scheduler, async_timeout)
         # The weights (and a stream's positions) go through the state's hooks: see train_state.py.
-        accelerator.register_save_state_pre_hook(state.save_files)
-        accelerator.register_load_state_pre_hook(state.load_files)
+        self._hooks = (accelerator.register_save_state_pre_hook(state.save_files),
+                       accelerator.register_load_state_pre_hook(state.load_files))
+
+    def remove_hooks(self) -> None:
+        """At the run's end: the Accelerator lets go of the train state. Its hooks and the state's reference to the
+        Accelerator form a cycle holding the DDP model, and with it the process group and gloo's threads, past
+        ``train()``'s return into the interpreter's exit, where they abort it (tests/distributed/test_clean_exit.py)."""
+        for hook in self._hooks:
+            hook.remove()
 
     # ---- saving
 

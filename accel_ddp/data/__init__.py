@@ -14,6 +14,7 @@ One job per module, arrows pointing one way (``bundle`` and ``sampler`` depend o
     hf_source.py      where Hugging Face datasets come from (Hub names, save_to_disk folders, files) and their columns
     hf.py             Hugging Face datasets held in memory (decoded once) or memory-mapped (decoded per batch)
     text.py           text for the text tasks: tokenized once per machine, packed or padded per batch
+    text_cache.py     --text_cache: packed blocks kept on disk, keyed by the data files, tokenizer and packing
     builtin.py        digits, MNIST, FashionMNIST, CIFAR-10, imagefolder, synthetic; the registry
     loaders.py        choosing and building the train and eval loaders
     memory_budget.py  how much decoded data this machine holds per rank (host, cgroup, device)

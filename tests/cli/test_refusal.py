@@ -23,7 +23,7 @@ PROBE = ("import sys\nfrom accel_ddp.cli.train import main\ncode = main({argv!r}
          "print(code, 'torch' in sys.modules, 'accelerate' in sys.modules)")
 
 
-@pytest.mark.parametrize("argv", [["--lr", "nan"], ["--epochs", "-1"], ["--gradient_checkpointing"],
+@pytest.mark.parametrize("argv", [["--lr", "nan"], ["--epochs", "-1"], ["--overwrite_output_dir"],
                                   ["--learning_rte", "1"], ["--config", "missing.yaml"]])
 def test_bad_options_are_one_line_and_exit_2_before_torch(argv):
     result = run_python(PROBE.format(argv=argv))
