@@ -127,13 +127,14 @@ def nan_host_row(data_dir, download):
     return DatasetBundle(FloatRows(x, y), FloatRows(ex, ey), 2, (6,))
 
 
-def test_a_nan_in_a_dataloader_batch_names_the_sample_and_its_step_on_every_rank(tmp_path, capfd):
-    """--loader dataloader with one worker: the worker that collates the batch finds the nan; rank 1, which reads
-    it, prints one line naming the sample, its epoch and step and the field; both ranks exit 2, nothing says
-    "lower --lr"."""
+@pytest.mark.parametrize("workers", ["1", "0"])
+def test_a_nan_in_a_dataloader_batch_names_the_sample_and_its_step_on_every_rank(tmp_path, capfd, workers):
+    """--loader dataloader with one worker (or none: the rank collates): the worker that collates the batch finds
+    the nan; rank 1, which reads it, prints one line naming the sample, its epoch and step and the field; both ranks
+    exit 2, nothing says "lower --lr"."""
     out = tmp_path / "run"
     assert main_ranks(["--dataset", "tests.tasks.test_finite_inputs:nan_host_row", "--loader", "dataloader",
-                       "--hidden_size", "8", "--global_batch_size", "16", "--max_steps", "4", "--num_workers", "1",
+                       "--hidden_size", "8", "--global_batch_size", "16", "--max_steps", "4", "--num_workers", workers,
                        "--output_dir", str(out)]) == [2, 2]
     err = capfd.readouterr().err
     assert error_lines(err) == [f"accel_ddp: error: training sample {HOST_BAD} (epoch 0, optimizer step 3, rank 1) "
@@ -170,9 +171,10 @@ def _decode_floats(columns, where):
     return [(torch.tensor([float("nan") if i == 27 else float(i)]), 0) for i in columns["idx"]]
 
 
-def test_a_nan_in_a_streamed_batch_stops_every_rank_at_its_step_with_one_line(tmp_path, quick_stream_ends):
-    """Streaming with a worker: rank 1 reads example 27 (files 1 and 3 are its), its worker finds the nan; every
-    rank stops at that step with the same line naming the example, the reader and the pass."""
+@pytest.mark.parametrize("workers", [1, 0])
+def test_a_nan_in_a_streamed_batch_stops_every_rank_at_its_step_with_one_line(tmp_path, quick_stream_ends, workers):
+    """Streaming with a worker (or none): rank 1 reads example 27 (files 1 and 3 are its), its worker finds the nan;
+    every rank stops at that step with the same line naming the example, the reader and the pass."""
     files = write_shards(tmp_path / "s", [20, 20, 20, 20])
 
     def run():
@@ -184,7 +186,7 @@ def test_a_nan_in_a_streamed_batch_stops_every_rank_at_its_step_with_one_line(tm
         state = PartialState(cpu=True)
         stream = datasets.load_dataset("parquet", data_files=files, split="train", streaming=True)
         loader = StreamingLoader(StreamSource(stream, _decode_floats, 0), 2, 4, max_steps=10, seed=0,
-                                 rank=state.process_index, world_size=2, num_workers=1)
+                                 rank=state.process_index, world_size=2, num_workers=workers)
         trained = 0
         try:
             for _ in loader:
