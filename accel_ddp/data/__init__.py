@@ -8,6 +8,7 @@ One job per module, arrows pointing one way (``bundle`` and ``sampler`` depend o
     device_loader.py  DeviceLoader / DeviceEvalLoader: an in-memory set served from the training device
     host_loader.py    HostLoader: a DataLoader over the same order, decoding in workers, batches copied to the device
     workers.py        DataLoader workers: deaf to the job's preemption signals, dead with their rank
+    non_finite.py     host batches checked for nan/inf inputs in the worker that collates them
     mapped.py         MappedDataset: Arrow files read memory-mapped, decoded per batch
     streaming.py      StreamingLoader: a datasets.IterableDataset split over ranks, every rank in step
     hf_stream.py      --streaming: a Hugging Face image stream read once at start-up for its layout and classes

@@ -31,6 +31,7 @@ from torch.utils.data import DataLoader, Dataset
 from accel_ddp.data.bundle import DataError
 from accel_ddp.data.in_memory import as_in_memory, is_in_memory
 from accel_ddp.data.mapped import MappedDataset, is_arrow_dataset
+from accel_ddp.data.non_finite import FiniteCollate, NonFiniteBatch
 from accel_ddp.data.sampler import (
     GlobalBatchLoader,
     PlacedBatch,
@@ -162,7 +163,7 @@ class HostLoader(GlobalBatchLoader):
         self.loader = DataLoader(
             readable(dataset),
             batch_sampler=self.sampler,
-            collate_fn=collate_fn,
+            collate_fn=FiniteCollate(collate_fn),  # nan/inf inputs found in the worker that makes the batch
             num_workers=workers,
             persistent_workers=workers > 0,  # no worker start-up cost at every epoch
             **worker_options(workers, worker_init_fn),  # deaf to the job's SIGTERM, dead with this rank
@@ -191,6 +192,9 @@ class HostLoader(GlobalBatchLoader):
                         yield batch if on_cpu else send_to_device(batch, self.device, non_blocking=True)
                         next_micro = micro_step + 1
                     break
+                except NonFiniteBatch as err:  # the worker knows the row; this rank knows the batch's place
+                    raise err if err.row is None else err.named(self._sample_name(epoch, next_micro, err.row)) \
+                        from None
                 except (RuntimeError, ConnectionError):  # ConnectionError: a tensor from a killed worker
                     dead = self._dead_workers()
                     if not dead or restarts >= MAX_WORKER_RESTARTS:

@@ -49,6 +49,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from accel_ddp.config import accumulation_steps
 from accel_ddp.data.bundle import DataError
 from accel_ddp.data.host_loader import default_num_workers
+from accel_ddp.data.non_finite import batch_problem
 from accel_ddp.data.sampler import sample_seed
 from accel_ddp.data.workers import worker_options
 from accel_ddp.lifecycle.failure import PeerFailed
@@ -87,7 +88,8 @@ class StreamSource(IterableDataset):
 
 
 class _Batches(IterableDataset):
-    """Inside each DataLoader worker: its reader's share of the stream, as ``(batch, reader, position after it)``.
+    """Inside each DataLoader worker: its reader's share of the stream, as ``(samples, reader, position after them,
+    their names)``.
 
     Reader ``rank * workers + slot`` of ``world_size * workers`` (``split_dataset_by_node``, done
     here rather than by ``datasets``' own worker split, whose saved positions do not load back into a
@@ -116,7 +118,8 @@ class _Batches(IterableDataset):
         for columns in reader.iter(batch_size=self.per_device, drop_last_batch=True):
             where = [f"example {read + i} read by worker {slot} of rank {self.rank}" for i in range(self.per_device)]
             read += self.per_device
-            yield self.decode(columns, where), slot, reader.state_dict()
+            named = [f"{place} in pass {self.data_epoch}" for place in where]  # for the batch's check (_collate)
+            yield self.decode(columns, where), slot, reader.state_dict(), named
 
 
 class StreamingLoader:
@@ -215,9 +218,14 @@ class StreamingLoader:
                           **worker_options(self.num_workers))  # deaf to the job's SIGTERM, dead with this rank
 
     def _collate(self, item):
-        samples, worker, state = item
+        """In the worker that read the samples: their batch, checked for nan and inf inputs (one line naming the
+        example, every rank stops at the step: :meth:`_read_step`)."""
+        samples, worker, state, where = item
         collate = self.collate_fn or torch.utils.data.default_collate
-        return collate(samples), worker, state
+        batch = collate(samples)
+        if (line := batch_problem(batch, lambda row: f"streaming: {where[row]}")) is not None:
+            raise DataError(line)
+        return batch, worker, state
 
     def _read_step(self, batches) -> tuple[list, int, str | None, Exception | None]:
         """This rank's micro-batches of the next step, its status, and what failed: bad data (one line) or a bug."""
