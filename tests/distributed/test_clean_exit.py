@@ -32,6 +32,7 @@ print("gloo threads after train:", sorted(name for name in names if "gloo" in na
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads the threads' names in /proc (Linux)")
+@pytest.mark.slow  # a fresh interpreter's exit/start is the behaviour
 def test_train_returns_with_no_gloo_thread_left(tmp_path, tiny_args):
     """Two ranks started as torchrun starts them: once train() returned, no gloo thread is left (the group is gone,
     not waiting for the interpreter's exit). Without the fix each rank still had pt_gloo_runloop and gloo_tcp_loop."""
