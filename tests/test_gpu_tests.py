@@ -7,6 +7,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from tests.helpers.env import OFFERED_VARIABLE
 from tests.helpers.runs import REPO, suite_env
 
@@ -25,6 +27,7 @@ def test_probe():
 '''
 
 
+@pytest.mark.slow  # a fresh pytest starting its xdist workers is the behaviour
 def test_every_xdist_worker_sees_the_gpus_the_machine_offered(tmp_path):
     """A pytest run of two xdist workers, started with a made-up ``CUDA_VISIBLE_DEVICES``: its conftest imports
     tests.helpers.env first, as tests/conftest.py does, in the controller before the workers start. Each worker

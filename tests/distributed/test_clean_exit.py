@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from tests.helpers.multiproc import free_port
-from tests.helpers.runs import REPO, launch_together, suite_env
+from tests.helpers.runs import REPO, launch, suite_env
 
 # One rank of a two-rank run in a fresh interpreter (a forked rank would inherit the test process's imports, and
 # what matters is the order of torch._dynamo's import and the group's start): the gloo threads after train().
@@ -32,6 +32,7 @@ print("gloo threads after train:", sorted(name for name in names if "gloo" in na
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads the threads' names in /proc (Linux)")
+@pytest.mark.slow  # a fresh interpreter's exit/start is the behaviour
 def test_train_returns_with_no_gloo_thread_left(tmp_path, tiny_args):
     """Two ranks started as torchrun starts them: once train() returned, no gloo thread is left (the group is gone,
     not waiting for the interpreter's exit). Without the fix each rank still had pt_gloo_runloop and gloo_tcp_loop."""
@@ -55,16 +56,14 @@ def _readme_example() -> str:
 
 @pytest.mark.slow
 def test_the_readme_example_ends_with_exit_code_0_under_a_two_process_launch(tmp_path):
-    """The README's example verbatim (no exit_process), three two-rank launches at once: each exits 0 with its
-    figure, no abort. (What it measured: docs/development.md, "Ending a script".)"""
+    """The README's example verbatim (no exit_process) under one two-rank launch: it exits 0 with its figure, no
+    abort. One launch, not several at once: the abort was a race this test could not make show (docs/development.md,
+    "Ending a script"), so repeats proved nothing more; test_train_returns_with_no_gloo_thread_left above proves the
+    mechanism deterministically. This one proves that the example as printed runs and ends cleanly."""
     code = _readme_example()
     assert "exit_process" not in code
-    runs = []
-    for i in range(3):
-        (tmp_path / str(i)).mkdir()
-        (tmp_path / str(i) / "my_train.py").write_text(code)
-        runs.append({"script_args": [], "script": tmp_path / str(i) / "my_train.py", "cwd": tmp_path / str(i)})
-    for result in launch_together(*runs):
-        assert result.returncode == 0, result.stderr[-3000:]
-        assert "terminate called" not in result.stderr
-        assert "eval accuracy 0.967 (chance 0.333), eval loss 0.233" in result.stdout
+    (tmp_path / "my_train.py").write_text(code)
+    result = launch([], script=tmp_path / "my_train.py", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "terminate called" not in result.stderr
+    assert "eval accuracy 0.967 (chance 0.333), eval loss 0.233" in result.stdout

@@ -85,6 +85,7 @@ def test_a_bad_rerun_leaves_the_previous_results_alone(tmp_path, capsys):
         assert (tmp_path / name).read_text() == text
 
 
+@pytest.mark.slow  # a fresh interpreter's exit/start is the behaviour
 def test_plain_python_exit_code_and_single_line(tmp_path):
     result = run_single([*BASE, "--model", "gpt5", "--output_dir", str(tmp_path)])
     assert result.returncode == 2
@@ -92,6 +93,7 @@ def test_plain_python_exit_code_and_single_line(tmp_path):
     assert line.startswith("accel_ddp: error: unknown model 'gpt5'; choose one of") and "mlp" in line
 
 
+@pytest.mark.slow  # a fresh interpreter's exit/start is the behaviour
 def test_unexpected_error_exits_1_with_its_traceback(tmp_path):
     error_file = tmp_path / "error.json"  # what torchrun gives each worker
     result = run_single([*BASE, "--output_dir", str(tmp_path)],
@@ -339,6 +341,7 @@ def test_one_process_where_several_were_asked_is_refused_before_training(tmp_pat
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow  # a fresh interpreter's exit/start is the behaviour
 def test_exit_process_ends_cleanly_with_a_collective_still_in_flight():
     """The CI flake this fixes: a run that succeeded, then SIGABRT while Python tore itself down."""
     def end(how: str):
