@@ -27,6 +27,20 @@ class IndexDataset(Dataset):
         return torch.tensor([float(index)]), index % self.classes
 
 
+class TensorRows(Dataset):
+    """A map-style dataset over (x, y) tensors read sample by sample: the DataLoader path, never handed to the
+    device loader as one tensor (TensorDataset would be)."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor):
+        self.x, self.y = x, y
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, index: int):
+        return self.x[index], self.y[index]
+
+
 class IndexRecorder(nn.Module):
     """Logits from a bias only; records the sample indices of every training forward pass."""
 

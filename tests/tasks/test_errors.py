@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.helpers.data import batches_until_data_error
+from tests.helpers.data import TensorRows, batches_until_data_error
 from tests.helpers.runs import main_ranks
 
 TINY = ["--dataset", "synthetic", "--synthetic_samples", "64", "--synthetic_shape", "4", "--hidden_size", "8",
@@ -429,19 +429,6 @@ def test_an_in_memory_label_the_model_cannot_take_is_named_at_start_up_on_every_
     assert nothing_written(out)
 
 
-class Rows(torch.utils.data.Dataset):
-    """A map-style dataset read per sample (the DataLoader path, labels seen batch by batch)."""
-
-    def __init__(self, x: torch.Tensor, y: torch.Tensor):
-        self.x, self.y = x, y
-
-    def __len__(self) -> int:
-        return len(self.y)
-
-    def __getitem__(self, index: int):
-        return self.x[index], self.y[index]
-
-
 BAD_POSITION = 3 * 8 + 5  # step 4 (0-based 3) of epoch 0 with 2 ranks x 4: micro-step 3 of rank (29 // 4) % 2 = 1
 
 
@@ -451,7 +438,7 @@ def bad_row_label(data_dir, download):
 
     (x, y), (ex, ey) = _classes(64, 0), _classes(16, 1)
     y[int(epoch_order(64, 64, seed=0, epoch=0)[BAD_POSITION])] = 10
-    return DatasetBundle(Rows(x, y), Rows(ex, ey), 10, (4,))
+    return DatasetBundle(TensorRows(x, y), TensorRows(ex, ey), 10, (4,))
 
 
 def test_a_label_out_of_range_on_the_dataloader_path_is_named_by_the_rank_that_reads_it(tmp_path, capfd):
@@ -483,7 +470,7 @@ def bad_eval_row(data_dir, download):
 
     (x, y), (ex, ey) = _classes(64, 0), _classes(16, 1)
     ey[11] = 30
-    return DatasetBundle(Rows(x, y), Rows(ex, ey), 10, (4,))
+    return DatasetBundle(TensorRows(x, y), TensorRows(ex, ey), 10, (4,))
 
 
 def test_an_eval_label_out_of_range_on_the_eval_dataloader_is_named_before_the_copy(tmp_path, capfd):

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 from safetensors.torch import save_file
-from torch.utils.data import Dataset, TensorDataset
+from torch.utils.data import TensorDataset
 
-from tests.helpers.data import read_at, write_shards
+from tests.helpers.data import TensorRows, read_at, write_shards
 from tests.helpers.multiproc import run_ranks
 from tests.helpers.ranks import error_lines
 from tests.helpers.runs import main_ranks
@@ -106,25 +106,12 @@ NAN_FIX = "a nan or inf input makes the loss nan whatever --lr; clean the data o
 HOST_BAD = read_at(3, 1, 64, 16, 2)  # the sample rank 1 of 2 reads first at optimizer step 3 (global batch 16)
 
 
-class FloatRows(Dataset):
-    """A map-style dataset read sample by sample (the DataLoader path, never held in memory as one tensor)."""
-
-    def __init__(self, x: torch.Tensor, y: torch.Tensor):
-        self.x, self.y = x, y
-
-    def __len__(self) -> int:
-        return len(self.x)
-
-    def __getitem__(self, index: int):
-        return self.x[index], self.y[index]
-
-
 def nan_host_row(data_dir, download):
     from accel_ddp.data import DatasetBundle
 
     (x, y), (ex, ey) = _data(64, 0), _data(16, 1)
     x[HOST_BAD, 2] = float("nan")
-    return DatasetBundle(FloatRows(x, y), FloatRows(ex, ey), 2, (6,))
+    return DatasetBundle(TensorRows(x, y), TensorRows(ex, ey), 2, (6,))
 
 
 @pytest.mark.parametrize("workers", ["1", "0"])
