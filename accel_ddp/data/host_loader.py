@@ -203,6 +203,7 @@ class HostLoader(GlobalBatchLoader):
                     self._restart_workers(dead, epoch, next_micro)
         except DataError as err:
             err.only_this_rank = True  # no other rank reads this batch: this one must say what went wrong
+            self._stop_workers()
             raise
         finally:
             self.sampler.start = first
@@ -227,14 +228,22 @@ class HostLoader(GlobalBatchLoader):
         yet trained on. Each sample's reads are seeded by its place in the epoch (:class:`SeededSamples`), so the
         same batches follow, bit for bit, and no rank notices. Through torch's private ``_iterator`` (a persistent
         workers' iterator is kept there: torch/utils/data/dataloader.py ``DataLoader.__iter__``)."""
-        broken, self.loader._iterator = self.loader._iterator, None
-        if broken is not None:
-            broken._shutdown_workers()  # the survivors: stopped and joined, their queues closed
+        self._stop_workers()  # the survivors
         self.sampler.start = micro_step
         how = ", ".join(f"pid {pid}, " + (f"killed by {signal.Signals(-code).name}" if code is not None and code < 0
                                           else f"exit code {code}") for pid, code in dead)
         warn(f"a DataLoader worker of rank {self.sampler.rank} ended ({how}); started its workers again at "
              f"micro-batch {micro_step} of epoch {epoch}: the same batches follow", ranks="every")
+
+    def _stop_workers(self) -> None:
+        """The current pass's workers stopped and joined now, their queues closed; the next pass starts new ones.
+
+        After a DataError this is not left to the garbage collector: the error's traceback holds the workers'
+        iterator, and its shutdown from inside a later collection was seen to wait out torch's 5 s worker join
+        (``MP_STATUS_CHECK_INTERVAL``) in whatever call the collection happened to interrupt."""
+        current, self.loader._iterator = self.loader._iterator, None
+        if current is not None:
+            current._shutdown_workers()
 
     def _sample_name(self, epoch: int, micro_step: int, row: int) -> str:
         index = int(self.sampler.rank_indices(epoch)[micro_step, row])

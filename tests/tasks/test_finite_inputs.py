@@ -4,6 +4,8 @@ named by the worker that collates it, before the step that would train on it."""
 
 from __future__ import annotations
 
+import multiprocessing
+
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -150,6 +152,7 @@ def test_a_nan_in_a_memory_mapped_set_is_named_by_the_worker(tmp_path):
         for _ in loader:
             read += 1
     assert read == step
+    assert multiprocessing.active_children() == []  # the pass ended by the error: its worker stopped and joined
     assert str(caught.value) == (f"training sample 13 (epoch 0, optimizer step {step // 2 + 1}, rank 0) holds nan "
                                  f"or inf values (its 'x'); {NAN_FIX}")
 
