@@ -29,6 +29,7 @@ HANGS = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', '
         "print('started', flush=True); time.sleep(60)"
 
 
+@pytest.mark.slow
 def test_each_stage_within_the_budget_into_one_results_file(tmp_path, capsys, monkeypatch):
     from benchmarks import gpu_all
 

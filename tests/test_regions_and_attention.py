@@ -60,6 +60,7 @@ def test_attn_implementation_the_model_or_machine_cannot_run_is_refused_with_one
     assert len(lines) == 1 and "--attn_implementation sdpa" in lines[0] and "--model mlp is not one" in lines[0]
 
 
+@pytest.mark.slow
 def test_regional_compilation_gives_the_eager_loss_and_gradients_and_keeps_the_parameter_names():
     """A 2-layer GPT-2 on the CPU (inductor): its 2 blocks compiled in place, the same loss within 1e-5 and the same
     gradients within 1e-4 relative as the eager model with the same weights; state_dict names unchanged. In a forked

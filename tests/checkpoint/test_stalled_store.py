@@ -69,6 +69,7 @@ def _stopped_at_seal(args: list[str], step: int, server_pid: int, then=None) -> 
     return run_ranks(rank, timeout=180)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_a_store_that_stops_answering_mid_save_ends_every_rank_with_one_line_and_exit_2(mode, moto, tmp_path, capfd):
     """Step 2 sealed; the server stopped as step 4's seal begins: the seal's first call ends past --store_timeout
@@ -99,6 +100,7 @@ def test_a_store_that_stops_answering_mid_save_ends_every_rank_with_one_line_and
     assert _sealed_steps(client, prefix) == [2, 4, 6, 8]
 
 
+@pytest.mark.slow
 def test_sigterm_during_a_stuck_save_stops_every_rank_with_75_and_the_previous_checkpoint_intact(moto, tmp_path,
                                                                                                  capfd, monkeypatch):
     """--store_timeout 600: only the signal ends the stuck call. SIGTERM to both ranks, as torchrun sends it, while

@@ -423,6 +423,7 @@ def test_an_unreadable_default_config_is_named(default_config, capsys):
                   "file's syntax"
 
 
+@pytest.mark.slow
 def test_python_m_accel_ddp_doctor_on_this_machine(tmp_path):
     """A real process: Accelerate finds its default config through HF_HOME, and so does the doctor."""
     import torch

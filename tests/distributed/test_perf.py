@@ -79,6 +79,7 @@ def _barrier_with_a_late_rank() -> str:
     return "barrier passed"
 
 
+@pytest.mark.slow
 def test_process_group_timeout_fails_a_missing_rank_fast():
     started = time.monotonic()
     with pytest.raises(RankFailed) as failed:
@@ -113,6 +114,7 @@ def _flag_with_a_late_rank(output_dir: str) -> str:
     return "flag passed"
 
 
+@pytest.mark.slow
 def test_preemption_flag_group_waits_no_longer_than_ddp_timeout(tmp_path):
     """On GPU runs the flag travels over its own gloo group; it must time out like every collective.
 
@@ -135,6 +137,7 @@ def test_gradient_compression_trains_under_two_ranks(tmp_path):
 MLP_KEYS = {"1.weight", "1.bias", "3.weight", "3.bias", "5.weight", "5.bias"}  # build_mlp's nn.Sequential
 
 
+@pytest.mark.slow
 def test_compiled_run_writes_plain_keys_and_resumes_across_a_compile_change(tmp_path, tiny_args):
     """--compile end to end (inductor on the CPU): weights files carry the plain model's keys.
 

@@ -164,6 +164,7 @@ def test_t5_causal_lm_on_texts_that_are_all_empty_is_refused(tmp_path, capfd, mo
 # ============================================================================= T9: a rank that stops answering
 
 
+@pytest.mark.slow
 def test_t9_a_stopped_rank_is_named_with_the_timeout_in_one_line(tmp_path, capfd, tiny_args, monkeypatch):
     """SIGSTOP on rank 1 after step 3 with --ddp_timeout 3: rank 0's collective times out and it says, in one line,
     which rank did not answer and within which timeout (not gloo's raw ``Timed out waiting 3000ms for recv``).
