@@ -200,20 +200,20 @@ def test_a_hit_loads_no_tokenizer_and_the_run_gets_the_same_blocks_and_tokenizer
 
     cache = tmp_path / "blocks"
     first, real = build(texts, cache, with_tokenizer=True)
+    config = tmp_path / "gpt2.json"
+    config.write_text('{"model_type": "gpt2", "n_layer": 1, "n_head": 2, "n_embd": 16, "n_positions": 16}')
     with monkeypatch.context() as patched:
-        no_tokenizer_loads(patched)
+        no_tokenizer_loads(patched)  # the data, the collate and the model from a config: no tokenizer loaded
         second, lazy = build(texts, cache, with_tokenizer=True)
+        configs = [build_transformers_model("causal_lm", config_file=str(config), tokenizer=tok).config
+                   for tok in (real, lazy)]
+        collates = [PadCollate(pad_token_id(tok)).pad_token_id for tok in (real, lazy)]
+        for name in ("pad_token_id", "eos_token_id", "bos_token_id"):
+            assert getattr(lazy, name) == getattr(real, name), name
     assert isinstance(lazy, CachedTokenizer)
     assert torch.equal(first.train.inputs, second.train.inputs) and torch.equal(first.eval.inputs, second.eval.inputs)
     assert (second.num_classes, second.input_shape) == (first.num_classes, first.input_shape) == (len(real), (16,))
-    for name in ("pad_token_id", "eos_token_id", "bos_token_id"):
-        assert getattr(lazy, name) == getattr(real, name), name
-    assert PadCollate(pad_token_id(lazy)).pad_token_id == PadCollate(pad_token_id(real)).pad_token_id == 0
-    config = tmp_path / "gpt2.json"
-    config.write_text('{"model_type": "gpt2", "n_layer": 1, "n_head": 2, "n_embd": 16, "n_positions": 16}')
-    configs = [build_transformers_model("causal_lm", config_file=str(config), tokenizer=tok).config
-               for tok in (real, lazy)]
-    assert configs[0].to_dict() == configs[1].to_dict() and configs[1].vocab_size == len(real)
+    assert configs[0].to_dict() == configs[1].to_dict() and configs[1].vocab_size == len(real) and collates == [0, 0]
     lazy.save_pretrained(str(tmp_path / "saved"))  # beside the final model: the real one, loaded now
     saved = (tmp_path / "saved" / "tokenizer.json").read_bytes()
     assert saved == (texts.parent / "tok" / "tokenizer.json").read_bytes()
