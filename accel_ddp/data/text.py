@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -37,7 +37,16 @@ from accel_ddp.data.hf import HFSource, _label_column, _labels, load_splits
 from accel_ddp.data.hf_source import bad_text_named
 from accel_ddp.data.in_memory import TokenBlocks
 from accel_ddp.data.memory_budget import say
-from accel_ddp.data.text_cache import cache_key, has_entry, read_blocks, write_blocks
+from accel_ddp.data.text_cache import (
+    FACTS,
+    cache_key,
+    has_entry,
+    read_blocks,
+    tokenizer_digest,
+    tokenizer_facts,
+    tokenizer_files_digest,
+    write_blocks,
+)
 from accel_ddp.util.messages import note
 from accel_ddp.util.optional import import_quietly, require
 from accel_ddp.util.validation import ConfigError
@@ -122,10 +131,13 @@ def load_tokenizer(name: str | None) -> Any:
 
 def import_text_libraries(data_dir: str | None = None, source: HFSource | None = None,
                           options: TextOptions | None = None) -> None:
-    """What ``build_text`` imports before it reads anything: Transformers and its tokenizer classes (lazy attributes,
-    imported on first access), then datasets, unless the packed blocks of ``data_dir``/``source``/``options`` are
-    already in ``--text_cache`` (a second run reads them without datasets: ~2 s of imports off the data phase of a
-    waiting rank). No data read; a missing package is reported by the build."""
+    """What ``build_text`` imports before it reads anything: nothing where the packed blocks of
+    ``data_dir``/``source``/``options`` are in ``--text_cache`` under a tokenizer folder's key (the build reads two
+    arrays and loads no tokenizer); else Transformers and its tokenizer classes (lazy attributes, imported on first
+    access), then datasets unless the blocks are cached under a Hub tokenizer's key (~2 s of imports off the data
+    phase of a waiting rank). No data read; a missing package is reported by the build."""
+    if options is not None and _cached(data_dir, source, options, load=False):
+        return
     import_quietly("transformers")
     transformers = sys.modules.get("transformers")
     try:
@@ -133,31 +145,76 @@ def import_text_libraries(data_dir: str | None = None, source: HFSource | None =
             transformers.AutoTokenizer, transformers.PreTrainedTokenizerFast  # noqa: B018 - the access imports them
     except ImportError:  # without the tokenizers package: the build says so
         transformers = None
-    if transformers is not None and options is not None and _cached(data_dir, source, options):
+    if transformers is not None and options is not None and _cached(data_dir, source, options, load=True):
         return
     import_quietly("datasets")
 
 
-def _cached(data_dir: str, source: HFSource, options: TextOptions) -> bool:
-    """Are these blocks in the cache (an entry with a manifest: read_blocks checks it)? False on any error: the
-    build meets it again and says so."""
+def _cached(data_dir: str, source: HFSource, options: TextOptions, load: bool) -> bool:
+    """Are these blocks in the cache (an entry with a manifest: read_blocks checks it)? ``load``: load a Hub
+    tokenizer to key it (a folder's files key it without loading). False on any error: the build meets it again
+    and says so."""
     try:
-        key = _cache_key(data_dir, source, options, load_tokenizer(options.tokenizer))
+        if tokenizer_files_digest(options.tokenizer) is None and not load:
+            return False
+        key = _cache_key(data_dir, source, options, lambda: load_tokenizer(options.tokenizer))
     except (ConfigError, OSError, ValueError):
         return False
     return key is not None and has_entry(options.cache_dir, key)
 
 
+class CachedTokenizer:
+    """The tokenizer of a cache hit on a tokenizer folder, unloaded: its length and special token ids from the
+    entry's manifest (what the model phase and the collate read), the real one loaded on first use of anything
+    else (``save_pretrained`` beside the final model). Keyed by the folder's files, so the facts are the folder's."""
+
+    def __init__(self, name: str, facts: dict[str, Any]):
+        self._name, self._facts, self._loaded = name, facts, None
+
+    def __len__(self) -> int:
+        return int(self._facts["length"])
+
+    def __getattr__(self, attr: str) -> Any:
+        if attr in FACTS[1:]:
+            return self._facts[attr]
+        if attr.startswith("_"):  # copy and pickle probe these: not the tokenizer's
+            raise AttributeError(attr)
+        return getattr(self._real(), attr)
+
+    def __call__(self, *args, **kwargs) -> Any:
+        return self._real()(*args, **kwargs)
+
+    def _real(self) -> Any:
+        if self._loaded is None:
+            self._loaded = load_tokenizer(self._name)
+        return self._loaded
+
+    def __repr__(self) -> str:
+        return f"CachedTokenizer({self._name!r}, {self._facts})"
+
+
 def build_text(data_dir: str, source: HFSource, options: TextOptions) -> tuple[DatasetBundle, Any]:
     """(bundle of tokenized train and eval sets, tokenizer). ``num_classes`` is the class count, or the vocabulary
     size for language modelling; ``input_shape`` is ``(max_length,)``."""
-    tokenizer = load_tokenizer(options.tokenizer)
-    if options.labels:  # sequence_classification pads each batch
-        _ensure_pad_token(tokenizer, options.tokenizer)
-    key = _cache_key(data_dir, source, options, tokenizer)
+    loaded = []  # the tokenizer, once loaded: a hit on a tokenizer folder's key loads none
+
+    def tokenizer_now():
+        if not loaded:
+            loaded.append(load_tokenizer(options.tokenizer))
+            if options.labels:  # sequence_classification pads each batch
+                _ensure_pad_token(loaded[0], options.tokenizer)
+        return loaded[0]
+
+    key = _cache_key(data_dir, source, options, tokenizer_now)
     cached = read_blocks(options.cache_dir, key) if key else None
-    if cached is not None and _fits(cached, source):
-        return DatasetBundle(*(TokenBlocks(t) for t in cached), len(tokenizer), (options.max_length,)), tokenizer
+    if cached is not None and _fits(cached.blocks, source):
+        facts = cached.about.get("tokenizer_facts")
+        if loaded or not isinstance(facts, dict) or set(facts) != set(FACTS):
+            tokenizer = tokenizer_now()
+        else:
+            tokenizer = CachedTokenizer(options.tokenizer, facts)
+        return DatasetBundle(*(TokenBlocks(t) for t in cached.blocks), len(tokenizer), (options.max_length,)), tokenizer
+    tokenizer = tokenizer_now()
     require("datasets", "--dataset hf")
     train, eval_split = load_splits(data_dir, source)
     if eval_split is None:  # a fixed tenth of train, the same on every rank
@@ -186,7 +243,7 @@ def build_text(data_dir: str, source: HFSource, options: TextOptions) -> tuple[D
     if key and held is not None and options.cache_write:
         write_blocks(options.cache_dir, key, tuple(blocks.inputs for blocks in held),
                      {"data_dir": os.path.abspath(data_dir), "tokenizer": options.tokenizer,
-                      "max_length": options.max_length})
+                      "max_length": options.max_length, "tokenizer_facts": tokenizer_facts(tokenizer)})
     train_set, eval_set = held or (ds.with_format("torch") for ds in splits)
     return DatasetBundle(train_set, eval_set, num_classes, (options.max_length,)), tokenizer
 
@@ -204,16 +261,17 @@ def _say_short_texts_left_out(tokenized, texts: int, name: str, max_length: int)
              f"--max_length {max_length}", ranks="main")
 
 
-def _cache_key(data_dir: str, source: HFSource, options: TextOptions, tokenizer) -> str | None:
+def _cache_key(data_dir: str, source: HFSource, options: TextOptions, tokenizer: Callable[[], Any]) -> str | None:
     """The packed blocks' cache key, or None where they are not cached: off, not packed causal_lm, a Hub dataset
-    (its revision is the datasets cache's business), a stream, or no such --data_dir (the build says so)."""
+    (its revision is the datasets cache's business), a stream, or no such --data_dir (the build says so).
+    ``tokenizer()`` loads the tokenizer, called only where it is a Hub name (a folder is keyed by its files)."""
     if (options.cache_dir is None or not options.packing or options.labels or source.name is not None
             or source.streaming or not os.path.exists(data_dir)):
         return None
     settings = {"max_length": options.max_length, "text_column": options.text_column or DEFAULT_TEXT_COLUMN,
                 "train_split": source.train_split, "eval_split": source.eval_split, "map_batch": MAP_BATCH,
                 "held_out": (0.1, 0)}  # build_text's held-out tenth: test_size, seed
-    return cache_key(data_dir, tokenizer, settings)
+    return cache_key(data_dir, tokenizer_files_digest(options.tokenizer) or tokenizer_digest(tokenizer()), settings)
 
 
 def _fits(blocks: tuple[torch.Tensor, ...], source: HFSource) -> bool:

@@ -9,8 +9,12 @@ never a stale read:
 - the data files under ``--data_dir`` (each file's relative path, byte count and modification time
   in ns: an edit, a copy over it or a new file changes it; the bytes are not hashed, which would cost
   as much as reading them; datasets' own ``cache-*.arrow`` and lock files left out);
-- the tokenizer's content (a fast tokenizer's full JSON, vocabulary, merges, normalizer and special
-  tokens; a slow one's vocabulary and special tokens), whatever folder or Hub name it came from;
+- the tokenizer: from a local folder, the bytes of every file there that can decide its ids
+  (:func:`tokenizer_files_digest`: tokenizer.json, vocab.*, merges.txt, *.model, the configs and
+  special-token maps) and the installed Transformers, tokenizers and sentencepiece versions, read
+  without loading it (importing the tokenizer classes and loading took ~2 s of a hit's data phase on
+  the 2-core machine); from a Hub name, the loaded tokenizer's content (a fast tokenizer's full JSON,
+  a slow one's vocabulary, and the special tokens);
 - the packing settings (``--max_length``, ``--text_column``, the splits, the held-out tenth, the
   tokenizing batch) and :data:`CACHE_VERSION` (bumped whenever the packing code changes its output).
 
@@ -18,17 +22,21 @@ Hub datasets (``--hf_name``) are not cached: their files live in the datasets ca
 this key cannot see. An entry is written into a temporary folder and renamed into place (atomic), by
 one process per machine (the loop builds the data there first: ``local_main_first``); the manifest
 holds each array's byte count and sha256, checked on every read, so a damaged entry is rebuilt with
-one line, never read.
+one line, never read. It also holds what the rest of start-up reads from the tokenizer (its length and
+special token ids, :func:`tokenizer_facts`), so a hit on a tokenizer folder loads no tokenizer at all
+(``text.CachedTokenizer`` loads it on first use of anything else: saving it beside the final model).
 """
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
+import importlib.metadata
 import json
 import os
 import shutil
 import tempfile
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -36,9 +44,23 @@ import torch
 from accel_ddp.outputs.files import file_sha256, relative_files, remove_dir
 from accel_ddp.util.messages import note
 
-CACHE_VERSION = 1  # bump when the tokenizing or packing code changes the blocks it makes
+CACHE_VERSION = 2  # bump when the tokenizing or packing code changes the blocks it makes, or the key changes form
 SPLITS = ("train", "eval")
 MANIFEST = "manifest.json"
+# The files of a tokenizer folder that AutoTokenizer.from_pretrained reads (config.json: the model type, where
+# tokenizer_config.json names no class); anything else there (weights) cannot change the ids.
+TOKENIZER_FILE_PATTERNS = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                           "vocab.*", "merges.txt", "*.model", "*.tiktoken", "config.json")
+ID_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.*", "merges.txt", "*.model", "*.tiktoken")
+TOKENIZER_PACKAGES = ("transformers", "tokenizers", "sentencepiece")
+FACTS = ("length", "pad_token_id", "eos_token_id", "bos_token_id")  # what start-up reads from the tokenizer
+
+
+class Entry(NamedTuple):
+    """A cache entry read back: the (train, eval) blocks and its manifest's ``about``."""
+
+    blocks: tuple[torch.Tensor, ...]
+    about: dict[str, Any]
 
 
 def cache_root(flag: str | None) -> str | None:
@@ -85,9 +107,40 @@ def tokenizer_digest(tokenizer: Any) -> str:
     return digest.hexdigest()
 
 
-def cache_key(data_dir: str, tokenizer: Any, settings: dict[str, Any]) -> str:
-    """The entry's name: sha256 over the data files, the tokenizer and the packing ``settings``."""
-    parts = {"version": CACHE_VERSION, "files": data_files_key(data_dir), "tokenizer": tokenizer_digest(tokenizer),
+def tokenizer_files_digest(name: str | None) -> str | None:
+    """sha256 of a local tokenizer folder's id-deciding files (names and bytes) and the tokenizer packages' versions,
+    or None: not a folder, or none of the files that make a tokenizer there (the loaded tokenizer decides, or says
+    what is wrong). Reads a few small files; imports nothing."""
+    if name is None or not os.path.isdir(name):
+        return None
+    names = sorted(entry for entry in os.listdir(name) if os.path.isfile(os.path.join(name, entry))
+                   and any(fnmatch.fnmatch(entry, pattern) for pattern in TOKENIZER_FILE_PATTERNS))
+    if not any(fnmatch.fnmatch(entry, pattern) for entry in names for pattern in ID_FILES):
+        return None
+    digest = hashlib.sha256(json.dumps([_version(package) for package in TOKENIZER_PACKAGES]).encode())
+    for entry in names:
+        digest.update(f"\0{entry}\0".encode())
+        digest.update(file_sha256(os.path.join(name, entry)).encode())
+    return digest.hexdigest()
+
+
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def tokenizer_facts(tokenizer: Any) -> dict[str, int | None]:
+    """What the start-up after the data reads from the tokenizer (the model's vocabulary size and special token ids,
+    the pad id), kept in the manifest so that a hit need not load it."""
+    return {"length": len(tokenizer), **{name: getattr(tokenizer, name, None) for name in FACTS[1:]}}
+
+
+def cache_key(data_dir: str, tokenizer: str, settings: dict[str, Any]) -> str:
+    """The entry's name: sha256 over the data files, the tokenizer (:func:`tokenizer_files_digest` or
+    :func:`tokenizer_digest`) and the packing ``settings``."""
+    parts = {"version": CACHE_VERSION, "files": data_files_key(data_dir), "tokenizer": tokenizer,
              "settings": settings}
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
@@ -100,17 +153,18 @@ def has_entry(cache_dir: str, key: str) -> bool:
     return os.path.isfile(os.path.join(entry_dir(cache_dir, key), MANIFEST))
 
 
-def read_blocks(cache_dir: str, key: str) -> tuple[torch.Tensor, ...] | None:
-    """The cached (train, eval) blocks, or None: no entry, or a damaged one (one line; the caller rebuilds it)."""
+def read_blocks(cache_dir: str, key: str) -> Entry | None:
+    """The cached (train, eval) blocks and the manifest's ``about``, or None: no entry, or a damaged one (one line;
+    the caller rebuilds it)."""
     folder = entry_dir(cache_dir, key)
     manifest_path = os.path.join(folder, MANIFEST)
     if not os.path.isfile(manifest_path):
         return None
-    problem = _damage(folder, manifest_path)
+    problem, about = _damage(folder, manifest_path)
     if problem is None:
         try:
-            return tuple(torch.from_numpy(np.load(os.path.join(folder, f"{split}.npy"), allow_pickle=False))
-                         for split in SPLITS)
+            return Entry(tuple(torch.from_numpy(np.load(os.path.join(folder, f"{split}.npy"), allow_pickle=False))
+                               for split in SPLITS), about)
         except (OSError, ValueError) as err:
             problem = f"unreadable ({type(err).__name__})"
     note(f"--text_cache: the cached blocks {folder} are damaged ({problem}); rebuilding them from the data",
@@ -118,22 +172,26 @@ def read_blocks(cache_dir: str, key: str) -> tuple[torch.Tensor, ...] | None:
     return None
 
 
-def _damage(folder: str, manifest_path: str) -> str | None:
-    """What is wrong with an entry (a missing file, another byte count or digest than its manifest's), or None."""
+def _damage(folder: str, manifest_path: str) -> tuple[str | None, dict[str, Any]]:
+    """(what is wrong with an entry: a missing file, another byte count or digest than its manifest's, or None;
+    the manifest's ``about``)."""
     try:
         with open(manifest_path) as fh:
-            files = json.load(fh)["files"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return "its manifest does not parse"
+            manifest = json.load(fh)
+        files, about = manifest["files"], manifest.get("about")
+        if not isinstance(about, dict):
+            raise TypeError
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return "its manifest does not parse", {}
     for split in SPLITS:
         path, want = os.path.join(folder, f"{split}.npy"), files.get(split) if isinstance(files, dict) else None
         if want is None or not os.path.isfile(path):
-            return f"{split}.npy is missing"
+            return f"{split}.npy is missing", about
         if os.path.getsize(path) != want.get("bytes"):
-            return f"{split}.npy holds {os.path.getsize(path)} bytes, its manifest {want.get('bytes')}"
+            return f"{split}.npy holds {os.path.getsize(path)} bytes, its manifest {want.get('bytes')}", about
         if file_sha256(path) != want.get("sha256"):
-            return f"{split}.npy does not match its manifest's sha256"
-    return None
+            return f"{split}.npy does not match its manifest's sha256", about
+    return None, about
 
 
 def write_blocks(cache_dir: str, key: str, blocks: tuple[torch.Tensor, ...], about: dict[str, Any]) -> None:

@@ -48,14 +48,24 @@ class Counted:
         monkeypatch.setattr(text, "load_splits", counted_load)
 
 
-def build(texts: Path, cache: Path, max_length: int = 16, cache_dir: str | None = "default"):
+def build(texts: Path, cache: Path, max_length: int = 16, cache_dir: str | None = "default", with_tokenizer=False):
     from accel_ddp.data.hf import HFSource
     from accel_ddp.data.text import TextOptions, build_text
 
     options = TextOptions(str(texts.parent / "tok"), max_length=max_length, packing=True, labels=False,
                           cache_dir=str(cache) if cache_dir == "default" else cache_dir)
-    bundle, _ = build_text(str(texts), HFSource(in_memory_max_mb=64.0), options)
-    return bundle
+    bundle, tokenizer = build_text(str(texts), HFSource(in_memory_max_mb=64.0), options)
+    return (bundle, tokenizer) if with_tokenizer else bundle
+
+
+def no_tokenizer_loads(monkeypatch) -> None:
+    """AutoTokenizer.from_pretrained fails the test from here on."""
+    import transformers
+
+    def refused(*args, **kwargs):
+        raise AssertionError("a tokenizer was loaded")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", refused)
 
 
 def entries(cache: Path) -> list[Path]:
@@ -121,29 +131,35 @@ def test_a_corrupt_entry_is_rebuilt_with_one_line(texts, tmp_path, monkeypatch, 
 
 def test_every_rank_reads_the_same_blocks_and_only_the_first_process_writes_the_cache(texts, tmp_path):
     """Two forked ranks of one machine through resolve_data: rank 0 builds and writes the entry (local_main_first),
-    rank 1 waits, then reads it: no tokenizing on rank 1, one writer, the same blocks on both."""
+    rank 1 waits, then reads it: no tokenizing on rank 1, one writer, the same blocks on both. A second run (warm
+    cache): neither rank loads a tokenizer, and both get the same blocks and vocabulary size."""
     cache = tmp_path / "blocks"
 
     def run():
+        import transformers
         from accelerate import Accelerator
 
         import accel_ddp.data.text as text
         from accel_ddp.cli.args import parse_args
         from accel_ddp.data.resolve import resolve_data
 
-        writes, tokenized = [], []
-        write, tokenize = text.write_blocks, text._tokenize_batch
+        writes, tokenized, loads = [], [], []
+        write, tokenize, load = text.write_blocks, text._tokenize_batch, transformers.AutoTokenizer.from_pretrained
         text.write_blocks = lambda *a, **k: (writes.append(1), write(*a, **k))[1]
         text._tokenize_batch = lambda *a, **k: (tokenized.append(1), tokenize(*a, **k))[1]
+        transformers.AutoTokenizer.from_pretrained = lambda *a, **k: (loads.append(1), load(*a, **k))[1]
         cfg = parse_args(["--task", "causal_lm", "--dataset", "hf", "--data_dir", str(texts), "--tokenizer",
                           str(texts.parent / "tok"), "--max_length", "16", "--packing", "--text_cache", str(cache)])
         data = resolve_data(cfg, Accelerator(cpu=True), None, None)
-        return data.train.inputs, data.eval.inputs, len(writes), len(tokenized) > 0
+        return data.train.inputs, data.eval.inputs, len(writes), len(tokenized) > 0, len(loads), data.num_classes
 
-    (train0, eval0, writes0, tokenized0), (train1, eval1, writes1, tokenized1) = run_ranks(run)
+    (train0, eval0, writes0, tokenized0, _, classes), (train1, eval1, writes1, tokenized1, _, _) = run_ranks(run)
     assert torch.equal(train0, train1) and torch.equal(eval0, eval1)
     assert (writes0, writes1) == (1, 0) and (tokenized0, tokenized1) == (True, False)
     assert len(entries(cache)) == 1 and not [p for p in cache.iterdir() if p.name.startswith(".tmp")]
+    for train, eval_, writes, tokenized, loads, num_classes in run_ranks(run):
+        assert torch.equal(train, train0) and torch.equal(eval_, eval0) and num_classes == classes
+        assert (writes, tokenized, loads) == (0, False, 0)
 
 
 def test_the_flag_off_and_its_default_folder(monkeypatch, tmp_path):
@@ -170,5 +186,58 @@ def test_a_waiting_rank_skips_importing_datasets_where_the_blocks_are_cached(tex
     assert imported == ["transformers", "datasets"]
     build(texts, cache)
     imported.clear()
+    no_tokenizer_loads(monkeypatch)  # the tokenizer folder's files key the entry: nothing to load or import
     text.import_text_libraries(str(texts), HFSource(in_memory_max_mb=64.0), options)
-    assert imported == ["transformers"]
+    assert imported == []
+
+
+def test_a_hit_loads_no_tokenizer_and_the_run_gets_the_same_blocks_and_tokenizer_facts(texts, tmp_path, monkeypatch):
+    """The key is read from the tokenizer folder's files; what the run reads from the tokenizer (its length, the
+    pad, end-of-text and start ids: model config, collate) comes from the manifest; anything else loads it."""
+    from accel_ddp.data.resolve import PadCollate, pad_token_id
+    from accel_ddp.data.text import CachedTokenizer
+    from accel_ddp.models import build_transformers_model
+
+    cache = tmp_path / "blocks"
+    first, real = build(texts, cache, with_tokenizer=True)
+    config = tmp_path / "gpt2.json"
+    config.write_text('{"model_type": "gpt2", "n_layer": 1, "n_head": 2, "n_embd": 16, "n_positions": 16}')
+    with monkeypatch.context() as patched:
+        no_tokenizer_loads(patched)  # the data, the collate and the model from a config: no tokenizer loaded
+        second, lazy = build(texts, cache, with_tokenizer=True)
+        configs = [build_transformers_model("causal_lm", config_file=str(config), tokenizer=tok).config
+                   for tok in (real, lazy)]
+        collates = [PadCollate(pad_token_id(tok)).pad_token_id for tok in (real, lazy)]
+        for name in ("pad_token_id", "eos_token_id", "bos_token_id"):
+            assert getattr(lazy, name) == getattr(real, name), name
+    assert isinstance(lazy, CachedTokenizer)
+    assert torch.equal(first.train.inputs, second.train.inputs) and torch.equal(first.eval.inputs, second.eval.inputs)
+    assert (second.num_classes, second.input_shape) == (first.num_classes, first.input_shape) == (len(real), (16,))
+    assert configs[0].to_dict() == configs[1].to_dict() and configs[1].vocab_size == len(real) and collates == [0, 0]
+    lazy.save_pretrained(str(tmp_path / "saved"))  # beside the final model: the real one, loaded now
+    saved = (tmp_path / "saved" / "tokenizer.json").read_bytes()
+    assert saved == (texts.parent / "tok" / "tokenizer.json").read_bytes()
+    assert lazy("the food was good")["input_ids"] == real("the food was good")["input_ids"]
+
+
+def test_an_edited_tokenizer_file_or_another_tokenizers_version_is_a_new_key(texts, tmp_path, monkeypatch):
+    import accel_ddp.data.text_cache as text_cache
+
+    cache = tmp_path / "blocks"
+    build(texts, cache)
+    folder = texts.parent / "tok"
+    before = text_cache.tokenizer_files_digest(str(folder))
+    config = folder / "tokenizer_config.json"
+    config.write_text(config.read_text().replace('"[EOS]"', '"[PAD]"', 1))  # another end-of-text token
+    assert text_cache.tokenizer_files_digest(str(folder)) != before
+    counts = Counted(monkeypatch)
+    bundle, tokenizer = build(texts, cache, with_tokenizer=True)
+    assert counts.loads == 1 and len(entries(cache)) == 2 and tokenizer.eos_token_id == 0
+    (folder / "model.safetensors").write_bytes(b"weights")  # not a tokenizer file: the same key
+    build(texts, cache)
+    assert counts.loads == 1 and len(entries(cache)) == 2
+    version = text_cache._version
+    monkeypatch.setattr(text_cache, "_version", lambda package: "0.0" if package == "tokenizers" else version(package))
+    build(texts, cache)
+    assert counts.loads == 2 and len(entries(cache)) == 3
+    assert text_cache.tokenizer_files_digest(str(tmp_path / "texts")) is None  # no tokenizer files: loaded to key it

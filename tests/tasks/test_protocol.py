@@ -224,6 +224,15 @@ def test_causal_lm_from_a_config_on_text_files(corpus, datasets_cache, tmp_path)
     assert len(caches) == 2, caches
     train_ranks(lm_args(corpus, tmp_path / "again", "--packing", "--max_steps", "1"), world_size=2)
     assert sorted(datasets_cache.rglob("cache-*.arrow")) == caches  # a later run too
+    # That later run read the packed blocks from --text_cache and loaded no tokenizer in its data phase (the
+    # manifest's length and special ids stand in): it trains the same weights as a run that tokenizes, and saves
+    # the same tokenizer beside them.
+    train_ranks(lm_args(corpus, tmp_path / "off", "--packing", "--max_steps", "1", "--text_cache", "off"),
+                world_size=2)
+    hit, off = load_weights(tmp_path / "again"), load_weights(tmp_path / "off")
+    assert hit.keys() == off.keys() and all(torch.equal(hit[name], off[name]) for name in hit)
+    saved = [(tmp_path / run / "hf_model" / "tokenizer.json").read_bytes() for run in ("again", "off")]
+    assert saved[0] == saved[1] == (corpus / "tokenizer" / "tokenizer.json").read_bytes()
 
 
 def test_sequence_classification_on_a_csv_of_labelled_texts(corpus, datasets_cache, tmp_path):
