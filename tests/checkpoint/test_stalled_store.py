@@ -173,6 +173,7 @@ def silent_endpoint(monkeypatch):
     s3fs.S3FileSystem.clear_instance_cache()
 
 
+@pytest.mark.slow  # seven waits of 1-2 s for the bound, by design
 @pytest.mark.parametrize("what, method, args", [
     ("lock", "exists", ["bucket/run/.lock"]), ("list", "find", ["bucket/run"]),
     ("upload", "put_file", ["FILE", "bucket/run/step_00000002/model.safetensors"]),
