@@ -134,13 +134,16 @@ def s3():
         yield client
 
 
-@pytest.fixture
-def quick_stream_ends(monkeypatch):
-    """datasets sleeps 5 s whenever a shuffled parquet stream's reader threads end (apache/arrow#45214): a
-    second of a streaming test's wall time per pass. A fraction of a second is plenty for the tests' tiny files."""
+@pytest.fixture(scope="session", autouse=True)
+def _quick_stream_ends():
+    """datasets sleeps 5 s whenever a shuffled parquet stream's reader threads end (apache/arrow#45214): seconds of
+    a streaming test's wall time per pass. A fraction of a second is plenty for the tests' tiny files. Every test
+    gets it (forked ranks inherit it): a test's time does not depend on whether it asked or what ran before it."""
     import datasets.config
 
-    monkeypatch.setattr(datasets.config, "SLEEP_TIME_ON_THREADS_SHUTDOWN", 0.2)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(datasets.config, "SLEEP_TIME_ON_THREADS_SHUTDOWN", 0.2)
+        yield
 
 
 @pytest.fixture

@@ -251,7 +251,7 @@ def test_a_resume_from_an_object_store_reuses_the_recorded_size(s3, tmp_path, sp
     _resumed_at_the_recorded_size(results, out, ref)
 
 
-def test_a_streamed_probe_measures_batches_of_the_candidate_size(tmp_path, quick_stream_ends):
+def test_a_streamed_probe_measures_batches_of_the_candidate_size(tmp_path):
     """A stream's source holds only the rows read at start-up: the probe repeats them up to each candidate size,
     so a model that runs out of memory above 4 gets 4, not the first candidate, 16, which a step then could not run."""
     from tests.helpers.data import image_shards

@@ -282,7 +282,6 @@ def _read_stream(folder: Path, *, buffer: int, steps: int, save_to: Path | None 
 
     from accel_ddp.data.streaming import StreamingLoader, StreamSource
 
-    datasets.config.SLEEP_TIME_ON_THREADS_SHUTDOWN = 0.2  # as test_data's quick_stream_ends
     files = sorted(str(p) for p in folder.glob("*.parquet"))
     stream = datasets.load_dataset("parquet", data_files=files, split="train", streaming=True)
     loader = StreamingLoader(StreamSource(stream, _decode_idx, buffer, files=str(folder)), 2, 2, max_steps=40,

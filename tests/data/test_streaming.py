@@ -71,7 +71,7 @@ def _passes(ranks: list[list[tuple[int, list[int]]]]) -> dict[int, list[int]]:
 
 
 @pytest.mark.parametrize("sizes,buffer", [([7, 11, 20], 0), ([5, 30, 5, 6], 0), ([5, 30, 5, 6], 8)])
-def test_streaming_ranks_take_the_same_steps_over_uneven_shares(tmp_path, quick_stream_ends, sizes, buffer):
+def test_streaming_ranks_take_the_same_steps_over_uneven_shares(tmp_path, sizes, buffer):
     """3 files over 2 ranks (every rank reads all, keeps every 2nd example) or 4 files of very different sizes:
     every rank yields a batch at every step, each example at most once per pass; the shortest share ends the pass."""
     files = write_shards(tmp_path / "s", sizes)
@@ -90,7 +90,7 @@ def test_streaming_ranks_take_the_same_steps_over_uneven_shares(tmp_path, quick_
 
 
 @pytest.mark.parametrize("workers,buffer", [(1, 0), (2, 0), (2, 16)])
-def test_streaming_resumes_from_each_ranks_saved_position(tmp_path, quick_stream_ends, workers, buffer):
+def test_streaming_resumes_from_each_ranks_saved_position(tmp_path, workers, buffer):
     """Saved after 7 steps and resumed: nothing trained before comes again in that pass; without a shuffle buffer
     the resumed stream is the uninterrupted one (with 2 workers the 8th batch is the second worker's: the
     DataLoader's turns continue where they stopped)."""
@@ -113,7 +113,7 @@ def _batch_and_worker_seed(samples):  # a collate_fn that tells which seed the p
 
 
 @pytest.mark.parametrize("workers", [0, 1])
-def test_the_streaming_loader_leaves_the_global_generator_alone(tmp_path, quick_stream_ends, workers):
+def test_the_streaming_loader_leaves_the_global_generator_alone(tmp_path, workers):
     """The DataLoader of each pass draws its workers' base seed from a generator seeded by (seed, pass), not from
     torch's global one: dropout after a resume continues where the checkpoint's RNG state left it."""
     import datasets
@@ -138,7 +138,7 @@ def test_the_streaming_loader_leaves_the_global_generator_alone(tmp_path, quick_
         assert seeds == worker_seeds(1) and len({seed for _, seed in seeds}) == 3
 
 
-def test_a_streaming_checkpoint_counts_the_step_it_was_saved_after(tmp_path, quick_stream_ends):
+def test_a_streaming_checkpoint_counts_the_step_it_was_saved_after(tmp_path):
     """Saved after a pass's only step: the position holds that step, so the resumed run starts the next pass
     instead of calling the pass too short for one optimizer step."""
     files = write_shards(tmp_path / "s", [3])  # one step of 2 per pass (the odd example is dropped)
@@ -150,7 +150,7 @@ def test_a_streaming_checkpoint_counts_the_step_it_was_saved_after(tmp_path, qui
     assert rest == [(1, [0, 1]), (2, [0, 1]), (3, [0, 1])]
 
 
-def test_streaming_cli_run_on_uneven_files_resumes_and_counts_eval_exactly(tmp_path, quick_stream_ends,
+def test_streaming_cli_run_on_uneven_files_resumes_and_counts_eval_exactly(tmp_path,
                                                                           quick_orphan_workers):
     """3 files of different sizes over 2 ranks: no hang, the same steps on both; a failed run resumes from its
     checkpoint's stream positions; the eval split (odd-sized) is counted exactly."""
@@ -176,7 +176,7 @@ def test_streaming_cli_run_on_uneven_files_resumes_and_counts_eval_exactly(tmp_p
 
 
 @pytest.mark.parametrize("saves", [[], ["--async_checkpointing"]])
-def test_a_streaming_run_given_more_steps_continues_where_it_stopped(tmp_path, quick_stream_ends, saves):
+def test_a_streaming_run_given_more_steps_continues_where_it_stopped(tmp_path, saves):
     """A finished streaming run relaunched with a higher --max_steps continues from its checkpoint (a stream's
     "epoch" is the whole run, so its steps_per_epoch grows with --max_steps; not a reason to refuse). Without a
     shuffle buffer and with the ranks reading in their own process, it ends with the weights of a run given the
@@ -218,7 +218,7 @@ def _collate_with_a_bug(samples):  # a user's collate_fn; forked ranks and their
 
 @pytest.mark.parametrize("workers", [0, 1])
 def test_a_bug_in_a_collate_fn_while_streaming_is_raised_with_its_traceback_and_stops_every_rank(
-        tmp_path, quick_stream_ends, workers):
+        tmp_path, workers):
     """Not bad data: rank 1 raises the TypeError itself, traceback and all; rank 0 stops at the same step and
     names rank 1. Neither says "check the source"."""
     files = write_shards(tmp_path / "s", [20, 20, 20, 20])  # rank 1 reads files 1 and 3: examples 20.. first
@@ -286,7 +286,7 @@ def test_a_datasets_dataset_with_a_random_transform_reads_memory_mapped_and_seed
     assert len(seen) == 40 and seen == draws(0)
 
 
-def test_streaming_resumed_on_another_world_size_restarts_the_pass_with_a_warning(tmp_path, quick_stream_ends,
+def test_streaming_resumed_on_another_world_size_restarts_the_pass_with_a_warning(tmp_path,
                                                                                  capfd):
     """Reader positions belong to a world size: on another one the pass starts over (said once), nothing is lost."""
     files = write_shards(tmp_path / "s", [20, 20, 20, 20])
@@ -300,7 +300,7 @@ def test_streaming_resumed_on_another_world_size_restarts_the_pass_with_a_warnin
     assert sorted(first_pass) == list(range(80))[:len(first_pass)] and len(first_pass) == 36  # 9 steps of 4
 
 
-def test_streaming_resumed_on_more_ranks_puts_every_rank_in_the_saved_pass(tmp_path, quick_stream_ends, capfd):
+def test_streaming_resumed_on_more_ranks_puts_every_rank_in_the_saved_pass(tmp_path, capfd):
     """Saved by 2 ranks in their second pass, resumed by 3: every rank, the new one too (it has no saved position),
     restarts that same pass (one shuffle, each example at most once), said once; nobody waits on another."""
     files = write_shards(tmp_path / "s", [20, 20, 20, 20])  # 2 ranks: 2 files each, 20 steps of 2 per pass

@@ -63,7 +63,7 @@ def _args(path: str, tmp_path: Path) -> list[str]:
 
 
 @pytest.mark.parametrize("path", ["device", "dataloader", "text", "streaming"])
-def test_host_syncs_only_on_log_steps(path, tmp_path, quick_stream_ends):
+def test_host_syncs_only_on_log_steps(path, tmp_path):
     args = [*_args(path, tmp_path), *COMMON, "--output_dir", str(tmp_path / "run")]
     results = run_ranks(lambda: count_step_syncs(args), world_size=2)
     for rank, (counter, steps) in enumerate(results):

@@ -135,14 +135,12 @@ EXPECTED = {"device": ("device", "in_memory"), "dataloader": ("dataloader", "in_
 
 @pytest.fixture(scope="module")
 def matrix(tmp_path_factory):
-    """Data built once; a datasets cache for this module (forked ranks inherit it); streams that end quickly."""
+    """Data built once; a datasets cache for this module (forked ranks inherit it)."""
     import datasets
 
     root = tmp_path_factory.mktemp("matrix")
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(datasets.config, "HF_DATASETS_CACHE", str(root / "hf_cache"))
-        # datasets sleeps 5 s whenever a parquet stream's reader threads end (apache/arrow#45214)
-        patch.setattr(datasets.config, "SLEEP_TIME_ON_THREADS_SHUTDOWN", 0.2)
         yield {"root": root, "references": {}}
 
 
@@ -811,7 +809,7 @@ def paths(tmp_path_factory) -> Paths:
 
 
 @pytest.mark.parametrize("path", PATHS)
-def test_a_bad_sample_is_one_line_and_exit_2_on_every_rank(paths, path, tmp_path, capfd, quick_stream_ends):
+def test_a_bad_sample_is_one_line_and_exit_2_on_every_rank(paths, path, tmp_path, capfd):
     args, sample = paths.args(path, bad=True)
     out = tmp_path / "run"
     assert launch_ranks(tmp_path, [*args, "--output_dir", str(out)]) == [2, 2]
@@ -833,7 +831,7 @@ def test_a_bad_sample_is_one_line_and_exit_2_on_every_rank(paths, path, tmp_path
 
 
 @pytest.mark.parametrize("path", PATHS)
-def test_a_failing_rank_stops_every_rank_with_its_traceback_once(paths, path, tmp_path, capfd, quick_stream_ends):
+def test_a_failing_rank_stops_every_rank_with_its_traceback_once(paths, path, tmp_path, capfd):
     args, _ = paths.args(path, bad=False)
     assert launch_ranks(tmp_path, [*args, "--output_dir", str(tmp_path / "run")], fail_at=(2, 1)) == [1, 1]
     err = capfd.readouterr().err

@@ -548,7 +548,6 @@ def _decode_with_a_bad_label(columns, where):
     return [(torch.tensor([float(i)]), 12 if i == 24 else i % 10) for i in columns["idx"]]
 
 
-@pytest.mark.usefixtures("quick_stream_ends")
 def test_a_label_out_of_range_while_streaming_stops_every_rank_at_the_same_step_with_one_line(tmp_path):
     """Rank 1's third micro-batch holds example 24, labelled 12 for a model of 10 classes: checked on the host before
     the copy, reported like bad data (every rank stops before that step, with rank 1's line)."""

@@ -162,7 +162,7 @@ def _decode_floats(columns, where):
 
 
 @pytest.mark.parametrize("workers", [1, 0])
-def test_a_nan_in_a_streamed_batch_stops_every_rank_at_its_step_with_one_line(tmp_path, quick_stream_ends, workers):
+def test_a_nan_in_a_streamed_batch_stops_every_rank_at_its_step_with_one_line(tmp_path, workers):
     """Streaming with a worker (or none): rank 1 reads example 27 (files 1 and 3 are its), its worker finds the nan;
     every rank stops at that step with the same line naming the example, the reader and the pass."""
     files = write_shards(tmp_path / "s", [20, 20, 20, 20])
