@@ -35,14 +35,9 @@ def pytest_configure(config):
     """The process that runs tests imports torch, Accelerate and the package before any test module, once, so that
     every rank forked from it starts with them loaded. pytest-xdist's controller runs no test and collects none:
     it skips them (~4.5 s of CPU of a suite of ~300)."""
-    if os.environ.get("PYTEST_XDIST_WORKER") is None and getattr(config.option, "numprocesses", None):
+    if not _runs_tests(config):
         return
     global _PLOT
-    # PYTHONDONTWRITEBYTECODE (set on this project's machines) also stops pytest caching the test modules it
-    # rewrites for its assertions, so every worker of every run rewrote ~200 modules from source: ~2.5 s each.
-    # Bytecode is written while the tests are collected, and the setting is restored once they are.
-    config.stash[_WRITE_BYTECODE] = sys.dont_write_bytecode
-    sys.dont_write_bytecode = False
     import datasets  # noqa: F401 - Accelerate imports it to prepare any DataLoader: 1.6 s per rank otherwise
     import matplotlib.figure  # noqa: F401 - curves.png on every main process
     import torch._dynamo  # noqa: F401 - torch.optim imports it on first use: ~2 s once here, not per rank
@@ -55,6 +50,18 @@ def pytest_configure(config):
     import accel_ddp.loop  # torch, Accelerate and the package, for every forked rank
 
     _PLOT = accel_ddp.tracking.recorder.RunRecorder.plot
+
+    # PYTHONDONTWRITEBYTECODE (set on this project's machines) also stops pytest caching the test modules it
+    # rewrites for its assertions, so every worker of every run rewrote ~200 modules from source: ~3.4 s each.
+    # Bytecode is written while the tests are collected (after the imports above), and the setting is restored
+    # once they are.
+    config.stash[_WRITE_BYTECODE] = sys.dont_write_bytecode
+    sys.dont_write_bytecode = False
+
+
+def _runs_tests(config) -> bool:
+    """False in pytest-xdist's controller, which runs no test and collects none; True in a worker or under -n 0."""
+    return os.environ.get("PYTEST_XDIST_WORKER") is not None or not getattr(config.option, "numprocesses", None)
 
 
 def pytest_xdist_auto_num_workers(config):
@@ -174,7 +181,7 @@ def pytest_collection_finish(session):
     garbage collector's sight: a full collection in the test process, or in a rank forked from it, no longer walks
     those ~450k objects that live until the process ends (measured: 5-8% of a module's wall time). Only
     this process's own objects are frozen; what the tests create is collected as before."""
-    if os.environ.get("PYTEST_XDIST_WORKER") is None and getattr(session.config.option, "numprocesses", None):
+    if not _runs_tests(session.config):
         return
     sys.dont_write_bytecode = session.config.stash[_WRITE_BYTECODE]
     import gc
