@@ -12,7 +12,7 @@ import os
 import sys
 import time
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 
 from accel_ddp.anomaly import AnomalyGuard
 from accel_ddp.auto_batch import choose_micro_batch
+from accel_ddp.callbacks import Callbacks
 from accel_ddp.checkpoint.best import BestModel
 from accel_ddp.checkpoint.manager import HYPERPARAMETERS, CheckpointManager
 from accel_ddp.checkpoint.start import where_to_start
@@ -143,6 +144,7 @@ class Run:
     tokenizer: PreTrainedTokenizerBase | None  # text tasks: saved beside a Transformers model's final weights
     bar: tqdm  # the progress bar: closed by the teardown, so an error never shares its line
     anomalies: AnomalyGuard | None  # --on_anomaly skip|rollback, --spike_factor (None: the loop as it was)
+    callbacks: Callbacks = field(default_factory=Callbacks)  # --callbacks, train(callbacks=): none by default
 
 
 def _check_eval_set(cfg: TrainConfig, data) -> None:
@@ -157,7 +159,8 @@ def _check_eval_set(cfg: TrainConfig, data) -> None:
 
 
 def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None, eval_dataset=None, *,
-          loss_fn=None, metrics=(), collate_fn=None, preemption: PreemptionWatcher | None = None) -> Run:
+          loss_fn=None, metrics=(), collate_fn=None, callbacks=None,
+          preemption: PreemptionWatcher | None = None) -> Run:
     """Join the process group, build data, model, optimizer and schedule, and agree on where to start.
 
     A preemption signal during start-up stops every rank together at the end of the phase it came in
@@ -184,6 +187,7 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
     memory_format = torch.channels_last if cfg.channels_last else torch.contiguous_format
     task = build_task(cfg.task, loss_fn or (resolve(cfg.loss, {}, kind="loss") if cfg.loss else None), metrics,
                       memory_format)
+    hooks = Callbacks.build(cfg.callbacks, callbacks)  # imported, made and checked before any data is read
     data = resolve_data(cfg, accelerator, train_dataset, eval_dataset, collate_fn, preemption=preemption)
     _check_eval_set(cfg, data)
     phase_done("data")
@@ -268,7 +272,8 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
     return Run(cfg=cfg, accelerator=accelerator, model=model, task=task, optimizer=optimizer, scheduler=scheduler,
                train_loader=loaders.train, eval_loader=loaders.eval, plan=plan, facts=facts, recorder=recorder,
                checkpoints=checkpoints, preemption=preemption, start_step=start_step, started=started,
-               startup=startup, tokenizer=data.tokenizer, bar=bar, anomalies=anomalies)
+               startup=startup, tokenizer=data.tokenizer, bar=bar, anomalies=anomalies,
+               callbacks=hooks.connect(accelerator, preemption.group, plan, evaluates=loaders.eval is not None))
 
 
 def _checkpoints(cfg: TrainConfig, accelerator: Accelerator, teardown: ExitStack, facts: dict[str, Any],

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent / "accel_ddp"
 LAYERS = [
     {"util"}, {"config"}, {"lifecycle"}, {"outputs"}, {"tracking", "checkpoint"}, {"distributed"}, {"data"},
     {"tasks"}, {"models", "optim", "fused_activations", "regional_compile", "step_graph", "finetune"},
-    {"step", "anomaly", "evaluate", "auto_batch"},
+    {"step", "anomaly", "evaluate", "auto_batch", "callbacks"},
     {"assemble"}, {"after_step"}, {"loop"},
     {"cli", "accel_ddp"},
     {"__main__"},
