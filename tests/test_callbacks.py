@@ -6,6 +6,7 @@ run with one line; ``--callbacks`` imports, makes and checks each one (one line,
 from __future__ import annotations
 
 import inspect
+from types import SimpleNamespace
 
 import pytest
 
@@ -226,3 +227,20 @@ def test_a_refused_callback_is_one_line_and_exit_2_on_every_rank(tmp_path, capfd
     assert main_ranks(args) == [2, 2]
     err = capfd.readouterr().err
     assert err.count("accel_ddp: error: callback NoHooks has none of the hooks") == 1 and "Traceback" not in err
+
+
+class AskEvaluation:
+    def on_step_end(self, state):
+        state.should_evaluate = True
+
+
+def test_an_evaluation_asked_of_a_run_without_an_eval_set_is_said_once_and_dropped(monkeypatch):
+    import accel_ddp.callbacks as callbacks
+
+    said = []
+    monkeypatch.setattr(callbacks, "warn", lambda message, **kwargs: said.append(message))
+    one_process = SimpleNamespace(is_main_process=True, process_index=0, num_processes=1)
+    hooks = Callbacks([AskEvaluation()]).connect(one_process, None, SimpleNamespace(total_steps=4, steps_per_epoch=2),
+                                                 evaluates=False)
+    assert [hooks.step_end(step, 0).evaluate for step in (1, 2, 3)] == [False, False, False]
+    assert said == ["a callback set should_evaluate at step 1, but the run has no eval set: nothing to evaluate"]
