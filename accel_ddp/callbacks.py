@@ -95,7 +95,7 @@ class Callbacks:
         self.stopped_at: int | None = None  # the step a callback's should_stop ended the run after
         self.stop_reason = ""
         self._group, self._distributed, self._evaluates, self._said_no_eval = None, False, True, False
-        self._steps_per_epoch = 1
+        self._steps_per_epoch, self._processes = 1, 1
         self._flags = torch.zeros(3, dtype=torch.int64)  # [who asked to stop, save, evaluate]: MAX suits all three
         self._values = self._flags.numpy()  # the same memory: read and written without a torch call
         self._stopper = 0  # 1 + hook + hooks x (callback + callbacks x rank) of the request to stop, 0: none
@@ -118,7 +118,8 @@ class Callbacks:
         """Once the run is planned: what ``state`` says, and the group the requests are agreed over (``group``:
         the preemption flags' CPU gloo group, None for the default one)."""
         self.state = CallbackState(plan.total_steps, accelerator.is_main_process, accelerator.process_index)
-        self._distributed = accelerator.num_processes > 1 and dist.is_available() and dist.is_initialized()
+        self._processes = accelerator.num_processes
+        self._distributed = self._processes > 1 and dist.is_available() and dist.is_initialized()
         self._group, self._evaluates, self._steps_per_epoch = group, evaluates, plan.steps_per_epoch
         if self.callbacks and accelerator.is_main_process:
             for callback in self.callbacks:
@@ -197,8 +198,7 @@ class Callbacks:
                 raise UserCodeFailed(f"callback {_name(callback)}.{hook} raised {type(err).__name__}: "
                                      f"{first_line(err, 200)}{_where(err)}") from err
             if state.should_stop and not asked_before and not self._stopper:
-                rank = state.process_index
-                self._stopper = 1 + hooks.index(hook) + len(hooks) * (index + len(self.callbacks) * rank)
+                self._stopper = self._stop_code(hooks.index(hook), index)
 
     def _agree(self, step: int) -> Requests:
         """Every rank's requests, agreed (an all-reduce with several ranks); the state's requests reset."""
@@ -213,16 +213,22 @@ class Callbacks:
         if evaluate and not self._evaluates:  # said once; later requests are dropped as quietly
             if not self._said_no_eval:
                 warn(f"a callback set should_evaluate at step {step}, but the run has no eval set: nothing to "
-                     "evaluate", ranks="main")
+                     "evaluate", ranks="main", above_bar=True)
             self._said_no_eval, evaluate = True, 0
         if stop and self.stopped_at is None:
             self.stopped_at, self.stop_reason = step, self._who(stop)
         return Requests(stop=bool(stop), save=bool(save), evaluate=bool(evaluate))
 
+    def _stop_code(self, hook: int, index: int) -> int:
+        """Who asked to stop, as a number whose largest over the ranks is the lowest rank's first callback's (the
+        all-reduce keeps the MAX): 1 + hook + hooks x (callbacks - 1 - callback + callbacks x (ranks - 1 - rank))."""
+        count = len(self.callbacks)
+        return 1 + hook + len(HOOKS) * (count - 1 - index + count * (self._processes - 1 - self.state.process_index))
+
     def _who(self, code: int) -> str:
-        hooks = list(HOOKS)
+        hooks, count = list(HOOKS), len(self.callbacks)
         hook, rest = (code - 1) % len(hooks), (code - 1) // len(hooks)
-        rank, index = divmod(rest, len(self.callbacks))
+        index, rank = count - 1 - rest % count, self._processes - 1 - rest // count
         return f"callback {_name(self.callbacks[index])}.{hooks[hook]} on rank {rank} set should_stop"
 
 
@@ -288,4 +294,4 @@ def _warn_unknown_hooks(callback: Any) -> None:
                and callable(getattr(callback, attr, None))]
     if unknown:
         warn(f"callback {_name(callback)}: {', '.join(unknown)} {'is' if len(unknown) == 1 else 'are'} not called "
-             f"(the hooks are {', '.join(HOOKS)})", ranks="every")
+             f"(the hooks are {', '.join(HOOKS)})", ranks="every", above_bar=True)

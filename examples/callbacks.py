@@ -4,8 +4,11 @@
         --callbacks examples.callbacks:StopAtAccuracy,examples.callbacks:Milestones --output_dir outputs/callbacks
 
 or from Python: ``train(cfg, callbacks=[StopAtAccuracy(0.95), Milestones()])``. Every hook runs on every rank: print
-on the main process only, and make no collective of your own unless every rank makes it at the same hook.
+on the main process only (through ``tqdm.write``: the progress bar is tqdm's), and make no collective of your own
+unless every rank makes it at the same hook.
 """
+
+from tqdm.auto import tqdm
 
 
 class StopAtAccuracy:
@@ -26,13 +29,13 @@ class Milestones:
 
     def on_train_begin(self, state):
         if state.is_main_process:
-            print(f"[callback] training from step {state.step} of {state.max_steps}")
+            tqdm.write(f"[callback] training from step {state.step} of {state.max_steps}")
 
     def on_save(self, state, checkpoint_dir):
         if state.is_main_process:
-            print(f"[callback] step {state.step} (epoch {state.epoch}) saved in {checkpoint_dir}")
+            tqdm.write(f"[callback] step {state.step} (epoch {state.epoch}) saved in {checkpoint_dir}")
 
     def on_train_end(self, state, summary):
         if state.is_main_process:
             why = summary.get("stopped_early", {}).get("reason", "its last step")
-            print(f"[callback] ended at step {state.step}, eval accuracy {summary['eval_accuracy']:.3f} ({why})")
+            tqdm.write(f"[callback] ended at step {state.step}, eval accuracy {summary['eval_accuracy']:.3f} ({why})")

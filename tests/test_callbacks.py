@@ -244,3 +244,18 @@ def test_an_evaluation_asked_of_a_run_without_an_eval_set_is_said_once_and_dropp
                                                  evaluates=False)
     assert [hooks.step_end(step, 0).evaluate for step in (1, 2, 3)] == [False, False, False]
     assert said == ["a callback set should_evaluate at step 1, but the run has no eval set: nothing to evaluate"]
+
+
+def test_the_stop_reason_names_the_lowest_rank_and_its_first_callback_that_asked():
+    """Who asked rides in the agreed stop flag (the all-reduce keeps its MAX): of several askers, the lowest rank's
+    first callback is named."""
+    codes = {}
+    for rank in (0, 1):
+        hooks = Callbacks([AskEvaluation(), StopAt3()]).connect(
+            SimpleNamespace(is_main_process=rank == 0, process_index=rank, num_processes=2), None,
+            SimpleNamespace(total_steps=4, steps_per_epoch=2), evaluates=True)
+        codes[rank] = {(index, hook): hooks._stop_code(hook, index) for index in (0, 1) for hook in (1, 2)}
+    everyone = [code for rank_codes in codes.values() for code in rank_codes.values()]
+    assert len(set(everyone)) == len(everyone)  # one code per (rank, callback, hook)
+    assert hooks._who(max(codes[0][1, 1], codes[1][0, 1])) == "callback StopAt3.on_step_end on rank 0 set should_stop"
+    assert hooks._who(max(codes[1].values())) == "callback AskEvaluation.on_evaluate on rank 1 set should_stop"
