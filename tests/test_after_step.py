@@ -19,7 +19,7 @@ FINITE = "all_reduce int64[1]"  # the non-finite check: before each evaluation a
 EVAL = "all_reduce float64[6]"  # an evaluation's statistics (classification: 6 numbers)
 SAVE = ["broadcast_object_list", "all_gather_object", "broadcast_object_list"]  # a checkpoint: folder, write, seal
 EPOCH = "all_gather float64[2]"  # an epoch's end: peak memory over the ranks
-CALLBACKS = "all_reduce int64[3]"  # with callbacks only: their requests, after each step and each evaluation in training
+CALLBACKS = "all_reduce int64[3]"  # with callbacks only: their requests, after each step and evaluation in training
 
 BASE = ["--dataset", "synthetic", "--synthetic_samples", "256", "--synthetic_shape", "1", "8", "8",
         "--model", "mlp", "--hidden_size", "32", "--global_batch_size", "32", "--num_workers", "0"]  # 8 steps/epoch
