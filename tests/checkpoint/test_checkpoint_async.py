@@ -65,7 +65,7 @@ def test_async_checkpoints_hold_the_same_bytes_as_sync_ones(sync_run, tmp_path):
 def _steps_seen() -> list[int]:
     """Patch the schedule's step (called once per optimizer step) to record the step count; returns the record."""
     seen = [0]
-    build = assemble.build_lr_scheduler
+    build = optim_user.build_lr_scheduler
 
     def counted(self, *a, **k):
         super(type(self), self).step(*a, **k)
@@ -76,7 +76,7 @@ def _steps_seen() -> list[int]:
         # A subclass, not an attribute: the scheduler's __dict__ is its checkpointed state (as tests/helpers/faults.py).
         scheduler.__class__ = type("CountedScheduler", (type(scheduler),), {"step": counted})
         return scheduler
-    assemble.build_lr_scheduler = recording
+    optim_user.build_lr_scheduler = recording
     return seen
 
 
