@@ -237,3 +237,21 @@ def test_the_function_is_checked_against_the_keywords_before_anything_is_built()
     with pytest.raises(ConfigError, match="RAdam takes no keyword 'momentum'"):
         check_optimizer("radam", {"momentum": 0.9})
     check_optimizer("tests.test_optim:build_radam", {"eps": 1e-6})  # good: no error
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--optimizer", "Lamb"], "accel_ddp: error: unknown optimizer 'lamb'; choose one of adadelta, adafactor"),
+    (["--optimizer", "radam", "--optimizer_kwargs", '{"betaz": [0.9, 0.95]}'],
+     "accel_ddp: error: --optimizer_kwargs: RAdam takes no keyword 'betaz'; it takes betas"),
+    (["--optimizer", "tests.test_optim:not_an_optimizer"],
+     "accel_ddp: error: --optimizer tests.test_optim:not_an_optimizer returned list, not a torch.optim.Optimizer"),
+])
+def test_a_bad_optimizer_is_one_line_and_exit_2_on_every_rank(flags, words, tmp_path, capfd):
+    from tests.helpers.runs import main_ranks
+
+    args = ["--dataset", "synthetic", "--synthetic_samples", "64", "--synthetic_shape", "4", "--max_steps", "2",
+            "--output_dir", str(tmp_path / "run"), *flags]
+    assert main_ranks(args) == [2, 2]
+    err = capfd.readouterr().err
+    assert [line for line in err.splitlines() if "error" in line] == [err.strip().splitlines()[-1]], err
+    assert err.strip().splitlines()[-1].startswith(words) and "Traceback" not in err, err
