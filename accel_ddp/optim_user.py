@@ -24,6 +24,8 @@ from accel_ddp.config import TrainConfig
 from accel_ddp.config.checks import optimizer_kwargs
 from accel_ddp.optim import build_lr_scheduler, build_optimizer, check_optimizer, use_fused_optimizer, user_groups
 from accel_ddp.optim_muon import MuonWithAdamW
+from accel_ddp.util.cpu_bf16 import cpu_has_bf16_units, read_cpuinfo
+from accel_ddp.util.messages import warn
 from accel_ddp.util.validation import ConfigError
 
 LRScheduler = torch.optim.lr_scheduler.LRScheduler
@@ -47,6 +49,9 @@ def check_optimization(cfg: TrainConfig, model: nn.Module | None, optimizer: Any
     usable kind, with no flag beside them that would silently do nothing. One line (ConfigError) each."""
     if optimizer is None:
         check_optimizer(cfg.optimizer, optimizer_kwargs(cfg))
+        if ":" in cfg.optimizer:  # a function's optimizer sets its own learning rate
+            _refuse_unused(cfg, ["lr"], f"--optimizer {cfg.optimizer}",
+                           "set lr in the function, or pass it with --optimizer_kwargs '{\"lr\": ...}'")
     else:
         _check_users_optimizer(cfg, model, optimizer)
     if lr_scheduler is not None:
@@ -68,6 +73,9 @@ def build_optimization(cfg: TrainConfig, model: nn.Module, accelerator: Any, tot
                 raise ConfigError("--optimizer muon is not supported under FSDP (its state is two optimizers'); "
                                   "use DDP, or another optimizer")
             lines["optimizer split"] = built.split.describe()
+            if accelerator.device.type == "cpu" and not cpu_has_bf16_units(read_cpuinfo()):
+                warn("--optimizer muon on a CPU without bf16 units: torch's Muon runs its Newton-Schulz iterations in "
+                     "bf16, ~20x slower than float32 matrix products here (docs/optimizers.md)", ranks="main")
     else:
         made = _is_builder(optimizer)
         built = optimizer(user_groups(model, cfg.weight_decay)) if made else optimizer
@@ -79,7 +87,7 @@ def build_optimization(cfg: TrainConfig, model: nn.Module, accelerator: Any, tot
     if lr_scheduler is None:
         warmup = cfg.warmup_for(total_steps)
         scheduler = build_lr_scheduler(built, cfg.lr_schedule, warmup, total_steps)
-        if optimizer is not None:  # the peak is the optimizer's own learning rate
+        if optimizer is not None or ":" in cfg.optimizer:  # the peak is the optimizer's own learning rate
             lines["learning rate"] = (f"the optimizer's {scheduler.base_lrs[0]:g} after {warmup} warmup step"
                                       f"{'s' * (warmup != 1)}, then --lr_schedule {cfg.lr_schedule}")
     else:

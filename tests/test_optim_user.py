@@ -76,6 +76,9 @@ def test_an_optimizer_already_built_on_the_model_and_a_scheduler_on_it_are_used_
     ({}, None, None, 0.5, "train(lr_scheduler=...) got float: give a function of the optimizer returning a "
                           "torch.optim.lr_scheduler.LRScheduler"),
     ({"optimizer": "lamb"}, None, None, None, "unknown optimizer 'lamb'; choose one of"),
+    ({"optimizer": "tests.test_optim_user:radam", "lr": 0.1}, None, None, None,
+     "--lr 0.1 with --optimizer tests.test_optim_user:radam: it does nothing there (set lr in the function, or pass "
+     "it with --optimizer_kwargs '{\"lr\": ...}'); drop it"),
 ])
 def test_what_cannot_work_or_would_do_nothing_is_refused_before_the_data_in_one_line(cfg, model, optimizer,
                                                                                      lr_scheduler, words):
@@ -98,3 +101,29 @@ def test_what_the_functions_return_is_checked_in_one_line(optimizer, lr_schedule
     with pytest.raises(ConfigError) as err:
         build_optimization(TrainConfig(), _mlp(), CPU, 10, optimizer, lr_scheduler)
     assert str(err.value).startswith(words) and "\n" not in str(err.value)
+
+
+def kwargs_radam(groups, lr=1e-3, **kwargs):
+    return torch.optim.RAdam(groups, lr=lr, **kwargs)
+
+
+def test_a_functions_learning_rate_is_its_own_and_its_keywords_may_set_it():
+    cfg = TrainConfig(optimizer="tests.test_optim_user:kwargs_radam", optimizer_kwargs={"lr": 0.02})
+    check_optimization(cfg, None, None, None)
+    built = build_optimization(cfg, _mlp(), CPU, 10)
+    assert built.optimizer.defaults["lr"] == 0.02 and built.name == "tests.test_optim_user:kwargs_radam"
+    assert built.lines == {"learning rate": "the optimizer's 0.02 after 0 warmup steps, then --lr_schedule cosine"}
+    with pytest.raises(ConfigError, match="--optimizer_kwargs sets 'lr': use --lr"):  # a class takes --lr
+        TrainConfig(optimizer="radam", optimizer_kwargs={"lr": 0.02})
+
+
+def test_the_examples_optimizer_and_schedule_are_what_docs_optimizers_md_says():
+    """examples/optimizers.py (its launch is not run by the suite): RAdam with decoupled decay, StepLR by 50."""
+    built = build_optimization(TrainConfig(optimizer="examples.optimizers:radam_decoupled", weight_decay=0.01),
+                               _mlp(), CPU, 200)
+    assert isinstance(built.optimizer, torch.optim.RAdam) and built.optimizer.defaults["decoupled_weight_decay"]
+    assert [g["weight_decay"] for g in built.optimizer.param_groups] == [0.01, 0.0]
+    from examples.optimizers import radam_decoupled, step_lr
+
+    scheduler = build_optimization(TrainConfig(), _mlp(), CPU, 200, radam_decoupled, step_lr).scheduler
+    assert isinstance(scheduler, StepLR) and (scheduler.step_size, scheduler.gamma) == (50, 0.5)

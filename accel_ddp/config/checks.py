@@ -72,7 +72,7 @@ def _check_optimizer(cfg: Any) -> None:
         raise ConfigError(f"--optimizer_kwargs must be a JSON object of keyword arguments, got "
                           f"{show(cfg.optimizer_kwargs)}; {example}")
     for key, flag in (("lr", "--lr"), ("weight_decay", "--weight_decay"), ("params", None)):
-        if key in kwargs:
+        if key in kwargs and (flag is None or ":" not in name):  # a user's function takes any keyword it names
             fix = f"use {flag} (it applies to the right parameter groups)" if flag else "the run gives the parameters"
             raise ConfigError(f"--optimizer_kwargs sets {key!r}: {fix}; drop it from --optimizer_kwargs")
 

@@ -158,7 +158,8 @@ class TrainConfig:
         "with the parameter groups, returns an optimizer; docs/optimizers.md)")
     optimizer_kwargs: str | None = _opt(
         None, "JSON object of the optimizer's keyword arguments, checked against its signature, e.g. "
-        "'{\"betas\": [0.9, 0.95]}' (lr and weight_decay: --lr and --weight_decay)")
+        "'{\"betas\": [0.9, 0.95]}' (lr and weight_decay: --lr and --weight_decay, but for a pkg.module:function, "
+        "which gets them all)")
     weight_decay: float = _opt(0.0, "decoupled weight decay (adamw) or L2 penalty (sgd)", low=0)
     warmup_steps: int = _opt(0, "optimizer steps of linear warmup from 0 to --lr", low=0)
     warmup_ratio: float | None = _opt(
