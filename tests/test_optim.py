@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -176,7 +177,7 @@ def test_what_the_loop_cannot_step_and_a_weight_decay_the_optimizer_lacks_are_re
 def test_bad_optimizer_kwargs_are_refused_by_the_config(value, words):
     from accel_ddp.config import TrainConfig
 
-    with pytest.raises(ConfigError, match=re_escape(words)):
+    with pytest.raises(ConfigError, match=re.escape(words)):
         TrainConfig(optimizer_kwargs=value)
 
 
@@ -184,12 +185,6 @@ def test_optimizer_kwargs_from_yaml_or_python_are_kept_as_json():
     from accel_ddp.config import TrainConfig
 
     assert TrainConfig(optimizer_kwargs={"betas": [0.9, 0.95]}).optimizer_kwargs == '{"betas": [0.9, 0.95]}'
-
-
-def re_escape(text: str) -> str:
-    import re
-
-    return re.escape(text)
 
 
 # ----------------------------------------------------------------------------- --optimizer pkg.module:function
