@@ -127,3 +127,11 @@ def test_the_examples_optimizer_and_schedule_are_what_docs_optimizers_md_says():
 
     scheduler = build_optimization(TrainConfig(), _mlp(), CPU, 200, radam_decoupled, step_lr).scheduler
     assert isinstance(scheduler, StepLR) and (scheduler.step_size, scheduler.gamma) == (50, 0.5)
+
+
+def test_muon_under_fsdp_is_refused_in_one_line():
+    fsdp = types.SimpleNamespace(device=torch.device("cpu"), is_fsdp2=True,
+                                 distributed_type=types.SimpleNamespace(value="FSDP"))
+    with pytest.raises(ConfigError, match=r"^--optimizer muon is not supported under FSDP \(its state is two "
+                                          r"optimizers'\); use DDP, or another optimizer$"):
+        build_optimization(TrainConfig(optimizer="muon"), _mlp(), fsdp, 10)
