@@ -194,3 +194,19 @@ def test_a_rollback_while_a_save_is_in_flight_waits_for_it_and_rolls_back_to_it(
     summary = read_summary(out)
     assert (summary["anomaly_skipped_steps"], summary["anomaly_rollbacks"]) == (1, 1)
     assert [os.path.basename(f) for _, f in list_checkpoints(str(out / "checkpoints"))] == ["step_00000010"]
+
+
+def test_async_checkpoints_of_muon_with_adamw_hold_the_same_bytes_as_sync_ones(tmp_path):
+    """--optimizer muon's state (two optimizers as one state dict) copied to host memory and written in the
+    background: the same files, byte for byte, as the sync save's."""
+    muon = [*ARGS, "--epochs", "1", "--optimizer", "muon"]  # 8 steps, checkpoints 4 and 8
+    sync, background = tmp_path / "sync", tmp_path / "async"
+    assert main_ranks([*muon, "--output_dir", str(sync)]) == [0, 0]
+    assert main_ranks([*muon, "--async_checkpointing", "--output_dir", str(background)]) == [0, 0]
+    for step in (4, 8):
+        mine, theirs = (run / "checkpoints" / f"step_{step:08d}" for run in (background, sync))
+        read_checkpoint(str(mine))
+        names = sorted(name for name in os.listdir(theirs) if name != MARKER_NAME)
+        assert "optimizer.bin" in names and sorted(os.listdir(mine)) == sorted([*names, MARKER_NAME])
+        for name in names:
+            assert sha(mine / name) == sha(theirs / name), f"step {step}: {name} differs from the sync save's"
