@@ -21,7 +21,7 @@ waits in C (a collective, a sleep, a read: they release the GIL) and while it lo
 switches threads every ``sys.getswitchinterval()``, 5 ms). A main thread that holds the GIL in C forever stops the
 watch too: that rank is named "no stack" by the others. Not ``faulthandler.dump_traceback_later`` re-armed per
 step: each call starts and joins an OS thread (CPython's Modules/faulthandler.c, ``cancel_dump_traceback_later``
-then ``PyThread_start_new_thread``: 24x this watch's per-step cost in the benchmark) and the process has one such
+then ``PyThread_start_new_thread``: 66 us a call against 78 ns, benchmarks/hang_watch.py) and the process has one such
 timer, which a user's (or pytest's) own would lose.
 
 On NCCL the flight recorder is switched on before the process group forms (``flight_recorder_env``) and the watch
@@ -134,8 +134,8 @@ class HangWatch:
         """Every thread's stack, then each DataLoader worker's, into hang/rank<R>.txt; returns the text."""
         os.makedirs(self.folder, exist_ok=True)
         with open(self._partial, "w") as stacks:  # the workers append (O_APPEND): after this rank's stacks
-            stacks.write(f"{SECTION}rank {self.rank} (pid {os.getpid()} on {socket.gethostname()}): no optimizer "
-                         f"step for {idle:.1f} s after step {step}\n")
+            stacks.write(f"{SECTION}rank {self.rank} (pid {os.getpid()} on {socket.gethostname()}, main thread "
+                         f"0x{self._main_thread:016x}): no optimizer step for {idle:.1f} s after step {step}\n")
             stacks.flush()
             faulthandler.dump_traceback(file=stacks, all_threads=True)
             for pid in _our_workers():

@@ -19,6 +19,7 @@ from accel_ddp.lifecycle.hang import EXIT_HUNG
 from accel_ddp.lifecycle.hang_stacks import Frame, hang_line, stuck_ranks, summarize, user_frame, waits_in
 from tests.helpers.data import TensorRows
 from tests.helpers.multiproc import RankFailed, run_ranks
+from tests.helpers.runs import main_ranks, read_summary
 
 HANG = ["--hang_timeout", "3", "--ddp_timeout", "60"]
 _calls = itertools.count()  # a user function's calls on this rank (each forked rank has its own)
@@ -100,7 +101,11 @@ def test_a_loss_that_blocks_on_rank_1_is_named_with_its_line(tmp_path, capfd, ti
     assert sorted(os.listdir(out / "hang")) == ["rank0.txt", "rank1.txt"]
     assert "in sleepy_loss" in (out / "hang" / "rank1.txt").read_text()
     assert seconds < 60  # the watch, not --ddp_timeout's 60 s
-    assert (out / "checkpoints" / "step_00000002" / "checkpoint.json").is_file()
+    saved = sorted(os.listdir(out / "checkpoints"))
+    assert saved and saved[-1] == "step_00000004", saved  # steps 2 and 4 were saved before the hang at step 5
+    resumed = [*tiny_args, "--checkpointing_steps", "2", "--resume_from_checkpoint", "auto", "--output_dir", str(out)]
+    assert main_ranks(resumed, 2) == [0, 0]  # the loss that hung left out: the run continues from step 4
+    assert read_summary(out)["resumed_from_step"] == 4
 
 
 @pytest.mark.slow  # a wait for the watch by design, as test_a_loss_that_blocks... shows it
@@ -228,3 +233,40 @@ def test_a_hang_timeout_not_below_the_ddp_timeout_is_refused():
     assert parse_args([]).hang_seconds() == 600
     assert parse_args(["--ddp_timeout", "600"]).hang_seconds() == 0  # off: the collective's timeout comes first
     assert parse_args(["--hang_timeout", "0"]).hang_seconds() == 0
+
+
+@pytest.mark.slow
+def test_two_launchers_on_loopback_give_the_same_line(tmp_path, tiny_args):
+    """Two `accelerate launch --num_machines 2` on 127.0.0.1, one rank each: the ranks meet on torchrun's store, not
+    on a shared process, and machine 0's launcher shows the same line as the forked ranks' (rank 1's frame, sent
+    from the other machine)."""
+    import subprocess
+    import sys
+
+    from tests.helpers.multiproc import free_port
+    from tests.helpers.runs import REPO, TRAIN_SCRIPT, suite_env
+
+    port, out = free_port(), tmp_path / "run"
+    args = [*tiny_args, *HANG, "--loss", f"{__name__}:sleepy_loss", "--output_dir", str(out)]
+    machines = []
+    for rank in (1, 0):
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+               str(REPO / "accelerate_configs" / "2node_8gpu.yaml"), "--num_machines", "2", "--machine_rank",
+               str(rank), "--num_processes", "2", "--main_process_ip", "127.0.0.1", "--main_process_port", str(port),
+               "--mixed_precision", "no", str(TRAIN_SCRIPT), *args]
+        with open(tmp_path / f"machine{rank}.log", "w") as log:  # files, not pipes: a full pipe blocks a rank
+            machines.append(subprocess.Popen(cmd, env=suite_env(), stdout=log, stderr=subprocess.STDOUT, cwd=REPO))
+    try:
+        codes = [proc.wait(timeout=240) for proc in machines]
+    finally:
+        for proc in machines:
+            if proc.poll() is None:
+                proc.kill()
+    logs = {rank: (tmp_path / f"machine{rank}.log").read_text() for rank in (0, 1)}
+    assert codes == [1, 1], logs  # accelerate launch exits 1 when a worker failed; the worker's 124 is in its log
+    lines = [row for row in logs[0].splitlines() if row.startswith("accel_ddp: error:")]
+    where = f"tests/lifecycle/test_hang.py:{_line_of('time.sleep(3600)  # the line')} in sleepy_loss"
+    assert len(lines) == 1 and f"rank 1 is stuck at {where} (after optimizer step" in lines[0], logs
+    assert "rank 0 waiting in backward" in lines[0], lines
+    assert "exitcode  : 124" in logs[0], logs[0][-3000:]
+    assert sorted(os.listdir(out / "hang")) == ["rank0.txt", "rank1.txt"]
