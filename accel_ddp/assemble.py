@@ -279,7 +279,7 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
 def _pauses_after(plan: Plan) -> Callable[[int], bool]:
     """Is optimizer ``step`` followed by more than a step (an evaluation, a save, an epoch's or the run's end)?"""
     cadence = plan.cadence
-    return lambda step: (cadence.evaluates(step) or cadence.saves(step) or step % plan.steps_per_epoch == 0
+    return lambda step: (cadence.evaluates(step) or cadence.saves(step) or step % max(plan.steps_per_epoch, 1) == 0
                          or step >= plan.total_steps)
 
 

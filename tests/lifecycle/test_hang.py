@@ -32,6 +32,15 @@ def sleepy_loss(outputs, batch):
     return torch.nn.functional.cross_entropy(outputs, batch[1])
 
 
+def spinning_loss(outputs, batch):
+    """A user loss that loops in Python forever on rank 1 at its 7th call: the main thread keeps the GIL but for the
+    interpreter's switches, at which the watch's thread runs."""
+    if os.environ.get("RANK") == "1" and next(_calls) == 6:
+        while True:  # the loop the report must name (its jump back is where the thread stands)
+            pass
+    return torch.nn.functional.cross_entropy(outputs, batch[1])
+
+
 class OneRankCollective:
     """A user metric whose update runs a collective on rank 1 only (the others never enter it), after the start-up
     probe's call."""
@@ -89,17 +98,20 @@ def _cli(args: list[str]):
     return lambda: main(args)
 
 
-def test_a_loss_that_blocks_on_rank_1_is_named_with_its_line(tmp_path, capfd, tiny_args):
-    """The loss sleeps on rank 1 after a checkpoint: one line names rank 1 at this module's sleep, rank 0 waits in
-    the backward pass (DDP's all-reduce); both stacks are written; the checkpoint stays and auto resumes from it."""
+@pytest.mark.parametrize("loss", ["sleepy_loss", pytest.param("spinning_loss", marks=pytest.mark.slow)])
+def test_a_loss_that_blocks_on_rank_1_is_named_with_its_line(tmp_path, capfd, tiny_args, loss):
+    """The loss sleeps (or loops in Python) on rank 1 after a checkpoint: one line names rank 1 at this module's line,
+    rank 0 waits in the backward pass (DDP's all-reduce); both stacks are written; the checkpoints stay and auto
+    resumes from the last one."""
     out = tmp_path / "run"
-    line, seconds = hung(_cli([*tiny_args, *HANG, "--loss", f"{__name__}:sleepy_loss", "--checkpointing_steps", "2",
+    line, seconds = hung(_cli([*tiny_args, *HANG, "--loss", f"{__name__}:{loss}", "--checkpointing_steps", "2",
                                "--output_dir", str(out)]), capfd)
-    where = f"tests/lifecycle/test_hang.py:{_line_of('time.sleep(3600)  # the line')} in sleepy_loss"
+    mark = "time.sleep(3600)  # the line" if loss == "sleepy_loss" else "while True:  # the loop"
+    where = f"tests/lifecycle/test_hang.py:{_line_of(mark)} in {loss}"
     assert re.search(rf"rank 1 is stuck at {re.escape(where)} \(after optimizer step [2-6]\)", line), line
     assert "rank 0 waiting in backward" in line and f"stacks in {out / 'hang'}" in line, line
     assert sorted(os.listdir(out / "hang")) == ["rank0.txt", "rank1.txt"]
-    assert "in sleepy_loss" in (out / "hang" / "rank1.txt").read_text()
+    assert f"in {loss}" in (out / "hang" / "rank1.txt").read_text()
     assert seconds < 60  # the watch, not --ddp_timeout's 60 s
     saved = sorted(os.listdir(out / "checkpoints"))
     assert saved and saved[-1] == "step_00000004", saved  # steps 2 and 4 were saved before the hang at step 5
