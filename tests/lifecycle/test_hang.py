@@ -282,3 +282,19 @@ def test_two_launchers_on_loopback_give_the_same_line(tmp_path, tiny_args):
     assert "rank 0 waiting in backward" in lines[0], lines
     assert "exitcode  : 124" in logs[0], logs[0][-3000:]
     assert sorted(os.listdir(out / "hang")) == ["rank0.txt", "rank1.txt"]
+
+
+def test_the_flight_recorder_is_switched_on_where_the_user_has_not(tmp_path, monkeypatch):
+    """GPU runs (set before the process group forms, in distributed/world.py): NCCL's flight recorder on, its dump
+    under OUTPUT_DIR/hang/; a variable the user set is left as it is; nothing with the watch off."""
+    from accel_ddp.lifecycle.hang import flight_recorder_env
+
+    for name in ("TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"):
+        monkeypatch.setenv(name, "")  # recorded as it was: the function's values are undone after the test
+        monkeypatch.delenv(name)
+    flight_recorder_env(str(tmp_path / "run"), 0)
+    assert "TORCH_NCCL_TRACE_BUFFER_SIZE" not in os.environ
+    monkeypatch.setenv("TORCH_NCCL_TRACE_BUFFER_SIZE", "50")
+    flight_recorder_env(str(tmp_path / "run"), 600)
+    assert os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "50" and os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+    assert os.environ["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == str(tmp_path / "run" / "hang" / "nccl_trace_rank_")
