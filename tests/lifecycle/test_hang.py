@@ -252,29 +252,11 @@ def test_two_launchers_on_loopback_give_the_same_line(tmp_path, tiny_args):
     """Two `accelerate launch --num_machines 2` on 127.0.0.1, one rank each: the ranks meet on torchrun's store, not
     on a shared process, and machine 0's launcher shows the same line as the forked ranks' (rank 1's frame, sent
     from the other machine)."""
-    import subprocess
-    import sys
+    from tests.helpers.runs import launch_machines
 
-    from tests.helpers.multiproc import free_port
-    from tests.helpers.runs import REPO, TRAIN_SCRIPT, suite_env
-
-    port, out = free_port(), tmp_path / "run"
-    args = [*tiny_args, *HANG, "--loss", f"{__name__}:sleepy_loss", "--output_dir", str(out)]
-    machines = []
-    for rank in (1, 0):
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-               str(REPO / "accelerate_configs" / "2node_8gpu.yaml"), "--num_machines", "2", "--machine_rank",
-               str(rank), "--num_processes", "2", "--main_process_ip", "127.0.0.1", "--main_process_port", str(port),
-               "--mixed_precision", "no", str(TRAIN_SCRIPT), *args]
-        with open(tmp_path / f"machine{rank}.log", "w") as log:  # files, not pipes: a full pipe blocks a rank
-            machines.append(subprocess.Popen(cmd, env=suite_env(), stdout=log, stderr=subprocess.STDOUT, cwd=REPO))
-    try:
-        codes = [proc.wait(timeout=240) for proc in machines]
-    finally:
-        for proc in machines:
-            if proc.poll() is None:
-                proc.kill()
-    logs = {rank: (tmp_path / f"machine{rank}.log").read_text() for rank in (0, 1)}
+    out = tmp_path / "run"
+    codes, logs = launch_machines([*tiny_args, *HANG, "--loss", f"{__name__}:sleepy_loss", "--output_dir", str(out)],
+                                  2, tmp_path, timeout=240)
     assert codes == [1, 1], logs  # accelerate launch exits 1 when a worker failed; the worker's 124 is in its log
     lines = [row for row in logs[0].splitlines() if row.startswith("accel_ddp: error:")]
     where = f"tests/lifecycle/test_hang.py:{_line_of('time.sleep(3600)  # the line')} in sleepy_loss"
