@@ -148,6 +148,14 @@ class HangWatch:
             return written.read()
 
 
+def pauses_after(plan: Any) -> Callable[[int], bool]:
+    """For the run's plan (``assemble.Plan``: its ``cadence``, ``steps_per_epoch``, ``total_steps``): is optimizer
+    ``step`` followed by more than a step (an evaluation, a save, an epoch's or the run's end)?"""
+    cadence, epoch = plan.cadence, max(plan.steps_per_epoch, 1)
+    return lambda step: (cadence.evaluates(step) or cadence.saves(step) or step % epoch == 0
+                         or step >= plan.total_steps)
+
+
 def report(state: dict, rank: int, world_size: int, seconds: float, folder: str) -> int:
     """Post this rank's ``state`` to the launch's store; the lowest rank that posted prints the line once the others
     posted (``GRACE_S`` at most); every rank leaves once it is out. Returns ``EXIT_HUNG``."""
