@@ -113,6 +113,7 @@ class AfterStep:
         """After optimizer ``step`` (collective where the cadence says): the log line, the preemption flags, the
         evaluation, the save. True: the epoch ends here (early stopping, or the run's last step)."""
         run, cadence = self.run, self.cadence
+        run.hang.step_done(step)  # --hang_timeout: the watch's deadline moves (an attribute store)
         self.non_finite.after_step()
         self.log.step_done(step)
         if cadence.logs(step, self.plan.total_steps):

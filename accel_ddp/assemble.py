@@ -41,6 +41,7 @@ from accel_ddp.finetune import describe_parameters, finetune_facts, prepare_for_
 from accel_ddp.fused_activations import fuse_activations
 from accel_ddp.lifecycle import failure
 from accel_ddp.lifecycle.failure import main_process_decides
+from accel_ddp.lifecycle.hang import HangWatch, pauses_after
 from accel_ddp.lifecycle.preemption import (
     Preempted,
     PreemptionWatcher,
@@ -143,6 +144,7 @@ class Run:
     tokenizer: PreTrainedTokenizerBase | None  # text tasks: saved beside a Transformers model's final weights
     bar: tqdm  # the progress bar: closed by the teardown, so an error never shares its line
     anomalies: AnomalyGuard | None  # --on_anomaly skip|rollback, --spike_factor (None: the loop as it was)
+    hang: HangWatch  # --hang_timeout: after_step tells it of every step (lifecycle/hang.py; off: no thread)
 
 
 def _check_eval_set(cfg: TrainConfig, data) -> None:
@@ -269,10 +271,12 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
         warn(line, ranks="main")
     bar = progress_bar(plan.total_steps, start_step, accelerator.is_local_main_process)
     teardown.callback(bar.close)  # first on an error: the bar's line ends before any rank prints the error
+    hang = HangWatch.start(cfg.hang_seconds(), cfg.output_dir, start_step, pauses_after=pauses_after(plan))
+    teardown.callback(hang.stop)  # before the failure's claim: a watch that found a hang ends the process itself
     return Run(cfg=cfg, accelerator=accelerator, model=model, task=task, optimizer=optimizer, scheduler=scheduler,
                train_loader=loaders.train, eval_loader=loaders.eval, plan=plan, facts=facts, recorder=recorder,
                checkpoints=checkpoints, preemption=preemption, start_step=start_step, started=started,
-               startup=startup, tokenizer=data.tokenizer, bar=bar, anomalies=anomalies)
+               startup=startup, tokenizer=data.tokenizer, bar=bar, anomalies=anomalies, hang=hang)
 
 
 def _checkpoints(cfg: TrainConfig, accelerator: Accelerator, teardown: ExitStack, facts: dict[str, Any],

@@ -30,6 +30,7 @@ from accel_ddp.config.choices import (
     COMM_HOOKS,
     DDP_TIMEOUT_MAX,
     DEFAULT_GLOBAL_BATCH,
+    HANG_TIMEOUT_DEFAULT,
     LOADERS,
     LR_SCHEDULES,
     MODEL_STATE_MAX_BYTES,
@@ -254,6 +255,11 @@ class TrainConfig:
     ddp_comm_hook: str = _opt("none", "compress gradients for the all-reduce: none, fp16 or bf16")
     ddp_timeout: int = _opt(1800, "seconds a collective may wait for a missing rank before the job fails",
                             low=1, high=DDP_TIMEOUT_MAX)
+    hang_timeout: float | None = _opt(
+        None, "seconds without an optimizer step on some rank (start-up, an evaluation or a save: twice that) before "
+        "every rank writes its stacks to OUTPUT_DIR/hang/ and the run ends naming the stuck rank's line (exit 124); "
+        "default 600, off where --ddp_timeout is not above it; 0: off; must be below --ddp_timeout", low=0,
+        high=DDP_TIMEOUT_MAX)
     compile: bool = _opt(False, "torch.compile the model (first steps are slower while it compiles)")
     cuda_graphs: bool = _opt(
         False, "CUDA only, unmeasured: capture the whole optimizer step once as a CUDA graph and replay it (AdamW, "
@@ -340,6 +346,10 @@ class TrainConfig:
             raise ConfigError(f"--store_timeout {self.store_timeout:g} s is not less than --ddp_timeout "
                               f"{self.ddp_timeout} s: the other ranks' wait for a save would fail first, without "
                               "naming the store; lower --store_timeout or raise --ddp_timeout")
+        if self.hang_timeout and self.hang_timeout >= self.ddp_timeout:  # a collective's timeout would come first
+            raise ConfigError(f"--hang_timeout {self.hang_timeout:g} s is not less than --ddp_timeout "
+                              f"{self.ddp_timeout} s: a hang would end in a collective's timeout, naming no line; "
+                              "lower --hang_timeout or raise --ddp_timeout")
         if self.init_from is not None and not self.init_from.endswith(".safetensors"):
             raise ConfigError(f"--init_from {show(self.init_from)}: expected a .safetensors weights file, "
                               "e.g. OUTPUT_DIR/model.safetensors")
@@ -424,6 +434,13 @@ class TrainConfig:
                     f"multiple of {world_size * n}")
             per_device = derived // (world_size * n)
         self.global_batch_size, self.per_device_batch_size, self.gradient_accumulation_steps = derived, per_device, None
+
+    def hang_seconds(self) -> float:
+        """--hang_timeout resolved: given, it; else ``HANG_TIMEOUT_DEFAULT`` where --ddp_timeout is above it, else 0
+        (off: a collective would time out first)."""
+        if self.hang_timeout is not None:
+            return float(self.hang_timeout)
+        return HANG_TIMEOUT_DEFAULT if self.ddp_timeout > HANG_TIMEOUT_DEFAULT else 0.0
 
     def warmup_for(self, total_steps: int) -> int:
         """Warmup in optimizer steps: --warmup_steps, or ceil(--warmup_ratio x total steps)."""
