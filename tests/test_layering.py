@@ -18,8 +18,8 @@ ROOT = Path(__file__).resolve().parent.parent / "accel_ddp"
 LAYERS = [
     {"util"}, {"config"}, {"lifecycle"}, {"outputs"}, {"tracking", "checkpoint"}, {"distributed"}, {"data"},
     {"tasks"}, {"models", "optim", "fused_activations", "regional_compile", "step_graph", "finetune"},
-    {"step", "anomaly", "evaluate", "auto_batch"},
-    {"assemble"}, {"after_step"}, {"loop"},
+    {"step", "anomaly", "evaluation", "auto_batch"},
+    {"assemble"}, {"after_step", "inference"}, {"loop"},
     {"cli", "accel_ddp"},
     {"__main__"},
 ]
