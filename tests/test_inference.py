@@ -19,7 +19,7 @@ import torch
 
 from accel_ddp.cli.commands import build_parser
 from tests.helpers.multiproc import run_ranks
-from tests.helpers.runs import REPO, read_metrics, read_summary, suite_env, train_ranks
+from tests.helpers.runs import REPO, SCRIPTS, launch, read_metrics, read_summary, suite_env, train_ranks
 from tests.helpers.text import Sequences, tiny_gpt  # and GPT-2's modelling, loaded here once for the forked ranks
 
 DIGITS = ["--dataset", "digits", "--model", "mlp", "--hidden_size", "64", "--global_batch_size", "64",
@@ -188,6 +188,27 @@ def test_python_m_accel_ddp_evaluate_prints_and_writes_the_runs_figures(digits_r
     printed = json.loads(result.stdout)
     assert printed == json.loads((tmp_path / "eval.json").read_text())
     assert_same_figures(printed, read_summary(run))
+
+
+def test_train_then_evaluate_in_one_process_forms_the_group_again_on_two_ranks(tmp_path):
+    """Accelerate keeps its state of the group that train() ended: evaluate() after it forgets that, and joins anew."""
+    from accel_ddp import TrainConfig, evaluate, train
+
+    def fn():
+        summary = train(TrainConfig(dataset="digits", max_steps=4, hidden_size=32, output_dir=str(tmp_path / "run")))
+        return summary["eval_loss"], evaluate(str(tmp_path / "run"))["eval_loss"]
+
+    for trained, evaluated in run_ranks(fn, 2):
+        assert evaluated == pytest.approx(trained, rel=1e-6)
+
+
+@pytest.mark.slow  # a real launch: torchrun's store outlives each group, with the ended group's gloo addresses in it
+def test_a_script_that_trains_then_evaluates_and_predicts_runs_under_accelerate_launch(tmp_path):
+    result = launch([str(tmp_path / "run")], script=SCRIPTS / "train_then_evaluate.py")
+    assert result.returncode == 0, result.stderr[-3000:]
+    figures = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert len(figures) == 2 and figures[0] == figures[1] and figures[0]["rows"] == 360
+    assert figures[0]["first"] == figures[0]["again"] == pytest.approx(figures[0]["summary"], rel=1e-6)
 
 
 # ----------------------------------------------------------------------------- text: causal_lm, LoRA
