@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from collections.abc import Sized
 from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
@@ -51,20 +52,23 @@ class Rebuilt:
     model: torch.nn.Module  # on the device, in the launch's mixed precision, not wrapped in DDP
     task: Task
     loader: EvalLoader  # the eval loader the run had (beside its training loader's kind), at this world size
+    samples: int | None  # in the eval set; None for a stream
 
 
-def evaluate(run: str | TrainedRun, out: str | None = None, *, data_dir: str | None = None) -> dict[str, Any]:
+def evaluate(run: str | TrainedRun, out: str | None = None, *, data_dir: str | None = None, model=None,
+             eval_dataset=None, collate_fn=None) -> dict[str, Any]:
     """The run's eval metrics (summary.json's keys: ``eval_loss``, ``eval_accuracy`` or the task's, ``eval_samples``)
     with its final weights, or a checkpoint's (``run``: ``OUTPUT_DIR/checkpoints/step_XXXXXXXX``); the same on every
     rank, and as the run's own evaluation of those weights (to float rounding) at any world size. ``optimizer_steps``
     says which weights. ``out``: also written there as JSON (main process). ``data_dir``: the run's data, where it is
-    now if it moved.
+    now if it moved. A run trained on objects of your own (``train(cfg, model=..., eval_dataset=...)``) cannot be
+    rebuilt from its config.yaml: pass them again (``model`` of the same architecture: its weights are replaced).
 
         >>> evaluate("outputs/run")["eval_accuracy"]
         0.9583333333333334
     """
     with ExitStack() as teardown:
-        rebuilt = rebuild(run, teardown, data_dir)
+        rebuilt = rebuild(run, teardown, data_dir, model=model, eval_dataset=eval_dataset, collate_fn=collate_fn)
         metrics = evaluate_on_every_rank(rebuilt.accelerator, rebuilt.model, rebuilt.loader, rebuilt.task)
         result = {**metrics, "optimizer_steps": rebuilt.trained.step}
         if out is not None:
@@ -72,7 +76,8 @@ def evaluate(run: str | TrainedRun, out: str | None = None, *, data_dir: str | N
         return result
 
 
-def predict(run: str | TrainedRun, out: str, *, data_dir: str | None = None) -> int:
+def predict(run: str | TrainedRun, out: str, *, data_dir: str | None = None, model=None, eval_dataset=None,
+            collate_fn=None) -> int:
     """Write ``out`` (JSON Lines; main process): one row per eval sample, in the eval set's order, each sample once,
     the same file at any world size. Returns the number of rows.
 
@@ -80,14 +85,14 @@ def predict(run: str | TrainedRun, out: str, *, data_dir: str | None = None) -> 
     the likeliest class id and the sample's own (left out where the eval set has no labels). ``causal_lm``: per
     position that has a next token, the likeliest next token id and the real one, ``{"index": 0, "prediction": [..],
     "label": [..]}``. Either way the share of rows' predictions equal to their labels is ``eval_accuracy``.
+    ``data_dir``, ``model``, ``eval_dataset``, ``collate_fn``: as for :func:`evaluate`.
     """
     with ExitStack() as teardown:
-        rebuilt = rebuild(run, teardown, data_dir)
+        rebuilt = rebuild(run, teardown, data_dir, model=model, eval_dataset=eval_dataset, collate_fn=collate_fn)
         fields = predictions(rebuilt.accelerator, rebuilt.model, rebuilt.loader, rebuilt.task)
         rows = prediction_rows(fields)
-        expected = len(rebuilt.loader.dataset) if hasattr(rebuilt.loader, "dataset") else None
-        if expected is not None and len(rows) != expected:  # the guarantee, checked: every sample once
-            raise RuntimeError(f"predict made {len(rows)} rows for an eval set of {expected} samples")
+        if rebuilt.samples is not None and len(rows) != rebuilt.samples:  # the guarantee, checked: every sample once
+            raise RuntimeError(f"predict made {len(rows)} rows for an eval set of {rebuilt.samples} samples")
         _write(rebuilt.accelerator, out, "".join(f"{row}\n" for row in rows))
         return len(rows)
 
@@ -110,9 +115,11 @@ def prediction_rows(fields: dict[str, torch.Tensor]) -> list[str]:
     return rows
 
 
-def rebuild(run: str | TrainedRun, teardown: ExitStack, data_dir: str | None = None) -> Rebuilt:
+def rebuild(run: str | TrainedRun, teardown: ExitStack, data_dir: str | None = None, *, model=None, eval_dataset=None,
+            collate_fn=None) -> Rebuilt:
     """Join this launch's process group and rebuild ``run`` as its training did: the task, the data, the model with
-    the weights asked for (a checkpoint's proven whole first), the eval loader. ``teardown`` ends the group."""
+    the weights asked for (a checkpoint's proven whole first), the eval loader. ``teardown`` ends the group.
+    ``model``, ``eval_dataset``, ``collate_fn``: the caller's, as ``train()`` takes them, instead of the config's."""
     trained = run if isinstance(run, TrainedRun) else find_trained(run, data_dir)
     cfg = _inference_config(trained)
     accelerator, per_device, _ = build_accelerator(cfg)
@@ -123,19 +130,22 @@ def rebuild(run: str | TrainedRun, teardown: ExitStack, data_dir: str | None = N
                           "one process), not FSDP")
     set_seed(cfg.seed)  # the model's fresh parts (none once the weights load) and the eval loader as in training
     task = configured_task(cfg)
-    data = resolve_data(cfg, accelerator, None, None)
+    # A caller's eval set stands in for the training set too: resolve_data reads its samples' shape from it
+    data = resolve_data(cfg, accelerator, eval_dataset, eval_dataset, collate_fn)
     if data.eval is None:
         raise ConfigError(f"{trained.output_dir}: --dataset {cfg.dataset} has no eval set, so there is nothing to "
                           "evaluate or predict; give a run trained on a dataset with an eval split")
-    model = build_run_model(cfg, accelerator, None, data, task.memory_format)
-    _load(accelerator, model, trained)
+    given = model is not None
+    model = build_run_model(cfg, accelerator, model, data, task.memory_format)
+    _load(accelerator, model, trained, given)
     if cfg.fused_kernels:  # what the run evaluated with: the same math, fewer kernels
         fuse_activations(model)
     model = accelerator.prepare_model(model, evaluation_mode=True)  # device, mixed precision; no DDP
     loader = build_eval_loader_beside(accelerator, data.eval, trained.facts.get("loader", "dataloader"),
                                       cfg.eval_batch_size or 2 * per_device, 0 if cfg.debug else cfg.num_workers,
                                       data.collate_fn)
-    return Rebuilt(trained, accelerator, model, task, loader)
+    samples = len(data.eval) if isinstance(data.eval, Sized) else None
+    return Rebuilt(trained, accelerator, model, task, loader, samples)
 
 
 def _inference_config(trained: TrainedRun):
@@ -147,10 +157,21 @@ def _inference_config(trained: TrainedRun):
                                resume_from_checkpoint=None, init_from=cfg.init_from if keeps_base else None)
 
 
-def _load(accelerator: Accelerator, model: torch.nn.Module, trained: TrainedRun) -> None:
+def _load(accelerator: Accelerator, model: torch.nn.Module, trained: TrainedRun, given: bool) -> None:
     """The final weights, or the checkpoint's once its manifest proves every file whole (every key and shape checked;
-    a fine-tuned run's checkpoint holds the adapter only, checked against the base's fingerprint)."""
+    a fine-tuned run's checkpoint holds the adapter only, checked against the base's fingerprint). ``given``: the
+    caller passed the model."""
     source = "the run's weights" if trained.checkpoint is None else "the checkpoint's weights"
+    try:
+        _load_checked(accelerator, model, trained, source)
+    except ConfigError as err:
+        if given or "different model" not in str(err):
+            raise
+        raise ConfigError(f"{err} (trained on a model object of your own? pass it again: evaluate(run, model=...))"
+                          ) from None
+
+
+def _load_checked(accelerator: Accelerator, model: torch.nn.Module, trained: TrainedRun, source: str) -> None:
     if trained.checkpoint is None:
         load_weights(model, trained.weights, source=source)
         return

@@ -202,6 +202,39 @@ def test_train_then_evaluate_in_one_process_forms_the_group_again_on_two_ranks(t
         assert evaluated == pytest.approx(trained, rel=1e-6)
 
 
+def _mine() -> tuple[torch.nn.Module, torch.utils.data.TensorDataset, torch.utils.data.TensorDataset]:
+    """README's Python example, smaller: a model and datasets of the caller's own."""
+    torch.manual_seed(0)
+    x = torch.randn(600, 20)
+    y = (x @ torch.randn(20, 3)).argmax(dim=1)
+    model = torch.nn.Sequential(torch.nn.Linear(20, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    return model, torch.utils.data.TensorDataset(x[:500], y[:500]), torch.utils.data.TensorDataset(x[500:], y[500:])
+
+
+def test_a_run_of_the_callers_own_model_and_data_evaluates_with_them_passed_again(tmp_path):
+    from accel_ddp import ConfigError, TrainConfig, evaluate, predict, train
+
+    out = str(tmp_path / "mine")
+
+    def fn():
+        model, train_set, eval_set = _mine()
+        return train(TrainConfig(global_batch_size=50, epochs=2, output_dir=out), model=model,
+                     train_dataset=train_set, eval_dataset=eval_set)
+
+    summary = run_ranks(fn, 2)[0]
+
+    def again():
+        model, _, eval_set = _mine()  # fresh weights: the run's replace them
+        with pytest.raises(ConfigError, match="holds the weights of a different model.*pass it again"):
+            evaluate(out)  # config.yaml names the default --model and --dataset, which this run never used
+        return evaluate(out, model=model, eval_dataset=eval_set), predict(out, str(tmp_path / "p.jsonl"),
+                                                                          model=model, eval_dataset=eval_set)
+
+    for metrics, rows in run_ranks(again, 2):
+        assert_same_figures(metrics, summary)
+        assert rows == 100
+
+
 @pytest.mark.slow  # a real launch: torchrun's store outlives each group, with the ended group's gloo addresses in it
 def test_a_script_that_trains_then_evaluates_and_predicts_runs_under_accelerate_launch(tmp_path):
     result = launch([str(tmp_path / "run")], script=SCRIPTS / "train_then_evaluate.py")
