@@ -40,6 +40,7 @@ from accel_ddp.outputs.files import written
 from accel_ddp.outputs.trained import TrainedRun, find_trained
 from accel_ddp.tasks.protocol import IGNORE_INDEX, Task
 from accel_ddp.util.atomic import atomic_write_text
+from accel_ddp.util.ranks import launch_world_size
 from accel_ddp.util.validation import ConfigError
 
 
@@ -150,11 +151,20 @@ def rebuild(run: str | TrainedRun, teardown: ExitStack, data_dir: str | None = N
 
 def _inference_config(trained: TrainedRun):
     """The run's config for evaluation: no compilation (the same figures without its warm-up), no trackers, no resume,
-    and ``--init_from`` only where the weights to load leave the base out (a fine-tuned run's checkpoint)."""
+    and ``--init_from`` only where the weights to load leave the base out (a fine-tuned run's checkpoint). A launch
+    whose world size does not divide the run's global batch still evaluates: the batch only sizes the eval batches."""
     cfg = trained.cfg
     keeps_base = trained.checkpoint is not None and cfg.peft is not None
-    return dataclasses.replace(cfg, compile=False, compile_regions=False, cuda_graphs=False, with_tracking=False,
-                               resume_from_checkpoint=None, init_from=cfg.init_from if keeps_base else None)
+    cfg = dataclasses.replace(cfg, compile=False, compile_regions=False, cuda_graphs=False, with_tracking=False,
+                              resume_from_checkpoint=None, init_from=cfg.init_from if keeps_base else None)
+    world = launch_world_size()
+    try:
+        dataclasses.replace(cfg).batch_layout(world)  # on a copy: it resolves --gradient_accumulation_steps in place
+    except ConfigError:
+        share = max(1, (cfg.global_batch_size or world) // world)
+        cfg = dataclasses.replace(cfg, global_batch_size=share * world, per_device_batch_size=share,
+                                  gradient_accumulation_steps=None, eval_batch_size=cfg.eval_batch_size or 2 * share)
+    return cfg
 
 
 def _load(accelerator: Accelerator, model: torch.nn.Module, trained: TrainedRun, given: bool) -> None:

@@ -81,6 +81,13 @@ def test_evaluate_gives_the_runs_own_final_figures_on_one_and_two_ranks(digits_r
     assert written == two[0] and written["eval_samples"] == 360
 
 
+def test_three_ranks_evaluate_a_run_whose_global_batch_they_do_not_divide(digits_runs):
+    run = digits_runs["dataloader"]
+    assert read_summary(run)["global_batch_size"] == 64
+    for result in evaluate_ranks(run, 3):
+        assert_same_figures(result, read_summary(run))
+
+
 @pytest.mark.parametrize("loader", ["device", "dataloader"])
 def test_a_checkpoint_evaluates_to_the_figures_of_its_step(digits_runs, loader):
     run = digits_runs[loader]
