@@ -25,26 +25,28 @@ RUN_HELP = "a finished run's --output_dir (its final model.safetensors), or one 
 DATA_DIR_HELP = "where the run's data is now, if it moved since training (default: the run's --data_dir)"
 
 
+COMMANDS = {  # name: (help, description, --out's help, --out required)
+    "evaluate": ("evaluate a trained run (or a checkpoint) on its eval set, on every rank of the launch",
+                 "Rebuild a run from its config.yaml, load its final weights (or a checkpoint's, proven whole first) "
+                 "and evaluate them on the run's eval set, each sample once on any number of processes. Prints the "
+                 "metrics (summary.json's keys) as JSON.",
+                 "also write the metrics there, as JSON", False),
+    "predict": ("write a trained run's prediction for each eval sample (JSON Lines, in the eval set's order)",
+                "Rebuild a run as evaluate does and write one JSON row per eval sample, in the eval set's order, the "
+                "same file on any number of processes: {\"index\", \"prediction\", \"label\"} (a class id; for "
+                "causal_lm, the next-token ids of each position that has one).",
+                "where to write the rows (FILE.jsonl)", True),
+}
+
+
 def add_commands(commands) -> None:
     """The ``evaluate`` and ``predict`` subcommands of ``accel-ddp`` (``commands``: its subparsers)."""
-    evaluate = commands.add_parser(
-        "evaluate", help="evaluate a trained run (or a checkpoint) on its eval set, on every rank of the launch",
-        description="Rebuild a run from its config.yaml, load its final weights (or a checkpoint's, proven whole "
-                    "first) and evaluate them on the run's eval set, each sample once on any number of processes. "
-                    "Prints the metrics (summary.json's keys) as JSON.")
-    evaluate.add_argument("run", metavar="RUN_OR_CHECKPOINT", help=RUN_HELP)
-    evaluate.add_argument("--out", default=None, help="also write the metrics there, as JSON")
-    evaluate.add_argument("--data_dir", default=None, help=DATA_DIR_HELP)
-    evaluate.set_defaults(func=run)
-    predict = commands.add_parser(
-        "predict", help="write a trained run's prediction for each eval sample (JSON Lines, in the eval set's order)",
-        description="Rebuild a run as evaluate does and write one JSON row per eval sample, in the eval set's "
-                    "order, the same file on any number of processes: {\"index\", \"prediction\", \"label\"} (a "
-                    "class id; for causal_lm, the next-token ids of each position that has one).")
-    predict.add_argument("run", metavar="RUN_OR_CHECKPOINT", help=RUN_HELP)
-    predict.add_argument("--out", required=True, metavar="FILE.jsonl", help="where to write the rows")
-    predict.add_argument("--data_dir", default=None, help=DATA_DIR_HELP)
-    predict.set_defaults(func=run)
+    for name, (short, description, out_help, out_required) in COMMANDS.items():
+        command = commands.add_parser(name, help=short, description=description)
+        command.add_argument("run", metavar="RUN_OR_CHECKPOINT", help=RUN_HELP)
+        command.add_argument("--out", default=None, required=out_required, help=out_help)
+        command.add_argument("--data_dir", default=None, help=DATA_DIR_HELP)
+        command.set_defaults(func=run)
 
 
 def main(args: argparse.Namespace) -> int:

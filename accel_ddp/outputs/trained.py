@@ -127,8 +127,11 @@ def _read_json(path: str) -> dict[str, Any] | None:
 def _newest_checkpoint_hint(output_dir: str) -> str:
     """Where to evaluate instead: the newest complete checkpoint, if any."""
     root = os.path.join(output_dir, CHECKPOINTS_DIR)
-    names = sorted(name for name in (os.listdir(root) if os.path.isdir(root) else ())
-                   if _STEP_DIR.match(name) and os.path.isfile(os.path.join(root, name, MARKER_NAME)))
+    try:
+        names = sorted(name for name in (os.listdir(root) if os.path.isdir(root) else ())
+                       if _STEP_DIR.match(name) and os.path.isfile(os.path.join(root, name, MARKER_NAME)))
+    except OSError:  # a folder we may not list: no hint, the line stays one line
+        names = []
     if names:
         return f"give one of its checkpoints, e.g. {os.path.join(root, names[-1])}"
     return "and it has no complete checkpoint either; train it to its end (or with --checkpointing_steps) first"
