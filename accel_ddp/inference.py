@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import set_seed
+from accelerate.utils import DistributedType, set_seed
 
 from accel_ddp.assemble import EvalLoader, build_run_model, claim_failure, configured_task
 from accel_ddp.checkpoint.manifest import CorruptCheckpoint, read_checkpoint
@@ -126,10 +126,10 @@ def rebuild(run: str | TrainedRun, teardown: ExitStack, data_dir: str | None = N
     accelerator, per_device, _ = build_accelerator(cfg)
     teardown.callback(accelerator.end_training)
     teardown.push(claim_failure)  # before the group goes: a failure is this rank's own, reported once per launch
-    if accelerator.is_fsdp2 or accelerator.distributed_type.value == "FSDP":
+    if accelerator.distributed_type == DistributedType.FSDP:
         raise ConfigError("evaluate and predict run the whole model on each rank; launch them with a DDP config (or "
                           "one process), not FSDP")
-    set_seed(cfg.seed)  # the model's fresh parts (none once the weights load) and the eval loader as in training
+    set_seed(cfg.seed)  # as training did before it built the model (whose weights are then replaced)
     task = configured_task(cfg)
     # A caller's eval set stands in for the training set too: resolve_data reads its samples' shape from it
     data = resolve_data(cfg, accelerator, eval_dataset, eval_dataset, collate_fn)

@@ -66,7 +66,8 @@ def find_trained(path: str, data_dir: str | None = None) -> TrainedRun:
         raise ConfigError(f"{path} holds no finished run (no {missing}: still training, or stopped before its end); "
                           f"{_newest_checkpoint_hint(path)}")
     cfg, facts = read_config(path, data_dir)
-    step = summary.get("optimizer_steps") if isinstance(summary, dict) else None
+    # --load_best_model_at_end: the final weights are the best step's (checkpoint/best.py's final_weights_step)
+    step = summary.get("final_weights_step", summary.get("optimizer_steps"))
     return TrainedRun(path, cfg, facts, os.path.join(path, WEIGHTS_NAME), None, step if type(step) is int else None)
 
 
