@@ -47,7 +47,7 @@ from accel_ddp.lifecycle.preemption import (
     restart_hazard,
 )
 from accel_ddp.models import build_configured_model, set_attn_implementation
-from accel_ddp.optim import build_lr_scheduler, build_optimizer, use_fused_optimizer
+from accel_ddp.optim_user import build_optimization, check_optimization
 from accel_ddp.outputs.run_dir import (
     RunFinished,
     check_output_dir,
@@ -157,8 +157,11 @@ def _check_eval_set(cfg: TrainConfig, data) -> None:
 
 
 def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None, eval_dataset=None, *,
-          loss_fn=None, metrics=(), collate_fn=None, preemption: PreemptionWatcher | None = None) -> Run:
+          loss_fn=None, metrics=(), collate_fn=None, preemption: PreemptionWatcher | None = None,
+          optimizer=None, lr_scheduler=None) -> Run:
     """Join the process group, build data, model, optimizer and schedule, and agree on where to start.
+
+    ``optimizer`` and ``lr_scheduler``: the Python API's own (accel_ddp/optim_user.py), else the flags'.
 
     A preemption signal during start-up stops every rank together at the end of the phase it came in
     (``Preempted`` with nothing saved): the ranks compare their flags there.
@@ -175,6 +178,7 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
         preemption.check_start_up(name)
 
     accelerator, per_device_batch, accumulation = _join(cfg, teardown, preemption)
+    check_optimization(cfg, model, optimizer, lr_scheduler)  # an unknown optimizer or keyword: now, before the data
     phase_done("process_group")
 
     if cfg.debug:
@@ -225,16 +229,14 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
 
     if cfg.cuda_graphs:  # what only the launch and the loaders tell (the options' clashes: config/checks.py)
         _refuse_graphs(cfg, accelerator, plan.accumulation, loaders.kind)
-    optimizer = build_optimizer(cfg.optimizer, model, cfg.lr, cfg.weight_decay,
-                                fused=use_fused_optimizer(cfg.optimizer, accelerator.device.type, accelerator.is_fsdp2),
-                                capturable=cfg.cuda_graphs)
+    optimization = build_optimization(cfg, model, accelerator, plan.total_steps, optimizer, lr_scheduler)
     # --warmup_ratio (issue 22): a fraction of this run's total steps, so resolved here, once the total is known
     warmup = cfg.warmup_for(plan.total_steps)
     if warmup > plan.total_steps:  # still a run (a smoke test, a short resume), but not the schedule asked for
         warn(f"--warmup_steps {warmup} is longer than this run's {plan.total_steps} optimizer steps: the learning rate "
              f"never reaches --lr {cfg.lr:g} (at most {cfg.lr * plan.total_steps / warmup:.3g}); lower --warmup_steps "
              "or train longer", ranks="main")
-    scheduler = build_lr_scheduler(optimizer, cfg.lr_schedule, warmup, plan.total_steps)
+    optimizer, scheduler = optimization.optimizer, optimization.scheduler
     with construction_stream(cfg.cuda_graphs):  # DDP built on a side stream before a whole-step capture
         model, optimizer, scheduler = prepare(accelerator, model, optimizer, scheduler)
     probe_task(task, accelerator, model, data, evaluates=loaders.eval is not None, loaders=loaders)
@@ -244,7 +246,8 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
     teardown.callback(claim_output_dir(accelerator, cfg.output_dir).release)
     recorder = RunRecorder(cfg.output_dir, accelerator.is_main_process, accelerator=accelerator)
     teardown.callback(recorder.close)
-    facts = {**_run_facts(cfg, accelerator, plan, loaders.kind, loaders.source), **tuned}
+    facts = {**_run_facts(cfg, accelerator, plan, loaders.kind, loaders.source), **tuned,
+             "optimizer": optimization.name}  # a user's optimizer by its class: a resume must give the same
     anomalies = AnomalyGuard(cfg, accelerator, recorder) if cfg.on_anomaly != "stop" or cfg.spike_factor else None
     state = TrainState(accelerator=accelerator, model=model, optimizer=optimizer, scheduler=scheduler,
                        # the best model and early stopping (checkpoint/best.py): their records go with each checkpoint
@@ -254,9 +257,10 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
     checkpoints.store.stopping = lambda: preemption.signalled  # a store call under way gives up soon after a signal
     block = StartupBlock.describe(cfg, facts, epochs=plan.num_epochs, workers=_workers(loaders.train), model=named,
                                   data_sizes=_debug_sizes(cfg, data), cpus=usable_cpus(),
-                                  examples=(_length(data.train), _length(data.eval)))
-    start_step = _agree_start(cfg, accelerator, checkpoints, (optimizer, scheduler), plan, recorder, facts, block,
-                              preemption)
+                                  examples=(_length(data.train), _length(data.eval)),
+                                  optimization=optimization.lines)
+    start_step = _agree_start(cfg, accelerator, checkpoints, (optimizer, scheduler, optimization.schedule_from_flags),
+                              plan, recorder, facts, block, preemption)
     if anomalies is not None:
         anomalies.begin(start_step)  # a resumed run's log continues; a fresh start forgets an earlier run's
     phase_done("resume_and_config")
@@ -275,7 +279,7 @@ def _checkpoints(cfg: TrainConfig, accelerator: Accelerator, teardown: ExitStack
     """Where checkpoints go (the output folder or --checkpoint_dir's store, claimed), what they hold (``state``)
     and, with --async_checkpointing, their writer thread."""
     checkpoints = CheckpointManager(accelerator, cfg.output_dir, cfg.keep_last,
-                                    {**facts, "seed": cfg.seed, "optimizer": cfg.optimizer, "model": cfg.model,
+                                    {**facts, "seed": cfg.seed, "model": cfg.model,
                                      **{name: getattr(cfg, name) for name in HYPERPARAMETERS}},
                                     state=state, checkpoint_dir=cfg.checkpoint_dir, store_timeout=cfg.store_timeout,
                                     async_timeout=cfg.ddp_timeout if cfg.async_checkpointing else None)
@@ -290,9 +294,9 @@ def _agree_start(cfg: TrainConfig, accelerator: Accelerator, checkpoints: Checkp
                  preemption: PreemptionWatcher) -> int:
     """The step this run starts after (every rank agrees: checkpoint/start.py), then the trackers, the config and
     the start-up block: nothing an earlier run left is touched before the start point is known."""
-    optimizer, scheduler = state
+    optimizer, scheduler, flags_win = state
     try:
-        start_step = where_to_start(cfg, accelerator, checkpoints, optimizer, scheduler, plan.total_steps)
+        start_step = where_to_start(cfg, accelerator, checkpoints, optimizer, scheduler, plan.total_steps, flags_win)
     except RunFinished as done:  # said, nothing written
         block.start = finished(done.summary["optimizer_steps"])
         _say(block, accelerator.is_main_process)

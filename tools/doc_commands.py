@@ -45,7 +45,8 @@ MAYBE_PATH_FLAGS = ("model", "tokenizer", "model_name_or_path", "tokenizer_name"
 LOCAL = re.compile(r"^(\.{0,2}/|outputs/|data/|examples/|accelerate_configs/|tests/)|\.(json|ya?ml|csv|parquet)$")
 USER_FUNCTION = re.compile(r"^([A-Za-z_][\w.]*):([A-Za-z_]\w*)$")
 # Scripts that train with an output folder of their own: path -> its default --output_dir.
-SCRIPT_OUTPUT_DIRS = {"examples/custom_model_and_data.py": "outputs/custom_example"}
+SCRIPT_OUTPUT_DIRS = {"examples/custom_model_and_data.py": "outputs/custom_example",
+                      "examples/optimizers.py": "outputs/own_optimizer"}
 
 
 @dataclasses.dataclass

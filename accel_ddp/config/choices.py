@@ -38,8 +38,6 @@ DEBUG_MAX_STEPS = 10  # --debug: a handful of optimizer steps is enough to surfa
 
 LR_SCHEDULES = ("constant", "linear", "cosine")
 
-OPTIMIZERS = ("sgd", "adamw")
-
 # --report_to names: Accelerate's trackers (accelerate.tracking.LOGGER_TYPE_TO_CLASS, listed here because
 # this module imports no torch) and accel_ddp's csv. "all" = every one whose package is installed, plus csv.
 ACCELERATE_TRACKERS = ("tensorboard", "wandb", "mlflow", "comet_ml", "aim", "clearml", "dvclive", "swanlab", "trackio")

@@ -14,6 +14,7 @@ from accel_ddp.config.checks import (
     _check_cuda_graphs,
     _check_data,
     _check_hf_fields,
+    _check_optimizer,
     _check_peft,
     _check_per_device,
     _check_rollback,
@@ -21,6 +22,7 @@ from accel_ddp.config.checks import (
     _check_tracking,
     _check_urls,
     _gib,
+    optimizer_kwargs_text,
     warn_deprecated,
 )
 from accel_ddp.config.choices import (
@@ -32,7 +34,6 @@ from accel_ddp.config.choices import (
     LR_SCHEDULES,
     MODEL_STATE_MAX_BYTES,
     ON_ANOMALY,
-    OPTIMIZERS,
     RENAMED_VALUES,
     REPORT_TO,
     RESNET18_PARAMS_AT_WIDTH_64,
@@ -151,7 +152,14 @@ class TrainConfig:
         None, "micro-batches per optimizer step: the global batch is then processes x per-device x this "
         "(resolved once the world size is known; config.yaml holds the result)", low=1, high=65536)
     lr: float = _opt(3e-3, "peak learning rate, reached after --warmup_steps")
-    optimizer: str = _opt("adamw", "optimizer: sgd (momentum 0.9, nesterov) or adamw")
+    optimizer: str = _opt(
+        "adamw", "any torch.optim optimizer by name, any case (adamw, sgd: momentum 0.9 nesterov, adam, radam, nadam, "
+        "rmsprop, adagrad, adafactor, muon: hidden matrices, the rest AdamW, ...) or 'pkg.module:function' (called "
+        "with the parameter groups, returns an optimizer; docs/optimizers.md)")
+    optimizer_kwargs: str | None = _opt(
+        None, "JSON object of the optimizer's keyword arguments, checked against its signature, e.g. "
+        "'{\"betas\": [0.9, 0.95]}' (lr and weight_decay: --lr and --weight_decay, but for a pkg.module:function, "
+        "which gets them all)")
     weight_decay: float = _opt(0.0, "decoupled weight decay (adamw) or L2 penalty (sgd)", low=0)
     warmup_steps: int = _opt(0, "optimizer steps of linear warmup from 0 to --lr", low=0)
     warmup_ratio: float | None = _opt(
@@ -270,6 +278,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         """Check every field's type and range, whatever the source (Python, YAML or CLI): one ConfigError each."""
         _check_tracking(self)  # first: an old --with_tracking value gets its own message, not "expects true or false"
+        self.optimizer_kwargs = optimizer_kwargs_text(self.optimizer_kwargs)  # a YAML or Python mapping: its JSON
         hints = field_types()
         for f in dataclasses.fields(self):
             value = checked_type(f.name, getattr(self, f.name), hints[f.name], f.default)
@@ -288,7 +297,7 @@ class TrainConfig:
             if getattr(self, name) == old:
                 warn_deprecated(f"--{name} {old}", f"--{name} {new}")
                 setattr(self, name, new)
-        for name, choices in (("loader", LOADERS), ("optimizer", OPTIMIZERS), ("lr_schedule", LR_SCHEDULES),
+        for name, choices in (("loader", LOADERS), ("lr_schedule", LR_SCHEDULES),
                               ("ddp_comm_hook", COMM_HOOKS), ("on_anomaly", ON_ANOMALY)):
             if getattr(self, name) not in choices:
                 raise ConfigError(f"--{name} {show(getattr(self, name))} is unknown; "
@@ -319,6 +328,7 @@ class TrainConfig:
             raise ConfigError(f"--spike_factor must be > 1 (a loss that many times the median), got "
                               f"{self.spike_factor:g}; e.g. --spike_factor 3, or 0 for no spike check")
         _check_task(self)
+        _check_optimizer(self)
         _check_peft(self)
         _check_data(self)
         _check_best_model(self)
