@@ -32,7 +32,7 @@ from tqdm.auto import tqdm
 
 from accel_ddp.anomaly import AnomalyGuard, RolledBack
 from accel_ddp.assemble import Run
-from accel_ddp.evaluate import evaluate
+from accel_ddp.evaluation import evaluate
 from accel_ddp.lifecycle.non_finite import LossWatch, NonFiniteLoss, trace_non_finite
 from accel_ddp.lifecycle.preemption import Preempted
 from accel_ddp.step import LossAccumulator, TrainStep

@@ -187,15 +187,14 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
         torch.autograd.set_detect_anomaly(True)
         torch.use_deterministic_algorithms(True, warn_only=True)
     set_seed(cfg.seed)  # same model init on every rank; DDP also broadcasts rank 0's weights
-    memory_format = torch.channels_last if cfg.channels_last else torch.contiguous_format
-    task = build_task(cfg.task, loss_fn or (resolve(cfg.loss, {}, kind="loss") if cfg.loss else None), metrics,
-                      memory_format)
+    task = configured_task(cfg, loss_fn, metrics)
+    memory_format = task.memory_format
     data = resolve_data(cfg, accelerator, train_dataset, eval_dataset, collate_fn, preemption=preemption)
     _check_eval_set(cfg, data)
     phase_done("data")
     source = f"--model_config {cfg.model_config}" if cfg.model_config else f"--model {cfg.model}"
     named = f" ({source})" if model is None else ""  # --model_config wins over --model (models.py)
-    model = _model(cfg, accelerator, model, data, memory_format)
+    model = build_run_model(cfg, accelerator, model, data, memory_format)
     if not any(p.requires_grad for p in model.parameters()):  # else DDP's RuntimeError, or an optimizer of nothing
         raise ConfigError(f"the model {type(model).__name__}{named} has no trainable parameters, so there is nothing "
                           "to train; give a model with parameters (nn.Parameter, or layers such as nn.Linear) that "
@@ -328,7 +327,7 @@ def _join(cfg: TrainConfig, teardown: ExitStack, preemption: PreemptionWatcher) 
     accelerator, per_device_batch, accumulation = build_accelerator(cfg, trackers if cfg.with_tracking else None)
     teardown.callback(accelerator.end_training)
     preemption.connect(accelerator, timedelta(seconds=cfg.ddp_timeout))  # its all-reduce waits --ddp_timeout at most
-    teardown.push(_claim_failure)  # before the group goes: the ranks it then stops know that they are not first
+    teardown.push(claim_failure)  # before the group goes: the ranks it then stops know that they are not first
     main_process_decides(accelerator, lambda: check_output_dir(cfg.output_dir))  # a bad folder: now, not after data
     if cfg.checkpoint_dir:  # a store that cannot even be opened (no account, bad settings): now too, one line
         main_process_decides(accelerator, lambda: check_store(cfg.checkpoint_dir))
@@ -377,9 +376,17 @@ def _length(dataset) -> int | None:
         return None
 
 
-def _model(cfg: TrainConfig, accelerator: Accelerator, model, data, memory_format) -> torch.nn.Module:
+def configured_task(cfg: TrainConfig, loss_fn=None, metrics=()) -> Task:
+    """``--task`` with the caller's loss (else ``--loss``'s) and metrics, batches in ``--channels_last``'s layout."""
+    memory_format = torch.channels_last if cfg.channels_last else torch.contiguous_format
+    return build_task(cfg.task, loss_fn or (resolve(cfg.loss, {}, kind="loss") if cfg.loss else None), metrics,
+                      memory_format)
+
+
+def build_run_model(cfg: TrainConfig, accelerator: Accelerator, model, data, memory_format) -> torch.nn.Module:
     """The caller's model or the configured one, checked for FSDP2, with ``--init_from``'s weights, made ready for
-    fine-tuning (``finetune.py``), in its layout."""
+    fine-tuning (``finetune.py``), in its layout. ``setup`` and a trained run's evaluation (``inference.py``) build
+    it here."""
     if model is None:
         model = build_configured_model(cfg, data)
     elif cfg.attn_implementation is not None:
@@ -421,7 +428,8 @@ def _run_facts(cfg: TrainConfig, accelerator: Accelerator, plan: Plan, loader_ki
     }
 
 
-def _claim_failure(kind, err, tb) -> None:
-    """``train()``'s teardown, on an error: claim it (``failure.claim``) while the process group still stands."""
+def claim_failure(kind, err, tb) -> None:
+    """The teardown of ``train()`` and ``inference``, on an error: claim it (``failure.claim``) while the process group
+    still stands."""
     if isinstance(err, Exception) and not isinstance(err, Preempted):
         failure.claim(err, failure.exit_code(err))

@@ -19,8 +19,8 @@ LAYERS = [
     {"util"}, {"config"}, {"lifecycle"}, {"outputs"}, {"tracking", "checkpoint"}, {"distributed"}, {"data"},
     {"tasks"},
     {"models", "optim", "optim_muon", "optim_user", "fused_activations", "regional_compile", "step_graph", "finetune"},
-    {"step", "anomaly", "evaluate", "auto_batch"},
-    {"assemble"}, {"after_step"}, {"loop"},
+    {"step", "anomaly", "evaluation", "auto_batch"},
+    {"assemble"}, {"after_step", "inference"}, {"loop"},
     {"cli", "accel_ddp"},
     {"__main__"},
 ]
