@@ -53,8 +53,10 @@ def train(
     loss_fn: Callable[[Any, Any], Any] | None = None,
     metrics: Sequence[Any] = (),
     collate_fn: Callable[[list], Any] | None = None,
-    callbacks: Sequence[Any] = (),
     preemption: PreemptionWatcher | None = None,
+    optimizer: Any = None,
+    lr_scheduler: Any = None,
+    callbacks: Sequence[Any] = (),
 ) -> dict[str, Any]:
     """Train on every rank of the current launch; return the summary (the same on every rank).
 
@@ -62,11 +64,15 @@ def train(
     label)`` pairs or dicts of tensors (``model(**batch)``), batched by ``collate_fn`` (default:
     dicts padded per batch); without ``eval_dataset`` no evaluation runs. ``loss_fn(outputs,
     batch)`` returns a mean or a ``(sum, num_items)`` pair; ``metrics`` are objects with
-    ``update(outputs, batch)`` and ``compute() -> dict`` (see :mod:`accel_ddp.tasks.protocol`). ``callbacks``:
-    objects (or classes) with any of ``on_train_begin(state)``, ``on_step_end(state)``, ``on_evaluate(state,
-    metrics)``, ``on_save(state, checkpoint_dir)``, ``on_train_end(state, summary)``, called on every rank; a request
-    (``state.should_stop/should_save/should_evaluate``) on any rank is every rank's (:mod:`accel_ddp.callbacks`).
-    On SIGTERM or SIGUSR1 every rank stops after the same optimizer step, saves a checkpoint and raises ``Preempted``
+    ``update(outputs, batch)`` and ``compute() -> dict`` (see :mod:`accel_ddp.tasks.protocol`). ``optimizer``: a
+    function of the parameter groups returning a ``torch.optim.Optimizer``, or one built on ``model.parameters()``;
+    ``lr_scheduler``: a function of the optimizer returning an ``LRScheduler``, stepped once per optimizer step
+    instead of the built-in schedule; both are checkpointed and restored (:mod:`accel_ddp.optim_user`).
+    ``callbacks``: objects (or classes) with any of ``on_train_begin(state)``, ``on_step_end(state)``,
+    ``on_evaluate(state, metrics)``, ``on_save(state, checkpoint_dir)``, ``on_train_end(state, summary)``, called on
+    every rank; a request (``state.should_stop/should_save/should_evaluate``) on any rank is every rank's
+    (:mod:`accel_ddp.callbacks`). On SIGTERM or
+    SIGUSR1 every rank stops after the same optimizer step, saves a checkpoint and raises ``Preempted``
     (``preemption``: the watcher ``main()`` installed before parsing the options; None: one is installed now).
     An error in a launch of several ranks is recorded on the ranks' store before the process group goes
     (:func:`accel_ddp.lifecycle.failure.claim`); from then on this process records SIGTERM and SIGUSR1 instead of
@@ -75,7 +81,8 @@ def train(
     with ExitStack() as teardown:  # on any exit: signal handlers back, files closed, lock and process group gone
         try:
             run = setup(cfg, teardown, model, train_dataset, eval_dataset, loss_fn=loss_fn, metrics=metrics,
-                        collate_fn=collate_fn, callbacks=callbacks, preemption=preemption)
+                        collate_fn=collate_fn, preemption=preemption, optimizer=optimizer, lr_scheduler=lr_scheduler,
+                        callbacks=callbacks)
         except RunFinished as done:  # the same command again after the run ended: nothing to do, nothing touched
             return done.summary
         run.callbacks.train_begin(run.start_step)
