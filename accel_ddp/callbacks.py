@@ -62,7 +62,8 @@ class CallbackState:
         self.should_stop = self.should_save = self.should_evaluate = False
 
     step = property(lambda self: self._step, doc="optimizer steps done")
-    epoch = property(lambda self: self._epoch, doc="the epoch of the last step, 0-based (metrics.jsonl's epoch)")
+    epoch = property(lambda self: self._epoch, doc="the step's epoch, 0-based as in metrics.jsonl (on_train_begin: "
+                                                   "the epoch the run starts in)")
     max_steps = property(lambda self: self._max_steps, doc="optimizer steps the run is planned to take")
     is_main_process = property(lambda self: self._main, doc="Accelerate's main process (the one that writes files)")
     process_index = property(lambda self: self._index, doc="this rank")
@@ -98,7 +99,7 @@ class Callbacks:
         self._steps_per_epoch, self._processes = 1, 1
         self._flags = torch.zeros(3, dtype=torch.int64)  # [who asked to stop, save, evaluate]: MAX suits all three
         self._values = self._flags.numpy()  # the same memory: read and written without a torch call
-        self._stopper = 0  # 1 + hook + hooks x (callback + callbacks x rank) of the request to stop, 0: none
+        self._stopper = 0  # who asked this rank's callbacks to stop (_stop_code), 0: none
         self._saved_step: int | None = None
 
     def __bool__(self) -> bool:
