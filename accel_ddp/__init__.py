@@ -4,14 +4,14 @@
 ``accel_ddp.config``, the CLI's ``--help``, the doctor) then costs no Accelerate import.
 
 The loop's story is at the root (``loop``, ``after_step``, ``assemble``, ``inference``, ``step``, ``anomaly``,
-``auto_batch``, ``evaluation``, ``models``, ``optim`` (``optim_muon``, ``optim_user``), ``fused_activations``,
-``regional_compile``, ``step_graph``, ``finetune``) with the options in ``config/``; infrastructure lives in
-subpackages, each ``__init__`` saying what it holds and what it may import.
+``auto_batch``, ``evaluation``, ``callbacks``, ``models``, ``optim`` (``optim_muon``, ``optim_user``),
+``fused_activations``, ``regional_compile``, ``step_graph``, ``finetune``) with the options in ``config/``;
+infrastructure lives in subpackages, each ``__init__`` saying what it holds and what it may import.
 Imports run one way: each layer imports only layers to its left.
 
     util -> config -> lifecycle -> outputs -> tracking, checkpoint -> distributed -> data -> tasks
          -> models, optim (optim_muon, optim_user), fused_activations, regional_compile, step_graph, finetune
-         -> step, anomaly, auto_batch, evaluation
+         -> step, anomaly, auto_batch, evaluation, callbacks
          -> assemble -> after_step, inference -> loop -> cli
 
 (``assemble`` builds a run from everything below it, ``loop`` trains it, ``after_step`` decides what follows each

@@ -12,7 +12,7 @@ import os
 import sys
 import time
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 
 from accel_ddp.anomaly import AnomalyGuard
 from accel_ddp.auto_batch import choose_micro_batch
+from accel_ddp.callbacks import Callbacks
 from accel_ddp.checkpoint.best import BestModel
 from accel_ddp.checkpoint.manager import HYPERPARAMETERS, CheckpointManager
 from accel_ddp.checkpoint.start import where_to_start
@@ -145,6 +146,7 @@ class Run:
     bar: tqdm  # the progress bar: closed by the teardown, so an error never shares its line
     anomalies: AnomalyGuard | None  # --on_anomaly skip|rollback, --spike_factor (None: the loop as it was)
     hang: HangWatch  # --hang_timeout: after_step tells it of every step (lifecycle/hang.py; off: no thread)
+    callbacks: Callbacks = field(default_factory=Callbacks)  # --callbacks, train(callbacks=): none by default
 
 
 def _check_eval_set(cfg: TrainConfig, data) -> None:
@@ -160,7 +162,7 @@ def _check_eval_set(cfg: TrainConfig, data) -> None:
 
 def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None, eval_dataset=None, *,
           loss_fn=None, metrics=(), collate_fn=None, preemption: PreemptionWatcher | None = None,
-          optimizer=None, lr_scheduler=None) -> Run:
+          optimizer=None, lr_scheduler=None, callbacks=None) -> Run:
     """Join the process group, build data, model, optimizer and schedule, and agree on where to start.
 
     ``optimizer`` and ``lr_scheduler``: the Python API's own (accel_ddp/optim_user.py), else the flags'.
@@ -189,6 +191,7 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
     set_seed(cfg.seed)  # same model init on every rank; DDP also broadcasts rank 0's weights
     task = configured_task(cfg, loss_fn, metrics)
     memory_format = task.memory_format
+    hooks = Callbacks.build(cfg.callbacks, callbacks)  # imported, made and checked before any data is read
     data = resolve_data(cfg, accelerator, train_dataset, eval_dataset, collate_fn, preemption=preemption)
     _check_eval_set(cfg, data)
     phase_done("data")
@@ -275,7 +278,8 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
     return Run(cfg=cfg, accelerator=accelerator, model=model, task=task, optimizer=optimizer, scheduler=scheduler,
                train_loader=loaders.train, eval_loader=loaders.eval, plan=plan, facts=facts, recorder=recorder,
                checkpoints=checkpoints, preemption=preemption, start_step=start_step, started=started,
-               startup=startup, tokenizer=data.tokenizer, bar=bar, anomalies=anomalies, hang=hang)
+               startup=startup, tokenizer=data.tokenizer, bar=bar, anomalies=anomalies, hang=hang,
+               callbacks=hooks.connect(accelerator, preemption.group, plan, evaluates=loaders.eval is not None))
 
 
 def _checkpoints(cfg: TrainConfig, accelerator: Accelerator, teardown: ExitStack, facts: dict[str, Any],

@@ -56,6 +56,7 @@ def train(
     preemption: PreemptionWatcher | None = None,
     optimizer: Any = None,
     lr_scheduler: Any = None,
+    callbacks: Sequence[Any] = (),
 ) -> dict[str, Any]:
     """Train on every rank of the current launch; return the summary (the same on every rank).
 
@@ -66,7 +67,11 @@ def train(
     ``update(outputs, batch)`` and ``compute() -> dict`` (see :mod:`accel_ddp.tasks.protocol`). ``optimizer``: a
     function of the parameter groups returning a ``torch.optim.Optimizer``, or one built on ``model.parameters()``;
     ``lr_scheduler``: a function of the optimizer returning an ``LRScheduler``, stepped once per optimizer step
-    instead of the built-in schedule; both are checkpointed and restored (:mod:`accel_ddp.optim_user`). On SIGTERM or
+    instead of the built-in schedule; both are checkpointed and restored (:mod:`accel_ddp.optim_user`).
+    ``callbacks``: objects (or classes) with any of ``on_train_begin(state)``, ``on_step_end(state)``,
+    ``on_evaluate(state, metrics)``, ``on_save(state, checkpoint_dir)``, ``on_train_end(state, summary)``, called on
+    every rank; a request (``state.should_stop/should_save/should_evaluate``) on any rank is every rank's
+    (:mod:`accel_ddp.callbacks`). On SIGTERM or
     SIGUSR1 every rank stops after the same optimizer step, saves a checkpoint and raises ``Preempted``
     (``preemption``: the watcher ``main()`` installed before parsing the options; None: one is installed now).
     An error in a launch of several ranks is recorded on the ranks' store before the process group goes
@@ -76,9 +81,11 @@ def train(
     with ExitStack() as teardown:  # on any exit: signal handlers back, files closed, lock and process group gone
         try:
             run = setup(cfg, teardown, model, train_dataset, eval_dataset, loss_fn=loss_fn, metrics=metrics,
-                        collate_fn=collate_fn, preemption=preemption, optimizer=optimizer, lr_scheduler=lr_scheduler)
+                        collate_fn=collate_fn, preemption=preemption, optimizer=optimizer, lr_scheduler=lr_scheduler,
+                        callbacks=callbacks)
         except RunFinished as done:  # the same command again after the run ended: nothing to do, nothing touched
             return done.summary
+        run.callbacks.train_begin(run.start_step)
         while True:
             try:
                 return finish(run, fit(run))
@@ -161,11 +168,13 @@ def finish(run: Run, result: FitResult) -> dict[str, Any]:
         **(run.anomalies.summary() if run.anomalies is not None else {}),  # skipped steps, rollbacks
         **largest(memory_record(run.accelerator)),  # peak_rss_mb, peak_worker_rss_mb: max over ranks (MiB)
         **(best.summary(result.step) if best else {}),  # best_step, final_weights_step, stopped_early
+        **run.callbacks.summary(),  # their names; stopped_early where one asked to stop
     }
     run.recorder.write_summary(summary, result.step)  # and to the trackers
     run.recorder.plot()  # OUTPUT_DIR/curves.png
     if run.accelerator.is_main_process:
         write_model_card(run.cfg.output_dir, run.cfg.to_dict(), summary, launch_command(sys.argv, os.environ))
+    run.callbacks.train_end(result.step, max(result.step - 1, 0) // run.plan.steps_per_epoch, summary)
     return summary
 
 

@@ -19,7 +19,7 @@ LAYERS = [
     {"util"}, {"config"}, {"lifecycle"}, {"outputs"}, {"tracking", "checkpoint"}, {"distributed"}, {"data"},
     {"tasks"},
     {"models", "optim", "optim_muon", "optim_user", "fused_activations", "regional_compile", "step_graph", "finetune"},
-    {"step", "anomaly", "evaluation", "auto_batch"},
+    {"step", "anomaly", "evaluation", "auto_batch", "callbacks"},
     {"assemble"}, {"after_step", "inference"}, {"loop"},
     {"cli", "accel_ddp"},
     {"__main__"},

@@ -136,6 +136,9 @@ class TrainConfig:
     loss: str | None = _opt(
         None, "'pkg.module:function' loss_fn(outputs, batch) -> mean, or (sum, num_items) for token-exact averaging"
     )
+    callbacks: str | None = _opt(
+        None, "comma-separated 'pkg.module:Name' callbacks, each made with no arguments: hooks on every rank after "
+        "each step, evaluation and save, which may ask every rank to stop, save or evaluate (docs/tasks.md#callbacks)")
 
     epochs: int = _opt(15, "passes over the training set; ignored when --max_steps is set", low=0,
                        section="optimisation (units: optimizer steps, samples)")

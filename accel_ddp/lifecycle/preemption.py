@@ -201,6 +201,12 @@ class PreemptionWatcher:
             raise _Interrupted
 
     @property
+    def group(self):
+        """The CPU gloo group the flags go over (None: the default group, gloo already); other small CPU flags that
+        every rank compares at the same points may share it (accel_ddp/callbacks.py)."""
+        return self._group
+
+    @property
     def signalled(self) -> bool:
         """Has this rank recorded a signal (or the launcher's death)? Its own record, not compared with the others:
         for a wait on this rank alone to give up (the main process waiting for a tracker's start)."""
