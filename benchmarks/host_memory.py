@@ -20,7 +20,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import REPO, alternated, parser  # noqa: E402
+
 WARMUP, STEPS = 8, 40
 
 
@@ -69,17 +72,16 @@ def launch(side: str, processes: int) -> list[dict]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--pairs", type=int, default=3, help="alternated pairs (default first in even pairs)")
-    parser.add_argument("--processes", type=int, default=1, help="copies of a side run at once (2: both cores)")
-    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    p = parser(__doc__, processes=(1, "copies of a side run at once (2: both cores)"))
+    p.add_argument("--pairs", type=int, default=3, help="alternated pairs (default first in even pairs)")
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args()
     if args.child:
         print(json.dumps(one_run(args.child)))
         return
     runs = []
     for pair in range(args.pairs):
-        for side in ("default", "pinned") if pair % 2 == 0 else ("pinned", "default"):
+        for side in alternated(("default", "pinned"), pair):
             for run in launch(side, args.processes):
                 runs.append(run)
                 print(f"  pair {pair} {side:8} {run['cpu_ms_per_step']:7.1f} CPU ms/step "
