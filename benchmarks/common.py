@@ -610,13 +610,19 @@ def write_json(path: str | os.PathLike, data, say: bool = True) -> Path:
     return path
 
 
-def run_fresh(argv: list[str], env: dict[str, str] | None = None, timeout: float = 1200) -> dict:
-    """Run ``python ARGV`` in a fresh interpreter (no allocator, thread pool or compile state shared with another
-    variant) and return the JSON object its last line of output prints; its error output's tail if it fails."""
-    done = subprocess.run([sys.executable, *map(str, argv)], env=env or bench_env(1), cwd=REPO, capture_output=True,
-                          text=True, timeout=timeout)
-    lines = done.stdout.strip().splitlines()
-    if done.returncode != 0 or not lines:
-        sys.exit(f"{' '.join(map(str, argv))} failed ({done.returncode}):\n{done.stderr[-3000:]}")
-    return json.loads(lines[-1])
+def run_fresh(argv: list, env: dict[str, str] | None = None, copies: int = 1, timeout: float = 1200) -> list[dict]:
+    """Run ``python ARGV`` in fresh interpreters (no allocator, thread pool or compile state shared with another
+    variant), ``copies`` of them at once, and return the JSON object the last line of each one's output holds;
+    exit with the output's tail where one fails."""
+    cmd = [sys.executable, *map(str, argv)]
+    procs = [subprocess.Popen(cmd, env=env or bench_env(1), cwd=REPO, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(copies)]
+    answers = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=timeout)
+        lines = out.strip().splitlines()
+        if proc.returncode != 0 or not lines:
+            sys.exit(f"{' '.join(cmd[1:])} failed ({proc.returncode}):\n{out[-3000:]}\n{err[-3000:]}")
+        answers.append(json.loads(lines[-1]))
+    return answers
 

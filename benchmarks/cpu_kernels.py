@@ -32,7 +32,6 @@ on the mlp, mnist_cnn and the tiny GPT-2.
 from __future__ import annotations
 
 import copy
-import statistics
 import sys
 from pathlib import Path
 
@@ -44,7 +43,7 @@ import torch.nn.functional as F  # noqa: E402
 from accel_ddp.fused_activations import fuse_activations  # noqa: E402
 from accel_ddp.models import build_model  # noqa: E402
 from accel_ddp.tasks.protocol import build_task  # noqa: E402
-from benchmarks.common import alternated, best_per_call, cpu_ms_per_call, parser, ratio, tiny_gpt2  # noqa: E402
+from benchmarks.common import alternated, best_per_call, cpu_ms_per_call, parser, spread, tiny_gpt2  # noqa: E402
 
 PARTS = ("step", "loss", "optimizer")
 OPTIMIZER_KERNELS = {"per tensor": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}
@@ -121,15 +120,14 @@ def step_part(rounds: int, steps: int) -> None:
     print(f"tiny GPT-2 step, 16 x 128 tokens, one thread, {rounds} alternated rounds of {steps} steps")
     for name, values in times.items():
         ratios = [v / b for v, b in zip(values, times["before"], strict=True)]
-        print(f"{name:7s} CPU ms/step {statistics.median(values):7.1f} [{min(values):.1f}-{max(values):.1f}]   "
-              f"/ before {statistics.median(ratios):.3f} [{min(ratios):.3f}-{max(ratios):.3f}]")
+        print(f"{name:7s} CPU ms/step {spread(values, '.1f')}   / before {spread(ratios, '.3f')}")
 
 
 def loss_part(rounds: int, steps: int) -> None:
     alone = loss_alone(rounds, steps)
     print(f"the loss alone, forward and backward on (16, 128, 2048) logits, {rounds} rounds of {steps}")
     for name, values in alone.items():
-        print(f"{name:7s} CPU ms {statistics.median(values):7.2f} [{min(values):.2f}-{max(values):.2f}]")
+        print(f"{name:7s} CPU ms {spread(values, '.2f')}")
 
 
 def optimizer_models() -> dict[str, torch.nn.Module]:
@@ -165,7 +163,7 @@ def optimizer_part(threads: int, repeats: int, steps: int) -> None:
             times = {k: optimizer_step_ms(params, lambda ps, kw=kw, b=build: b(ps, kw), repeats, steps)
                      for k, kw in OPTIMIZER_KERNELS.items()}
             print(f"{name:10} {count:>10,} {opt_name:9} " + " ".join(f"{t:>10.3f}" for t in times.values())
-                  + f" {ratio(times['foreach'], times['fused']):>16}x")
+                  + f" {times['foreach'] / times['fused']:>16.2f}x")
 
 
 def main() -> None:

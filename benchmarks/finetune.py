@@ -18,14 +18,12 @@ import contextlib
 import io
 import os
 import shutil
-import statistics
 import sys
 from pathlib import Path
 
-# The clone's accel_ddp, as bare_ddp.py does; and not this folder, whose kernels.py would stand in for the
-# `kernels` package that Transformers' GPT-2 imports
+# The clone's accel_ddp, as bare_ddp.py does, in place of this folder
 sys.path[0] = str(Path(__file__).resolve().parents[1])
-from benchmarks.common import bench_env, parser, pydoc_lm_folder, ratio, tiny_gpt2, write_json  # noqa: E402
+from benchmarks.common import bench_env, median, parser, pydoc_lm_folder, ratio, tiny_gpt2, write_json  # noqa: E402
 
 VARIANTS = {
     "full": [],
@@ -83,7 +81,7 @@ def main() -> None:
     for _ in range(args.rounds):
         for name in names:
             rounds[name].append(run(name, VARIANTS[name], data, base, out, args.steps, args.global_batch_size))
-    results = {name: {**runs[-1], "step_ms": statistics.median(r["step_ms"] for r in runs),
+    results = {name: {**runs[-1], "step_ms": median([r["step_ms"] for r in runs]),
                       "step_ms_rounds": [round(r["step_ms"], 1) for r in runs]} for name, runs in rounds.items()}
     full = results[names[0]]
     print(f"{'variant':<20} {'trainable':>22} {'step p50 ms':>12} {'x full':>7} {'checkpoint':>12} {'x full':>7}")

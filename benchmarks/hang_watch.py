@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import faulthandler
 import os
-import statistics
 import sys
 import tempfile
 import tracemalloc
@@ -25,7 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from accel_ddp.lifecycle.hang import HangWatch  # noqa: E402
-from benchmarks.common import best_per_call, parser, ratio  # noqa: E402
+from benchmarks.common import best_per_call, median, parser, ratio  # noqa: E402
 
 
 def calls(folder: str, n: int) -> None:
@@ -63,7 +62,7 @@ def runs(folder: str, steps: int, repeats: int) -> None:
                               "--max_steps", str(steps), "--eval_every", "0", "--hang_timeout", hang,
                               "--output_dir", out])
             medians[hang].append(train(cfg)["step_time_p50_ms"])
-    off, on = statistics.median(medians["0"]), statistics.median(medians["600"])
+    off, on = median(medians["0"]), median(medians["600"])
     print(f"training step p50 over {repeats} runs of {steps} steps: --hang_timeout 0 {off:.3f} ms, 600 {on:.3f} ms "
           f"(ratio {ratio(on, off, '.3f')}; each run's: 0 {medians['0']}, 600 {medians['600']})")
 

@@ -15,14 +15,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import REPO, alternated, parser  # noqa: E402
+from benchmarks.common import REPO, alternated, median, parser, run_fresh  # noqa: E402
 
 WARMUP, STEPS = 8, 40
 
@@ -66,9 +64,7 @@ def launch(side: str, processes: int) -> list[dict]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
     env.update({"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore",
                 "TRANSFORMERS_VERBOSITY": "error"})  # the tiny config's token-id notes, per run
-    procs = [subprocess.Popen([sys.executable, __file__, "--child", side], stdout=subprocess.PIPE, text=True,
-                              env=env) for _ in range(processes)]
-    return [json.loads(proc.communicate()[0]) for proc in procs]
+    return run_fresh([__file__, "--child", side], env, copies=processes)
 
 
 def main() -> None:
@@ -88,8 +84,8 @@ def main() -> None:
                       f"{run['faults_per_step']:8.0f} faults/step", flush=True)
     for side in ("default", "pinned"):
         mine = [r for r in runs if r["side"] == side]
-        print(f"{side:8} median {statistics.median(r['cpu_ms_per_step'] for r in mine):7.1f} CPU ms/step "
-              f"{statistics.median(r['faults_per_step'] for r in mine):8.0f} faults/step ({len(mine)} runs, "
+        print(f"{side:8} median {median([r['cpu_ms_per_step'] for r in mine]):7.1f} CPU ms/step "
+              f"{median([r['faults_per_step'] for r in mine]):8.0f} faults/step ({len(mine)} runs, "
               f"{args.processes} at a time)")
 
 

@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 from collections import Counter
@@ -151,16 +150,11 @@ def count_side(workload: str, side: str, steps: int, lm_data: str) -> dict[str, 
 def run_side(workload: str, side: str, steps: int, lm_data: str) -> dict[str, float]:
     """``count_side`` in a fresh interpreter (one thread, offline): nothing one side imported or cached helps the
     other."""
-    from benchmarks.common import bench_env
+    from benchmarks.common import run_fresh
 
-    with tempfile.NamedTemporaryFile(suffix=".json") as result:
-        # -m from the repository, as the tests import it
-        cmd = [sys.executable, "-m", "benchmarks.ops_per_step", "--side", side, "--workloads", workload,
-               "--steps", str(steps), "--lm_data", lm_data, "--json", result.name]
-        done = subprocess.run(cmd, env=bench_env(1), capture_output=True, text=True, timeout=1200, cwd=REPO)
-        if done.returncode != 0:
-            raise SystemExit(f"{side} {workload} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
-        return json.loads(Path(result.name).read_text())
+    # -m from the repository, as the tests import it
+    return run_fresh(["-m", "benchmarks.ops_per_step", "--side", side, "--workloads", workload, "--steps", steps,
+                      "--lm_data", lm_data])[0]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -174,8 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     workloads = args.workloads.split(",")
     if args.side:
-        counts = count_side(workloads[0], args.side, args.steps, args.lm_data)
-        Path(args.json).write_text(json.dumps(counts))
+        print(json.dumps(count_side(workloads[0], args.side, args.steps, args.lm_data)))  # run_side reads it
         from benchmarks.common import exit_now
 
         exit_now()
