@@ -289,7 +289,8 @@ def tied_output_adapted(tuned: nn.Module) -> tuple[str, str, int] | None:
     if layer is None or embedding is None or getattr(layer, "weight", None) is not getattr(embedding, "weight", 1):
         return None
     names = {id(module): name for name, module in base.named_modules()}
-    return names.get(id(output), "the output layer"), names.get(id(embedding), "the input embedding"), layer.weight.numel()
+    output_name, embedding_name = names.get(id(output), "the output layer"), names.get(id(embedding), "the input embedding")
+    return output_name, embedding_name, layer.weight.numel()
 
 
 def _embeddings(model: nn.Module) -> tuple[Any, Any]:

@@ -362,8 +362,9 @@ def test_a_checkpoint_with_the_earlier_sampled_fingerprint_resumes_with_a_warnin
     weights is still refused."""
     import shutil
 
-    from accel_ddp.finetune import add_lora, sampled_fingerprint
     from transformers import AutoModelForCausalLM
+
+    from accel_ddp.finetune import add_lora, sampled_fingerprint
 
     old = tmp_path / "old" / "step_00000004"
     shutil.copytree(adapter_checkpoint, old)
@@ -395,7 +396,8 @@ def test_adapter_weights_of_another_rank_name_lora_r_also_where_checkpoint_json_
     """A checkpoint of an earlier version records no lora_r: the load itself names it, not the shapes."""
     from safetensors.torch import save_file
 
-    from accel_ddp.checkpoint.weights import load_weights as load_into, trainable_state_dict
+    from accel_ddp.checkpoint.weights import load_weights as load_into
+    from accel_ddp.checkpoint.weights import trainable_state_dict
     from accel_ddp.finetune import add_lora
 
     torch.manual_seed(0)
@@ -488,7 +490,8 @@ def test_an_adapter_on_the_tied_output_layer_merges_into_a_model_with_the_adapte
         merged = AutoModelForCausalLM.from_pretrained(str(out / "hf_model")).eval()
         merged_logits = merged(tokens).logits
     assert not torch.allclose(adapter_logits, base_logits, atol=1e-3), "the adapters did not train"
-    assert torch.allclose(merged_logits, adapter_logits, atol=1e-5, rtol=0), (merged_logits - adapter_logits).abs().max()
+    off = (merged_logits - adapter_logits).abs().max()
+    assert torch.allclose(merged_logits, adapter_logits, atol=1e-5, rtol=0), off
     assert torch.equal(merged.transformer.wte.weight, base_weights(base)["transformer.wte.weight"])
     assert merged.lm_head.weight.data_ptr() != merged.transformer.wte.weight.data_ptr()
     assert not merged.config.tie_word_embeddings
