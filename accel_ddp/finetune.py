@@ -289,8 +289,7 @@ def tied_output_adapted(tuned: nn.Module) -> tuple[str, str, int] | None:
     if layer is None or embedding is None or getattr(layer, "weight", None) is not getattr(embedding, "weight", 1):
         return None
     names = {id(module): name for name, module in base.named_modules()}
-    output_name, embedding_name = names.get(id(output), "the output layer"), names.get(id(embedding), "the input embedding")
-    return output_name, embedding_name, layer.weight.numel()
+    return names.get(id(output), "the output layer"), names.get(id(embedding), "the embedding"), layer.weight.numel()
 
 
 def _embeddings(model: nn.Module) -> tuple[Any, Any]:
