@@ -14,7 +14,7 @@ from accel_ddp.util.validation import ConfigError
 
 def test_yaml_recipe_then_cli_overrides(tmp_path):
     recipe = tmp_path / "recipe.yaml"
-    recipe.write_text("lr: 0.05\nepochs: 7\noptimizer: sgd\ndataset: synthetic\nsynthetic_shape: [3, 4, 4]\n")
+    recipe.write_text("lr: 0.05\nepochs: 7\noptimizer: sgd\nsynthetic_shape: [3, 4, 4]\n")
     cfg = parse_args(["--config", str(recipe), "--epochs", "2", "--download"])
     assert cfg.lr == 0.05 and cfg.optimizer == "sgd"  # from the recipe
     assert cfg.epochs == 2  # the flag wins over the recipe
@@ -117,7 +117,7 @@ def test_yaml_numbers_and_booleans_that_are_meant_are_taken(tmp_path):
     path = tmp_path / "recipe.yaml"
     # PyYAML alone reads 1e-3 as text; `yes` is a YAML 1.1 boolean; checkpointing_steps may be a number.
     path.write_text("lr: 1e-3\nweight_decay: 5E-2\nprofile: yes\ndebug: false\ncheckpointing_steps: 100\n"
-                    "dataset: synthetic\nsynthetic_shape: 784\nnum_workers: null\nmax_grad_norm: 2\n")
+                    "synthetic_shape: 784\nnum_workers: null\nmax_grad_norm: 2\n")
     cfg = parse_args(["--config", str(path)])
     assert (cfg.lr, cfg.weight_decay, cfg.profile, cfg.debug) == (1e-3, 5e-2, True, False)
     assert (cfg.checkpointing_steps, cfg.synthetic_shape, cfg.num_workers) == ("100", (784,), None)
