@@ -66,13 +66,17 @@ def table() -> str:
     return "\n".join(out) + "\n"
 
 
+def _section(title: str, intro: str, columns: tuple[str, ...]) -> list[str]:
+    """A generated section's heading, its paragraph and its table's header rows."""
+    return ["", f"### {title}", "", intro, "", "| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
+
+
 def _dependents() -> list[str]:
     """The flags that need another (config/dependents.py's one table): where each is refused, and the fix."""
-    out = ["", "### Flags that need another", "",
-           "Given (other than its default) where nothing in the run would use it, each of these is refused with one "
-           "line, exit 2: `accel_ddp: error: --store_timeout without an object store --checkpoint_dir: nothing would "
-           "use it; add --checkpoint_dir s3://bucket/run (or gs://, az://), or drop it`.", "",
-           "| flag | refused | the fix |", "| --- | --- | --- |"]
+    intro = ("Given (other than its default) where nothing in the run would use it, each of these is refused with "
+             "one line, exit 2: `accel_ddp: error: --store_timeout without an object store --checkpoint_dir: nothing "
+             "would use it; add --checkpoint_dir s3://bucket/run (or gs://, az://), or drop it`.")
+    out = _section("Flags that need another", intro, ("flag", "refused", "the fix"))
     for row in DEPENDENTS:
         where = "; ".join(re.sub(r"\{cfg\.\w+\}", "(another)", needs.where) for needs in row.needs)
         out.append(f"| `--{row.flag}` | {_cell(where)} | {_cell('; '.join(needs.fix for needs in row.needs))} |")
@@ -81,11 +85,10 @@ def _dependents() -> list[str]:
 
 def _hf_names() -> list[str]:
     """The Hugging Face names (config.HF_ALIASES, config.HF_FIELDS): one table, CLI and YAML alike."""
-    out = ["", "### Hugging Face names", "",
-           "The names of `run_clm_no_trainer.py`, the Trainer and the accelerate examples work too, on the command "
-           "line and as YAML keys, with our defaults. One option given twice in one place with two values (`--lr "
-           "3e-3 --learning_rate 1e-4`) is an error; config.yaml is written with our names.", "",
-           "| Hugging Face name | ours | what differs |", "| --- | --- | --- |"]
+    intro = ("The names of `run_clm_no_trainer.py`, the Trainer and the accelerate examples work too, on the command "
+             "line and as YAML keys, with our defaults. One option given twice in one place with two values (`--lr "
+             "3e-3 --learning_rate 1e-4`) is an error; config.yaml is written with our names.")
+    out = _section("Hugging Face names", intro, ("Hugging Face name", "ours", "what differs"))
     out += [f"| `--{alias}` | `--{ours}` | {_cell(note) or 'nothing'} |"
             for alias, (ours, note) in config.HF_ALIASES.items()]
     out += ["", "Options of their own under their Hugging Face names, with the meaning derived as there (rows above): "
