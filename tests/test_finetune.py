@@ -283,12 +283,20 @@ def test_sigterm_then_resume_gives_the_uninterrupted_adapter_bit_for_bit(referen
 # ----------------------------------------------------------------------------- bad input: one line, exit 2
 
 
-def assert_refused(codes: list[int], capfd, expected: str) -> None:
+def assert_refused(codes: list[int], capfd, expected: str) -> str:
     err = capfd.readouterr().err
     assert codes == [2] * len(codes), err[-2000:]
     lines = [line for line in err.splitlines() if "accel_ddp: error:" in line]
     assert lines and expected in lines[0], err[-2000:]
     assert "Traceback" not in err
+    return err
+
+
+def assert_refused_once(codes: list[int], capfd, expected: str) -> str:
+    """assert_refused, and the line printed once for the launch, whatever its ranks."""
+    err = assert_refused(codes, capfd, expected)
+    assert err.count("accel_ddp: error:") == 1, err[-2000:]
+    return err
 
 
 def test_a_target_module_that_does_not_exist_is_one_line(base, tmp_path, capfd):
@@ -351,7 +359,7 @@ def test_an_adapter_checkpoint_on_a_base_with_one_changed_weight_is_one_line(bas
     other = changed_base(base, tmp_path / "changed")
     capfd.readouterr()
     codes = main_ranks(lora_args(other, tmp_path / "second", "--resume_from_checkpoint", str(adapter_checkpoint)), 2)
-    assert_refused(codes, capfd, "its adapter belongs to another base model")
+    assert_refused_once(codes, capfd, "its adapter belongs to another base model")
     assert json.loads((adapter_checkpoint / "checkpoint.json").read_text())["base_fingerprint"].startswith("sha256:")
 
 
@@ -387,9 +395,9 @@ def test_resuming_with_another_lora_r_names_lora_r(base, adapter_checkpoint, tmp
     capfd.readouterr()
     codes = main_ranks([*lora_args(base, tmp_path / "again", "--resume_from_checkpoint", str(adapter_checkpoint)),
                         "--lora_r", "8"], 2)
-    assert_refused(codes, capfd, f"--resume_from_checkpoint {adapter_checkpoint}: its adapters have rank --lora_r 4, "
-                   "this run has --lora_r 8; resume with --lora_r 4")
-    assert "shape mismatch" not in capfd.readouterr().err
+    err = assert_refused_once(codes, capfd, f"--resume_from_checkpoint {adapter_checkpoint}: its adapters have rank "
+                              "--lora_r 4, this run has --lora_r 8; resume with --lora_r 4")
+    assert "shape mismatch" not in err
 
 
 def test_adapter_weights_of_another_rank_name_lora_r_also_where_checkpoint_json_does_not(tmp_path):
@@ -414,9 +422,9 @@ def test_init_from_a_lora_runs_weights_says_where_the_merged_model_is(base, adap
     capfd.readouterr()
     codes = main_ranks([*DATA, "--model", str(base), *STEPS, "--output_dir", str(tmp_path / "next"),
                         "--init_from", str(run / "model.safetensors")], 2)
-    assert_refused(codes, capfd, f"--init_from {run / 'model.safetensors'} holds a LoRA run's model (the same model "
-                   "under peft's names, its adapters not merged): point --init_from to RUN/hf_model/model.safetensors")
-    err = capfd.readouterr().err
+    err = assert_refused_once(codes, capfd, f"--init_from {run / 'model.safetensors'} holds a LoRA run's model (the "
+                              "same model under peft's names, its adapters not merged): point --init_from to "
+                              "RUN/hf_model/model.safetensors")
     assert "different model" not in err
 
 
@@ -516,7 +524,7 @@ def test_a_merge_that_does_not_give_the_adapters_logits_is_refused_before_hf_mod
     monkeypatch.setattr(LoraLinear, "merge", merge_twice)  # forked ranks inherit it
     capfd.readouterr()
     codes = main_ranks(lora_args(base, tmp_path / "run", "--merge_adapter"), 2)
-    assert_refused(codes, capfd, "--merge_adapter: the merged model's logits differ from the adapter model's")
+    assert_refused_once(codes, capfd, "--merge_adapter: the merged model's logits differ from the adapter model's")
     assert (tmp_path / "run" / "adapter" / "adapter_model.safetensors").is_file()
     assert not (tmp_path / "run" / "hf_model").exists()
 
