@@ -192,8 +192,9 @@ def base_fingerprint(model: nn.Module) -> str | None:
     whatever modules they target; one changed value gives another.
 
     Streamed: one tensor at a time is copied to the host (a few at once, ``FINGERPRINT_THREADS``: hashlib releases
-    the GIL while it hashes), never the whole base. Cost, GPT-2 124M in float32 on the 2-core CPU of
-    benchmarks/base_fingerprint.py: ~0.4-0.8 s, so it is computed at every start (fresh or resumed), not cached."""
+    the GIL while it hashes), never the whole base. Cost (benchmarks/base_fingerprint.py): 0.84 s for GPT-2 124M in
+    float32 on the 2-core development CPU at a load of 8.5 (one sha256 call over the same bytes: 0.93 s); under 1 s,
+    so it is computed at every start, fresh or resumed, not cached by the base files' size and mtime."""
     frozen = [(base_name(name), param) for name, param in model.named_parameters() if not param.requires_grad]
     if not frozen:
         return None
@@ -269,13 +270,16 @@ def export_adapter(accelerator, model: nn.Module, tokenizer: Any, output_dir: st
     adapter = os.path.join(output_dir, ADAPTER_SUBDIR)
     if accelerator.is_main_process:
         _write_folder(adapter, lambda tmp: model.save_pretrained(tmp), tokenizer)  # the adapter's weights only
-    if merge:
-        final = os.path.join(output_dir, PRETRAINED_SUBDIR)
-        main_process_decides(accelerator, lambda: _write_folder(
-            final, lambda tmp: merged_copy(model).save_pretrained(tmp), tokenizer, check=lambda tmp: check_merged(
-                model, tmp)))
+    if merge:  # the main process merges, checks and writes; every rank gets its outcome (a mismatch: one line)
+        main_process_decides(accelerator, lambda: _write_merged(model, tokenizer,
+                                                                os.path.join(output_dir, PRETRAINED_SUBDIR)))
     accelerator.wait_for_everyone()
     return adapter
+
+
+def _write_merged(tuned: nn.Module, tokenizer: Any, final: str) -> None:
+    _write_folder(final, lambda tmp: merged_copy(tuned).save_pretrained(tmp), tokenizer,
+                  check=lambda tmp: check_merged(tuned, tmp))
 
 
 def tied_output_adapted(tuned: nn.Module) -> tuple[str, str, int] | None:
