@@ -84,8 +84,8 @@ def _refuse_lora_mismatch(source: str, path: str, state: dict[str, torch.Tensor]
                           unexpected: list[str], reshaped: list[str]) -> None:
     """The mismatches that have a name: a LoRA run's weights (peft's names) given to a plain model, and adapters of
     another rank (--lora_r); a ConfigError saying so, instead of the lists of keys and shapes."""
-    if unexpected and all(k.startswith(PEFT_PREFIX) for k in unexpected) and not any(
-            k.startswith(PEFT_PREFIX) for k in expected):
+    if source == "--init_from" and unexpected and all(k.startswith(PEFT_PREFIX) for k in unexpected) and not any(
+            k.startswith(PEFT_PREFIX) for k in expected):  # a resume of such a run is refused by its fingerprint
         raise ConfigError(f"{source} {path} holds a LoRA run's model (the same model under peft's names, its adapters "
                           f"not merged): point {source} to RUN/hf_model/model.safetensors (the merged model, written "
                           "with --merge_adapter true), or load RUN/adapter/ on the base with peft "
