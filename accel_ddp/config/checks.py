@@ -96,14 +96,11 @@ def _check_tracking(cfg: Any) -> None:
     if unknown or not names:
         raise ConfigError(f"--report_to {cfg.report_to!r}: unknown tracker {', '.join(unknown) or '(none given)'}; "
                           f"give one or more of {', '.join(REPORT_TO)}, separated by commas")
-    cfg.report_to = ",".join(dict.fromkeys(names))
+    cfg.report_to = ",".join(dict.fromkeys(names))  # without --with_tracking: refused (config/dependents.py)
     for name in ("tracker_project_name", "run_name"):
         value = getattr(cfg, name)
         if value is not None and not str(value).strip():
             raise ConfigError(f"--{name} is empty; give a name or leave the flag out")
-    if not cfg.with_tracking and cfg.report_to != "all":
-        warn(f"--report_to {cfg.report_to} has no effect without --with_tracking; add --with_tracking",
-             ranks="first")
 
 
 def _check_hf_fields(cfg: Any) -> None:
@@ -131,14 +128,6 @@ def _check_task(cfg: Any) -> None:
     """--task and the options that only make sense with some tasks (no dead flags)."""
     if cfg.task not in TASKS:
         raise ConfigError(f"--task {show(cfg.task)} is unknown; choose one of {', '.join(TASKS)}")
-    if cfg.task not in TEXT_TASKS:
-        given = [f"--{name}" for name in ("text_column", "tokenizer") if getattr(cfg, name) is not None]
-        given += ["--packing"] if cfg.packing else []
-        if given:
-            raise ConfigError(f"{', '.join(given)} only apply to text; add --task sequence_classification or "
-                              "--task causal_lm")
-    if cfg.packing and cfg.task != "causal_lm":
-        raise ConfigError("--packing only applies to --task causal_lm; drop it")
     if cfg.attn_implementation is not None and cfg.attn_implementation not in ATTN_IMPLEMENTATIONS:
         raise ConfigError(f"--attn_implementation {show(cfg.attn_implementation)} is unknown; choose one of "
                           f"{', '.join(ATTN_IMPLEMENTATIONS)}")
@@ -238,14 +227,8 @@ def _check_rollback(cfg: Any) -> None:
 
 
 def _check_best_model(cfg: Any) -> None:
-    """--load_best_model_at_end needs every checkpoint at an evaluation (the Trainer's rule), or the best is lost."""
-    if cfg.early_stopping_threshold and not cfg.early_stopping_patience:
-        raise ConfigError("--early_stopping_threshold has no effect without --early_stopping_patience; add "
-                          "--early_stopping_patience K")
-    if cfg.greater_is_better is not None and not (cfg.metric_for_best_model or cfg.load_best_model_at_end
-                                                  or cfg.early_stopping_patience):
-        raise ConfigError("--greater_is_better has no effect without --metric_for_best_model; add "
-                          "--metric_for_best_model NAME")
+    """--load_best_model_at_end needs every checkpoint at an evaluation (the Trainer's rule), or the best is lost
+    (--greater_is_better and --early_stopping_threshold without what uses them: config/dependents.py)."""
     if not cfg.load_best_model_at_end:
         return
     save, every = cfg.checkpointing_steps, cfg.eval_every
@@ -262,21 +245,14 @@ def _check_best_model(cfg: Any) -> None:
 
 
 def _check_peft(cfg: Any) -> None:
-    """--peft lora and its options: a known method, a dropout below 1, target names, and no --lora_*/--merge_adapter
-    without --peft (a flag that would do nothing)."""
+    """--peft lora and its options: a known method, a dropout below 1, target names (--lora_*/--merge_adapter without
+    --peft: config/dependents.py)."""
     if cfg.peft is not None and cfg.peft not in PEFT_METHODS:
         raise ConfigError(f"--peft {show(cfg.peft)} is unknown; choose one of {', '.join(PEFT_METHODS)}")
     if not cfg.lora_dropout < 1:
         raise ConfigError(f"--lora_dropout must be < 1, got {cfg.lora_dropout:g}; give a value from 0 to 0.5, say")
     if not [name for name in cfg.lora_target_modules.split(",") if name.strip()]:
         raise ConfigError("--lora_target_modules is empty; give module names such as c_attn,c_proj, or all-linear")
-    if cfg.peft is None:
-        given = [f"--{f.name}" for f in dataclasses.fields(cfg)
-                 if (f.name.startswith("lora_") or f.name == "merge_adapter") and getattr(cfg, f.name) != f.default]
-        if given:
-            them = "them" if len(given) > 1 else "it"
-            raise ConfigError(f"{', '.join(given)} without --peft: nothing would use {them}; add --peft lora, or "
-                              f"drop {them}")
 
 
 def _check_cuda_graphs(cfg: Any) -> None:

@@ -42,6 +42,7 @@ from accel_ddp.config.choices import (
     SYNTHETIC_MAX_BYTES,
     _opt,
 )
+from accel_ddp.config.dependents import check_dependents
 from accel_ddp.config.layout import accumulation_steps, largest_micro_batch
 from accel_ddp.util.validation import INT_MAX, ConfigError, check_range, checked_type, show
 
@@ -336,6 +337,7 @@ class TrainConfig:
         if self.spike_factor and self.spike_factor <= 1:
             raise ConfigError(f"--spike_factor must be > 1 (a loss that many times the median), got "
                               f"{self.spike_factor:g}; e.g. --spike_factor 3, or 0 for no spike check")
+        check_dependents(self)  # a flag that nothing in this run would use (the one table)
         _check_task(self)
         _check_optimizer(self)
         _check_peft(self)
