@@ -36,7 +36,7 @@ from accel_ddp.config import DEBUG_MAX_STEPS, TrainConfig
 from accel_ddp.data import DeviceEvalLoader, DeviceLoader, HostLoader, StreamingLoader, build_loaders, usable_cpus
 from accel_ddp.data.resolve import resolve_data
 from accel_ddp.distributed.preflight import check_fsdp, check_shared_output_dir
-from accel_ddp.distributed.world import build_accelerator, prepare
+from accel_ddp.distributed.world import build_accelerator, end_world, prepare
 from accel_ddp.finetune import describe_parameters, finetune_facts, prepare_for_finetuning
 from accel_ddp.fused_activations import fuse_activations
 from accel_ddp.lifecycle import failure
@@ -318,7 +318,7 @@ def _join(cfg: TrainConfig, teardown: ExitStack, preemption: PreemptionWatcher) 
         return kwargs
 
     accelerator, per_device_batch, accumulation = build_accelerator(cfg, trackers if cfg.with_tracking else None)
-    teardown.callback(accelerator.end_training)
+    teardown.push(lambda kind, err, tb: end_world(accelerator, failed=err is not None))  # train() again, later
     preemption.connect(accelerator, timedelta(seconds=cfg.ddp_timeout))  # its all-reduce waits --ddp_timeout at most
     teardown.push(_claim_failure)  # before the group goes: the ranks it then stops know that they are not first
     main_process_decides(accelerator, lambda: check_output_dir(cfg.output_dir))  # a bad folder: now, not after data
@@ -416,4 +416,8 @@ def _run_facts(cfg: TrainConfig, accelerator: Accelerator, plan: Plan, loader_ki
 def _claim_failure(kind, err, tb) -> None:
     """``train()``'s teardown, on an error: claim it (``failure.claim``) while the process group still stands."""
     if isinstance(err, Exception) and not isinstance(err, Preempted):
-        failure.claim(err, failure.exit_code(err))
+        made = failure.claim(err, failure.exit_code(err))
+        failure.release_peers(made)  # the first to fail: the others fail now and name it
+        named = failure.peer_named(err, made)
+        if named is not err:  # a peer's failure seen as a lost connection: the peer and its error, not gloo's words
+            raise named from None

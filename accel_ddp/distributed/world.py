@@ -9,7 +9,9 @@ is a ``LaunchError``, never a quiet single-process run.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import socket
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -43,6 +45,85 @@ def single_process_trap(env=os.environ) -> str | None:
             "without mpirun, NO, or --cpu start just one); use distributed_type: MULTI_GPU, which trains on CPU over "
             "gloo when there is no GPU (answer multi-GPU in `accelerate config`, or launch with --config_file "
             "accelerate_configs/cpu_2proc.yaml); for one process, num_processes: 1 and no MASTER_ADDR set")
+
+
+def end_world(accelerator: Accelerator, failed: bool = False) -> None:
+    """``train()``'s teardown: the trackers finished and the process group destroyed (``end_training``), then
+    Accelerate's singletons forgotten, so that a second ``train()`` in the same process (a sweep, a notebook) forms
+    its group again. ``failed``: the run raised (no barrier then: a rank may be gone).
+
+    ``PartialState`` and ``AcceleratorState`` keep their values for the life of the process (``SharedDict``s in
+    accelerate/state.py): after ``destroy_process_group`` the next ``PartialState()`` would find itself initialized
+    and form no group, and the first collective would fail ("Default process group has not been initialized").
+    Accelerate's own tests forget them between two Accelerators the same way (``AccelerateTestCase.tearDown`` in
+    accelerate/test_utils/testing.py: ``AcceleratorState._reset_state(True)``, then ``GradientState._reset_state()``).
+    A group that survived (``notebook_launcher``'s forked processes: ``fork_launched``, which ``end_training``
+    leaves alone) keeps its state too: forgetting it would make the next ``PartialState()`` form a second group.
+
+    Over ``env://`` rank 0's process hosts the group's store at MASTER_PORT (torch/distributed/rendezvous.py
+    ``_create_c10d_store``): a rank that left first and formed its next group could join rank 0's old store, whose
+    keys are the last group's, and wait there for an address that is gone. So the other ranks return only once that
+    store has closed (:func:`_old_store`, :func:`_wait_closed`).
+    """
+    from accelerate.state import AcceleratorState, GradientState
+
+    old_store = None
+    if not failed and accelerator.num_processes > 1:
+        old_store = _old_store(accelerator.process_index)  # connected before the barrier: rank 0's store of this run
+        accelerator.wait_for_everyone()
+    accelerator.end_training()
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+    if old_store is not None:
+        _wait_closed(old_store, STORE_CLOSE_WAIT_S)
+
+
+def form_group_again(cpu: bool, timeout: timedelta, env=os.environ) -> None:
+    """Under torchrun's agent store, a process group formed again in this process (a second ``train()``): formed
+    here, on a fresh prefix of the store; the first one is left to Accelerate (``PartialState`` adopts a group that
+    exists: ``if not torch.distributed.is_initialized()`` in accelerate/state.py).
+
+    ``init_process_group`` keys its rendezvous as ``default_pg/<n>/`` with ``n`` counted again from 0 after
+    ``destroy_process_group`` (torch/distributed/distributed_c10d.py: ``_world.group_count = 0``). The agent's store
+    lives as long as the launcher (peers.py), so a second group would read the first one's keys (gloo's addresses
+    of ranks that have closed them) and wait there until ``--ddp_timeout``. Each rank counts the groups it formed on
+    that store (every rank calls ``train()`` as often); from the second on, the group gets ``accel_ddp/group_<n>``.
+    """
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or not torch.distributed.is_available() \
+            or torch.distributed.is_initialized():
+        return
+    from torch.distributed import PrefixStore, TCPStore
+
+    rank, world = int(env.get("RANK", "0")), int(env.get("WORLD_SIZE", "1"))
+    store = TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world_size=world, is_master=False, timeout=timeout)
+    formed = store.add(f"accel_ddp/groups_formed/{rank}", 1)
+    if formed > 1:
+        backend = "gloo" if cpu else "nccl"  # Accelerate's choice for these two (accelerate/state.py _prepare_backend)
+        torch.distributed.init_process_group(backend, store=PrefixStore(f"accel_ddp/group_{formed}/", store),
+                                             rank=rank, world_size=world, timeout=timeout)
+
+
+STORE_CLOSE_WAIT_S = 10.0  # how long another rank waits for rank 0's store to close as its train() returns
+
+
+def _old_store(rank: int) -> socket.socket | None:
+    """A plain connection to the store rank 0 hosts for this group (env://, not torchrun's agent store), or None."""
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT", "")
+    if rank == 0 or not addr or not port.isdigit() or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return None
+    try:
+        return socket.create_connection((addr, int(port)), timeout=1.0)
+    except OSError:
+        return None
+
+
+def _wait_closed(connection: socket.socket, seconds: float) -> None:
+    """Until the server closes ``connection`` (its process dropped the store), ``seconds`` at most."""
+    with connection:
+        connection.settimeout(seconds)
+        with contextlib.suppress(OSError):  # a timeout, or a reset: either way no longer ours to wait for
+            connection.recv(1)
 
 
 def import_dynamo_before_the_group() -> None:
@@ -85,6 +166,7 @@ def build_accelerator(cfg: TrainConfig, trackers: Callable[[PartialState], dict[
         torch.backends.cudnn.allow_tf32 = True
     if problem := single_process_trap():
         raise LaunchError(problem)
+    form_group_again(cpu, timedelta(seconds=cfg.ddp_timeout))  # a second train() under torchrun's store
     state = PartialState(cpu=cpu, timeout=timedelta(seconds=cfg.ddp_timeout))
     launched_world = int(os.environ.get("WORLD_SIZE", "1"))
     if state.num_processes != launched_world:
