@@ -39,7 +39,7 @@ from accel_ddp.data.sampler import (
     sample_seed,
     seed_global_rngs,
 )
-from accel_ddp.data.workers import worker_options
+from accel_ddp.data.workers import WORKER_DEATH_ERRORS, worker_options
 from accel_ddp.util.messages import warn
 
 
@@ -195,7 +195,7 @@ class HostLoader(GlobalBatchLoader):
                 except NonFiniteBatch as err:  # the worker knows the row; this rank knows the batch's place
                     raise err if err.row is None else err.named(self._sample_name(epoch, next_micro, err.row)) \
                         from None
-                except (RuntimeError, ConnectionError):  # ConnectionError: a tensor from a killed worker
+                except WORKER_DEATH_ERRORS:  # a worker killed: found however its death showed here
                     dead = self._dead_workers()
                     if not dead or restarts >= MAX_WORKER_RESTARTS:
                         raise
@@ -213,8 +213,8 @@ class HostLoader(GlobalBatchLoader):
         """(pid, exit code) of the workers of the current pass that have ended: none while training goes well.
 
         A worker's death shows as torch's RuntimeError ("DataLoader worker (pid N) exited unexpectedly"), or as
-        a ConnectionError when the rank fetches a tensor the worker shared (``rebuild_storage_fd`` connects to
-        the worker's ``resource_sharer``); either way the worker's process says it."""
+        an error of the connection that fetches a tensor the worker shared (``data.workers.WORKER_DEATH_ERRORS``);
+        either way the worker's process says it."""
         workers = getattr(self.loader._iterator, "_workers", None) or []
         deadline = time.monotonic() + (WORKER_EXIT_WAIT_S if workers else 0)
         while True:  # a killed worker's socket closes before the kernel has it reaped: wait for its exit a little
