@@ -416,8 +416,6 @@ def _run_facts(cfg: TrainConfig, accelerator: Accelerator, plan: Plan, loader_ki
 def _claim_failure(kind, err, tb) -> None:
     """``train()``'s teardown, on an error: claim it (``failure.claim``) while the process group still stands."""
     if isinstance(err, Exception) and not isinstance(err, Preempted):
-        made = failure.claim(err, failure.exit_code(err))
-        failure.release_peers(made)  # the first to fail: the others fail now and name it
-        named = failure.peer_named(err, made)
+        named = failure.peer_named(err, failure.claim(err, failure.exit_code(err)))
         if named is not err:  # a peer's failure seen as a lost connection: the peer and its error, not gloo's words
             raise named from None

@@ -121,22 +121,6 @@ def claim(err: BaseException, code: int) -> Claim:
     return made
 
 
-def release_peers(made: Claim) -> None:
-    """``train()``'s teardown on the rank that failed first: the ranks blocked in a collective with it fail now, while
-    the store this process may host still answers, and claim there (``ACK_WAIT_S`` at most), so that they name this
-    rank (:func:`peer_named`) and not a lost connection. The group is aborted (gloo closes its pairs' sockets:
-    ``ProcessGroupGloo.abort``), not this process's sockets as ``report`` does: a caller's process goes on."""
-    import torch.distributed as dist
-
-    if not made.ours or made.world_size == 1 or made.store is None or made.nccl or not dist.is_initialized():
-        return
-    with contextlib.suppress(RuntimeError, ValueError):
-        dist.distributed_c10d._abort_process_group()
-    others = [f"{made.key}/claimed/{rank}" for rank in range(made.world_size) if rank != made.rank]
-    with contextlib.suppress(RuntimeError):
-        _wait_for(made.store, others, ACK_WAIT_S, made.stop)
-
-
 def peer_named(err: BaseException, made: Claim) -> BaseException:
     """``err`` as a ``PeerFailed`` naming the rank that failed first, where ``err`` is only this rank's transport
     error for it (a lost connection, a timeout: what gloo or NCCL say of a peer that went away); else ``err``.
@@ -163,7 +147,6 @@ def _agree(made: Claim, err: BaseException) -> None:
     if isinstance(err, PeerFailed):  # the failing rank claims at about the same time: let it
         _wait_for(made.store, [f"{made.key}/first"], ACK_WAIT_S)
     made.first = json.loads(made.store.compare_set(f"{made.key}/first", "", json.dumps(made.first)))
-    made.store.set(f"{made.key}/claimed/{made.rank}", "1")  # for a failing train() to wait on: release_peers
 
 
 def exit_code(err: BaseException) -> int:
