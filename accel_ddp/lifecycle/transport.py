@@ -7,19 +7,20 @@ built in, and of torch/lib/libtorch_cuda.so, ProcessGroupNCCL's and NCCL's resul
 
 - gloo/transport/tcp/pair.cc: a read of 0 bytes is "Connection closed by peer"; a failed ``read``/``write`` is
   "Read error"/"Write error" followed by ``strerror``: "Connection reset by peer" (ECONNRESET), "Broken pipe"
-  (EPIPE); a pair closed because one of its operations timed out fails every other operation on it with
-  "Application timeout caused pair closure" (a larger model's DDP all-reduce has several buckets in flight: which
-  of them reports first is a race, so a stopped peer shows as either this or the timeout below);
-  "Socket closed" for an operation on a pair already closed.
-- gloo/transport/tcp/unbound_buffer.cc: "Timed out waiting <N>ms for recv operation to complete" (or send).
+  (EPIPE); "Socket closed" for an operation on a pair already closed.
+- gloo/transport/tcp/unbound_buffer.cc (``waitRecv``, ``waitSend``): an operation past the group's timeout raises
+  "Timed out waiting <N>ms for recv operation to complete" (or send) and first signals every pair of its context,
+  so every other operation in flight fails with "Application timeout caused pair closure": a larger model's DDP
+  all-reduce has several buckets in flight, and which of them surfaces first is a race (issue 50: 1 run in 3).
 - torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp: "Watchdog caught collective operation timeout" and "NCCL
   operation timed out" (a collective past its timeout), "NCCL communicator was aborted on rank N" / "after a
   previous error" (the watchdog aborted it, mostly because a peer failed), "remote error detected from rank";
   NCCL's own ``ncclRemoteError``: "A call failed possibly due to a network error or a remote process exiting
   prematurely", and ``ncclSystemError`` (a socket call failed: a peer's connection gone).
 
-Each row is tested (tests/lifecycle/test_transport.py); those a CPU run can provoke are provoked there and in
-tests/lifecycle/test_red_team.py (a killed rank, a stopped one with a small and a larger model).
+Each row is tested (tests/lifecycle/test_transport.py); the gloo timeout and the pair closure are provoked there on
+a real gloo group, a closed connection by tests/lifecycle/test_failure.py's killed ranks, a stopped rank under a
+small and a larger model by tests/lifecycle/test_red_team.py::test_t9_*. NCCL's need two GPUs: not provoked.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ PEER_MESSAGES = (
     PeerMessage("Socket closed", "gloo", LOST, "gloo/transport/tcp/pair.cc"),
     PeerMessage(r"Timed out waiting (?P<ms>\d+)ms for (recv|send)", "gloo", STOPPED,
                 "gloo/transport/tcp/unbound_buffer.cc"),
-    PeerMessage("Application timeout caused pair closure", "gloo", STOPPED, "gloo/transport/tcp/pair.cc"),
+    PeerMessage("Application timeout caused pair closure", "gloo", STOPPED, "gloo/transport/tcp/unbound_buffer.cc"),
     PeerMessage("NCCL communicator was aborted", "nccl", LOST, "torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp"),
     PeerMessage("remote error detected from rank", "nccl", LOST, "torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp"),
     PeerMessage("remote process exiting prematurely", "nccl", LOST, "NCCL's ncclRemoteError (ncclGetErrorString)"),

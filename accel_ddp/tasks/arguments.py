@@ -25,7 +25,8 @@ class ArgumentError(ConfigError, TypeError):
 def check_arguments(cfg: Any, model: Any, train_dataset: Any, eval_dataset: Any) -> None:
     """Raise ``ArgumentError`` naming the first argument of the wrong kind; nothing is built before this."""
     if not isinstance(cfg, TrainConfig):
-        how = "TrainConfig(**your_dict)" if isinstance(cfg, Mapping) else "TrainConfig(...), or accel_ddp.cli.args.parse_args([flags])"
+        how = "TrainConfig(**your_dict)" if isinstance(cfg, Mapping) else \
+            "TrainConfig(...), or accel_ddp.cli.args.parse_args([flags])"
         raise ArgumentError(f"cfg= must be a TrainConfig, not a{_kind(cfg)}; build one with {how}")
     if model is not None and not isinstance(model, torch.nn.Module):
         raise ArgumentError(f"model= must be a torch.nn.Module, not a{_kind(model)}; or leave it out to build "

@@ -21,11 +21,11 @@ import multiprocessing.resource_sharer as resource_sharer
 import os
 import signal
 import time
+from multiprocessing.connection import Client
+from multiprocessing.process import current_process
 
 import pytest
 import torch
-from multiprocessing.connection import Client
-from multiprocessing.process import current_process
 
 from accel_ddp.data.host_loader import HostLoader
 from tests.helpers.data import IndexDataset

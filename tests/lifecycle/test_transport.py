@@ -70,3 +70,42 @@ def test_a_peer_message_makes_a_peers_failure_a_peer_failed_naming_it():
         assert isinstance(named, failure.PeerFailed) and named.rank == 0
         assert str(named).startswith("rank 0 failed: OSError: disk gone;"), named
     assert failure.peer_named(ValueError("its own bug"), made).args == ("its own bug",)
+
+
+def _real_gloo_messages() -> dict[str, str] | None:
+    """On forked ranks of a gloo group with a 1 s timeout: rank 0 starts two all-reduces that rank 1 never joins;
+    the first times out ("Timed out waiting 1000ms for recv"), which closes every pair of the context, so the second
+    fails with "Application timeout caused pair closure" (gloo/transport/tcp/unbound_buffer.cc ``waitRecv``). Rank 0
+    returns each error's text. (A peer that exited: "Connection closed by peer", provoked by
+    tests/lifecycle/test_failure.py's killed ranks.)"""
+    import os
+    import time
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", timeout=timedelta(seconds=1))
+    if os.environ["RANK"] == "1":
+        time.sleep(3)  # joins nothing until rank 0 has seen both timeouts
+        return {}
+    seen = {}
+    works = [dist.all_reduce(torch.ones(4), async_op=True) for _ in range(2)]
+    for name, work in zip(["timeout", "pair_closure"], works, strict=True):
+        try:
+            work.wait()
+        except RuntimeError as err:
+            seen[name] = str(err)
+    return seen
+
+
+def test_gloos_timeout_and_pair_closure_as_raised_are_named_as_a_stopped_peer():
+    from tests.helpers.multiproc import run_ranks
+
+    seen = run_ranks(_real_gloo_messages, world_size=2, timeout=60)[0]
+    assert "Timed out waiting 1000ms for recv" in seen["timeout"], seen
+    assert "Application timeout caused pair closure" in seen["pair_closure"], seen
+    for text in seen.values():
+        err = RuntimeError(text)
+        assert failure.timed_out(err) and not failure.lost_peer(err)
+        assert "did not answer within --ddp_timeout" in failure._report_text(err, 1)
