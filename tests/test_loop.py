@@ -248,7 +248,7 @@ def test_digits_are_read_without_scikit_learn_as_load_digits_returns_them():
     assert digest == "65e5b4619795efb40c1082f4c350c049e4ad552200d369b6ae99e21eef5e72c5"  # load_digits(), sklearn 1.x
 
 
-# ----------------------------------------------------------------------------- train() again, and at its door (issue 50)
+# ----------------------------------------------------------------------------- train() again; its door (issue 50)
 
 
 def _tiny_train(out: Path, **overrides):
