@@ -238,7 +238,8 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
     scheduler = build_lr_scheduler(optimizer, cfg.lr_schedule, warmup, plan.total_steps)
     with construction_stream(cfg.cuda_graphs):  # DDP built on a side stream before a whole-step capture
         model, optimizer, scheduler = prepare(accelerator, model, optimizer, scheduler)
-    probe_task(task, accelerator, model, data, evaluates=loaders.eval is not None, loaders=loaders)
+    probe_task(task, accelerator, model, data, evaluates=loaders.eval is not None, loaders=loaders,
+               skips_bad_inputs=cfg.on_anomaly != "stop")  # then a nan/inf input is its step's anomaly
     phase_done("optimizer_and_prepare")
 
     # The input is checked. Before anything is written: the folder is created, and ours alone until we exit.
