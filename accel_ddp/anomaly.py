@@ -157,7 +157,7 @@ class AnomalyGuard:
             if str(s) in self.known["skipped"]:  # replayed: recorded when it was found
                 action = "rollback" if any(s in back["steps"] for back in self.known["rollbacks"]) else "skip"
                 self.log({"step": s, "anomaly": self.known["skipped"][str(s)], "action": action, "replayed": True,
-                          **({"detail": d} if (d := self.known.get("details", {}).get(str(s))) else {})})
+                          **({"detail": d} if (d := self.known.get("inputs", {}).get(str(s))) else {})})
             else:
                 new.append((s, f"gradient norm {norm}"))
         if new:
@@ -175,6 +175,8 @@ class AnomalyGuard:
         for rank_found in gather_object([mine]):
             for s, what in rank_found.items():
                 found.setdefault(s, []).extend(what)
+        for s, what in found.items():  # anomalies.json: a rollback's replay, or a resume, names them again
+            self.known.setdefault("inputs", {})[str(s)] = "; ".join(what)
         return [(s, "; ".join(found[s]) if s in found else what) for s, what in new]
 
     def after_log(self, step: int, mean_loss: float, last_saved: tuple[int, str] | None) -> None:
@@ -207,7 +209,6 @@ class AnomalyGuard:
             action = "stop"
         for s, what in found:
             self.known["skipped"][str(s)] = kind
-            self.known.setdefault("details", {})[str(s)] = what  # the replay's record says it again (a rollback)
             self.log({"step": s, "anomaly": kind, "action": action, "detail": what})
         steps = _span([s for s, _ in found])
         checkpoint = last_saved[1] if last_saved else None

@@ -871,7 +871,7 @@ def test_a_nan_input_under_on_anomaly_is_a_skipped_step_with_its_sample_named(pa
     printed = capfd.readouterr()
     assert "Traceback" not in printed.err and "accel_ddp: error" not in printed.err, printed.err
     records = json.loads((out / "anomalies.json").read_text())
-    assert list(records["skipped"]) == ["3"] and NAN_NAMED in records["details"]["3"], records
+    assert list(records["skipped"]) == ["3"] and NAN_NAMED in records["inputs"]["3"], records
     logged = [r for r in read_metrics(out) if r.get("anomaly")]  # a rollback's: the replay's record, the first gone
     assert [r["step"] for r in logged] == [3] and logged[0]["action"] == mode, logged
     assert NAN_NAMED in logged[0]["detail"], logged
