@@ -270,10 +270,14 @@ def test_train_called_again_in_the_same_process_trains_and_returns_its_summary_o
     (over env://, where rank 0 hosts the store, and over torchrun's agent store, which outlives every group)."""
     env = request.getfixturevalue("launcher_store")[1] if store == "launcher" else {}
 
-    def sweep() -> list[int]:
-        return [_tiny_train(tmp_path / f"run{i}")["optimizer_steps"] for i in range(3)]
+    def sweep() -> list[tuple[int, bool]]:
+        from accelerate import PartialState
 
-    assert run_ranks(sweep, world_size=2, env=env) == [[4, 4, 4], [4, 4, 4]]
+        # After each call the caller still asks Accelerate which rank it is (the README's example does)
+        return [(_tiny_train(tmp_path / f"run{i}")["optimizer_steps"], PartialState().is_main_process)
+                for i in range(3)]
+
+    assert run_ranks(sweep, world_size=2, env=env) == [[(4, True)] * 3, [(4, False)] * 3]
     assert all((tmp_path / f"run{i}" / "summary.json").is_file() for i in range(3))
 
 

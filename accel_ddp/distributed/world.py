@@ -48,35 +48,45 @@ def single_process_trap(env=os.environ) -> str | None:
 
 
 def end_world(accelerator: Accelerator, failed: bool = False) -> None:
-    """``train()``'s teardown: the trackers finished and the process group destroyed (``end_training``), then
-    Accelerate's singletons forgotten, so that a second ``train()`` in the same process (a sweep, a notebook) forms
-    its group again. ``failed``: the run raised (no barrier then: a rank may be gone).
+    """``train()``'s teardown: the trackers finished and the process group destroyed (``end_training``), in an order
+    that lets a second ``train()`` in the same process (a sweep, a notebook) form its group again. ``failed``: the
+    run raised (no barrier then: a rank may be gone).
+
+    Over ``env://`` rank 0's process hosts the group's store at MASTER_PORT (torch/distributed/rendezvous.py
+    ``_create_c10d_store``): a rank that left first and formed its next group could join rank 0's old store, whose
+    keys are the last group's, and wait there for an address that is gone. So the other ranks return only once that
+    store has closed (:func:`_old_store`, :func:`_wait_closed`). Accelerate's state is left as it is, for the
+    caller's ``PartialState().is_main_process`` after ``train()``; the next ``train()`` forgets it
+    (:func:`forget_ended_state`).
+    """
+    old_store = None
+    if not failed and accelerator.num_processes > 1:
+        old_store = _old_store(accelerator.process_index)  # connected before the barrier: rank 0's store of this run
+        accelerator.wait_for_everyone()
+    accelerator.end_training()
+    if old_store is not None:
+        _wait_closed(old_store, STORE_CLOSE_WAIT_S)
+
+
+def forget_ended_state() -> None:
+    """Before a group forms: Accelerate's state of an earlier ``train()`` whose group has ended, forgotten.
 
     ``PartialState`` and ``AcceleratorState`` keep their values for the life of the process (``SharedDict``s in
     accelerate/state.py): after ``destroy_process_group`` the next ``PartialState()`` would find itself initialized
     and form no group, and the first collective would fail ("Default process group has not been initialized").
     Accelerate's own tests forget them between two Accelerators the same way (``AccelerateTestCase.tearDown`` in
     accelerate/test_utils/testing.py: ``AcceleratorState._reset_state(True)``, then ``GradientState._reset_state()``).
-    A group that survived (``notebook_launcher``'s forked processes: ``fork_launched``, which ``end_training``
-    leaves alone) keeps its state too: forgetting it would make the next ``PartialState()`` form a second group.
-
-    Over ``env://`` rank 0's process hosts the group's store at MASTER_PORT (torch/distributed/rendezvous.py
-    ``_create_c10d_store``): a rank that left first and formed its next group could join rank 0's old store, whose
-    keys are the last group's, and wait there for an address that is gone. So the other ranks return only once that
-    store has closed (:func:`_old_store`, :func:`_wait_closed`).
+    A state whose group still stands (``notebook_launcher``'s forked processes: ``fork_launched``, which
+    ``end_training`` leaves alone), or that never had one, is kept.
     """
     from accelerate.state import AcceleratorState, GradientState
 
-    old_store = None
-    if not failed and accelerator.num_processes > 1:
-        old_store = _old_store(accelerator.process_index)  # connected before the barrier: rank 0's store of this run
-        accelerator.wait_for_everyone()
-    accelerator.end_training()
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        AcceleratorState._reset_state(reset_partial_state=True)
-        GradientState._reset_state()
-    if old_store is not None:
-        _wait_closed(old_store, STORE_CLOSE_WAIT_S)
+    state = PartialState._shared_state
+    if not state or state.get("num_processes", 1) <= 1 or not torch.distributed.is_available() \
+            or torch.distributed.is_initialized():
+        return
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
 
 
 def form_group_again(cpu: bool, timeout: timedelta, env=os.environ) -> None:
@@ -166,6 +176,7 @@ def build_accelerator(cfg: TrainConfig, trackers: Callable[[PartialState], dict[
         torch.backends.cudnn.allow_tf32 = True
     if problem := single_process_trap():
         raise LaunchError(problem)
+    forget_ended_state()  # a second train() in this process: the first one's group has ended
     form_group_again(cpu, timedelta(seconds=cfg.ddp_timeout))  # a second train() under torchrun's store
     state = PartialState(cpu=cpu, timeout=timedelta(seconds=cfg.ddp_timeout))
     launched_world = int(os.environ.get("WORLD_SIZE", "1"))
