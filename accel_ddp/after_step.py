@@ -32,7 +32,7 @@ from tqdm.auto import tqdm
 
 from accel_ddp.anomaly import AnomalyGuard, RolledBack
 from accel_ddp.assemble import Run
-from accel_ddp.evaluate import evaluate
+from accel_ddp.evaluation import evaluate
 from accel_ddp.lifecycle.non_finite import LossWatch, NonFiniteLoss, trace_non_finite
 from accel_ddp.lifecycle.preemption import Preempted
 from accel_ddp.step import LossAccumulator, TrainStep
@@ -115,6 +115,7 @@ class AfterStep:
         """After optimizer ``step`` (collective where the cadence says): the log line, the preemption flags, the
         evaluation, the save. True: the epoch ends here (early stopping, or the run's last step)."""
         run, cadence = self.run, self.cadence
+        run.hang.step_done(step)  # --hang_timeout: the watch's deadline moves (an attribute store)
         self.non_finite.after_step()
         self.log.step_done(step)
         if cadence.logs(step, self.plan.total_steps):

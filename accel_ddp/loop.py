@@ -55,6 +55,8 @@ def train(
     metrics: Sequence[Any] = (),
     collate_fn: Callable[[list], Any] | None = None,
     preemption: PreemptionWatcher | None = None,
+    optimizer: Any = None,
+    lr_scheduler: Any = None,
 ) -> dict[str, Any]:
     """Train on every rank of the current launch; return the summary (the same on every rank).
 
@@ -62,7 +64,10 @@ def train(
     label)`` pairs or dicts of tensors (``model(**batch)``), batched by ``collate_fn`` (default:
     dicts padded per batch); without ``eval_dataset`` no evaluation runs. ``loss_fn(outputs,
     batch)`` returns a mean or a ``(sum, num_items)`` pair; ``metrics`` are objects with
-    ``update(outputs, batch)`` and ``compute() -> dict`` (see :mod:`accel_ddp.tasks.protocol`). On SIGTERM or
+    ``update(outputs, batch)`` and ``compute() -> dict`` (see :mod:`accel_ddp.tasks.protocol`). ``optimizer``: a
+    function of the parameter groups returning a ``torch.optim.Optimizer``, or one built on ``model.parameters()``;
+    ``lr_scheduler``: a function of the optimizer returning an ``LRScheduler``, stepped once per optimizer step
+    instead of the built-in schedule; both are checkpointed and restored (:mod:`accel_ddp.optim_user`). On SIGTERM or
     SIGUSR1 every rank stops after the same optimizer step, saves a checkpoint and raises ``Preempted``
     (``preemption``: the watcher ``main()`` installed before parsing the options; None: one is installed now).
     An error in a launch of several ranks is recorded on the ranks' store before the process group goes
@@ -73,7 +78,7 @@ def train(
     with ExitStack() as teardown:  # on any exit: signal handlers back, files closed, lock and process group gone
         try:
             run = setup(cfg, teardown, model, train_dataset, eval_dataset, loss_fn=loss_fn, metrics=metrics,
-                        collate_fn=collate_fn, preemption=preemption)
+                        collate_fn=collate_fn, preemption=preemption, optimizer=optimizer, lr_scheduler=lr_scheduler)
         except RunFinished as done:  # the same command again after the run ended: nothing to do, nothing touched
             return done.summary
         while True:

@@ -14,7 +14,7 @@ from accel_ddp.util.messages import warn
 from accel_ddp.util.validation import ConfigError
 
 # Recorded in every checkpoint.json; a resume with other values warns, and this run's values are in force.
-HYPERPARAMETERS = ("lr", "lr_schedule", "warmup_steps", "weight_decay", "max_grad_norm")
+HYPERPARAMETERS = ("lr", "lr_schedule", "warmup_steps", "weight_decay", "max_grad_norm", "optimizer_kwargs")
 # Run facts that decide what an optimizer step means; a checkpoint made with other values cannot continue.
 # A stream has no epoch length: its steps_per_epoch is the run's --max_steps, which a longer run raises.
 MUST_MATCH = ("global_batch_size", "steps_per_epoch", "optimizer")

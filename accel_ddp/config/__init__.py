@@ -49,7 +49,6 @@ from accel_ddp.config.choices import (  # noqa: F401 - the layer's names, as bef
     MIXED_PRECISIONS,
     MODEL_STATE_MAX_BYTES,
     ON_ANOMALY,
-    OPTIMIZERS,
     PATH_FLAGS,
     RENAMED_FLAGS,
     RENAMED_VALUES,

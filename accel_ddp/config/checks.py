@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 import os
 from typing import Any
 
@@ -36,6 +37,44 @@ def _check_per_device(cfg: Any) -> None:
         raise ConfigError(f"--per_device_batch_size {value} with --gradient_accumulation_steps "
                           f"{cfg.gradient_accumulation_steps}: auto derives the accumulation from the micro-batch "
                           "that fits; give --global_batch_size instead of --gradient_accumulation_steps")
+
+
+def optimizer_kwargs_text(value: Any) -> Any:
+    """``--optimizer_kwargs`` as JSON text: a mapping (YAML, ``TrainConfig(optimizer_kwargs={...})``) is written as
+    JSON, so that config.yaml replays it and the flag has one type; anything else is checked as given."""
+    return json.dumps(value) if isinstance(value, dict) else value
+
+
+def optimizer_kwargs(cfg: Any) -> dict[str, Any]:
+    """``--optimizer_kwargs`` parsed (``{}`` when unset); ``_check_optimizer`` has checked it is a JSON object."""
+    return json.loads(cfg.optimizer_kwargs) if cfg.optimizer_kwargs else {}
+
+
+def _check_optimizer(cfg: Any) -> None:
+    """--optimizer (a torch.optim class by name, any case, or 'pkg.module:function') and --optimizer_kwargs (a JSON
+    object). Whether the name is a class of the installed torch, and the keywords its signature, is checked once
+    torch is imported (accel_ddp/optim.py ``check_optimizer``, at start-up)."""
+    name = cfg.optimizer.strip()
+    if ":" in name:
+        module, _, function = name.partition(":")
+        if not module or not function:
+            raise ConfigError(f"--optimizer {show(name)}: give a torch.optim class name (e.g. adamw) or "
+                              "'pkg.module:function'")
+    cfg.optimizer = name if ":" in name else name.lower()  # AdamW, adamw and ADAMW are one optimizer
+    if cfg.optimizer_kwargs is None:
+        return
+    example = "e.g. --optimizer_kwargs '{\"betas\": [0.9, 0.95]}'"
+    try:
+        kwargs = json.loads(cfg.optimizer_kwargs)
+    except ValueError as err:
+        raise ConfigError(f"--optimizer_kwargs {show(cfg.optimizer_kwargs)} is not JSON ({err}); {example}") from None
+    if not isinstance(kwargs, dict):
+        raise ConfigError(f"--optimizer_kwargs must be a JSON object of keyword arguments, got "
+                          f"{show(cfg.optimizer_kwargs)}; {example}")
+    for key, flag in (("lr", "--lr"), ("weight_decay", "--weight_decay"), ("params", None)):
+        if key in kwargs and (flag is None or ":" not in name):  # a user's function takes any keyword it names
+            fix = f"use {flag} (it applies to the right parameter groups)" if flag else "the run gives the parameters"
+            raise ConfigError(f"--optimizer_kwargs sets {key!r}: {fix}; drop it from --optimizer_kwargs")
 
 
 def warn_deprecated(old: str, new: str) -> None:

@@ -22,6 +22,7 @@ from accelerate.utils import DDPCommunicationHookType, DistributedDataParallelKw
 
 from accel_ddp.config import TrainConfig
 from accel_ddp.distributed.preflight import build_fsdp_plugin, check_launch_devices
+from accel_ddp.lifecycle.hang import flight_recorder_env
 from accel_ddp.util.host_memory import keep_freed_host_memory
 from accel_ddp.util.messages import note
 from accel_ddp.util.ranks import WORLD_SIZE_VARS
@@ -56,8 +57,8 @@ def end_world(accelerator: Accelerator, failed: bool = False) -> None:
     ``_create_c10d_store``): a rank that left first and formed its next group could join rank 0's old store, whose
     keys are the last group's, and wait there for an address that is gone. So the other ranks return only once that
     store has closed (:func:`_old_store`, :func:`_wait_closed`). Accelerate's state is left as it is, for the
-    caller's ``PartialState().is_main_process`` after ``train()``; the next ``train()`` forgets it
-    (:func:`forget_ended_state`).
+    caller's ``PartialState().is_main_process`` after ``train()``; the next run forgets it
+    (:func:`forget_ended_world`).
     """
     old_store = None
     if not failed and accelerator.num_processes > 1:
@@ -66,52 +67,6 @@ def end_world(accelerator: Accelerator, failed: bool = False) -> None:
     accelerator.end_training()
     if old_store is not None:
         _wait_closed(old_store, STORE_CLOSE_WAIT_S)
-
-
-def forget_ended_state() -> None:
-    """Before a group forms: Accelerate's state of an earlier ``train()`` whose group has ended, forgotten.
-
-    ``PartialState`` and ``AcceleratorState`` keep their values for the life of the process (``SharedDict``s in
-    accelerate/state.py): after ``destroy_process_group`` the next ``PartialState()`` would find itself initialized
-    and form no group, and the first collective would fail ("Default process group has not been initialized").
-    Accelerate's own tests forget them between two Accelerators the same way (``AccelerateTestCase.tearDown`` in
-    accelerate/test_utils/testing.py: ``AcceleratorState._reset_state(True)``, then ``GradientState._reset_state()``).
-    A state whose group still stands (``notebook_launcher``'s forked processes: ``fork_launched``, which
-    ``end_training`` leaves alone), or that never had one, is kept.
-    """
-    from accelerate.state import AcceleratorState, GradientState
-
-    state = PartialState._shared_state
-    if not state or state.get("num_processes", 1) <= 1 or not torch.distributed.is_available() \
-            or torch.distributed.is_initialized():
-        return
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
-
-
-def form_group_again(cpu: bool, timeout: timedelta, env=os.environ) -> None:
-    """Under torchrun's agent store, a process group formed again in this process (a second ``train()``): formed
-    here, on a fresh prefix of the store; the first one is left to Accelerate (``PartialState`` adopts a group that
-    exists: ``if not torch.distributed.is_initialized()`` in accelerate/state.py).
-
-    ``init_process_group`` keys its rendezvous as ``default_pg/<n>/`` with ``n`` counted again from 0 after
-    ``destroy_process_group`` (torch/distributed/distributed_c10d.py: ``_world.group_count = 0``). The agent's store
-    lives as long as the launcher (peers.py), so a second group would read the first one's keys (gloo's addresses
-    of ranks that have closed them) and wait there until ``--ddp_timeout``. Each rank counts the groups it formed on
-    that store (every rank calls ``train()`` as often); from the second on, the group gets ``accel_ddp/group_<n>``.
-    """
-    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or not torch.distributed.is_available() \
-            or torch.distributed.is_initialized():
-        return
-    from torch.distributed import PrefixStore, TCPStore
-
-    rank, world = int(env.get("RANK", "0")), int(env.get("WORLD_SIZE", "1"))
-    store = TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world_size=world, is_master=False, timeout=timeout)
-    formed = store.add(f"accel_ddp/groups_formed/{rank}", 1)
-    if formed > 1:
-        backend = "gloo" if cpu else "nccl"  # Accelerate's choice for these two (accelerate/state.py _prepare_backend)
-        torch.distributed.init_process_group(backend, store=PrefixStore(f"accel_ddp/group_{formed}/", store),
-                                             rank=rank, world_size=world, timeout=timeout)
 
 
 STORE_CLOSE_WAIT_S = 10.0  # how long another rank waits for rank 0's store to close as its train() returns
@@ -176,8 +131,9 @@ def build_accelerator(cfg: TrainConfig, trackers: Callable[[PartialState], dict[
         torch.backends.cudnn.allow_tf32 = True
     if problem := single_process_trap():
         raise LaunchError(problem)
-    forget_ended_state()  # a second train() in this process: the first one's group has ended
-    form_group_again(cpu, timedelta(seconds=cfg.ddp_timeout))  # a second train() under torchrun's store
+    if not cpu:  # NCCL's flight recorder, read as the process group forms: on with --hang_timeout
+        flight_recorder_env(cfg.output_dir, cfg.hang_seconds())
+    forget_ended_world()  # a second run in this process (train, then evaluate): the group formed again
     state = PartialState(cpu=cpu, timeout=timedelta(seconds=cfg.ddp_timeout))
     launched_world = int(os.environ.get("WORLD_SIZE", "1"))
     if state.num_processes != launched_world:
@@ -199,6 +155,36 @@ def build_accelerator(cfg: TrainConfig, trackers: Callable[[PartialState], dict[
         **(trackers(state) if trackers is not None else {}),
     )
     return accelerator, per_device, accumulation
+
+
+def forget_ended_world() -> None:
+    """Forget Accelerate's state of a process group that an earlier run in this process ended, so that the next
+    ``PartialState`` forms the group again (``train()`` then ``evaluate()`` in one script, on several ranks).
+
+    ``Accelerator.end_training`` destroys the process group but keeps Accelerate's singletons (accelerate/state.py:
+    ``PartialState.destroy_process_group`` leaves ``_shared_state`` as it was); a new ``PartialState`` would then skip
+    ``init_process_group`` and every collective fail with "Default process group has not been initialized". The
+    reset is Accelerate's own ``_reset_state`` (what its test utilities call between runs).
+
+    torch names the default group by its count of groups made, which ``destroy_process_group`` sets back to 0
+    (torch/distributed/distributed_c10d.py, ``_process_group_name``): the new group would find the ended one's gloo
+    addresses under the same keys of the launcher's store (torchrun's store outlives the group) and, reading them
+    before a peer rewrote its own, connect to a port nobody listens on ("Gloo connectFullMesh failed"). So each
+    group formed again counts from a number no earlier group of this process used: the same on every rank, which
+    ends and forms its groups in the same order.
+    """
+    from accelerate.state import AcceleratorState, GradientState
+
+    ended = PartialState._shared_state.get("distributed_type", DistributedType.NO) != DistributedType.NO
+    if ended and torch.distributed.is_available() and not torch.distributed.is_initialized():
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+        world = torch.distributed.distributed_c10d._world
+        world.accel_ddp_groups_ended = getattr(world, "accel_ddp_groups_ended", 0) + 1
+        world.group_count = GROUP_NAMES_PER_WORLD * world.accel_ddp_groups_ended
+
+
+GROUP_NAMES_PER_WORLD = 100_000  # far more groups than a run makes (the default group, the preemption flag's)
 
 
 def override_mixed_precision(requested: str, cpu: bool, env=os.environ) -> None:

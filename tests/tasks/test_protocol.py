@@ -133,7 +133,7 @@ def _evaluate_lm(world: int, count: int = 23, batch_size: int = 4) -> list[dict]
     def fn():
         from accel_ddp.data.loaders import build_eval_loader
         from accel_ddp.distributed.world import build_accelerator
-        from accel_ddp.evaluate import evaluate
+        from accel_ddp.evaluation import evaluate
         from accel_ddp.tasks.protocol import build_task
 
         accelerator, _, _ = build_accelerator(TrainConfig(global_batch_size=2))
