@@ -310,3 +310,18 @@ def nan_input_in_memory(data_dir: str, download: bool) -> DatasetBundle:
 def nan_input_per_sample(data_dir: str, download: bool) -> DatasetBundle:
     """The same samples read one at a time (the DataLoader path's)."""
     return _nan_rows(in_memory=False)
+
+
+def mapped_floats_with_inf(folder: Path, row: int = 13):
+    """A ``datasets.Dataset`` of 40 rows (``x``: 3 floats, ``label``), saved in ``folder`` and read back memory-mapped
+    in torch format; ``x`` of ``row`` holds an inf."""
+    import datasets
+
+    from accel_ddp.data.loaders import data_source
+
+    x = torch.randn(40, 3)
+    x[row, 1] = float("inf")
+    datasets.Dataset.from_dict({"x": x.tolist(), "label": [i % 2 for i in range(40)]}).save_to_disk(folder)
+    table = datasets.load_from_disk(str(folder)).with_format("torch")
+    assert data_source(table) == "memory_mapped"
+    return table

@@ -951,17 +951,9 @@ def _served_with_reports(loader) -> tuple[int, list[str]]:
 
 
 def test_a_nan_input_of_a_memory_mapped_set_is_reported_and_served_under_on_anomaly(tmp_path):
-    import datasets
-
     from accel_ddp.data import HostLoader
-    from accel_ddp.data.loaders import data_source
 
-    x = torch.randn(40, 3)
-    x[13, 1] = float("inf")
-    datasets.Dataset.from_dict({"x": x.tolist(), "label": [i % 2 for i in range(40)]}).save_to_disk(tmp_path / "d")
-    table = datasets.load_from_disk(str(tmp_path / "d")).with_format("torch")
-    assert data_source(table) == "memory_mapped"
-    loader = HostLoader(table, 4, 8, seed=0, num_workers=1)
+    loader = HostLoader(helpers_data.mapped_floats_with_inf(tmp_path / "d"), 4, 8, seed=0, num_workers=1)
     step = next(s for s, rows in enumerate(loader.sampler.rank_indices(0).tolist()) if 13 in rows)
     assert _served_with_reports(loader) == (10, [f"training sample 13 (epoch 0, optimizer step {step // 2 + 1}, "
                                                  "rank 0) holds nan or inf values (its 'x')"])
