@@ -37,7 +37,7 @@ from accel_ddp.config import DEBUG_MAX_STEPS, TrainConfig
 from accel_ddp.data import DeviceEvalLoader, DeviceLoader, HostLoader, StreamingLoader, build_loaders, usable_cpus
 from accel_ddp.data.resolve import resolve_data
 from accel_ddp.distributed.preflight import check_fsdp, check_shared_output_dir
-from accel_ddp.distributed.world import build_accelerator, prepare
+from accel_ddp.distributed.world import build_accelerator, end_world, prepare
 from accel_ddp.finetune import describe_parameters, finetune_facts, prepare_for_finetuning
 from accel_ddp.fused_activations import fuse_activations
 from accel_ddp.lifecycle import failure
@@ -244,7 +244,8 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
     optimizer, scheduler = optimization.optimizer, optimization.scheduler
     with construction_stream(cfg.cuda_graphs):  # DDP built on a side stream before a whole-step capture
         model, optimizer, scheduler = prepare(accelerator, model, optimizer, scheduler)
-    probe_task(task, accelerator, model, data, evaluates=loaders.eval is not None, loaders=loaders)
+    probe_task(task, accelerator, model, data, evaluates=loaders.eval is not None, loaders=loaders,
+               skips_bad_inputs=cfg.on_anomaly != "stop")  # then a nan/inf input is its step's anomaly
     phase_done("optimizer_and_prepare")
 
     # The input is checked. Before anything is written: the folder is created, and ours alone until we exit.
@@ -329,7 +330,7 @@ def _join(cfg: TrainConfig, teardown: ExitStack, preemption: PreemptionWatcher) 
         return kwargs
 
     accelerator, per_device_batch, accumulation = build_accelerator(cfg, trackers if cfg.with_tracking else None)
-    teardown.callback(accelerator.end_training)
+    teardown.push(lambda kind, err, tb: end_world(accelerator, failed=err is not None))  # train() again, later
     preemption.connect(accelerator, timedelta(seconds=cfg.ddp_timeout))  # its all-reduce waits --ddp_timeout at most
     teardown.push(claim_failure)  # before the group goes: the ranks it then stops know that they are not first
     main_process_decides(accelerator, lambda: check_output_dir(cfg.output_dir))  # a bad folder: now, not after data
@@ -436,4 +437,6 @@ def claim_failure(kind, err, tb) -> None:
     """The teardown of ``train()`` and ``inference``, on an error: claim it (``failure.claim``) while the process group
     still stands."""
     if isinstance(err, Exception) and not isinstance(err, Preempted):
-        failure.claim(err, failure.exit_code(err))
+        named = failure.peer_named(err, failure.claim(err, failure.exit_code(err)))
+        if named is not err:  # a peer's failure seen as a lost connection: the peer and its error, not gloo's words
+            raise named from None

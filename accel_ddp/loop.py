@@ -35,6 +35,7 @@ from accel_ddp.outputs.model_card import launch_command, write_model_card
 from accel_ddp.outputs.run_dir import (
     RunFinished,
 )
+from accel_ddp.tasks.arguments import check_arguments
 from accel_ddp.tracking.meters import (
     EpochTimer,
     ThroughputMeter,
@@ -78,6 +79,7 @@ def train(
     (:func:`accel_ddp.lifecycle.failure.claim`); from then on this process records SIGTERM and SIGUSR1 instead of
     dying of them: the launcher is stopping every rank, and ``main()`` reports, then exits.
     """
+    check_arguments(cfg, model, train_dataset, eval_dataset)  # a wrong kind: one line naming it, nothing built
     with ExitStack() as teardown:  # on any exit: signal handlers back, files closed, lock and process group gone
         try:
             run = setup(cfg, teardown, model, train_dataset, eval_dataset, loss_fn=loss_fn, metrics=metrics,

@@ -7,6 +7,7 @@
     peers.py        the store the ranks agree on, and closing this rank's connections so its peers learn at once
     preemption.py   SIGTERM/SIGUSR1 (or a dead launcher): every rank saves and stops; exit codes
     stdio.py        stdout/stderr without a reader: writes go to /dev/null instead of failing the run
+    transport.py    what gloo and NCCL say of a peer that went away or stopped answering: one table
 
 May import: util. Everything above raises into it, so it imports nothing above util.
 """
