@@ -1,6 +1,7 @@
 """The ``accel-ddp`` commands, the command line, and the doctor.
 
-    commands.py       the `accel-ddp` entry point: train, doctor, summary, plot
+    commands.py       the `accel-ddp` entry point: launch, train, doctor, summary, plot
+    launch.py         `accel-ddp launch`: accelerate launch, ending with the failing rank's line and exit code
     args.py           the command line (YAML, then flags) into a TrainConfig
     train.py          main(): train, then the exit code (failure report, preemption)
     doctor.py         `accel-ddp doctor`: what this machine and launch config will do, before a run

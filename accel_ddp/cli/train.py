@@ -12,6 +12,7 @@ from typing import NoReturn
 
 from accel_ddp.cli.args import parse_args
 from accel_ddp.lifecycle import failure
+from accel_ddp.lifecycle.exit_codes import record
 from accel_ddp.util.messages import warn
 from accel_ddp.util.validation import ConfigError
 
@@ -73,6 +74,7 @@ def run(argv: list[str] | None = None) -> NoReturn:
     except Exception:  # noqa: BLE001 - the report itself failed: Python's traceback, then the same safe exit
         traceback.print_exc()
         code = 1
+    record(code)  # for accel-ddp launch, which exits with it (a signalled launcher's own code says less)
     if "torch" not in sys.modules:  # refused before torch: no thread of gloo's to race the interpreter's exit
         sys.stdout.flush()
         sys.exit(code)

@@ -1,5 +1,6 @@
 """How a run ends: preemption signals, non-finite losses, failure reports (one per launch), exit codes.
 
+    exit_codes.py   each rank's exit code, left for `accel-ddp launch` (a signalled launcher loses them)
     failure.py      the first failing rank reports, the others stay quiet; exit codes; main_process_decides
     non_finite.py   a nan/inf training loss: NonFiniteLoss (exit 3), LossWatch (the first bad step), --debug's trace
     peers.py        the store the ranks agree on, and closing this rank's connections so its peers learn at once
