@@ -49,7 +49,6 @@ from accel_ddp.lifecycle.preemption import (
 from accel_ddp.models import build_configured_model, set_attn_implementation
 from accel_ddp.optim import build_lr_scheduler, build_optimizer, use_fused_optimizer
 from accel_ddp.outputs.run_dir import (
-    RunFinished,
     check_output_dir,
     claim_output_dir,
 )
@@ -63,7 +62,7 @@ from accel_ddp.tracking.meters import (
 )
 from accel_ddp.tracking.recorder import RunRecorder
 from accel_ddp.tracking.startup import StartupClock
-from accel_ddp.tracking.startup_block import StartupBlock, finished, resumed_from
+from accel_ddp.tracking.startup_block import StartupBlock, resumed_from
 from accel_ddp.tracking.trackers import tracking_kwargs
 from accel_ddp.util.messages import warn
 from accel_ddp.util.registry import resolve
@@ -292,12 +291,8 @@ def _agree_start(cfg: TrainConfig, accelerator: Accelerator, checkpoints: Checkp
     """The step this run starts after (every rank agrees: checkpoint/start.py), then the trackers, the config and
     the start-up block: nothing an earlier run left is touched before the start point is known."""
     optimizer, scheduler = state
-    try:
-        start_step = where_to_start(cfg, accelerator, checkpoints, optimizer, scheduler, plan.total_steps)
-    except RunFinished as done:  # said, nothing written
-        block.start = finished(done.summary["optimizer_steps"])
-        _say(block, accelerator.is_main_process)
-        raise
+    # A finished run (RunFinished): its one line is said (outputs/run_dir.py), not the block; nothing written.
+    start_step = where_to_start(cfg, accelerator, checkpoints, optimizer, scheduler, plan.total_steps)
     block.start = resumed_from(start_step, checkpoints.last_saved_folder) if start_step else "fresh"
     resolved = {**cfg.to_dict(), "resolved": facts}
     # One that cannot start (or not within --tracker_start_timeout): exit 2 here; a SIGTERM meanwhile: exit 75.

@@ -32,7 +32,7 @@ class StartupBlock:
 
     lines: dict[str, str]
     warnings: list[str] = field(default_factory=list)
-    start: str = "fresh"  # or resumed_from(...), finished(...)
+    start: str = "fresh"  # or resumed_from(...)
 
     @classmethod
     def describe(cls, cfg: Any, facts: dict[str, Any], *, epochs: int, workers: int | None, model: str,
@@ -142,10 +142,6 @@ def precision_source(flag: str | None, env=os.environ) -> str:
 
 def resumed_from(step: int, folder: str | None) -> str:
     return f"resumed from step {step} of checkpoint {folder}"
-
-
-def finished(step: int) -> str:
-    return f"finished at step {step} (summary.json): nothing to do"
 
 
 def debug_changes(cfg: Any, total_steps: int, full_train: int | None) -> str:

@@ -66,11 +66,12 @@ def test_two_ranks_print_one_block_with_the_batch_layout_then_a_resume_says_wher
     replayed = parse_args(["--config", str(written), "--output_dir", str(tmp_path / "replay")])
     assert (replayed.global_batch_size, replayed.per_device_batch_size, replayed.epochs) == (16, 4, 3)
 
-    log = (out / RUN_LOG_NAME).read_text()  # the same command again: finished, said, nothing written
+    log = (out / RUN_LOG_NAME).read_text()  # the same command again: finished, said in one line, nothing written
     assert main_ranks([*ACCUMULATING, "--epochs", "3", "--resume_from_checkpoint", "auto",
                        "--output_dir", str(out)]) == [0, 0]
-    (again,) = blocks(capfd.readouterr().out)
-    assert again["start"] == "finished at step 48 (summary.json): nothing to do"
+    again = capfd.readouterr()
+    assert again.out == f"accel_ddp: {out} already finished at step 48 (see its summary.json); nothing to do\n"
+    assert again.err == ""
     assert (out / RUN_LOG_NAME).read_text() == log
 
 
