@@ -212,11 +212,12 @@ class TrainConfig:
     init_from: str | None = _opt(
         None, "start from these weights (a .safetensors file, e.g. a run's model.safetensors) to fine-tune"
     )
-    with_tracking: bool = _opt(False, "also log to the trackers of --report_to (metrics.jsonl is always written)")
-    report_to: str = _opt(
-        "all", "trackers for --with_tracking, comma-separated: " + ", ".join(REPORT_TO[:-1])
-        + "; all = every installed one configured to run here (docs/tracking.md), plus csv; none = no trackers "
-        "(the Trainer's name: --with_tracking off)"
+    with_tracking: bool = _opt(False, "also log to the trackers of --report_to, all without it (metrics.jsonl is "
+                               "always written)")
+    report_to: str | None = _opt(
+        None, "trackers to log to, comma-separated (given, it turns tracking on, as in the Trainer): "
+        + ", ".join(REPORT_TO[:-1]) + "; all = every installed one configured to run here (docs/tracking.md), plus "
+        "csv; none = no trackers; default all with --with_tracking, else none"
     )
     tracker_project_name: str = _opt(
         "accel_ddp", "--with_tracking: the project (W&B, Comet, SwanLab, Trackio) or experiment (MLflow, Aim, ClearML)"
