@@ -30,6 +30,7 @@ from torch import nn
 
 from accel_ddp.config import TrainConfig
 from accel_ddp.outputs.names import ADAPTER_SUBDIR, PRETRAINED_SUBDIR
+from accel_ddp.util.atomic import follow_umask
 from accel_ddp.util.optional import require
 from accel_ddp.util.validation import ConfigError
 
@@ -232,5 +233,6 @@ def _write_folder(final: str, save, tokenizer: Any) -> None:
     save(tmp)
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)
+    follow_umask(tmp)  # its safetensors files are 0600, whatever the umask
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
