@@ -35,6 +35,7 @@ from accel_ddp.outputs.model_card import launch_command, write_model_card
 from accel_ddp.outputs.run_dir import (
     RunFinished,
 )
+from accel_ddp.tracking.console_log import ConsoleLog
 from accel_ddp.tracking.meters import (
     EpochTimer,
     ThroughputMeter,
@@ -54,6 +55,7 @@ def train(
     metrics: Sequence[Any] = (),
     collate_fn: Callable[[list], Any] | None = None,
     preemption: PreemptionWatcher | None = None,
+    console: ConsoleLog | None = None,
 ) -> dict[str, Any]:
     """Train on every rank of the current launch; return the summary (the same on every rank).
 
@@ -64,6 +66,8 @@ def train(
     ``update(outputs, batch)`` and ``compute() -> dict`` (see :mod:`accel_ddp.tasks.protocol`). On SIGTERM or
     SIGUSR1 every rank stops after the same optimizer step, saves a checkpoint and raises ``Preempted``
     (``preemption``: the watcher ``main()`` installed before parsing the options; None: one is installed now).
+    What the main process prints goes to ``OUTPUT_DIR/run.log`` too (``console``: the CLI's, which outlives the
+    run for its last line; None: one for the length of this call).
     An error in a launch of several ranks is recorded on the ranks' store before the process group goes
     (:func:`accel_ddp.lifecycle.failure.claim`); from then on this process records SIGTERM and SIGUSR1 instead of
     dying of them: the launcher is stopping every rank, and ``main()`` reports, then exits.
@@ -71,7 +75,7 @@ def train(
     with ExitStack() as teardown:  # on any exit: signal handlers back, files closed, lock and process group gone
         try:
             run = setup(cfg, teardown, model, train_dataset, eval_dataset, loss_fn=loss_fn, metrics=metrics,
-                        collate_fn=collate_fn, preemption=preemption)
+                        collate_fn=collate_fn, preemption=preemption, console=console)
         except RunFinished as done:  # the same command again after the run ended: nothing to do, nothing touched
             return done.summary
         while True:

@@ -40,9 +40,11 @@ def train_main(cfg) -> int:
     """
     # torch, Accelerate and the loop: imported once the options are good
     from accel_ddp.lifecycle.preemption import EXIT_PREEMPTED, Preempted, ignore_preemption_signals
+    from accel_ddp.tracking.console_log import ConsoleLog
 
+    console = ConsoleLog().install()  # run.log: everything rank 0 prints, the last line below included
     try:
-        _train(cfg)
+        _train(cfg, console)
     except Preempted as stop:
         ignore_preemption_signals()  # exiting with 75: the launcher's follow-up SIGTERM must not make it a kill
         code = stop.exit_code
@@ -51,16 +53,18 @@ def train_main(cfg) -> int:
         return code
     except Exception as err:  # noqa: BLE001 - every failure gets its exit code and, once per launch, its report
         return failure.report(err, failure.exit_code(err))
+    finally:
+        console.close()
     return 0
 
 
-def _train(cfg) -> None:
+def _train(cfg, console) -> None:
     """``train(cfg)``, with the preemption handlers installed as soon as torch is imported (a signal from then on is
     recorded, not fatal; before, it ends the process as usual, as nothing is there to save)."""
     from accel_ddp.lifecycle.preemption import PreemptionWatcher
     from accel_ddp.loop import train
 
-    train(cfg, preemption=PreemptionWatcher().install())
+    train(cfg, preemption=PreemptionWatcher().install(), console=console)
 
 
 def run(argv: list[str] | None = None) -> NoReturn:

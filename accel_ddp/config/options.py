@@ -171,7 +171,9 @@ class TrainConfig:
     eval_every: int = _opt(0, "evaluate every N optimizer steps; 0 = at the end of each epoch", low=0,
                            section="evaluation, logging, outputs")
     eval_batch_size: int | None = _opt(None, "per-device eval batch; default 2 x per-device train batch", low=1)
-    log_every: int = _opt(10, "write a metrics line every N optimizer steps", low=1)
+    log_every: int | None = _opt(
+        None, "write a metrics line every N optimizer steps (default 10); given, the main process also prints one "
+        "line per N steps, as the Trainer's --logging_steps: step, epoch, loss, learning rate", low=1)
     output_dir: str = _opt("outputs/run", "where config.yaml, metrics.jsonl, summary.json and weights go")
     checkpointing_steps: str | None = _opt(None, "save full state every N optimizer steps, or 'epoch'")
     checkpoint_dir: str | None = _opt(

@@ -104,7 +104,7 @@ def training_lines(cfg: Any, total_steps: int, global_batch: int) -> dict[str, s
         "output folder": cfg.output_dir + (f" (checkpoints in {cfg.checkpoint_dir})" if cfg.checkpoint_dir else ""),
         "checkpoints": _cadence(cfg.checkpointing_steps, cfg.keep_last),
         "trackers": f"{cfg.report_to}, and metrics.jsonl" if cfg.with_tracking else
-                    "metrics.jsonl only (--with_tracking --report_to NAME adds one)",
+                    "metrics.jsonl only (--report_to NAME adds one)",
     }
     if cfg.task == "causal_lm":  # a token task: the step's unit people compare
         length = cfg.max_length
