@@ -47,7 +47,7 @@ def test_every_doc_command_uses_real_flags_and_files_and_an_output_dir_of_its_ow
     problems = doc_commands.check(doc_commands.commands())
     assert not problems, "run `python tools/doc_commands.py`:\n" + "\n".join(problems)
     texts = [c.text for c in doc_cmds]
-    assert "accelerate launch --config_file accelerate_configs/cpu_2proc.yaml train.py" in texts
+    assert "accel-ddp launch --config_file accelerate_configs/cpu_2proc.yaml train.py" in texts
     folders = [c.output_dir for c in doc_cmds if c.output_dir and not c.refused]
     assert len(folders) > 25 and "outputs/elastic-demo" in folders
     assert not [c.where for c in doc_cmds if kind(c) not in NOT_RUN and kind(c) not in RUN_HERE]

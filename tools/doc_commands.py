@@ -7,8 +7,8 @@ Commands are the lines of ``bash`` fences (``\\`` continuations joined, ``&&`` s
 order of the README's documentation table. Without running anything, each command is checked:
 
 - every flag exists: training flags with accel_ddp's own parser (``accel_ddp/cli/args.py``, which also checks
-  the values), launch flags with Accelerate's (``accelerate launch``), ``accel-ddp`` commands with theirs; no
-  deprecated spelling;
+  the values), launch flags with Accelerate's (``accelerate launch``, ``accel-ddp launch``), ``accel-ddp`` commands
+  with theirs; no deprecated spelling;
 - every file it names exists in the repository (launch configs, ``--model_config``, scripts, ``pkg.module:name``
   of a user function), or is made by an earlier command (under its ``--output_dir``, or an example's ``--out``);
 - every training command has an ``--output_dir`` of its own (``outputs/run`` when it gives none). A command that
@@ -168,7 +168,7 @@ def _split(page: str, number: int, line: str, above: str, marker: str | None, ou
 def classify(cmd: Command) -> list[str]:
     """Fill in ``kind``, ``train_args``, ``output_dir`` and ``makes``; return the flag and syntax problems."""
     argv = cmd.argv
-    if argv[:2] == ["accelerate", "launch"]:
+    if argv[:2] in (["accelerate", "launch"], ["accel-ddp", "launch"]):  # the same arguments (accel_ddp/cli/launch.py)
         return _launch(cmd)
     if argv[:2] == ["accelerate", "config"]:
         cmd.kind = "accelerate config"
@@ -256,8 +256,9 @@ def _train(cmd: Command, args: list[str]) -> list[str]:
     problems = [f"deprecated flag {old[0]}; write --{RENAMED_FLAGS[old[0][2:]]}"] if old else []
     try:
         cfg = parse_args(args)
-    except ConfigError as err:
-        return [*problems, f"accel_ddp refuses it: {err}"]
+    except ConfigError as err:  # a transcript showing this very refusal shows it on purpose
+        shown = f"accel_ddp: error: {err}" in cmd.output
+        return problems if shown else [*problems, f"accel_ddp refuses it: {err}"]
     cmd.output_dir = cfg.output_dir
     cmd.makes.append(cfg.output_dir)
     return problems
