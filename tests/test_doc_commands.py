@@ -114,6 +114,31 @@ accel_ddp: error: --global_batch_size 30 is not divisible by ...
     assert all(problem.startswith(f"{tmp_path / 'page.md'}:") for problem in problems)
 
 
+def test_a_block_that_reads_another_block_s_data_or_model_says_so(tmp_path):
+    """Issue 51: tasks.md's LoRA block read the classification example's data, made in another block: copied alone,
+    it failed. Data an example makes (seconds) is made in each block that reads it; a model another block trains is
+    named in the reading command's comment."""
+    problems = write_page(tmp_path, """# Page
+
+```bash
+python examples/pydoc_text.py topics --out data/pydoc_topics
+python train.py --dataset hf --data_dir data/pydoc_topics --output_dir outputs/a
+```
+
+```bash
+python train.py --dataset hf --data_dir data/pydoc_topics --output_dir outputs/b
+python train.py --init_from outputs/a/model.safetensors --output_dir outputs/c
+# from outputs/a (the block above: run it first)
+python train.py --init_from outputs/a/model.safetensors --output_dir outputs/d
+```
+""")
+    assert len(problems) == 2, "\n".join(problems)
+    assert ":9: --data_dir data/pydoc_topics is made in another block (" in problems[0]
+    assert "add `python examples/pydoc_text.py topics --out data/pydoc_topics` to this block" in problems[0]
+    assert ":10: --init_from outputs/a/model.safetensors is trained by another block (" in problems[1]
+    assert "name outputs/a in this command's comment" in problems[1]
+
+
 def test_the_doctor_commands_run_as_written(doc_cmds, capsys):
     doctors = [c for c in doc_cmds if c.kind == "accel-ddp doctor"]
     assert len(doctors) >= 4
