@@ -497,6 +497,8 @@ def test_model_card_names_model_data_layout_metrics_command_and_curves(tmp_path,
      "accelerate launch --use_fsdp --num_processes 4 --mixed_precision no -m accel_ddp train --run_name 'a b'"),
     (["train.py"], {"TORCHELASTIC_RUN_ID": "x", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4"},
      "torchrun --nnodes 1 --nproc_per_node 4 train.py"),
+    (["train.py"], {"ACCELERATE_MIXED_PRECISION": "no", "WORLD_SIZE": "2", "ACCEL_DDP_EXIT_CODES_DIR": "/tmp/x"},
+     "accel-ddp launch --multi_gpu --num_processes 2 --mixed_precision no train.py"),  # what set that variable
     (["train.py", "--debug"], {}, "python train.py --debug"),
     (["/venv/bin/accel-ddp", "train", "--debug"], {}, "accel-ddp train --debug"),
 ])
