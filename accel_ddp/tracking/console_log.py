@@ -40,6 +40,8 @@ class ConsoleLog:
         """Tee ``sys.stdout`` and ``sys.stderr`` (the launch's rank 0, who is the main process; others: nothing)."""
         if is_first_rank() and not self._tees:
             for name in ("stdout", "stderr"):
+                if getattr(sys, name) is None:  # no console at all (pythonw): nothing printed, nothing to keep
+                    continue
                 self._tees[name] = _Tee(getattr(sys, name), self, name)
                 setattr(sys, name, self._tees[name])
         return self

@@ -6,13 +6,13 @@ final bar and the interrupt line."""
 from __future__ import annotations
 
 import io
-import os
 import re
 import signal
 import sys
 
 from accel_ddp.outputs.names import RUN_LOG_NAME
 from accel_ddp.tracking.console_log import ConsoleLog
+from tests.helpers import faults
 from tests.helpers.multiproc import run_ranks
 from tests.helpers.runs import main_ranks
 
@@ -42,26 +42,10 @@ def test_without_logging_steps_only_the_bar_says_the_loss(tmp_path, tiny_args, c
     assert not LOG_LINE.search(capfd.readouterr().out)
 
 
-def _interrupted(args: list[str]) -> int:
-    """The CLI's main() on a forked rank that gets Ctrl-C's SIGINT after its 6th optimizer step."""
-    from torch.optim.optimizer import register_optimizer_step_post_hook
-
-    from accel_ddp.cli.train import main
-
-    steps = [0]
-
-    def after_step(*_):
-        steps[0] += 1
-        if steps[0] == 6:
-            os.kill(os.getpid(), signal.SIGINT)
-
-    register_optimizer_step_post_hook(after_step)
-    return main(args)
-
-
 def test_run_log_ends_with_the_interrupt_line(tmp_path, tiny_args, capfd):
     out = tmp_path / "run"
-    assert run_ranks(lambda: _interrupted([*tiny_args, "--output_dir", str(out)]), world_size=1) == [130]
+    args = [*tiny_args, "--output_dir", str(out)]
+    assert run_ranks(lambda: faults.main_signalled_after(args, 6, signal.SIGINT), world_size=1) == [130]
     last = (out / RUN_LOG_NAME).read_text().splitlines()[-1]
     assert last.startswith("accel_ddp: interrupted: SIGINT received: stopped after optimizer step "), last
     assert last in capfd.readouterr().err
