@@ -1,27 +1,28 @@
 """accel_ddp: data-parallel PyTorch training through Hugging Face Accelerate, done right.
 
-``train`` and ``exit_process`` are imported on first use: ``import accel_ddp.models`` (or
+``train``, ``evaluate``, ``predict`` and ``exit_process`` are imported on first use: ``import accel_ddp.models`` (or
 ``accel_ddp.config``, the CLI's ``--help``, the doctor) then costs no Accelerate import.
 
-The loop's story is at the root (``loop``, ``after_step``, ``assemble``, ``step``, ``anomaly``, ``auto_batch``,
-``evaluate``, ``models``, ``optim``, ``fused_activations``, ``regional_compile``, ``step_graph``, ``finetune``) with
-the options in ``config/``; infrastructure lives in subpackages, each ``__init__`` saying what it holds and what it
-may import.
+The loop's story is at the root (``loop``, ``after_step``, ``assemble``, ``inference``, ``step``, ``anomaly``,
+``auto_batch``, ``evaluation``, ``callbacks``, ``models``, ``optim`` (``optim_muon``, ``optim_user``),
+``fused_activations``, ``regional_compile``, ``step_graph``, ``finetune``) with the options in ``config/``;
+infrastructure lives in subpackages, each ``__init__`` saying what it holds and what it may import.
 Imports run one way: each layer imports only layers to its left.
 
     util -> config -> lifecycle -> outputs -> tracking, checkpoint -> distributed -> data -> tasks
-         -> models, optim, fused_activations, regional_compile, step_graph, finetune
-         -> step, anomaly, auto_batch, evaluate
-         -> assemble -> after_step -> loop -> cli
+         -> models, optim (optim_muon, optim_user), fused_activations, regional_compile, step_graph, finetune
+         -> step, anomaly, auto_batch, evaluation, callbacks
+         -> assemble -> after_step, inference -> loop -> cli
 
 (``assemble`` builds a run from everything below it, ``loop`` trains it, ``after_step`` decides what follows each
-optimizer step; nothing imports ``cli`` but ``__main__``.)
+optimizer step, ``inference`` evaluates and predicts with a trained run, rebuilt by ``assemble``'s builders; nothing
+imports ``cli`` but ``__main__``.)
 """
 
 from accel_ddp.config import TrainConfig
 from accel_ddp.util.validation import ConfigError
 
-__all__ = ["ConfigError", "TrainConfig", "exit_process", "train"]
+__all__ = ["ConfigError", "TrainConfig", "evaluate", "exit_process", "predict", "train"]
 __version__ = "0.2.0"
 
 
@@ -30,6 +31,10 @@ def __getattr__(name: str):
         from accel_ddp.loop import train
 
         return train
+    if name in ("evaluate", "predict"):  # not accel_ddp.evaluation, the module that evaluates on every rank
+        from accel_ddp import inference
+
+        return getattr(inference, name)
     if name == "exit_process":
         from accel_ddp.lifecycle.preemption import exit_process
 

@@ -32,7 +32,7 @@ from tqdm.auto import tqdm
 
 from accel_ddp.anomaly import AnomalyGuard, RolledBack
 from accel_ddp.assemble import Run
-from accel_ddp.evaluate import evaluate
+from accel_ddp.evaluation import evaluate
 from accel_ddp.lifecycle.non_finite import LossWatch, NonFiniteLoss, trace_non_finite
 from accel_ddp.lifecycle.preemption import Preempted
 from accel_ddp.step import LossAccumulator, TrainStep
@@ -106,6 +106,7 @@ class AfterStep:
                                graphs=CudaGraphs() if run.cfg.cuda_graphs else None)  # --cuda_graphs: checked in setup
         self.non_finite = NonFinite(run, watch, self.steps.losses, guard)
         self.log = StepLog(run, self.steps.losses)
+        self.callbacks = run.callbacks  # --callbacks, train(callbacks=): their hooks and requests (callbacks.py)
         self.eval_metrics: dict[str, Any] = {}  # the last evaluation's
         self.evaluated_at: int | None = None  # the step of the last evaluation
 
@@ -113,39 +114,42 @@ class AfterStep:
         """After optimizer ``step`` (collective where the cadence says): the log line, the preemption flags, the
         evaluation, the save. True: the epoch ends here (early stopping, or the run's last step)."""
         run, cadence = self.run, self.cadence
+        run.hang.step_done(step)  # --hang_timeout: the watch's deadline moves (an attribute store)
         self.non_finite.after_step()
         self.log.step_done(step)
-        if cadence.logs(step, self.plan.total_steps):
+        asked = self.callbacks.step_end(step, epoch)  # on_step_end; with callbacks, what any rank asked (collective)
+        if cadence.logs(step, self.plan.total_steps) or asked.stop:  # a stop's step is logged, as the last step is
             self.log.line(step, epoch, self.non_finite.logged_loss(step))
         if run.preemption.stop_requested():  # ranks compare flags every ~1 s: all stop after the same step
             self.stop(step)
-        if cadence.evaluates(step):
+        if cadence.evaluates(step) or asked.evaluate:
             if self.evaluate(step, epoch):
                 return True
             self.log.paused(step)
-        if cadence.saves(step):
+        if cadence.saves(step) or asked.save:  # asked: by on_step_end, or by on_evaluate just now
             self.if_preempted(step, self.save(step))  # a signal during the save: it completes, then all stop
             self.log.paused(step)
-        return step >= self.plan.total_steps
+        return step >= self.plan.total_steps or self.callbacks.stopped_at is not None
 
     def epoch_done(self, step: int, epoch: int) -> bool:
         """After ``epoch``'s last step: its record, its evaluation and save. True: early stopping ended the run."""
         self.log.epoch_done(step, epoch)
         if self.stopped_early:  # within the epoch
             return True
-        if self.cadence.eval_at_epoch_end and self.evaluate(step, epoch):
+        if self.cadence.eval_at_epoch_end and self.evaluated_at != step and self.evaluate(step, epoch):
             return True
-        if self.cadence.save_at_epoch_end and step == (epoch + 1) * self.plan.steps_per_epoch:
+        if self.cadence.save_at_epoch_end and step == (epoch + 1) * self.plan.steps_per_epoch \
+                or self.callbacks.asked.save:  # a callback's on_evaluate asked for it just now
             self.if_preempted(step, self.save(step))
         self.log.meter.reset(step)  # the next log line's samples/s leaves out this epoch's evaluation and checkpoint
-        return False
+        return self.stopped_early  # a callback's on_evaluate may have asked to stop
 
     def finish(self, step: int) -> dict[str, Any]:
         """After the last step: checked before ``finish()`` exports the weights, the final weights' metrics, the
         last save sealed (--async_checkpointing). Returns the last evaluation's metrics (empty without an eval set)."""
         self.log.close()
         self.non_finite.check(step)
-        metrics = self.final_evaluation(step, self.plan.num_epochs - 1)
+        metrics = self.final_evaluation(step, max(step - 1, 0) // self.plan.steps_per_epoch)  # its last step's epoch
         self.checkpoints.wait()
         return metrics
 
@@ -154,12 +158,14 @@ class AfterStep:
 
     @property
     def stopped_early(self) -> bool:
-        return bool(self.best) and self.best.stopped_at is not None
+        """Early stopping, or a callback's should_stop, ended the run before its last step."""
+        return bool(self.best) and self.best.stopped_at is not None or self.callbacks.stopped_at is not None
 
     def evaluate(self, step: int, epoch: int) -> bool:
         """Evaluate after ``step``; True: early stopping ends the run here, on every rank alike."""
         self.non_finite.check(step)
         self.eval_metrics, self.evaluated_at = evaluate_and_log(self.run, step, epoch), step
+        self.callbacks.evaluated(step, epoch, self.eval_metrics)  # on_evaluate; a stop or save asked there: now
         if self.best and self.best.after_eval(self.eval_metrics, step):
             return True
         self.if_preempted(step)  # the evaluation was finished: its metrics are logged, then the step saved
@@ -170,6 +176,7 @@ class AfterStep:
         best model too); also for a run resumed from its last step's checkpoint."""
         if self.run.eval_loader is not None and self.evaluated_at != step:
             self.eval_metrics = evaluate_and_log(self.run, step, epoch)
+            self.callbacks.evaluated(step, epoch, self.eval_metrics, during_training=False)
             if self.best:
                 self.best.after_eval(self.eval_metrics, step)
         return self.eval_metrics
@@ -180,7 +187,7 @@ class AfterStep:
         """A checkpoint of ``step``; a nan/inf state is never saved."""
         self.non_finite.check(step)
         try:
-            return self.checkpoints.save(step)
+            folder = self.checkpoints.save(step)
         except ConfigError as err:  # raised on every rank at once (the save's collectives carry it)
             preemption = self.run.preemption
             if not preemption.agree():
@@ -188,6 +195,8 @@ class AfterStep:
             # A signal came during a save that failed (a store cut short, a full disk): a stop, not bad input
             raise Preempted(preemption.reason, step, self.checkpoints.last_saved_folder, unsaved=str(err),
                             signal_name=preemption.signal_name) from err
+        self.callbacks.saved(step, max(step - 1, 0) // self.plan.steps_per_epoch, folder)  # on_save
+        return folder
 
     def stop(self, step: int, saved: str | None = None) -> NoReturn:
         """Preempted: every rank saves this step (unless ``saved`` already holds it), then stops."""

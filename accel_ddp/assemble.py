@@ -12,7 +12,7 @@ import os
 import sys
 import time
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 
 from accel_ddp.anomaly import AnomalyGuard
 from accel_ddp.auto_batch import choose_micro_batch
+from accel_ddp.callbacks import Callbacks
 from accel_ddp.checkpoint.best import BestModel
 from accel_ddp.checkpoint.manager import HYPERPARAMETERS, CheckpointManager
 from accel_ddp.checkpoint.start import where_to_start
@@ -41,13 +42,14 @@ from accel_ddp.finetune import describe_parameters, finetune_facts, prepare_for_
 from accel_ddp.fused_activations import fuse_activations
 from accel_ddp.lifecycle import failure
 from accel_ddp.lifecycle.failure import main_process_decides
+from accel_ddp.lifecycle.hang import HangWatch, pauses_after
 from accel_ddp.lifecycle.preemption import (
     Preempted,
     PreemptionWatcher,
     restart_hazard,
 )
 from accel_ddp.models import build_configured_model, set_attn_implementation
-from accel_ddp.optim import build_lr_scheduler, build_optimizer, use_fused_optimizer
+from accel_ddp.optim_user import build_optimization, check_optimization
 from accel_ddp.outputs.run_dir import (
     check_output_dir,
     claim_output_dir,
@@ -145,6 +147,8 @@ class Run:
     tokenizer: PreTrainedTokenizerBase | None  # text tasks: saved beside a Transformers model's final weights
     bar: tqdm  # the progress bar: closed by the teardown, so an error never shares its line
     anomalies: AnomalyGuard | None  # --on_anomaly skip|rollback, --spike_factor (None: the loop as it was)
+    hang: HangWatch  # --hang_timeout: after_step tells it of every step (lifecycle/hang.py; off: no thread)
+    callbacks: Callbacks = field(default_factory=Callbacks)  # --callbacks, train(callbacks=): none by default
 
 
 def _check_eval_set(cfg: TrainConfig, data) -> None:
@@ -160,8 +164,10 @@ def _check_eval_set(cfg: TrainConfig, data) -> None:
 
 def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None, eval_dataset=None, *,
           loss_fn=None, metrics=(), collate_fn=None, preemption: PreemptionWatcher | None = None,
-          console: ConsoleLog | None = None) -> Run:
+          optimizer=None, lr_scheduler=None, callbacks=None, console: ConsoleLog | None = None) -> Run:
     """Join the process group, build data, model, optimizer and schedule, and agree on where to start.
+
+    ``optimizer`` and ``lr_scheduler``: the Python API's own (accel_ddp/optim_user.py), else the flags'.
 
     A preemption signal during start-up stops every rank together at the end of the phase it came in
     (``Preempted`` with nothing saved): the ranks compare their flags there. ``console``: what the main process
@@ -182,21 +188,22 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
         preemption.check_start_up(name)
 
     accelerator, per_device_batch, accumulation = _join(cfg, teardown, preemption)
+    check_optimization(cfg, model, optimizer, lr_scheduler)  # an unknown optimizer or keyword: now, before the data
     phase_done("process_group")
 
     if cfg.debug:
         torch.autograd.set_detect_anomaly(True)
         torch.use_deterministic_algorithms(True, warn_only=True)
     set_seed(cfg.seed)  # same model init on every rank; DDP also broadcasts rank 0's weights
-    memory_format = torch.channels_last if cfg.channels_last else torch.contiguous_format
-    task = build_task(cfg.task, loss_fn or (resolve(cfg.loss, {}, kind="loss") if cfg.loss else None), metrics,
-                      memory_format)
+    task = configured_task(cfg, loss_fn, metrics)
+    memory_format = task.memory_format
+    hooks = Callbacks.build(cfg.callbacks, callbacks)  # imported, made and checked before any data is read
     data = resolve_data(cfg, accelerator, train_dataset, eval_dataset, collate_fn, preemption=preemption)
     _check_eval_set(cfg, data)
     phase_done("data")
     source = f"--model_config {cfg.model_config}" if cfg.model_config else f"--model {cfg.model}"
     named = f" ({source})" if model is None else ""  # --model_config wins over --model (models.py)
-    model = _model(cfg, accelerator, model, data, memory_format)
+    model = build_run_model(cfg, accelerator, model, data, memory_format)
     if not any(p.requires_grad for p in model.parameters()):  # else DDP's RuntimeError, or an optimizer of nothing
         raise ConfigError(f"the model {type(model).__name__}{named} has no trainable parameters, so there is nothing "
                           "to train; give a model with parameters (nn.Parameter, or layers such as nn.Linear) that "
@@ -233,16 +240,14 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
 
     if cfg.cuda_graphs:  # what only the launch and the loaders tell (the options' clashes: config/checks.py)
         _refuse_graphs(cfg, accelerator, plan.accumulation, loaders.kind)
-    optimizer = build_optimizer(cfg.optimizer, model, cfg.lr, cfg.weight_decay,
-                                fused=use_fused_optimizer(cfg.optimizer, accelerator.device.type, accelerator.is_fsdp2),
-                                capturable=cfg.cuda_graphs)
+    optimization = build_optimization(cfg, model, accelerator, plan.total_steps, optimizer, lr_scheduler)
     # --warmup_ratio (issue 22): a fraction of this run's total steps, so resolved here, once the total is known
     warmup = cfg.warmup_for(plan.total_steps)
     if warmup > plan.total_steps:  # still a run (a smoke test, a short resume), but not the schedule asked for
         warn(f"--warmup_steps {warmup} is longer than this run's {plan.total_steps} optimizer steps: the learning rate "
              f"never reaches --lr {cfg.lr:g} (at most {cfg.lr * plan.total_steps / warmup:.3g}); lower --warmup_steps "
              "or train longer", ranks="main")
-    scheduler = build_lr_scheduler(optimizer, cfg.lr_schedule, warmup, plan.total_steps)
+    optimizer, scheduler = optimization.optimizer, optimization.scheduler
     with construction_stream(cfg.cuda_graphs):  # DDP built on a side stream before a whole-step capture
         model, optimizer, scheduler = prepare(accelerator, model, optimizer, scheduler)
     probe_task(task, accelerator, model, data, evaluates=loaders.eval is not None, loaders=loaders)
@@ -252,7 +257,8 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
     teardown.callback(claim_output_dir(accelerator, cfg.output_dir).release)
     recorder = RunRecorder(cfg.output_dir, accelerator.is_main_process, accelerator=accelerator, console=console)
     teardown.callback(recorder.close)
-    facts = {**_run_facts(cfg, accelerator, plan, loaders.kind, loaders.source), **tuned}
+    facts = {**_run_facts(cfg, accelerator, plan, loaders.kind, loaders.source), **tuned,
+             "optimizer": optimization.name}  # a user's optimizer by its class: a resume must give the same
     anomalies = AnomalyGuard(cfg, accelerator, recorder) if cfg.on_anomaly != "stop" or cfg.spike_factor else None
     state = TrainState(accelerator=accelerator, model=model, optimizer=optimizer, scheduler=scheduler,
                        # the best model and early stopping (checkpoint/best.py): their records go with each checkpoint
@@ -262,9 +268,10 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
     checkpoints.store.stopping = lambda: preemption.signalled  # a store call under way gives up soon after a signal
     block = StartupBlock.describe(cfg, facts, epochs=plan.num_epochs, workers=_workers(loaders.train), model=named,
                                   data_sizes=_debug_sizes(cfg, data), cpus=usable_cpus(),
-                                  examples=(_length(data.train), _length(data.eval)))
-    start_step = _agree_start(cfg, accelerator, checkpoints, (optimizer, scheduler), plan, recorder, facts, block,
-                              preemption)
+                                  examples=(_length(data.train), _length(data.eval)),
+                                  optimization=optimization.lines)
+    start_step = _agree_start(cfg, accelerator, checkpoints, (optimizer, scheduler, optimization.schedule_from_flags),
+                              plan, recorder, facts, block, preemption)
     if anomalies is not None:
         anomalies.begin(start_step)  # a resumed run's log continues; a fresh start forgets an earlier run's
     phase_done("resume_and_config")
@@ -272,10 +279,13 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
         warn(line, ranks="main")
     bar = progress_bar(plan.total_steps, start_step, accelerator.is_local_main_process)
     teardown.callback(bar.close)  # first on an error: the bar's line ends before any rank prints the error
+    hang = HangWatch.start(cfg.hang_seconds(), cfg.output_dir, start_step, pauses_after=pauses_after(plan))
+    teardown.callback(hang.stop)  # before the failure's claim: a watch that found a hang ends the process itself
     return Run(cfg=cfg, accelerator=accelerator, model=model, task=task, optimizer=optimizer, scheduler=scheduler,
                train_loader=loaders.train, eval_loader=loaders.eval, plan=plan, facts=facts, recorder=recorder,
                checkpoints=checkpoints, preemption=preemption, start_step=start_step, started=started,
-               startup=startup, tokenizer=data.tokenizer, bar=bar, anomalies=anomalies)
+               startup=startup, tokenizer=data.tokenizer, bar=bar, anomalies=anomalies, hang=hang,
+               callbacks=hooks.connect(accelerator, preemption.group, plan, evaluates=loaders.eval is not None))
 
 
 def _checkpoints(cfg: TrainConfig, accelerator: Accelerator, teardown: ExitStack, facts: dict[str, Any],
@@ -283,7 +293,7 @@ def _checkpoints(cfg: TrainConfig, accelerator: Accelerator, teardown: ExitStack
     """Where checkpoints go (the output folder or --checkpoint_dir's store, claimed), what they hold (``state``)
     and, with --async_checkpointing, their writer thread."""
     checkpoints = CheckpointManager(accelerator, cfg.output_dir, cfg.keep_last,
-                                    {**facts, "seed": cfg.seed, "optimizer": cfg.optimizer, "model": cfg.model,
+                                    {**facts, "seed": cfg.seed, "model": cfg.model,
                                      **{name: getattr(cfg, name) for name in HYPERPARAMETERS}},
                                     state=state, checkpoint_dir=cfg.checkpoint_dir, store_timeout=cfg.store_timeout,
                                     async_timeout=cfg.ddp_timeout if cfg.async_checkpointing else None)
@@ -298,9 +308,9 @@ def _agree_start(cfg: TrainConfig, accelerator: Accelerator, checkpoints: Checkp
                  preemption: PreemptionWatcher) -> int:
     """The step this run starts after (every rank agrees: checkpoint/start.py), then the trackers, the config and
     the start-up block: nothing an earlier run left is touched before the start point is known."""
-    optimizer, scheduler = state
+    optimizer, scheduler, flags_win = state
     # A finished run (RunFinished): its one line is said (outputs/run_dir.py), not the block; nothing written.
-    start_step = where_to_start(cfg, accelerator, checkpoints, optimizer, scheduler, plan.total_steps)
+    start_step = where_to_start(cfg, accelerator, checkpoints, optimizer, scheduler, plan.total_steps, flags_win)
     block.start = resumed_from(start_step, checkpoints.last_saved_folder) if start_step else "fresh"
     resolved = {**cfg.to_dict(), "resolved": facts}
     # One that cannot start (or not within --tracker_start_timeout): exit 2 here; a SIGTERM meanwhile: exit 75.
@@ -323,7 +333,7 @@ def _join(cfg: TrainConfig, teardown: ExitStack, preemption: PreemptionWatcher) 
     accelerator, per_device_batch, accumulation = build_accelerator(cfg, trackers if cfg.with_tracking else None)
     teardown.callback(accelerator.end_training)
     preemption.connect(accelerator, timedelta(seconds=cfg.ddp_timeout))  # its all-reduce waits --ddp_timeout at most
-    teardown.push(_claim_failure)  # before the group goes: the ranks it then stops know that they are not first
+    teardown.push(claim_failure)  # before the group goes: the ranks it then stops know that they are not first
     main_process_decides(accelerator, lambda: check_output_dir(cfg.output_dir))  # a bad folder: now, not after data
     if cfg.checkpoint_dir:  # a store that cannot even be opened (no account, bad settings): now too, one line
         main_process_decides(accelerator, lambda: check_store(cfg.checkpoint_dir))
@@ -372,9 +382,17 @@ def _length(dataset) -> int | None:
         return None
 
 
-def _model(cfg: TrainConfig, accelerator: Accelerator, model, data, memory_format) -> torch.nn.Module:
+def configured_task(cfg: TrainConfig, loss_fn=None, metrics=()) -> Task:
+    """``--task`` with the caller's loss (else ``--loss``'s) and metrics, batches in ``--channels_last``'s layout."""
+    memory_format = torch.channels_last if cfg.channels_last else torch.contiguous_format
+    return build_task(cfg.task, loss_fn or (resolve(cfg.loss, {}, kind="loss") if cfg.loss else None), metrics,
+                      memory_format)
+
+
+def build_run_model(cfg: TrainConfig, accelerator: Accelerator, model, data, memory_format) -> torch.nn.Module:
     """The caller's model or the configured one, checked for FSDP2, with ``--init_from``'s weights, made ready for
-    fine-tuning (``finetune.py``), in its layout."""
+    fine-tuning (``finetune.py``), in its layout. ``setup`` and a trained run's evaluation (``inference.py``) build
+    it here."""
     if model is None:
         model = build_configured_model(cfg, data)
     elif cfg.attn_implementation is not None:
@@ -416,7 +434,8 @@ def _run_facts(cfg: TrainConfig, accelerator: Accelerator, plan: Plan, loader_ki
     }
 
 
-def _claim_failure(kind, err, tb) -> None:
-    """``train()``'s teardown, on an error: claim it (``failure.claim``) while the process group still stands."""
+def claim_failure(kind, err, tb) -> None:
+    """The teardown of ``train()`` and ``inference``, on an error: claim it (``failure.claim``) while the process group
+    still stands."""
     if isinstance(err, Exception) and not isinstance(err, Preempted):
         failure.claim(err, failure.exit_code(err))

@@ -55,6 +55,9 @@ def train(
     metrics: Sequence[Any] = (),
     collate_fn: Callable[[list], Any] | None = None,
     preemption: PreemptionWatcher | None = None,
+    optimizer: Any = None,
+    lr_scheduler: Any = None,
+    callbacks: Sequence[Any] = (),
     console: ConsoleLog | None = None,
 ) -> dict[str, Any]:
     """Train on every rank of the current launch; return the summary (the same on every rank).
@@ -63,7 +66,14 @@ def train(
     label)`` pairs or dicts of tensors (``model(**batch)``), batched by ``collate_fn`` (default:
     dicts padded per batch); without ``eval_dataset`` no evaluation runs. ``loss_fn(outputs,
     batch)`` returns a mean or a ``(sum, num_items)`` pair; ``metrics`` are objects with
-    ``update(outputs, batch)`` and ``compute() -> dict`` (see :mod:`accel_ddp.tasks.protocol`). On SIGTERM or
+    ``update(outputs, batch)`` and ``compute() -> dict`` (see :mod:`accel_ddp.tasks.protocol`). ``optimizer``: a
+    function of the parameter groups returning a ``torch.optim.Optimizer``, or one built on ``model.parameters()``;
+    ``lr_scheduler``: a function of the optimizer returning an ``LRScheduler``, stepped once per optimizer step
+    instead of the built-in schedule; both are checkpointed and restored (:mod:`accel_ddp.optim_user`).
+    ``callbacks``: objects (or classes) with any of ``on_train_begin(state)``, ``on_step_end(state)``,
+    ``on_evaluate(state, metrics)``, ``on_save(state, checkpoint_dir)``, ``on_train_end(state, summary)``, called on
+    every rank; a request (``state.should_stop/should_save/should_evaluate``) on any rank is every rank's
+    (:mod:`accel_ddp.callbacks`). On SIGTERM or
     SIGUSR1 every rank stops after the same optimizer step, saves a checkpoint and raises ``Preempted``
     (``preemption``: the watcher ``main()`` installed before parsing the options; None: one is installed now).
     What the main process prints goes to ``OUTPUT_DIR/run.log`` too (``console``: the CLI's, which outlives the
@@ -75,9 +85,11 @@ def train(
     with ExitStack() as teardown:  # on any exit: signal handlers back, files closed, lock and process group gone
         try:
             run = setup(cfg, teardown, model, train_dataset, eval_dataset, loss_fn=loss_fn, metrics=metrics,
-                        collate_fn=collate_fn, preemption=preemption, console=console)
+                        collate_fn=collate_fn, preemption=preemption, optimizer=optimizer, lr_scheduler=lr_scheduler,
+                        callbacks=callbacks, console=console)
         except RunFinished as done:  # the same command again after the run ended: nothing to do, nothing touched
             return done.summary
+        run.callbacks.train_begin(run.start_step)
         while True:
             try:
                 return finish(run, fit(run))
@@ -160,11 +172,13 @@ def finish(run: Run, result: FitResult) -> dict[str, Any]:
         **(run.anomalies.summary() if run.anomalies is not None else {}),  # skipped steps, rollbacks
         **largest(memory_record(run.accelerator)),  # peak_rss_mb, peak_worker_rss_mb: max over ranks (MiB)
         **(best.summary(result.step) if best else {}),  # best_step, final_weights_step, stopped_early
+        **run.callbacks.summary(),  # their names; stopped_early where one asked to stop
     }
     run.recorder.write_summary(summary, result.step)  # and to the trackers
     run.recorder.plot()  # OUTPUT_DIR/curves.png
     if run.accelerator.is_main_process:
         write_model_card(run.cfg.output_dir, run.cfg.to_dict(), summary, launch_command(sys.argv, os.environ))
+    run.callbacks.train_end(result.step, max(result.step - 1, 0) // run.plan.steps_per_epoch, summary)
     return summary
 
 

@@ -19,15 +19,18 @@ FINITE = "all_reduce int64[1]"  # the non-finite check: before each evaluation a
 EVAL = "all_reduce float64[6]"  # an evaluation's statistics (classification: 6 numbers)
 SAVE = ["broadcast_object_list", "all_gather_object", "broadcast_object_list"]  # a checkpoint: folder, write, seal
 EPOCH = "all_gather float64[2]"  # an epoch's end: peak memory over the ranks
+CALLBACKS = "all_reduce int64[3]"  # with callbacks only: their requests, after each step and evaluation in training
 
 BASE = ["--dataset", "synthetic", "--synthetic_samples", "256", "--synthetic_shape", "1", "8", "8",
         "--model", "mlp", "--hidden_size", "32", "--global_batch_size", "32", "--num_workers", "0"]  # 8 steps/epoch
 STEPS_PER_EPOCH = 8
 
 
-def expected(total: int, log_every: int, eval_every: int | str, save_every: int | str) -> list[str]:
+def expected(total: int, log_every: int, eval_every: int | str, save_every: int | str,
+             callbacks: bool = False) -> list[str]:
     """The collectives of ``fit`` for a run of ``total`` steps; ``eval_every``/``save_every``: a step count or
-    "epoch" (evaluation at each epoch's end: ``--eval_every 0``)."""
+    "epoch" (evaluation at each epoch's end: ``--eval_every 0``); ``callbacks``: a run given one."""
+    asked = [CALLBACKS] if callbacks else []
     calls, next_flag, interval, evaluated = [], 1, 1, None
 
     def stop_point(step: int) -> list[str]:  # after an evaluation or a save: a signal during it stops the run there
@@ -36,9 +39,10 @@ def expected(total: int, log_every: int, eval_every: int | str, save_every: int 
     def evaluation(step: int) -> list[str]:
         nonlocal evaluated
         evaluated = step
-        return [FINITE, EVAL, *stop_point(step)]
+        return [FINITE, EVAL, *asked, *stop_point(step)]
 
     for step in range(1, total + 1):
+        calls += asked
         if step % log_every == 0 or step == total:
             calls.append(LOG)
         if step == next_flag:
@@ -74,3 +78,24 @@ def test_every_rank_calls_the_same_collectives_in_the_order_the_cadences_give(tm
     ranks = run_ranks(lambda: record_fit_collectives(args), world_size=2)
     assert ranks[0] == ranks[1]
     assert ranks[0] == expected(max_steps, log_every, eval_every, save_every)
+
+
+class Noop:
+    """A callback whose one hook does nothing: the collectives it adds are the agreement's alone."""
+
+    def on_step_end(self, state):
+        pass
+
+
+def test_callbacks_add_one_all_reduce_per_step_and_per_evaluation_and_none_without(tmp_path):
+    """Without callbacks ``fit`` calls exactly what it called before they existed; with one, an int64[3]
+    all-reduce after every step and after every evaluation during training (not after the final one)."""
+    args = [*BASE, "--max_steps", "10", "--log_every", "3", "--eval_every", "4", "--checkpointing_steps", "5"]
+    without = run_ranks(lambda: record_fit_collectives([*args, "--output_dir", str(tmp_path / "a")]), world_size=2)
+    given = run_ranks(lambda: record_fit_collectives([*args, "--output_dir", str(tmp_path / "b"), "--callbacks",
+                                                      "tests.test_after_step:Noop"]), world_size=2)
+    assert without[0] == without[1] == expected(10, 3, 4, 5)
+    assert CALLBACKS not in without[0]
+    assert given[0] == given[1] == expected(10, 3, 4, 5, callbacks=True)
+    assert given[0].count(CALLBACKS) == 10 + 2  # 10 steps, the evaluations of steps 4 and 8
+    assert [call for call in given[0] if call != CALLBACKS] == without[0]

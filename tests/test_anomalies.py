@@ -80,8 +80,8 @@ def test_max_anomalies_in_a_row_stops_as_today(tmp_path, capfd):
         install()
         FAULT["step"] = None
         # Every training forward of rank 1 is nan from step 3 on.
-        import accel_ddp.assemble as assemble
-        sched = assemble.build_lr_scheduler
+        import accel_ddp.optim_user as optim_user
+        sched = optim_user.build_lr_scheduler
 
         def seen(*a, **k):
             s = sched(*a, **k)
@@ -90,7 +90,7 @@ def test_max_anomalies_in_a_row_stops_as_today(tmp_path, capfd):
             FAULT["step"] = 3
             return s
 
-        assemble.build_lr_scheduler = seen
+        optim_user.build_lr_scheduler = seen
         return main([*ARGS, "--on_anomaly", "skip", "--max_anomalies", "3", "--log_every", "1",
                      "--output_dir", str(tmp_path)])
 

@@ -18,7 +18,8 @@ from tools import doc_commands
 NOT_RUN = {
     "train": "it trains: seconds to hours, on GPUs or the Hub for most (the README's main run is launched by "
              "tests/distributed/test_ddp.py::test_default_run_trains_digits_to_95_percent)",
-    "train script": "it trains (examples/custom_model_and_data.py: tests/data/test_loaders.py trains its functions)",
+    "train script": "it trains (examples/custom_model_and_data.py: tests/data/test_loaders.py trains its functions; "
+                    "examples/optimizers.py: tests/test_optim_user.py builds its optimizer and schedule)",
     "sbatch": "needs SLURM",
     "pip": "installs packages", "git": "clones", "cd": "",
     "pytest": "the suite itself",
@@ -28,6 +29,8 @@ NOT_RUN = {
     "accelerate config": "interactive",
     "accel-ddp plot": "needs an earlier command's finished run (tests/tracking/test_report.py plots one)",
     "accel-ddp summary": "needs an earlier command's finished run (tests/tracking/test_report.py reads one)",
+    "accel-ddp evaluate": "needs an earlier command's finished run (tests/test_inference.py evaluates several)",
+    "accel-ddp predict": "needs an earlier command's finished run (tests/test_inference.py predicts with several)",
 }
 RUN_HERE = ("accel-ddp doctor", "example", "refused train")
 
@@ -57,6 +60,21 @@ def write_page(tmp_path, text: str):
     page = tmp_path / "page.md"
     page.write_text(text)
     return doc_commands.check(doc_commands.commands([page]))
+
+
+def test_evaluate_and_predict_need_a_run_an_earlier_command_wrote(tmp_path):
+    problems = write_page(tmp_path, """# Page
+
+```bash
+python train.py --output_dir outputs/a
+accel-ddp evaluate outputs/a/checkpoints/step_00000010 --out outputs/a.json
+accelerate launch --config_file accelerate_configs/cpu_2proc.yaml -m accel_ddp predict outputs/b --out outputs/b.jsonl
+python -m accel_ddp evaluate outputs/a --no_such_flag
+```
+""")
+    assert len(problems) == 2, "\n".join(problems)
+    assert ":6: outputs/b: no earlier command writes it" in problems[0]
+    assert ":7: accel-ddp refuses its arguments" in problems[1]
 
 
 def test_the_checker_names_each_kind_of_problem(tmp_path):

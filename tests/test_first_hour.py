@@ -37,9 +37,10 @@ PLAIN = [
 @pytest.mark.parametrize("alias, text, ours, value", PLAIN)
 def test_plain_alias_sets_our_option_on_the_cli_and_in_yaml(tmp_path, alias, text, ours, value):
     assert HF_ALIASES[alias][0] == ours
-    assert getattr(parse_args([f"--{alias}", text]), ours) == value
+    used = ["--dataset", "hf"] if ours == "hf_config" else []  # a dataset's config means something to hf only
+    assert getattr(parse_args([*used, f"--{alias}", text]), ours) == value
     recipe = tmp_path / "recipe.yaml"
-    recipe.write_text(f"{alias}: {text}\n")
+    recipe.write_text(f"{alias}: {text}\n" + ("dataset: hf\n" if used else ""))
     assert getattr(parse_args(["--config", str(recipe)]), ours) == value
 
 

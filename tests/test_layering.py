@@ -17,9 +17,10 @@ ROOT = Path(__file__).resolve().parent.parent / "accel_ddp"
 # package itself (its __init__: the public names, and __version__ for the doctor).
 LAYERS = [
     {"util"}, {"config"}, {"lifecycle"}, {"outputs"}, {"tracking", "checkpoint"}, {"distributed"}, {"data"},
-    {"tasks"}, {"models", "optim", "fused_activations", "regional_compile", "step_graph", "finetune"},
-    {"step", "anomaly", "evaluate", "auto_batch"},
-    {"assemble"}, {"after_step"}, {"loop"},
+    {"tasks"},
+    {"models", "optim", "optim_muon", "optim_user", "fused_activations", "regional_compile", "step_graph", "finetune"},
+    {"step", "anomaly", "evaluation", "auto_batch", "callbacks"},
+    {"assemble"}, {"after_step", "inference"}, {"loop"},
     {"cli", "accel_ddp"},
     {"__main__"},
 ]

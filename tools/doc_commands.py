@@ -47,7 +47,8 @@ MAYBE_PATH_FLAGS = ("model", "tokenizer", "model_name_or_path", "tokenizer_name"
 LOCAL = re.compile(r"^(\.{0,2}/|outputs/|data/|examples/|accelerate_configs/|tests/)|\.(json|ya?ml|csv|parquet)$")
 USER_FUNCTION = re.compile(r"^([A-Za-z_][\w.]*):([A-Za-z_]\w*)$")
 # Scripts that train with an output folder of their own: path -> its default --output_dir.
-SCRIPT_OUTPUT_DIRS = {"examples/custom_model_and_data.py": "outputs/custom_example"}
+SCRIPT_OUTPUT_DIRS = {"examples/custom_model_and_data.py": "outputs/custom_example",
+                      "examples/optimizers.py": "outputs/own_optimizer"}
 
 
 @dataclasses.dataclass
@@ -223,8 +224,11 @@ def _launch(cmd: Command) -> list[str]:
         return [f"accelerate launch refuses its flags: {cmd.text}"]
     problems = _exists(args.config_file, "--config_file") if args.config_file else []
     if args.module:
-        if args.training_script != "accel_ddp" or args.training_script_args[:1] != ["train"]:
-            return [*problems, f"`-m {args.training_script}` is not `-m accel_ddp train`"]
+        command = args.training_script_args[:1]
+        if args.training_script == "accel_ddp" and command in (["evaluate"], ["predict"]):
+            return problems + _accel_ddp(cmd, args.training_script_args)
+        if args.training_script != "accel_ddp" or command != ["train"]:
+            return [*problems, f"`-m {args.training_script}` is not `-m accel_ddp train`, evaluate or predict"]
         return problems + _train(cmd, args.training_script_args[1:])
     return problems + _script(cmd, args.training_script, args.training_script_args)
 
@@ -282,6 +286,8 @@ def _accel_ddp(cmd: Command, args: list[str]) -> list[str]:
         parsed = _quiet_parse(build_parser(), args)
     except SystemExit:
         return [f"accel-ddp refuses its arguments: {cmd.text}"]
+    if getattr(parsed, "out", None) and cmd.kind in ("accel-ddp evaluate", "accel-ddp predict"):
+        cmd.makes.append(parsed.out)
     config_file = getattr(parsed, "config_file", None)
     return _exists(config_file, "--config_file") if config_file else []
 
@@ -330,6 +336,11 @@ def _named_files(cmd: Command, made: list[str]) -> list[str]:
         elif (name in PATH_FLAGS and value != "auto" or name in MAYBE_PATH_FLAGS and LOCAL.search(value)) \
                 and not _made(value, made):
             problems.append(f"--{name} {value}: neither in the repository nor made by an earlier command")
+    if cmd.kind in ("accel-ddp evaluate", "accel-ddp predict"):  # the run (or checkpoint) follows the command
+        argv = cmd.argv
+        folder = argv[argv.index(cmd.kind.split()[1]) + 1]
+        if not _made(folder, made):
+            problems.append(f"{folder}: no earlier command writes it")
     if cmd.kind in ("accel-ddp plot", "accel-ddp summary", "tensorboard"):
         folder = cmd.argv[-1] if cmd.kind != "tensorboard" else dict(_values(cmd.argv)).get("logdir", "")
         if not _made(folder, made):

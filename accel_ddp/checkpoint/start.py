@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+from contextlib import nullcontext
 from typing import Any
 
 from accelerate import Accelerator
@@ -23,19 +24,21 @@ from accel_ddp.outputs.run_dir import refuse_to_overwrite_finished, stop_if_fini
 
 
 def where_to_start(cfg: TrainConfig, accelerator: Accelerator, checkpoints: CheckpointManager, optimizer: Any,
-                   scheduler: Any, total_steps: int) -> int:
+                   scheduler: Any, total_steps: int, flags_win: bool = True) -> int:
     """The optimizer step this run starts after: 0 for a fresh start, else the resumed checkpoint's step.
 
     - ``--resume_from_checkpoint`` and the folder's run already did what this one asks: ``RunFinished``
       (nothing to do, nothing touched);
     - resumed: weights, optimizer, schedule, scaler and every rank's RNG from the checkpoint, with this
-      run's lr, schedule and weight decay winning (``flags_in_force``, a warning where they differ);
+      run's lr, schedule and weight decay winning (``flags_in_force``, a warning where they differ), unless
+      ``flags_win`` is False (a user's LR scheduler, ``train(lr_scheduler=...)``: it sets the LR, and its state
+      and the optimizer's groups are restored as saved);
     - fresh: refused where the folder holds checkpoints of another run;
     - from step 0 either way: refused where it would overwrite a finished run's outputs.
     """
     if cfg.resume_from_checkpoint:
         stop_if_finished(accelerator, cfg.output_dir, total_steps, cfg.global_batch_size)
-        with flags_in_force(optimizer, scheduler):
+        with flags_in_force(optimizer, scheduler) if flags_win else nullcontext():
             start_step = checkpoints.resume(cfg.resume_from_checkpoint)
     else:
         checkpoints.check_fresh_start()

@@ -7,6 +7,8 @@
                                           against this machine; print the versions and the launch command
     accel-ddp plot OUTPUT_DIR             write OUTPUT_DIR/curves.png from metrics.jsonl
     accel-ddp summary OUTPUT_DIR          print a finished run's summary as a table
+    accel-ddp evaluate RUN [--out FILE]   a trained run's (or checkpoint's) eval metrics again, on every rank
+    accel-ddp predict RUN --out FILE      its prediction for each eval sample, JSON Lines in the eval set's order
 
 Also ``python -m accel_ddp COMMAND ...``. Heavy imports (torch, accelerate, matplotlib) happen
 inside each command so that ``--help`` is instant.
@@ -75,6 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
     summary = commands.add_parser("summary", help="print a run's summary.json as a table")
     summary.add_argument("output_dir")
     summary.set_defaults(func=_summary)
+
+    from accel_ddp.cli.inference import add_commands as add_inference_commands
+
+    add_inference_commands(commands)  # evaluate, predict
     return parser
 
 

@@ -9,6 +9,8 @@
   ``batch_layout``, the samplers and the micro-batch probe;
 - ``sections``: TrainConfig's groups (``sections()``: docs/flags.md's tables and ``--help``'s groups);
 - ``checks``: the options that only make sense together, each refused with one ``ConfigError`` line;
+- ``dependents``: the one table of flags that only mean something with another option (flag -> when a run uses it
+  -> the fix); one given where nothing would use it is refused in one line;
 - ``choices``: the vocabulary: allowed values, limits, the Hugging Face aliases, renamed flags, store schemes.
 
 The command line and the ``--config`` YAML recipe are read by ``accel_ddp/cli/args.py``. No torch here, so that
@@ -50,7 +52,6 @@ from accel_ddp.config.choices import (  # noqa: F401 - the layer's names, as bef
     MIXED_PRECISIONS,
     MODEL_STATE_MAX_BYTES,
     ON_ANOMALY,
-    OPTIMIZERS,
     PATH_FLAGS,
     RENAMED_FLAGS,
     RENAMED_VALUES,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 import os
 from typing import Any
 
@@ -36,6 +37,44 @@ def _check_per_device(cfg: Any) -> None:
         raise ConfigError(f"--per_device_batch_size {value} with --gradient_accumulation_steps "
                           f"{cfg.gradient_accumulation_steps}: auto derives the accumulation from the micro-batch "
                           "that fits; give --global_batch_size instead of --gradient_accumulation_steps")
+
+
+def optimizer_kwargs_text(value: Any) -> Any:
+    """``--optimizer_kwargs`` as JSON text: a mapping (YAML, ``TrainConfig(optimizer_kwargs={...})``) is written as
+    JSON, so that config.yaml replays it and the flag has one type; anything else is checked as given."""
+    return json.dumps(value) if isinstance(value, dict) else value
+
+
+def optimizer_kwargs(cfg: Any) -> dict[str, Any]:
+    """``--optimizer_kwargs`` parsed (``{}`` when unset); ``_check_optimizer`` has checked it is a JSON object."""
+    return json.loads(cfg.optimizer_kwargs) if cfg.optimizer_kwargs else {}
+
+
+def _check_optimizer(cfg: Any) -> None:
+    """--optimizer (a torch.optim class by name, any case, or 'pkg.module:function') and --optimizer_kwargs (a JSON
+    object). Whether the name is a class of the installed torch, and the keywords its signature, is checked once
+    torch is imported (accel_ddp/optim.py ``check_optimizer``, at start-up)."""
+    name = cfg.optimizer.strip()
+    if ":" in name:
+        module, _, function = name.partition(":")
+        if not module or not function:
+            raise ConfigError(f"--optimizer {show(name)}: give a torch.optim class name (e.g. adamw) or "
+                              "'pkg.module:function'")
+    cfg.optimizer = name if ":" in name else name.lower()  # AdamW, adamw and ADAMW are one optimizer
+    if cfg.optimizer_kwargs is None:
+        return
+    example = "e.g. --optimizer_kwargs '{\"betas\": [0.9, 0.95]}'"
+    try:
+        kwargs = json.loads(cfg.optimizer_kwargs)
+    except ValueError as err:
+        raise ConfigError(f"--optimizer_kwargs {show(cfg.optimizer_kwargs)} is not JSON ({err}); {example}") from None
+    if not isinstance(kwargs, dict):
+        raise ConfigError(f"--optimizer_kwargs must be a JSON object of keyword arguments, got "
+                          f"{show(cfg.optimizer_kwargs)}; {example}")
+    for key, flag in (("lr", "--lr"), ("weight_decay", "--weight_decay"), ("params", None)):
+        if key in kwargs and (flag is None or ":" not in name):  # a user's function takes any keyword it names
+            fix = f"use {flag} (it applies to the right parameter groups)" if flag else "the run gives the parameters"
+            raise ConfigError(f"--optimizer_kwargs sets {key!r}: {fix}; drop it from --optimizer_kwargs")
 
 
 def warn_deprecated(old: str, new: str) -> None:
@@ -99,14 +138,6 @@ def _check_task(cfg: Any) -> None:
     """--task and the options that only make sense with some tasks (no dead flags)."""
     if cfg.task not in TASKS:
         raise ConfigError(f"--task {show(cfg.task)} is unknown; choose one of {', '.join(TASKS)}")
-    if cfg.task not in TEXT_TASKS:
-        given = [f"--{name}" for name in ("text_column", "tokenizer") if getattr(cfg, name) is not None]
-        given += ["--packing"] if cfg.packing else []
-        if given:
-            raise ConfigError(f"{', '.join(given)} only apply to text; add --task sequence_classification or "
-                              "--task causal_lm")
-    if cfg.packing and cfg.task != "causal_lm":
-        raise ConfigError("--packing only applies to --task causal_lm; drop it")
     if cfg.attn_implementation is not None and cfg.attn_implementation not in ATTN_IMPLEMENTATIONS:
         raise ConfigError(f"--attn_implementation {show(cfg.attn_implementation)} is unknown; choose one of "
                           f"{', '.join(ATTN_IMPLEMENTATIONS)}")
@@ -206,14 +237,8 @@ def _check_rollback(cfg: Any) -> None:
 
 
 def _check_best_model(cfg: Any) -> None:
-    """--load_best_model_at_end needs every checkpoint at an evaluation (the Trainer's rule), or the best is lost."""
-    if cfg.early_stopping_threshold and not cfg.early_stopping_patience:
-        raise ConfigError("--early_stopping_threshold has no effect without --early_stopping_patience; add "
-                          "--early_stopping_patience K")
-    if cfg.greater_is_better is not None and not (cfg.metric_for_best_model or cfg.load_best_model_at_end
-                                                  or cfg.early_stopping_patience):
-        raise ConfigError("--greater_is_better has no effect without --metric_for_best_model; add "
-                          "--metric_for_best_model NAME")
+    """--load_best_model_at_end needs every checkpoint at an evaluation (the Trainer's rule), or the best is lost
+    (--greater_is_better and --early_stopping_threshold without what uses them: config/dependents.py)."""
     if not cfg.load_best_model_at_end:
         return
     save, every = cfg.checkpointing_steps, cfg.eval_every
@@ -230,21 +255,14 @@ def _check_best_model(cfg: Any) -> None:
 
 
 def _check_peft(cfg: Any) -> None:
-    """--peft lora and its options: a known method, a dropout below 1, target names, and no --lora_*/--merge_adapter
-    without --peft (a flag that would do nothing)."""
+    """--peft lora and its options: a known method, a dropout below 1, target names (--lora_*/--merge_adapter without
+    --peft: config/dependents.py)."""
     if cfg.peft is not None and cfg.peft not in PEFT_METHODS:
         raise ConfigError(f"--peft {show(cfg.peft)} is unknown; choose one of {', '.join(PEFT_METHODS)}")
     if not cfg.lora_dropout < 1:
         raise ConfigError(f"--lora_dropout must be < 1, got {cfg.lora_dropout:g}; give a value from 0 to 0.5, say")
     if not [name for name in cfg.lora_target_modules.split(",") if name.strip()]:
         raise ConfigError("--lora_target_modules is empty; give module names such as c_attn,c_proj, or all-linear")
-    if cfg.peft is None:
-        given = [f"--{f.name}" for f in dataclasses.fields(cfg)
-                 if (f.name.startswith("lora_") or f.name == "merge_adapter") and getattr(cfg, f.name) != f.default]
-        if given:
-            them = "them" if len(given) > 1 else "it"
-            raise ConfigError(f"{', '.join(given)} without --peft: nothing would use {them}; add --peft lora, or "
-                              f"drop {them}")
 
 
 def _check_cuda_graphs(cfg: Any) -> None:

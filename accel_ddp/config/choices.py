@@ -24,6 +24,9 @@ SEED_MAX = 2**32 - 1  # NumPy's np.random.seed accepts 0 .. 2**32 - 1, and set_s
 # A collective that waits longer than a week for a missing rank is a hang, not a slow peer; the bound also
 # keeps the value within what timedelta and the backends' millisecond counters hold.
 DDP_TIMEOUT_MAX = 7 * 24 * 3600
+# --hang_timeout's default: far above a healthy optimizer step (a large model's, with many micro-steps, takes seconds to
+# a minute), a third of --ddp_timeout's 30 minutes, so that a hang is named even in a save or an evaluation (twice it).
+HANG_TIMEOUT_DEFAULT = 600.0
 
 # Sanity bounds for sizes that are typos when huge: model state (weights, gradients and AdamW's two
 # moments: 16 bytes per fp32 parameter) and the synthetic dataset (float32, on every rank) must fit in
@@ -37,8 +40,6 @@ RESNET18_PARAMS_AT_WIDTH_64 = 11.2e6  # parameters scale with width squared
 DEBUG_MAX_STEPS = 10  # --debug: a handful of optimizer steps is enough to surface shape or sync bugs
 
 LR_SCHEDULES = ("constant", "linear", "cosine")
-
-OPTIMIZERS = ("sgd", "adamw")
 
 # --report_to names: Accelerate's trackers (accelerate.tracking.LOGGER_TYPE_TO_CLASS, listed here because
 # this module imports no torch) and accel_ddp's csv. "all" = every one whose package is installed, plus csv.

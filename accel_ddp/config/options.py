@@ -14,6 +14,7 @@ from accel_ddp.config.checks import (
     _check_cuda_graphs,
     _check_data,
     _check_hf_fields,
+    _check_optimizer,
     _check_peft,
     _check_per_device,
     _check_rollback,
@@ -21,6 +22,7 @@ from accel_ddp.config.checks import (
     _check_tracking,
     _check_urls,
     _gib,
+    optimizer_kwargs_text,
     warn_deprecated,
 )
 from accel_ddp.config.choices import (
@@ -28,11 +30,11 @@ from accel_ddp.config.choices import (
     COMM_HOOKS,
     DDP_TIMEOUT_MAX,
     DEFAULT_GLOBAL_BATCH,
+    HANG_TIMEOUT_DEFAULT,
     LOADERS,
     LR_SCHEDULES,
     MODEL_STATE_MAX_BYTES,
     ON_ANOMALY,
-    OPTIMIZERS,
     RENAMED_VALUES,
     REPORT_TO,
     RESNET18_PARAMS_AT_WIDTH_64,
@@ -40,6 +42,7 @@ from accel_ddp.config.choices import (
     SYNTHETIC_MAX_BYTES,
     _opt,
 )
+from accel_ddp.config.dependents import check_dependents
 from accel_ddp.config.layout import accumulation_steps, largest_micro_batch
 from accel_ddp.util.validation import INT_MAX, ConfigError, check_range, checked_type, show
 
@@ -134,6 +137,9 @@ class TrainConfig:
     loss: str | None = _opt(
         None, "'pkg.module:function' loss_fn(outputs, batch) -> mean, or (sum, num_items) for token-exact averaging"
     )
+    callbacks: str | None = _opt(
+        None, "comma-separated 'pkg.module:Name' callbacks, each made with no arguments: hooks on every rank after "
+        "each step, evaluation and save, which may ask every rank to stop, save or evaluate (docs/tasks.md#callbacks)")
 
     epochs: int = _opt(15, "passes over the training set; ignored when --max_steps is set", low=0,
                        section="optimisation (units: optimizer steps, samples)")
@@ -151,7 +157,14 @@ class TrainConfig:
         None, "micro-batches per optimizer step: the global batch is then processes x per-device x this "
         "(resolved once the world size is known; config.yaml holds the result)", low=1, high=65536)
     lr: float = _opt(3e-3, "peak learning rate, reached after --warmup_steps")
-    optimizer: str = _opt("adamw", "optimizer: sgd (momentum 0.9, nesterov) or adamw")
+    optimizer: str = _opt(
+        "adamw", "any torch.optim optimizer by name, any case (adamw, sgd: momentum 0.9 nesterov, adam, radam, nadam, "
+        "rmsprop, adagrad, adafactor, muon: hidden matrices, the rest AdamW, ...) or 'pkg.module:function' (called "
+        "with the parameter groups, returns an optimizer; docs/optimizers.md)")
+    optimizer_kwargs: str | None = _opt(
+        None, "JSON object of the optimizer's keyword arguments, checked against its signature, e.g. "
+        "'{\"betas\": [0.9, 0.95]}' (lr and weight_decay: --lr and --weight_decay, but for a pkg.module:function, "
+        "which gets them all)")
     weight_decay: float = _opt(0.0, "decoupled weight decay (adamw) or L2 penalty (sgd)", low=0)
     warmup_steps: int = _opt(0, "optimizer steps of linear warmup from 0 to --lr", low=0)
     warmup_ratio: float | None = _opt(
@@ -249,6 +262,11 @@ class TrainConfig:
     ddp_comm_hook: str = _opt("none", "compress gradients for the all-reduce: none, fp16 or bf16")
     ddp_timeout: int = _opt(1800, "seconds a collective may wait for a missing rank before the job fails",
                             low=1, high=DDP_TIMEOUT_MAX)
+    hang_timeout: float | None = _opt(
+        None, "seconds without an optimizer step on some rank (start-up, an evaluation or a save: twice that) before "
+        "every rank writes its stacks to OUTPUT_DIR/hang/ and the run ends naming the stuck rank's line (exit 124); "
+        "default 600, off where --ddp_timeout is not above it; 0: off; must be below --ddp_timeout", low=0,
+        high=DDP_TIMEOUT_MAX)
     compile: bool = _opt(False, "torch.compile the model (first steps are slower while it compiles)")
     cuda_graphs: bool = _opt(
         False, "CUDA only, unmeasured: capture the whole optimizer step once as a CUDA graph and replay it (AdamW, "
@@ -273,6 +291,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         """Check every field's type and range, whatever the source (Python, YAML or CLI): one ConfigError each."""
         _check_tracking(self)  # first: an old --with_tracking value gets its own message, not "expects true or false"
+        self.optimizer_kwargs = optimizer_kwargs_text(self.optimizer_kwargs)  # a YAML or Python mapping: its JSON
         hints = field_types()
         for f in dataclasses.fields(self):
             value = checked_type(f.name, getattr(self, f.name), hints[f.name], f.default)
@@ -291,7 +310,7 @@ class TrainConfig:
             if getattr(self, name) == old:
                 warn_deprecated(f"--{name} {old}", f"--{name} {new}")
                 setattr(self, name, new)
-        for name, choices in (("loader", LOADERS), ("optimizer", OPTIMIZERS), ("lr_schedule", LR_SCHEDULES),
+        for name, choices in (("loader", LOADERS), ("lr_schedule", LR_SCHEDULES),
                               ("ddp_comm_hook", COMM_HOOKS), ("on_anomaly", ON_ANOMALY)):
             if getattr(self, name) not in choices:
                 raise ConfigError(f"--{name} {show(getattr(self, name))} is unknown; "
@@ -321,7 +340,9 @@ class TrainConfig:
         if self.spike_factor and self.spike_factor <= 1:
             raise ConfigError(f"--spike_factor must be > 1 (a loss that many times the median), got "
                               f"{self.spike_factor:g}; e.g. --spike_factor 3, or 0 for no spike check")
+        check_dependents(self)  # a flag that nothing in this run would use (the one table)
         _check_task(self)
+        _check_optimizer(self)
         _check_peft(self)
         _check_data(self)
         _check_best_model(self)
@@ -333,6 +354,10 @@ class TrainConfig:
             raise ConfigError(f"--store_timeout {self.store_timeout:g} s is not less than --ddp_timeout "
                               f"{self.ddp_timeout} s: the other ranks' wait for a save would fail first, without "
                               "naming the store; lower --store_timeout or raise --ddp_timeout")
+        if self.hang_timeout and self.hang_timeout >= self.ddp_timeout:  # a collective's timeout would come first
+            raise ConfigError(f"--hang_timeout {self.hang_timeout:g} s is not less than --ddp_timeout "
+                              f"{self.ddp_timeout} s: a hang would end in a collective's timeout, naming no line; "
+                              "lower --hang_timeout or raise --ddp_timeout")
         if self.init_from is not None and not self.init_from.endswith(".safetensors"):
             raise ConfigError(f"--init_from {show(self.init_from)}: expected a .safetensors weights file, "
                               "e.g. OUTPUT_DIR/model.safetensors")
@@ -417,6 +442,13 @@ class TrainConfig:
                     f"multiple of {world_size * n}")
             per_device = derived // (world_size * n)
         self.global_batch_size, self.per_device_batch_size, self.gradient_accumulation_steps = derived, per_device, None
+
+    def hang_seconds(self) -> float:
+        """--hang_timeout resolved: given, it; else ``HANG_TIMEOUT_DEFAULT`` where --ddp_timeout is above it, else 0
+        (off: a collective would time out first)."""
+        if self.hang_timeout is not None:
+            return float(self.hang_timeout)
+        return HANG_TIMEOUT_DEFAULT if self.ddp_timeout > HANG_TIMEOUT_DEFAULT else 0.0
 
     def warmup_for(self, total_steps: int) -> int:
         """Warmup in optimizer steps: --warmup_steps, or ceil(--warmup_ratio x total steps)."""

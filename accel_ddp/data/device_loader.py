@@ -105,7 +105,7 @@ class DeviceEvalLoader:
     """This rank's contiguous share of an in-memory eval set, in batches on ``device``.
 
     Rank ``r`` of ``w`` gets samples ``[r * N // w, (r + 1) * N // w)``: every sample lands on
-    exactly one rank and nothing is padded, so :func:`accel_ddp.evaluate.evaluate` sums its
+    exactly one rank and nothing is padded, so :func:`accel_ddp.evaluation.evaluate` sums its
     counts over the ranks (``sums_across_ranks``) instead of gathering per-sample results. No
     DataLoader, no sampler, one view per batch, and no ``accelerator.prepare`` (which imports the
     ``datasets`` package, a second of start-up on every rank, for any multi-process loader).

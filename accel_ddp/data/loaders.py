@@ -25,7 +25,8 @@ from accel_ddp.util.registry import describe
 from accel_ddp.util.validation import ConfigError
 
 __all__ = ["Loaders", "TrainLoader", "build_eval_loader", "build_loaders", "build_train_loader", "choose_loader",
-           "data_seed", "data_source", "default_num_workers", "first_samples", "usable_cpus"]
+           "build_eval_loader_beside", "data_seed", "data_source", "default_num_workers", "first_samples",
+           "usable_cpus"]
 
 
 def build_train_loader(
@@ -186,17 +187,27 @@ def build_loaders(
             else {"num_workers": num_workers, "collate_fn": collate_fn}
         train_loader = make(train_dataset, per_device_batch_size, global_batch_size, seed=seed, rank=rank,
                             world_size=world, device=accelerator.device, **extra)
-    eval_loader = None
-    eval_batch_size = eval_batch_size or 2 * per_device_batch_size
-    if (eval_dataset is not None and kind == "device" and is_in_memory(eval_dataset)
-            and DeviceEvalLoader.can_shard(len(eval_dataset), eval_batch_size, world)):
-        eval_loader = DeviceEvalLoader(eval_dataset, eval_batch_size, rank=rank, world_size=world,
-                                       device=accelerator.device)
-    elif eval_dataset is not None:
-        # Batches stay on the host: evaluate() checks their labels there (loader.batch_check), then copies them.
-        eval_loader = accelerator.prepare_data_loader(
-            build_eval_loader(eval_dataset, eval_batch_size, num_workers, collate_fn), device_placement=False)
+    eval_loader = None if eval_dataset is None else build_eval_loader_beside(
+        accelerator, eval_dataset, kind, eval_batch_size or 2 * per_device_batch_size, num_workers, collate_fn)
     return Loaders(train_loader, eval_loader, kind, source, train_loader.steps_per_epoch)
+
+
+def build_eval_loader_beside(accelerator, eval_dataset: Dataset, kind: str, batch_size: int,
+                             num_workers: int | None = None, collate_fn: Callable | None = None):
+    """The eval loader of a run whose training loader is of ``kind`` (``device``, ``dataloader``, ``streaming``).
+
+    Beside the device loader an in-memory eval set is sliced per rank on the device (:class:`DeviceEvalLoader`,
+    summed over ranks); anything else is a prepared DataLoader (``gather_for_metrics`` counts each sample once).
+    ``evaluate``/``predict`` of a trained run rebuild the eval loader it had with this.
+    """
+    world = accelerator.num_processes
+    if (kind == "device" and is_in_memory(eval_dataset)
+            and DeviceEvalLoader.can_shard(len(eval_dataset), batch_size, world)):
+        return DeviceEvalLoader(eval_dataset, batch_size, rank=accelerator.process_index, world_size=world,
+                                device=accelerator.device)
+    # Batches stay on the host: evaluate() checks their labels there (loader.batch_check), then copies them.
+    return accelerator.prepare_data_loader(build_eval_loader(eval_dataset, batch_size, num_workers, collate_fn),
+                                           device_placement=False)
 
 
 def collate_route(loader: str, collate_fn: Callable, is_main_process: bool) -> str:

@@ -42,6 +42,8 @@ import sys
 import threading
 from collections.abc import Callable
 
+from accel_ddp.lifecycle.hang import answer_stack_requests
+
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 # accel_ddp.lifecycle.preemption.PREEMPTION_SIGNALS, written out: this module imports no torch.
 _JOB_SIGNALS = {signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP}
@@ -64,6 +66,7 @@ class WorkerInit:
     def __call__(self, worker_id: int) -> None:
         deaf_to_job_signals()
         die_with_rank(self.rank_pid if self.forked else None)
+        answer_stack_requests()  # --hang_timeout: a hung rank asks its workers for their stacks (lifecycle/hang.py)
         if self.then is not None:
             self.then(worker_id)
 

@@ -20,6 +20,7 @@ from accelerate.utils import DDPCommunicationHookType, DistributedDataParallelKw
 
 from accel_ddp.config import TrainConfig
 from accel_ddp.distributed.preflight import build_fsdp_plugin, check_launch_devices
+from accel_ddp.lifecycle.hang import flight_recorder_env
 from accel_ddp.util.host_memory import keep_freed_host_memory
 from accel_ddp.util.messages import note
 from accel_ddp.util.ranks import WORLD_SIZE_VARS
@@ -85,6 +86,9 @@ def build_accelerator(cfg: TrainConfig, trackers: Callable[[PartialState], dict[
         torch.backends.cudnn.allow_tf32 = True
     if problem := single_process_trap():
         raise LaunchError(problem)
+    if not cpu:  # NCCL's flight recorder, read as the process group forms: on with --hang_timeout
+        flight_recorder_env(cfg.output_dir, cfg.hang_seconds())
+    forget_ended_world()  # a second run in this process (train, then evaluate): the group formed again
     state = PartialState(cpu=cpu, timeout=timedelta(seconds=cfg.ddp_timeout))
     launched_world = int(os.environ.get("WORLD_SIZE", "1"))
     if state.num_processes != launched_world:
@@ -106,6 +110,36 @@ def build_accelerator(cfg: TrainConfig, trackers: Callable[[PartialState], dict[
         **(trackers(state) if trackers is not None else {}),
     )
     return accelerator, per_device, accumulation
+
+
+def forget_ended_world() -> None:
+    """Forget Accelerate's state of a process group that an earlier run in this process ended, so that the next
+    ``PartialState`` forms the group again (``train()`` then ``evaluate()`` in one script, on several ranks).
+
+    ``Accelerator.end_training`` destroys the process group but keeps Accelerate's singletons (accelerate/state.py:
+    ``PartialState.destroy_process_group`` leaves ``_shared_state`` as it was); a new ``PartialState`` would then skip
+    ``init_process_group`` and every collective fail with "Default process group has not been initialized". The
+    reset is Accelerate's own ``_reset_state`` (what its test utilities call between runs).
+
+    torch names the default group by its count of groups made, which ``destroy_process_group`` sets back to 0
+    (torch/distributed/distributed_c10d.py, ``_process_group_name``): the new group would find the ended one's gloo
+    addresses under the same keys of the launcher's store (torchrun's store outlives the group) and, reading them
+    before a peer rewrote its own, connect to a port nobody listens on ("Gloo connectFullMesh failed"). So each
+    group formed again counts from a number no earlier group of this process used: the same on every rank, which
+    ends and forms its groups in the same order.
+    """
+    from accelerate.state import AcceleratorState, GradientState
+
+    ended = PartialState._shared_state.get("distributed_type", DistributedType.NO) != DistributedType.NO
+    if ended and torch.distributed.is_available() and not torch.distributed.is_initialized():
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+        world = torch.distributed.distributed_c10d._world
+        world.accel_ddp_groups_ended = getattr(world, "accel_ddp_groups_ended", 0) + 1
+        world.group_count = GROUP_NAMES_PER_WORLD * world.accel_ddp_groups_ended
+
+
+GROUP_NAMES_PER_WORLD = 100_000  # far more groups than a run makes (the default group, the preemption flag's)
 
 
 def override_mixed_precision(requested: str, cpu: bool, env=os.environ) -> None:

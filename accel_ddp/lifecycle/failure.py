@@ -54,7 +54,7 @@ from accel_ddp.lifecycle.peers import close_peer_connections, rank_store
 from accel_ddp.util.atomic import atomic_write_text
 from accel_ddp.util.messages import error_line, first_line
 from accel_ddp.util.ranks import launch_rank, launch_world_size
-from accel_ddp.util.validation import ConfigError, LaunchError, ServiceFailure
+from accel_ddp.util.validation import ConfigError, LaunchError, ServiceFailure, UserCodeFailed
 
 # How long a failing rank waits for the others to report before it exits anyway, at most: the others
 # learn of the failure at their next collective (a step at most) or fail alike at once.
@@ -218,7 +218,8 @@ def _silent_ranks(made: Claim) -> list[int]:
 
 
 def _report_text(err: BaseException, code: int, made: Claim | None = None) -> str:
-    if code != 1 or isinstance(err, ServiceFailure):  # a store that failed mid-run: its one line, no traceback
+    if code != 1 or isinstance(err, (ServiceFailure, UserCodeFailed)):  # a store that failed mid-run, a callback
+        # that raised: one line, no traceback (a callback's line says where it raised; its traceback: the error file)
         return error_line(err)
     if lost_peer(err):
         return error_line(_LOST.format(rank=launch_rank()))

@@ -29,6 +29,8 @@ scancel signal them too, and torch's worker handler would let them die. Exit cod
     3   the training loss became nan or inf: every rank stopped at the same step, nothing was saved
         after the first bad step (the last checkpoint before it is intact); lower --lr, clip with
         --max_grad_norm, or rerun with --debug to see the operation that made it
+    124 a hung run: no optimizer step on some rank for --hang_timeout seconds; one line names the stuck rank and
+        its line of code, the stacks are in OUTPUT_DIR/hang/ (lifecycle/hang.py); checkpoints before it stay
     75  preempted (EX_TEMPFAIL, "try again"), or the launcher died: a checkpoint of the current step
         was saved; relaunch the same command with --resume_from_checkpoint auto to continue exactly
         where it stopped (stopped during start-up: nothing trained, nothing saved; a save that failed or that a
@@ -197,6 +199,12 @@ class PreemptionWatcher:
         if self._interruptible:
             self._interruptible = False  # once: the build's own clean-up must not be interrupted again
             raise _Interrupted
+
+    @property
+    def group(self):
+        """The CPU gloo group the flags go over (None: the default group, gloo already); other small CPU flags that
+        every rank compares at the same points may share it (accel_ddp/callbacks.py)."""
+        return self._group
 
     @property
     def signalled(self) -> bool:

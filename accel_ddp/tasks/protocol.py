@@ -23,7 +23,7 @@ Evaluation. Each eval batch gives per-sample statistics (loss sum, items, correc
 so that each sample (or token) counts exactly once at any world size: ``eval_loss`` is
 item-weighted; ``classification`` adds ``eval_accuracy``, ``causal_lm`` ``eval_perplexity``
 and next-token ``eval_accuracy``. With a user loss, ``eval_loss`` is that loss (see
-:func:`accel_ddp.evaluate.evaluate`), and the task's figures are reported where the outputs fit
+:func:`accel_ddp.evaluation.evaluate`), and the task's figures are reported where the outputs fit
 them (:meth:`Task.eval_fits`). User metric objects (``train(..., metrics=[...])``) get
 ``update(outputs, batch)`` with every rank's outputs and batch gathered, then ``compute() -> dict``.
 """
@@ -78,7 +78,7 @@ class Task:
     def __init__(self, loss_fn: Callable[[Any, Any], Any] | None = None, metrics: Sequence[Any] = (),
                  memory_format: torch.memory_format = torch.contiguous_format):
         self.loss_fn = loss_fn
-        self.metrics = list(metrics)  # templates: each evaluation updates fresh copies (see evaluate.py)
+        self.metrics = list(metrics)  # templates: each evaluation updates fresh copies (see evaluation.py)
         self.memory_format = memory_format  # channels-last image batches when --channels_last
         self.held_back = self.held_back if loss_fn is None else frozenset()  # a user loss may need everything
         self._keep: set[str] | None = None  # dict keys passed to the model, decided at the first dict batch
@@ -216,6 +216,21 @@ class Task:
         return {"eval_loss": per_item(totals["loss_sum"], totals["items"]),
                 "eval_accuracy": per_item(totals["correct"], totals["items"]), "eval_samples": samples}
 
+    # ---- predictions (``accel_ddp predict``)
+
+    def predictions(self, outputs: Any, batch: Any) -> dict[str, torch.Tensor]:
+        """Per sample: ``predictions``, the likeliest class id, and ``labels``, the target class id (where the batch
+        has labels; for class probabilities, the likeliest), as ``eval_accuracy`` compares them."""
+        logits, labels = logits_of(outputs), labels_of(batch)
+        if logits is None or logits.ndim != 2:
+            shape = "no logits" if logits is None else f"logits of shape {tuple(logits.shape)}"
+            raise ConfigError(f"{type(outputs).__name__} from the model holds {shape}; predict needs (batch, classes) "
+                              f"logits for --task {self.name}")
+        out = {"predictions": logits.argmax(dim=-1)}
+        if isinstance(labels, torch.Tensor) and len(labels) == len(logits):
+            out["labels"] = labels.argmax(dim=-1) if labels.is_floating_point() else labels
+        return out
+
     # ---- user metrics
 
     def fresh_metrics(self) -> list[Any]:
@@ -314,6 +329,13 @@ class CausalLMTask(Task):
         return {"eval_loss": loss, "eval_perplexity": None if loss is None else math.exp(min(loss, 700.0)),
                 "eval_accuracy": per_item(totals["correct"], totals["items"]), "eval_samples": samples,
                 "eval_tokens": int(totals["items"])}  # exp overflows past ~709
+
+    def predictions(self, outputs: Any, batch: Any) -> dict[str, torch.Tensor]:
+        """Per sequence and position: ``predictions``, the likeliest next token, and ``labels``, the next token
+        (``-100`` where nothing is predicted: padding, the last position), as ``eval_accuracy`` compares them."""
+        logits, labels = self._shifted(outputs, batch)
+        return {"predictions": logits.argmax(dim=-1).masked_fill(labels == IGNORE_INDEX, IGNORE_INDEX),
+                "labels": labels}
 
     def _token_labels(self, batch: Any) -> torch.Tensor | None:
         """``labels``, else ``input_ids`` with padding (``attention_mask`` 0) ignored; unshifted."""

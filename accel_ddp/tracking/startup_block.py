@@ -37,12 +37,14 @@ class StartupBlock:
     @classmethod
     def describe(cls, cfg: Any, facts: dict[str, Any], *, epochs: int, workers: int | None, model: str,
                  data_sizes: tuple[tuple[int, int], ...] = (), cpus: int = 1, env=os.environ,
-                 examples: tuple[int | None, int | None] = (None, None)) -> StartupBlock:
+                 examples: tuple[int | None, int | None] = (None, None),
+                 optimization: dict[str, str] | None = None) -> StartupBlock:
         """From the config, the run's facts (assemble._run_facts), and what only the loop knows.
 
         ``workers``: the training loader's DataLoader workers per rank (None: no DataLoader); ``data_sizes``:
         --debug's (kept, full) sample counts of the training and eval sets; ``cpus``: the cores this rank may use;
-        ``examples``: the samples of the training and eval sets as trained (None: a stream's, unknown; no eval set).
+        ``examples``: the samples of the training and eval sets as trained (None: a stream's, unknown; no eval set);
+        ``optimization``: the optimizer lines the flags alone cannot write (optim_user.Optimization.lines).
         """
         world, machines = facts["world_size"], facts["num_machines"]
         per_device, accumulation, global_batch = (facts["per_device_batch_size"], facts["grad_accum_steps"],
@@ -64,7 +66,7 @@ class StartupBlock:
             "task": cfg.task,
             "model": model,
             "examples": _examples(*examples),
-            **training_lines(cfg, facts["total_steps"], global_batch),
+            **training_lines(cfg, facts["total_steps"], global_batch, optimization or {}),
         }
         if cfg.debug:
             lines["debug"] = debug_changes(cfg, facts["total_steps"], data_sizes[0][1] if data_sizes else None)
@@ -90,16 +92,22 @@ class StartupBlock:
         return {**lines, "start": self.start, "warnings": list(self.warnings)}
 
 
-def training_lines(cfg: Any, total_steps: int, global_batch: int) -> dict[str, str]:
+def training_lines(cfg: Any, total_steps: int, global_batch: int,
+                   optimization: dict[str, str] | None = None) -> dict[str, str]:
     """What the Trainer's block says besides the layout: optimizer, learning rate and its schedule, seed, where the
-    run writes, how often it saves, what it reports to, and the tokens of a step for a token task."""
+    run writes, how often it saves, what it reports to, and the tokens of a step for a token task. ``optimization``:
+    a user's optimizer or schedule, Muon's split (``optimizer``, ``learning rate``, ``optimizer split``)."""
+    optimization = optimization or {}
     clip = f"gradients clipped to norm {cfg.max_grad_norm:g}" if cfg.max_grad_norm else "no gradient clipping"
     decay = {"constant": "then constant", "linear": "then linear to 0", "cosine": "then cosine to 0"}
     warmup = cfg.warmup_for(total_steps)
+    kwargs = f" {cfg.optimizer_kwargs}" if getattr(cfg, "optimizer_kwargs", None) else ""
     lines = {
-        "optimizer": f"{cfg.optimizer}, weight decay {cfg.weight_decay:g}, {clip}",
-        "learning rate": f"{cfg.lr:g} after {warmup} warmup step{'s' * (warmup != 1)}, "
-                         f"{decay.get(cfg.lr_schedule, cfg.lr_schedule)}",
+        "optimizer": f"{optimization.get('optimizer', f'{cfg.optimizer}{kwargs}, weight decay {cfg.weight_decay:g}')}"
+                     f", {clip}",
+        **({"optimizer split": optimization["optimizer split"]} if "optimizer split" in optimization else {}),
+        "learning rate": optimization.get("learning rate", f"{cfg.lr:g} after {warmup} warmup step"
+                                          f"{'s' * (warmup != 1)}, {decay.get(cfg.lr_schedule, cfg.lr_schedule)}"),
         "seed": str(cfg.seed),
         "output folder": cfg.output_dir + (f" (checkpoints in {cfg.checkpoint_dir})" if cfg.checkpoint_dir else ""),
         "checkpoints": _cadence(cfg.checkpointing_steps, cfg.keep_last),

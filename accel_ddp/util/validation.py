@@ -28,6 +28,12 @@ class ServiceFailure(RuntimeError):
     settings worked at the start), so one line and exit 1, a failure a launcher's requeue may retry."""
 
 
+class UserCodeFailed(RuntimeError):
+    """A user's code raised once the run was under way (a callback's hook): one line naming the code and where it
+    raised, exit 1 like any failure (a bug to fix, not bad input); the traceback is the exception's ``__cause__``
+    (in torchelastic's error file, and what a caller of ``train()`` sees)."""
+
+
 # Every int without a range of its own stays below this: nothing sensible is bigger, and torch's C++
 # side (batch sizes, bucket sizes, step counters) stores 32- or 64-bit integers.
 INT_MAX = 2**31 - 1

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import accel_ddp.assemble as assemble
 import accel_ddp.checkpoint.async_save as async_save
+import accel_ddp.optim_user as optim_user
 from accel_ddp.checkpoint.manager import MARKER_NAME, list_checkpoints, read_checkpoint
 from accel_ddp.cli.train import main
 from tests.helpers.multiproc import RankFailed, run_ranks
@@ -65,7 +65,7 @@ def test_async_checkpoints_hold_the_same_bytes_as_sync_ones(sync_run, tmp_path):
 def _steps_seen() -> list[int]:
     """Patch the schedule's step (called once per optimizer step) to record the step count; returns the record."""
     seen = [0]
-    build = assemble.build_lr_scheduler
+    build = optim_user.build_lr_scheduler
 
     def counted(self, *a, **k):
         super(type(self), self).step(*a, **k)
@@ -76,7 +76,7 @@ def _steps_seen() -> list[int]:
         # A subclass, not an attribute: the scheduler's __dict__ is its checkpointed state (as tests/helpers/faults.py).
         scheduler.__class__ = type("CountedScheduler", (type(scheduler),), {"step": counted})
         return scheduler
-    assemble.build_lr_scheduler = recording
+    optim_user.build_lr_scheduler = recording
     return seen
 
 
@@ -194,3 +194,19 @@ def test_a_rollback_while_a_save_is_in_flight_waits_for_it_and_rolls_back_to_it(
     summary = read_summary(out)
     assert (summary["anomaly_skipped_steps"], summary["anomaly_rollbacks"]) == (1, 1)
     assert [os.path.basename(f) for _, f in list_checkpoints(str(out / "checkpoints"))] == ["step_00000010"]
+
+
+def test_async_checkpoints_of_muon_with_adamw_hold_the_same_bytes_as_sync_ones(tmp_path):
+    """--optimizer muon's state (two optimizers as one state dict) copied to host memory and written in the
+    background: the same files, byte for byte, as the sync save's."""
+    muon = [*ARGS, "--epochs", "1", "--optimizer", "muon"]  # 8 steps, checkpoints 4 and 8
+    sync, background = tmp_path / "sync", tmp_path / "async"
+    assert main_ranks([*muon, "--output_dir", str(sync)]) == [0, 0]
+    assert main_ranks([*muon, "--async_checkpointing", "--output_dir", str(background)]) == [0, 0]
+    for step in (4, 8):
+        mine, theirs = (run / "checkpoints" / f"step_{step:08d}" for run in (background, sync))
+        read_checkpoint(str(mine))
+        names = sorted(name for name in os.listdir(theirs) if name != MARKER_NAME)
+        assert "optimizer.bin" in names and sorted(os.listdir(mine)) == sorted([*names, MARKER_NAME])
+        for name in names:
+            assert sha(mine / name) == sha(theirs / name), f"step {step}: {name} differs from the sync save's"

@@ -555,12 +555,13 @@ def test_changed_hyperparameters_on_resume_warn_once_and_are_in_force(stopped_at
     out = copy_run(stopped_at_20, tmp_path)
     capfd.readouterr()
     assert main_ranks([*ARGS, "--max_steps", "30", "--output_dir", str(out), "--resume_from_checkpoint", "auto",
-                       "--lr", "0.01", "--weight_decay", "0.1", "--max_grad_norm", "0.5", "--lr_schedule", "linear"]) \
-        == [0, 0]
+                       "--lr", "0.01", "--weight_decay", "0.1", "--max_grad_norm", "0.5", "--lr_schedule", "linear",
+                       "--optimizer_kwargs", '{"betas": [0.8, 0.99]}']) == [0, 0]
     warnings = [line for line in capfd.readouterr().err.splitlines() if "other hyperparameters" in line]
     assert len(warnings) == 1, warnings
-    assert ("(lr 0.003 -> 0.01, lr_schedule constant -> linear, weight_decay 0.0 -> 0.1, max_grad_norm 1.0 -> 0.5): "
-            "this run's values are in force from step 20 on") in warnings[0]
+    assert ("(lr 0.003 -> 0.01, lr_schedule constant -> linear, weight_decay 0.0 -> 0.1, max_grad_norm 1.0 -> 0.5, "
+            'optimizer_kwargs None -> {"betas": [0.8, 0.99]}): this run\'s values are in force from step 20 on'
+            ) in warnings[0]
     config = yaml.safe_load((out / "config.yaml").read_text())
     assert (config["lr"], config["weight_decay"], config["max_grad_norm"], config["lr_schedule"]) == \
         (0.01, 0.1, 0.5, "linear")
@@ -570,6 +571,6 @@ def test_changed_hyperparameters_on_resume_warn_once_and_are_in_force(stopped_at
     meta = read_checkpoint(str(ckpt(out, 25)))  # what a checkpoint records
     assert (meta["lr"], meta["weight_decay"], meta["max_grad_norm"], meta["lr_schedule"]) == (0.01, 0.1, 0.5, "linear")
     optimizer = torch.load(ckpt(out, 25) / "optimizer.bin", weights_only=True)
-    assert optimizer["param_groups"][0]["weight_decay"] == 0.1
+    assert optimizer["param_groups"][0]["weight_decay"] == 0.1 and optimizer["param_groups"][0]["betas"] == (0.8, 0.99)
     assert optimizer["param_groups"][0]["lr"] == pytest.approx(0.01 * (1 - 25 / 30))
     assert read_checkpoint(str(ckpt(out, 20)))["lr"] == 0.003  # the checkpoint resumed from is left as it was

@@ -479,3 +479,23 @@ def test_init_from_bad_files_name_the_file_and_keys(reference, tmp_path, capfd):
     assert main_ranks([*ARGS, "--output_dir", str(tmp_path / "b"), "--init_from", str(truncated)],
                       world_size=1) == [2]
     assert f"--init_from {truncated}: not a readable safetensors file" in capfd.readouterr().err
+
+
+def test_muon_with_adamw_resumes_bitwise_after_a_rank_fails(tmp_path, capfd):
+    """--optimizer muon (two optimizers as one): rank 1 fails after step 10, the run resumes with ``auto`` from the
+    checkpoint of step 8 and ends with the weights of the run that never failed, bit for bit."""
+    muon = [*ARGS, "--epochs", "2", "--optimizer", "muon", "--checkpointing_steps", "4"]  # 16 steps
+    reference, out = tmp_path / "reference", tmp_path / "run"
+    assert main_ranks([*muon, "--output_dir", str(reference)]) == [0, 0]
+    assert read_summary(reference)["optimizer"] == "muon"
+
+    def fail_after_step_10():
+        faults.install(fail_at=(10, 1))
+        return main([*muon, "--output_dir", str(out)])
+
+    assert 0 not in run_ranks(fail_after_step_10)
+    assert steps_of(out) == [4, 8]
+    printed = resume([*muon, "--output_dir", str(out), "--resume_from_checkpoint", "auto"], capfd)
+    assert "optimizer split:  Muon for 1 hidden matrix (" in printed  # fc1; the convolutions and head: AdamW
+    assert read_summary(out)["resumed_from_step"] == 8
+    assert_same_weights(out, reference)

@@ -45,7 +45,8 @@ def test_yaml_recipe_then_cli_overrides(tmp_path):
         (["--output_dir", "/tmp/caf\udce9"], "is not valid UTF-8"),  # what Python makes of a Latin-1 path
         (["--data_dir", "a\0b"], "--data_dir 'a\\x00b' contains a NUL character"),
         (["--profile", "maybe"], "argument --profile: expected true or false, got 'maybe'"),
-        (["--optimizer", "lamb"], "choose one of sgd, adamw"),
+        (["--optimizer_kwargs", "[0.9]"], "--optimizer_kwargs must be a JSON object of keyword arguments"),
+        (["--optimizer", "my_module:"], "--optimizer 'my_module:': give a torch.optim class name (e.g. adamw) or"),
         (["--lr_schedule", "step"], "choose one of constant, linear, cosine"),
         (["--checkpointing_steps", "often"], "positive step count or 'epoch'"),
         (["--checkpointing_steps", "\u00b2"], "positive step count or 'epoch', got '\u00b2'"),  # isdigit, not int

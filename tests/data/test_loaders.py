@@ -302,7 +302,7 @@ def loop_with_both_loaders(global_batch: int, per_device: int) -> dict:
     from sklearn.datasets import load_digits
 
     from accel_ddp.data import build_loaders
-    from accel_ddp.evaluate import evaluate
+    from accel_ddp.evaluation import evaluate
 
     world = PartialState(cpu=True).num_processes
     accumulation = global_batch // (world * per_device)

@@ -155,16 +155,17 @@ def _train_with(args: list[str], graphs: bool):
     import accel_ddp.after_step
     import accel_ddp.assemble
     import accel_ddp.loop
+    import accel_ddp.optim_user
     from accel_ddp.cli.args import parse_args
 
     backends: list[Rerun] = []
 
-    def cpu_adamw(name, model, lr, weight_decay, fused=False, capturable=False):
+    def cpu_adamw(name, model, lr, weight_decay, fused=False, capturable=False, kwargs=None):
         groups = [{"params": [p for p in model.parameters() if p.ndim >= 2], "weight_decay": weight_decay},
                   {"params": [p for p in model.parameters() if p.ndim < 2], "weight_decay": 0.0}]
         return torch.optim.AdamW(groups, lr=torch.tensor(float(lr)), fused=True)
 
-    accel_ddp.assemble.build_optimizer = cpu_adamw
+    accel_ddp.optim_user.build_optimizer = cpu_adamw
     accel_ddp.assemble._refuse_graphs = lambda *args: None  # the CPU would be refused: the wiring is what is tested
     accel_ddp.after_step.CudaGraphs = lambda: backends.append(Rerun()) or backends[-1]
     summary = accel_ddp.loop.train(parse_args([*args, *(["--cuda_graphs"] if graphs else [])]))

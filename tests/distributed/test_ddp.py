@@ -85,6 +85,54 @@ def layouts_lr(step: int) -> float:
     return 0.05 * lr_multiplier(step, "cosine", warmup_steps=3, total_steps=30)
 
 
+# The same run with the Python API's own optimizer and schedule: RAdam, StepLR halving the LR every 7 steps.
+USER_ARGS = ["--dataset", "synthetic", "--synthetic_samples", "320", "--synthetic_shape", "12", "--model", "mlp",
+             "--hidden_size", "16", "--global_batch_size", "32", "--epochs", "3", "--log_every", "5"]
+
+
+def _users_run(out, world: int, per_device: int, built: bool) -> list[dict]:
+    """``train(..., model=, optimizer=, lr_scheduler=)`` on ``world`` ranks: functions, or (``built``) an optimizer
+    and a scheduler already built on the model, as a Lightning or Trainer user would hand them over."""
+    from accel_ddp.cli.args import parse_args
+    from accel_ddp.models import build_model
+
+    def rank() -> dict:
+        torch.manual_seed(0)  # the same initial weights in every run (DDP broadcasts rank 0's anyway)
+        model = build_model("mlp", num_classes=10, input_shape=(12,), hidden_size=16)
+        cfg = parse_args([*USER_ARGS, "--per_device_batch_size", str(per_device), "--output_dir", str(out)])
+        radam = lambda groups: torch.optim.RAdam(groups, lr=0.05)  # noqa: E731
+        step_lr = lambda optimizer: torch.optim.lr_scheduler.StepLR(optimizer, step_size=7, gamma=0.5)  # noqa: E731
+        if built:
+            optimizer = radam(model.parameters())
+            return train(cfg, model=model, optimizer=optimizer, lr_scheduler=step_lr(optimizer))
+        return train(cfg, model=model, optimizer=radam, lr_scheduler=step_lr)
+
+    return run_ranks(rank, world_size=world)
+
+
+def test_a_users_optimizer_and_schedule_give_the_same_weights_on_1_and_2_ranks(tmp_path):
+    """RAdam and StepLR given to train() on 1 process, 2 ranks, 2 ranks with accumulation: the same weights, and
+    the schedule stepped once per optimizer step in each (its LR halved after steps 7, 14, 21 and 28)."""
+    runs = {"1x32": (1, 32, False), "2x16": (2, 16, True), "2x8": (2, 8, False)}
+    for name, (world, per_device, built) in runs.items():
+        summaries = _users_run(tmp_path / name, world, per_device, built)
+        assert summaries[0]["optimizer"] == "RAdam (train(optimizer=...))" and summaries[0]["grad_accum_steps"] == (
+            32 // (world * per_device))
+        assert summaries[0]["lr_scheduler_steps"] == summaries[0]["optimizer_steps"] == 30
+        lrs = {r["step"]: r["lr"] for r in read_metrics(tmp_path / name) if "lr" in r}
+        assert lrs[5] == 0.05 and lrs[15] == 0.0125 and lrs[30] == 0.05 / 16, name
+    reference = load_weights(tmp_path / "1x32")
+    for name in ("2x16", "2x8"):
+        weights = load_weights(tmp_path / name)
+        for key in reference:
+            assert torch.allclose(weights[key], reference[key], atol=1e-5), f"{name}: {key} differs"
+    from accel_ddp.models import build_model
+
+    torch.manual_seed(0)
+    initial = build_model("mlp", num_classes=10, input_shape=(12,), hidden_size=16)
+    assert not torch.allclose(reference["1.weight"], initial[1].weight, atol=1e-2)  # trained far beyond tolerance
+
+
 def test_two_ranks_form_one_cpu_group(layouts):
     summary = read_summary(layouts["2x16"])
     assert summary["world_size"] == 2

@@ -48,9 +48,18 @@ def _stream(root: Path) -> Path:
     return folder
 
 
+class AskNothing:
+    """A callback that reads the state every step and asks for nothing: the agreement of its requests runs anyway."""
+
+    def on_step_end(self, state):
+        state.should_stop = state.step > STEPS
+
+
 def _args(path: str, tmp_path: Path) -> list[str]:
     if path == "device":
         return [*SYNTHETIC, "--num_workers", "0"]
+    if path == "callbacks":  # the flags' all-reduce after each step is over a CPU tensor read through numpy: no sync
+        return [*SYNTHETIC, "--num_workers", "0", "--callbacks", "tests.distributed.test_host_syncs:AskNothing"]
     if path == "dataloader":
         return [*SYNTHETIC, "--loader", "dataloader", "--num_workers", "1"]
     if path == "text":  # the tiny GPT-2 on token sequences of 3-16 tokens: the token-exact (sum, items) loss
@@ -62,7 +71,7 @@ def _args(path: str, tmp_path: Path) -> list[str]:
             "--num_workers", "1", "--model", "mnist_cnn", "--global_batch_size", "8"]
 
 
-@pytest.mark.parametrize("path", ["device", "dataloader", "text", "streaming"])
+@pytest.mark.parametrize("path", ["device", "dataloader", "text", "streaming", "callbacks"])
 def test_host_syncs_only_on_log_steps(path, tmp_path):
     args = [*_args(path, tmp_path), *COMMON, "--output_dir", str(tmp_path / "run")]
     results = run_ranks(lambda: count_step_syncs(args), world_size=2)

@@ -18,11 +18,11 @@ from tests.helpers.multiproc import free_port
 from tests.helpers.output import series
 from tests.helpers.runs import (
     REPO,
-    TRAIN_SCRIPT,
     check,
     gpu_count,
     gpu_env,
     launch,
+    launch_machines,
     launcher_env,
     load_weights,
     read_metrics,
@@ -60,30 +60,11 @@ def test_new_launch_configs_load_and_comment_every_key(path, distributed_type, p
 # ----------------------------------------------------------------------------- multi-node on loopback
 
 
-def launch_machine(rank: int, port: int, args: list[str], log: Path) -> subprocess.Popen:
-    """One machine's `accelerate launch` with the 2-node config, on loopback: 2 of the 4 processes."""
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(TWO_NODE),
-           "--num_machines", "2", "--machine_rank", str(rank), "--num_processes", "4",
-           "--main_process_ip", "127.0.0.1", "--main_process_port", str(port), "--mixed_precision", "no",
-           str(TRAIN_SCRIPT), *args]
-    with open(log, "w") as out:  # files, not pipes: a full pipe would block a rank mid-collective
-        return subprocess.Popen(cmd, env=suite_env(), stdout=out, stderr=subprocess.STDOUT, text=True, cwd=REPO)
-
-
 @pytest.mark.slow
 def test_two_machines_on_loopback_form_one_world_and_match_one_process(tmp_path, tiny_args):
-    port = free_port()
     multi = tmp_path / "two_machines"
-    args = [*tiny_args, "--output_dir", str(multi)]
-    machines = [launch_machine(rank, port, args, tmp_path / f"machine{rank}.log") for rank in (1, 0)]
-    try:
-        codes = [proc.wait(timeout=300) for proc in machines]
-    finally:
-        for proc in machines:
-            if proc.poll() is None:
-                proc.kill()
-    logs = "\n".join((tmp_path / f"machine{rank}.log").read_text()[-3000:] for rank in (0, 1))
-    assert codes == [0, 0], logs
+    codes, logs = launch_machines([*tiny_args, "--output_dir", str(multi)], 4, tmp_path)
+    assert codes == [0, 0], {rank: log[-3000:] for rank, log in logs.items()}
 
     single = tmp_path / "one_process"
     train_ranks([*tiny_args, "--output_dir", str(single)], world_size=1)

@@ -37,10 +37,10 @@ def install(bad: tuple[int, int] | None = BAD, drop_update_at: int | None = None
             factor: float = float("nan")):
     """In a rank: multiply the output of step ``bad`` by ``factor``; drop the optimizer's step() call of
     ``drop_update_at`` (the reference); SIGKILL every rank right after optimizer step ``kill_after``."""
-    import accel_ddp.assemble as assemble
+    import accel_ddp.optim_user as optim_user  # where setup's optimizer and schedule are built
 
     FAULT.update(step=bad[0] if bad else None, rank=bad[1] if bad else None, factor=factor)
-    build_scheduler, build_optimizer = assemble.build_lr_scheduler, assemble.build_optimizer
+    build_scheduler, build_optimizer = optim_user.build_lr_scheduler, optim_user.build_optimizer
 
     def scheduler_seen(*args, **kwargs):
         scheduler = FAULT["scheduler"] = build_scheduler(*args, **kwargs)
@@ -68,7 +68,7 @@ def install(bad: tuple[int, int] | None = BAD, drop_update_at: int | None = None
             optimizer.__class__ = type("Dropping", (type(optimizer),), {"step": maybe_step})
         return optimizer
 
-    assemble.build_lr_scheduler, assemble.build_optimizer = scheduler_seen, optimizer_dropping
+    optim_user.build_lr_scheduler, optim_user.build_optimizer = scheduler_seen, optimizer_dropping
 
 
 

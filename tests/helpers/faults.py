@@ -37,12 +37,12 @@ def install(fail_at: tuple[int, int] | None = None, once: str | None = None, cra
             step_delay: float = 0.0, report_delay: tuple[float, int] | None = None,
             print_delay: tuple[float, int] | None = None, nan_at: tuple[int, int] | None = None,
             kill_at: tuple[int, int] | None = None) -> None:
-    import accel_ddp.assemble as assemble
     import accel_ddp.checkpoint.manager as checkpoint
     import accel_ddp.lifecycle.failure as failure
+    import accel_ddp.optim_user as optim_user  # where setup's optimizer and schedule are built
 
     if fail_at is not None or step_delay or kill_at is not None:
-        build = assemble.build_lr_scheduler
+        build = optim_user.build_lr_scheduler
 
         def build_with_fault(*args, **kwargs):
             scheduler = build(*args, **kwargs)
@@ -51,7 +51,7 @@ def install(fail_at: tuple[int, int] | None = None, once: str | None = None, cra
             return scheduler
 
         _STEP_FAULT.update(fail_at=fail_at, once=once, step_delay=step_delay, kill_at=kill_at)
-        assemble.build_lr_scheduler = build_with_fault
+        optim_user.build_lr_scheduler = build_with_fault
     if nan_at is not None:
         _NAN_AT.update(step=nan_at[0], rank=nan_at[1])
     if crash_in_checkpoint is not None:

@@ -93,6 +93,28 @@ def launch(script_args: list[str], nproc: int = 2, env: dict[str, str] | None = 
     return subprocess.run(cmd, env=suite_env(env), capture_output=True, text=True, timeout=timeout, cwd=cwd or REPO)
 
 
+def launch_machines(script_args: list[str], num_processes: int, folder: Path,
+                    timeout: float = 300) -> tuple[list[int], dict[int, str]]:
+    """Two machines on loopback: `accelerate launch --config_file 2node_8gpu.yaml --num_machines 2` twice (machine 1
+    first), ``num_processes`` in all; their exit codes (machine 0's first) and logs (``folder/machine<N>.log``)."""
+    port, machines = free_port(), []
+    for rank in (1, 0):
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+               str(REPO / "accelerate_configs" / "2node_8gpu.yaml"), "--num_machines", "2", "--machine_rank",
+               str(rank), "--num_processes", str(num_processes), "--main_process_ip", "127.0.0.1",
+               "--main_process_port", str(port), "--mixed_precision", "no", str(TRAIN_SCRIPT), *script_args]
+        with open(folder / f"machine{rank}.log", "w") as out:  # files, not pipes: a full pipe would block a rank
+            machines.append(subprocess.Popen(cmd, env=suite_env(), stdout=out, stderr=subprocess.STDOUT, text=True,
+                                             cwd=REPO))
+    try:
+        codes = [proc.wait(timeout=timeout) for proc in reversed(machines)]
+    finally:
+        for proc in machines:
+            if proc.poll() is None:
+                proc.kill()
+    return codes, {rank: (folder / f"machine{rank}.log").read_text() for rank in (0, 1)}
+
+
 def launch_together(*launches: dict) -> list[subprocess.CompletedProcess]:
     """``launch(**kwargs)`` for each dict, all at once (each gets its own free port): independent launches
     that a test compares keep both cores busy while each launcher and its workers start up."""

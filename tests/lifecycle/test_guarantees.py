@@ -183,9 +183,10 @@ def as_torchrun_worker(pids: Path) -> int:
 
 
 def run_signalled(args: list[str], pids: Path, sig: int, target: str, at: int = SIGNAL_AT,
-                  patch=None) -> list[int]:
+                  patch=None, setup=None) -> list[int]:
     """``main(args)`` on 2 forked ranks, rank 1 sending ``sig`` to ``target`` after optimizer step ``at`` (or
-    where ``patch(rank, fire)`` arranges to call ``fire()``); each rank's exit code."""
+    where ``patch(rank, fire)`` arranges to call ``fire()``); each rank's exit code. ``setup()``: first, in each rank
+    (the Python API's arguments: ``with_users_optimization``)."""
     pids.mkdir(exist_ok=True)
 
     def rank_main() -> int:
@@ -194,6 +195,8 @@ def run_signalled(args: list[str], pids: Path, sig: int, target: str, at: int = 
         from accel_ddp.cli.train import main
 
         rank = as_torchrun_worker(pids)
+        if setup is not None:
+            setup()
 
         def fire():
             send(sig, target, pids)
@@ -265,6 +268,60 @@ def test_preempted_then_killed_a_run_resumes_bitwise_on_every_path(matrix, path,
     assert [s for s, _ in list_checkpoints(str(out / "checkpoints"))][-2:] == [SIGNAL_AT, 6]
     assert not (out / "summary.json").exists()
     assert_resumes_bitwise(matrix, path, out, 6)
+
+
+def users_radam(groups):
+    """The Python API's optimizer in the runs below (a function of the parameter groups)."""
+    return torch.optim.RAdam(groups, lr=0.02)
+
+
+def users_step_lr(optimizer):
+    """... and its schedule: the LR halved every 4 optimizer steps (a function of the optimizer)."""
+    return torch.optim.lr_scheduler.StepLR(optimizer, step_size=4, gamma=0.5)
+
+
+def with_users_optimization() -> None:
+    """In a rank: the CLI's ``main()`` trains with ``train(cfg, optimizer=users_radam, lr_scheduler=users_step_lr)``
+    (cli/train.py imports ``accel_ddp.loop.train`` when it runs), so its exit codes and messages are the CLI's."""
+    import functools
+
+    import accel_ddp.loop as loop
+
+    loop.train = functools.partial(loop.train, optimizer=users_radam, lr_scheduler=users_step_lr)
+
+
+def users_train(args: list[str]) -> dict:
+    """``train()`` of the Python API with RAdam and StepLR on these options; its summary."""
+    from accel_ddp.cli.args import parse_args
+    from accel_ddp.loop import train
+
+    return train(parse_args(args), optimizer=users_radam, lr_scheduler=users_step_lr)
+
+
+@pytest.mark.parametrize("path", ["device", "dataloader"])
+def test_a_users_optimizer_and_schedule_resume_bitwise_after_sigterm_then_kill_9(matrix, path, tmp_path, capfd):
+    """RAdam and StepLR given to ``train()``: SIGTERM to the job after step 5 (every rank saves and exits 75), resumed
+    with ``auto`` and SIGKILLed after step 7, resumed from the periodic checkpoint of step 6: the weights of the run
+    never stopped, bit for bit, and its learning rates (the schedule's state restored, not restarted)."""
+    reference = matrix["root"] / f"reference-users-{path}"
+    if not reference.exists():
+        summaries = run_ranks(lambda: users_train(args_for(matrix, path, reference)), world_size=2)
+        assert summaries[0]["optimizer"] == "RAdam (train(optimizer=...))" and summaries[0]["optimizer_steps"] == 16
+        assert (summaries[0]["loader"], summaries[0]["data_source"]) == EXPECTED[path]
+    out, pids = tmp_path / "run", tmp_path / "pids"
+    capfd.readouterr()
+    assert run_signalled(args_for(matrix, path, out), pids, signal.SIGTERM, "job", setup=with_users_optimization) == [
+        75, 75]
+    assert_stopped_after(out, SIGNAL_AT, capfd)
+    resumed = args_for(matrix, path, out, "--resume_from_checkpoint", "auto")
+    with pytest.raises(RankFailed, match="exited with code -9"):
+        run_signalled(resumed, pids, signal.SIGKILL, "job", at=2, setup=with_users_optimization)  # after step 7
+    assert [s for s, _ in list_checkpoints(str(out / "checkpoints"))][-2:] == [SIGNAL_AT, 6]
+    summary = run_ranks(lambda: users_train(resumed), world_size=2)[0]
+    assert summary["resumed_from_step"] == 6 and summary["lr_scheduler_steps"] == 16
+    assert_same_weights(out, reference)
+    lrs = [{r["step"]: r["lr"] for r in read_metrics(run) if "lr" in r} for run in (out, reference)]
+    assert lrs[0] == lrs[1] and lrs[0][16] == 0.02 / 16
 
 
 @pytest.mark.parametrize("target", ["rank", "group"])

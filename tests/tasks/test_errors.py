@@ -1,4 +1,4 @@
-"""Bad input to a task (accel_ddp/tasks/protocol.py, evaluate.py, update.py): a user's loss, collate_fn or metric that
+"""Bad input to a task (accel_ddp/tasks/protocol.py, evaluation.py, update.py): a user's loss, collate_fn or metric that
 returns the wrong thing, labels the model cannot take, evaluations with nothing to count.
 
 Each is one line ``accel_ddp: error: ...`` naming the value and the fix, exit code 2, as early as it can be
@@ -180,7 +180,7 @@ def _evaluate_tokens(loss_fn, world: int, count: int = 37, batch_size: int = 4) 
     from accel_ddp import TrainConfig
     from accel_ddp.data.loaders import build_eval_loader
     from accel_ddp.distributed.world import build_accelerator
-    from accel_ddp.evaluate import evaluate
+    from accel_ddp.evaluation import evaluate
     from accel_ddp.tasks.protocol import build_task
     from tests.helpers.multiproc import run_ranks
 
@@ -255,7 +255,7 @@ def test_a_user_loss_on_class_logits_is_eval_loss_and_the_task_still_reports_acc
     from accel_ddp import TrainConfig
     from accel_ddp.data.loaders import build_eval_loader
     from accel_ddp.distributed.world import build_accelerator
-    from accel_ddp.evaluate import evaluate
+    from accel_ddp.evaluation import evaluate
     from accel_ddp.tasks.protocol import build_task
     from tests.helpers.multiproc import run_ranks
 

@@ -152,6 +152,23 @@ def test_the_block_says_what_the_trainers_says(tmp_path):
     assert plain["checkpoints"] == "none saved (--checkpointing_steps N saves every N optimizer steps)"
 
 
+def test_the_optimizer_lines_say_the_keywords_muons_split_and_a_users_optimizer_and_schedule():
+    """Issue 48: --optimizer_kwargs beside the name; Muon's split on a line of its own, after the optimizer's; a
+    user's optimizer and schedule (accel_ddp/optim_user.py's lines) instead of the flags' words."""
+    cfg = parse_args(["--optimizer", "Muon", "--optimizer_kwargs", '{"momentum": 0.9}'])
+    split = "Muon for 2 hidden matrices (4 parameters), AdamW for 1 other tensor (2 parameters: 1 biases and norms)"
+    lines = StartupBlock.describe(cfg, _facts(1, 64, 1), epochs=1, workers=None, model="m", env={},
+                                  optimization={"optimizer split": split}).lines
+    assert list(lines).index("optimizer split") == list(lines).index("optimizer") + 1
+    assert lines["optimizer"] == 'muon {"momentum": 0.9}, weight decay 0, gradients clipped to norm 1'
+    users = {"optimizer": "RAdam (train(optimizer=...)), its own learning rate, its own parameter groups",
+             "learning rate": "StepLR (train(lr_scheduler=...)), stepped once per optimizer step, from 0.001"}
+    lines = StartupBlock.describe(parse_args([]), _facts(1, 64, 1), epochs=1, workers=None, model="m", env={},
+                                  optimization=users).lines
+    assert lines["optimizer"] == users["optimizer"] + ", gradients clipped to norm 1"
+    assert lines["learning rate"] == users["learning rate"] and "optimizer split" not in lines
+
+
 def test_a_global_batch_made_by_a_per_device_batch_says_how_to_keep_it():
     """The Trainer's meaning: --per_device_train_batch_size 8 on 2 processes is a global batch of 16 (not 64), and
     the block says it changes with the processes and which flag keeps it."""

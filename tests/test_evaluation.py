@@ -1,4 +1,4 @@
-"""accel_ddp/evaluate.py: evaluation on every rank, each eval sample counted exactly once at any world size."""
+"""accel_ddp/evaluation.py: evaluation on every rank, each eval sample counted exactly once at any world size."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from accel_ddp.evaluate import first_samples, real_samples
+from accel_ddp.evaluation import first_samples, real_samples
 from tests.helpers.multiproc import run_ranks
 from tests.helpers.runs import read_summary, train_ranks
 
@@ -34,7 +34,7 @@ def _evaluate_a_fixed_model(batch_size: int) -> tuple[dict, dict]:
     from accelerate import Accelerator
     from torch.utils.data import DataLoader, TensorDataset
 
-    from accel_ddp.evaluate import evaluate
+    from accel_ddp.evaluation import evaluate
 
     accelerator = Accelerator(cpu=True)
     x = torch.randn(37, 6, generator=torch.Generator().manual_seed(3))

@@ -80,6 +80,50 @@ def evaluate(accelerator: Accelerator, model: torch.nn.Module, loader, task: Tas
     return results
 
 
+@torch.no_grad()
+def predictions(accelerator: Accelerator, model: torch.nn.Module, loader, task: Task) -> dict[str, torch.Tensor]:
+    """Every eval sample's ``task.predictions`` (per-sample tensors on the CPU), each sample once and in the eval
+    set's order, the same on every rank; sequences of different lengths padded on the right with -100.
+
+    From a prepared DataLoader rank ``r``'s ``b``-th batch is the set's batch ``b * world + r`` (Accelerate's
+    ``BatchSamplerShard``), so ``gather_for_metrics`` of each batch gives the set's batches in order and drops the
+    repeats that complete the last one. The in-memory :class:`~accel_ddp.data.device_loader.DeviceEvalLoader` gives
+    rank ``r`` one contiguous share: the shares are gathered once, at the end, in rank order.
+    """
+    was_training = model.training
+    model.eval()
+    sharded = getattr(loader, "sums_across_ranks", False)
+    check = getattr(loader, "batch_check", None)
+    parts = []
+    for index, batch in enumerate(loader):
+        batch = _on_device(accelerator, loader, index, batch, check)
+        fields = task.predictions(task.forward(model, batch), batch)
+        parts.append(fields if sharded else _gathered(accelerator, fields, sharded=False))
+    model.train(was_training)
+    fields = _concatenated(parts)
+    if sharded:
+        fields = _gathered(accelerator, fields, sharded=True)
+    return {key: value.cpu() for key, value in fields.items()}
+
+
+def _gathered(accelerator: Accelerator, fields: dict[str, torch.Tensor], sharded: bool) -> dict[str, torch.Tensor]:
+    """``gather_exactly_once`` of per-sample tensors alone (it reads the batch size from a tree's batch: here the
+    same tensors; a None in their place would be a value Accelerate's gather refuses)."""
+    return gather_exactly_once(accelerator, (fields, fields), sharded)[0]
+
+
+def _concatenated(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The batches' per-sample tensors as one, each key's rows padded on the right to the longest with -100."""
+    joined = {}
+    for key in parts[0]:
+        tensors = [part[key] for part in parts]
+        if tensors[0].ndim > 1:
+            width = max(t.shape[1] for t in tensors)
+            tensors = [torch.nn.functional.pad(t, (0, width - t.shape[1]), value=IGNORE_INDEX) for t in tensors]
+        joined[key] = torch.cat(tensors)
+    return joined
+
+
 def _on_device(accelerator: Accelerator, loader, index: int, batch: Any, check) -> Any:
     """An eval batch checked on the host (``check(batch, where)``), then copied to the device."""
     if check is not None:
