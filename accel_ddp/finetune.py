@@ -33,6 +33,7 @@ from accel_ddp.checkpoint.hyperparameters import FULL_FINGERPRINT
 from accel_ddp.config import TrainConfig
 from accel_ddp.lifecycle.failure import main_process_decides
 from accel_ddp.outputs.names import ADAPTER_SUBDIR, PRETRAINED_SUBDIR
+from accel_ddp.util.atomic import follow_umask
 from accel_ddp.util.messages import note
 from accel_ddp.util.optional import require
 from accel_ddp.util.validation import ConfigError
@@ -380,5 +381,6 @@ def _write_folder(final: str, save, tokenizer: Any, check=None) -> None:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+    follow_umask(tmp)  # its safetensors files are 0600, whatever the umask
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)

@@ -202,6 +202,12 @@ def test_the_readme_python_example_learns_and_prints_once_on_two_ranks(tmp_path,
     accuracy = float(printed[0].split()[2])
     assert accuracy > 0.9 and printed[0] == "eval accuracy 0.967 (chance 0.333), eval loss 0.233"  # the README's figure
     assert read_summary(tmp_path / "outputs" / "mine")["world_size"] == 2
+    # Run again (issue 51): the finished run is said in one line and its figures printed again, nothing retrained
+    run_ranks(lambda: _run_example(_readme_example(), str(tmp_path)), world_size=2)
+    again = capfd.readouterr()
+    assert again.out.splitlines() == ["accel_ddp: outputs/mine already finished at step 140 (see its summary.json); "
+                                      "nothing to do", printed[0]], again
+    assert "Error" not in again.err, again.err
 
 
 @pytest.mark.slow

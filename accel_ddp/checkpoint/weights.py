@@ -20,6 +20,7 @@ from safetensors.torch import load_file, save_file
 from accel_ddp.lifecycle.failure import main_process_decides
 from accel_ddp.outputs.files import OUTPUTS_FIX, written
 from accel_ddp.outputs.names import WEIGHTS_NAME
+from accel_ddp.util.atomic import follow_umask
 from accel_ddp.util.messages import first_line
 from accel_ddp.util.validation import ConfigError
 
@@ -159,6 +160,7 @@ def export_weights(accelerator: Accelerator, model: torch.nn.Module, output_dir:
         tmp = f"{path}.tmp"
         try:
             save_file(tensors, tmp, metadata={"format": "pt"})
+            follow_umask(tmp)  # safetensors writes 0600, whatever the umask
             os.replace(tmp, path)
         finally:
             if os.path.exists(tmp):  # what a refused write left: never loaded, but it takes the space

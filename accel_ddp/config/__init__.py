@@ -41,6 +41,7 @@ from accel_ddp.config.choices import (  # noqa: F401 - the layer's names, as bef
     DDP_TIMEOUT_MAX,
     DEBUG_MAX_STEPS,
     DEFAULT_GLOBAL_BATCH,
+    DEFAULT_LOG_EVERY,
     EXPANDED_VALUES,
     FOREIGN_FLAGS,
     HF_ALIASES,

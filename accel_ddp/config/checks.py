@@ -87,16 +87,26 @@ def _check_tracking(cfg: Any) -> None:
     if not isinstance(cfg.with_tracking, bool):
         raise ConfigError(f"--with_tracking is a switch (true or false), got {cfg.with_tracking!r}; name the trackers "
                           f"with --report_to, e.g. --with_tracking --report_to {cfg.with_tracking}")
+    if cfg.report_to is None:  # not given: --with_tracking alone reports to all, as before; else no trackers
+        cfg.report_to = "all" if cfg.with_tracking else None
+        return _check_tracker_names(cfg)
     names = [name.strip().lower() for name in str(cfg.report_to).split(",") if name.strip()]
     if names == ["none"]:  # the Trainer's "no trackers" (metrics.jsonl is still written)
         if cfg.with_tracking:
             raise ConfigError("--report_to none and --with_tracking contradict each other; give one of them")
-        names = ["all"]  # the default: tracking stays off
+        cfg.report_to = None
+        return _check_tracker_names(cfg)
     unknown = [name for name in names if name not in REPORT_TO]
     if unknown or not names:
         raise ConfigError(f"--report_to {cfg.report_to!r}: unknown tracker {', '.join(unknown) or '(none given)'}; "
                           f"give one or more of {', '.join(REPORT_TO)}, separated by commas")
-    cfg.report_to = ",".join(dict.fromkeys(names))  # without --with_tracking: refused (config/dependents.py)
+    cfg.report_to = ",".join(dict.fromkeys(names))
+    # Trackers named: tracking on, as the Trainer's report_to does (transformers' TrainingArguments: "none" is off).
+    cfg.with_tracking = True
+    _check_tracker_names(cfg)
+
+
+def _check_tracker_names(cfg: Any) -> None:
     for name in ("tracker_project_name", "run_name"):
         value = getattr(cfg, name)
         if value is not None and not str(value).strip():

@@ -91,9 +91,9 @@ DEPENDENTS: tuple[Dependent, ...] = (
     Dependent("early_stopping_threshold", (Needs(lambda cfg: cfg.early_stopping_patience is not None,
                                                  "without --early_stopping_patience",
                                                  "add --early_stopping_patience K"),)),
-    # trackers (tracking/trackers.py): started only with --with_tracking
-    *(Dependent(flag, (TRACKING,)) for flag in ("report_to", "tracker_project_name", "run_name",
-                                                "tracker_start_timeout")),
+    # trackers (tracking/trackers.py): started only with --with_tracking (which --report_to NAME turns on itself,
+    # as the Trainer's report_to does: checks.py, so it has no row)
+    *(Dependent(flag, (TRACKING,)) for flag in ("tracker_project_name", "run_name", "tracker_start_timeout")),
 )
 
 

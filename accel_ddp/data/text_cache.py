@@ -52,6 +52,7 @@ from accel_ddp.outputs.files import (
     remove_dir,
     write_failure,
 )
+from accel_ddp.util.atomic import follow_umask
 from accel_ddp.util.messages import first_line, note
 
 CACHE_VERSION = 2  # bump when the tokenizing or packing code changes the blocks it makes, or the key changes form
@@ -248,6 +249,7 @@ def _write_entry(tmp: str, folder: str, blocks: tuple[torch.Tensor, ...], about:
                         "shape": list(tensor.shape)}
     with open(os.path.join(tmp, MANIFEST), "w") as fh:  # last: an entry without it is no entry
         json.dump({"files": files, "about": about}, fh, indent=1, sort_keys=True, default=str)
+    follow_umask(tmp)  # mkdtemp's folder is 0700: a shared cache must be readable as the umask says
     if os.path.exists(folder):  # damaged (read_blocks said so): out of the way
         remove_dir(folder)
     os.rename(tmp, folder)

@@ -1,5 +1,6 @@
 """How a run ends: preemption signals, non-finite losses, failure reports (one per launch), exit codes.
 
+    exit_codes.py   each rank's exit code, left for `accel-ddp launch` (a signalled launcher loses them)
     failure.py      the first failing rank reports, the others stay quiet; exit codes; main_process_decides
     hang.py         --hang_timeout: a rank without an optimizer step for that long -> stacks, one line naming the stuck
                     rank and its line of code (hang_stacks.py reads the stacks), exit 124

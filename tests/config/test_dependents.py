@@ -37,7 +37,6 @@ CASES = {
     "store_timeout": (5.0, dict(checkpoint_dir="file:///tmp/store"), {}),
     "greater_is_better": (True, dict(metric_for_best_model="accuracy"), {}),
     "early_stopping_threshold": (0.1, dict(early_stopping_patience=2), {}),
-    "report_to": ("csv", dict(with_tracking=True), {}),
     "tracker_project_name": ("p", dict(with_tracking=True), {}),
     "run_name": ("r", dict(with_tracking=True), {}),
     "tracker_start_timeout": (5.0, dict(with_tracking=True), {}),
