@@ -34,8 +34,8 @@ device's dense bf16 peak.
 from __future__ import annotations
 
 import argparse
-import json
 import importlib.util
+import json
 import os
 import signal
 import statistics
@@ -181,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:
         parser.error(f"unknown variant {unknown[0]}; choose from {', '.join(VARIANTS)}")
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     results = []
     log_dir = f"{os.path.splitext(os.path.abspath(args.out))[0]}.logs"  # kept: why a variant failed
     os.makedirs(log_dir, exist_ok=True)
@@ -189,9 +190,9 @@ def main(argv: list[str] | None = None) -> int:
             results.append(run_variant(name, args, work, log_dir))
             base = next((r for r in results if "tokens_per_sec" in r), results[-1])
             print(_line(results[-1], base), flush=True)
-    with open(args.out, "w") as fh:
-        json.dump({"dry_run": args.dry_run, "steps": args.steps, "warmup": args.warmup, "results": results}, fh,
-                  indent=1)
+            with open(args.out, "w") as fh:  # after each variant: a run stopped from outside keeps what finished
+                json.dump({"dry_run": args.dry_run, "steps": args.steps, "warmup": args.warmup, "results": results},
+                          fh, indent=1)
     print(f"wrote {args.out}")
     return 0 if all("error" not in r for r in results) else 1
 

@@ -59,14 +59,18 @@ def _graphs_of_a_run(family: str, flag: str, output_dir: str) -> dict[str, int]:
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
-def test_regional_compilation_compiles_each_block_class_a_bounded_number_of_times_over_a_whole_run(family, tmp_path):
+def test_regional_compilation_compiles_each_block_class_a_bounded_number_of_times_over_a_whole_run(family, tmp_path,
+                                                                                                 capfd):
     """12 blocks share their graphs: at most MAX_GRAPHS for the whole run (train steps, epoch boundaries, the probe
     and evaluations under no_grad, a last short batch), not one per block. Before ``use_cache=False`` (the key/value
-    cache's per-layer state, which each block updates at its own index) this was 8, the recompile limit."""
+    cache's per-layer state, which each block updates at its own index) this was 8, the recompile limit. On the CPU,
+    where it was measured slower than eager, the run says so once, and runs as asked."""
     counted = run_ranks(lambda: _graphs_of_a_run(family, "compile_regions", str(tmp_path / "run")),
                         world_size=1, timeout=240)[0]
     assert counted["calls"] > 0, counted  # the blocks did run compiled
     assert counted["graphs"] <= MAX_GRAPHS, counted
+    said = capfd.readouterr()
+    assert (said.out + said.err).count("--compile_regions on the CPU: measured slower than eager here") == 1
 
 
 @pytest.mark.slow
@@ -76,6 +80,14 @@ def test_whole_model_compilation_compiles_a_bounded_number_of_graphs_over_a_whol
     counted = run_ranks(lambda: _graphs_of_a_run("gpt2", "compile", str(tmp_path / "run")), world_size=1,
                         timeout=400)[0]
     assert counted["calls"] > 0 and counted["graphs"] <= MAX_GRAPHS, counted
+
+
+def test_a_compile_is_said_to_be_slower_on_the_cpu_only():
+    from accel_ddp.regional_compile import slower_here
+
+    assert "--compile on the CPU: measured slower" in slower_here("cpu", compile=True, compile_regions=False)
+    assert slower_here("cuda", compile=True, compile_regions=False) is None  # unmeasured there: nothing said
+    assert slower_here("cpu", compile=False, compile_regions=False) is None
 
 
 def test_every_forward_of_a_transformers_model_runs_without_a_key_value_cache():
