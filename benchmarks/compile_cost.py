@@ -153,14 +153,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workloads", default="lm,cnn", help="comma-separated: lm, cnn")
     parser.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default 30; dry 3)")
     parser.add_argument("--warmup", type=int, default=None, help="steps left out of the median (default 5; dry 1)")
+    parser.add_argument("--child", help=argparse.SUPPRESS)  # workload:mode, in the process that trains
+    parser.add_argument("--work", help=argparse.SUPPRESS)
     parser.add_argument("--timeout", type=float, default=600, help="seconds per run")
     parser.add_argument("--dry-run", action="store_true", help="eager only, 3 steps: the plumbing")
     parser.add_argument("--out", default=str(REPO / "outputs" / "compile_cost.json"), help="results file (JSON)")
-    parser.add_argument("--child", help=argparse.SUPPRESS)
-    parser.add_argument("--work", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    args.steps = args.steps or (3 if args.dry_run else 30)
-    args.warmup = args.warmup if args.warmup is not None else (1 if args.dry_run else 5)
+    dry_steps, dry_warmup = (3, 1) if args.dry_run else (30, 5)
+    args.steps = args.steps or dry_steps
+    args.warmup = dry_warmup if args.warmup is None else args.warmup
     if args.child:
         workload, mode = args.child.split(":")
         figures = child(workload, mode, args.steps, args.warmup, args.work)
