@@ -166,8 +166,11 @@ def _add_weight_grad(grad_weight: torch.Tensor, low: torch.Tensor, grad: torch.T
         grad_weight.addmm_(low.T, h)
         return
     if grad_weight.device.type == "cuda":
-        torch.addmm(grad_weight, low.T, h, out_dtype=grad_weight.dtype, out=grad_weight)
-        return
+        try:
+            torch.addmm(grad_weight, low.T, h, out_dtype=grad_weight.dtype, out=grad_weight)
+            return
+        except (TypeError, NotImplementedError, RuntimeError):  # an older torch, or a GPU without that GEMM
+            pass  # the dispatch failed before writing: the float32 matmul below
     grad_weight.addmm_(grad.T, h.to(grad_weight.dtype))
 
 
