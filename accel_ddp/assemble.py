@@ -54,7 +54,7 @@ from accel_ddp.outputs.run_dir import (
     check_output_dir,
     claim_output_dir,
 )
-from accel_ddp.regional_compile import compile_regions
+from accel_ddp.regional_compile import compile_regions, slower_here
 from accel_ddp.step_graph import construction_stream, graph_problem
 from accel_ddp.tasks.chunked_loss import autocast_dtype, split_output_layer
 from accel_ddp.tasks.probe import probe_task
@@ -190,6 +190,8 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
     accelerator, per_device_batch, accumulation = _join(cfg, teardown, preemption)
     check_optimization(cfg, model, optimizer, lr_scheduler)  # an unknown optimizer or keyword: now, before the data
     phase_done("process_group")
+    if slower := slower_here(accelerator.device.type, compile=cfg.compile, compile_regions=cfg.compile_regions):
+        warn(slower, ranks="main")  # off by default here; asked for, it runs, and says what was measured
 
     if cfg.debug:
         torch.autograd.set_detect_anomaly(True)

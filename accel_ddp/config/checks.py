@@ -276,11 +276,23 @@ def _check_cuda_graphs(cfg: Any) -> None:
            "compile": "--compile graphs the model its own way (torch.compile's mode reduce-overhead)",
            "optimizer": f"--optimizer {cfg.optimizer} is not capturable (AdamW is)",
            "ddp_comm_hook": f"--ddp_comm_hook {cfg.ddp_comm_hook} completes on host callbacks",
-           "loader": "--loader dataloader (without --packing) has batches of varying shapes"}
+           "loader": "--loader dataloader (without --packing) has batches of varying shapes",
+           # torch/utils/checkpoint.py get_device_states: non-reentrant checkpointing saves the CUDA RNG state in the
+           # forward (torch.cuda.get_rng_state), which CUDA forbids during a capture (CUDAGeneratorImpl's check)
+           "gradient_checkpointing": "--gradient_checkpointing reads the CUDA random state in each forward, which a "
+                                     "capture forbids",
+           # DDP's reducer decides on the host each step: which parameters the autograd graph reached
+           # (find_unused_parameters), or which buckets to rebuild after its first iterations (static_graph)
+           "ddp_find_unused_parameters": "--ddp_find_unused_parameters searches the autograd graph on the host each "
+                                         "step (a replay would reuse the captured step's answer)",
+           "ddp_static_graph": "--ddp_static_graph rebuilds DDP's buckets on the host after its first steps (a replay "
+                               "would keep the captured buckets)"}
     clashes = {"debug": cfg.debug, "on_anomaly": cfg.on_anomaly != "stop", "streaming": cfg.streaming,
                "compile": cfg.compile, "optimizer": cfg.optimizer != "adamw",
                "ddp_comm_hook": cfg.ddp_comm_hook != "none",
-               "loader": cfg.loader == "dataloader" and not cfg.packing}
+               "loader": cfg.loader == "dataloader" and not cfg.packing,
+               "gradient_checkpointing": cfg.gradient_checkpointing,
+               "ddp_find_unused_parameters": cfg.ddp_find_unused_parameters, "ddp_static_graph": cfg.ddp_static_graph}
     for name, clash in clashes.items():
         if clash:
             raise ConfigError(f"--cuda_graphs cannot keep its guarantees here: {why[name]}; drop one of them")
