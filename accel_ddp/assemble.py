@@ -33,11 +33,11 @@ from accel_ddp.checkpoint.start import where_to_start
 from accel_ddp.checkpoint.storage import check_store
 from accel_ddp.checkpoint.train_state import Position, TrainState
 from accel_ddp.checkpoint.weights import load_weights
-from accel_ddp.config import DEBUG_MAX_STEPS, TrainConfig
+from accel_ddp.config import DEBUG_MAX_STEPS, DEFAULT_LOG_EVERY, TrainConfig
 from accel_ddp.data import DeviceEvalLoader, DeviceLoader, HostLoader, StreamingLoader, build_loaders, usable_cpus
 from accel_ddp.data.resolve import resolve_data
 from accel_ddp.distributed.preflight import check_fsdp, check_shared_output_dir
-from accel_ddp.distributed.world import build_accelerator, prepare
+from accel_ddp.distributed.world import build_accelerator, end_world, prepare
 from accel_ddp.finetune import describe_parameters, finetune_facts, prepare_for_finetuning
 from accel_ddp.fused_activations import fuse_activations
 from accel_ddp.lifecycle import failure
@@ -51,21 +51,21 @@ from accel_ddp.lifecycle.preemption import (
 from accel_ddp.models import build_configured_model, set_attn_implementation
 from accel_ddp.optim_user import build_optimization, check_optimization
 from accel_ddp.outputs.run_dir import (
-    RunFinished,
     check_output_dir,
     claim_output_dir,
 )
-from accel_ddp.regional_compile import compile_regions
+from accel_ddp.regional_compile import compile_regions, slower_here
 from accel_ddp.step_graph import construction_stream, graph_problem
 from accel_ddp.tasks.chunked_loss import autocast_dtype, split_output_layer
 from accel_ddp.tasks.probe import probe_task
 from accel_ddp.tasks.protocol import Task, build_task
+from accel_ddp.tracking.console_log import ConsoleLog
 from accel_ddp.tracking.meters import (
     progress_bar,
 )
 from accel_ddp.tracking.recorder import RunRecorder
 from accel_ddp.tracking.startup import StartupClock
-from accel_ddp.tracking.startup_block import StartupBlock, finished, resumed_from
+from accel_ddp.tracking.startup_block import StartupBlock, resumed_from
 from accel_ddp.tracking.trackers import tracking_kwargs
 from accel_ddp.util.messages import warn
 from accel_ddp.util.registry import resolve
@@ -81,6 +81,7 @@ class Cadence:
     ``--eval_every``, ``--checkpointing_steps`` and whether there is an eval set; the same on every rank."""
 
     log_every: int  # a log line every N optimizer steps, and after the last
+    log_lines: bool  # --log_every (--logging_steps) given: each log step also printed, as the Trainer does
     eval_every: int  # an evaluation every N optimizer steps; 0: none by step count
     eval_at_epoch_end: bool  # --eval_every 0 with an eval set: at each epoch's end
     save_every: int  # a checkpoint every N optimizer steps; 0: none by step count
@@ -89,7 +90,8 @@ class Cadence:
     @classmethod
     def from_config(cls, cfg: TrainConfig, evaluates: bool) -> Cadence:
         by_epoch = cfg.checkpointing_steps == "epoch"
-        return cls(log_every=cfg.log_every, eval_every=cfg.eval_every if evaluates else 0,
+        return cls(log_every=cfg.log_every or DEFAULT_LOG_EVERY, log_lines=cfg.log_every is not None,
+                   eval_every=cfg.eval_every if evaluates else 0,
                    eval_at_epoch_end=evaluates and not cfg.eval_every,
                    save_every=0 if cfg.checkpointing_steps is None or by_epoch else int(cfg.checkpointing_steps),
                    save_at_epoch_end=by_epoch)
@@ -162,15 +164,19 @@ def _check_eval_set(cfg: TrainConfig, data) -> None:
 
 def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None, eval_dataset=None, *,
           loss_fn=None, metrics=(), collate_fn=None, preemption: PreemptionWatcher | None = None,
-          optimizer=None, lr_scheduler=None, callbacks=None) -> Run:
+          optimizer=None, lr_scheduler=None, callbacks=None, console: ConsoleLog | None = None) -> Run:
     """Join the process group, build data, model, optimizer and schedule, and agree on where to start.
 
     ``optimizer`` and ``lr_scheduler``: the Python API's own (accel_ddp/optim_user.py), else the flags'.
 
     A preemption signal during start-up stops every rank together at the end of the phase it came in
-    (``Preempted`` with nothing saved): the ranks compare their flags there.
+    (``Preempted`` with nothing saved): the ranks compare their flags there. ``console``: what the main process
+    prints, for run.log (None: teed from here to the end of ``train()``; the CLI's outlives it, for the last line).
     """
     started = time.perf_counter()
+    if console is None:
+        console = ConsoleLog().install()
+        teardown.callback(console.close)
     # From now on a SIGTERM means "stop, saving what was trained"; under torchrun a lost launcher means the same.
     preemption = PreemptionWatcher().install() if preemption is None else preemption
     teardown.callback(preemption.uninstall)
@@ -184,6 +190,8 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
     accelerator, per_device_batch, accumulation = _join(cfg, teardown, preemption)
     check_optimization(cfg, model, optimizer, lr_scheduler)  # an unknown optimizer or keyword: now, before the data
     phase_done("process_group")
+    if slower := slower_here(accelerator.device.type, compile=cfg.compile, compile_regions=cfg.compile_regions):
+        warn(slower, ranks="main")  # off by default here; asked for, it runs, and says what was measured
 
     if cfg.debug:
         torch.autograd.set_detect_anomaly(True)
@@ -244,12 +252,13 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
     optimizer, scheduler = optimization.optimizer, optimization.scheduler
     with construction_stream(cfg.cuda_graphs):  # DDP built on a side stream before a whole-step capture
         model, optimizer, scheduler = prepare(accelerator, model, optimizer, scheduler)
-    probe_task(task, accelerator, model, data, evaluates=loaders.eval is not None, loaders=loaders)
+    probe_task(task, accelerator, model, data, evaluates=loaders.eval is not None, loaders=loaders,
+               skips_bad_inputs=cfg.on_anomaly != "stop")  # then a nan/inf input is its step's anomaly
     phase_done("optimizer_and_prepare")
 
     # The input is checked. Before anything is written: the folder is created, and ours alone until we exit.
     teardown.callback(claim_output_dir(accelerator, cfg.output_dir).release)
-    recorder = RunRecorder(cfg.output_dir, accelerator.is_main_process, accelerator=accelerator)
+    recorder = RunRecorder(cfg.output_dir, accelerator.is_main_process, accelerator=accelerator, console=console)
     teardown.callback(recorder.close)
     facts = {**_run_facts(cfg, accelerator, plan, loaders.kind, loaders.source), **tuned,
              "optimizer": optimization.name}  # a user's optimizer by its class: a resume must give the same
@@ -303,12 +312,8 @@ def _agree_start(cfg: TrainConfig, accelerator: Accelerator, checkpoints: Checkp
     """The step this run starts after (every rank agrees: checkpoint/start.py), then the trackers, the config and
     the start-up block: nothing an earlier run left is touched before the start point is known."""
     optimizer, scheduler, flags_win = state
-    try:
-        start_step = where_to_start(cfg, accelerator, checkpoints, optimizer, scheduler, plan.total_steps, flags_win)
-    except RunFinished as done:  # said, nothing written
-        block.start = finished(done.summary["optimizer_steps"])
-        _say(block, accelerator.is_main_process)
-        raise
+    # A finished run (RunFinished): its one line is said (outputs/run_dir.py), not the block; nothing written.
+    start_step = where_to_start(cfg, accelerator, checkpoints, optimizer, scheduler, plan.total_steps, flags_win)
     block.start = resumed_from(start_step, checkpoints.last_saved_folder) if start_step else "fresh"
     resolved = {**cfg.to_dict(), "resolved": facts}
     # One that cannot start (or not within --tracker_start_timeout): exit 2 here; a SIGTERM meanwhile: exit 75.
@@ -329,7 +334,7 @@ def _join(cfg: TrainConfig, teardown: ExitStack, preemption: PreemptionWatcher) 
         return kwargs
 
     accelerator, per_device_batch, accumulation = build_accelerator(cfg, trackers if cfg.with_tracking else None)
-    teardown.callback(accelerator.end_training)
+    teardown.push(lambda kind, err, tb: end_world(accelerator, failed=err is not None))  # train() again, later
     preemption.connect(accelerator, timedelta(seconds=cfg.ddp_timeout))  # its all-reduce waits --ddp_timeout at most
     teardown.push(claim_failure)  # before the group goes: the ranks it then stops know that they are not first
     main_process_decides(accelerator, lambda: check_output_dir(cfg.output_dir))  # a bad folder: now, not after data
@@ -436,4 +441,6 @@ def claim_failure(kind, err, tb) -> None:
     """The teardown of ``train()`` and ``inference``, on an error: claim it (``failure.claim``) while the process group
     still stands."""
     if isinstance(err, Exception) and not isinstance(err, Preempted):
-        failure.claim(err, failure.exit_code(err))
+        named = failure.peer_named(err, failure.claim(err, failure.exit_code(err)))
+        if named is not err:  # a peer's failure seen as a lost connection: the peer and its error, not gloo's words
+            raise named from None
