@@ -22,7 +22,7 @@ from accel_ddp.util.registry import resolve
 from accel_ddp.util.validation import ConfigError
 
 FUSED_DEVICES = ("cuda", "cpu")  # where torch has fused AdamW and SGD kernels (CPU since torch 2.4)
-# The classes whose fused kernels were measured (benchmarks/optimizer_kernels.py: AdamW and SGD; Adam runs AdamW's
+# The classes whose fused kernels were measured (benchmarks/cpu_kernels.py: AdamW and SGD; Adam runs AdamW's
 # kernel without the decoupled decay). Adagrad's fused kernel is CPU-only and unmeasured: multi-tensor, unless
 # --optimizer_kwargs '{"fused": true}' asks for it.
 FUSED_CLASSES = ("adamw", "adam", "sgd")
@@ -40,7 +40,7 @@ def use_fused_optimizer(name: str, device_type: str, fsdp2: bool = False) -> boo
 
     On CUDA and on the CPU, yes: on the CPU the fused AdamW step is 2.6-4.4x faster than the multi-tensor
     one (tiny GPT-2: 3.84 -> 0.88 ms; mnist_cnn: 2.69 -> 0.65 ms; the mlp: 0.26 -> 0.10 ms, one thread,
-    benchmarks/optimizer_kernels.py), fused SGD 2.0-2.6x. The exception is SGD under FSDP2: FSDP2's parameters are
+    benchmarks/cpu_kernels.py), fused SGD 2.0-2.6x. The exception is SGD under FSDP2: FSDP2's parameters are
     DTensors, and torch 2.14 has a DTensor rule for the fused Adam/AdamW kernels only
     (``torch/distributed/tensor/_ops/_pointwise_ops.py``), so fused SGD stops with ``NotImplementedError
     ... aten._fused_sgd_.default``. The multi-tensor (``foreach``) SGD it gets instead has DTensor rules

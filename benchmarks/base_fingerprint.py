@@ -2,7 +2,7 @@
 124M parameters built from its config (random weights, nothing downloaded), against the sampled fingerprint of
 earlier versions and a bare sha256 of the same bytes in one call (the floor), in the same invocation.
 
-    python -m benchmarks.base_fingerprint --repeats 3     # -m: benchmarks/kernels.py would shadow the kernels package
+    python -m benchmarks.base_fingerprint --repeats 3
 
 Issue 50 item 7 asked: hash at every start if it costs under 1 s for a 124M model, else only when the base's files
 changed size or mtime. The figures (docs/checkpoints.md) decided for every start.
@@ -10,12 +10,16 @@ changed size or mtime. The figures (docs/checkpoints.md) decided for every start
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import os
-import time
+import sys
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import best_per_call, parser, ratio  # noqa: E402
 
 
 def gpt2_124m() -> torch.nn.Module:
@@ -26,18 +30,12 @@ def gpt2_124m() -> torch.nn.Module:
 
 
 def best_of(repeats: int, fn) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
+    """Seconds of one call of ``fn()``, the best of ``repeats``."""
+    return best_per_call(lambda _: fn(), 1, repeats)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args()
+    args = parser(__doc__, repeats=(3, "timings of each; the best counts")).parse_args()
     from accel_ddp.finetune import base_fingerprint, sampled_fingerprint
 
     model = gpt2_124m()
@@ -51,7 +49,7 @@ def main() -> None:
     print(f"GPT-2 124M, {sum(p.numel() for p in params):,} parameters, {nbytes / 2**20:,.0f} MiB float32; "
           f"{os.cpu_count()} CPUs, load average {load:.1f}; best of {args.repeats}")
     print(f"  sha256 of the bytes in one call (floor)  {floor:6.3f} s")
-    print(f"  base_fingerprint (every value)           {full:6.3f} s  ({full / floor:.2f}x the floor)")
+    print(f"  base_fingerprint (every value)           {full:6.3f} s  ({ratio(full, floor)}x the floor)")
     print(f"  sampled_fingerprint (earlier versions)   {sampled:6.3f} s")
 
 

@@ -14,7 +14,6 @@ once, the all-reduce alone, 2000 times back to back (its floor, with no step to 
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -24,7 +23,18 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import bench_env, exit_now, launch_cmd, machine_info, median, run_launch  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    alternated,
+    bench_env,
+    exit_now,
+    launch_cmd,
+    machine_info,
+    median,
+    parser,
+    ratio,
+    run_launch,
+    tail,
+)
 
 SCRIPT = Path(__file__).resolve()
 CALLBACK = "benchmarks.callbacks_overhead:AskNothing"
@@ -84,7 +94,7 @@ def _micro_figures(folder: Path, calls: int) -> tuple[float, float]:
     result = run_launch(launch_cmd(SCRIPT, ["--micro", str(calls)], nproc=2), bench_env(1), log, 300)
     line = next((text for text in log.read_text().splitlines() if text.startswith("MICRO ")), None)
     if result["rc"] != 0 or line is None:
-        sys.exit(f"the all-reduce alone failed ({result['rc']}):\n{log.read_text()[-3000:]}")
+        sys.exit(f"the all-reduce alone failed ({result['rc']}):\n{tail(log, 80)}")
     p50, p90 = map(float, line.split()[1:])
     return p50, p90
 
@@ -101,8 +111,7 @@ def _one(model: str, steps: int, folder: Path, callbacks: bool) -> dict:
     args = [*_train_args(model, steps, out), *(["--callbacks", CALLBACK] if callbacks else [])]
     result = run_launch(launch_cmd(SCRIPT, ["--worker", *args], nproc=2), bench_env(1), folder / "launch.log", 600)
     if result["rc"] != 0:
-        sys.exit(f"launch failed ({result['rc']}); see {folder / 'launch.log'}:\n"
-                 f"{(folder / 'launch.log').read_text()[-3000:]}")
+        sys.exit(f"launch failed ({result['rc']}); see {folder / 'launch.log'}:\n{tail(folder / 'launch.log', 80)}")
     summary = json.loads((out / "summary.json").read_text())
     agree = [json.loads(p.read_text()) for p in sorted(out.glob("agree_rank*.json"))]
     per_step = [1e3 * sum(times) / max(len(times), 1) for times in agree if times]
@@ -112,16 +121,14 @@ def _one(model: str, steps: int, folder: Path, callbacks: bool) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="mlp")
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--rounds", type=int, default=3)
-    args = parser.parse_args()
+    p = parser(__doc__, steps=300, rounds=3)
+    p.add_argument("--model", default="mlp", help="accel_ddp model (mlp, mnist_cnn)")
+    args = p.parse_args()
     rows, info = {"without": [], "with": []}, machine_info()
     with tempfile.TemporaryDirectory() as tmp:
         micro = _micro_figures(Path(tmp), 2000)
         for round_ in range(args.rounds):
-            for callbacks in ((False, True) if round_ % 2 == 0 else (True, False)):
+            for callbacks in alternated((False, True), round_):
                 folder = Path(tmp) / f"r{round_}-{int(callbacks)}"
                 folder.mkdir()
                 rows["with" if callbacks else "without"].append(_one(args.model, args.steps, folder, callbacks))
@@ -133,7 +140,8 @@ def main() -> None:
               f"samples/s {median([r['samples_per_sec'] for r in runs]):9.0f}  (rounds: {each} ms)")
     with_, without = rows["with"], rows["without"]
     with_ms, without_ms = median([r["step_ms"] for r in with_]), median([r["step_ms"] for r in without])
-    print(f"step time with / without callbacks: {with_ms / without_ms:.3f}x ({with_ms - without_ms:+.3f} ms per step)")
+    print(f"step time with / without callbacks: {ratio(with_ms, without_ms, '.3f')}x "
+          f"({with_ms - without_ms:+.3f} ms per step)")
     print(f"inside the agreement ({with_[0]['agreements']} per run), mean per step: the rank that waits most "
           f"{median([r['agree_ms'] for r in with_]):.3f} ms (waiting for the other to end its step), the other "
           f"{median([r['agree_last_ms'] for r in with_]):.3f} ms")

@@ -11,7 +11,6 @@ stall <= 20% of the sync one. A figure, never a test: it depends on the disk and
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import tempfile
@@ -24,6 +23,7 @@ from accelerate import Accelerator
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the clone's accel_ddp, as bare_ddp.py does
 from accel_ddp.checkpoint.manager import CheckpointManager  # noqa: E402
 from accel_ddp.checkpoint.train_state import TrainState  # noqa: E402
+from benchmarks.common import parser, ratio  # noqa: E402
 
 
 def build(width: int, layers: int, accelerator: Accelerator):
@@ -52,12 +52,12 @@ def stalls(accelerator, model, optimizer, scheduler, folder: str, saves: int, as
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--width", type=int, default=2048)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--saves", type=int, default=3)
-    parser.add_argument("--dir", default=None, help="where to write (default: a temporary folder)")
-    args = parser.parse_args()
+    p = parser(__doc__)
+    p.add_argument("--width", type=int, default=2048, help="features of each linear layer")
+    p.add_argument("--layers", type=int, default=4, help="linear layers")
+    p.add_argument("--saves", type=int, default=3, help="saves each way; the median counts")
+    p.add_argument("--dir", default=None, help="where to write (default: a temporary folder)")
+    args = p.parse_args()
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
     model, optimizer, scheduler = build(args.width, args.layers, accelerator)
     mib = sum(p.numel() * p.element_size() for p in model.parameters()) * 3 / 2**20
@@ -69,8 +69,8 @@ def main() -> None:
     for name, figures in (("sync", sync), ("async", asyn)):
         print(f"{name:5s} stall per save: " + ", ".join(f"{s * 1000:.0f} ms" for s in figures)
               + f" (median {sorted(figures)[len(figures) // 2] * 1000:.0f} ms)")
-    ratio = sorted(asyn)[len(asyn) // 2] / sorted(sync)[len(sync) // 2]
-    print(f"async / sync stall: {ratio:.1%} (target <= 20%)")
+    print(f"async / sync stall: {ratio(sorted(asyn)[len(asyn) // 2], sorted(sync)[len(sync) // 2], '.1%')} "
+          "(target <= 20%)")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,10 @@
-"""Shared pieces of the benchmarks: the MNIST split, launching, timing, statistics.
+"""The benchmarks' shared harness: the MNIST split and models, the shared options, launching a variant in its own
+process, timing, statistics, ratios and the JSON results file.
+
+Every benchmark script declares its options through ``parser()`` (the shared ones, ``--steps``, ``--rounds``,
+``--threads``, ``--out``, ..., with one meaning everywhere), alternates its variants with ``rotated()``, launches
+each through ``launch_cmd()``/``run_launch()`` (``accelerate launch``) or ``run_fresh()`` (a fresh interpreter),
+prints ``ratio()``s against the baseline run in the same invocation and writes its results with ``write_json()``.
 
 Data comes from ``$ACCEL_DDP_BENCH_MNIST`` (default ``../shared/data/mnist`` next to the
 repository), IDX files as distributed (``.gz`` or not):
@@ -24,6 +30,7 @@ channels with a pool after each conv (LeNet's order); ``cnn_bn``, conv-BatchNorm
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -511,3 +518,111 @@ def fmt(value, spec: str = ".0f") -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "-"
     return format(value, spec)
+
+
+# ----------------------------------------------------------------------------- the harness: options, runs, results
+
+# The options every benchmark means the same by: (type, help). A script names the ones it takes, with its default.
+SHARED_OPTIONS: dict[str, tuple[type, str]] = {
+    "steps": (int, "optimizer steps per run (or timed steps per variant and round)"),
+    "rounds": (int, "alternated rounds of every variant (the order turns each round); medians reported"),
+    "repeats": (int, "repeats of every measurement; see the script for which of them counts"),
+    "threads": (int, "OMP_NUM_THREADS per rank; default CPUs // processes"),
+    "nproc": (int, "processes (accelerate launch --num_processes)"),
+    "processes": (int, "processes (ranks, or copies of a side run at once)"),
+    "out": (str, "folder for the results JSON (and logs, plots)"),
+    "json": (str, "also write the results here"),
+}
+
+
+def parser(doc: str, **defaults) -> argparse.ArgumentParser:
+    """An ArgumentParser titled by the first line of a benchmark's docstring, with the shared options named in
+    ``defaults`` (``steps=10``, or ``steps=(10, "its own help")``), in the order given; a script adds its own."""
+    p = argparse.ArgumentParser(description=doc.strip().splitlines()[0])
+    for name, default in defaults.items():
+        kind, help_ = SHARED_OPTIONS[name]
+        if isinstance(default, tuple):
+            default, help_ = default
+        p.add_argument(f"--{name}", type=kind, default=default, help=help_)
+    return p
+
+
+def threads_per_rank(threads: int | None, nproc: int) -> int:
+    """``--threads``, else the CPUs shared fairly among ``nproc`` ranks."""
+    return threads or max(1, (os.cpu_count() or 1) // nproc)
+
+
+def rotated(variants: list | tuple, round_: int) -> list:
+    """The variants in this round's order: turned by one each round (two variants: the baseline first in even
+    rounds), so that none always runs first on a machine that warms up or cools down."""
+    turn = round_ % len(variants)
+    return [*variants[turn:], *variants[:turn]]
+
+
+def alternated(variants: list | tuple, round_: int) -> list:
+    """The variants as given in even rounds, reversed in odd ones (the baseline first in even rounds)."""
+    return list(variants) if round_ % 2 == 0 else list(reversed(variants))
+
+
+def best_per_call(fn, calls: int, repeats: int = 5) -> float:
+    """Seconds per call of ``fn(i)`` (``i`` the call's index), the best of ``repeats`` timings of ``calls`` calls in a
+    row: the timing a busy machine disturbs least."""
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for i in range(calls):
+            fn(i)
+        best = min(best, (time.perf_counter() - start) / calls)
+    return best
+
+
+def cpu_ms_per_call(fn, calls: int) -> float:
+    """This process's CPU milliseconds per call of ``fn()`` over ``calls`` calls in a row."""
+    started = time.process_time()
+    for _ in range(calls):
+        fn()
+    return 1e3 * (time.process_time() - started) / calls
+
+
+def ratio(value: float | None, baseline: float | None, spec: str = ".2f") -> str:
+    """``value / baseline`` formatted, "-" where either is missing, nan or the baseline is 0."""
+    if value is None or baseline is None or baseline == 0 or math.isnan(value) or math.isnan(baseline):
+        return "-"
+    return format(value / baseline, spec)
+
+
+def machine_line(machine: dict, settings: str = "") -> str:
+    """The ``machine: ...`` line every comparison prints above its table."""
+    return (f"machine: {machine['cpu']}, {machine['cpus']} CPUs, gpu {machine['gpu']}, torch {machine['torch']}, "
+            f"accelerate {machine['accelerate']}, load {machine['load_avg_at_start'][0]:.1f} at the start"
+            + (f"; {settings}" if settings else ""))
+
+
+def write_json(path: str | os.PathLike, data, say: bool = True) -> Path:
+    """The results file: indented JSON (anything else as ``str``), written whole (a reader never sees half)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=1, default=str) + "\n")
+    os.replace(tmp, path)
+    if say:
+        print(f"wrote {path}")
+    return path
+
+
+def run_fresh(argv: list, env: dict[str, str] | None = None, copies: int = 1, timeout: float = 1200) -> list[dict]:
+    """Run ``python ARGV`` in fresh interpreters (no allocator, thread pool or compile state shared with another
+    variant), ``copies`` of them at once, and return the JSON object the last line of each one's output holds;
+    exit with the output's tail where one fails."""
+    cmd = [sys.executable, *map(str, argv)]
+    procs = [subprocess.Popen(cmd, env=env or bench_env(1), cwd=REPO, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(copies)]
+    answers = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=timeout)
+        lines = out.strip().splitlines()
+        if proc.returncode != 0 or not lines:
+            sys.exit(f"{' '.join(cmd[1:])} failed ({proc.returncode}):\n{out[-3000:]}\n{err[-3000:]}")
+        answers.append(json.loads(lines[-1]))
+    return answers
+

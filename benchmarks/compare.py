@@ -29,7 +29,6 @@ startup excluded), as accel_ddp's ``summary.json`` defines ``train_samples_per_s
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -48,13 +47,18 @@ from benchmarks.common import (  # noqa: E402
     fmt,
     launch_cmd,
     machine_info,
+    machine_line,
     median,
+    parser,
     percentile,
     prepare_torchvision_root,
     read_jsonl,
+    rotated,
     run_launch,
     tail,
+    threads_per_rank,
     through,
+    write_json,
 )
 
 HERE = Path(__file__).resolve().parent
@@ -366,13 +370,6 @@ def run_profile(args, variants: list[str], procs: list[int], threads: int, out: 
     return 0
 
 
-def save_json(path: Path, data: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(data, indent=1, default=str) + "\n")
-    os.replace(tmp, path)
-
-
 def chart_title(steps: int, batch: int, repeats: int, machine: dict, threads: int) -> str:
     return (f"MNIST CNN, {steps} steps x global batch {batch}, median of {repeats} alternated runs\n"
             f"{machine['cpus']} CPUs ({machine['cpu']}), {threads} thread(s)/rank, {machine['date']}; labels: x (a)")
@@ -392,17 +389,14 @@ def replot(path: Path) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = parser(__doc__, steps=100, repeats=(3, "rounds of alternated runs; the table shows medians"),
+               threads=(None, "OMP_NUM_THREADS per rank; default CPUs // largest world size (1 on 2 cores), the "
+                              "same for every world size so that each rank owns the same cores"),
+               out=(str(REPO / "outputs" / "benchmarks" / "compare"), "folder for JSON, PNG"))
     p.add_argument("--variants", default="a,b,c,c_pil", help=f"comma separated, from {','.join(LABELS)}")
     p.add_argument("--procs", default="1,2", help="world sizes to run, comma separated")
-    p.add_argument("--steps", type=int, default=100, help="optimizer steps per run")
-    p.add_argument("--repeats", type=int, default=3, help="rounds of alternated runs; the table shows medians")
     p.add_argument("--global_batch_size", type=int, default=64, help="samples per optimizer step over all ranks")
-    p.add_argument("--threads", type=int, default=None,
-                   help="OMP_NUM_THREADS per rank; default CPUs // largest world size (1 on 2 cores), the same "
-                        "for every world size so that each rank owns the same cores")
     p.add_argument("--num_workers", type=int, default=0, help="DataLoader workers of (a), (b) and c_pil")
-    p.add_argument("--out", default=str(REPO / "outputs" / "benchmarks" / "compare"), help="folder for JSON, PNG")
     p.add_argument("--timeout", type=float, default=900, help="seconds before one run is ended")
     p.add_argument("--replot", metavar="COMPARE_JSON", help="redraw the table and chart of an earlier compare.json")
     p.add_argument("--profile", action="store_true",
@@ -425,14 +419,13 @@ def main(argv: list[str] | None = None) -> int:
     procs = [int(n) for n in args.procs.split(",")]
     if any(args.global_batch_size % n for n in procs):
         p.error(f"--global_batch_size {args.global_batch_size} must divide by every world size in {procs}")
-    threads = args.threads or max(1, (os.cpu_count() or 1) // max(procs))
+    threads = threads_per_rank(args.threads, max(procs))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     source = data_source()
     machine = machine_info()
     print(f"data: {source}")
-    print(f"machine: {machine['cpu']}, {machine['cpus']} CPUs, gpu {machine['gpu']}, torch {machine['torch']}, "
-          f"accelerate {machine['accelerate']}; OMP_NUM_THREADS={threads} per rank")
+    print(machine_line(machine, f"OMP_NUM_THREADS={threads} per rank"))
     if args.profile:
         return run_profile(args, variants, procs, threads, out)
     print(f"{args.steps} steps x global batch {args.global_batch_size}, {args.repeats} repeats, order "
@@ -447,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
         for repeat in range(args.repeats):
             # The order rotates each repeat (a b c, b c a, c a b, ...) so that drift within a round of runs on a
             # shared machine does not always favour the same variant; paired ratios use the same repeat.
-            order = variants[repeat % len(variants):] + variants[:repeat % len(variants)]
+            order = rotated(variants, repeat)
             for nproc in procs:
                 for v in order:
                     run_dir = Path(tmp) / f"{v}_{nproc}_{repeat}"
@@ -466,14 +459,14 @@ def main(argv: list[str] | None = None) -> int:
                               else f"FAILED (exit {info['rc']}):\n{tail(log, 15)}")
                     print(f"  repeat {repeat} {nproc}p {v:6} {status} (wall {info['wall_sec']:.1f}s, "
                           f"load {record['load_avg']:.1f})", flush=True)
-                    save_json(out / "compare.json", result)  # raw figures so far survive an interrupted run
+                    write_json(out / "compare.json", result, say=False)  # raw figures so far survive an interrupted run
 
     rows = aggregate(runs, variants, procs)
     table = print_table(rows)
     print()
     print(table)
     result["table"], result["table_text"] = rows, table
-    save_json(out / "compare.json", result)
+    write_json(out / "compare.json", result, say=False)
     out.mkdir(parents=True, exist_ok=True)  # again: the folder may have been cleaned meanwhile
     plot(rows, variants, procs, out / "compare.png", chart_title(args.steps, args.global_batch_size, args.repeats,
                                                                  machine, threads))

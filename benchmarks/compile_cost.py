@@ -38,7 +38,10 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import REPO, parser, write_json  # noqa: E402
+
 MODES = {"lm": ("eager", "compile", "compile_regions"), "cnn": ("eager", "compile")}
 
 
@@ -140,25 +143,24 @@ def _line(row: dict, eager: dict) -> str:
     if row is eager:
         return (f"{head} to step 1 {row['first_step_cpu_s']:7.2f} s CPU ({row['first_step_wall_s']:.2f} s wall)  "
                 f"step {row['step_cpu_ms']:7.2f} ms CPU")
-    ratio = row["step_cpu_ms"] / eager["step_cpu_ms"]
+    to_eager = row["step_cpu_ms"] / eager["step_cpu_ms"]
     even = break_even(eager, row)
-    row.update(step_cpu_vs_eager=ratio, break_even_steps=even)
+    row.update(step_cpu_vs_eager=to_eager, break_even_steps=even)
     return (f"{head} to step 1 {row['first_step_cpu_s']:7.2f} s CPU ({row['first_step_wall_s']:.2f} s wall)  "
-            f"step {row['step_cpu_ms']:7.2f} ms CPU  x{ratio:.2f} eager  break-even "
+            f"step {row['step_cpu_ms']:7.2f} ms CPU  x{to_eager:.2f} eager  break-even "
             f"{'never' if even is None else f'{even:.0f} steps'}")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workloads", default="lm,cnn", help="comma-separated: lm, cnn")
-    parser.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default 30; dry 3)")
-    parser.add_argument("--warmup", type=int, default=None, help="steps left out of the median (default 5; dry 1)")
-    parser.add_argument("--child", help=argparse.SUPPRESS)  # workload:mode, in the process that trains
-    parser.add_argument("--work", help=argparse.SUPPRESS)
-    parser.add_argument("--timeout", type=float, default=600, help="seconds per run")
-    parser.add_argument("--dry-run", action="store_true", help="eager only, 3 steps: the plumbing")
-    parser.add_argument("--out", default=str(REPO / "outputs" / "compile_cost.json"), help="results file (JSON)")
-    args = parser.parse_args(argv)
+    p = parser(__doc__, steps=(None, "optimizer steps per run (default 30; dry 3)"))
+    p.add_argument("--workloads", default="lm,cnn", help="comma-separated: lm, cnn")
+    p.add_argument("--warmup", type=int, default=None, help="steps left out of the median (default 5; dry 1)")
+    p.add_argument("--child", help=argparse.SUPPRESS)  # workload:mode, in the process that trains
+    p.add_argument("--work", help=argparse.SUPPRESS)
+    p.add_argument("--timeout", type=float, default=600, help="seconds per run")
+    p.add_argument("--dry-run", action="store_true", help="eager only, 3 steps: the plumbing")
+    p.add_argument("--out", default=str(REPO / "outputs" / "compile_cost.json"), help="results file (JSON)")
+    args = p.parse_args(argv)
     dry_steps, dry_warmup = (3, 1) if args.dry_run else (30, 5)
     args.steps = args.steps or dry_steps
     args.warmup = dry_warmup if args.warmup is None else args.warmup
@@ -170,12 +172,10 @@ def main(argv: list[str] | None = None) -> int:
     args.workloads = args.workloads.split(",")
     unknown = [w for w in args.workloads if w not in MODES]
     if unknown:
-        parser.error(f"unknown workload {unknown[0]}; choose from {', '.join(MODES)}")
+        p.error(f"unknown workload {unknown[0]}; choose from {', '.join(MODES)}")
     rows = measure(args)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    Path(args.out).write_text(json.dumps({"steps": args.steps, "warmup": args.warmup, "cpu_count": os.cpu_count(),
-                                          "load_avg": os.getloadavg(), "results": rows}, indent=1))
-    print(f"wrote {args.out}")
+    write_json(args.out, {"steps": args.steps, "warmup": args.warmup, "cpu_count": os.cpu_count(),
+                          "load_avg": os.getloadavg(), "results": rows})
     return 0 if all("error" not in r for r in rows) else 1
 
 

@@ -14,21 +14,16 @@ every linear layer), LoRA with --gradient_checkpointing, full fine-tuning with -
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import io
-import json
 import os
 import shutil
-import statistics
-import subprocess
 import sys
 from pathlib import Path
 
-# The clone's accel_ddp, as bare_ddp.py does; and not this folder, whose kernels.py would stand in for the
-# `kernels` package that Transformers' GPT-2 imports
+# The clone's accel_ddp, as bare_ddp.py does, in place of this folder
 sys.path[0] = str(Path(__file__).resolve().parents[1])
-from benchmarks.common import REPO, bench_env, tiny_gpt2  # noqa: E402
+from benchmarks.common import bench_env, median, parser, pydoc_lm_folder, ratio, tiny_gpt2, write_json  # noqa: E402
 
 VARIANTS = {
     "full": [],
@@ -42,10 +37,7 @@ def prepare(out: Path) -> tuple[Path, Path]:
     """The data (with its tokenizer) and the base model folder, made once under ``out``."""
     import torch
 
-    data, base = out / "data", out / "base"
-    if not (data / "tokenizer").is_dir():
-        subprocess.run([sys.executable, str(REPO / "examples" / "pydoc_text.py"), "lm", "--out", str(data)],
-                       check=True, env=bench_env(1))
+    data, base = Path(pydoc_lm_folder(out)), out / "base"
     if not (base / "config.json").is_file():
         torch.manual_seed(0)
         tiny_gpt2().save_pretrained(str(base))
@@ -72,14 +64,11 @@ def run(name: str, extra: list[str], data: Path, base: Path, out: Path, steps: i
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=10, help="optimizer steps per variant and round")
-    parser.add_argument("--rounds", type=int, default=3, help="turns of every variant")
-    parser.add_argument("--global_batch_size", type=int, default=16, help="128-token blocks per step")
-    parser.add_argument("--threads", type=int, default=2, help="torch threads")
-    parser.add_argument("--out", default="outputs/bench_finetune")
-    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, full first")
-    args = parser.parse_args()
+    p = parser(__doc__, steps=10, rounds=(3, "turns of every variant"), threads=(2, "torch threads"),
+               out="outputs/bench_finetune")
+    p.add_argument("--global_batch_size", type=int, default=16, help="128-token blocks per step")
+    p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, full first")
+    args = p.parse_args()
     os.environ.update(bench_env(args.threads))
     import torch
 
@@ -92,17 +81,18 @@ def main() -> None:
     for _ in range(args.rounds):
         for name in names:
             rounds[name].append(run(name, VARIANTS[name], data, base, out, args.steps, args.global_batch_size))
-    results = {name: {**runs[-1], "step_ms": statistics.median(r["step_ms"] for r in runs),
+    results = {name: {**runs[-1], "step_ms": median([r["step_ms"] for r in runs]),
                       "step_ms_rounds": [round(r["step_ms"], 1) for r in runs]} for name, runs in rounds.items()}
     full = results[names[0]]
     print(f"{'variant':<20} {'trainable':>22} {'step p50 ms':>12} {'x full':>7} {'checkpoint':>12} {'x full':>7}")
     for name, r in results.items():
         trainable = f"{r['trainable']:,} ({100 * r['trainable'] / r['total']:.2f}%)" if r["trainable"] else "all"
-        print(f"{name:<20} {trainable:>22} {r['step_ms']:>12.1f} {r['step_ms'] / full['step_ms']:>7.2f} "
-              f"{r['checkpoint_bytes'] / 2**20:>8.2f} MiB {r['checkpoint_bytes'] / full['checkpoint_bytes']:>7.3f}")
+        size_x = ratio(r["checkpoint_bytes"], full["checkpoint_bytes"], ".3f")
+        print(f"{name:<20} {trainable:>22} {r['step_ms']:>12.1f} {ratio(r['step_ms'], full['step_ms']):>7} "
+              f"{r['checkpoint_bytes'] / 2**20:>8.2f} MiB {size_x:>7}")
     per_round = ", ".join(f"{name} {r['step_ms_rounds']}" for name, r in results.items())
     print(f"step p50 ms per round: {per_round}")
-    (out / "finetune.json").write_text(json.dumps(results, indent=2))
+    write_json(out / "finetune.json", results)
 
 
 if __name__ == "__main__":

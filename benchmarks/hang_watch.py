@@ -14,33 +14,24 @@ Three figures:
 
 from __future__ import annotations
 
-import argparse
 import faulthandler
 import os
-import statistics
+import sys
 import tempfile
-import time
 import tracemalloc
+from pathlib import Path
 
-from accel_ddp.lifecycle.hang import HangWatch
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-
-def per_call(fn, calls: int) -> float:
-    """Seconds per call of ``fn(i)``, the best of 5 rounds."""
-    best = float("inf")
-    for _ in range(5):
-        start = time.perf_counter()
-        for i in range(calls):
-            fn(i)
-        best = min(best, (time.perf_counter() - start) / calls)
-    return best
+from accel_ddp.lifecycle.hang import HangWatch  # noqa: E402
+from benchmarks.common import best_per_call, median, parser, ratio  # noqa: E402
 
 
 def calls(folder: str, n: int) -> None:
     watch = HangWatch.start(600, folder, 0, pauses_after=lambda step: False)
     try:
-        empty = per_call(lambda i: None, n)
-        step_done = per_call(watch.step_done, n)
+        empty = best_per_call(lambda i: None, n)
+        step_done = best_per_call(watch.step_done, n)
         tracemalloc.start()
         before = tracemalloc.take_snapshot()
         for i in range(100_000):
@@ -51,7 +42,7 @@ def calls(folder: str, n: int) -> None:
     finally:
         watch.stop()
     with open(os.path.join(folder, "timer.txt"), "w") as out:
-        rearm = per_call(lambda i: faulthandler.dump_traceback_later(600, file=out), n // 10)
+        rearm = best_per_call(lambda i: faulthandler.dump_traceback_later(600, file=out), n // 10)
         faulthandler.cancel_dump_traceback_later()
     print(f"per call: empty {empty * 1e9:.0f} ns, step_done {step_done * 1e9:.0f} ns "
           f"(+{(step_done - empty) * 1e9:.0f} ns), bytes allocated by hang.py over 100,000 calls: {grown}; "
@@ -71,17 +62,15 @@ def runs(folder: str, steps: int, repeats: int) -> None:
                               "--max_steps", str(steps), "--eval_every", "0", "--hang_timeout", hang,
                               "--output_dir", out])
             medians[hang].append(train(cfg)["step_time_p50_ms"])
-    off, on = statistics.median(medians["0"]), statistics.median(medians["600"])
+    off, on = median(medians["0"]), median(medians["600"])
     print(f"training step p50 over {repeats} runs of {steps} steps: --hang_timeout 0 {off:.3f} ms, 600 {on:.3f} ms "
-          f"(ratio {on / off:.3f}; each run's: 0 {medians['0']}, 600 {medians['600']})")
+          f"(ratio {ratio(on, off, '.3f')}; each run's: 0 {medians['0']}, 600 {medians['600']})")
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--calls", type=int, default=200_000)
-    parser.add_argument("--steps", type=int, default=400)
-    parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args()
+    p = parser(__doc__, steps=400, repeats=(3, "training runs per side; the median counts"))
+    p.add_argument("--calls", type=int, default=200_000, help="calls per timing of step_done (5 timings, the best)")
+    args = p.parse_args()
     with tempfile.TemporaryDirectory() as folder:
         calls(folder, args.calls)
         runs(folder, args.steps, args.repeats)

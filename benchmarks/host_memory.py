@@ -15,12 +15,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import REPO, alternated, median, parser, run_fresh  # noqa: E402
+
 WARMUP, STEPS = 8, 40
 
 
@@ -63,31 +64,28 @@ def launch(side: str, processes: int) -> list[dict]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
     env.update({"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore",
                 "TRANSFORMERS_VERBOSITY": "error"})  # the tiny config's token-id notes, per run
-    procs = [subprocess.Popen([sys.executable, __file__, "--child", side], stdout=subprocess.PIPE, text=True,
-                              env=env) for _ in range(processes)]
-    return [json.loads(proc.communicate()[0]) for proc in procs]
+    return run_fresh([__file__, "--child", side], env, copies=processes)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--pairs", type=int, default=3, help="alternated pairs (default first in even pairs)")
-    parser.add_argument("--processes", type=int, default=1, help="copies of a side run at once (2: both cores)")
-    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    p = parser(__doc__, processes=(1, "copies of a side run at once (2: both cores)"))
+    p.add_argument("--pairs", type=int, default=3, help="alternated pairs (default first in even pairs)")
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args()
     if args.child:
         print(json.dumps(one_run(args.child)))
         return
     runs = []
     for pair in range(args.pairs):
-        for side in ("default", "pinned") if pair % 2 == 0 else ("pinned", "default"):
+        for side in alternated(("default", "pinned"), pair):
             for run in launch(side, args.processes):
                 runs.append(run)
                 print(f"  pair {pair} {side:8} {run['cpu_ms_per_step']:7.1f} CPU ms/step "
                       f"{run['faults_per_step']:8.0f} faults/step", flush=True)
     for side in ("default", "pinned"):
         mine = [r for r in runs if r["side"] == side]
-        print(f"{side:8} median {statistics.median(r['cpu_ms_per_step'] for r in mine):7.1f} CPU ms/step "
-              f"{statistics.median(r['faults_per_step'] for r in mine):8.0f} faults/step ({len(mine)} runs, "
+        print(f"{side:8} median {median([r['cpu_ms_per_step'] for r in mine]):7.1f} CPU ms/step "
+              f"{median([r['faults_per_step'] for r in mine]):8.0f} faults/step ({len(mine)} runs, "
               f"{args.processes} at a time)")
 
 

@@ -27,31 +27,31 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import REPO, bench_env, launch_cmd, parser, threads_per_rank, write_json  # noqa: E402
+
 MNIST_DIR = REPO.parent / "shared" / "data" / "mnist"
 MODES = ("compute", "fast", "dataloader", "textbook")  # compute and fast back to back: alike conditions
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--processes", type=int, nargs="+", default=[1, 2], help="world sizes to measure")
-    parser.add_argument("--model", default="mlp", help="accel_ddp model name (mlp, mnist_cnn, resnet18)")
-    parser.add_argument("--global_batch_size", type=int, default=256, help="samples per optimizer step")
-    parser.add_argument("--steps", type=int, default=30, help="timed optimizer steps per mode and round")
-    parser.add_argument("--warmup", type=int, default=10, help="untimed optimizer steps first")
-    parser.add_argument("--repeats", type=int, default=5, help="interleaved rounds; the best is reported")
-    parser.add_argument("--num_workers", type=int, default=None, help="textbook DataLoader workers per rank")
-    parser.add_argument("--data_dir", default=str(MNIST_DIR), help="folder with t10k-*-idx*-ubyte.gz")
-    parser.add_argument("--json", default=None, help="also write the results here")
-    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # internal: result file of a launch
-    return parser.parse_args(argv)
+    parser_ = parser(__doc__, steps=(30, "timed optimizer steps per mode and round"),
+                     repeats=(5, "interleaved rounds; the best is reported"), json=None)
+    parser_.add_argument("--processes", type=int, nargs="+", default=[1, 2], help="world sizes to measure")
+    parser_.add_argument("--model", default="mlp", help="accel_ddp model name (mlp, mnist_cnn, resnet18)")
+    parser_.add_argument("--global_batch_size", type=int, default=256, help="samples per optimizer step")
+    parser_.add_argument("--warmup", type=int, default=10, help="untimed optimizer steps first")
+    parser_.add_argument("--num_workers", type=int, default=None, help="textbook DataLoader workers per rank")
+    parser_.add_argument("--data_dir", default=str(MNIST_DIR), help="folder with t10k-*-idx*-ubyte.gz")
+    parser_.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # internal: result file of a launch
+    return parser_.parse_args(argv)
 
 
 # ----------------------------------------------------------------------------- one launch (every rank)
@@ -189,12 +189,6 @@ def sync(cuda: bool) -> None:
 # ----------------------------------------------------------------------------- the driver
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def launch(args: argparse.Namespace, processes: int, result: Path) -> dict | None:
     import torch
 
@@ -203,18 +197,15 @@ def launch(args: argparse.Namespace, processes: int, result: Path) -> dict | Non
         "--warmup", str(args.warmup), "--repeats", str(args.repeats), "--data_dir", args.data_dir,
         "--worker", str(result), *(["--num_workers", str(args.num_workers)] if args.num_workers is not None else []),
     ]
-    env = {**os.environ, "TQDM_DISABLE": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // processes)))  # cores shared fairly
+    # the caller's OMP_NUM_THREADS, else the cores shared fairly
+    env = bench_env(int(os.environ.get("OMP_NUM_THREADS") or threads_per_rank(None, processes)))
     if processes == 1:
         cmd = [sys.executable, __file__, *forwarded]
     else:
         if torch.cuda.is_available() and torch.cuda.device_count() < processes:
             print(f"skipping {processes} processes: {torch.cuda.device_count()} GPU(s)", file=sys.stderr)
             return None
-        cmd = [sys.executable, "-m", "accelerate.commands.launch",
-               "--config_file", str(REPO / "accelerate_configs" / "cpu_2proc.yaml"),
-               "--num_processes", str(processes), "--main_process_port", str(free_port()), __file__, *forwarded]
+        cmd = launch_cmd(__file__, forwarded, processes)
     subprocess.run(cmd, env=env, check=True, cwd=REPO)
     return json.loads(result.read_text())
 
@@ -250,7 +241,7 @@ def main() -> None:
           f"best of {args.repeats} rounds of {args.steps} optimizer steps\n")
     print(table(results))
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2))
+        write_json(args.json, results)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import io
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -30,25 +29,25 @@ from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
-CPU_2PROC = REPO / "accelerate_configs" / "cpu_2proc.yaml"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import REPO, bench_env, launch_cmd, parser, write_json  # noqa: E402
+
 SHARD_ROWS = 4000  # images per parquet file
 CLASSES = 10
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--n", type=int, default=22_000, help="images in the small set; the large one has 8x")
-    parser.add_argument("--size", type=int, default=64, help="image side in pixels (RGB)")
-    parser.add_argument("--processes", type=int, default=2, help="ranks (accelerate launch --num_processes)")
-    parser.add_argument("--model", default="mlp", help="accel_ddp model (mlp: hidden 256)")
-    parser.add_argument("--global_batch_size", type=int, default=128, help="samples per optimizer step")
-    parser.add_argument("--num_workers", type=int, default=None, help="DataLoader workers per rank; default auto")
-    parser.add_argument("--in_memory", action="store_true", help="also train 8N decoded into memory")
-    parser.add_argument("--work", default=None, help="folder for the data, cache and runs; default a temp folder")
-    parser.add_argument("--keep", action="store_true", help="keep --work afterwards")
-    parser.add_argument("--json", default=None, help="also write the results here")
-    return parser.parse_args(argv)
+    parser_ = parser(__doc__, processes=(2, "ranks (accelerate launch --num_processes)"), json=None)
+    parser_.add_argument("--n", type=int, default=22_000, help="images in the small set; the large one has 8x")
+    parser_.add_argument("--size", type=int, default=64, help="image side in pixels (RGB)")
+    parser_.add_argument("--model", default="mlp", help="accel_ddp model (mlp: hidden 256)")
+    parser_.add_argument("--global_batch_size", type=int, default=128, help="samples per optimizer step")
+    parser_.add_argument("--num_workers", type=int, default=None, help="DataLoader workers per rank; default auto")
+    parser_.add_argument("--in_memory", action="store_true", help="also train 8N decoded into memory")
+    parser_.add_argument("--work", default=None, help="folder for the data, cache and runs; default a temp folder")
+    parser_.add_argument("--keep", action="store_true", help="keep --work afterwards")
+    return parser_.parse_args(argv)
 
 
 def write_images(folder: Path, n_train: int, n_test: int, size: int, seed: int) -> None:
@@ -75,9 +74,7 @@ def write_images(folder: Path, n_train: int, n_test: int, size: int, seed: int) 
 
 
 def env(work: Path) -> dict[str, str]:
-    return {**os.environ, "HF_DATASETS_CACHE": str(work / "hf_cache"), "HF_HUB_OFFLINE": "1",
-            "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1",
-            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    return bench_env(1, {"HF_DATASETS_CACHE": str(work / "hf_cache")})
 
 
 def convert(folder: Path, work: Path) -> None:
@@ -87,14 +84,13 @@ def convert(folder: Path, work: Path) -> None:
 
 
 def train(folder: Path, out: Path, work: Path, args: argparse.Namespace, in_memory: bool = False) -> dict:
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CPU_2PROC),
-              "--num_processes", str(args.processes), str(REPO / "train.py")]
     flags = ["--dataset", "hf", "--data_dir", str(folder), "--model", args.model, "--epochs", "1",
              "--global_batch_size", str(args.global_batch_size), "--log_every", "50", "--output_dir", str(out)]
     flags += ["--loader", "dataloader"] if in_memory else ["--device_loader_max_mb", "0"]
     if args.num_workers is not None:
         flags += ["--num_workers", str(args.num_workers)]
-    result = subprocess.run(launch + flags, env=env(work), capture_output=True, text=True)
+    result = subprocess.run(launch_cmd(REPO / "train.py", flags, args.processes), env=env(work), capture_output=True,
+                            text=True)
     if result.returncode != 0:
         raise SystemExit(f"training failed ({result.returncode}):\n{result.stderr[-4000:]}")
     summary = json.loads((out / "summary.json").read_text())
@@ -143,7 +139,7 @@ def main(argv=None) -> int:
     print(f"\npeak RSS(8N) / peak RSS(N): ranks {ratio:.2f}, workers {worker_ratio:.2f} (target <= 1.2); "
           f"largest data-wait share {wait:.1%} (target < 10%)")
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=2))
+        write_json(args.json, {"args": vars(args), "results": results})
     return 0 if ratio <= 1.2 and worker_ratio <= 1.2 and wait < 0.10 else 1
 
 

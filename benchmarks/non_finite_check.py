@@ -9,13 +9,17 @@ ratio, for float32 image batches of two sizes.
 
 from __future__ import annotations
 
-import argparse
+import sys
 import time
+from pathlib import Path
 
 import torch
 from torch.utils.data import DataLoader, Dataset, default_collate
 
-from accel_ddp.data.non_finite import batch_problem
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from accel_ddp.data.non_finite import batch_problem  # noqa: E402
+from benchmarks.common import parser, ratio  # noqa: E402
 
 
 class Images(Dataset):
@@ -38,9 +42,9 @@ def timed_collate(samples):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batches", type=int, default=20)
-    args = parser.parse_args()
+    p = parser(__doc__)
+    p.add_argument("--batches", type=int, default=20, help="batches per size (the first two warm the worker up)")
+    args = p.parse_args()
     torch.set_num_threads(1)
     for batch_size, shape in ((256, (3, 32, 32)), (64, (3, 224, 224))):
         loader = DataLoader(Images(batch_size * args.batches, shape), batch_size=batch_size, num_workers=1,
@@ -49,7 +53,7 @@ def main() -> None:
         collate = sum(t[0] for t in times) / len(times)
         check = sum(t[1] for t in times) / len(times)
         print(f"float32 batch {batch_size}x{'x'.join(map(str, shape))}: collate {collate * 1e3:.2f} ms, check "
-              f"{check * 1e3:.2f} ms per batch in the worker ({check / collate:.2f}x the collate)")
+              f"{check * 1e3:.2f} ms per batch in the worker ({ratio(check, collate)}x the collate)")
 
 
 if __name__ == "__main__":

@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 from collections import Counter
@@ -151,31 +150,25 @@ def count_side(workload: str, side: str, steps: int, lm_data: str) -> dict[str, 
 def run_side(workload: str, side: str, steps: int, lm_data: str) -> dict[str, float]:
     """``count_side`` in a fresh interpreter (one thread, offline): nothing one side imported or cached helps the
     other."""
-    from benchmarks.common import bench_env
+    from benchmarks.common import run_fresh
 
-    with tempfile.NamedTemporaryFile(suffix=".json") as result:
-        # -m from the repository: benchmarks/ not on sys.path, where kernels.py would shadow the `kernels` package
-        # Transformers' GPT-2 imports
-        cmd = [sys.executable, "-m", "benchmarks.ops_per_step", "--side", side, "--workloads", workload,
-               "--steps", str(steps), "--lm_data", lm_data, "--json", result.name]
-        done = subprocess.run(cmd, env=bench_env(1), capture_output=True, text=True, timeout=1200, cwd=REPO)
-        if done.returncode != 0:
-            raise SystemExit(f"{side} {workload} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
-        return json.loads(Path(result.name).read_text())
+    # -m from the repository, as the tests import it
+    return run_fresh(["-m", "benchmarks.ops_per_step", "--side", side, "--workloads", workload, "--steps", steps,
+                      "--lm_data", lm_data])[0]
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workloads", default="mlp,cnn,lm")
-    parser.add_argument("--steps", type=int, default=20, help="optimizer steps counted per side (after the first 2)")
-    parser.add_argument("--json", default=None, help="write every side's per-op counts here")
-    parser.add_argument("--side", choices=("accel", "bare"), help=argparse.SUPPRESS)  # one side, in this process
-    parser.add_argument("--lm_data", default="", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    from benchmarks.common import parser
+
+    p = parser(__doc__, steps=(20, "optimizer steps counted per side (after the first 2)"),
+               json=(None, "write every side's per-op counts here"))
+    p.add_argument("--workloads", default="mlp,cnn,lm")
+    p.add_argument("--side", choices=("accel", "bare"), help=argparse.SUPPRESS)  # one side, in this process
+    p.add_argument("--lm_data", default="", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
     workloads = args.workloads.split(",")
     if args.side:
-        counts = count_side(workloads[0], args.side, args.steps, args.lm_data)
-        Path(args.json).write_text(json.dumps(counts))
+        print(json.dumps(count_side(workloads[0], args.side, args.steps, args.lm_data)))  # run_side reads it
         from benchmarks.common import exit_now
 
         exit_now()
@@ -197,7 +190,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{workload:8} {sum(bare.values()):8.1f} {sum(accel.values()):8.1f} {extra:+7.1f}")
             print(f"         accel - bare: {Counter(results[workload]['difference'])}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"steps": args.steps, "skip": SKIP, "results": results}, indent=1))
+        from benchmarks.common import write_json
+
+        write_json(args.json, {"steps": args.steps, "skip": SKIP, "results": results})
     print(f"target: accel within bare + {TARGET} ops per step: {'met' if worst <= TARGET else 'NOT met'}")
     return 0 if worst <= TARGET else 1
 

@@ -19,7 +19,6 @@ Exit code 0 when every round's weights agree within the tolerance, 1 otherwise.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import tempfile
@@ -27,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import bench_env, median, run_launch, tail  # noqa: E402
+from benchmarks.common import alternated, bench_env, median, parser, run_launch, tail, threads_per_rank  # noqa: E402
 from benchmarks.tax import WORKLOADS, commands, lm_data, parse  # noqa: E402
 
 TOLERANCE = 1e-6  # largest absolute weight difference accepted (float32)
@@ -47,7 +46,7 @@ def compare(bare: Path, accel: Path) -> tuple[bool, float]:
 
 def one_round(k: int, args, tmp: Path, env: dict) -> dict:
     folders, rates = {}, {}
-    for side in ("bare", "accel") if k % 2 == 0 else ("accel", "bare"):
+    for side in alternated(("bare", "accel"), k):
         run_dir = tmp / f"{side}_{k}"
         run_dir.mkdir()
         cmd = commands(args.workload, PAIR, side, args.nproc, args.epochs, run_dir, lm_data=lm_data(args.workload, tmp))
@@ -63,14 +62,12 @@ def one_round(k: int, args, tmp: Path, env: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = parser(__doc__, nproc=2, rounds=(2, "alternated rounds (bare first in even rounds)"))
     p.add_argument("--workload", default="mlp", choices=sorted(WORKLOADS))
     p.add_argument("--epochs", type=int, default=2)
-    p.add_argument("--nproc", type=int, default=2)
-    p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--timeout", type=float, default=600)
     args = p.parse_args(argv)
-    env = bench_env(max(1, (os.cpu_count() or 1) // args.nproc))
+    env = bench_env(threads_per_rank(None, args.nproc))
     results = []
     with tempfile.TemporaryDirectory(prefix="accel_ddp_parity_") as tmp:
         for k in range(args.rounds):

@@ -35,7 +35,6 @@ Writes ``OUT/peers.json`` (every run's figures, the table, the machine, the sett
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -49,15 +48,20 @@ from benchmarks.common import (  # noqa: E402
     REPO,
     TINY_GPT2_CONFIG,
     accel_epochs,
+    alternated,
     bench_env,
     data_source,
     exit_on_sigterm,
     launch_cmd,
     machine_info,
+    machine_line,
+    parser,
     pydoc_lm_folder,
     run_launch,
     spread,
     tail,
+    threads_per_rank,
+    write_json,
 )
 
 HERE = Path(__file__).resolve().parent
@@ -163,12 +167,9 @@ def table(runs: list[dict], peers: list[str]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = parser(__doc__, rounds=(3, "alternated rounds (peer first in even rounds)"), nproc=2, threads=None,
+               out=(str(REPO / "outputs" / "benchmarks" / "peers"), "folder for peers.json"))
     p.add_argument("--peers", default="trainer,lightning", help=f"comma separated, from {','.join(PEERS)}")
-    p.add_argument("--rounds", type=int, default=3, help="alternated rounds (peer first in even rounds)")
-    p.add_argument("--nproc", type=int, default=2, help="processes per run")
-    p.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS per rank; default CPUs // nproc")
-    p.add_argument("--out", default=str(REPO / "outputs" / "benchmarks" / "peers"), help="folder for peers.json")
     p.add_argument("--timeout", type=float, default=900, help="seconds before one run is ended")
     p.add_argument("--epochs", type=int, default=EPOCHS, help=f"epochs per run (the first is not measured; {EPOCHS})")
     p.add_argument("--mixed_precision", choices=("auto", "no", "bf16"), default="auto",
@@ -178,15 +179,14 @@ def main(argv: list[str] | None = None) -> int:
     peers = [x for x in args.peers.split(",") if x]
     if bad := [x for x in peers if x not in PEERS]:
         p.error(f"unknown peer(s) {bad}; choose from {', '.join(PEERS)}")
-    args.threads = args.threads or max(1, (os.cpu_count() or 1) // args.nproc)
+    args.threads = threads_per_rank(args.threads, args.nproc)
     args.mixed_precision = matched_precision(args.mixed_precision)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     machine = machine_info()
     print(f"data (cnn): {data_source()}")
-    print(f"machine: {machine['cpu']}, {machine['cpus']} CPUs, torch {machine['torch']}, accelerate "
-          f"{machine['accelerate']}; {args.nproc} processes, OMP_NUM_THREADS={args.threads}, mixed precision "
-          f"{args.mixed_precision} on every side", flush=True)
+    print(machine_line(machine, f"{args.nproc} processes, OMP_NUM_THREADS={args.threads}, mixed precision "
+                                f"{args.mixed_precision} on every side"), flush=True)
     runs: list[dict] = []
     result = {"settings": vars(args), "machine": machine, "runs": runs}
     env = bench_env(args.threads)
@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
             for peer in peers:
                 work = PEERS[peer][0]
                 samples_per_step = (LM if work == "lm" else CNN)["per_device"] * args.nproc
-                for side in (("peer", "accel") if k % 2 == 0 else ("accel", "peer")):
+                for side in alternated(("peer", "accel"), k):
                     run_dir = Path(tmp) / f"{peer}_{side}_{k}"
                     run_dir.mkdir()
                     precision = args.mixed_precision
@@ -219,12 +219,11 @@ def main(argv: list[str] | None = None) -> int:
                               f"{record['log_tail']}")
                     print(f"  round {k} {peer} {side:5} {status} (wall {info['wall_sec']:.1f}s, "
                           f"load {record['load_avg']:.1f})", flush=True)
-                    (out / "peers.json").write_text(json.dumps(result, indent=1) + "\n")
+                    write_json(out / "peers.json", result, say=False)
     text = table(runs, peers)
     print("\n" + text)
     result["table_text"] = text
-    (out / "peers.json").write_text(json.dumps(result, indent=1) + "\n")
-    print(f"\nwrote {out / 'peers.json'}")
+    write_json(out / "peers.json", result)
     return 0 if all(r["ok"] for r in runs) else 1
 
 

@@ -13,7 +13,6 @@ the differences is the host time accel_ddp adds per step; on a GPU most of it is
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import timeit
@@ -23,6 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+
+from benchmarks.common import parser  # noqa: E402
 
 
 def build(workload: str):
@@ -136,11 +137,10 @@ def best_us(fn, number: int, repeats: int) -> float:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = parser(__doc__, repeats=(7, "timings per piece and round; the best counts"),
+               rounds=(3, "rounds over all pieces (interleaved); the best counts"))
     p.add_argument("--workload", choices=("mlp", "cnn"), default="mlp")
     p.add_argument("--number", type=int, default=200, help="calls per timing")
-    p.add_argument("--repeats", type=int, default=7, help="timings per piece and round; the best counts")
-    p.add_argument("--rounds", type=int, default=3, help="rounds over all pieces (interleaved); the best counts")
     args = p.parse_args()
     torch.manual_seed(0)
     state = build(args.workload)

@@ -29,9 +29,7 @@ many steps; the clocks stop at each target all the same.
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import shlex
 import sys
 import tempfile
@@ -48,11 +46,15 @@ from benchmarks.common import (  # noqa: E402
     fmt,
     launch_cmd,
     machine_info,
+    machine_line,
     median,
+    parser,
     prepare_torchvision_root,
     read_jsonl,
     run_launch,
     tail,
+    threads_per_rank,
+    write_json,
 )
 
 HERE = Path(__file__).resolve().parent
@@ -180,22 +182,19 @@ def summarize(runs: list[dict], kinds: list[str], targets: list[float]) -> tuple
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = parser(__doc__, nproc=2, repeats=(3, "alternated (a), accel_ddp pairs; medians reported"), threads=None,
+               out=str(REPO / "outputs" / "benchmarks" / "tta"))
     p.add_argument("--target", default="0.98", help="eval accuracy to reach; several, comma separated, e.g. 0.98,0.99")
-    p.add_argument("--nproc", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=3, help="alternated (a), accel_ddp pairs; medians reported")
     p.add_argument("--recipe", default=RECIPE, help="accel_ddp flags (model, optimizer, schedule, batch, epochs)")
     p.add_argument("--textbook_global_batch_size", type=int, default=64,
                    help="(a): samples per step over all ranks: examples/mnist's 64, i.e. 64 / nproc per process (the "
                         "tutorial's per-process 64 unchanged, i.e. 128 global, took 3 epochs instead of 2 here)")
     p.add_argument("--max_epochs", type=int, default=14, help="(a): epochs at most (examples/mnist: 14)")
     p.add_argument("--num_workers", type=int, default=0, help="(a): DataLoader workers per rank")
-    p.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS per rank; default CPUs // nproc")
     p.add_argument("--mixed_precision", default="auto", choices=("auto", "no", "bf16"),
                    help="accel_ddp's launch: auto = bf16 where it is fast here (a bf16 GPU, or CPU bf16 units such as "
                         "AMX), else no; (a) always runs its textbook fp32")
     p.add_argument("--skip_textbook", action="store_true", help="run only accel_ddp (recipe tuning)")
-    p.add_argument("--out", default=str(REPO / "outputs" / "benchmarks" / "tta"))
     p.add_argument("--timeout", type=float, default=1200)
     args = p.parse_args(argv)
     exit_on_sigterm()
@@ -205,12 +204,12 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--target {args.target!r}: give accuracies such as 0.98 or 0.98,0.99")
     args.stop_at = max(targets)
 
-    threads = args.threads or max(1, (os.cpu_count() or 1) // args.nproc)
+    threads = threads_per_rank(args.threads, args.nproc)
     out = Path(args.out)
     source, machine = data_source(), machine_info()
     print(f"data: {source}")
-    print(f"machine: {machine['cpu']}, {machine['cpus']} CPUs, gpu {machine['gpu']}, torch {machine['torch']}; "
-          f"{args.nproc} processes, OMP_NUM_THREADS={threads} per rank; target eval accuracy {targets}")
+    print(machine_line(machine, f"{args.nproc} processes, OMP_NUM_THREADS={threads} per rank; target eval accuracy "
+                                f"{targets}"))
     if args.mixed_precision == "auto":
         args.mixed_precision = "bf16" if fast_bf16_here() else "no"
     print(f"accel_ddp recipe: {args.recipe} (launched with --mixed_precision {args.mixed_precision})", flush=True)
@@ -245,11 +244,9 @@ def main(argv: list[str] | None = None) -> int:
     rows, table = summarize(runs, kinds, targets)
     print()
     print(table)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "tta.json").write_text(json.dumps({
+    write_json(out / "tta.json", {
         "settings": {**vars(args), "threads_per_rank": threads}, "data_source": source, "machine": machine,
-        "table": rows, "table_text": table, "runs": runs}, indent=1, default=str) + "\n")
-    print(f"\nwrote {out / 'tta.json'}")
+        "table": rows, "table_text": table, "runs": runs})
     return 0 if all(r["rc"] == 0 for r in runs) else 1
 
 

@@ -283,7 +283,7 @@ class CausalLMTask(Task):
     ``*ForCausalLM`` models do: the labels move one place left and the last position is ignored, so the
     logits are used as the model returned them (slicing off their last position instead made the loss copy
     the whole ``(B, T, vocab)`` tensor, and its backward fill and copy another: 16 ms, 4% of the tiny
-    GPT-2's step on one CPU thread, benchmarks/kernels.py). Without a ``labels`` key the labels are
+    GPT-2's step on one CPU thread, benchmarks/cpu_kernels.py). Without a ``labels`` key the labels are
     ``input_ids`` with padding (``attention_mask`` 0) ignored. The task computes the loss from the logits
     itself, so it keeps ``labels`` away from the model (which would compute a second, per-micro-batch mean
     loss).
