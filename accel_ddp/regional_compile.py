@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from accel_ddp.util.converters import ModelBuild, ModelConverter
 from accel_ddp.util.validation import ConfigError
 
 
@@ -33,3 +34,12 @@ def compile_regions(model: nn.Module) -> int:
         for block in blocks:
             block.compile()
     return sum(len(blocks) for blocks in lists)
+
+
+def _compile_regions(model: nn.Module, build: ModelBuild) -> tuple[nn.Module, str]:
+    regions = compile_regions(model)  # in place, before DDP wraps it: the same parameter names
+    return model, f"{regions} repeated block{'s' if regions != 1 else ''} compiled (--compile_regions)"
+
+
+COMPILE_REGIONS = ModelConverter("compile_regions", applies=lambda cfg: bool(cfg.compile_regions),
+                                 apply=_compile_regions, training_only=True)  # in assemble.MODEL_CONVERTERS

@@ -375,10 +375,14 @@ def test_the_adapter_loads_with_peft_and_the_merged_model_without_it_with_the_sa
 
 
 def test_peft_under_fsdp_is_refused_before_anything_is_built():
-    from accel_ddp.finetune import prepare_for_finetuning
+    from types import SimpleNamespace
 
+    from accel_ddp.finetune import PEFT
+    from accel_ddp.util.converters import ModelBuild, convert_model
+
+    build = ModelBuild(TrainConfig(peft="lora", task="causal_lm"), SimpleNamespace(is_fsdp2=True), None)
     with pytest.raises(ConfigError, match="--peft lora under FSDP is not supported yet; launch with a DDP config"):
-        prepare_for_finetuning(TrainConfig(peft="lora", task="causal_lm"), tiny_gpt(), sharded=True)
+        convert_model(tiny_gpt(), build, (PEFT,))
 
 
 def test_the_fingerprint_is_the_bases_whatever_the_adapters_and_changes_with_its_weights():

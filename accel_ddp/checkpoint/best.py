@@ -152,3 +152,14 @@ class BestModel:
         if accelerator.is_main_process:
             say(f"--load_best_model_at_end: the final weights are {folder}'s ({self.metric} {self.kept_metric:.6g}, "
                 f"step {self.kept_step} of {step})")
+
+
+def check_eval_set(cfg: Any, has_eval: bool) -> None:
+    """The best model and early stopping rank evaluations: without an eval set the last weights would be exported
+    as the best, and the patience never run out."""
+    given = [flag for flag, on in (("--load_best_model_at_end", cfg.load_best_model_at_end),
+                                   (f"--early_stopping_patience {cfg.early_stopping_patience}",
+                                    cfg.early_stopping_patience)) if on]
+    if given and not has_eval:
+        raise ConfigError(f"{' and '.join(given)} rank evaluations, but --dataset {cfg.dataset} has no eval set; give "
+                          "a dataset with an eval split, or drop the flag")
