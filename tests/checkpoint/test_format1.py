@@ -15,7 +15,7 @@ import torch
 from tests.helpers import anomaly
 from tests.helpers.data import image_shards
 from tests.helpers.multiproc import run_ranks
-from tests.helpers.runs import load_weights, read_metrics
+from tests.helpers.runs import load_weights
 
 SAVED = Path(__file__).resolve().parent / "format1" / "step_00000004"
 # tests/scripts/write_format1_checkpoint.py's run (its ARGS, BAD_STEP): 4 of 8 steps, step 3 skipped (a nan loss)
