@@ -16,7 +16,8 @@ sys.path.append(str(HERE.parent))  # tests.helpers; accel_ddp from PYTHONPATH (t
 from tests.helpers.data import image_shards  # noqa: E402  (tests/: the test makes the same data)
 
 # The run the test resumes: 4 of 8 steps, one checkpoint at step 4 (tests/checkpoint/test_format1.py's ARGS).
-ARGS = ["--dataset", "hf", "--data_dir", "d", "--model", "tests.helpers.anomaly:bad_step_mlp", "--streaming", "--global_batch_size", "8", "--shuffle_buffer", "0", "--num_workers", "0",
+ARGS = ["--dataset", "hf", "--data_dir", "d", "--model", "tests.helpers.anomaly:bad_step_mlp", "--streaming",
+        "--global_batch_size", "8", "--shuffle_buffer", "0", "--num_workers", "0",
         "--lr_schedule", "constant", "--eval_every", "2", "--metric_for_best_model", "eval_loss",
         "--greater_is_better", "true", "--on_anomaly", "skip", "--seed", "3"]  # the best: step 2's, the highest
 BAD_STEP = (3, 0)  # optimizer step 3 on rank 0 has a nan loss: skipped, in the anomaly log
