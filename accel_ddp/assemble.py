@@ -31,7 +31,7 @@ from accel_ddp.checkpoint.best import BestModel, check_eval_set
 from accel_ddp.checkpoint.manager import HYPERPARAMETERS, CheckpointManager
 from accel_ddp.checkpoint.start import agree_start
 from accel_ddp.checkpoint.storage import check_store
-from accel_ddp.checkpoint.train_state import Position, TrainState
+from accel_ddp.checkpoint.train_state import Stateful, TrainState
 from accel_ddp.config import DEBUG_MAX_STEPS, TrainConfig
 from accel_ddp.data import DeviceEvalLoader, DeviceLoader, HostLoader, StreamingLoader, build_loaders, usable_cpus
 from accel_ddp.data.resolve import resolve_data
@@ -314,7 +314,7 @@ def _records_and_checkpoints(cfg: TrainConfig, accelerator: Accelerator, teardow
     state = TrainState(accelerator=accelerator, model=model, optimizer=optimizer, scheduler=scheduler,
                        # the best model and early stopping (checkpoint/best.py): their records go with each checkpoint
                        best=BestModel.from_config(cfg, plan.steps_per_epoch, plan.total_steps), anomalies=anomalies,
-                       positions=loaders.train if isinstance(loaders.train, Position) else None)
+                       positions=loaders.train if isinstance(loaders.train, Stateful) else None)
     checkpoints = _checkpoints(cfg, accelerator, teardown, facts, state)
     checkpoints.store.stopping = lambda: preemption.signalled  # a store call under way gives up soon after a signal
     return recorder, facts, anomalies, checkpoints

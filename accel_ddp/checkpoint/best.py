@@ -108,13 +108,15 @@ class BestModel:
 
     # ---- in checkpoint.json, and back
 
-    def state(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, Any]:
+        """The records, for checkpoint.json's ``best`` (checkpoint/train_state.py)."""
         return {"metric": self.metric, "greater_is_better": self.greater, "best_metric": self.best_metric,
                 "counter": self.counter, "best_step": self.kept_step, "best_step_metric": self.kept_metric}
 
-    def restore(self, meta: dict[str, Any]) -> None:
-        """Continue the records of the checkpoint resumed from (one made without them: start afresh)."""
-        saved = meta.get("best")
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Continue the records of the checkpoint resumed from (one made without them, or for another metric or
+        direction: start afresh)."""
+        saved = state_dict
         if not isinstance(saved, dict) or saved.get("metric") != self.metric or saved.get("greater_is_better") != \
                 self.greater:
             return
