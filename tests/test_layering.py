@@ -86,28 +86,57 @@ def test_an_arrow_against_the_flow_is_found_lazy_or_relative(tmp_path):
     assert _against(_edges(copy)) == planted
 
 
-def test_no_test_module_imports_another():
-    """Shared code lives in tests/helpers/; a test module names itself in a user-code string at most."""
+def _test_imports(tests: Path = TESTS) -> list[str]:
+    """Test modules imported by a file of ``tests``: "path: name"."""
     found = []
-    for path in TESTS.rglob("*.py"):
+    for path in tests.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else \
                 [node.module or ""] if isinstance(node, ast.ImportFrom) else []
-            found += [f"{path.relative_to(TESTS)}: {name}" for name in names
+            found += [f"{path.relative_to(tests)}: {name}" for name in names
                       if any(part.startswith("test_") for part in name.split("."))]
-    assert found == []
+    return found
 
 
-def test_tests_mirror_the_package():
-    """Every folder of tests/ is a subpackage of accel_ddp/ (or helpers/, scripts/)."""
-    folders = {p.name for p in TESTS.iterdir() if p.is_dir() and p.name != "__pycache__"}
-    packages = {p.parent.name for p in ROOT.glob("*/__init__.py")}
-    assert folders - {"helpers", "scripts"} <= packages, folders - packages
-    assert {"config", "data", "checkpoint", "distributed", "lifecycle", "cli", "tasks"} <= folders
+def test_no_test_module_imports_another(tmp_path):
+    """Shared code lives in tests/helpers/; a test module names itself in a user-code string at most. Proven on a
+    planted import."""
+    assert _test_imports() == []
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "test_a.py").write_text("from tests.data.test_b import shared  # noqa\n")
+    assert _test_imports(tmp_path) == ["data/test_a.py: tests.data.test_b"]
 
 
-def test_every_group_has_a_layer():
-    assert {_group(src) for src, _ in _edges()} <= set(LAYER)
+def _unmirrored(tests: Path = TESTS) -> set[str]:
+    """Folders of ``tests`` that are no subpackage of accel_ddp/ (nor helpers/, scripts/)."""
+    folders = {p.name for p in tests.iterdir() if p.is_dir() and p.name != "__pycache__"}
+    return folders - {"helpers", "scripts"} - {p.parent.name for p in ROOT.glob("*/__init__.py")}
+
+
+def test_tests_mirror_the_package(tmp_path):
+    """Every folder of tests/ is a subpackage of accel_ddp/ (or helpers/, scripts/); a planted one is found."""
+    assert _unmirrored() == set()
+    assert {"config", "data", "checkpoint", "distributed", "lifecycle", "cli", "tasks"} <= \
+        {p.name for p in TESTS.iterdir() if p.is_dir()}
+    for name in ("data", "helpers", "transforms"):
+        (tmp_path / name).mkdir()
+    assert _unmirrored(tmp_path) == {"transforms"}
+
+
+def _ungrouped(edges: set[tuple[str, str]]) -> set[str]:
+    return {_group(src) for src, _ in edges} - set(LAYER)
+
+
+def test_every_group_has_a_layer(tmp_path):
+    """Every module's group is in LAYERS; a planted subpackage that has none is found."""
+    import shutil
+
+    assert _ungrouped(_edges()) == set()
+    copy = tmp_path / "accel_ddp"
+    shutil.copytree(ROOT, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    (copy / "transforms").mkdir()
+    (copy / "transforms" / "__init__.py").write_text("from accel_ddp.util import atomic  # noqa\n")
+    assert _ungrouped(_edges(copy)) == {"transforms"}
 
 
 def _unnamed(doc: str, modules: list[str]) -> list[str]:
