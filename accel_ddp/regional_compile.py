@@ -1,6 +1,7 @@
 """``--compile_regions``: ``torch.compile`` of a model's repeated blocks, one compiled graph shared by the blocks.
 
-Imports torch only (the same layer as ``fused_activations``: both change how a built model runs, never its weights).
+Imports torch and util only (the same layer as ``fused_activations``: both change how a built model runs, never its
+weights). Its converter, ``COMPILE_REGIONS``, is one of ``assemble.MODEL_CONVERTERS``.
 """
 
 from __future__ import annotations

@@ -68,19 +68,25 @@ def test_no_module_imports_a_layer_above_its_own():
     assert _against(edges) == set(), "arrows against the flow (see accel_ddp/__init__.py)"
 
 
-def test_an_arrow_against_the_flow_is_found_lazy_or_relative(tmp_path):
-    """The check itself: a copy of the package with three arrows planted against the flow (a lazy import in a
-    function, a relative import, a plain one) reports exactly those three."""
+def _planted(tmp_path: Path, appended: dict[str, str]) -> Path:
+    """A copy of the package with ``appended``'s text at the end of each named file (created where absent)."""
     import shutil
 
     copy = tmp_path / "accel_ddp"
     shutil.copytree(ROOT, copy, ignore=shutil.ignore_patterns("__pycache__"))
-    with open(copy / "util" / "atomic.py", "a", encoding="utf-8") as fh:
-        fh.write("\n\ndef _planted():\n    from accel_ddp.loop import train  # noqa\n")
-    with open(copy / "config" / "layout.py", "a", encoding="utf-8") as fh:
-        fh.write("\nfrom ..data import sampler  # noqa\n")
-    with open(copy / "optim.py", "a", encoding="utf-8") as fh:
-        fh.write("\nimport accel_ddp.step  # noqa\n")
+    for name, text in appended.items():
+        (copy / name).parent.mkdir(exist_ok=True)
+        with open(copy / name, "a", encoding="utf-8") as fh:
+            fh.write(text)
+    return copy
+
+
+def test_an_arrow_against_the_flow_is_found_lazy_or_relative(tmp_path):
+    """The check itself: a copy of the package with three arrows planted against the flow (a lazy import in a
+    function, a relative import, a plain one) reports exactly those three."""
+    copy = _planted(tmp_path, {"util/atomic.py": "\n\ndef _planted():\n    from accel_ddp.loop import train  # noqa\n",
+                               "config/layout.py": "\nfrom ..data import sampler  # noqa\n",
+                               "optim.py": "\nimport accel_ddp.step  # noqa\n"})
     planted = {("accel_ddp.util.atomic", "accel_ddp.loop"), ("accel_ddp.config.layout", "accel_ddp.data"),
                ("accel_ddp.config.layout", "accel_ddp.data.sampler"), ("accel_ddp.optim", "accel_ddp.step")}
     assert _against(_edges(copy)) == planted
@@ -129,13 +135,8 @@ def _ungrouped(edges: set[tuple[str, str]]) -> set[str]:
 
 def test_every_group_has_a_layer(tmp_path):
     """Every module's group is in LAYERS; a planted subpackage that has none is found."""
-    import shutil
-
     assert _ungrouped(_edges()) == set()
-    copy = tmp_path / "accel_ddp"
-    shutil.copytree(ROOT, copy, ignore=shutil.ignore_patterns("__pycache__"))
-    (copy / "transforms").mkdir()
-    (copy / "transforms" / "__init__.py").write_text("from accel_ddp.util import atomic  # noqa\n")
+    copy = _planted(tmp_path, {"transforms/__init__.py": "from accel_ddp.util import atomic  # noqa\n"})
     assert _ungrouped(_edges(copy)) == {"transforms"}
 
 
@@ -221,14 +222,9 @@ def test_no_import_cycle_between_modules():
 def test_a_planted_import_cycle_is_found(tmp_path):
     """The check itself: two modules of one layer importing each other (lazily, so Python itself would not stop it,
     and no arrow runs against the flow) are reported as a cycle."""
-    import shutil
-
-    copy = tmp_path / "accel_ddp"
-    shutil.copytree(ROOT, copy, ignore=shutil.ignore_patterns("__pycache__"))
-    with open(copy / "util" / "atomic.py", "a", encoding="utf-8") as fh:
-        fh.write("\n\ndef _planted():\n    from accel_ddp.util import ranks  # noqa\n")
-    with open(copy / "util" / "ranks.py", "a", encoding="utf-8") as fh:
-        fh.write("\n\ndef _planted():\n    from accel_ddp.util.atomic import atomic_write_text  # noqa\n")
+    copy = _planted(tmp_path, {
+        "util/atomic.py": "\n\ndef _planted():\n    from accel_ddp.util import ranks  # noqa\n",
+        "util/ranks.py": "\n\ndef _planted():\n    from accel_ddp.util.atomic import atomic_write_text  # noqa\n"})
     edges = _edges(copy)
     assert _against(edges) == set() and _cycle(_edges(ROOT)) is None
     assert _cycle(edges) in (["accel_ddp.util.atomic", "accel_ddp.util.ranks", "accel_ddp.util.atomic"],
