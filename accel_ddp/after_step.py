@@ -105,6 +105,8 @@ class AfterStep:
                                per_device_batch=run.plan.per_device_batch,
                                graphs=CudaGraphs() if run.cfg.cuda_graphs else None)  # --cuda_graphs: checked in setup
         self.non_finite = NonFinite(run, watch, self.steps.losses, guard)
+        if guard is not None and guard.skips:  # a nan/inf input: its step's anomaly, its sample named by the loader
+            run.train_loader.report_bad_inputs(guard.bad_input)
         self.log = StepLog(run, self.steps.losses)
         self.callbacks = run.callbacks  # --callbacks, train(callbacks=): their hooks and requests (callbacks.py)
         self.eval_metrics: dict[str, Any] = {}  # the last evaluation's

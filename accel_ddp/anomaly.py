@@ -82,6 +82,8 @@ class AnomalyGuard:
         self.device = accelerator.device
         self.history: list[tuple[int, float]] = []  # (step, logged loss) of the last --spike_window log lines
         self.in_a_row, self.last_bad = 0, None
+        self.input_was_bad = False  # the next micro-batch's input held a nan or inf (host: the loader knows)
+        self.bad_inputs: dict[int, list[str]] = {}  # step -> this rank's bad samples in it, until resolved
         self.restart(0)
 
     def state_dict(self) -> dict[str, Any]:
@@ -114,9 +116,19 @@ class AnomalyGuard:
         self.history = [(s, loss) for s, loss in self.history if s <= step]  # a rollback forgets the replayed
 
     def poisoned(self, loss: torch.Tensor) -> torch.Tensor:
-        """``loss``, times nan where it is not finite: its rank's gradients turn nan, and DDP's all-reduce spreads
-        that to every rank, so the step is skipped everywhere (an inf loss can have finite gradients)."""
+        """``loss``, times nan where it is not finite, or where its micro-batch held a nan or inf input (the loader
+        said so: :meth:`bad_input`): its rank's gradients turn nan, and DDP's all-reduce spreads that to every rank,
+        so the step is skipped everywhere (an inf loss can have finite gradients, a masked nan input a finite loss)."""
+        if self.input_was_bad:
+            self.input_was_bad = False
+            return loss * math.nan
         return loss * torch.where(torch.isfinite(loss.detach()), 1.0, math.nan).to(loss.dtype)
+
+    def bad_input(self, what: str) -> None:
+        """The loader's report (``loader.report_bad_inputs``): the micro-batch it serves next holds a nan or inf input,
+        ``what`` names the sample. Its step is left out like any anomaly, and its record names the sample."""
+        self.input_was_bad = True
+        self.bad_inputs.setdefault(self.step + 1, []).append(what)  # decide() counts this step when it completes
 
     def decide(self, grad_norm: torch.Tensor) -> torch.Tensor:
         """Once per optimizer step, with the all-reduced gradient norm: a device bool, True = do not update."""
@@ -144,12 +156,28 @@ class AnomalyGuard:
             self.skipped_since_log += 1
             if str(s) in self.known["skipped"]:  # replayed: recorded when it was found
                 action = "rollback" if any(s in back["steps"] for back in self.known["rollbacks"]) else "skip"
-                self.log({"step": s, "anomaly": self.known["skipped"][str(s)], "action": action, "replayed": True})
+                self.log({"step": s, "anomaly": self.known["skipped"][str(s)], "action": action, "replayed": True,
+                          **({"detail": d} if (d := self.known.get("inputs", {}).get(str(s))) else {})})
             else:
                 new.append((s, f"gradient norm {norm}"))
         if new:
-            self._found(new, "non_finite", last_saved)
+            self._found(self._inputs_named(new), "non_finite", last_saved)
+        self.bad_inputs = {s: what for s, what in self.bad_inputs.items() if s > steps[-1]}  # replayed: recorded
         return self.skipped_since_log
+
+    def _inputs_named(self, new: list[tuple[int, str]]) -> list[tuple[int, str]]:
+        """The new anomalies, each with the samples whose nan/inf input made it where a rank's loader found one: only
+        that rank knows, so every rank sends its own (a collective, only where the ranks agree on a new anomaly)."""
+        from accelerate.utils import gather_object
+
+        mine = {s: self.bad_inputs.pop(s) for s, _ in new if s in self.bad_inputs}
+        found: dict[int, list[str]] = {}
+        for rank_found in gather_object([mine]):
+            for s, what in rank_found.items():
+                found.setdefault(s, []).extend(what)
+        for s, what in found.items():  # anomalies.json: a rollback's replay, or a resume, names them again
+            self.known.setdefault("inputs", {})[str(s)] = "; ".join(what)
+        return [(s, "; ".join(found[s]) if s in found else what) for s, what in new]
 
     def after_log(self, step: int, mean_loss: float, last_saved: tuple[int, str] | None) -> None:
         """At a log line, with the logged (all-reduced) loss: the spike check, then the loss joins the median."""

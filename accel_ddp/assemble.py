@@ -7,7 +7,6 @@ A preemption signal during start-up stops every rank together at the end of the 
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 import time
@@ -32,11 +31,12 @@ from accel_ddp.checkpoint.manager import HYPERPARAMETERS, CheckpointManager
 from accel_ddp.checkpoint.start import agree_start
 from accel_ddp.checkpoint.storage import check_store
 from accel_ddp.checkpoint.train_state import Stateful, TrainState
-from accel_ddp.config import DEBUG_MAX_STEPS, TrainConfig
+from accel_ddp.config import TrainConfig
+from accel_ddp.config.plan import Plan, plan_run
 from accel_ddp.data import DeviceEvalLoader, DeviceLoader, HostLoader, StreamingLoader, build_loaders, usable_cpus
 from accel_ddp.data.resolve import resolve_data
 from accel_ddp.distributed.preflight import check_fsdp, check_shared_output_dir
-from accel_ddp.distributed.world import build_accelerator, prepare
+from accel_ddp.distributed.world import build_accelerator, end_world, prepare
 from accel_ddp.finetune import GRADIENT_CHECKPOINTING, INIT_FROM, PEFT, describe_parameters, finetune_facts
 from accel_ddp.fused_activations import FUSED_KERNELS
 from accel_ddp.lifecycle import failure
@@ -53,11 +53,12 @@ from accel_ddp.outputs.run_dir import (
     check_output_dir,
     claim_output_dir,
 )
-from accel_ddp.regional_compile import COMPILE_REGIONS
+from accel_ddp.regional_compile import COMPILE_REGIONS, slower_here
 from accel_ddp.step_graph import construction_stream, refuse_graphs
 from accel_ddp.tasks.chunked_loss import CHUNKED_LOSS
 from accel_ddp.tasks.probe import probe_task
 from accel_ddp.tasks.protocol import CHANNELS_LAST, Task, build_task
+from accel_ddp.tracking.console_log import ConsoleLog
 from accel_ddp.tracking.meters import (
     progress_bar,
 )
@@ -80,48 +81,6 @@ if TYPE_CHECKING:
 # --fused_kernels, --compile_regions, --chunked_loss (--compile is Accelerate's, at prepare: distributed/world.py).
 MODEL_CONVERTERS = (INIT_FROM, GRADIENT_CHECKPOINTING, PEFT, CHANNELS_LAST, FUSED_KERNELS, COMPILE_REGIONS,
                     CHUNKED_LOSS)
-
-
-@dataclass(frozen=True)
-class Cadence:
-    """When the loop logs, evaluates and saves (accel_ddp/after_step.py), decided once from ``--log_every``,
-    ``--eval_every``, ``--checkpointing_steps`` and whether there is an eval set; the same on every rank."""
-
-    log_every: int  # a log line every N optimizer steps, and after the last
-    eval_every: int  # an evaluation every N optimizer steps; 0: none by step count
-    eval_at_epoch_end: bool  # --eval_every 0 with an eval set: at each epoch's end
-    save_every: int  # a checkpoint every N optimizer steps; 0: none by step count
-    save_at_epoch_end: bool  # --checkpointing_steps epoch: after each full epoch
-
-    @classmethod
-    def from_config(cls, cfg: TrainConfig, evaluates: bool) -> Cadence:
-        by_epoch = cfg.checkpointing_steps == "epoch"
-        return cls(log_every=cfg.log_every, eval_every=cfg.eval_every if evaluates else 0,
-                   eval_at_epoch_end=evaluates and not cfg.eval_every,
-                   save_every=0 if cfg.checkpointing_steps is None or by_epoch else int(cfg.checkpointing_steps),
-                   save_at_epoch_end=by_epoch)
-
-    def logs(self, step: int, total_steps: int) -> bool:
-        return step % self.log_every == 0 or step == total_steps
-
-    def evaluates(self, step: int) -> bool:
-        return bool(self.eval_every) and step % self.eval_every == 0
-
-    def saves(self, step: int) -> bool:
-        return bool(self.save_every) and step % self.save_every == 0
-
-
-@dataclass(frozen=True)
-class Plan:
-    """What an optimizer step means for this run, derived once from the config and the world size."""
-
-    per_device_batch: int  # samples per forward pass on one rank
-    accumulation: int  # micro-steps per optimizer step
-    steps_per_epoch: int  # optimizer steps; the trailing partial global batch is dropped
-    total_steps: int  # optimizer steps of the whole run
-    num_epochs: int
-    cadence: Cadence  # when the loop logs, evaluates and saves
-    auto_batch: dict[str, Any] | None = None  # --per_device_batch_size auto: what was asked, tried, and from where
 
 
 TrainLoader = DeviceLoader | HostLoader | StreamingLoader  # batches on the device, in the global-batch order
@@ -158,19 +117,17 @@ class Run:
 
 def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None, eval_dataset=None, *,
           loss_fn=None, metrics=(), collate_fn=None, preemption: PreemptionWatcher | None = None,
-          optimizer=None, lr_scheduler=None, callbacks=None) -> Run:
+          optimizer=None, lr_scheduler=None, callbacks=None, console: ConsoleLog | None = None) -> Run:
     """Join the process group, build data, model, optimizer and schedule, and agree on where to start.
 
     ``optimizer`` and ``lr_scheduler``: the Python API's own (accel_ddp/optim_user.py), else the flags'.
 
     A preemption signal during start-up stops every rank together at the end of the phase it came in
-    (``Preempted`` with nothing saved): the ranks compare their flags there.
+    (``Preempted`` with nothing saved): the ranks compare their flags there. ``console``: what the main process
+    prints, for run.log (None: teed from here to the end of ``train()``; the CLI's outlives it, for the last line).
     """
     started = time.perf_counter()
-    # From now on a SIGTERM means "stop, saving what was trained"; under torchrun a lost launcher means the same.
-    preemption = PreemptionWatcher().install() if preemption is None else preemption
-    teardown.callback(preemption.uninstall)
-    preemption.watch_launcher()
+    console, preemption = _console_and_signals(teardown, console, preemption)
     startup = StartupClock()  # "imports": interpreter start, imports and option parsing, up to here
 
     def phase_done(name: str) -> None:  # collective: every rank stops here if any got a signal
@@ -196,12 +153,13 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
 
     model, optimizer, scheduler, optimization = _optimize_and_prepare(cfg, accelerator, model, plan, loaders.kind,
                                                                       (optimizer, lr_scheduler))
-    probe_task(task, accelerator, model, data, evaluates=loaders.eval is not None, loaders=loaders)
+    probe_task(task, accelerator, model, data, evaluates=loaders.eval is not None, loaders=loaders,
+               skips_bad_inputs=cfg.on_anomaly != "stop")  # then a nan/inf input is its step's anomaly
     phase_done("optimizer_and_prepare")
 
     recorder, facts, anomalies, checkpoints = _records_and_checkpoints(
         cfg, accelerator, teardown, plan, loaders, {**tuned, "optimizer": optimization.name},
-        (model, optimizer, scheduler), preemption)
+        (model, optimizer, scheduler), preemption, console)
     block = describe_run(cfg, facts, plan.num_epochs, loaders.train, named, data, optimization.lines, usable_cpus())
     start_step = agree_start(cfg, accelerator, checkpoints, (optimizer, scheduler, optimization.schedule_from_flags),
                              plan.total_steps, recorder, facts, block, preemption)
@@ -216,11 +174,27 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
                callbacks=hooks.connect(accelerator, preemption.group, plan, evaluates=loaders.eval is not None))
 
 
+def _console_and_signals(teardown: ExitStack, console: ConsoleLog | None,
+                         preemption: PreemptionWatcher | None) -> tuple[ConsoleLog, PreemptionWatcher]:
+    """What the main process prints, teed for run.log (the caller's, else one until the teardown), and the
+    preemption watch: from now on a SIGTERM means "stop, saving what was trained"; under torchrun a lost launcher
+    means the same."""
+    if console is None:
+        console = ConsoleLog().install()
+        teardown.callback(console.close)
+    preemption = PreemptionWatcher().install() if preemption is None else preemption
+    teardown.callback(preemption.uninstall)
+    preemption.watch_launcher()
+    return console, preemption
+
+
 def _task_and_data(cfg: TrainConfig, accelerator: Accelerator, user: tuple, given: tuple,
                    preemption: PreemptionWatcher) -> tuple[Task, Callbacks, Any]:
     """The task (the caller's loss and metrics), the callbacks, and the data sets (``data/resolve.py``), checked.
     ``user``: (loss_fn, metrics, callbacks); ``given``: the caller's (train_dataset, eval_dataset, collate_fn)."""
     loss_fn, metrics, callbacks = user
+    if slower := slower_here(accelerator.device.type, compile=cfg.compile, compile_regions=cfg.compile_regions):
+        warn(slower, ranks="main")  # off by default here; asked for, it runs, and says what was measured
     if cfg.debug:
         torch.autograd.set_detect_anomaly(True)
         torch.use_deterministic_algorithms(True, warn_only=True)
@@ -261,7 +235,7 @@ def _loaders_and_plan(cfg: TrainConfig, accelerator: Accelerator, data, per_devi
         collate_fn=data.collate_fn, max_steps=cfg.max_steps,
         memory_limit=data.memory_limit,  # the machine's budget (data/memory_budget.py): device memory left for data
     )
-    plan = _plan(cfg, loaders.steps_per_epoch, per_device_batch, accumulation, evaluates=loaders.eval is not None,
+    plan = plan_run(cfg, loaders.steps_per_epoch, per_device_batch, accumulation, evaluates=loaders.eval is not None,
                  auto_batch=chosen.facts() if chosen is not None else None)
     return loaders, plan
 
@@ -299,14 +273,15 @@ def _watches(cfg: TrainConfig, teardown: ExitStack, accelerator: Accelerator, pl
 
 
 def _records_and_checkpoints(cfg: TrainConfig, accelerator: Accelerator, teardown: ExitStack, plan: Plan, loaders,
-                             more_facts: dict[str, Any], prepared: tuple, preemption: PreemptionWatcher) -> tuple[
+                             more_facts: dict[str, Any], prepared: tuple, preemption: PreemptionWatcher,
+                             console: ConsoleLog) -> tuple[
                                  RunRecorder, dict[str, Any], AnomalyGuard | None, CheckpointManager]:
     """The output folder claimed, the run's recorder, facts and anomaly guard, and its checkpoints of the run's
     ``TrainState`` (``prepared``: the model, optimizer and schedule as ``accelerator.prepare`` returned them)."""
     model, optimizer, scheduler = prepared
     # The input is checked. Before anything is written: the folder is created, and ours alone until we exit.
     teardown.callback(claim_output_dir(accelerator, cfg.output_dir).release)
-    recorder = RunRecorder(cfg.output_dir, accelerator.is_main_process, accelerator=accelerator)
+    recorder = RunRecorder(cfg.output_dir, accelerator.is_main_process, accelerator=accelerator, console=console)
     teardown.callback(recorder.close)
     # more_facts: the fine-tuning facts, and a user's optimizer by its class (a resume must give the same)
     facts = {**_run_facts(cfg, accelerator, plan, loaders.kind, loaders.source), **more_facts}
@@ -343,7 +318,7 @@ def _join(cfg: TrainConfig, teardown: ExitStack, preemption: PreemptionWatcher) 
         return kwargs
 
     accelerator, per_device_batch, accumulation = build_accelerator(cfg, trackers if cfg.with_tracking else None)
-    teardown.callback(accelerator.end_training)
+    teardown.push(lambda kind, err, tb: end_world(accelerator, failed=err is not None))  # train() again, later
     preemption.connect(accelerator, timedelta(seconds=cfg.ddp_timeout))  # its all-reduce waits --ddp_timeout at most
     teardown.push(claim_failure)  # before the group goes: the ranks it then stops know that they are not first
     main_process_decides(accelerator, lambda: check_output_dir(cfg.output_dir))  # a bad folder: now, not after data
@@ -377,16 +352,6 @@ def build_run_model(cfg: TrainConfig, accelerator: Accelerator, model, data, tas
     return model
 
 
-def _plan(cfg: TrainConfig, steps_in_epoch: int, per_device_batch: int, accumulation: int, *, evaluates: bool,
-          auto_batch: dict[str, Any] | None) -> Plan:
-    total_steps = cfg.max_steps or cfg.epochs * steps_in_epoch
-    if cfg.debug:
-        total_steps = min(total_steps, DEBUG_MAX_STEPS)
-    return Plan(per_device_batch=per_device_batch, accumulation=accumulation, steps_per_epoch=steps_in_epoch,
-                total_steps=total_steps, num_epochs=math.ceil(total_steps / steps_in_epoch),
-                cadence=Cadence.from_config(cfg, evaluates), auto_batch=auto_batch)
-
-
 def _run_facts(cfg: TrainConfig, accelerator: Accelerator, plan: Plan, loader_kind: str,
                data_source: str) -> dict[str, Any]:
     return {
@@ -410,4 +375,6 @@ def claim_failure(kind, err, tb) -> None:
     """The teardown of ``train()`` and ``inference``, on an error: claim it (``failure.claim``) while the process group
     still stands."""
     if isinstance(err, Exception) and not isinstance(err, Preempted):
-        failure.claim(err, failure.exit_code(err))
+        named = failure.peer_named(err, failure.claim(err, failure.exit_code(err)))
+        if named is not err:  # a peer's failure seen as a lost connection: the peer and its error, not gloo's words
+            raise named from None

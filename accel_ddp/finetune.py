@@ -23,18 +23,24 @@ import hashlib
 import os
 import shutil
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 from torch import nn
 
+from accel_ddp.checkpoint.hyperparameters import FULL_FINGERPRINT
 from accel_ddp.checkpoint.weights import load_weights
+from accel_ddp.lifecycle.failure import main_process_decides
 from accel_ddp.outputs.names import ADAPTER_SUBDIR, PRETRAINED_SUBDIR
+from accel_ddp.util.atomic import follow_umask
 from accel_ddp.util.converters import ModelBuild, ModelConverter
+from accel_ddp.util.messages import note
 from accel_ddp.util.optional import require
 from accel_ddp.util.validation import ConfigError
 
-DIGEST_VALUES = 64  # values per frozen tensor read into the fingerprint: a changed base shows, at no real cost
+DIGEST_VALUES = 64  # values per frozen tensor in the sampled fingerprint of earlier versions (sampled_fingerprint)
+FINGERPRINT_THREADS = 4  # tensors hashed at once; each holds one tensor's host copy
 
 
 def _init_from(model: nn.Module, build: ModelBuild) -> tuple[nn.Module, None]:
@@ -54,7 +60,15 @@ def _peft(model: nn.Module, build: ModelBuild) -> tuple[nn.Module, None]:
     if build.accelerator.is_fsdp2:
         raise ConfigError(f"--peft {cfg.peft} under FSDP is not supported yet; launch with a DDP config (the "
                           "frozen base is not trained, so its memory is weights only), or drop --peft")
-    return add_lora(model, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules), None
+    model = add_lora(model, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules)
+    tie = tied_output_adapted(model) if cfg.merge_adapter else None
+    if tie is not None:
+        output, embedding, size = tie
+        note(f"--lora_target_modules: {output} is tied to {embedding} (the input embedding), and its adapter "
+             f"changes the output layer only; the merged hf_model/ gets an output layer of its own (untied: "
+             f"+{size:,} parameters, tie_word_embeddings false), so that it computes what the trained model does",
+             ranks="main")
+    return model, None
 
 
 # The model converters this module owns, in the order assemble.MODEL_CONVERTERS applies them (util/converters.py).
@@ -115,6 +129,10 @@ def add_lora(model: nn.Module, r: int, alpha: float, dropout: float, targets: st
                              fan_in_fan_out=_uses_conv1d(model), task_type=_task_type(model))
     with warnings.catch_warnings():  # peft reads is_gradient_checkpointing, which Transformers 5 deprecates
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
+        # On every rank, and handled: a tied layer adapted (the merge unties it: merged_copy), fan_in_fan_out set
+        # per layer (GPT-2's Conv1D blocks and its nn.Linear lm_head; peft corrects it for each, then warns).
+        warnings.filterwarnings("ignore", message=".*ensure_weight_tying", category=UserWarning)
+        warnings.filterwarnings("ignore", message="fan_in_fan_out is set to", category=UserWarning)
         tuned = peft.get_peft_model(model, config)
     # get_peft_model hooks the input embeddings to require a gradient (for reentrant checkpointing, which we never
     # use: enable_activation_checkpointing); without it the backward stops at the first adapter, as it should.
@@ -184,9 +202,37 @@ def describe_parameters(model: nn.Module) -> str:
 
 
 def base_fingerprint(model: nn.Module) -> str | None:
-    """A digest of the frozen parameters (names as in the base model, shapes, dtypes and a strided sample of
-    ``DIGEST_VALUES`` values each); None when nothing is frozen. The same base gives the same fingerprint with
-    or without adapters, whatever modules they target."""
+    """``sha256:<hex>`` over the frozen parameters: each one's name as in the base model, shape, dtype and every byte
+    of its values; None when nothing is frozen. The same base gives the same fingerprint with or without adapters,
+    whatever modules they target; one changed value gives another.
+
+    Streamed: one tensor at a time is copied to the host (a few at once, ``FINGERPRINT_THREADS``: hashlib releases
+    the GIL while it hashes), never the whole base. Cost (benchmarks/base_fingerprint.py): 0.84 s for GPT-2 124M in
+    float32 on the 2-core development CPU at a load of 8.5 (one sha256 call over the same bytes: 0.93 s); under 1 s,
+    so it is computed at every start, fresh or resumed, not cached by the base files' size and mtime."""
+    frozen = [(base_name(name), param) for name, param in model.named_parameters() if not param.requires_grad]
+    if not frozen:
+        return None
+    with ThreadPoolExecutor(max_workers=FINGERPRINT_THREADS) as pool:
+        digests = list(pool.map(lambda item: _tensor_digest(*item), frozen))
+    whole = hashlib.sha256()
+    for digest in digests:
+        whole.update(digest)
+    return f"{FULL_FINGERPRINT}{whole.hexdigest()}"
+
+
+def _tensor_digest(name: str, param: torch.Tensor) -> bytes:
+    digest = hashlib.sha256(f"{name}|{tuple(param.shape)}|{param.dtype}|".encode())
+    values = param.detach().to("cpu").contiguous().reshape(-1)
+    if values.numel():
+        digest.update(values.view(torch.uint8).numpy().data)  # the bytes as stored (bf16 too: NumPy has no bf16)
+    return digest.digest()
+
+
+def sampled_fingerprint(model: nn.Module) -> str | None:
+    """The fingerprint earlier versions recorded (16 hex digits): a strided sample of ``DIGEST_VALUES`` values per
+    frozen tensor. Kept to resume their checkpoints (``checkpoint/hyperparameters.py``): it tells another base model,
+    not a few changed weights."""
     digest = hashlib.sha256()
     frozen = 0
     for name, param in model.named_parameters():
@@ -212,10 +258,18 @@ def finetune_facts(model: nn.Module) -> dict[str, Any]:
     if fingerprint is None:
         return {}
     trainable, total = parameter_counts(model)
-    return {"trainable_parameters": trainable, "total_parameters": total, "base_fingerprint": fingerprint}
+    facts = {"trainable_parameters": trainable, "total_parameters": total, "base_fingerprint": fingerprint,
+             "base_sampled_fingerprint": sampled_fingerprint(model)}  # to resume checkpoints of earlier versions
+    lora = getattr(model, "peft_config", {}).get("default") if is_peft_model(model) else None
+    if getattr(lora, "r", None) is not None:
+        facts["lora_r"] = int(lora.r)  # a resume with another --lora_r is refused by name, not by tensor shapes
+    return facts
 
 
 # ----------------------------------------------------------------------------- the final export
+
+MERGE_CHECK_TOKENS = 16  # tokens on which the merged model must give the adapter model's logits before it is written
+MERGE_RTOL = 1e-4  # of the largest logit: a merge is exact up to float rounding (~1e-7 relative in float32)
 
 
 def export_adapter(accelerator, model: nn.Module, tokenizer: Any, output_dir: str, merge: bool) -> str:
@@ -225,25 +279,122 @@ def export_adapter(accelerator, model: nn.Module, tokenizer: Any, output_dir: st
     process writes (each folder written beside, then renamed into place). ``model``: the unwrapped PeftModel.
 
     The merge works on a copy (one more model in memory for a moment): the trained model, and the base a
-    Python caller passed in, stay as they are.
+    Python caller passed in, stay as they are. The merged folder is loaded back and must give the adapter model's
+    logits on a few tokens before it is renamed into place (``check_merged``); else a ConfigError on every rank.
     """
     adapter = os.path.join(output_dir, ADAPTER_SUBDIR)
     if accelerator.is_main_process:
         _write_folder(adapter, lambda tmp: model.save_pretrained(tmp), tokenizer)  # the adapter's weights only
-        if merge:
-            merged = copy.deepcopy(model).merge_and_unload()
-            _write_folder(os.path.join(output_dir, PRETRAINED_SUBDIR), lambda tmp: merged.save_pretrained(tmp),
-                          tokenizer)
-            del merged
+    if merge:  # the main process merges, checks and writes; every rank gets its outcome (a mismatch: one line)
+        main_process_decides(accelerator, lambda: _write_merged(model, tokenizer,
+                                                                os.path.join(output_dir, PRETRAINED_SUBDIR)))
     accelerator.wait_for_everyone()
     return adapter
 
 
-def _write_folder(final: str, save, tokenizer: Any) -> None:
+def _write_merged(tuned: nn.Module, tokenizer: Any, final: str) -> None:
+    _write_folder(final, lambda tmp: merged_copy(tuned).save_pretrained(tmp), tokenizer,
+                  check=lambda tmp: check_merged(tuned, tmp))
+
+
+def tied_output_adapted(tuned: nn.Module) -> tuple[str, str, int] | None:
+    """(output layer's name, input embedding's name, its size) where ``tuned``'s output layer has an adapter and
+    shares its weight with the input embedding (GPT-2's lm_head and wte); else None. peft's merge would add the
+    adapter's update into the shared tensor, changing the embedding too (peft issue #2777 and PR #2972: peft leaves
+    the decision to the user and warns)."""
+    base = tuned.get_base_model() if hasattr(tuned, "get_base_model") else tuned
+    output, embedding = _embeddings(base)
+    layer = getattr(output, "base_layer", None)
+    if layer is None or embedding is None or getattr(layer, "weight", None) is not getattr(embedding, "weight", 1):
+        return None
+    names = {id(module): name for name, module in base.named_modules()}
+    return names.get(id(output), "the output layer"), names.get(id(embedding), "the embedding"), layer.weight.numel()
+
+
+def _embeddings(model: nn.Module) -> tuple[Any, Any]:
+    get_out, get_in = getattr(model, "get_output_embeddings", None), getattr(model, "get_input_embeddings", None)
+    try:
+        return (get_out() if callable(get_out) else None), (get_in() if callable(get_in) else None)
+    except NotImplementedError:  # Transformers' default for a model without them
+        return None, None
+
+
+def merged_copy(tuned: nn.Module) -> nn.Module:
+    """A merged copy of the PeftModel ``tuned``: the plain Transformers model that computes what ``tuned`` does.
+
+    An adapted output layer tied to the input embedding gets a weight of its own first (and the config says
+    ``tie_word_embeddings`` false, so that save_pretrained writes it and from_pretrained does not tie it back): the
+    trained model applied the adapter to the output layer only, never to the embedding."""
+    copied = copy.deepcopy(tuned)  # shared tensors stay shared in the copy (deepcopy's memo)
+    if tied_output_adapted(copied) is not None:
+        base = copied.get_base_model()
+        layer = _embeddings(base)[0].base_layer
+        layer.weight = nn.Parameter(layer.weight.detach().clone(), requires_grad=False)
+        configs = {id(c): c for c in (base.config, getattr(base.config, "get_text_config", lambda: None)()) if c}
+        for config in configs.values():
+            config.tie_word_embeddings = False
+    return copied.merge_and_unload()
+
+
+def check_merged(tuned: nn.Module, folder: str) -> None:
+    """The model saved in ``folder``, loaded back as Transformers would, gives ``tuned``'s logits (within
+    ``MERGE_RTOL`` of the largest, TF32 off) on ``MERGE_CHECK_TOKENS`` tokens; else a ConfigError."""
+    base = tuned.get_base_model()
+    config = base.config
+    vocab = int(getattr(config.get_text_config() if hasattr(config, "get_text_config") else config, "vocab_size", 2))
+    count = min(MERGE_CHECK_TOKENS, int(getattr(config, "max_position_embeddings", 0) or MERGE_CHECK_TOKENS))
+    tokens = (torch.arange(count) * 7919 % vocab).unsqueeze(0)  # spread over the vocabulary, the same every run
+    expected = _logits(tuned, tokens)
+    from transformers.utils import logging as hf_logging  # the folder was written by Transformers: it is there
+
+    bar = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # no "Loading weights" bar at the end of a run
+    try:
+        merged = type(base).from_pretrained(folder, dtype=next(base.parameters()).dtype)
+    finally:
+        if bar:
+            hf_logging.enable_progress_bar()
+    got = _logits(merged, tokens)
+    eps = torch.finfo(expected.dtype).eps if expected.is_floating_point() else 0.0
+    allowed = max(MERGE_RTOL, 16 * eps) * max(1.0, float(expected.abs().max()))
+    off = float((got.float() - expected.float()).abs().max())
+    if not off <= allowed:
+        raise ConfigError(f"--merge_adapter: the merged model's logits differ from the adapter model's (by up to "
+                          f"{off:.3g} on {count} tokens, allowed {allowed:.2g}), so hf_model/ is not written; the "
+                          "adapter/ folder is what was trained: load it on the base with peft's "
+                          "PeftModel.from_pretrained, or drop --merge_adapter")
+
+
+def _logits(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """``model``'s logits for ``tokens`` on the CPU, in eval mode (no dropout), with fp32 matmuls in full precision."""
+    device = next(model.parameters()).device
+    training, tf32 = model.training, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False  # TF32's ~1e-3 relative error would hide a bad merge (or fake one)
+    model.eval()
+    try:
+        with torch.no_grad():
+            out = model(input_ids=tokens.to(device))
+    finally:
+        model.train(training)
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+    logits = out.logits if hasattr(out, "logits") else out[0]
+    return logits.detach().float().cpu()
+
+
+def _write_folder(final: str, save, tokenizer: Any, check=None) -> None:
+    """``save(tmp)`` (and the tokenizer) into ``final``.tmp, ``check(tmp)``, then renamed into place; a refused
+    check leaves neither."""
     tmp = f"{final}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     save(tmp)
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)
+    if check is not None:
+        try:
+            check(tmp)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    follow_umask(tmp)  # its safetensors files are 0600, whatever the umask
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)

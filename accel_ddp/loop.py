@@ -35,6 +35,8 @@ from accel_ddp.outputs.model_card import launch_command, write_model_card
 from accel_ddp.outputs.run_dir import (
     RunFinished,
 )
+from accel_ddp.tasks.arguments import check_arguments
+from accel_ddp.tracking.console_log import ConsoleLog
 from accel_ddp.tracking.meters import (
     EpochTimer,
     ThroughputMeter,
@@ -57,6 +59,7 @@ def train(
     optimizer: Any = None,
     lr_scheduler: Any = None,
     callbacks: Sequence[Any] = (),
+    console: ConsoleLog | None = None,
 ) -> dict[str, Any]:
     """Train on every rank of the current launch; return the summary (the same on every rank).
 
@@ -74,15 +77,18 @@ def train(
     (:mod:`accel_ddp.callbacks`). On SIGTERM or
     SIGUSR1 every rank stops after the same optimizer step, saves a checkpoint and raises ``Preempted``
     (``preemption``: the watcher ``main()`` installed before parsing the options; None: one is installed now).
+    What the main process prints goes to ``OUTPUT_DIR/run.log`` too (``console``: the CLI's, which outlives the
+    run for its last line; None: one for the length of this call).
     An error in a launch of several ranks is recorded on the ranks' store before the process group goes
     (:func:`accel_ddp.lifecycle.failure.claim`); from then on this process records SIGTERM and SIGUSR1 instead of
     dying of them: the launcher is stopping every rank, and ``main()`` reports, then exits.
     """
+    check_arguments(cfg, model, train_dataset, eval_dataset)  # a wrong kind: one line naming it, nothing built
     with ExitStack() as teardown:  # on any exit: signal handlers back, files closed, lock and process group gone
         try:
             run = setup(cfg, teardown, model, train_dataset, eval_dataset, loss_fn=loss_fn, metrics=metrics,
                         collate_fn=collate_fn, preemption=preemption, optimizer=optimizer, lr_scheduler=lr_scheduler,
-                        callbacks=callbacks)
+                        callbacks=callbacks, console=console)
         except RunFinished as done:  # the same command again after the run ended: nothing to do, nothing touched
             return done.summary
         run.callbacks.train_begin(run.start_step)

@@ -31,6 +31,7 @@ from accel_ddp.checkpoint.weights import plain_state_dict
 from accel_ddp.config import TEXT_TASKS, TrainConfig
 from accel_ddp.finetune import export_adapter, is_peft_model
 from accel_ddp.outputs.names import PRETRAINED_SUBDIR
+from accel_ddp.util.atomic import follow_umask
 from accel_ddp.util.messages import prints
 from accel_ddp.util.optional import require
 from accel_ddp.util.registry import resolve
@@ -293,6 +294,7 @@ def export_pretrained(accelerator, model: nn.Module, tokenizer: Any, output_dir:
         unwrapped.save_pretrained(tmp, state_dict=state)  # safetensors
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
+        follow_umask(tmp)  # its safetensors files are 0600, whatever the umask
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
     accelerator.wait_for_everyone()

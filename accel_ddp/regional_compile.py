@@ -37,6 +37,20 @@ def compile_regions(model: nn.Module) -> int:
     return sum(len(blocks) for blocks in lists)
 
 
+def slower_here(device_type: str, *, compile: bool, compile_regions: bool) -> str | None:
+    """The warning line for a compile asked for where it was measured slower than eager, or None.
+
+    On the CPU, ``benchmarks/compile_cost.py`` (docs/performance.md, "What a compile costs on the CPU") measured the
+    compiled step dearer than the eager one for the tiny GPT-2 and the MNIST CNN, so the compile never pays back:
+    both stay off by default there, and a run that asks for one is told, and runs as asked. On a GPU the gain is
+    unmeasured (no warning: nothing says it is slower there)."""
+    if device_type != "cpu" or not (compile or compile_regions):
+        return None
+    flag = "--compile" if compile else "--compile_regions"
+    return (f"{flag} on the CPU: measured slower than eager here (each step costs more CPU and the compile never "
+            "pays back; benchmarks/compile_cost.py, docs/performance.md); it runs as asked: drop it to train faster")
+
+
 def _compile_regions(model: nn.Module, build: ModelBuild) -> tuple[nn.Module, str]:
     regions = compile_regions(model)  # in place, before DDP wraps it: the same parameter names
     return model, f"{regions} repeated block{'s' if regions != 1 else ''} compiled (--compile_regions)"

@@ -65,7 +65,7 @@ def load(args, device: torch.device):
         tokens = bundle.train.inputs.to(device)  # TokenBlocks (blocks, max_length): packed, no padding
 
         def next_token_loss(model, ids, _):  # labels shifted, not logits: no copy of the (B, T, vocab) logits
-            logits = model(input_ids=ids).logits
+            logits = model(input_ids=ids, use_cache=False).logits  # as accel_ddp runs it: no key/value cache
             labels = F.pad(ids[:, 1:], (0, 1), value=-100)
             return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
 

@@ -11,6 +11,13 @@ in a fresh Python process (no compile cache or allocator state shared) for ``--s
     compile_regions   --compile_regions (each block compiled in place; its compile time is in first_step)
     compile           --compile (the whole model, through Accelerate)
     chunked_loss      --chunked_loss (no (tokens, vocabulary) float32 logits)
+    cuda_graphs       --cuda_graphs (the whole step captured once and replayed; refused without a CUDA device)
+
+Each variant gets a compile cache of its own, empty (TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR in a temporary
+folder: the FX graph, AOTAutograd and Triton caches all live there), so its first_step is a cold compile's, whatever
+ran before. A variant that fails or runs past ``--timeout`` is recorded (its error, and its whole output kept in
+``<out>.logs/<variant>.log``) and the next one runs; ``flash_attention`` is recorded as skipped, with the reason,
+where ``flash_attn`` does not import. Exit code 1 if a variant failed or timed out.
 
 Printed and written (``--out``, JSON): tokens/s and MFU from the median step time (the first ``--warmup`` steps
 left out: they hold compilation), the step time p50, the device's peak allocated memory, the start-up phases, and
@@ -21,13 +28,16 @@ device's dense bf16 peak.
     python benchmarks/mfu.py --variants defaults,compile_regions --steps 40
     python benchmarks/mfu.py --dry-run                           # the plumbing on the CPU in seconds: a tiny
                                                                  # GPT-2, fp32, 3 steps, no compile variants
+    python benchmarks/mfu.py --dry-run --variants defaults,flash_attention,cuda_graphs   # a skip and a failure
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -44,8 +54,10 @@ VARIANTS = {  # name -> TrainConfig overrides
     "compile_regions": {"compile_regions": True},
     "compile": {"compile": True},
     "chunked_loss": {"chunked_loss": True},
+    "cuda_graphs": {"cuda_graphs": True},
 }
-DRY_VARIANTS = ("defaults", "eager_attention", "chunked_loss")  # no compile on the CPU: minutes, not seconds
+# No compile on the CPU (minutes, not seconds); flash_attention is skipped there with its note.
+DRY_VARIANTS = ("defaults", "eager_attention", "flash_attention", "chunked_loss")
 GPT2_124M = {"n_layer": 12, "n_head": 12, "n_embd": 768, "vocab_size": 50304, "n_positions": 1024}
 TINY = {"n_layer": 2, "n_head": 2, "n_embd": 32, "vocab_size": 64, "n_positions": 32}
 
@@ -96,20 +108,55 @@ def child(variant: str, dry_run: bool, steps: int, warmup: int, out_dir: str) ->
     }
 
 
-def run_variant(variant: str, args: argparse.Namespace, out_dir: str) -> dict:
+def run_variant(variant: str, args: argparse.Namespace, out_dir: str, log_dir: str) -> dict:
+    """One variant in a fresh Python process with a fresh compile cache; its output kept in ``log_dir``. A failure
+    or a timeout is a result too (``error``), so that the next variant runs."""
+    skipped = skip_reason(variant)
+    if skipped:
+        return {"variant": variant, "skipped": skipped}
     result = os.path.join(out_dir, f"{variant}.json")
+    log = os.path.join(log_dir, f"{variant}.log")
     # -m from the repository: the script's own folder on sys.path would shadow the `kernels` package Transformers
     # imports with benchmarks/kernels.py.
     cmd = [sys.executable, "-m", "benchmarks.mfu", "--child", variant, "--steps", str(args.steps),
            "--warmup", str(args.warmup), "--work", out_dir, *(["--dry-run"] if args.dry_run else [])]
+    cache = os.path.join(out_dir, f"{variant}.cache")  # empty: inductor's FX graph and AOTAutograd caches, Triton's
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", "TORCHINDUCTOR_CACHE_DIR": cache,
+           "TRITON_CACHE_DIR": os.path.join(cache, "triton")}
     started = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, cwd=REPO,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
-    if proc.returncode != 0 or not os.path.isfile(result):
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-        return {"variant": variant, "error": " | ".join(tail), "wall_sec": time.perf_counter() - started}
+    with open(log, "w") as out:
+        # A session of its own: a timeout ends the child and what it started (inductor's compile workers).
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=env, start_new_session=True)
+        try:
+            code = proc.wait(timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            return {"variant": variant, "error": f"timed out after {args.timeout:g} s", "log": log,
+                    "wall_sec": time.perf_counter() - started}
+    if code != 0 or not os.path.isfile(result):
+        tail = [line for line in Path(log).read_text(errors="replace").splitlines() if line.strip()][-3:]
+        return {"variant": variant, "error": f"exit {code}: " + " | ".join(tail), "log": log,
+                "wall_sec": time.perf_counter() - started}
     with open(result) as fh:
-        return {**json.load(fh), "wall_sec": time.perf_counter() - started}
+        return {**json.load(fh), "log": log, "wall_sec": time.perf_counter() - started}
+
+
+def skip_reason(variant: str) -> str | None:
+    """Why a variant cannot run on this machine at all (recorded as skipped, not failed), or None."""
+    if variant != "flash_attention":
+        return None
+    if importlib.util.find_spec("flash_attn") is None:
+        return "flash_attn is not installed (pip install flash-attn): Transformers would look for a kernel online"
+    try:
+        probe = subprocess.run([sys.executable, "-c", "import flash_attn"], capture_output=True, text=True,
+                               timeout=120)
+    except subprocess.TimeoutExpired:
+        return "flash_attn did not import within 120 s"
+    if probe.returncode != 0:
+        last = (probe.stderr.strip().splitlines() or ["?"])[-1]
+        return f"flash_attn does not import ({last[:200]})"
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -134,22 +181,27 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:
         parser.error(f"unknown variant {unknown[0]}; choose from {', '.join(VARIANTS)}")
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     results = []
+    log_dir = f"{os.path.splitext(os.path.abspath(args.out))[0]}.logs"  # kept: why a variant failed
+    os.makedirs(log_dir, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="mfu_") as work:
         for name in names:
-            results.append(run_variant(name, args, work))
-            print(_line(results[-1], results[0]), flush=True)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as fh:
-        json.dump({"dry_run": args.dry_run, "steps": args.steps, "warmup": args.warmup, "results": results}, fh,
-                  indent=1)
+            results.append(run_variant(name, args, work, log_dir))
+            base = next((r for r in results if "tokens_per_sec" in r), results[-1])
+            print(_line(results[-1], base), flush=True)
+            with open(args.out, "w") as fh:  # after each variant: a run stopped from outside keeps what finished
+                json.dump({"dry_run": args.dry_run, "steps": args.steps, "warmup": args.warmup, "results": results},
+                          fh, indent=1)
     print(f"wrote {args.out}")
     return 0 if all("error" not in r for r in results) else 1
 
 
 def _line(r: dict, base: dict) -> str:
+    if "skipped" in r:
+        return f"{r['variant']:16s} skipped: {r['skipped']}"
     if "error" in r:
-        return f"{r['variant']:16s} failed: {r['error']}"
+        return f"{r['variant']:16s} failed: {r['error']} (log: {r['log']})"
     ratio = r["tokens_per_sec"] / base["tokens_per_sec"] if base.get("tokens_per_sec") and r["tokens_per_sec"] else 0
     mfu = "n/a" if r["mfu"] is None else f"{r['mfu']:.3f}"
     memory = "n/a" if r["peak_memory_gib"] is None else f"{r['peak_memory_gib']:.1f} GiB"

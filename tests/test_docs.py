@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 from accel_ddp.config import RENAMED_FLAGS, RENAMED_VALUES, TrainConfig, sections
+from accel_ddp.config.dependents import DEPENDENTS
 from tools import check_links, flag_table
 
 REPO = Path(__file__).resolve().parents[1]
@@ -21,17 +22,21 @@ def test_committed_flag_table_matches_train_config():
 
 def test_flag_table_has_every_field_once_with_its_default_and_help_under_its_section():
     table = flag_table.table()
+    options, dependents = table.split("\n### Flags that need another\n")  # the second: a row per dependent flag
     for f in dataclasses.fields(TrainConfig):
-        rows = [line for line in table.splitlines() if line.startswith(f"| `--{f.name}` |")]
+        rows = [line for line in options.splitlines() if line.startswith(f"| `--{f.name}` |")]
         assert len(rows) == 1, f.name
         assert f.metadata["help"].replace("|", "\\|") in rows[0]
+    for row in DEPENDENTS:
+        assert len([line for line in dependents.splitlines() if line.startswith(f"| `--{row.flag}` |")]) == 1
     assert "| `--lr` | `0.003` |" in table
     assert "| `--synthetic_shape` | `1 28 28` |" in table
     assert "| `--per_device_batch_size` | unset |" in table
     assert "| `--ddp_gradient_as_bucket_view` | `true` |" in table
     headings = re.findall(r"^### (.+)$", table, re.M)
     assert headings == ["Data", "Model", "Fine-tuning", "Task", "Optimisation", "Evaluation, logging, outputs",
-                        "Performance and distributed knobs", "Hugging Face names", "Old spellings"]
+                        "Performance and distributed knobs", "Flags that need another", "Hugging Face names",
+                        "Old spellings"]
     grouped = {section.title: section.fields for section in sections()}  # --help's groups too
     assert [f.name for f in grouped["Model"]] == ["model", "hidden_size", "width", "model_config"]
     for old, new in RENAMED_FLAGS.items():

@@ -283,12 +283,20 @@ def test_sigterm_then_resume_gives_the_uninterrupted_adapter_bit_for_bit(referen
 # ----------------------------------------------------------------------------- bad input: one line, exit 2
 
 
-def assert_refused(codes: list[int], capfd, expected: str) -> None:
+def assert_refused(codes: list[int], capfd, expected: str) -> str:
     err = capfd.readouterr().err
     assert codes == [2] * len(codes), err[-2000:]
     lines = [line for line in err.splitlines() if "accel_ddp: error:" in line]
     assert lines and expected in lines[0], err[-2000:]
     assert "Traceback" not in err
+    return err
+
+
+def assert_refused_once(codes: list[int], capfd, expected: str) -> str:
+    """assert_refused, and the line printed once for the launch, whatever its ranks."""
+    err = assert_refused(codes, capfd, expected)
+    assert err.count("accel_ddp: error:") == 1, err[-2000:]
+    return err
 
 
 def test_a_target_module_that_does_not_exist_is_one_line(base, tmp_path, capfd):
@@ -322,6 +330,102 @@ def test_a_full_checkpoint_resumed_with_peft_is_one_line(base, tmp_path, capfd):
     codes = main_ranks(lora_args(base, tmp_path / "again", "--resume_from_checkpoint",
                                  str(out / "checkpoints" / "step_00000004")), 1)
     assert_refused(codes, capfd, "it holds a model trained in full, this run freezes a base")
+
+
+def changed_base(base: Path, folder: Path) -> Path:
+    """A copy of ``base`` with one weight moved by 0.5: h.1.mlp.c_fc.weight[3, 5] (not among a strided sample's)."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    shutil.copytree(base, folder)
+    weights = base_weights(folder)
+    weights["transformer.h.1.mlp.c_fc.weight"][3, 5] += 0.5
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return folder
+
+
+@pytest.fixture(scope="module")
+def adapter_checkpoint(base, tmp_path_factory) -> Path:
+    """A LoRA run's checkpoint at step 4 (of 8: the resumes below have steps left)."""
+    out = tmp_path_factory.mktemp("adapter-run") / "run"
+    train_ranks(lora_args(base, out, "--checkpointing_steps", "4"), world_size=1)
+    return out / "checkpoints" / "step_00000004"
+
+
+def test_an_adapter_checkpoint_on_a_base_with_one_changed_weight_is_one_line(base, adapter_checkpoint, tmp_path,
+                                                                            capfd):
+    """The base's fingerprint covers every value of its weights: one weight moved by 0.5 is another base."""
+    other = changed_base(base, tmp_path / "changed")
+    capfd.readouterr()
+    codes = main_ranks(lora_args(other, tmp_path / "second", "--resume_from_checkpoint", str(adapter_checkpoint)), 2)
+    assert_refused_once(codes, capfd, "its adapter belongs to another base model")
+    assert json.loads((adapter_checkpoint / "checkpoint.json").read_text())["base_fingerprint"].startswith("sha256:")
+
+
+def test_a_checkpoint_with_the_earlier_sampled_fingerprint_resumes_with_a_warning_and_still_refuses_another_base(
+        base, adapter_checkpoint, tmp_path, capfd):
+    """A checkpoint of an earlier version holds the fingerprint of 64 sampled values per tensor: it resumes on its base
+    with one warning that the check is weaker (the run's new checkpoints hold the full one); a base of other
+    weights is still refused."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    from accel_ddp.finetune import add_lora, sampled_fingerprint
+
+    old = tmp_path / "old" / "step_00000004"
+    shutil.copytree(adapter_checkpoint, old)
+    meta = json.loads((old / "checkpoint.json").read_text())
+    tuned = add_lora(AutoModelForCausalLM.from_pretrained(str(base)), 4, 8.0, 0.0, "c_attn,c_fc")
+    meta["base_fingerprint"] = sampled_fingerprint(tuned)
+    meta.pop("lora_r", None)
+    (old / "checkpoint.json").write_text(json.dumps(meta))
+    capfd.readouterr()
+    train_ranks(lora_args(base, tmp_path / "resumed", "--resume_from_checkpoint", str(old)), world_size=2)
+    warned = [line for line in capfd.readouterr().err.splitlines() if "sampled fingerprint" in line]
+    assert len(warned) == 1 and "a few changed weights would not show" in warned[0], warned
+    assert read_summary(tmp_path / "resumed")["base_fingerprint"].startswith("sha256:")
+    codes = main_ranks(lora_args(save_base(tmp_path / "other", seed=1), tmp_path / "third",
+                                 "--resume_from_checkpoint", str(old)), 1)
+    assert_refused(codes, capfd, "its adapter belongs to another base model")
+
+
+def test_resuming_with_another_lora_r_names_lora_r(base, adapter_checkpoint, tmp_path, capfd):
+    capfd.readouterr()
+    codes = main_ranks([*lora_args(base, tmp_path / "again", "--resume_from_checkpoint", str(adapter_checkpoint)),
+                        "--lora_r", "8"], 2)
+    err = assert_refused_once(codes, capfd, f"--resume_from_checkpoint {adapter_checkpoint}: its adapters have rank "
+                              "--lora_r 4, this run has --lora_r 8; resume with --lora_r 4")
+    assert "shape mismatch" not in err
+
+
+def test_adapter_weights_of_another_rank_name_lora_r_also_where_checkpoint_json_does_not(tmp_path):
+    """A checkpoint of an earlier version records no lora_r: the load itself names it, not the shapes."""
+    from safetensors.torch import save_file
+
+    from accel_ddp.checkpoint.weights import load_weights as load_into
+    from accel_ddp.checkpoint.weights import trainable_state_dict
+    from accel_ddp.finetune import add_lora
+
+    torch.manual_seed(0)
+    save_file(trainable_state_dict(add_lora(tiny_gpt(), 4, 8.0, 0.0, "c_attn")), str(tmp_path / "model.safetensors"))
+    with pytest.raises(ConfigError, match="its adapters have rank --lora_r 4, this run has --lora_r 8; use --lora_r 4"):
+        load_into(add_lora(tiny_gpt(), 8, 8.0, 0.0, "c_attn"), str(tmp_path / "model.safetensors"),
+                  source="--resume_from_checkpoint", keep_frozen=True)
+
+
+def test_init_from_a_lora_runs_weights_says_where_the_merged_model_is(base, adapter_checkpoint, tmp_path, capfd):
+    """A LoRA run's model.safetensors is the same model under peft's names (base_model.model..., lora_A/B):
+    --init_from it is told to point at the merged hf_model/ (or the adapter/), not to change --model."""
+    run = adapter_checkpoint.parent.parent
+    capfd.readouterr()
+    codes = main_ranks([*DATA, "--model", str(base), *STEPS, "--output_dir", str(tmp_path / "next"),
+                        "--init_from", str(run / "model.safetensors")], 2)
+    err = assert_refused_once(codes, capfd, f"--init_from {run / 'model.safetensors'} holds a LoRA run's model (the "
+                              "same model under peft's names, its adapters not merged): point --init_from to "
+                              "RUN/hf_model/model.safetensors")
+    assert "different model" not in err
 
 
 @pytest.mark.parametrize("extra,expected", [
@@ -374,6 +478,57 @@ def test_the_adapter_loads_with_peft_and_the_merged_model_without_it_with_the_sa
     assert not torch.allclose(adapter_logits, base_logits, atol=1e-3)
 
 
+def test_an_adapter_on_the_tied_output_layer_merges_into_a_model_with_the_adapters_logits(base, tmp_path, capfd):
+    """GPT-2's lm_head is tied to the input embedding wte; an adapter on lm_head changes the output layer only. The
+    merged hf_model/ holds an output layer of its own (wte is the base's, bit for bit) and gives base + adapter's
+    logits; a note at start says so, once."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "run"
+    capfd.readouterr()
+    train_ranks(lora_args(base, out, "--lora_target_modules", "lm_head,c_attn", "--merge_adapter"), world_size=2)
+    notes = [line for line in capfd.readouterr().err.splitlines() if "untied" in line]
+    assert len(notes) == 1 and "lm_head is tied to transformer.wte" in notes[0], notes
+    tokens = torch.randint(2, 48, (3, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        plain = AutoModelForCausalLM.from_pretrained(str(base)).eval()
+        base_logits = plain(tokens).logits
+        adapter_logits = PeftModel.from_pretrained(plain, str(out / "adapter")).eval()(tokens).logits
+        merged = AutoModelForCausalLM.from_pretrained(str(out / "hf_model")).eval()
+        merged_logits = merged(tokens).logits
+    assert not torch.allclose(adapter_logits, base_logits, atol=1e-3), "the adapters did not train"
+    off = (merged_logits - adapter_logits).abs().max()
+    assert torch.allclose(merged_logits, adapter_logits, atol=1e-5, rtol=0), off
+    assert torch.equal(merged.transformer.wte.weight, base_weights(base)["transformer.wte.weight"])
+    assert merged.lm_head.weight.data_ptr() != merged.transformer.wte.weight.data_ptr()
+    assert not merged.config.tie_word_embeddings
+
+
+def test_a_merge_that_does_not_give_the_adapters_logits_is_refused_before_hf_model_is_written(base, tmp_path, capfd,
+                                                                                              monkeypatch):
+    """Every merged export is checked against the adapter model's logits on a few tokens before it is renamed into
+    place: a merge that changes them (here peft's merge made to add twice the update) is one line, exit 2, and no
+    hf_model/ (the adapter/ is written)."""
+    from peft.tuners.lora import Linear as LoraLinear
+
+    from accel_ddp.finetune import MERGE_CHECK_TOKENS  # noqa: F401 - the check exists
+
+    merge = LoraLinear.merge
+
+    def merge_twice(self, *args, **kwargs):
+        merge(self, *args, **kwargs)
+        self.merged_adapters.clear()
+        merge(self, *args, **kwargs)
+
+    monkeypatch.setattr(LoraLinear, "merge", merge_twice)  # forked ranks inherit it
+    capfd.readouterr()
+    codes = main_ranks(lora_args(base, tmp_path / "run", "--merge_adapter"), 2)
+    assert_refused_once(codes, capfd, "--merge_adapter: the merged model's logits differ from the adapter model's")
+    assert (tmp_path / "run" / "adapter" / "adapter_model.safetensors").is_file()
+    assert not (tmp_path / "run" / "hf_model").exists()
+
+
 def test_peft_under_fsdp_is_refused_before_anything_is_built():
     from types import SimpleNamespace
 
@@ -395,6 +550,6 @@ def test_the_fingerprint_is_the_bases_whatever_the_adapters_and_changes_with_its
         torch.manual_seed(0)
         assert base_fingerprint(add_lora(tiny_gpt(), 2, 4.0, 0.0, targets)) == fingerprint
     with torch.no_grad():
-        plain.transformer.h[1].mlp.c_fc.weight[0, 0] += 1.0
+        plain.transformer.h[1].mlp.c_fc.weight[3, 5] += 0.5  # not among a strided sample's values
     assert base_fingerprint(plain) != fingerprint
     assert base_fingerprint(tiny_gpt()) is None  # nothing frozen

@@ -37,9 +37,10 @@ PLAIN = [
 @pytest.mark.parametrize("alias, text, ours, value", PLAIN)
 def test_plain_alias_sets_our_option_on_the_cli_and_in_yaml(tmp_path, alias, text, ours, value):
     assert HF_ALIASES[alias][0] == ours
-    assert getattr(parse_args([f"--{alias}", text]), ours) == value
+    used = ["--dataset", "hf"] if ours == "hf_config" else []  # a dataset's config means something to hf only
+    assert getattr(parse_args([*used, f"--{alias}", text]), ours) == value
     recipe = tmp_path / "recipe.yaml"
-    recipe.write_text(f"{alias}: {text}\n")
+    recipe.write_text(f"{alias}: {text}\n" + ("dataset: hf\n" if used else ""))
     assert getattr(parse_args(["--config", str(recipe)]), ours) == value
 
 
@@ -201,6 +202,12 @@ def test_the_readme_python_example_learns_and_prints_once_on_two_ranks(tmp_path,
     accuracy = float(printed[0].split()[2])
     assert accuracy > 0.9 and printed[0] == "eval accuracy 0.967 (chance 0.333), eval loss 0.233"  # the README's figure
     assert read_summary(tmp_path / "outputs" / "mine")["world_size"] == 2
+    # Run again (issue 51): the finished run is said in one line and its figures printed again, nothing retrained
+    run_ranks(lambda: _run_example(_readme_example(), str(tmp_path)), world_size=2)
+    again = capfd.readouterr()
+    assert again.out.splitlines() == ["accel_ddp: outputs/mine already finished at step 140 (see its summary.json); "
+                                      "nothing to do", printed[0]], again
+    assert "Error" not in again.err, again.err
 
 
 @pytest.mark.slow

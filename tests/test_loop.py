@@ -246,3 +246,94 @@ def test_digits_are_read_without_scikit_learn_as_load_digits_returns_them():
     assert images.shape == (1797, 8, 8) and labels.shape == (1797,)
     digest = hashlib.sha256(images.astype(np.uint8).tobytes() + labels.astype(np.int64).tobytes()).hexdigest()
     assert digest == "65e5b4619795efb40c1082f4c350c049e4ad552200d369b6ae99e21eef5e72c5"  # load_digits(), sklearn 1.x
+
+
+# ----------------------------------------------------------------------------- train() again; its door (issue 50)
+
+
+def _tiny_train(out: Path, **overrides):
+    """``train()`` of a small Linear on 64 samples, 4 optimizer steps; ``overrides`` replace its arguments."""
+    from accel_ddp.config import TrainConfig
+    from accel_ddp.loop import train
+
+    arguments = {"cfg": TrainConfig(global_batch_size=16, max_steps=4, output_dir=str(out)),
+                 "model": torch.nn.Sequential(torch.nn.Linear(6, 3)),
+                 "train_dataset": TensorDataset(torch.randn(64, 6), torch.randint(0, 3, (64,)))}
+    arguments.update(overrides)
+    return train(arguments.pop("cfg"), **arguments)
+
+
+@pytest.mark.parametrize("store", ["env", "launcher"])
+def test_train_called_again_in_the_same_process_trains_and_returns_its_summary_on_every_rank(store, tmp_path,
+                                                                                             request):
+    """A sweep or a notebook: three train() calls in one process, on 2 ranks, each forming its process group again
+    (over env://, where rank 0 hosts the store, and over torchrun's agent store, which outlives every group)."""
+    env = request.getfixturevalue("launcher_store")[1] if store == "launcher" else {}
+
+    def sweep() -> list[tuple[int, bool]]:
+        from accelerate import PartialState
+
+        # After each call the caller still asks Accelerate which rank it is (the README's example does)
+        return [(_tiny_train(tmp_path / f"run{i}")["optimizer_steps"], PartialState().is_main_process)
+                for i in range(3)]
+
+    assert run_ranks(sweep, world_size=2, env=env) == [[(4, True)] * 3, [(4, False)] * 3]
+    assert all((tmp_path / f"run{i}" / "summary.json").is_file() for i in range(3))
+
+
+@pytest.mark.parametrize("argument,value,words", [
+    ("model", "not a model", "model= must be a torch.nn.Module, not a str"),
+    ("cfg", {"epochs": 1}, "cfg= must be a TrainConfig, not a dict; build one with TrainConfig(**your_dict)"),
+    ("train_dataset", [1, 2, 3], "train_dataset= must be a Dataset of tensors, tuples or dicts: its sample 0 is an "
+                                 "int"),
+    ("eval_dataset", "data.csv", "eval_dataset= must be a Dataset (a torch.utils.data.Dataset, a datasets.Dataset), "
+                                 "not a str"),
+    ("train_dataset", {"x": [1.0]}, "train_dataset= must be a Dataset (a torch.utils.data.Dataset, a "
+                                    "datasets.Dataset), not a dict"),
+])
+def test_train_refuses_arguments_of_the_wrong_kind_at_the_door_in_one_line(argument, value, words, tmp_path):
+    from accel_ddp.util.validation import ConfigError
+
+    with pytest.raises(ConfigError) as refused:
+        _tiny_train(tmp_path / "run", **{argument: value})
+    assert isinstance(refused.value, TypeError)  # either except clause catches it
+    assert str(refused.value).startswith(words), str(refused.value)
+    assert "\n" not in str(refused.value) and not (tmp_path / "run").exists()
+
+
+class _FailsOnRankZero(torch.utils.data.Dataset):
+    """A user's dataset whose reads fail on rank 0 from its third sample read on."""
+
+    def __init__(self):
+        self.reads = 0
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, index):
+        self.reads += 1
+        if os.environ.get("RANK") == "0" and self.reads > 2:
+            raise OSError(f"cannot read sample {index}: disk gone")
+        return torch.full((6,), float(index)), index % 3
+
+
+def test_a_dataset_failing_on_rank_0_is_named_by_rank_1_not_its_transport_error(tmp_path, launcher_store):
+    """Rank 0's dataset raises in __getitem__ (a DataLoader without workers: the rank reads): rank 0 raises that
+    error, rank 1 a PeerFailed naming rank 0 and its error, never gloo's "Connection closed by peer". (Under
+    torchrun's store, which outlives rank 0: where rank 0's process hosts it, rank 1 learns of it only once rank 0
+    has exited, store and all, and cannot tell more than gloo.)"""
+    from accel_ddp.config import TrainConfig
+
+    def run() -> str:
+        cfg = TrainConfig(global_batch_size=16, max_steps=4, output_dir=str(tmp_path), loader="dataloader",
+                          num_workers=0)
+        try:
+            _tiny_train(tmp_path, cfg=cfg, train_dataset=_FailsOnRankZero())
+        except Exception as err:  # noqa: BLE001 - what each rank raised is the outcome
+            return f"{type(err).__name__}: {err}"
+        return "trained"
+
+    rank0, rank1 = run_ranks(run, world_size=2, env=launcher_store[1])
+    assert rank0.startswith("OSError: cannot read sample"), rank0
+    assert rank1.startswith("PeerFailed: rank 0 failed: OSError: cannot read sample"), rank1
+    assert "Connection" not in rank1 and "gloo" not in rank1.split("; this rank")[0], rank1

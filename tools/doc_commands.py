@@ -7,10 +7,12 @@ Commands are the lines of ``bash`` fences (``\\`` continuations joined, ``&&`` s
 order of the README's documentation table. Without running anything, each command is checked:
 
 - every flag exists: training flags with accel_ddp's own parser (``accel_ddp/cli/args.py``, which also checks
-  the values), launch flags with Accelerate's (``accelerate launch``), ``accel-ddp`` commands with theirs; no
-  deprecated spelling;
+  the values), launch flags with Accelerate's (``accelerate launch``, ``accel-ddp launch``), ``accel-ddp`` commands
+  with theirs; no deprecated spelling;
 - every file it names exists in the repository (launch configs, ``--model_config``, scripts, ``pkg.module:name``
   of a user function), or is made by an earlier command (under its ``--output_dir``, or an example's ``--out``);
+- a block runs on its own: data an example command makes (seconds) is made in each block that reads it, and a model
+  another block trains is named (its ``--output_dir``) in the comment of the command that reads it;
 - every training command has an ``--output_dir`` of its own (``outputs/run`` when it gives none). A command that
   continues an earlier run on purpose (a resume, the second machine of one run, the same run shown again) says
   ``same --output_dir`` in its shell comment, on its line or the comment lines just above it.
@@ -58,6 +60,7 @@ class Command:
     comment: str  # its own shell comment and the comment lines just above it
     marker: str | None  # the fence's doc-commands marker
     output: list[str]  # a transcript's output lines
+    block: int = 0  # the line of its fence: the commands a reader copies together
     kind: str = ""  # what it is: train, launch, accel-ddp, example, ...
     output_dir: str | None = None  # a training command's folder
     makes: list[str] = dataclasses.field(default_factory=list)  # paths it creates (output folder, --out)
@@ -108,9 +111,14 @@ def _page_commands(path: Path) -> list[Command]:
             continue
         page = str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
         if fence.group(1) in SHELLS:
-            found += _shell_block(page, block, marker and marker.group(1))
+            cmds = _shell_block(page, block, marker and marker.group(1))
         elif not fence.group(1):
-            found += _transcripts(page, block, marker and marker.group(1))
+            cmds = _transcripts(page, block, marker and marker.group(1))
+        else:
+            cmds = []
+        for cmd in cmds:
+            cmd.block = number - len(block) - 1
+        found += cmds
     return found
 
 
@@ -169,7 +177,7 @@ def _split(page: str, number: int, line: str, above: str, marker: str | None, ou
 def classify(cmd: Command) -> list[str]:
     """Fill in ``kind``, ``train_args``, ``output_dir`` and ``makes``; return the flag and syntax problems."""
     argv = cmd.argv
-    if argv[:2] == ["accelerate", "launch"]:
+    if argv[:2] in (["accelerate", "launch"], ["accel-ddp", "launch"]):  # the same arguments (accel_ddp/cli/launch.py)
         return _launch(cmd)
     if argv[:2] == ["accelerate", "config"]:
         cmd.kind = "accelerate config"
@@ -260,8 +268,9 @@ def _train(cmd: Command, args: list[str]) -> list[str]:
     problems = [f"deprecated flag {old[0]}; write --{RENAMED_FLAGS[old[0][2:]]}"] if old else []
     try:
         cfg = parse_args(args)
-    except ConfigError as err:
-        return [*problems, f"accel_ddp refuses it: {err}"]
+    except ConfigError as err:  # a transcript showing this very refusal shows it on purpose
+        shown = f"accel_ddp: error: {err}" in cmd.output
+        return problems if shown else [*problems, f"accel_ddp refuses it: {err}"]
     cmd.output_dir = cfg.output_dir
     cmd.makes.append(cfg.output_dir)
     return problems
@@ -364,17 +373,37 @@ def _own_folder(cmd: Command, owners: dict[str, Command]) -> list[str]:
     return []
 
 
+def _own_inputs(cmd: Command, makers: dict[str, Command]) -> list[str]:
+    """A block runs on its own: the data a command reads that an example command makes (seconds) is made in its own
+    block too, and a model another block's run trains (minutes) is named in its comment (that run's folder), so that
+    a reader who copies one block (the LoRA example alone) has what it needs or is told what to run first."""
+    problems = []
+    for name, value in _values(cmd.train_args or []):
+        maker = next((m for path, m in makers.items() if value.rstrip("/") == path or value.startswith(path + "/")),
+                     None)
+        if name == "output_dir" or maker is None or (maker.page, maker.block) == (cmd.page, cmd.block):
+            continue
+        if maker.kind == "example":
+            problems.append(f"--{name} {value} is made in another block ({maker.where}): add `{maker.text}` to this "
+                            "block (seconds), so that it runs on its own")
+        elif maker.output_dir and maker.output_dir not in cmd.comment:
+            problems.append(f"--{name} {value} is trained by another block ({maker.where}): name "
+                            f"{maker.output_dir} in this command's comment, with what to run first")
+    return problems
+
+
 def check(cmds: list[Command] | None = None) -> list[str]:
     """Every problem of the commands (classified in place), one line each, naming page, line and command."""
     cmds = commands() if cmds is None else cmds
-    problems, made, owners = [], [], {}
+    problems, made, owners, makers = [], [], {}, {}
     for cmd in cmds:
         found = classify(cmd) if cmd.argv else ["an empty command"]
         found += _extras(cmd) if cmd.kind == "pip" else []
-        found += [] if cmd.marker == "your-files" else _named_files(cmd, made)
+        found += [] if cmd.marker == "your-files" else _named_files(cmd, made) + _own_inputs(cmd, makers)
         found += _own_folder(cmd, owners)
         problems += [f"{cmd.where}: {problem}  [{cmd.text}]" for problem in found]
         made += cmd.makes
+        makers.update({path.rstrip("/"): cmd for path in cmd.makes})
     return problems
 
 

@@ -18,6 +18,9 @@ HYPERPARAMETERS = ("lr", "lr_schedule", "warmup_steps", "weight_decay", "max_gra
 # Run facts that decide what an optimizer step means; a checkpoint made with other values cannot continue.
 # A stream has no epoch length: its steps_per_epoch is the run's --max_steps, which a longer run raises.
 MUST_MATCH = ("global_batch_size", "steps_per_epoch", "optimizer")
+# How the base's fingerprint of every value starts (finetune.base_fingerprint); earlier versions recorded a sampled
+# one (16 hex digits, finetune.sampled_fingerprint), compared as such, with a warning.
+FULL_FINGERPRINT = "sha256:"
 
 
 @contextmanager
@@ -50,7 +53,11 @@ def check_compatible(folder: str, meta: dict[str, Any], run_facts: dict[str, Any
     """A ConfigError when ``meta`` (a checkpoint.json) was made with other MUST_MATCH facts than ``run_facts``;
     on the main process, a warning for each difference that this run's values settle (world size,
     hyperparameters, seed, total steps)."""
-    check_same_base(folder, meta.get("base_fingerprint"), run_facts.get("base_fingerprint"))
+    check_same_base(folder, meta.get("base_fingerprint"), run_facts, is_main)
+    saved_r, our_r = meta.get("lora_r"), run_facts.get("lora_r")
+    if saved_r is not None and our_r is not None and saved_r != our_r:  # else a list of adapter shape mismatches
+        raise ConfigError(f"--resume_from_checkpoint {folder}: its adapters have rank --lora_r {saved_r}, this run has "
+                          f"--lora_r {our_r}; resume with --lora_r {saved_r}, or start in another --output_dir")
     streams = meta.get("loader") == run_facts.get("loader") == "streaming"
     for key in MUST_MATCH:
         if key in meta and meta[key] != run_facts.get(key) and not (streams and key == "steps_per_epoch"):
@@ -74,9 +81,19 @@ def check_compatible(folder: str, meta: dict[str, Any], run_facts: dict[str, Any
                  f"{why} after the resume differs from the original run's")
 
 
-def check_same_base(folder: str, saved: str | None, ours: str | None) -> None:
+def check_same_base(folder: str, saved: str | None, run_facts: dict[str, Any], is_main: bool = True) -> None:
     """A checkpoint of a fine-tuned model holds its trainable state only: it continues only on the frozen base it
-    was trained on (``finetune.base_fingerprint``, recorded in checkpoint.json)."""
+    was trained on (``finetune.base_fingerprint``, recorded in checkpoint.json). A checkpoint of an earlier version
+    holds the sampled fingerprint: compared with this base's sampled one, and a warning says the check is weaker."""
+    ours = run_facts.get("base_fingerprint")
+    if saved is not None and ours is not None and not saved.startswith(FULL_FINGERPRINT):
+        ours = run_facts.get("base_sampled_fingerprint")
+        if saved == ours:
+            if is_main:
+                warn(f"{folder} was saved by an earlier version, with the sampled fingerprint of its base (64 values "
+                     "per tensor): it matches this run's base, but a few changed weights would not show; this run's "
+                     "checkpoints hold the fingerprint of every value")
+            return
     if saved == ours:
         return
     if saved is None:
@@ -84,6 +101,11 @@ def check_same_base(folder: str, saved: str | None, ours: str | None) -> None:
     elif ours is None:
         why = "it holds the trainable part of a fine-tuned model (an adapter), this run trains every parameter"
     else:
-        why = f"its adapter belongs to another base model (fingerprint {saved}, this run's base {ours})"
+        why = f"its adapter belongs to another base model (fingerprint {_short(saved)}, this run's base {_short(ours)})"
     raise ConfigError(f"--resume_from_checkpoint {folder}: {why}; resume with the --model and --peft options of the "
                       "run that saved it, or start in another --output_dir")
+
+
+def _short(fingerprint: str) -> str:
+    """A fingerprint as a line shows it: 16 hex digits are enough to tell two apart."""
+    return fingerprint.removeprefix(FULL_FINGERPRINT)[:16]

@@ -75,6 +75,7 @@ from accel_ddp.outputs.files import (
     write_failure,
 )
 from accel_ddp.outputs.names import CHECKPOINTS_DIR, MARKER_NAME, SUMMARY_NAME
+from accel_ddp.util.atomic import follow_umask
 from accel_ddp.util.messages import first_line, say, warn
 from accel_ddp.util.validation import ConfigError
 
@@ -208,6 +209,7 @@ class CheckpointManager:
                f"--resume_from_checkpoint auto{intact}"
 
     def _seal(self, tmp: str, final: str, step: int) -> None:
+        follow_umask(tmp)  # Accelerate's model.safetensors is 0600 (safetensors' own write), the rest follow the umask
         files = {name: fingerprint(os.path.join(tmp, name)) for name in relative_files(tmp)}
         steps_per_epoch = self.run_facts["steps_per_epoch"]
         meta = {"format": FORMAT_VERSION, "step": step, "epoch": step // steps_per_epoch,

@@ -23,9 +23,9 @@ from accel_ddp.config import TrainConfig
 from accel_ddp.lifecycle.failure import main_process_decides
 from accel_ddp.lifecycle.preemption import PreemptionWatcher
 from accel_ddp.outputs.names import CHECKPOINTS_DIR
-from accel_ddp.outputs.run_dir import RunFinished, refuse_to_overwrite_finished, stop_if_finished
+from accel_ddp.outputs.run_dir import refuse_to_overwrite_finished, stop_if_finished
 from accel_ddp.tracking.recorder import RunRecorder
-from accel_ddp.tracking.startup_block import StartupBlock, finished, resumed_from
+from accel_ddp.tracking.startup_block import StartupBlock, resumed_from
 
 
 def where_to_start(cfg: TrainConfig, accelerator: Accelerator, checkpoints: CheckpointManager, optimizer: Any,
@@ -91,12 +91,8 @@ def agree_start(cfg: TrainConfig, accelerator: Accelerator, checkpoints: Checkpo
     """The step this run starts after (every rank agrees: checkpoint/start.py), then the trackers, the config and
     the start-up block: nothing an earlier run left is touched before the start point is known."""
     optimizer, scheduler, flags_win = state
-    try:
-        start_step = where_to_start(cfg, accelerator, checkpoints, optimizer, scheduler, total_steps, flags_win)
-    except RunFinished as done:  # said, nothing written
-        block.start = finished(done.summary["optimizer_steps"])
-        block.say(accelerator.is_main_process)
-        raise
+    # A finished run (RunFinished): its one line is said (outputs/run_dir.py), not the block; nothing written.
+    start_step = where_to_start(cfg, accelerator, checkpoints, optimizer, scheduler, total_steps, flags_win)
     block.start = resumed_from(start_step, checkpoints.last_saved_folder) if start_step else "fresh"
     resolved = {**cfg.to_dict(), "resolved": facts}
     # One that cannot start (or not within --tracker_start_timeout): exit 2 here; a SIGTERM meanwhile: exit 75.

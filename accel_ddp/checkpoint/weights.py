@@ -20,6 +20,7 @@ from safetensors.torch import load_file, save_file
 from accel_ddp.lifecycle.failure import main_process_decides
 from accel_ddp.outputs.files import OUTPUTS_FIX, written
 from accel_ddp.outputs.names import WEIGHTS_NAME
+from accel_ddp.util.atomic import follow_umask
 from accel_ddp.util.messages import first_line
 from accel_ddp.util.validation import ConfigError
 
@@ -55,6 +56,7 @@ def load_weights(model: torch.nn.Module, path: str, source: str = "--init_from",
     missing = sorted(expected.keys() - state.keys() - (frozen_keys(model) if keep_frozen else set()))
     unexpected = sorted(state.keys() - expected.keys())
     reshaped = sorted(k for k in expected.keys() & state.keys() if expected[k].shape != state[k].shape)
+    _refuse_lora_mismatch(source, path, state, expected, unexpected, reshaped)
     if missing or unexpected or reshaped:
         problems = []
         if missing:
@@ -74,6 +76,26 @@ def load_weights(model: torch.nn.Module, path: str, source: str = "--init_from",
                           f"{state[damaged].numel()}); these weights are damaged (saved by a run that diverged?); "
                           "give weights without them, e.g. an earlier checkpoint's model.safetensors")
     model.load_state_dict({own_names[k]: v for k, v in state.items()}, strict=not keep_frozen)
+
+
+PEFT_PREFIX = "base_model.model."  # how a PeftModel names its base's tensors (and .base_layer, lora_A/B inside)
+
+
+def _refuse_lora_mismatch(source: str, path: str, state: dict[str, torch.Tensor], expected: dict[str, torch.Tensor],
+                          unexpected: list[str], reshaped: list[str]) -> None:
+    """The mismatches that have a name: a LoRA run's weights (peft's names) given to a plain model, and adapters of
+    another rank (--lora_r); a ConfigError saying so, instead of the lists of keys and shapes."""
+    if source == "--init_from" and unexpected and all(k.startswith(PEFT_PREFIX) for k in unexpected) and not any(
+            k.startswith(PEFT_PREFIX) for k in expected):  # a resume of such a run is refused by its fingerprint
+        raise ConfigError(f"{source} {path} holds a LoRA run's model (the same model under peft's names, its adapters "
+                          f"not merged): point {source} to RUN/hf_model/model.safetensors (the merged model, written "
+                          "with --merge_adapter true), or load RUN/adapter/ on the base with peft "
+                          "(PeftModel.from_pretrained)")
+    adapters = [k for k in reshaped if ".lora_A." in k]
+    if adapters and all(".lora_" in k for k in reshaped):
+        theirs, ours = state[adapters[0]].shape[0], expected[adapters[0]].shape[0]  # lora_A: r x in
+        raise ConfigError(f"{source} {path}: its adapters have rank --lora_r {theirs}, this run has --lora_r {ours}; "
+                          f"use --lora_r {theirs}, or start in another --output_dir")
 
 
 def frozen_keys(model: torch.nn.Module) -> set[str]:
@@ -138,6 +160,7 @@ def export_weights(accelerator: Accelerator, model: torch.nn.Module, output_dir:
         tmp = f"{path}.tmp"
         try:
             save_file(tensors, tmp, metadata={"format": "pt"})
+            follow_umask(tmp)  # safetensors writes 0600, whatever the umask
             os.replace(tmp, path)
         finally:
             if os.path.exists(tmp):  # what a refused write left: never loaded, but it takes the space

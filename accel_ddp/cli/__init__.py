@@ -1,6 +1,7 @@
 """The ``accel-ddp`` commands, the command line, and the doctor.
 
-    commands.py       the `accel-ddp` entry point: train, doctor, summary, plot, evaluate, predict
+    commands.py       the `accel-ddp` entry point: launch, train, doctor, summary, plot, evaluate, predict
+    launch.py         `accel-ddp launch`: accelerate launch, ending with the failing rank's line and exit code
     args.py           the command line (YAML, then flags) into a TrainConfig
     train.py          main(): train, then the exit code (failure report, preemption)
     inference.py      `accel-ddp evaluate` and `predict`: a trained run's metrics again, its predictions per sample

@@ -1,5 +1,7 @@
 """``accel-ddp``: training and the commands around it.
 
+    accel-ddp launch [ACCELERATE LAUNCH ARGS] train.py [FLAGS]   `accelerate launch`, ending with the failing
+                                          rank's own line and exit code (no launcher traceback)
     accelerate launch --config_file FILE -m accel_ddp train [FLAGS]   train (what train.py runs)
     accel-ddp doctor [--config_file FILE] check a launch config (default: the one `accelerate launch` reads)
                                           against this machine; print the versions and the launch command
@@ -50,6 +52,8 @@ def _doctor(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="accel-ddp", description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser("launch", help="accelerate launch's arguments: launch, then exit with the failing rank's "
+                        "code, its own line shown without the launcher's traceback; see launch --help", add_help=False)
     commands.add_parser("train", help="train (under `accelerate launch ... -m accel_ddp train`); see train --help",
                         add_help=False)
 
@@ -86,6 +90,10 @@ def main(argv: list[str] | None = None) -> int:
         from accel_ddp.cli.train import run
 
         run(argv[1:])
+    if argv[:1] == ["launch"]:  # accelerate launch's arguments: its own parser's business
+        from accel_ddp.cli import launch
+
+        return launch.run(argv[1:])
     args = build_parser().parse_args(argv)
     return args.func(args)
 

@@ -63,6 +63,21 @@ def run_checks(report: Report, config: dict[str, Any], facts: MachineFacts, laun
                is_port_in_use) -> None:
     for check in (_check_traps, _check_machines, _check_gpus, _check_precision, _check_rendezvous):
         check(report, config, facts, launch, cpu, is_port_in_use)
+    _check_torch_build(report, facts)
+
+
+# torch's CPU-only wheels (https://pytorch.org/get-started/locally/): PyPI has only the CUDA build for Linux x86-64.
+CPU_TORCH = "pip install torch --index-url https://download.pytorch.org/whl/cpu"
+
+
+def _check_torch_build(report: Report, facts: MachineFacts) -> None:
+    """A CUDA build of torch where no GPU exists (no NVIDIA driver): gigabytes that training on the CPU never uses."""
+    if not facts.cuda_build or facts.gpu_count or facts.unusable_gpus or facts.nvidia_driver:
+        return
+    size = f"take {facts.cuda_libraries_bytes / 1e9:.1f} GB here" if facts.cuda_libraries_bytes else "take gigabytes"
+    report.add(WARNING, f"torch {facts.torch_version} is a CUDA build (CUDA {facts.cuda_build}) on a machine without "
+               f"a GPU: it and its CUDA libraries (nvidia-*, triton) {size}, which training on the CPU never uses",
+               f"a CPU-only torch needs none of them: pip uninstall torch, then {CPU_TORCH} (README's Install)")
 
 
 def _check_traps(report: Report, config: dict[str, Any], facts: MachineFacts, launch: Launch, cpu: bool,

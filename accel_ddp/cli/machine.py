@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import os
 import platform
 import shutil
 from dataclasses import dataclass
@@ -31,6 +32,10 @@ class MachineFacts:
     cpu_bf16: bool = False        # the CPU has bf16 matrix units (AMX-BF16 or AVX512-BF16): fast bf16 autocast
     unusable_gpus: int = 0        # GPUs the NVIDIA driver lists but this torch cannot use (e.g. a driver too old)
     cuda_problem: str = ""        # why, as CUDA says it
+    torch_version: str = ""
+    cuda_build: str = ""          # torch.version.cuda: the CUDA this torch was built with; "" for a CPU-only build
+    nvidia_driver: bool = False   # an NVIDIA driver is loaded (/dev/nvidiactl): GPUs exist, maybe hidden
+    cuda_libraries_bytes: int = 0  # torch and its CUDA packages on disk (measured only where no GPU can use them)
 
     @classmethod
     def detect(cls) -> MachineFacts:
@@ -41,6 +46,8 @@ class MachineFacts:
 
         gpu_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         unusable, problem = unusable_gpus()
+        driver = os.path.exists("/dev/nvidiactl")
+        idle_cuda = bool(torch.version.cuda) and not gpu_count and not unusable and not driver
         capabilities = [torch.cuda.get_device_capability(i) for i in range(gpu_count)]
         nccl = torch.distributed.is_available() and torch.distributed.is_nccl_available()
         return cls(
@@ -53,6 +60,10 @@ class MachineFacts:
             cpu_bf16=cpu_has_bf16_units(read_cpuinfo()),
             unusable_gpus=unusable,
             cuda_problem=problem,
+            torch_version=torch.__version__,
+            cuda_build=torch.version.cuda or "",
+            nvidia_driver=driver,
+            cuda_libraries_bytes=cuda_libraries_bytes() if idle_cuda else 0,
         )
 
     def describe(self) -> str:
@@ -61,6 +72,23 @@ class MachineFacts:
             gpus += f" ({self.unusable_gpus} listed by the driver that this torch cannot use)"
         nccl = "" if not self.gpu_count else ", NCCL" if self.nccl_available else ", no NCCL"
         return f"{gpus}{nccl}, {self.cpu_count} CPU core(s)" + (" with bf16 units" if self.cpu_bf16 else "")
+
+
+def cuda_libraries_bytes() -> int:
+    """Bytes on disk of torch and the CUDA packages PyPI's torch pulls in (nvidia-*, cuda-*, triton), as pip
+    installed them (each distribution's RECORD)."""
+    from importlib.metadata import distributions
+
+    total = 0
+    for dist in distributions():
+        name = (dist.metadata["Name"] or "").lower()
+        if name in ("torch", "triton") or name.startswith(("nvidia-", "cuda-")):
+            for file in dist.files or ():
+                try:
+                    total += file.locate().stat().st_size
+                except OSError:
+                    pass
+    return total
 
 
 def software_versions() -> dict[str, str]:

@@ -12,6 +12,7 @@ from typing import NoReturn
 
 from accel_ddp.cli.args import parse_args
 from accel_ddp.lifecycle import failure
+from accel_ddp.lifecycle.exit_codes import record
 from accel_ddp.util.messages import warn
 from accel_ddp.util.validation import ConfigError
 
@@ -39,9 +40,11 @@ def train_main(cfg) -> int:
     """
     # torch, Accelerate and the loop: imported once the options are good
     from accel_ddp.lifecycle.preemption import EXIT_PREEMPTED, Preempted, ignore_preemption_signals
+    from accel_ddp.tracking.console_log import ConsoleLog
 
+    console = ConsoleLog().install()  # run.log: everything rank 0 prints, the last line below included
     try:
-        _train(cfg)
+        _train(cfg, console)
     except Preempted as stop:
         ignore_preemption_signals()  # exiting with 75: the launcher's follow-up SIGTERM must not make it a kill
         code = stop.exit_code
@@ -50,16 +53,18 @@ def train_main(cfg) -> int:
         return code
     except Exception as err:  # noqa: BLE001 - every failure gets its exit code and, once per launch, its report
         return failure.report(err, failure.exit_code(err))
+    finally:
+        console.close()
     return 0
 
 
-def _train(cfg) -> None:
+def _train(cfg, console) -> None:
     """``train(cfg)``, with the preemption handlers installed as soon as torch is imported (a signal from then on is
     recorded, not fatal; before, it ends the process as usual, as nothing is there to save)."""
     from accel_ddp.lifecycle.preemption import PreemptionWatcher
     from accel_ddp.loop import train
 
-    train(cfg, preemption=PreemptionWatcher().install())
+    train(cfg, preemption=PreemptionWatcher().install(), console=console)
 
 
 def run(argv: list[str] | None = None) -> NoReturn:
@@ -73,6 +78,7 @@ def run(argv: list[str] | None = None) -> NoReturn:
     except Exception:  # noqa: BLE001 - the report itself failed: Python's traceback, then the same safe exit
         traceback.print_exc()
         code = 1
+    record(code)  # for accel-ddp launch, which exits with it (a signalled launcher's own code says less)
     if "torch" not in sys.modules:  # refused before torch: no thread of gloo's to race the interpreter's exit
         sys.stdout.flush()
         sys.exit(code)

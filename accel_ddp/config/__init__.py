@@ -9,6 +9,10 @@
   ``batch_layout``, the samplers and the micro-batch probe;
 - ``sections``: TrainConfig's groups (``sections()``: docs/flags.md's tables and ``--help``'s groups);
 - ``checks``: the options that only make sense together, each refused with one ``ConfigError`` line;
+- ``dependents``: the one table of flags that only mean something with another option (flag -> when a run uses it
+  -> the fix); one given where nothing would use it is refused in one line;
+- ``plan``: a run's ``Plan`` (the batch layout, total steps) and ``Cadence`` (when to log, evaluate, save),
+  derived once by ``assemble.setup`` (``plan_run``);
 - ``choices``: the vocabulary: allowed values, limits, the Hugging Face aliases, renamed flags, store schemes.
 
 The command line and the ``--config`` YAML recipe are read by ``accel_ddp/cli/args.py``. No torch here, so that
@@ -39,6 +43,7 @@ from accel_ddp.config.choices import (  # noqa: F401 - the layer's names, as bef
     DDP_TIMEOUT_MAX,
     DEBUG_MAX_STEPS,
     DEFAULT_GLOBAL_BATCH,
+    DEFAULT_LOG_EVERY,
     EXPANDED_VALUES,
     FOREIGN_FLAGS,
     HF_ALIASES,

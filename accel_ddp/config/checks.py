@@ -87,23 +87,30 @@ def _check_tracking(cfg: Any) -> None:
     if not isinstance(cfg.with_tracking, bool):
         raise ConfigError(f"--with_tracking is a switch (true or false), got {cfg.with_tracking!r}; name the trackers "
                           f"with --report_to, e.g. --with_tracking --report_to {cfg.with_tracking}")
+    if cfg.report_to is None:  # not given: --with_tracking alone reports to all, as before; else no trackers
+        cfg.report_to = "all" if cfg.with_tracking else None
+        return _check_tracker_names(cfg)
     names = [name.strip().lower() for name in str(cfg.report_to).split(",") if name.strip()]
     if names == ["none"]:  # the Trainer's "no trackers" (metrics.jsonl is still written)
         if cfg.with_tracking:
             raise ConfigError("--report_to none and --with_tracking contradict each other; give one of them")
-        names = ["all"]  # the default: tracking stays off
+        cfg.report_to = None
+        return _check_tracker_names(cfg)
     unknown = [name for name in names if name not in REPORT_TO]
     if unknown or not names:
         raise ConfigError(f"--report_to {cfg.report_to!r}: unknown tracker {', '.join(unknown) or '(none given)'}; "
                           f"give one or more of {', '.join(REPORT_TO)}, separated by commas")
     cfg.report_to = ",".join(dict.fromkeys(names))
+    # Trackers named: tracking on, as the Trainer's report_to does (transformers' TrainingArguments: "none" is off).
+    cfg.with_tracking = True
+    _check_tracker_names(cfg)
+
+
+def _check_tracker_names(cfg: Any) -> None:
     for name in ("tracker_project_name", "run_name"):
         value = getattr(cfg, name)
         if value is not None and not str(value).strip():
             raise ConfigError(f"--{name} is empty; give a name or leave the flag out")
-    if not cfg.with_tracking and cfg.report_to != "all":
-        warn(f"--report_to {cfg.report_to} has no effect without --with_tracking; add --with_tracking",
-             ranks="first")
 
 
 def _check_hf_fields(cfg: Any) -> None:
@@ -131,14 +138,6 @@ def _check_task(cfg: Any) -> None:
     """--task and the options that only make sense with some tasks (no dead flags)."""
     if cfg.task not in TASKS:
         raise ConfigError(f"--task {show(cfg.task)} is unknown; choose one of {', '.join(TASKS)}")
-    if cfg.task not in TEXT_TASKS:
-        given = [f"--{name}" for name in ("text_column", "tokenizer") if getattr(cfg, name) is not None]
-        given += ["--packing"] if cfg.packing else []
-        if given:
-            raise ConfigError(f"{', '.join(given)} only apply to text; add --task sequence_classification or "
-                              "--task causal_lm")
-    if cfg.packing and cfg.task != "causal_lm":
-        raise ConfigError("--packing only applies to --task causal_lm; drop it")
     if cfg.attn_implementation is not None and cfg.attn_implementation not in ATTN_IMPLEMENTATIONS:
         raise ConfigError(f"--attn_implementation {show(cfg.attn_implementation)} is unknown; choose one of "
                           f"{', '.join(ATTN_IMPLEMENTATIONS)}")
@@ -238,14 +237,8 @@ def _check_rollback(cfg: Any) -> None:
 
 
 def _check_best_model(cfg: Any) -> None:
-    """--load_best_model_at_end needs every checkpoint at an evaluation (the Trainer's rule), or the best is lost."""
-    if cfg.early_stopping_threshold and not cfg.early_stopping_patience:
-        raise ConfigError("--early_stopping_threshold has no effect without --early_stopping_patience; add "
-                          "--early_stopping_patience K")
-    if cfg.greater_is_better is not None and not (cfg.metric_for_best_model or cfg.load_best_model_at_end
-                                                  or cfg.early_stopping_patience):
-        raise ConfigError("--greater_is_better has no effect without --metric_for_best_model; add "
-                          "--metric_for_best_model NAME")
+    """--load_best_model_at_end needs every checkpoint at an evaluation (the Trainer's rule), or the best is lost
+    (--greater_is_better and --early_stopping_threshold without what uses them: config/dependents.py)."""
     if not cfg.load_best_model_at_end:
         return
     save, every = cfg.checkpointing_steps, cfg.eval_every
@@ -262,21 +255,14 @@ def _check_best_model(cfg: Any) -> None:
 
 
 def _check_peft(cfg: Any) -> None:
-    """--peft lora and its options: a known method, a dropout below 1, target names, and no --lora_*/--merge_adapter
-    without --peft (a flag that would do nothing)."""
+    """--peft lora and its options: a known method, a dropout below 1, target names (--lora_*/--merge_adapter without
+    --peft: config/dependents.py)."""
     if cfg.peft is not None and cfg.peft not in PEFT_METHODS:
         raise ConfigError(f"--peft {show(cfg.peft)} is unknown; choose one of {', '.join(PEFT_METHODS)}")
     if not cfg.lora_dropout < 1:
         raise ConfigError(f"--lora_dropout must be < 1, got {cfg.lora_dropout:g}; give a value from 0 to 0.5, say")
     if not [name for name in cfg.lora_target_modules.split(",") if name.strip()]:
         raise ConfigError("--lora_target_modules is empty; give module names such as c_attn,c_proj, or all-linear")
-    if cfg.peft is None:
-        given = [f"--{f.name}" for f in dataclasses.fields(cfg)
-                 if (f.name.startswith("lora_") or f.name == "merge_adapter") and getattr(cfg, f.name) != f.default]
-        if given:
-            them = "them" if len(given) > 1 else "it"
-            raise ConfigError(f"{', '.join(given)} without --peft: nothing would use {them}; add --peft lora, or "
-                              f"drop {them}")
 
 
 def _check_cuda_graphs(cfg: Any) -> None:
@@ -290,11 +276,23 @@ def _check_cuda_graphs(cfg: Any) -> None:
            "compile": "--compile graphs the model its own way (torch.compile's mode reduce-overhead)",
            "optimizer": f"--optimizer {cfg.optimizer} is not capturable (AdamW is)",
            "ddp_comm_hook": f"--ddp_comm_hook {cfg.ddp_comm_hook} completes on host callbacks",
-           "loader": "--loader dataloader (without --packing) has batches of varying shapes"}
+           "loader": "--loader dataloader (without --packing) has batches of varying shapes",
+           # torch/utils/checkpoint.py get_device_states: non-reentrant checkpointing saves the CUDA RNG state in the
+           # forward (torch.cuda.get_rng_state), which CUDA forbids during a capture (CUDAGeneratorImpl's check)
+           "gradient_checkpointing": "--gradient_checkpointing reads the CUDA random state in each forward, which a "
+                                     "capture forbids",
+           # DDP's reducer decides on the host each step: which parameters the autograd graph reached
+           # (find_unused_parameters), or which buckets to rebuild after its first iterations (static_graph)
+           "ddp_find_unused_parameters": "--ddp_find_unused_parameters searches the autograd graph on the host each "
+                                         "step (a replay would reuse the captured step's answer)",
+           "ddp_static_graph": "--ddp_static_graph rebuilds DDP's buckets on the host after its first steps (a replay "
+                               "would keep the captured buckets)"}
     clashes = {"debug": cfg.debug, "on_anomaly": cfg.on_anomaly != "stop", "streaming": cfg.streaming,
                "compile": cfg.compile, "optimizer": cfg.optimizer != "adamw",
                "ddp_comm_hook": cfg.ddp_comm_hook != "none",
-               "loader": cfg.loader == "dataloader" and not cfg.packing}
+               "loader": cfg.loader == "dataloader" and not cfg.packing,
+               "gradient_checkpointing": cfg.gradient_checkpointing,
+               "ddp_find_unused_parameters": cfg.ddp_find_unused_parameters, "ddp_static_graph": cfg.ddp_static_graph}
     for name, clash in clashes.items():
         if clash:
             raise ConfigError(f"--cuda_graphs cannot keep its guarantees here: {why[name]}; drop one of them")

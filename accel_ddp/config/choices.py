@@ -68,6 +68,7 @@ RENAMED_FLAGS = {"fast_loader_max_mb": "device_loader_max_mb"}
 RENAMED_VALUES = {("loader", "fast"): "device"}
 
 DEFAULT_GLOBAL_BATCH = 64  # --global_batch_size unless --gradient_accumulation_steps derives it
+DEFAULT_LOG_EVERY = 10  # optimizer steps between metrics lines unless --log_every (--logging_steps) says
 
 MIXED_PRECISIONS = ("no", "fp16", "bf16", "fp8")  # Accelerate's PrecisionType (accelerate/utils/dataclasses.py)
 

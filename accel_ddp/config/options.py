@@ -42,6 +42,7 @@ from accel_ddp.config.choices import (
     SYNTHETIC_MAX_BYTES,
     _opt,
 )
+from accel_ddp.config.dependents import check_dependents
 from accel_ddp.config.layout import accumulation_steps, largest_micro_batch
 from accel_ddp.util.validation import INT_MAX, ConfigError, check_range, checked_type, show
 
@@ -183,7 +184,9 @@ class TrainConfig:
     eval_every: int = _opt(0, "evaluate every N optimizer steps; 0 = at the end of each epoch", low=0,
                            section="evaluation, logging, outputs")
     eval_batch_size: int | None = _opt(None, "per-device eval batch; default 2 x per-device train batch", low=1)
-    log_every: int = _opt(10, "write a metrics line every N optimizer steps", low=1)
+    log_every: int | None = _opt(
+        None, "write a metrics line every N optimizer steps (default 10); given, the main process also prints one "
+        "line per N steps, as the Trainer's --logging_steps: step, epoch, loss, learning rate", low=1)
     output_dir: str = _opt("outputs/run", "where config.yaml, metrics.jsonl, summary.json and weights go")
     checkpointing_steps: str | None = _opt(None, "save full state every N optimizer steps, or 'epoch'")
     checkpoint_dir: str | None = _opt(
@@ -224,11 +227,12 @@ class TrainConfig:
     init_from: str | None = _opt(
         None, "start from these weights (a .safetensors file, e.g. a run's model.safetensors) to fine-tune"
     )
-    with_tracking: bool = _opt(False, "also log to the trackers of --report_to (metrics.jsonl is always written)")
-    report_to: str = _opt(
-        "all", "trackers for --with_tracking, comma-separated: " + ", ".join(REPORT_TO[:-1])
-        + "; all = every installed one configured to run here (docs/tracking.md), plus csv; none = no trackers "
-        "(the Trainer's name: --with_tracking off)"
+    with_tracking: bool = _opt(False, "also log to the trackers of --report_to, all without it (metrics.jsonl is "
+                               "always written)")
+    report_to: str | None = _opt(
+        None, "trackers to log to, comma-separated (given, it turns tracking on, as in the Trainer): "
+        + ", ".join(REPORT_TO[:-1]) + "; all = every installed one configured to run here (docs/tracking.md), plus "
+        "csv; none = no trackers; default all with --with_tracking, else none"
     )
     tracker_project_name: str = _opt(
         "accel_ddp", "--with_tracking: the project (W&B, Comet, SwanLab, Trackio) or experiment (MLflow, Aim, ClearML)"
@@ -336,6 +340,7 @@ class TrainConfig:
         if self.spike_factor and self.spike_factor <= 1:
             raise ConfigError(f"--spike_factor must be > 1 (a loss that many times the median), got "
                               f"{self.spike_factor:g}; e.g. --spike_factor 3, or 0 for no spike check")
+        check_dependents(self)  # a flag that nothing in this run would use (the one table)
         _check_task(self)
         _check_optimizer(self)
         _check_peft(self)

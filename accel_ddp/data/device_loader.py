@@ -22,6 +22,7 @@ import torch
 from torch.utils.data import Dataset
 
 from accel_ddp.data.in_memory import as_in_memory, crop_flip_params
+from accel_ddp.data.non_finite import non_finite_samples
 from accel_ddp.data.sampler import GlobalBatchLoader
 from accel_ddp.util.validation import ConfigError
 
@@ -82,6 +83,21 @@ class DeviceLoader(GlobalBatchLoader):
         """``(micro_steps, per_device_batch)``: the sample indices this rank trains on in ``epoch``, on the CPU."""
         return self.sampler.rank_indices(epoch)
 
+    def report_bad_inputs(self, report) -> None:
+        """``--on_anomaly skip|rollback`` (``GlobalBatchLoader.report_bad_inputs``): the samples with a nan or inf input
+        are found once, now (one pass over the inputs held on the device, as start-up's check)."""
+        super().report_bad_inputs(report)
+        self._bad_samples = non_finite_samples(getattr(self.data, "inputs", None))
+
+    _bad_samples: torch.Tensor | None = None
+
+    def _bad_micro_steps(self, epoch: int) -> dict[int, int]:
+        """{micro-step: row of its first bad sample} of this rank in ``epoch`` (host arithmetic, once per epoch)."""
+        if self.on_bad_input is None or self._bad_samples is None or not len(self._bad_samples):
+            return {}
+        hits = torch.isin(self.rank_indices(epoch), self._bad_samples)
+        return {int(step): int(hits[step].nonzero()[0]) for step in hits.any(dim=1).nonzero().flatten()}
+
     def _augment_params(self, epoch: int) -> torch.Tensor | None:
         if self.data.augment != "crop_flip":
             return None
@@ -96,7 +112,11 @@ class DeviceLoader(GlobalBatchLoader):
         params = self._augment_params(epoch)
         if params is not None:
             params = params.to(self.device, non_blocking=True)
+        bad = self._bad_micro_steps(epoch)  # --on_anomaly skip|rollback: {} unless the set holds a nan/inf input
         for micro_step in range(self.sampler.start, len(indices)):
+            if micro_step in bad:  # on the host, known since the start: no device sync
+                self.on_bad_input(f"{self._sample_name(epoch, micro_step, bad[micro_step])} holds nan or inf input "
+                                  "values")
             yield self.data.gather(indices[micro_step], None if params is None else params[micro_step])
         self.sampler.set_epoch(epoch + 1)
 

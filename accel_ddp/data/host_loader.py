@@ -31,7 +31,7 @@ from torch.utils.data import DataLoader, Dataset
 from accel_ddp.data.bundle import DataError
 from accel_ddp.data.in_memory import as_in_memory, is_in_memory
 from accel_ddp.data.mapped import MappedDataset, is_arrow_dataset
-from accel_ddp.data.non_finite import FiniteCollate, NonFiniteBatch
+from accel_ddp.data.non_finite import FiniteCollate, NonFiniteInput, without_fix
 from accel_ddp.data.sampler import (
     GlobalBatchLoader,
     PlacedBatch,
@@ -39,7 +39,7 @@ from accel_ddp.data.sampler import (
     sample_seed,
     seed_global_rngs,
 )
-from accel_ddp.data.workers import worker_options
+from accel_ddp.data.workers import WORKER_DEATH_ERRORS, worker_options
 from accel_ddp.util.messages import warn
 
 
@@ -187,15 +187,14 @@ class HostLoader(GlobalBatchLoader):
             while True:
                 try:
                     for micro_step, batch in enumerate(self.loader, start=next_micro):
+                        if isinstance(batch, NonFiniteInput):  # the worker found it; this rank knows its place
+                            batch = self._non_finite(batch, self._sample_name(epoch, micro_step, batch.row))
                         if self.batch_check is not None:  # on the host, before the copy: no device sync
                             self.batch_check(batch, lambda row, step=micro_step: self._sample_name(epoch, step, row))
                         yield batch if on_cpu else send_to_device(batch, self.device, non_blocking=True)
                         next_micro = micro_step + 1
                     break
-                except NonFiniteBatch as err:  # the worker knows the row; this rank knows the batch's place
-                    raise err if err.row is None else err.named(self._sample_name(epoch, next_micro, err.row)) \
-                        from None
-                except (RuntimeError, ConnectionError):  # ConnectionError: a tensor from a killed worker
+                except WORKER_DEATH_ERRORS:  # a worker killed: found however its death showed here
                     dead = self._dead_workers()
                     if not dead or restarts >= MAX_WORKER_RESTARTS:
                         raise
@@ -209,12 +208,21 @@ class HostLoader(GlobalBatchLoader):
             self.sampler.start = first
         self.sampler.set_epoch(epoch + 1)
 
+    def _non_finite(self, flagged: NonFiniteInput, name: str) -> Any:
+        """A batch with a nan/inf input: one line naming the sample and exit 2, or (``on_bad_input``) reported to the
+        anomaly guard, which leaves its step out on every rank; then the batch, trained on as any other."""
+        line = flagged.named(name)
+        if self.on_bad_input is None:
+            raise DataError(line)
+        self.on_bad_input(without_fix(line))
+        return flagged.batch
+
     def _dead_workers(self) -> list[tuple[int, int | None]]:
         """(pid, exit code) of the workers of the current pass that have ended: none while training goes well.
 
         A worker's death shows as torch's RuntimeError ("DataLoader worker (pid N) exited unexpectedly"), or as
-        a ConnectionError when the rank fetches a tensor the worker shared (``rebuild_storage_fd`` connects to
-        the worker's ``resource_sharer``); either way the worker's process says it."""
+        an error of the connection that fetches a tensor the worker shared (``data.workers.WORKER_DEATH_ERRORS``);
+        either way the worker's process says it."""
         workers = getattr(self.loader._iterator, "_workers", None) or []
         deadline = time.monotonic() + (WORKER_EXIT_WAIT_S if workers else 0)
         while True:  # a killed worker's socket closes before the kernel has it reaped: wait for its exit a little
@@ -245,7 +253,3 @@ class HostLoader(GlobalBatchLoader):
         if current is not None:
             current._shutdown_workers()
 
-    def _sample_name(self, epoch: int, micro_step: int, row: int) -> str:
-        index = int(self.sampler.rank_indices(epoch)[micro_step, row])
-        step = epoch * self.steps_per_epoch + micro_step // self.accumulation + 1
-        return f"training sample {index} (epoch {epoch}, optimizer step {step}, rank {self.sampler.rank})"

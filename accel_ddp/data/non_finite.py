@@ -38,6 +38,13 @@ def first_non_finite_row(tensor: Any) -> int | None:
     return int(bad.reshape(len(tensor), -1).any(dim=1).nonzero()[0])
 
 
+def non_finite_samples(tensor: Any) -> torch.Tensor | None:
+    """The indices (on the CPU) of the samples (rows) of a floating tensor holding a nan or inf; None for another."""
+    if first_non_finite_row(tensor) is None:  # the one reduction: nothing more where every value is finite
+        return None if not isinstance(tensor, torch.Tensor) else torch.zeros(0, dtype=torch.long)
+    return (~torch.isfinite(tensor)).reshape(len(tensor), -1).any(dim=1).nonzero().flatten().cpu()
+
+
 def batch_problem(batch: Any, where: Callable[[int], str]) -> str | None:
     """The line for the first sample of ``batch`` (a tuple or a dict of tensors) whose floating values are not all
     finite (``where(row)`` names it), or None."""
@@ -69,9 +76,29 @@ class NonFiniteBatch(DataError):
         return DataError(str(self).replace(self.PLACE.format(row=self.row), name, 1))
 
 
+class NonFiniteInput:
+    """A host batch with a nan or inf input, as the worker that collated it hands it on: the rank names the sample
+    and either stops (``DataError``: exit 2, the default) or, under ``--on_anomaly skip|rollback``, reports it and
+    trains on the batch, whose step the anomaly guard then leaves out on every rank (accel_ddp/anomaly.py).
+    ``line``: the problem's line, its sample named by ``where`` in the worker; ``row``: the sample's row."""
+
+    def __init__(self, batch: Any, row: int, line: str):
+        self.batch, self.row, self.line = batch, row, line
+
+    def named(self, name: str) -> str:
+        """The line with its sample named by the rank (``name``), for a line made with ``NonFiniteBatch.PLACE``."""
+        return self.line.replace(NonFiniteBatch.PLACE.format(row=self.row), name, 1)
+
+
+def without_fix(line: str) -> str:
+    """The line's description of the bad sample, without the advice (an anomaly record's detail)."""
+    return line.removesuffix(f"; {FIX}")
+
+
 class FiniteCollate:
     """A ``collate_fn`` (``collate``, or torch's ``default_collate``) whose batches are checked for nan and inf
-    inputs in the worker that makes them; picklable, for workers started by spawn or forkserver.
+    inputs in the worker that makes them; picklable, for workers started by spawn or forkserver. A bad batch comes
+    back as a :class:`NonFiniteInput`: the rank decides (``HostLoader``).
 
         >>> DataLoader(dataset, batch_sampler=sampler, collate_fn=FiniteCollate(user_collate), num_workers=2)
     """
@@ -81,6 +108,7 @@ class FiniteCollate:
 
     def __call__(self, samples: list) -> Any:
         batch = (self.collate or default_collate)(samples)
-        if (line := batch_problem(batch, lambda row: NonFiniteBatch.PLACE.format(row=row))) is not None:
-            raise NonFiniteBatch(line)
+        rows = []
+        if (line := batch_problem(batch, lambda row: rows.append(row) or NonFiniteBatch.PLACE.format(row=row))):
+            return NonFiniteInput(batch, rows[0], line)
         return batch

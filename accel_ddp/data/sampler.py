@@ -214,6 +214,19 @@ class GlobalBatchLoader:
         self.seed, self.rank, self.world_size = seed, rank, world_size
         self.device = torch.device(device)
 
+    on_bad_input = None  # --on_anomaly skip|rollback: report(description) of a micro-batch with a nan/inf input
+
+    def report_bad_inputs(self, report) -> None:
+        """``--on_anomaly skip|rollback``: a micro-batch holding a nan or inf input is trained on and ``report(what)``
+        called as it is served, naming its sample; the anomaly guard leaves its step out on every rank. Without this a
+        nan input stops the run (one line naming the sample, exit 2)."""
+        self.on_bad_input = report
+
+    def _sample_name(self, epoch: int, micro_step: int, row: int) -> str:
+        index = int(self.sampler.rank_indices(epoch)[micro_step, row])
+        step = epoch * self.steps_per_epoch + micro_step // self.accumulation + 1
+        return f"training sample {index} (epoch {epoch}, optimizer step {step}, rank {self.sampler.rank})"
+
     @property
     def epoch(self) -> int:
         return self.sampler.epoch

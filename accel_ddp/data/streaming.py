@@ -48,7 +48,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from accel_ddp.config import accumulation_steps
 from accel_ddp.data.bundle import DataError
 from accel_ddp.data.host_loader import default_num_workers
-from accel_ddp.data.non_finite import batch_problem
+from accel_ddp.data.non_finite import NonFiniteInput, batch_problem, without_fix
 from accel_ddp.data.sampler import sample_seed
 from accel_ddp.data.workers import worker_options
 from accel_ddp.lifecycle.failure import PeerFailed
@@ -129,6 +129,7 @@ class StreamingLoader:
     """
 
     batch_check = None  # set after the start-up probe: check(batch, where) on each host batch (accel_ddp.tasks.labels)
+    on_bad_input = None  # --on_anomaly skip|rollback: report(description) of a batch with a nan/inf input, trained on
 
     def __init__(self, source: StreamSource, per_device_batch_size: int, global_batch_size: int, *,
                  max_steps: int | None, seed: int, rank: int = 0, world_size: int = 1,
@@ -164,6 +165,10 @@ class StreamingLoader:
         self._flag_value = self._flag.numpy()
         if world_size > 1 and dist.is_initialized() and dist.get_backend() != "gloo":
             self._group = dist.new_group(backend="gloo")  # the step check must not wait for the GPU stream
+
+    def report_bad_inputs(self, report) -> None:
+        """``--on_anomaly skip|rollback``: see ``GlobalBatchLoader.report_bad_inputs``."""
+        self.on_bad_input = report
 
     @property
     def total_batch_size(self) -> int:
@@ -216,13 +221,14 @@ class StreamingLoader:
                           **worker_options(self.num_workers))  # deaf to the job's SIGTERM, dead with this rank
 
     def _collate(self, item):
-        """In the worker that read the samples: their batch, checked for nan and inf inputs (one line naming the
-        example, every rank stops at the step: :meth:`_read_step`)."""
+        """In the worker that read the samples: their batch, checked for nan and inf inputs (a bad one comes back
+        flagged: every rank stops at its step with one line naming the example, or it is reported: ``_read_step``)."""
         samples, worker, state, where = item
         collate = self.collate_fn or torch.utils.data.default_collate
         batch = collate(samples)
-        if (line := batch_problem(batch, lambda row: f"streaming: {where[row]}")) is not None:
-            raise DataError(line)
+        rows = []
+        if (line := batch_problem(batch, lambda row: rows.append(row) or f"streaming: {where[row]}")) is not None:
+            return NonFiniteInput(batch, rows[0], line), worker, state  # the rank decides: _read_step
         return batch, worker, state
 
     def _read_step(self, batches) -> tuple[list, int, str | None, Exception | None]:
@@ -231,6 +237,11 @@ class StreamingLoader:
         try:
             for _ in range(self.accumulation):
                 step.append(next(batches))
+                if isinstance(step[-1][0], NonFiniteInput):  # every rank stops at this step, or (skip) reports it
+                    if self.on_bad_input is None:
+                        return step, _FAILED, step[-1][0].line, None
+                    self.on_bad_input(without_fix(step[-1][0].line))
+                    step[-1] = (step[-1][0].batch, *step[-1][1:])
                 if self.batch_check is not None:  # on the host, before the copy; every rank then stops at this step
                     self.batch_check(step[-1][0], self._example_name)
         except StopIteration:

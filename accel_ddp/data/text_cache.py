@@ -29,11 +29,13 @@ special token ids, :func:`tokenizer_facts`), so a hit on a tokenizer folder load
 
 from __future__ import annotations
 
+import errno
 import fnmatch
 import hashlib
 import importlib.metadata
 import json
 import os
+import re
 import shutil
 import tempfile
 from typing import Any, NamedTuple
@@ -41,8 +43,17 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from accel_ddp.outputs.files import file_sha256, relative_files, remove_dir
-from accel_ddp.util.messages import note
+from accel_ddp.outputs.files import (
+    READ_ONLY_ERRNOS,
+    file_sha256,
+    free_bytes,
+    human_size,
+    relative_files,
+    remove_dir,
+    write_failure,
+)
+from accel_ddp.util.atomic import follow_umask
+from accel_ddp.util.messages import first_line, note
 
 CACHE_VERSION = 2  # bump when the tokenizing or packing code changes the blocks it makes, or the key changes form
 SPLITS = ("train", "eval")
@@ -54,6 +65,8 @@ TOKENIZER_FILE_PATTERNS = ("tokenizer.json", "tokenizer_config.json", "special_t
 ID_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.*", "merges.txt", "*.model", "*.tiktoken")
 TOKENIZER_PACKAGES = ("transformers", "tokenizers", "sentencepiece")
 FACTS = ("length", "pad_token_id", "eos_token_id", "bos_token_id")  # what start-up reads from the tokenizer
+ENTRY_OVERHEAD = 64 * 1024  # bytes of an entry beyond its arrays: two .npy headers, the manifest, the folder
+FULL_NUMPY = re.compile(r"\d+ requested and \d+ written")  # numpy's write error (ndarray.tofile) on a full disk
 
 
 class Entry(NamedTuple):
@@ -68,9 +81,16 @@ def cache_root(flag: str | None) -> str | None:
     suite points it at a temporary folder) or ``~/.cache/accel_ddp/text_blocks``."""
     if flag == "off":
         return None
+    given = flag is not None
     if flag is None:
         flag = os.path.join(os.environ.get("ACCEL_DDP_CACHE") or "~/.cache/accel_ddp", "text_blocks")
-    return os.path.expanduser(flag)
+    folder = os.path.expanduser(flag)
+    if os.path.exists(folder) and not os.path.isdir(folder):  # every rank finds it alike: the first one says so
+        named = f"--text_cache {flag}" if given else f"the text cache {folder}"
+        note(f"{named} is a file, not a folder: the packed blocks are not cached in this run (the file is left as "
+             "it is); give a folder (created if missing) with --text_cache, or 'off'", ranks="first")
+        return None
+    return folder
 
 
 def data_files_key(data_dir: str) -> list[list[Any]]:
@@ -198,27 +218,49 @@ def write_blocks(cache_dir: str, key: str, blocks: tuple[torch.Tensor, ...], abo
     """Write an entry into a temporary folder beside it, then rename it into place: readers see all or nothing.
 
     A damaged entry in the way is removed first; an entry another process renamed into place meanwhile wins.
-    A cache that cannot be written (read-only, full) costs the next run its speed only: one line, no error."""
+    A cache that cannot be written (read-only, full) costs the next run its speed only: one line saying which
+    (a full disk in sizes: what the entry needs, what is free; an entry larger than the free space is not started),
+    no error. Called by one process per machine (``TextOptions.cache_write``)."""
     folder = entry_dir(cache_dir, key)
     parent = os.path.dirname(folder)
+    needed = sum(t.numel() * t.element_size() for t in blocks) + ENTRY_OVERHEAD
     try:
+        if free_bytes(parent) < needed:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         os.makedirs(parent, exist_ok=True)
         tmp = tempfile.mkdtemp(prefix=f".tmp-{key}-", dir=parent)
         try:
-            files = {}
-            for split, tensor in zip(SPLITS, blocks, strict=True):
-                path = os.path.join(tmp, f"{split}.npy")
-                np.save(path, tensor.numpy(), allow_pickle=False)
-                files[split] = {"bytes": os.path.getsize(path), "sha256": file_sha256(path, fsync=True),
-                                "shape": list(tensor.shape)}
-            with open(os.path.join(tmp, MANIFEST), "w") as fh:  # last: an entry without it is no entry
-                json.dump({"files": files, "about": about}, fh, indent=1, sort_keys=True, default=str)
-            if os.path.exists(folder):  # damaged (read_blocks said so): out of the way
-                remove_dir(folder)
-            os.rename(tmp, folder)
+            _write_entry(tmp, folder, blocks, about)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     except OSError as err:
         if not os.path.isfile(os.path.join(folder, MANIFEST)):  # not another process's entry in place
-            note(f"--text_cache: could not write {folder} ({err.strerror or err}); the next run tokenizes again; "
-                 "free space there, or give another folder with --text_cache (or 'off')", ranks="first")
+            why, fix = _write_refused(err, parent, needed)
+            note(f"--text_cache: could not write {folder}: {why}; the next run tokenizes again; "
+                 f"{fix + ', or g' if fix else 'g'}ive another folder with --text_cache (or 'off')", ranks="first")
+
+
+def _write_entry(tmp: str, folder: str, blocks: tuple[torch.Tensor, ...], about: dict[str, Any]) -> None:
+    files = {}
+    for split, tensor in zip(SPLITS, blocks, strict=True):
+        path = os.path.join(tmp, f"{split}.npy")
+        np.save(path, tensor.numpy(), allow_pickle=False)
+        files[split] = {"bytes": os.path.getsize(path), "sha256": file_sha256(path, fsync=True),
+                        "shape": list(tensor.shape)}
+    with open(os.path.join(tmp, MANIFEST), "w") as fh:  # last: an entry without it is no entry
+        json.dump({"files": files, "about": about}, fh, indent=1, sort_keys=True, default=str)
+    follow_umask(tmp)  # mkdtemp's folder is 0700: a shared cache must be readable as the umask says
+    if os.path.exists(folder):  # damaged (read_blocks said so): out of the way
+        remove_dir(folder)
+    os.rename(tmp, folder)
+
+
+def _write_refused(err: OSError, parent: str, needed: int) -> tuple[str, str]:
+    """(why an entry could not be written, the fix) in words: a full disk in sizes (numpy's own error on a full disk
+    is "N requested and M written", with no errno), a read-only folder as read-only, a path through a file as such."""
+    if err.errno in (errno.ENOSPC, errno.EDQUOT) or FULL_NUMPY.search(str(err)):
+        return (f"the disk is full (needs {human_size(needed)}, {human_size(free_bytes(parent))} free)",
+                "free space there")
+    if err.errno in (errno.ENOTDIR, errno.EEXIST):
+        return f"a part of that path is a file, not a folder ({err.strerror})", ""
+    return write_failure(err, parent) or first_line(err), "make it writable" if err.errno in READ_ONLY_ERRNOS else ""

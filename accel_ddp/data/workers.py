@@ -50,6 +50,17 @@ _JOB_SIGNALS = {signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP}
 _IGNORED = (signal.SIGUSR1, signal.SIGINT, signal.SIGHUP)  # the job's signals but SIGTERM, which the parent sends
 
 
+# How a DataLoader worker's death shows in its rank, wherever the rank was: torch's RuntimeError ("DataLoader worker
+# (pid N) exited unexpectedly", "... is killed by signal: Killed."; torch/utils/data/dataloader.py
+# ``_try_get_data``, torch/utils/data/_utils/signal_handling.py) when torch saw it dead; else what receiving a batch's
+# shared storage from it raised (torch/multiprocessing/reductions.py ``rebuild_storage_fd`` -> ``DupFd.detach`` in
+# multiprocessing/resource_sharer.py, which connects to the worker's listener and receives the descriptor there):
+# refused or gone before the connection (ConnectionRefusedError, FileNotFoundError: its socket file), reset with the
+# request unread (ConnectionResetError, BrokenPipeError), or an end instead of the descriptor (EOFError,
+# ``reduction.recv_handle``). Each is a death only where a worker is found dead (``HostLoader._dead_workers``).
+WORKER_DEATH_ERRORS = (RuntimeError, ConnectionError, EOFError, FileNotFoundError)
+
+
 class WorkerInit:
     """A ``worker_init_fn``: the job's preemption signals ignored, death with the rank; then ``then(worker_id)``.
 

@@ -9,7 +9,9 @@ is a ``LaunchError``, never a quiet single-process run.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import socket
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -44,6 +46,49 @@ def single_process_trap(env=os.environ) -> str | None:
             "without mpirun, NO, or --cpu start just one); use distributed_type: MULTI_GPU, which trains on CPU over "
             "gloo when there is no GPU (answer multi-GPU in `accelerate config`, or launch with --config_file "
             "accelerate_configs/cpu_2proc.yaml); for one process, num_processes: 1 and no MASTER_ADDR set")
+
+
+def end_world(accelerator: Accelerator, failed: bool = False) -> None:
+    """``train()``'s teardown: the trackers finished and the process group destroyed (``end_training``), in an order
+    that lets a second ``train()`` in the same process (a sweep, a notebook) form its group again. ``failed``: the
+    run raised (no barrier then: a rank may be gone).
+
+    Over ``env://`` rank 0's process hosts the group's store at MASTER_PORT (torch/distributed/rendezvous.py
+    ``_create_c10d_store``): a rank that left first and formed its next group could join rank 0's old store, whose
+    keys are the last group's, and wait there for an address that is gone. So the other ranks return only once that
+    store has closed (:func:`_old_store`, :func:`_wait_closed`). Accelerate's state is left as it is, for the
+    caller's ``PartialState().is_main_process`` after ``train()``; the next run forgets it
+    (:func:`forget_ended_world`).
+    """
+    old_store = None
+    if not failed and accelerator.num_processes > 1:
+        old_store = _old_store(accelerator.process_index)  # connected before the barrier: rank 0's store of this run
+        accelerator.wait_for_everyone()
+    accelerator.end_training()
+    if old_store is not None:
+        _wait_closed(old_store, STORE_CLOSE_WAIT_S)
+
+
+STORE_CLOSE_WAIT_S = 10.0  # how long another rank waits for rank 0's store to close as its train() returns
+
+
+def _old_store(rank: int) -> socket.socket | None:
+    """A plain connection to the store rank 0 hosts for this group (env://, not torchrun's agent store), or None."""
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT", "")
+    if rank == 0 or not addr or not port.isdigit() or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return None
+    try:
+        return socket.create_connection((addr, int(port)), timeout=1.0)
+    except OSError:
+        return None
+
+
+def _wait_closed(connection: socket.socket, seconds: float) -> None:
+    """Until the server closes ``connection`` (its process dropped the store), ``seconds`` at most."""
+    with connection:
+        connection.settimeout(seconds)
+        with contextlib.suppress(OSError):  # a timeout, or a reset: either way no longer ours to wait for
+            connection.recv(1)
 
 
 def import_dynamo_before_the_group() -> None:

@@ -1,5 +1,6 @@
 """How a run ends: preemption signals, non-finite losses, failure reports (one per launch), exit codes.
 
+    exit_codes.py   each rank's exit code, left for `accel-ddp launch` (a signalled launcher loses them)
     failure.py      the first failing rank reports, the others stay quiet; exit codes; main_process_decides
     hang.py         --hang_timeout: a rank without an optimizer step for that long -> stacks, one line naming the stuck
                     rank and its line of code (hang_stacks.py reads the stacks), exit 124
@@ -8,6 +9,7 @@
     peers.py        the store the ranks agree on, and closing this rank's connections so its peers learn at once
     preemption.py   SIGTERM/SIGUSR1 (or a dead launcher): every rank saves and stops; exit codes
     stdio.py        stdout/stderr without a reader: writes go to /dev/null instead of failing the run
+    transport.py    what gloo and NCCL say of a peer that went away or stopped answering: one table
 
 May import: util. Everything above raises into it, so it imports nothing above util.
 """

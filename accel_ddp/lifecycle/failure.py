@@ -40,7 +40,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import signal
 import sys
 import threading
@@ -51,6 +50,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from accel_ddp.lifecycle.peers import close_peer_connections, rank_store
+from accel_ddp.lifecycle.transport import LOST, STOPPED, Said, peer_message
 from accel_ddp.util.atomic import atomic_write_text
 from accel_ddp.util.messages import error_line, first_line
 from accel_ddp.util.ranks import launch_rank, launch_world_size
@@ -62,11 +62,6 @@ ACK_WAIT_S = 10.0
 POLL_S = 0.02  # between two looks at the store while waiting (a blocking wait logs a warning on its timeout)
 # The launcher's stop, SLURM's warning, Ctrl-C and a closed terminal (forwarded by torchrun): recorded while reporting.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP)
-# What gloo and the store say when the other end of a connection went away (gloo/transport/tcp/pair.cc).
-_LOST_PEER = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
-# What gloo says when a peer did not answer within the process group's timeout (gloo/transport/tcp/unbound_buffer.cc):
-# the peer is alive (its connections open) but stopped, hung or too slow.
-_TIMED_OUT = re.compile(r"Timed out waiting (\d+)ms for (recv|send)")
 # The one line of a rank that lost a peer that never reported (killed, out of memory): gloo's traceback says no more.
 _LOST = ("rank {rank} lost its connection to another rank, which ended without reporting an error (killed? out of "
          "memory?); the launcher's summary says how it ended")
@@ -121,6 +116,21 @@ def claim(err: BaseException, code: int) -> Claim:
     return made
 
 
+def peer_named(err: BaseException, made: Claim) -> BaseException:
+    """``err`` as a ``PeerFailed`` naming the rank that failed first, where ``err`` is only this rank's transport
+    error for it (a lost connection, a timeout: what gloo or NCCL say of a peer that went away); else ``err``.
+
+    ``main()`` reports once per launch and keeps the others quiet; a caller of ``train()`` sees what each rank
+    raised, and rank 1's "Connection closed by peer" names neither rank 0 nor its error. The claim goes with it."""
+    if made.ours or isinstance(err, PeerFailed) or not (lost_peer(err) or timed_out(err)):
+        return err
+    first = made.first
+    named = PeerFailed(first["rank"], f"rank {first['rank']} failed: {first['message']}; this rank stopped as its "
+                                      f"connection to rank {first['rank']} ended")
+    named._accel_ddp_claim = made
+    return named
+
+
 def _agree(made: Claim, err: BaseException) -> None:
     """``made.first``: whatever rank recorded its failure first on the ranks' store (this one, when no other did)."""
     found = rank_store(made.rank, lost_peer(err))
@@ -166,7 +176,7 @@ def lost_peer(err: BaseException) -> bool:
     """Does ``err`` say that another rank went away (its process ended, or the connection to it did)?"""
     from torch.distributed import DistNetworkError
 
-    return isinstance(err, (DistNetworkError, PeerFailed)) or any(text in str(err) for text in _LOST_PEER)
+    return isinstance(err, (DistNetworkError, PeerFailed)) or peer_message(str(err), LOST) is not None
 
 
 def _nccl() -> bool:
@@ -191,20 +201,24 @@ def _prints(made: Claim, err: BaseException) -> bool:
     return made.rank == 0 or made.first["code"] == 1 or getattr(err, "only_this_rank", False)
 
 
-def timed_out(err: BaseException) -> re.Match | None:
-    """gloo's timeout of a collective (its milliseconds in group 1), or None."""
-    return _TIMED_OUT.search(str(err))
+def timed_out(err: BaseException) -> Said | None:
+    """What gloo or NCCL said of a peer that did not answer within the group's timeout (with the timeout where the
+    message names it: :mod:`accel_ddp.lifecycle.transport`), or None. The peer is alive (its connections open) but
+    stopped, hung or too slow."""
+    return peer_message(str(err), STOPPED)
 
 
 def _timeout_line(err: BaseException, made: Claim | None = None) -> str:
-    """One line for gloo's "Timed out waiting Nms for recv": which rank did not answer (those that never reported to
-    the ranks' store, once every other has), within which timeout, and what to do."""
+    """One line for a collective's timeout ("Timed out waiting Nms for recv", "Application timeout caused pair
+    closure", NCCL's watchdog): which rank did not answer (those that never reported to the ranks' store, once every
+    other has), within which timeout, and what to do."""
     found = timed_out(err)
     silent = [] if made is None or made.store is None else _silent_ranks(made)
     who = (f"rank {silent[0]}" if len(silent) == 1 else f"ranks {', '.join(map(str, silent))}" if silent
            else "another rank")
-    return (f"rank {made.rank if made else launch_rank()}: {who} did not answer within --ddp_timeout "
-            f"{int(found.group(1)) / 1000:g} s (gloo: {found.group(0)}); it is stopped, hung or far "
+    within = f"--ddp_timeout {found.timeout_s:g} s" if found.timeout_s is not None else "--ddp_timeout"
+    return (f"rank {made.rank if made else launch_rank()}: {who} did not answer within {within} "
+            f"({found.message.backend}: {found.text}); it is stopped, hung or far "
             "slower (SIGSTOP, a debugger, a stuck read, swapping): see where with py-spy dump --pid PID, or raise "
             "--ddp_timeout if it is only slow")
 

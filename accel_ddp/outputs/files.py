@@ -104,13 +104,13 @@ def write_failure(err: BaseException, folder: str) -> str | None:
     free = free_bytes(folder)
     if code in (errno.ENOSPC, errno.EDQUOT) or (code is None and _torch_write_error(err) and free < LOW_SPACE):
         full = "over its quota" if code == errno.EDQUOT else "full"
-        return f"the file system is {full} ({_size(free)} free there)"
+        return f"the file system is {full} ({human_size(free)} free there)"
     if code in READ_ONLY_ERRNOS:
         return f"{READ_ONLY} ({os.strerror(code)}: a read-only mount, an immutable folder or no write permission)"
     if code is not None:
         return f"the file system refused it ({os.strerror(code)})"
     if _torch_write_error(err):
-        return f"the write failed ({first_line(err, 200)}; {_size(free)} free there)"
+        return f"the write failed ({first_line(err, 200)}; {human_size(free)} free there)"
     return None
 
 
@@ -131,7 +131,8 @@ def free_bytes(folder: str) -> int:
     return (stats.f_bfree if os.geteuid() == 0 else stats.f_bavail) * stats.f_frsize
 
 
-def _size(num_bytes: int) -> str:
+def human_size(num_bytes: float) -> str:
+    """``300.0 MiB``, ``1.2 GiB``: a byte count as a person reads it."""
     for unit in ("bytes", "KiB", "MiB", "GiB"):
         if num_bytes < 1024 or unit == "GiB":
             return f"{num_bytes:.0f} {unit}" if unit == "bytes" else f"{num_bytes:.1f} {unit}"

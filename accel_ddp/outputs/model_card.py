@@ -16,6 +16,7 @@ from typing import Any
 
 import yaml
 
+from accel_ddp.lifecycle.exit_codes import EXIT_CODES_DIR
 from accel_ddp.outputs.metrics_file import read_metrics
 from accel_ddp.outputs.names import (
     CONFIG_NAME,
@@ -59,7 +60,7 @@ def launch_command(argv: list[str], env: Mapping[str, str]) -> str:
     world = int(env.get("WORLD_SIZE", "1"))
     machines = int(env.get("ACCELERATE_NUM_MACHINES") or env.get("GROUP_WORLD_SIZE") or 1)
     if "ACCELERATE_MIXED_PRECISION" in env:  # set by every accelerate launch
-        launcher = ["accelerate", "launch"]
+        launcher = ["accel-ddp" if env.get(EXIT_CODES_DIR) else "accelerate", "launch"]  # accel-ddp launch sets it
         if env.get("ACCELERATE_USE_FSDP", "").lower() == "true":
             launcher.append("--use_fsdp")
         elif world > 1:

@@ -3,7 +3,7 @@
     OUTPUT_DIR/config.yaml          resolved training config, plus world size and accelerate state
     OUTPUT_DIR/metrics.jsonl        one JSON object per logged step, epoch and evaluation
     OUTPUT_DIR/summary.json         final figures
-    OUTPUT_DIR/run.log              each start's start-up block: what the run was about to do, and its warnings
+    OUTPUT_DIR/run.log              what the main process printed, each start's: its start-up block, warnings, lines
     OUTPUT_DIR/model.safetensors    final weights of the unwrapped model
     OUTPUT_DIR/hf_model/            Transformers models: the final model (save_pretrained) and its tokenizer
     OUTPUT_DIR/curves.png           losses, the task's eval metric, LR and throughput against step
@@ -23,7 +23,7 @@
 CONFIG_NAME = "config.yaml"
 METRICS_NAME = "metrics.jsonl"
 SUMMARY_NAME = "summary.json"
-RUN_LOG_NAME = "run.log"  # the start-up block of each start (tracking/startup_block.py); a resumed run appends
+RUN_LOG_NAME = "run.log"  # what the main process printed (tracking/console_log.py); a resumed run appends
 WEIGHTS_NAME = "model.safetensors"
 ADAPTER_SUBDIR = "adapter"  # --peft lora: PeftModel.from_pretrained(base, OUTPUT_DIR/adapter); the tokenizer too
 PRETRAINED_SUBDIR = "hf_model"  # AutoModelFor...from_pretrained(OUTPUT_DIR/hf_model); the tokenizer too

@@ -74,7 +74,7 @@ class OutputLock:
                               "or fix its permissions")
         lock_path = os.path.join(path, LOCK_NAME)
         try:
-            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)  # less the umask
         except OSError as err:
             raise ConfigError(f"--output_dir {path}: cannot write in it ({err.strerror}); "
                               "give a folder you can write") from None

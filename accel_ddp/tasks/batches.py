@@ -40,6 +40,27 @@ def forward_keys(model: torch.nn.Module) -> set[str] | None:
     return named or None
 
 
+def without_kv_cache(model: torch.nn.Module) -> dict[str, Any]:
+    """``{"use_cache": False}`` where the model's forward takes ``use_cache`` (a Transformers model, also under
+    peft's LoRA), else ``{}``: the extra keyword argument of every forward the package runs.
+
+    Training and evaluation never decode step by step, so a key/value cache is pure cost, and under
+    ``torch.compile`` a defect: Transformers 5 takes ``use_cache`` from ``config.use_cache`` (True for GPT-2, Llama,
+    ...; utils/generic.py ``merge_with_config_defaults``) and then builds a ``DynamicCache`` in every forward, whose
+    per-layer state each block updates at its own index (cache_utils.py ``DynamicLayer.update``: ``if not
+    self.is_initialized``). Dynamo guards on that state, so ``--compile_regions`` compiles each block again until
+    its recompile limit (8) and runs the rest eagerly (docs/performance.md). Given per call, not written into the
+    config: the exported ``hf_model/config.json`` keeps the cache on for the user's generation."""
+    inner = extract_model_from_parallel(model, keep_torch_compile=False)
+    get_base = getattr(inner, "get_base_model", None)  # peft's PeftModel passes **kwargs on to the base model
+    base = get_base() if callable(get_base) else inner
+    try:
+        takes = "use_cache" in inspect.signature(base.forward).parameters
+    except (TypeError, ValueError):  # a forward without a signature Python can read: pass nothing extra
+        takes = False
+    return {"use_cache": False} if takes else {}
+
+
 def batch_device(batch: Any) -> torch.device:
     values = batch.values() if isinstance(batch, Mapping) else batch
     return next(v.device for v in values if isinstance(v, torch.Tensor))

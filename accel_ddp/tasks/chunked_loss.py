@@ -103,17 +103,22 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
-    """The summed loss in the forward, with each chunk's gradients made there; the backward scales them."""
+    """The summed loss in the forward, with each chunk's gradients made there; the backward scales them.
+
+    Only the gradients autograd asks for are made: a frozen output layer (LoRA's base) gets no ``dW``, the
+    ``(V, H)`` product that costs as much as the logits. Per chunk the softmax gradient is cast to the matmuls'
+    dtype once, and ``dW`` is added into its float32 accumulator in place (:func:`_add_weight_grad`)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, dtype, rows):
-        grads = any(ctx.needs_input_grad[:3])
+        need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
+        need_bias = need_bias and bias is not None
         w = weight.to(dtype)
-        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if grads else None
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if grads else None
-        grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) \
-            if grads and bias is not None else None
+        fp32 = torch.float32
+        total = torch.zeros((), dtype=fp32, device=hidden.device)
+        grad_hidden = torch.empty(hidden.shape, dtype=fp32, device=hidden.device) if need_hidden else None
+        grad_weight = torch.zeros(weight.shape, dtype=fp32, device=weight.device) if need_weight else None
+        grad_bias = torch.zeros(weight.shape[0], dtype=fp32, device=weight.device) if need_bias else None
         for start in range(0, hidden.shape[0], rows):
             h, y = hidden[start:start + rows].to(dtype), labels[start:start + rows]
             logits = (h @ w.T).float()
@@ -123,15 +128,18 @@ class _LinearCrossEntropy(torch.autograd.Function):
             target = torch.where(valid, y, 0)
             lse = torch.logsumexp(logits, dim=-1)
             total += ((lse - logits.gather(1, target[:, None]).squeeze(1)) * valid).sum()
-            if not grads:
+            if not (need_hidden or need_weight or need_bias):
                 continue
             # d(sum of -log softmax[target]) / d logits = softmax - one_hot(target), zero on ignored tokens
             grad = logits.sub_(lse[:, None]).exp_()
             grad[torch.arange(len(y), device=y.device), target] -= 1
             grad *= valid[:, None]
-            grad_hidden[start:start + rows] = (grad.to(dtype) @ w).float()
-            grad_weight += (grad.T.to(dtype) @ h).float()
-            if grad_bias is not None:
+            low = grad.to(dtype)  # the one cast of the chunk (none in fp32): both matmuls read it
+            if need_hidden:
+                grad_hidden[start:start + rows] = low @ w  # cast to float32 on the copy into the rows
+            if need_weight:
+                _add_weight_grad(grad_weight, low, grad, h)
+            if need_bias:
                 grad_bias += grad.sum(0)
         ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
         ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
@@ -146,6 +154,25 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 (grad_weight * scale).to(weight_dtype) if ctx.needs_input_grad[1] else None,
                 (grad_bias * scale).to(bias_dtype) if ctx.needs_input_grad[2] and grad_bias is not None else None,
                 None, None, None)
+
+
+def _add_weight_grad(grad_weight: torch.Tensor, low: torch.Tensor, grad: torch.Tensor, h: torch.Tensor) -> None:
+    """``grad_weight += low.T @ h`` into the float32 accumulator, without a ``(V, H)`` temporary.
+
+    Same dtype (fp32 runs): ``addmm_`` in place. bf16/fp16 on CUDA: ``torch.addmm(..., out_dtype=float32,
+    out=grad_weight)``, the half-precision product accumulated in float32 by the GEMM itself (torch's ``addmm``
+    ``out_dtype`` overload, CUDA only: ``aten::addmm.dtype_out``). Elsewhere (the CPU has no such kernel) the float32
+    softmax gradient itself times the chunk's hidden states, in place: a float32 matmul of the same inputs."""
+    if low.dtype == grad_weight.dtype:
+        grad_weight.addmm_(low.T, h)
+        return
+    if grad_weight.device.type == "cuda":
+        try:
+            torch.addmm(grad_weight, low.T, h, out_dtype=grad_weight.dtype, out=grad_weight)
+            return
+        except (TypeError, NotImplementedError, RuntimeError):  # an older torch, or a GPU without that GEMM
+            pass  # the dispatch failed before writing: the float32 matmul below
+    grad_weight.addmm_(grad.T, h.to(grad_weight.dtype))
 
 
 def autocast_dtype(mixed_precision: Any) -> torch.dtype | None:

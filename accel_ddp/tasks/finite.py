@@ -32,9 +32,10 @@ def in_memory_inputs(dataset: Any) -> torch.Tensor | None:
     return None
 
 
-def in_memory_problem(data: Any) -> str | None:
-    """The line for the first training or eval sample held in memory with a nan or inf input, or None."""
-    for split, dataset in (("training", data.train), ("eval", data.eval)):
+def in_memory_problem(data: Any, training: bool = True) -> str | None:
+    """The line for the first training (unless not ``training``) or eval sample held in memory with a nan or inf
+    input, or None."""
+    for split, dataset in (("training", data.train if training else None), ("eval", data.eval)):
         inputs = None if dataset is None else in_memory_inputs(dataset)
         row = first_non_finite_row(inputs)
         if row is not None:

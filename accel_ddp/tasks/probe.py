@@ -22,7 +22,8 @@ if TYPE_CHECKING:
 
 
 
-def probe_task(task: Task, accelerator: Accelerator, model, data: Data, evaluates: bool, loaders=None) -> None:
+def probe_task(task: Task, accelerator: Accelerator, model, data: Data, evaluates: bool, loaders=None,
+               skips_bad_inputs: bool = False) -> None:
     """One forward of two training samples: a collate_fn that makes no batch, a missing or non-scalar loss,
     logits that do not fit the labels, a metric that returns no numbers, labels or token ids the model cannot
     take, is bad input, reported before any write.
@@ -30,7 +31,8 @@ def probe_task(task: Task, accelerator: Accelerator, model, data: Data, evaluate
     Tuple samples with the default cross-entropy only need their shapes checked: the model runs without
     torch.compile's wrapper, which would otherwise compile an extra graph for it. With ``loaders``, the
     labels the probe found out of range are checked over the in-memory sets now, and over each host
-    batch of the other loaders later (:mod:`accel_ddp.tasks.labels`).
+    batch of the other loaders later (:mod:`accel_ddp.tasks.labels`). ``skips_bad_inputs`` (``--on_anomaly
+    skip|rollback``): a nan/inf training input is an anomaly of its step (the loaders report it), not refused here.
     """
     collate = data.collate_fn or torch.utils.data.default_collate
     with torch.random.fork_rng(devices=[]):  # a sample's augmentation draws: the run's RNG stream stays as it was
@@ -41,7 +43,9 @@ def probe_task(task: Task, accelerator: Accelerator, model, data: Data, evaluate
     forward = label_check.forward_ranges(task, model)
     if (line := label_check.problem(forward, batch, lambda row: f"training sample {row}")) is not None:
         raise ConfigError(line)  # before the forward that it would crash
-    if (line := finite.in_memory_problem(data) or finite.batch_problem(batch, lambda row: f"training sample {row}")):
+    line = finite.in_memory_problem(data, training=not skips_bad_inputs) or \
+        (None if skips_bad_inputs else finite.batch_problem(batch, lambda row: f"training sample {row}"))
+    if line:
         raise ConfigError(line)  # not exit 3 and "lower --lr" at the first step that meets it
     batch = send_to_device(batch, accelerator.device)
     shapes_only = data.input_shape is not None and task.loss_fn is None

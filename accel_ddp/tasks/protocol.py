@@ -46,6 +46,7 @@ from accel_ddp.tasks.batches import (
     labels_of,
     model_loss,
     per_item,
+    without_kv_cache,
 )
 from accel_ddp.tasks.chunked_loss import linear_cross_entropy
 from accel_ddp.tasks.user_code import check_count, check_scalar, fresh_copies, metric_values
@@ -84,6 +85,7 @@ class Task:
         self.held_back = self.held_back if loss_fn is None else frozenset()  # a user loss may need everything
         self._keep: set[str] | None = None  # dict keys passed to the model, decided at the first dict batch
         self._kept_all = False
+        self._no_cache: dict[str, Any] = {}  # {"use_cache": False} for a model that takes it (batches.without_kv_cache)
         self._grad_checked = False  # the first training loss is checked for a grad_fn
         self._fits: bool | None = None  # whether the task's eval statistics fit the outputs (eval_fits)
 
@@ -97,16 +99,18 @@ class Task:
         return model(inputs)
 
     def model_inputs(self, model: torch.nn.Module, batch: Mapping[str, Any]) -> dict[str, Any]:
-        """The keys of ``batch`` that ``model.forward`` takes; the first call warns once about the others."""
+        """The keys of ``batch`` that ``model.forward`` takes, and ``use_cache=False`` where it takes that (no key/value
+        cache in training or evaluation: one compiled graph per block); the first call warns once about the others."""
         if self._keep is None and not self._kept_all:
             named = forward_keys(model)
+            self._no_cache = without_kv_cache(model)
             self._kept_all = named is None
             self._keep = None if named is None else named - self.held_back
             dropped = sorted(k for k in batch if not self._passes(k) and k not in self.held_back)
             if dropped:
                 warn(f"batch keys {', '.join(dropped)} are not arguments of "
                      f"{type(extract_model_from_parallel(model)).__name__}.forward; they are dropped", ranks="main")
-        return {k: v for k, v in batch.items() if self._passes(k)}
+        return {**self._no_cache, **{k: v for k, v in batch.items() if self._passes(k)}}
 
     def _passes(self, key: str) -> bool:
         return key not in self.held_back and (self._kept_all or key in self._keep)

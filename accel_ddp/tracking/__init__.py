@@ -1,6 +1,7 @@
 """Metrics while a run trains and reading a run back: the recorder, the trackers, the meters, the report.
 
     recorder.py   metrics.jsonl, summary.json, config.yaml and the trackers, from the main process
+    console_log.py run.log: a tee of what the main process prints
     trackers.py   --report_to's trackers (Accelerate's and the csv one), guarded so a failing one never stops a run
     configured.py which installed trackers --report_to all starts: those configured to run on this machine
     tracker_builds.py   how each tracker is built: project, run name, folder (inside OUTPUT_DIR), resume state

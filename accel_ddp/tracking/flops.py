@@ -13,7 +13,8 @@ work. Two ways to get them, both host-only, never touching the device:
   ``T`` the processed sequence length, ``d`` the attention width (heads x head size), ``N`` every
   parameter but lookup-only embedding tables (position embeddings; a token embedding counts only
   when it is tied to the output layer, whose matmul is real). nanoGPT's ``estimate_mfu`` and
-  torchtitan's ``get_num_flop_per_token`` use the same formula.
+  torchtitan's ``get_num_flop_per_token`` use the same formula. A frozen parameter (a LoRA base) counts
+  4 a token, not 6: it gets no weight gradient (``6*Nt + 4*Nf + 12*L*d*T``).
 - Any other model built of torch's, accel_ddp's or Transformers' modules:
   ``torch.utils.flop_counter.FlopCounterMode`` over one forward and backward of a one-sample batch on
   the meta device (no memory, no compute; parameters swapped in with ``torch.func.functional_call``,
@@ -131,6 +132,16 @@ def transformer_shape(model: torch.nn.Module) -> tuple[int, int, int] | None:
     return params - lookups, layers, width
 
 
+def frozen_matmul_params(model: torch.nn.Module) -> int:
+    """Parameters that take part in matmuls but get no gradient (a LoRA base, a frozen head): 4 FLOPs per token
+    each, not 6 (the forward's 2 and the input gradient's 2, no weight gradient). Lookup-only embedding tables are
+    left out, as in :func:`transformer_shape`."""
+    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    tied = getattr(output, "weight", None)
+    lookups = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding) and m.weight is not tied}
+    return sum(p.numel() for p in model.parameters() if not p.requires_grad and id(p) not in lookups)
+
+
 def counted_flops(model: torch.nn.Module, batch: Any) -> float | None:
     """FLOPs of one forward and backward of ``model`` on a one-sample slice of ``batch``, counted on the meta device.
 
@@ -185,7 +196,10 @@ class ModelFlops:
         # A forward hook is a user's code too.
         self.countable = all(type(m).__module__.startswith(_SIDE_EFFECT_FREE) and not m._forward_hooks
                              and not m._forward_pre_hooks for m in self.model.modules())
-        self.method: str | None = "6N+12LdT" if self.shape is not None else "counted" if self.countable else None
+        # A frozen matmul parameter costs 4 FLOPs a token (no weight gradient): 6N - 2*frozen, "6Nt+4Nf" then.
+        self.frozen = frozen_matmul_params(self.model) if self.shape is not None else 0
+        formula = "6Nt+4Nf+12LdT" if self.frozen else "6N+12LdT"
+        self.method: str | None = formula if self.shape is not None else "counted" if self.countable else None
         self._cache: dict[Any, tuple[float, int, int] | None] = {}
 
     def of_batch(self, batch: Any) -> tuple[float, int, int] | None:
@@ -203,7 +217,7 @@ class ModelFlops:
         if self.shape is not None and first.ndim == 2:
             matmul_params, layers, width = self.shape
             length = int(first.shape[1])
-            per_token = 6 * matmul_params + 12 * layers * width * length
+            per_token = 6 * matmul_params - 2 * self.frozen + 12 * layers * width * length
             return float(per_token * samples * length), samples, samples * length
         if not self.countable:
             return None

@@ -6,7 +6,7 @@ trackers, and how each is built and guarded: ``trackers.py``.
     OUTPUT_DIR/config.yaml     the resolved config (RunRecorder.write_config)
     OUTPUT_DIR/metrics.jsonl   always (RunRecorder)
     OUTPUT_DIR/summary.json    the final figures (RunRecorder.write_summary)
-    OUTPUT_DIR/run.log         each start's start-up block (RunRecorder.write_startup)
+    OUTPUT_DIR/run.log         what the main process printed, each start's (RunRecorder.write_startup, console_log.py)
     OUTPUT_DIR/metrics.csv     --with_tracking --report_to csv (CSVTracker, through Accelerate's tracker API)
     OUTPUT_DIR/tensorboard/    --report_to tensorboard (Accelerate's TensorBoardTracker); wandb, mlflow and
                                the other trackers Accelerate knows go where their own settings say
@@ -75,8 +75,9 @@ class RunRecorder:
     the final summary.
     """
 
-    def __init__(self, output_dir: str, is_main_process: bool, accelerator: Any = None):
+    def __init__(self, output_dir: str, is_main_process: bool, accelerator: Any = None, console: Any = None):
         self.output_dir = output_dir
+        self.console = console  # a ConsoleLog (tracking/console_log.py): run.log gets what the console shows
         self.enabled = is_main_process
         self._state = accelerator  # collective decisions (rewind), when given
         self._accelerator = accelerator if accelerator is not None and accelerator.log_with else None
@@ -109,10 +110,15 @@ class RunRecorder:
         self._write(CONFIG_NAME, yaml.safe_dump(resolved, sort_keys=False))
 
     def write_startup(self, text: str, start_step: int) -> None:
-        """``run.log``: the start-up block, after the blocks of the starts it resumes (a fresh run starts it anew)."""
+        """``run.log``: this start's output after the starts it resumes (a fresh run starts it anew). With a console
+        log, what the main process printed so far and, from now on, everything it prints (the block ``text``, about
+        to be printed, included); without, the block."""
         path = os.path.join(self.output_dir, RUN_LOG_NAME)
 
         def append() -> None:
+            if self.console is not None:
+                self.console.start(path, append=bool(start_step))
+                return
             with open(path, "a" if start_step else "w", encoding="utf-8") as fh:
                 fh.write(f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}\n{text}")
         self._write_with(RUN_LOG_NAME, append)

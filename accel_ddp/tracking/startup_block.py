@@ -33,7 +33,7 @@ class StartupBlock:
 
     lines: dict[str, str]
     warnings: list[str] = field(default_factory=list)
-    start: str = "fresh"  # or resumed_from(...), finished(...)
+    start: str = "fresh"  # or resumed_from(...)
 
     @classmethod
     def describe(cls, cfg: Any, facts: dict[str, Any], *, epochs: int, workers: int | None, model: str,
@@ -151,7 +151,7 @@ def training_lines(cfg: Any, total_steps: int, global_batch: int,
         "output folder": cfg.output_dir + (f" (checkpoints in {cfg.checkpoint_dir})" if cfg.checkpoint_dir else ""),
         "checkpoints": _cadence(cfg.checkpointing_steps, cfg.keep_last),
         "trackers": f"{cfg.report_to}, and metrics.jsonl" if cfg.with_tracking else
-                    "metrics.jsonl only (--with_tracking --report_to NAME adds one)",
+                    "metrics.jsonl only (--report_to NAME adds one)",
     }
     if cfg.task == "causal_lm":  # a token task: the step's unit people compare
         length = cfg.max_length
@@ -189,10 +189,6 @@ def precision_source(flag: str | None, env=os.environ) -> str:
 
 def resumed_from(step: int, folder: str | None) -> str:
     return f"resumed from step {step} of checkpoint {folder}"
-
-
-def finished(step: int) -> str:
-    return f"finished at step {step} (summary.json): nothing to do"
 
 
 def debug_changes(cfg: Any, total_steps: int, full_train: int | None) -> str:

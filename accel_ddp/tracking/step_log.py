@@ -2,7 +2,8 @@
 
     log = StepLog(run, losses)
     log.step_done(step)                       # after every optimizer step: timers, the profile, the bar
-    log.line(step, epoch, mean_loss)          # at a log step (accel_ddp/after_step.py decides which, and the loss)
+    log.line(step, epoch, mean_loss)          # at a log step (accel_ddp/after_step.py decides which, and the loss);
+                                              # --log_every given: also printed, step 20 epoch 0: loss 0.29 lr 0.003
     log.paused(step)                          # after an evaluation or a save: not training time
     log.epoch_done(step, epoch)               # the epoch's step-time figures and peak memory (collective)
 
@@ -12,6 +13,8 @@ Host clocks only: the logged loss (the one host sync of a log line) is read by t
 from __future__ import annotations
 
 from typing import Any
+
+from tqdm.auto import tqdm
 
 from accel_ddp.tracking.meters import EpochTimer, StepProfiler, ThroughputMeter, memory_record
 
@@ -44,6 +47,8 @@ class StepLog:
         run.recorder.log({"step": step, "epoch": epoch, "loss": mean_loss, "lr": lr,
                           **self.meter.record(step, tokens, self.losses.logged_steps)})
         run.bar.set_postfix(loss=f"{mean_loss:.4f}", refresh=False)  # shown at the bar's next redraw (<= 0.1 s)
+        if run.plan.cadence.log_lines and run.accelerator.is_main_process:  # the Trainer's --logging_steps line
+            tqdm.write(f"step {step} epoch {epoch}: loss {mean_loss:.4f} lr {lr:.4g}")  # above the bar, as eval lines
 
     def paused(self, step: int) -> None:
         """After an evaluation or a checkpoint: neither is training throughput nor step time."""

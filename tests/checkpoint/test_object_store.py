@@ -15,6 +15,7 @@ import sys
 
 import pytest
 
+from tests.helpers import faults
 from tests.helpers.multiproc import RankFailed, run_ranks
 from tests.helpers.ranks import error_lines
 from tests.helpers.runs import load_weights, main_ranks, read_summary
@@ -221,23 +222,8 @@ def test_async_saves_to_the_store_resume_bitwise_after_a_kill(s3, reference, tmp
     args = [*STORE_ARGS, "--max_steps", "8", "--output_dir", str(out), "--checkpoint_dir", f"s3://{BUCKET}/{prefix}",
             "--async_checkpointing"]
 
-    def killed_after_step_5() -> int:
-        from torch.optim.optimizer import register_optimizer_step_post_hook
-
-        from accel_ddp.cli.train import main
-
-        steps = [0]
-
-        def after_step(*_):
-            steps[0] += 1
-            if steps[0] == 5:
-                os.kill(os.getpid(), signal.SIGKILL)
-
-        register_optimizer_step_post_hook(after_step)
-        return main(args)
-
     with pytest.raises(RankFailed, match="exited with code -9"):
-        run_ranks(killed_after_step_5)
+        run_ranks(lambda: faults.main_signalled_after(args, 5, signal.SIGKILL))
     sealed = _sealed_steps(s3, prefix)
     assert sealed in ([2], [2, 4])
     assert main_ranks([*args, "--resume_from_checkpoint", "auto"]) == [0, 0]

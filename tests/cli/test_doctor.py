@@ -354,6 +354,25 @@ def test_the_versions_that_matter_are_on_one_line(monkeypatch, capsys):
     assert cuda in line
 
 
+CPU_INDEX_LINE = "pip install torch --index-url https://download.pytorch.org/whl/cpu"
+
+
+def test_a_cuda_torch_on_a_machine_without_a_gpu_is_a_warning_with_its_size_and_the_cpu_install_line():
+    """Issue 51 item 6: PyPI's torch is the CUDA build; on a machine without a GPU its CUDA libraries are gigabytes
+    of nothing. The facts are faked: the build (torch.version.cuda), the driver, the libraries' size."""
+    cuda_torch = MachineFacts(gpu_count=0, cpu_count=2, torch_version="2.14.1+cu130", cuda_build="13.0",
+                              cuda_libraries_bytes=5_538_789_032)
+    found = only(check_file(CPU_2PROC, cuda_torch), WARNING, "CUDA build")
+    assert found.problem == ("torch 2.14.1+cu130 is a CUDA build (CUDA 13.0) on a machine without a GPU: it and its "
+                             "CUDA libraries (nvidia-*, triton) take 5.5 GB here, which training on the CPU never uses")
+    assert CPU_INDEX_LINE in found.fix
+    for machine in (CPU_ONLY,  # a CPU-only torch
+                    MachineFacts(gpu_count=1, nccl_available=True, cuda_build="13.0", torch_version="2.14.1+cu130"),
+                    MachineFacts(cuda_build="13.0", nvidia_driver=True),  # GPUs hidden (CUDA_VISIBLE_DEVICES='')
+                    MachineFacts(cuda_build="13.0", unusable_gpus=2)):  # a driver too old: its own error
+        assert not [f for f in check_file(CPU_2PROC, machine).findings if "CUDA build" in f.line()], machine
+
+
 def test_a_library_that_is_not_installed_says_so(monkeypatch):
     from importlib import metadata
 

@@ -36,7 +36,7 @@ def test_save_total_limit_is_keep_last():
 
 def test_report_to_none_means_no_trackers():
     cfg = parse_args(["--report_to", "none"])
-    assert cfg.with_tracking is False
+    assert (cfg.with_tracking, cfg.report_to) == (False, None)
     with pytest.raises(ConfigError, match="--report_to none and --with_tracking contradict each other"):
         parse_args(["--report_to", "none", "--with_tracking"])
 

@@ -241,3 +241,90 @@ def test_an_edited_tokenizer_file_or_another_tokenizers_version_is_a_new_key(tex
     build(texts, cache)
     assert counts.loads == 2 and len(entries(cache)) == 3
     assert text_cache.tokenizer_files_digest(str(tmp_path / "texts")) is None  # no tokenizer files: loaded to key it
+
+
+# ----------------------------------------------------------------------------- a cache that cannot be written
+
+
+def _two_ranks_build(texts: Path, cache: Path) -> list[int]:
+    """resolve_data on two forked ranks of one machine with --text_cache ``cache``: each rank's training blocks."""
+    def run():
+        from accelerate import Accelerator
+
+        from accel_ddp.cli.args import parse_args
+        from accel_ddp.data.resolve import resolve_data
+
+        cfg = parse_args(["--task", "causal_lm", "--dataset", "hf", "--data_dir", str(texts), "--tokenizer",
+                          str(texts.parent / "tok"), "--max_length", "16", "--packing", "--text_cache", str(cache)])
+        return len(resolve_data(cfg, Accelerator(cpu=True), None, None).train)
+
+    return run_ranks(run)
+
+
+def cache_lines(err: str) -> list[str]:
+    return [line for line in err.splitlines() if "--text_cache" in line]
+
+
+def test_a_regular_file_given_as_the_cache_is_told_so_once(texts, tmp_path, capfd):
+    """Was "(File exists) ... free space there", from each rank: a file is not a folder, and nothing fills it."""
+    cache = tmp_path / "blocks.txt"
+    cache.write_text("my notes\n")
+    capfd.readouterr()
+    sizes = _two_ranks_build(texts, cache)
+    lines = cache_lines(capfd.readouterr().err)
+    assert sizes[0] == sizes[1] > 0
+    assert len(lines) == 1, lines
+    assert f"--text_cache {cache} is a file, not a folder" in lines[0] and "free space" not in lines[0], lines
+    assert cache.read_text() == "my notes\n"
+
+
+def test_a_read_only_cache_folder_is_told_so(texts, tmp_path, capfd, monkeypatch):
+    """Was "free space there": a read-only folder (EROFS here; root ignores chmod) has no space to free."""
+    import errno
+    import tempfile
+
+    import accel_ddp.data.text_cache as text_cache
+
+    def refused(*args, **kwargs):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+
+    monkeypatch.setattr(text_cache.tempfile, "mkdtemp", refused)
+    capfd.readouterr()
+    build(texts, tmp_path / "blocks")
+    monkeypatch.setattr(text_cache.tempfile, "mkdtemp", tempfile.mkdtemp)
+    lines = cache_lines(capfd.readouterr().err)
+    assert len(lines) == 1 and "it is read-only" in lines[0] and "free space" not in lines[0], lines
+    assert "the next run tokenizes again; make it writable" in lines[0] and "or 'off'" in lines[0], lines
+
+
+@pytest.mark.parametrize("how", ["numpy's own words", "ENOSPC"])
+def test_a_full_disk_is_told_in_human_sizes(texts, tmp_path, capfd, monkeypatch, how):
+    """Was numpy's "N requested and M written" (byte counts): the entry's size and the free space, in MiB/GiB."""
+    import errno
+
+    import accel_ddp.data.text_cache as text_cache
+
+    def full(path, *args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)) if how == "ENOSPC" else OSError(
+            "3145728 requested and 8192 written")
+
+    monkeypatch.setattr(text_cache.np, "save", full)
+    monkeypatch.setattr(text_cache, "free_bytes", lambda folder: 300 * 2**20)
+    capfd.readouterr()
+    build(texts, tmp_path / "blocks")
+    lines = cache_lines(capfd.readouterr().err)
+    assert len(lines) == 1 and "the disk is full (needs " in lines[0] and ", 300.0 MiB free)" in lines[0], lines
+    assert "requested" not in lines[0] and "free space there, or give another folder" in lines[0], lines
+    assert not list((tmp_path / "blocks").glob(".tmp*")), "a half-written entry was left"
+
+
+def test_an_entry_larger_than_the_free_space_is_not_started(texts, tmp_path, capfd, monkeypatch):
+    import accel_ddp.data.text_cache as text_cache
+
+    saves = []
+    monkeypatch.setattr(text_cache.np, "save", lambda *args, **kwargs: saves.append(args))
+    monkeypatch.setattr(text_cache, "free_bytes", lambda folder: 100)
+    capfd.readouterr()
+    build(texts, tmp_path / "blocks")
+    lines = cache_lines(capfd.readouterr().err)
+    assert saves == [] and len(lines) == 1 and "the disk is full (needs " in lines[0] and "100 bytes free" in lines[0]

@@ -29,6 +29,10 @@ TINY = ["--dataset", "synthetic", "--synthetic_samples", "256", "--synthetic_sha
     ({"optimizer": "sgd"}, "--optimizer sgd is not capturable"),
     ({"ddp_comm_hook": "bf16"}, "--ddp_comm_hook bf16 completes on host callbacks"),
     ({"loader": "dataloader"}, "--loader dataloader (without --packing)"),
+    ({"gradient_checkpointing": True}, "--gradient_checkpointing reads the CUDA random state in each forward"),
+    ({"gradient_checkpointing": True, "peft": "lora"}, "--gradient_checkpointing reads the CUDA random state"),
+    ({"ddp_find_unused_parameters": True}, "--ddp_find_unused_parameters searches the autograd graph on the host"),
+    ({"ddp_static_graph": True}, "--ddp_static_graph rebuilds DDP's buckets on the host"),
 ])
 def test_options_whose_guarantees_a_captured_step_cannot_keep_are_refused(options, why):
     with pytest.raises(ConfigError, match="--cuda_graphs cannot keep its guarantees here") as err:
@@ -47,6 +51,16 @@ def test_the_refusal_on_the_command_line_is_one_line_and_exit_2(tmp_path, capfd)
     lines = error_lines(capfd.readouterr().err)
     assert len(lines) == 1 and "--cuda_graphs cannot keep its guarantees here: --debug" in lines[0], lines
     assert not out.exists()
+
+
+@pytest.mark.parametrize("flag", ["--gradient_checkpointing", "--ddp_find_unused_parameters", "--ddp_static_graph"])
+def test_a_clash_is_refused_before_the_device_is_looked_at_on_any_machine(flag, tmp_path, capfd):
+    """On this CPU the clash's line, not "needs a CUDA device": the options are checked when they are parsed."""
+    out = tmp_path / "out"
+    assert main_ranks([*TINY, "--cuda_graphs", flag, "--output_dir", str(out)], world_size=1) == [2]
+    lines = error_lines(capfd.readouterr().err)
+    assert len(lines) == 1 and f"--cuda_graphs cannot keep its guarantees here: {flag}" in lines[0], lines
+    assert "CUDA device" not in lines[0] and not out.exists()
 
 
 def test_without_cuda_every_rank_refuses_with_one_line_before_writing_anything(tmp_path, capfd):

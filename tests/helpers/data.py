@@ -288,3 +288,40 @@ def batches_until_data_error(loader) -> tuple[int, str | None]:
     except DataError as err:
         return served, str(err)
     return served, None
+
+
+NAN_INPUT_AT = read_at(3, 1, 64, 16, 2)  # the sample rank 1 of 2 reads at optimizer step 3 (64 samples, batch 16)
+
+
+def _nan_rows(in_memory: bool) -> DatasetBundle:
+    gen = torch.Generator().manual_seed(0)
+    x, ex = torch.randn(64, 6, generator=gen), torch.randn(16, 6, generator=gen)
+    y, ey = (x[:, 0] > 0).long(), (ex[:, 0] > 0).long()
+    x[NAN_INPUT_AT, 2] = float("nan")
+    kind = TensorDataset if in_memory else TensorRows
+    return DatasetBundle(kind(x, y), kind(ex, ey), 2, (6,))
+
+
+def nan_input_in_memory(data_dir: str, download: bool) -> DatasetBundle:
+    """64 samples of shape (6,) held in memory (the device loader's); sample ``NAN_INPUT_AT`` holds a nan."""
+    return _nan_rows(in_memory=True)
+
+
+def nan_input_per_sample(data_dir: str, download: bool) -> DatasetBundle:
+    """The same samples read one at a time (the DataLoader path's)."""
+    return _nan_rows(in_memory=False)
+
+
+def mapped_floats_with_inf(folder: Path, row: int = 13):
+    """A ``datasets.Dataset`` of 40 rows (``x``: 3 floats, ``label``), saved in ``folder`` and read back memory-mapped
+    in torch format; ``x`` of ``row`` holds an inf."""
+    import datasets
+
+    from accel_ddp.data.loaders import data_source
+
+    x = torch.randn(40, 3)
+    x[row, 1] = float("inf")
+    datasets.Dataset.from_dict({"x": x.tolist(), "label": [i % 2 for i in range(40)]}).save_to_disk(folder)
+    table = datasets.load_from_disk(str(folder)).with_format("torch")
+    assert data_source(table) == "memory_mapped"
+    return table

@@ -9,6 +9,7 @@ wrapper script tests/scripts/faulty_train.py). accel_ddp itself has no test hook
     install(print_delay=(3, 0))           rank 0 prints its report (error line, traceback) 3 s late
     install(nan_at=(7, 1))                with --model tests.helpers.faults:nan_mlp: rank 1's output is nan at step 7
     install(kill_at=(3, 1))               rank 1 SIGKILLs itself right after optimizer step 3 (the OOM killer)
+    main_signalled_after(args, 6, SIGINT) the CLI's main(), Ctrl-C right after optimizer step 6
 
 The step hook wraps the LR scheduler's ``step``, which the loop calls exactly once per optimizer
 step (a tested invariant), so ``scheduler.last_epoch`` is the optimizer step just finished.
@@ -158,3 +159,21 @@ def _seconds_at_rank(name: str) -> tuple[float, int] | None:
         return None
     seconds, _, rank = os.environ[name].partition(":")
     return float(seconds), int(rank or 0)
+
+
+def main_signalled_after(args: list[str], step: int, sig: int) -> int:
+    """The CLI's ``main(args)`` in this process (a forked rank) that sends itself ``sig`` right after its ``step``-th
+    optimizer step: Ctrl-C's SIGINT, the OOM killer's SIGKILL. Returns main's exit code (SIGKILL: never)."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    from accel_ddp.cli.train import main
+
+    steps = [0]
+
+    def after_step(*_):
+        steps[0] += 1
+        if steps[0] == step:
+            os.kill(os.getpid(), sig)
+
+    register_optimizer_step_post_hook(after_step)
+    return main(args)

@@ -28,6 +28,8 @@ from tests.helpers.multiproc import free_port, run_ranks
 
 REPO = Path(__file__).resolve().parents[2]
 CPU_2PROC = REPO / "accelerate_configs" / "cpu_2proc.yaml"
+ACCELERATE_LAUNCH = ("-m", "accelerate.commands.launch")  # `accelerate launch`
+ACCEL_DDP_LAUNCH = ("-m", "accel_ddp", "launch")  # `accel-ddp launch`: the same arguments (accel_ddp/cli/launch.py)
 TRAIN_SCRIPT = REPO / "train.py"
 SCRIPTS = REPO / "tests" / "scripts"
 FAULTY_TRAIN = SCRIPTS / "faulty_train.py"  # train.py plus the FAULT_* injections of tests/helpers/faults.py
@@ -75,17 +77,19 @@ def _faulty_if_asked(script, env):
 def launch(script_args: list[str], nproc: int = 2, env: dict[str, str] | None = None, timeout: float = 240,
            script: str | os.PathLike = TRAIN_SCRIPT, launch_args: list[str] | None = None,
            cwd: str | os.PathLike | None = None,
-           config_file: str | os.PathLike | None = CPU_2PROC) -> subprocess.CompletedProcess:
+           config_file: str | os.PathLike | None = CPU_2PROC,
+           launcher: tuple[str, ...] = ACCELERATE_LAUNCH) -> subprocess.CompletedProcess:
     """`accelerate launch --config_file cpu_2proc.yaml SCRIPT ARGS` as a user would type it.
 
     With FAULT_* variables in ``env`` the default script is tests/scripts/faulty_train.py, which reads them.
     ``config_file=None``: plain `accelerate launch SCRIPT ARGS`, which reads Accelerate's default config
     (give ``HF_HOME`` in ``env``); ``nproc`` and the free port are then the config's business.
+    ``launcher=ACCEL_DDP_LAUNCH``: `accel-ddp launch` instead.
     """
     script = _faulty_if_asked(script, env)
     flags = [] if config_file is None else ["--config_file", str(config_file), "--num_processes", str(nproc),
                                            "--main_process_port", str(free_port())]
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", *flags, *(launch_args or []), str(script), *script_args]
+    cmd = [sys.executable, *launcher, *flags, *(launch_args or []), str(script), *script_args]
     return subprocess.run(cmd, env=suite_env(env), capture_output=True, text=True, timeout=timeout, cwd=cwd or REPO)
 
 
@@ -189,12 +193,13 @@ def check(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
 
 
 @contextlib.contextmanager
-def running(args: list[str], out_dir: Path, env: dict[str, str] | None = None) -> Iterator[subprocess.Popen]:
+def running(args: list[str], out_dir: Path, env: dict[str, str] | None = None,
+            launcher: tuple[str, ...] = ACCELERATE_LAUNCH) -> Iterator[subprocess.Popen]:
     """Like ``launch``, but yields the running launcher so the test can signal the job.
 
     Whatever happens in the test, no process of the job outlives it.
     """
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CPU_2PROC),
+    cmd = [sys.executable, *launcher, "--config_file", str(CPU_2PROC),
            "--num_processes", "2", "--main_process_port", str(free_port()), str(_faulty_if_asked(TRAIN_SCRIPT, env)),
            *args]
     with open(out_dir.parent / f"{out_dir.name}.log", "w") as log:

@@ -898,3 +898,85 @@ def test_a_failing_rank_stops_every_rank_with_its_traceback_once(paths, path, tm
     assert "Connection closed by peer" not in err and "frame #" not in err
     assert recorded(tmp_path, 1)["message"] == injected
     assert recorded(tmp_path, 0)["message"] == f"stopped because rank 1 failed: {injected}"
+
+
+# ============================================================================ a nan/inf input under --on_anomaly
+#
+# Under --on_anomaly skip (or rollback) a training sample with a nan input is an anomaly like any other: its step is
+# left out on every rank, recorded in anomalies.json with the sample named, and the run goes on; under the default
+# it stops with the sample named (exit 2: tests/tasks/test_finite_inputs.py). Rank 1 reads it at step 3. Through a
+# run on the device loader and the DataLoader path (a worker, or none); memory-mapped sets and streams at their
+# loaders (the same collate check, on their own loader each).
+
+NAN_ARGS = ["--hidden_size", "8", "--global_batch_size", "16", "--max_steps", "6", "--log_every", "2"]
+NAN_NAMED = f"training sample {helpers_data.NAN_INPUT_AT} (epoch 0, optimizer step 3, rank 1) holds nan or inf"
+
+
+@pytest.mark.parametrize("path,mode", [("device", "skip"), ("workers", "skip"), ("rank_reads", "skip"),
+                                       ("workers", "rollback")])
+def test_a_nan_input_under_on_anomaly_is_a_skipped_step_with_its_sample_named(path, mode, tmp_path, capfd):
+    from tests.helpers.runs import load_weights
+
+    data = {"device": ["--dataset", "tests.helpers.data:nan_input_in_memory", "--loader", "device"],
+            "workers": ["--dataset", "tests.helpers.data:nan_input_per_sample", "--loader", "dataloader",
+                        "--num_workers", "1"],
+            "rank_reads": ["--dataset", "tests.helpers.data:nan_input_per_sample", "--loader", "dataloader",
+                           "--num_workers", "0"]}[path]
+    out = tmp_path / "run"
+    extra = ["--checkpointing_steps", "2"] if mode == "rollback" else []
+    assert main_ranks([*data, *NAN_ARGS, *extra, "--on_anomaly", mode, "--output_dir", str(out)]) == [0, 0]
+    printed = capfd.readouterr()
+    assert "Traceback" not in printed.err and "accel_ddp: error" not in printed.err, printed.err
+    records = json.loads((out / "anomalies.json").read_text())
+    assert list(records["skipped"]) == ["3"] and NAN_NAMED in records["inputs"]["3"], records
+    logged = [r for r in read_metrics(out) if r.get("anomaly")]  # a rollback's: the replay's record, the first gone
+    assert [r["step"] for r in logged] == [3] and logged[0]["action"] == mode, logged
+    assert NAN_NAMED in logged[0]["detail"], logged
+    assert f"accel_ddp: anomaly: non-finite at optimizer step 3 ({NAN_NAMED}" in printed.out, printed.out
+    summary = read_summary(out)
+    assert summary["optimizer_steps"] == 6 and summary["anomaly_skipped_steps"] == 1
+    assert summary["anomaly_rollbacks"] == (1 if mode == "rollback" else 0)
+    weights = load_weights(out)
+    assert all(bool(torch.isfinite(w).all()) for w in weights.values())
+
+
+def _served_with_reports(loader) -> tuple[int, list[str]]:
+    reports: list[str] = []
+    loader.report_bad_inputs(reports.append)
+    served = 0
+    for batch in loader:
+        served += 1
+        assert isinstance(batch, (tuple, list, dict)), type(batch)  # the batch itself, not the flag around it
+    return served, reports
+
+
+def test_a_nan_input_of_a_memory_mapped_set_is_reported_and_served_under_on_anomaly(tmp_path):
+    from accel_ddp.data import HostLoader
+
+    loader = HostLoader(helpers_data.mapped_floats_with_inf(tmp_path / "d"), 4, 8, seed=0, num_workers=1)
+    step = next(s for s, rows in enumerate(loader.sampler.rank_indices(0).tolist()) if 13 in rows)
+    assert _served_with_reports(loader) == (10, [f"training sample 13 (epoch 0, optimizer step {step // 2 + 1}, "
+                                                 "rank 0) holds nan or inf values (its 'x')"])
+
+
+def _streamed_floats(columns, where):
+    return [(torch.tensor([float("nan") if i == 27 else float(i)]), 0) for i in columns["idx"]]
+
+
+def test_a_nan_input_of_a_stream_is_reported_and_served_under_on_anomaly(tmp_path):
+    """Rank 1 reads example 27 (files 1 and 3 are its): reported there, every rank trains on through all 10 steps."""
+    files = helpers_data.write_shards(tmp_path / "s", [20, 20, 20, 20])
+
+    def run():
+        import datasets
+        from accelerate import PartialState
+
+        from accel_ddp.data.streaming import StreamingLoader, StreamSource
+
+        state = PartialState(cpu=True)
+        stream = datasets.load_dataset("parquet", data_files=files, split="train", streaming=True)
+        return _served_with_reports(StreamingLoader(StreamSource(stream, _streamed_floats, 0), 2, 4, max_steps=10,
+                                                    seed=0, rank=state.process_index, world_size=2, num_workers=1))
+
+    assert run_ranks(run, grace=5) == [(10, []), (10, ["streaming: example 7 read by worker 0 of rank 1 in pass 0 "
+                                                        "holds nan or inf values (its input)"])]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 transformers = pytest.importorskip("transformers")
 
@@ -83,6 +84,56 @@ def test_fp16_loss_scaling_reaches_the_gradients_in_fp32():
     assert got_w.dtype == torch.float32 and torch.isfinite(got_w).all() and torch.isfinite(got_h).all()
     assert _relative(got_w / scale, want_w) < 5e-3 and _relative(got_h / scale, want_h) < 5e-3
     assert not torch.isfinite((want_w * scale).half()).all()  # the same gradient held in fp16 overflows
+
+
+class _Ops(TorchDispatchMode):
+    """Every ATen op run under it: (name, first input's shape and dtype, output's shape, dtype and storage)."""
+
+    def __init__(self):
+        super().__init__()
+        self.rows = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        first = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if isinstance(out, torch.Tensor):
+            self.rows.append((func.__name__, None if first is None else (tuple(first.shape), first.dtype),
+                              tuple(out.shape), out.dtype, out.untyped_storage().data_ptr()))
+        return out
+
+
+def _forward_ops(h, w, b, y, *, frozen_head: bool):
+    h, w = h.clone().requires_grad_(), w.clone().requires_grad_(not frozen_head)
+    with _Ops() as ops:
+        value = linear_cross_entropy(h, w, b, y, torch.bfloat16, rows=16)
+    value.backward()
+    return ops.rows, h.grad, w.grad
+
+
+def test_each_chunk_casts_its_softmax_gradient_once_and_adds_dw_in_place():
+    """bf16 matmuls, 4 chunks of 16 tokens: one cast of each chunk's (16, V) float32 softmax gradient (not one per
+    matmul), and a single float32 (V, H) tensor in the forward, the accumulator (no float32 copy of each chunk's
+    product to add); the values as the plain loss's within bf16's tolerance (as above)."""
+    h, w, _, y = _inputs(tokens=64, hidden=32, vocab=257, bias=False)
+    rows, got_h, got_w = _forward_ops(h, w, None, y, frozen_head=False)
+    chunk = {((16, 257), torch.float32), ((257, 16), torch.float32)}  # the chunk's gradient, either way round
+    casts = [r for r in rows if r[0].startswith("_to_copy") and r[1] in chunk]
+    assert len(casts) == 4 and all(r[3] == torch.bfloat16 for r in casts)
+    assert len({r[4] for r in rows if r[2:4] == ((257, 32), torch.float32)}) == 1
+    _, (want_h, want_w) = _grads(lambda h, w: F.cross_entropy(h @ w.T, y, reduction="sum", ignore_index=-100), h, w)
+    assert _relative(got_h, want_h) < 2e-2 and _relative(got_w, want_w) < 2e-2
+
+
+def test_a_frozen_output_layer_gets_no_gradient_and_none_is_computed():
+    """A frozen head (LoRA's base): no weight gradient, and no (V, H) product made for one; the hidden states'
+    gradient is the plain loss's."""
+    h, w, b, y = _inputs(tokens=64, hidden=32, vocab=257)
+    rows, got_h, got_w = _forward_ops(h, w, b.requires_grad_(False), y, frozen_head=True)
+    assert got_w is None
+    assert not [r for r in rows if r[2] == (257, 32) and r[0] != "_to_copy.default"]  # only the weight's bf16 copy
+    assert not [r for r in rows if r[2] == (257,) and r[3] == torch.float32 and r[0].startswith("zeros")]  # no dbias
+    _, (want_h,) = _grads(lambda h: F.cross_entropy(F.linear(h, w, b), y, reduction="sum", ignore_index=-100), h)
+    assert _relative(got_h, want_h) < 2e-2
 
 
 def _lm_batch():

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import save_file
 from torch.utils.data import TensorDataset
 
-from tests.helpers.data import TensorRows, read_at, write_shards
+from tests.helpers.data import TensorRows, mapped_floats_with_inf, read_at, write_shards
 from tests.helpers.multiproc import run_ranks
 from tests.helpers.ranks import error_lines
 from tests.helpers.runs import main_ranks
@@ -134,17 +134,9 @@ def test_a_nan_in_a_dataloader_batch_names_the_sample_and_its_step_on_every_rank
 def test_a_nan_in_a_memory_mapped_set_is_named_by_the_worker(tmp_path):
     """A datasets.Dataset read memory-mapped through a DataLoader worker: its dict batch's float field is checked,
     its integer labels are not."""
-    import datasets
-
     from accel_ddp.data import DataError, HostLoader
-    from accel_ddp.data.loaders import data_source
 
-    x = torch.randn(40, 3)
-    x[13, 1] = float("inf")
-    datasets.Dataset.from_dict({"x": x.tolist(), "label": [i % 2 for i in range(40)]}).save_to_disk(tmp_path / "d")
-    table = datasets.load_from_disk(str(tmp_path / "d")).with_format("torch")
-    assert data_source(table) == "memory_mapped"
-    loader = HostLoader(table, 4, 8, seed=0, num_workers=1)
+    loader = HostLoader(mapped_floats_with_inf(tmp_path / "d"), 4, 8, seed=0, num_workers=1)
     step, row = next((s, r) for s, rows in enumerate(loader.sampler.rank_indices(0).tolist()) for r, i in
                      enumerate(rows) if i == 13)
     read = 0

@@ -395,7 +395,8 @@ def _one_error_line(stderr: str) -> str:
 @pytest.mark.parametrize("extra, message", [
     (["--task", "translation"], "--task 'translation' is unknown; choose one of classification, "
                                 "sequence_classification, causal_lm"),
-    (["--tokenizer", "tok"], "--tokenizer only apply to text; add --task sequence_classification or --task causal_lm"),
+    (["--tokenizer", "tok"], "--tokenizer on --task classification: nothing would use it; add --task "
+                             "sequence_classification or --task causal_lm"),
     (["--task", "causal_lm"], "--task causal_lm needs a Transformers model: --model FOLDER (save_pretrained) or "
                               "--model_config config.json"),
     (["--model_config", "missing.json"], "--model_config missing.json: no such file"),

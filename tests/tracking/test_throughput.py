@@ -77,6 +77,22 @@ def test_transformer_flops_are_6n_plus_12ldt_without_lookup_tables():
     assert ModelFlops(model).of_batch(batch) == (float((6 * n + 12 * 2 * 32 * 10) * 40), 4, 40)
 
 
+def test_frozen_parameters_count_4_flops_a_token_not_6():
+    """A LoRA base (frozen: no weight gradient) and its trainable adapters: 6 per trainable and 4 per frozen matmul
+    parameter a token, the lookup-only position table in neither; the same model all trainable gives 6N."""
+    from accel_ddp.finetune import add_lora
+
+    model = add_lora(tiny_gpt(), r=2, alpha=4, dropout=0.0, targets="c_attn")
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    frozen -= model.base_model.model.transformer.wpe.weight.numel()
+    assert trainable > 0 and frozen > 10 * trainable
+    flops = ModelFlops(model)
+    batch = {"input_ids": torch.zeros(4, 10, dtype=torch.long)}
+    assert flops.of_batch(batch) == (float((6 * trainable + 4 * frozen + 12 * 2 * 32 * 10) * 40), 4, 40)
+    assert flops.method == "6Nt+4Nf+12LdT" and ModelFlops(tiny_gpt()).method == "6N+12LdT"
+
+
 class FixedFlops:
     method = "fixed"
 

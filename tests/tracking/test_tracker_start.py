@@ -250,7 +250,9 @@ def test_a_start_timeout_the_other_ranks_cannot_wait_out_is_refused_before_anyth
         "lower --tracker_start_timeout below 300 or raise --ddp_timeout above 1800")
     assert parse_args([*tracking, "--tracker_start_timeout", "299"]).tracker_start_timeout == 299
     assert parse_args([*tracking, "--tracker_start_timeout", "300", "--ddp_timeout", "1801"]).ddp_timeout == 1801
-    assert parse_args(["--report_to", "csv,wandb", "--tracker_start_timeout", "3600"]).with_tracking is False
+    with pytest.raises(ConfigError, match="--tracker_start_timeout without --with_tracking: nothing "
+                                          "would use it"):  # no tracker starts, so no wait: a dead flag
+        parse_args(["--report_to", "none", "--tracker_start_timeout", "3600"])
 
 
 def test_report_to_all_is_checked_against_ddp_timeout_once_it_is_resolved(tmp_path, tiny_args, no_accounts, capfd):

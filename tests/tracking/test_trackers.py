@@ -105,10 +105,19 @@ def test_new_flags_from_cli_and_yaml(tmp_path, capsys):
                                       "run_name": "r"}))
     cfg = parse_args(["--config", str(recipe), "--report_to", "tensorboard"])
     assert (cfg.with_tracking, cfg.report_to, cfg.tracker_project_name, cfg.run_name) == (True, "tensorboard", "p", "r")
-    assert parse_args([]).with_tracking is False and parse_args([]).report_to == "all"
+    assert parse_args([]).with_tracking is False and parse_args([]).report_to is None
+    assert parse_args(["--with_tracking"]).report_to == "all"  # --with_tracking alone: today's default
     assert capsys.readouterr().err == ""
-    parse_args(["--report_to", "wandb"])  # a dead flag would be silent
-    assert "has no effect without --with_tracking" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("report_to", ["wandb", "tensorboard,csv", "all"])
+def test_report_to_alone_turns_tracking_on_as_in_the_trainer(report_to, tmp_path, capsys):
+    cfg = parse_args(["--report_to", report_to])
+    assert (cfg.with_tracking, cfg.report_to) == (True, report_to)
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump({"report_to": report_to}))
+    assert parse_args(["--config", str(recipe)]).with_tracking is True
+    assert capsys.readouterr().err == ""  # no "has no effect" warning: it has
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -171,6 +180,13 @@ def test_tensorboard_missing_is_one_clear_error(monkeypatch, tmp_path):
     assert [t.name for t in build_trackers(resolve_report_to("csv"), str(tmp_path))] == ["csv"]
     assert build_trackers([], str(tmp_path)) == []
     assert "tensorboard" not in resolve_report_to("all")  # all = the installed ones
+
+
+def test_report_to_csv_alone_writes_metrics_csv(tmp_path, tiny_args):
+    out = tmp_path / "run"
+    train_ranks([*tiny_args, "--log_every", "8", "--report_to", "csv", "--output_dir", str(out)], world_size=1)
+    with open(out / "metrics.csv", newline="") as fh:
+        assert [int(r["step"]) for r in csv.DictReader(fh) if r["loss"]] == [8, 16]
 
 
 @pytest.mark.curves
@@ -481,6 +497,8 @@ def test_model_card_names_model_data_layout_metrics_command_and_curves(tmp_path,
      "accelerate launch --use_fsdp --num_processes 4 --mixed_precision no -m accel_ddp train --run_name 'a b'"),
     (["train.py"], {"TORCHELASTIC_RUN_ID": "x", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4"},
      "torchrun --nnodes 1 --nproc_per_node 4 train.py"),
+    (["train.py"], {"ACCELERATE_MIXED_PRECISION": "no", "WORLD_SIZE": "2", "ACCEL_DDP_EXIT_CODES_DIR": "/tmp/x"},
+     "accel-ddp launch --multi_gpu --num_processes 2 --mixed_precision no train.py"),  # what set that variable
     (["train.py", "--debug"], {}, "python train.py --debug"),
     (["/venv/bin/accel-ddp", "train", "--debug"], {}, "accel-ddp train --debug"),
 ])
