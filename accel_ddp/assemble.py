@@ -7,7 +7,6 @@ A preemption signal during start-up stops every rank together at the end of the 
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 import time
@@ -27,19 +26,19 @@ from tqdm.auto import tqdm
 from accel_ddp.anomaly import AnomalyGuard
 from accel_ddp.auto_batch import choose_micro_batch
 from accel_ddp.callbacks import Callbacks
-from accel_ddp.checkpoint.best import BestModel
+from accel_ddp.checkpoint.best import BestModel, check_eval_set
 from accel_ddp.checkpoint.manager import HYPERPARAMETERS, CheckpointManager
-from accel_ddp.checkpoint.start import where_to_start
+from accel_ddp.checkpoint.start import agree_start
 from accel_ddp.checkpoint.storage import check_store
-from accel_ddp.checkpoint.train_state import Position, TrainState
-from accel_ddp.checkpoint.weights import load_weights
-from accel_ddp.config import DEBUG_MAX_STEPS, DEFAULT_LOG_EVERY, TrainConfig
+from accel_ddp.checkpoint.train_state import Stateful, TrainState
+from accel_ddp.config import TrainConfig
+from accel_ddp.config.plan import Plan, plan_run
 from accel_ddp.data import DeviceEvalLoader, DeviceLoader, HostLoader, StreamingLoader, build_loaders, usable_cpus
 from accel_ddp.data.resolve import resolve_data
 from accel_ddp.distributed.preflight import check_fsdp, check_shared_output_dir
 from accel_ddp.distributed.world import build_accelerator, end_world, prepare
-from accel_ddp.finetune import describe_parameters, finetune_facts, prepare_for_finetuning
-from accel_ddp.fused_activations import fuse_activations
+from accel_ddp.finetune import GRADIENT_CHECKPOINTING, INIT_FROM, PEFT, describe_parameters, finetune_facts
+from accel_ddp.fused_activations import FUSED_KERNELS
 from accel_ddp.lifecycle import failure
 from accel_ddp.lifecycle.failure import main_process_decides
 from accel_ddp.lifecycle.hang import HangWatch, pauses_after
@@ -54,19 +53,20 @@ from accel_ddp.outputs.run_dir import (
     check_output_dir,
     claim_output_dir,
 )
-from accel_ddp.regional_compile import compile_regions, slower_here
-from accel_ddp.step_graph import construction_stream, graph_problem
-from accel_ddp.tasks.chunked_loss import autocast_dtype, split_output_layer
+from accel_ddp.regional_compile import COMPILE_REGIONS, slower_here
+from accel_ddp.step_graph import construction_stream, refuse_graphs
+from accel_ddp.tasks.chunked_loss import CHUNKED_LOSS
 from accel_ddp.tasks.probe import probe_task
-from accel_ddp.tasks.protocol import Task, build_task
+from accel_ddp.tasks.protocol import CHANNELS_LAST, Task, build_task
 from accel_ddp.tracking.console_log import ConsoleLog
 from accel_ddp.tracking.meters import (
     progress_bar,
 )
 from accel_ddp.tracking.recorder import RunRecorder
 from accel_ddp.tracking.startup import StartupClock
-from accel_ddp.tracking.startup_block import StartupBlock, resumed_from
+from accel_ddp.tracking.startup_block import describe_run
 from accel_ddp.tracking.trackers import tracking_kwargs
+from accel_ddp.util.converters import ModelBuild, convert_model
 from accel_ddp.util.messages import warn
 from accel_ddp.util.registry import resolve
 from accel_ddp.util.validation import ConfigError
@@ -75,48 +75,12 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase  # imported by text tasks only
 
 
-@dataclass(frozen=True)
-class Cadence:
-    """When the loop logs, evaluates and saves (accel_ddp/after_step.py), decided once from ``--log_every``,
-    ``--eval_every``, ``--checkpointing_steps`` and whether there is an eval set; the same on every rank."""
-
-    log_every: int  # a log line every N optimizer steps, and after the last
-    log_lines: bool  # --log_every (--logging_steps) given: each log step also printed, as the Trainer does
-    eval_every: int  # an evaluation every N optimizer steps; 0: none by step count
-    eval_at_epoch_end: bool  # --eval_every 0 with an eval set: at each epoch's end
-    save_every: int  # a checkpoint every N optimizer steps; 0: none by step count
-    save_at_epoch_end: bool  # --checkpointing_steps epoch: after each full epoch
-
-    @classmethod
-    def from_config(cls, cfg: TrainConfig, evaluates: bool) -> Cadence:
-        by_epoch = cfg.checkpointing_steps == "epoch"
-        return cls(log_every=cfg.log_every or DEFAULT_LOG_EVERY, log_lines=cfg.log_every is not None,
-                   eval_every=cfg.eval_every if evaluates else 0,
-                   eval_at_epoch_end=evaluates and not cfg.eval_every,
-                   save_every=0 if cfg.checkpointing_steps is None or by_epoch else int(cfg.checkpointing_steps),
-                   save_at_epoch_end=by_epoch)
-
-    def logs(self, step: int, total_steps: int) -> bool:
-        return step % self.log_every == 0 or step == total_steps
-
-    def evaluates(self, step: int) -> bool:
-        return bool(self.eval_every) and step % self.eval_every == 0
-
-    def saves(self, step: int) -> bool:
-        return bool(self.save_every) and step % self.save_every == 0
-
-
-@dataclass(frozen=True)
-class Plan:
-    """What an optimizer step means for this run, derived once from the config and the world size."""
-
-    per_device_batch: int  # samples per forward pass on one rank
-    accumulation: int  # micro-steps per optimizer step
-    steps_per_epoch: int  # optimizer steps; the trailing partial global batch is dropped
-    total_steps: int  # optimizer steps of the whole run
-    num_epochs: int
-    cadence: Cadence  # when the loop logs, evaluates and saves
-    auto_batch: dict[str, Any] | None = None  # --per_device_batch_size auto: what was asked, tried, and from where
+# The model's transforms, one ordered list (util/converters.py), each in the module that owns its feature; the
+# training-only ones last: a trained run rebuilt for evaluation (inference.py) stops before them. Before DDP wraps
+# the model, in this order: --init_from, --gradient_checkpointing, --peft, the task's layout (--channels_last),
+# --fused_kernels, --compile_regions, --chunked_loss (--compile is Accelerate's, at prepare: distributed/world.py).
+MODEL_CONVERTERS = (INIT_FROM, GRADIENT_CHECKPOINTING, PEFT, CHANNELS_LAST, FUSED_KERNELS, COMPILE_REGIONS,
+                    CHUNKED_LOSS)
 
 
 TrainLoader = DeviceLoader | HostLoader | StreamingLoader  # batches on the device, in the global-batch order
@@ -151,17 +115,6 @@ class Run:
     callbacks: Callbacks = field(default_factory=Callbacks)  # --callbacks, train(callbacks=): none by default
 
 
-def _check_eval_set(cfg: TrainConfig, data) -> None:
-    """The best model and early stopping rank evaluations: without an eval set the last weights would be exported
-    as the best, and the patience never run out."""
-    given = [flag for flag, on in (("--load_best_model_at_end", cfg.load_best_model_at_end),
-                                   (f"--early_stopping_patience {cfg.early_stopping_patience}",
-                                    cfg.early_stopping_patience)) if on]
-    if given and data.eval is None:
-        raise ConfigError(f"{' and '.join(given)} rank evaluations, but --dataset {cfg.dataset} has no eval set; give "
-                          "a dataset with an eval split, or drop the flag")
-
-
 def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None, eval_dataset=None, *,
           loss_fn=None, metrics=(), collate_fn=None, preemption: PreemptionWatcher | None = None,
           optimizer=None, lr_scheduler=None, callbacks=None, console: ConsoleLog | None = None) -> Run:
@@ -174,13 +127,7 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
     prints, for run.log (None: teed from here to the end of ``train()``; the CLI's outlives it, for the last line).
     """
     started = time.perf_counter()
-    if console is None:
-        console = ConsoleLog().install()
-        teardown.callback(console.close)
-    # From now on a SIGTERM means "stop, saving what was trained"; under torchrun a lost launcher means the same.
-    preemption = PreemptionWatcher().install() if preemption is None else preemption
-    teardown.callback(preemption.uninstall)
-    preemption.watch_launcher()
+    console, preemption = _console_and_signals(teardown, console, preemption)
     startup = StartupClock()  # "imports": interpreter start, imports and option parsing, up to here
 
     def phase_done(name: str) -> None:  # collective: every rank stops here if any got a signal
@@ -190,45 +137,97 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
     accelerator, per_device_batch, accumulation = _join(cfg, teardown, preemption)
     check_optimization(cfg, model, optimizer, lr_scheduler)  # an unknown optimizer or keyword: now, before the data
     phase_done("process_group")
-    if slower := slower_here(accelerator.device.type, compile=cfg.compile, compile_regions=cfg.compile_regions):
-        warn(slower, ranks="main")  # off by default here; asked for, it runs, and says what was measured
 
-    if cfg.debug:
-        torch.autograd.set_detect_anomaly(True)
-        torch.use_deterministic_algorithms(True, warn_only=True)
-    set_seed(cfg.seed)  # same model init on every rank; DDP also broadcasts rank 0's weights
-    task = configured_task(cfg, loss_fn, metrics)
-    memory_format = task.memory_format
-    hooks = Callbacks.build(cfg.callbacks, callbacks)  # imported, made and checked before any data is read
-    data = resolve_data(cfg, accelerator, train_dataset, eval_dataset, collate_fn, preemption=preemption)
-    _check_eval_set(cfg, data)
+    task, hooks, data = _task_and_data(cfg, accelerator, (loss_fn, metrics, callbacks),
+                                       (train_dataset, eval_dataset, collate_fn), preemption)
     phase_done("data")
-    source = f"--model_config {cfg.model_config}" if cfg.model_config else f"--model {cfg.model}"
-    named = f" ({source})" if model is None else ""  # --model_config wins over --model (models.py)
-    model = build_run_model(cfg, accelerator, model, data, memory_format)
-    if not any(p.requires_grad for p in model.parameters()):  # else DDP's RuntimeError, or an optimizer of nothing
-        raise ConfigError(f"the model {type(model).__name__}{named} has no trainable parameters, so there is nothing "
-                          "to train; give a model with parameters (nn.Parameter, or layers such as nn.Linear) that "
-                          "require gradients")
-    named = f"{type(model).__name__}{named}, {describe_parameters(model)}"  # trainable of total where some are frozen
-    tuned = finetune_facts(model)  # a frozen base: the parameter counts and its fingerprint (checkpoints, summary)
-    fused = fuse_activations(model) if cfg.fused_kernels else 0  # before DDP wraps it: same math, fewer kernels
-    if fused:
-        named += f", {fused} tanh-GELU module{'s' if fused > 1 else ''} on torch's one kernel (--fused_kernels)"
-    if cfg.compile_regions:  # in place, before DDP wraps it: the same parameter names, compiled at the first step
-        regions = compile_regions(model)
-        named += f", {regions} repeated block{'s' if regions != 1 else ''} compiled (--compile_regions)"
-    if cfg.chunked_loss:  # before DDP wraps it: training forwards return hidden states, the task applies the layer
-        task.split_head = split_output_layer(model, sharded=accelerator.is_fsdp2)
-        task.compute_dtype = autocast_dtype(accelerator.mixed_precision)
-        named += ", output layer chunked into the loss (--chunked_loss)"
+    model, named, tuned = _model(cfg, accelerator, model, data, task)
     # --per_device_batch_size auto: the largest micro-batch that fits on every rank, before DDP wraps the model
     chosen = choose_micro_batch(cfg, accelerator, model, task, data) if cfg.auto_batch else None
     if chosen is not None:
         per_device_batch, accumulation = chosen.size, chosen.accumulation
     phase_done("model")
 
-    # The device loader where the data fits (--loader), else a DataLoader over the same order, or a stream.
+    loaders, plan = _loaders_and_plan(cfg, accelerator, data, per_device_batch, accumulation, chosen)
+    phase_done("loaders")
+
+    model, optimizer, scheduler, optimization = _optimize_and_prepare(cfg, accelerator, model, plan, loaders.kind,
+                                                                      (optimizer, lr_scheduler))
+    probe_task(task, accelerator, model, data, evaluates=loaders.eval is not None, loaders=loaders,
+               skips_bad_inputs=cfg.on_anomaly != "stop")  # then a nan/inf input is its step's anomaly
+    phase_done("optimizer_and_prepare")
+
+    recorder, facts, anomalies, checkpoints = _records_and_checkpoints(
+        cfg, accelerator, teardown, plan, loaders, {**tuned, "optimizer": optimization.name},
+        (model, optimizer, scheduler), preemption, console)
+    block = describe_run(cfg, facts, plan.num_epochs, loaders.train, named, data, optimization.lines, usable_cpus())
+    start_step = agree_start(cfg, accelerator, checkpoints, (optimizer, scheduler, optimization.schedule_from_flags),
+                             plan.total_steps, recorder, facts, block, preemption)
+    if anomalies is not None:
+        anomalies.begin(start_step)  # a resumed run's log continues; a fresh start forgets an earlier run's
+    phase_done("resume_and_config")
+    bar, hang = _watches(cfg, teardown, accelerator, plan, start_step)
+    return Run(cfg=cfg, accelerator=accelerator, model=model, task=task, optimizer=optimizer, scheduler=scheduler,
+               train_loader=loaders.train, eval_loader=loaders.eval, plan=plan, facts=facts, recorder=recorder,
+               checkpoints=checkpoints, preemption=preemption, start_step=start_step, started=started,
+               startup=startup, tokenizer=data.tokenizer, bar=bar, anomalies=anomalies, hang=hang,
+               callbacks=hooks.connect(accelerator, preemption.group, plan, evaluates=loaders.eval is not None))
+
+
+def _console_and_signals(teardown: ExitStack, console: ConsoleLog | None,
+                         preemption: PreemptionWatcher | None) -> tuple[ConsoleLog, PreemptionWatcher]:
+    """What the main process prints, teed for run.log (the caller's, else one until the teardown), and the
+    preemption watch: from now on a SIGTERM means "stop, saving what was trained"; under torchrun a lost launcher
+    means the same."""
+    if console is None:
+        console = ConsoleLog().install()
+        teardown.callback(console.close)
+    preemption = PreemptionWatcher().install() if preemption is None else preemption
+    teardown.callback(preemption.uninstall)
+    preemption.watch_launcher()
+    return console, preemption
+
+
+def _task_and_data(cfg: TrainConfig, accelerator: Accelerator, user: tuple, given: tuple,
+                   preemption: PreemptionWatcher) -> tuple[Task, Callbacks, Any]:
+    """The task (the caller's loss and metrics), the callbacks, and the data sets (``data/resolve.py``), checked.
+    ``user``: (loss_fn, metrics, callbacks); ``given``: the caller's (train_dataset, eval_dataset, collate_fn)."""
+    loss_fn, metrics, callbacks = user
+    if slower := slower_here(accelerator.device.type, compile=cfg.compile, compile_regions=cfg.compile_regions):
+        warn(slower, ranks="main")  # off by default here; asked for, it runs, and says what was measured
+    if cfg.debug:
+        torch.autograd.set_detect_anomaly(True)
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    set_seed(cfg.seed)  # same model init on every rank; DDP also broadcasts rank 0's weights
+    task = configured_task(cfg, loss_fn, metrics)
+    hooks = Callbacks.build(cfg.callbacks, callbacks)  # imported, made and checked before any data is read
+    data = resolve_data(cfg, accelerator, *given, preemption=preemption)
+    check_eval_set(cfg, has_eval=data.eval is not None)
+    return task, hooks, data
+
+
+def _model(cfg: TrainConfig, accelerator: Accelerator, model, data, task: Task) -> tuple[torch.nn.Module, str,
+                                                                                          dict[str, Any]]:
+    """The run's model through every converter (``MODEL_CONVERTERS``), checked to have something to train; its
+    start-up description, and its fine-tuning facts (``finetune_facts``)."""
+    source = f"--model_config {cfg.model_config}" if cfg.model_config else f"--model {cfg.model}"
+    named = f" ({source})" if model is None else ""  # --model_config wins over --model (models.py)
+    model = build_run_model(cfg, accelerator, model, data, task)
+    if not any(p.requires_grad for p in model.parameters()):  # else DDP's RuntimeError, or an optimizer of nothing
+        raise ConfigError(f"the model {type(model).__name__}{named} has no trainable parameters, so there is nothing "
+                          "to train; give a model with parameters (nn.Parameter, or layers such as nn.Linear) that "
+                          "require gradients")
+    named = f"{type(model).__name__}{named}, {describe_parameters(model)}"  # trainable of total where some are frozen
+    tuned = finetune_facts(model)  # a frozen base: the parameter counts and its fingerprint (checkpoints, summary)
+    model, lines = convert_model(model, ModelBuild(cfg, accelerator, task),
+                                 (c for c in MODEL_CONVERTERS if c.training_only))
+    return model, "".join([named, *(f", {line}" for line in lines)]), tuned
+
+
+def _loaders_and_plan(cfg: TrainConfig, accelerator: Accelerator, data, per_device_batch: int, accumulation: int,
+                      chosen) -> tuple[Any, Plan]:
+    """The device loader where the data fits (--loader), else a DataLoader over the same order, or a stream; and
+    what an optimizer step means for this run."""
     loaders = build_loaders(
         accelerator, data.train, data.eval, per_device_batch_size=per_device_batch,
         global_batch_size=cfg.global_batch_size, eval_batch_size=cfg.eval_batch_size, loader=cfg.loader,
@@ -236,13 +235,19 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
         collate_fn=data.collate_fn, max_steps=cfg.max_steps,
         memory_limit=data.memory_limit,  # the machine's budget (data/memory_budget.py): device memory left for data
     )
-    plan = _plan(cfg, loaders.steps_per_epoch, per_device_batch, accumulation, evaluates=loaders.eval is not None,
+    plan = plan_run(cfg, loaders.steps_per_epoch, per_device_batch, accumulation, evaluates=loaders.eval is not None,
                  auto_batch=chosen.facts() if chosen is not None else None)
-    phase_done("loaders")
+    return loaders, plan
 
+
+def _optimize_and_prepare(cfg: TrainConfig, accelerator: Accelerator, model: torch.nn.Module, plan: Plan,
+                          loader_kind: str, given: tuple) -> tuple[torch.nn.Module, AcceleratedOptimizer,
+                                                                   AcceleratedScheduler, Any]:
+    """The optimizer and schedule (the caller's ``given`` (optimizer, lr_scheduler), else the flags'), and the model,
+    optimizer and schedule through ``accelerator.prepare`` (DDP, FSDP); the optimization's description too."""
     if cfg.cuda_graphs:  # what only the launch and the loaders tell (the options' clashes: config/checks.py)
-        _refuse_graphs(cfg, accelerator, plan.accumulation, loaders.kind)
-    optimization = build_optimization(cfg, model, accelerator, plan.total_steps, optimizer, lr_scheduler)
+        refuse_graphs(accelerator, plan.accumulation, loader_kind, packing=cfg.packing)
+    optimization = build_optimization(cfg, model, accelerator, plan.total_steps, *given)
     # --warmup_ratio (issue 22): a fraction of this run's total steps, so resolved here, once the total is known
     warmup = cfg.warmup_for(plan.total_steps)
     if warmup > plan.total_steps:  # still a run (a smoke test, a short resume), but not the schedule asked for
@@ -252,43 +257,42 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
     optimizer, scheduler = optimization.optimizer, optimization.scheduler
     with construction_stream(cfg.cuda_graphs):  # DDP built on a side stream before a whole-step capture
         model, optimizer, scheduler = prepare(accelerator, model, optimizer, scheduler)
-    probe_task(task, accelerator, model, data, evaluates=loaders.eval is not None, loaders=loaders,
-               skips_bad_inputs=cfg.on_anomaly != "stop")  # then a nan/inf input is its step's anomaly
-    phase_done("optimizer_and_prepare")
+    return model, optimizer, scheduler, optimization
 
-    # The input is checked. Before anything is written: the folder is created, and ours alone until we exit.
-    teardown.callback(claim_output_dir(accelerator, cfg.output_dir).release)
-    recorder = RunRecorder(cfg.output_dir, accelerator.is_main_process, accelerator=accelerator, console=console)
-    teardown.callback(recorder.close)
-    facts = {**_run_facts(cfg, accelerator, plan, loaders.kind, loaders.source), **tuned,
-             "optimizer": optimization.name}  # a user's optimizer by its class: a resume must give the same
-    anomalies = AnomalyGuard(cfg, accelerator, recorder) if cfg.on_anomaly != "stop" or cfg.spike_factor else None
-    state = TrainState(accelerator=accelerator, model=model, optimizer=optimizer, scheduler=scheduler,
-                       # the best model and early stopping (checkpoint/best.py): their records go with each checkpoint
-                       best=BestModel.from_config(cfg, plan.steps_per_epoch, plan.total_steps), anomalies=anomalies,
-                       positions=loaders.train if isinstance(loaders.train, Position) else None)
-    checkpoints = _checkpoints(cfg, accelerator, teardown, facts, state)
-    checkpoints.store.stopping = lambda: preemption.signalled  # a store call under way gives up soon after a signal
-    block = StartupBlock.describe(cfg, facts, epochs=plan.num_epochs, workers=_workers(loaders.train), model=named,
-                                  data_sizes=_debug_sizes(cfg, data), cpus=usable_cpus(),
-                                  examples=(_length(data.train), _length(data.eval)),
-                                  optimization=optimization.lines)
-    start_step = _agree_start(cfg, accelerator, checkpoints, (optimizer, scheduler, optimization.schedule_from_flags),
-                              plan, recorder, facts, block, preemption)
-    if anomalies is not None:
-        anomalies.begin(start_step)  # a resumed run's log continues; a fresh start forgets an earlier run's
-    phase_done("resume_and_config")
+
+def _watches(cfg: TrainConfig, teardown: ExitStack, accelerator: Accelerator, plan: Plan,
+             start_step: int) -> tuple[tqdm, HangWatch]:
+    """The repeated flags' warnings, then the progress bar and the hang watch, each closed by the teardown."""
     for line in getattr(cfg, "repeated_flags", ()):  # the command line's flags given twice (cli/args.py)
         warn(line, ranks="main")
     bar = progress_bar(plan.total_steps, start_step, accelerator.is_local_main_process)
     teardown.callback(bar.close)  # first on an error: the bar's line ends before any rank prints the error
     hang = HangWatch.start(cfg.hang_seconds(), cfg.output_dir, start_step, pauses_after=pauses_after(plan))
     teardown.callback(hang.stop)  # before the failure's claim: a watch that found a hang ends the process itself
-    return Run(cfg=cfg, accelerator=accelerator, model=model, task=task, optimizer=optimizer, scheduler=scheduler,
-               train_loader=loaders.train, eval_loader=loaders.eval, plan=plan, facts=facts, recorder=recorder,
-               checkpoints=checkpoints, preemption=preemption, start_step=start_step, started=started,
-               startup=startup, tokenizer=data.tokenizer, bar=bar, anomalies=anomalies, hang=hang,
-               callbacks=hooks.connect(accelerator, preemption.group, plan, evaluates=loaders.eval is not None))
+    return bar, hang
+
+
+def _records_and_checkpoints(cfg: TrainConfig, accelerator: Accelerator, teardown: ExitStack, plan: Plan, loaders,
+                             more_facts: dict[str, Any], prepared: tuple, preemption: PreemptionWatcher,
+                             console: ConsoleLog) -> tuple[
+                                 RunRecorder, dict[str, Any], AnomalyGuard | None, CheckpointManager]:
+    """The output folder claimed, the run's recorder, facts and anomaly guard, and its checkpoints of the run's
+    ``TrainState`` (``prepared``: the model, optimizer and schedule as ``accelerator.prepare`` returned them)."""
+    model, optimizer, scheduler = prepared
+    # The input is checked. Before anything is written: the folder is created, and ours alone until we exit.
+    teardown.callback(claim_output_dir(accelerator, cfg.output_dir).release)
+    recorder = RunRecorder(cfg.output_dir, accelerator.is_main_process, accelerator=accelerator, console=console)
+    teardown.callback(recorder.close)
+    # more_facts: the fine-tuning facts, and a user's optimizer by its class (a resume must give the same)
+    facts = {**_run_facts(cfg, accelerator, plan, loaders.kind, loaders.source), **more_facts}
+    anomalies = AnomalyGuard(cfg, accelerator, recorder) if cfg.on_anomaly != "stop" or cfg.spike_factor else None
+    state = TrainState(accelerator=accelerator, model=model, optimizer=optimizer, scheduler=scheduler,
+                       # the best model and early stopping (checkpoint/best.py): their records go with each checkpoint
+                       best=BestModel.from_config(cfg, plan.steps_per_epoch, plan.total_steps), anomalies=anomalies,
+                       positions=loaders.train if isinstance(loaders.train, Stateful) else None)
+    checkpoints = _checkpoints(cfg, accelerator, teardown, facts, state)
+    checkpoints.store.stopping = lambda: preemption.signalled  # a store call under way gives up soon after a signal
+    return recorder, facts, anomalies, checkpoints
 
 
 def _checkpoints(cfg: TrainConfig, accelerator: Accelerator, teardown: ExitStack, facts: dict[str, Any],
@@ -304,26 +308,6 @@ def _checkpoints(cfg: TrainConfig, accelerator: Accelerator, teardown: ExitStack
     checkpoints.claim_store(cfg.output_dir)  # --checkpoint_dir: one run per prefix, like the output folder's lock
     teardown.callback(checkpoints.release_store)
     return checkpoints
-
-
-def _agree_start(cfg: TrainConfig, accelerator: Accelerator, checkpoints: CheckpointManager, state: tuple, plan: Plan,
-                 recorder: RunRecorder, facts: dict[str, Any], block: StartupBlock,
-                 preemption: PreemptionWatcher) -> int:
-    """The step this run starts after (every rank agrees: checkpoint/start.py), then the trackers, the config and
-    the start-up block: nothing an earlier run left is touched before the start point is known."""
-    optimizer, scheduler, flags_win = state
-    # A finished run (RunFinished): its one line is said (outputs/run_dir.py), not the block; nothing written.
-    start_step = where_to_start(cfg, accelerator, checkpoints, optimizer, scheduler, plan.total_steps, flags_win)
-    block.start = resumed_from(start_step, checkpoints.last_saved_folder) if start_step else "fresh"
-    resolved = {**cfg.to_dict(), "resolved": facts}
-    # One that cannot start (or not within --tracker_start_timeout): exit 2 here; a SIGTERM meanwhile: exit 75.
-    recorder.start_trackers(cfg.tracker_project_name, resolved, start_step, cfg.tracker_start_timeout, preemption)
-    # Only now, with the input checked and the start point agreed, touch what earlier runs left.
-    recorder.rewind(start_step)  # metrics past the checkpoint belong to the lost steps
-    recorder.write_config({**resolved, "startup": block.as_dict()})  # replay (--config) ignores startup:
-    recorder.write_startup(block.text(), start_step)
-    _say(block, accelerator.is_main_process)
-    return start_step
 
 
 def _join(cfg: TrainConfig, teardown: ExitStack, preemption: PreemptionWatcher) -> tuple[Accelerator, int, int]:
@@ -346,45 +330,6 @@ def _join(cfg: TrainConfig, teardown: ExitStack, preemption: PreemptionWatcher) 
     return accelerator, per_device_batch, accumulation
 
 
-def _say(block: StartupBlock, is_main: bool) -> None:
-    """The start-up block on stdout and its warnings on stderr, once (main process)."""
-    if is_main:
-        print(block.text(warnings=False), end="", flush=True)
-        for warning in block.warnings:
-            print(f"accel_ddp: warning: {warning}", file=sys.stderr, flush=True)
-
-
-def _refuse_graphs(cfg: TrainConfig, accelerator: Accelerator, accumulation: int, loader_kind: str) -> None:
-    """--cuda_graphs where this launch and these loaders cannot be captured: one line (accel_ddp/step_graph.py)."""
-    backend = torch.distributed.get_backend() if torch.distributed.is_initialized() else None
-    problem = graph_problem(device_type=accelerator.device.type, distributed_type=accelerator.distributed_type.value,
-                            num_processes=accelerator.num_processes, backend=backend, accumulation=accumulation,
-                            loader_kind=loader_kind, packing=cfg.packing,
-                            mixed_precision=str(accelerator.mixed_precision))
-    if problem is not None:
-        raise ConfigError(problem)
-
-
-def _workers(loader) -> int | None:
-    """DataLoader workers per rank of a training loader (HostLoader wraps a DataLoader); None for the device loader."""
-    inner = getattr(loader, "loader", loader)
-    return getattr(loader, "num_workers", getattr(inner, "num_workers", None))
-
-
-def _debug_sizes(cfg: TrainConfig, data) -> tuple[tuple[int, int], ...]:
-    """--debug: (kept, full) samples of the training and eval sets that data/resolve.py cut to a Subset."""
-    sets = [d for d in (data.train, data.eval) if isinstance(d, torch.utils.data.Subset)] if cfg.debug else []
-    return tuple((len(d), len(d.dataset)) for d in sets if len(d) < len(d.dataset))
-
-
-def _length(dataset) -> int | None:
-    """Samples in ``dataset`` for the start-up block; None for a stream (or no dataset)."""
-    try:
-        return len(dataset) if dataset is not None else None
-    except TypeError:  # an iterable dataset without __len__
-        return None
-
-
 def configured_task(cfg: TrainConfig, loss_fn=None, metrics=()) -> Task:
     """``--task`` with the caller's loss (else ``--loss``'s) and metrics, batches in ``--channels_last``'s layout."""
     memory_format = torch.channels_last if cfg.channels_last else torch.contiguous_format
@@ -392,30 +337,19 @@ def configured_task(cfg: TrainConfig, loss_fn=None, metrics=()) -> Task:
                       memory_format)
 
 
-def build_run_model(cfg: TrainConfig, accelerator: Accelerator, model, data, memory_format) -> torch.nn.Module:
-    """The caller's model or the configured one, checked for FSDP2, with ``--init_from``'s weights, made ready for
-    fine-tuning (``finetune.py``), in its layout. ``setup`` and a trained run's evaluation (``inference.py``) build
-    it here."""
+def build_run_model(cfg: TrainConfig, accelerator: Accelerator, model, data, task: Task) -> torch.nn.Module:
+    """The caller's model or the configured one, checked for FSDP2, through the converters that a trained run's
+    model needs too (``--init_from``'s weights, ``finetune.py``'s, ``task``'s layout: ``MODEL_CONVERTERS``).
+    ``setup`` and a trained run's evaluation (``inference.py``) build it here."""
     if model is None:
         model = build_configured_model(cfg, data)
     elif cfg.attn_implementation is not None:
         set_attn_implementation(model, cfg.attn_implementation)
     if accelerator.is_fsdp2:  # before anything is built on it: what FSDP2 cannot shard or cast
         check_fsdp(model, channels_last=cfg.channels_last, mixed_precision=accelerator.mixed_precision)
-    if cfg.init_from:
-        load_weights(model, cfg.init_from)  # every rank reads the same file before DDP wraps the model
-    model = prepare_for_finetuning(cfg, model, sharded=accelerator.is_fsdp2)  # --gradient_checkpointing, --peft
-    return model.to(memory_format=memory_format)  # NHWC convolutions: faster on tensor cores
-
-
-def _plan(cfg: TrainConfig, steps_in_epoch: int, per_device_batch: int, accumulation: int, *, evaluates: bool,
-          auto_batch: dict[str, Any] | None) -> Plan:
-    total_steps = cfg.max_steps or cfg.epochs * steps_in_epoch
-    if cfg.debug:
-        total_steps = min(total_steps, DEBUG_MAX_STEPS)
-    return Plan(per_device_batch=per_device_batch, accumulation=accumulation, steps_per_epoch=steps_in_epoch,
-                total_steps=total_steps, num_epochs=math.ceil(total_steps / steps_in_epoch),
-                cadence=Cadence.from_config(cfg, evaluates), auto_batch=auto_batch)
+    model, _ = convert_model(model, ModelBuild(cfg, accelerator, task),
+                             (c for c in MODEL_CONVERTERS if not c.training_only))
+    return model
 
 
 def _run_facts(cfg: TrainConfig, accelerator: Accelerator, plan: Plan, loader_kind: str,

@@ -1,7 +1,7 @@
 """Fine-tuning a pretrained model: LoRA adapters on a frozen base (``--peft lora``), activation checkpointing
 (``--gradient_checkpointing``), the base's fingerprint, and the adapter's export.
 
-    model = prepare_for_finetuning(cfg, model)        # before DDP wraps it: checkpointing on, adapters added
+    model, _ = convert_model(model, build, (GRADIENT_CHECKPOINTING, PEFT))  # before DDP: checkpointing, adapters
     facts = finetune_facts(model)                     # trainable/total parameters, the frozen base's fingerprint
     export_adapter(accelerator, model, tokenizer, "outputs/run", merge=True)   # adapter/ and hf_model/
 
@@ -30,10 +30,11 @@ import torch
 from torch import nn
 
 from accel_ddp.checkpoint.hyperparameters import FULL_FINGERPRINT
-from accel_ddp.config import TrainConfig
+from accel_ddp.checkpoint.weights import load_weights
 from accel_ddp.lifecycle.failure import main_process_decides
 from accel_ddp.outputs.names import ADAPTER_SUBDIR, PRETRAINED_SUBDIR
 from accel_ddp.util.atomic import follow_umask
+from accel_ddp.util.converters import ModelBuild, ModelConverter
 from accel_ddp.util.messages import note
 from accel_ddp.util.optional import require
 from accel_ddp.util.validation import ConfigError
@@ -42,26 +43,39 @@ DIGEST_VALUES = 64  # values per frozen tensor in the sampled fingerprint of ear
 FINGERPRINT_THREADS = 4  # tensors hashed at once; each holds one tensor's host copy
 
 
-def prepare_for_finetuning(cfg: TrainConfig, model: nn.Module, sharded: bool = False) -> nn.Module:
-    """``model`` with ``--gradient_checkpointing`` on and ``--peft lora``'s adapters added (the base frozen).
+def _init_from(model: nn.Module, build: ModelBuild) -> tuple[nn.Module, None]:
+    load_weights(model, build.cfg.init_from)  # every rank reads the same file before DDP wraps the model
+    return model, None
 
-    Call it before DDP wraps the model (and after ``--init_from`` loaded the base's weights). ``sharded``: an
-    FSDP launch, where --peft is refused (its trainable-only checkpoints and exports are written for DDP)."""
-    if cfg.peft and sharded:
+
+def _gradient_checkpointing(model: nn.Module, build: ModelBuild) -> tuple[nn.Module, None]:
+    enable_activation_checkpointing(model)
+    return model, None
+
+
+def _peft(model: nn.Module, build: ModelBuild) -> tuple[nn.Module, None]:
+    """``--peft lora``'s adapters added (the base frozen), after ``--init_from`` loaded the base's weights. Under
+    FSDP --peft is refused (its trainable-only checkpoints and exports are written for DDP)."""
+    cfg = build.cfg
+    if build.accelerator.is_fsdp2:
         raise ConfigError(f"--peft {cfg.peft} under FSDP is not supported yet; launch with a DDP config (the "
                           "frozen base is not trained, so its memory is weights only), or drop --peft")
-    if cfg.gradient_checkpointing:
-        enable_activation_checkpointing(model)
-    if cfg.peft == "lora":
-        model = add_lora(model, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules)
-        tie = tied_output_adapted(model) if cfg.merge_adapter else None
-        if tie is not None:
-            output, embedding, size = tie
-            note(f"--lora_target_modules: {output} is tied to {embedding} (the input embedding), and its adapter "
-                 f"changes the output layer only; the merged hf_model/ gets an output layer of its own (untied: "
-                 f"+{size:,} parameters, tie_word_embeddings false), so that it computes what the trained model does",
-                 ranks="main")
-    return model
+    model = add_lora(model, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules)
+    tie = tied_output_adapted(model) if cfg.merge_adapter else None
+    if tie is not None:
+        output, embedding, size = tie
+        note(f"--lora_target_modules: {output} is tied to {embedding} (the input embedding), and its adapter "
+             f"changes the output layer only; the merged hf_model/ gets an output layer of its own (untied: "
+             f"+{size:,} parameters, tie_word_embeddings false), so that it computes what the trained model does",
+             ranks="main")
+    return model, None
+
+
+# The model converters this module owns, in the order assemble.MODEL_CONVERTERS applies them (util/converters.py).
+INIT_FROM = ModelConverter("init_from", applies=lambda cfg: bool(cfg.init_from), apply=_init_from)
+GRADIENT_CHECKPOINTING = ModelConverter("gradient_checkpointing", applies=lambda cfg: bool(cfg.gradient_checkpointing),
+                                        apply=_gradient_checkpointing)
+PEFT = ModelConverter("peft", applies=lambda cfg: cfg.peft == "lora", apply=_peft)
 
 
 def enable_activation_checkpointing(model: nn.Module) -> None:

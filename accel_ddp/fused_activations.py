@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from accel_ddp.util.converters import ModelBuild, ModelConverter
+
 # Transformers' classes (in transformers.activations) that compute 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))
 # in Python; FastGELUActivation writes the same polynomial as x (1 + 0.044715 x^2) with sqrt(2 / pi) rounded to
 # 0.7978845608.
@@ -50,6 +52,16 @@ def fuse_activations(model: nn.Module) -> int:
                 setattr(parent, name, TanhGELU())
                 replaced += 1
     return replaced
+
+
+def _fuse(model: nn.Module, build: ModelBuild) -> tuple[nn.Module, str | None]:
+    fused = fuse_activations(model)  # before DDP wraps it: same math, fewer kernels
+    return model, (f"{fused} tanh-GELU module{'s' if fused > 1 else ''} on torch's one kernel (--fused_kernels)"
+                   if fused else None)
+
+
+FUSED_KERNELS = ModelConverter("fused_kernels", applies=lambda cfg: bool(cfg.fused_kernels), apply=_fuse,
+                               training_only=True)  # assemble.MODEL_CONVERTERS applies it (util/converters.py)
 
 
 def _python_tanh_gelu_classes() -> tuple[type, ...]:

@@ -137,7 +137,7 @@ def rebuild(run: str | TrainedRun, teardown: ExitStack, data_dir: str | None = N
         raise ConfigError(f"{trained.output_dir}: --dataset {cfg.dataset} has no eval set, so there is nothing to "
                           "evaluate or predict; give a run trained on a dataset with an eval split")
     given = model is not None
-    model = build_run_model(cfg, accelerator, model, data, task.memory_format)
+    model = build_run_model(cfg, accelerator, model, data, task)
     _load(accelerator, model, trained, given)
     if cfg.fused_kernels:  # what the run evaluated with: the same math, fewer kernels
         fuse_activations(model)

@@ -47,6 +47,16 @@ DDP_WARMUP = 11  # under DDP: "at least 11 DDP-enabled eager iterations before c
 GRAPH_TYPES = ("NO", "MULTI_GPU")  # Accelerate's distributed types a capture supports (no FSDP, DeepSpeed, XLA)
 
 
+def refuse_graphs(accelerator: Any, accumulation: int, loader_kind: str, packing: bool) -> None:
+    """--cuda_graphs where this launch (``accelerator``) and these loaders cannot be captured: one line."""
+    backend = torch.distributed.get_backend() if torch.distributed.is_initialized() else None
+    problem = graph_problem(device_type=accelerator.device.type, distributed_type=accelerator.distributed_type.value,
+                            num_processes=accelerator.num_processes, backend=backend, accumulation=accumulation,
+                            loader_kind=loader_kind, packing=packing, mixed_precision=str(accelerator.mixed_precision))
+    if problem is not None:
+        raise ConfigError(problem)
+
+
 def graph_problem(*, device_type: str, distributed_type: str, num_processes: int, backend: str | None,
                   accumulation: int, loader_kind: str, packing: bool, mixed_precision: str) -> str | None:
     """Why ``--cuda_graphs`` cannot run with this launch and these loaders (one line naming the fix), or None.

@@ -48,3 +48,59 @@ def test_setup_derives_the_layout_plan_and_schedule_from_the_config(tmp_path, wo
     assert built[0]["start_step"] == 0
     written = yaml.safe_load((out / "config.yaml").read_text())  # the resolved config, before the first step
     assert (written["global_batch_size"], written["per_device_batch_size"], written["warmup_ratio"]) == (16, 4, 0.25)
+
+
+def test_the_model_converters_run_in_one_order_the_training_only_ones_last():
+    """assemble.MODEL_CONVERTERS: the order the transforms were applied in before they were a list (issue 52)."""
+    from accel_ddp.assemble import MODEL_CONVERTERS
+
+    assert [c.name for c in MODEL_CONVERTERS] == ["init_from", "gradient_checkpointing", "peft", "channels_last",
+                                                  "fused_kernels", "compile_regions", "chunked_loss"]
+    training_only = [c.training_only for c in MODEL_CONVERTERS]
+    assert training_only == sorted(training_only)  # inference.py's rebuilt model stops before the first of them
+
+
+def test_a_model_through_several_converters_equals_the_transforms_applied_by_hand(tmp_path):
+    """--init_from, --gradient_checkpointing, --peft lora, --fused_kernels, --compile_regions and --chunked_loss
+    through setup's model stage: the same modules, weights, trainable set and start-up description as the
+    transforms called one by one in the order setup called them before the list."""
+    pytest.importorskip("peft")
+    import torch
+    from accelerate import Accelerator
+    from safetensors.torch import save_file
+
+    from accel_ddp.assemble import _model, configured_task
+    from accel_ddp.checkpoint.weights import load_weights
+    from accel_ddp.finetune import add_lora, enable_activation_checkpointing
+    from accel_ddp.fused_activations import fuse_activations
+    from accel_ddp.regional_compile import compile_regions
+    from accel_ddp.tasks.chunked_loss import split_output_layer
+    from tests.helpers.text import tiny_gpt
+
+    torch.manual_seed(1)
+    save_file({k: v.contiguous() for k, v in tiny_gpt().state_dict().items() if k != "lm_head.weight"},
+              str(tmp_path / "init.safetensors"))
+    cfg = parse_args(["--task", "causal_lm", "--init_from", str(tmp_path / "init.safetensors"),
+                      "--gradient_checkpointing", "--peft", "lora", "--lora_target_modules", "c_attn",
+                      "--fused_kernels", "--compile_regions", "--chunked_loss", "--output_dir", str(tmp_path / "o")])
+    task = configured_task(cfg)
+    torch.manual_seed(0)
+    converted, named, _ = _model(cfg, Accelerator(cpu=True), tiny_gpt(), None, task)
+
+    torch.manual_seed(0)
+    by_hand = tiny_gpt()
+    load_weights(by_hand, cfg.init_from)
+    enable_activation_checkpointing(by_hand)
+    by_hand = add_lora(by_hand, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules)
+    fused, regions = fuse_activations(by_hand), compile_regions(by_hand)
+    split_output_layer(by_hand)
+
+    assert [(n, type(m).__name__) for n, m in converted.named_modules()] == \
+        [(n, type(m).__name__) for n, m in by_hand.named_modules()]
+    assert {n: p.requires_grad for n, p in converted.named_parameters()} == \
+        {n: p.requires_grad for n, p in by_hand.named_parameters()}
+    pairs = zip(converted.state_dict().values(), by_hand.state_dict().values(), strict=True)
+    assert all(torch.equal(a, b) for a, b in pairs)
+    assert named.endswith(f", {fused} tanh-GELU modules on torch's one kernel (--fused_kernels), {regions} repeated "
+                          "blocks compiled (--compile_regions), output layer chunked into the loss (--chunked_loss)")
+    assert task.split_head is not None and fused > 0 and regions > 0

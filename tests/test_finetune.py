@@ -530,10 +530,14 @@ def test_a_merge_that_does_not_give_the_adapters_logits_is_refused_before_hf_mod
 
 
 def test_peft_under_fsdp_is_refused_before_anything_is_built():
-    from accel_ddp.finetune import prepare_for_finetuning
+    from types import SimpleNamespace
 
+    from accel_ddp.finetune import PEFT
+    from accel_ddp.util.converters import ModelBuild, convert_model
+
+    build = ModelBuild(TrainConfig(peft="lora", task="causal_lm"), SimpleNamespace(is_fsdp2=True), None)
     with pytest.raises(ConfigError, match="--peft lora under FSDP is not supported yet; launch with a DDP config"):
-        prepare_for_finetuning(TrainConfig(peft="lora", task="causal_lm"), tiny_gpt(), sharded=True)
+        convert_model(tiny_gpt(), build, (PEFT,))
 
 
 def test_the_fingerprint_is_the_bases_whatever_the_adapters_and_changes_with_its_weights():

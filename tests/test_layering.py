@@ -68,59 +68,128 @@ def test_no_module_imports_a_layer_above_its_own():
     assert _against(edges) == set(), "arrows against the flow (see accel_ddp/__init__.py)"
 
 
-def test_an_arrow_against_the_flow_is_found_lazy_or_relative(tmp_path):
-    """The check itself: a copy of the package with three arrows planted against the flow (a lazy import in a
-    function, a relative import, a plain one) reports exactly those three."""
+def _planted(tmp_path: Path, appended: dict[str, str]) -> Path:
+    """A copy of the package with ``appended``'s text at the end of each named file (created where absent)."""
     import shutil
 
     copy = tmp_path / "accel_ddp"
     shutil.copytree(ROOT, copy, ignore=shutil.ignore_patterns("__pycache__"))
-    with open(copy / "util" / "atomic.py", "a", encoding="utf-8") as fh:
-        fh.write("\n\ndef _planted():\n    from accel_ddp.loop import train  # noqa\n")
-    with open(copy / "config" / "layout.py", "a", encoding="utf-8") as fh:
-        fh.write("\nfrom ..data import sampler  # noqa\n")
-    with open(copy / "optim.py", "a", encoding="utf-8") as fh:
-        fh.write("\nimport accel_ddp.step  # noqa\n")
+    for name, text in appended.items():
+        (copy / name).parent.mkdir(exist_ok=True)
+        with open(copy / name, "a", encoding="utf-8") as fh:
+            fh.write(text)
+    return copy
+
+
+def test_an_arrow_against_the_flow_is_found_lazy_or_relative(tmp_path):
+    """The check itself: a copy of the package with three arrows planted against the flow (a lazy import in a
+    function, a relative import, a plain one) reports exactly those three."""
+    copy = _planted(tmp_path, {"util/atomic.py": "\n\ndef _planted():\n    from accel_ddp.loop import train  # noqa\n",
+                               "config/layout.py": "\nfrom ..data import sampler  # noqa\n",
+                               "optim.py": "\nimport accel_ddp.step  # noqa\n"})
     planted = {("accel_ddp.util.atomic", "accel_ddp.loop"), ("accel_ddp.config.layout", "accel_ddp.data"),
                ("accel_ddp.config.layout", "accel_ddp.data.sampler"), ("accel_ddp.optim", "accel_ddp.step")}
     assert _against(_edges(copy)) == planted
 
 
-def test_no_test_module_imports_another():
-    """Shared code lives in tests/helpers/; a test module names itself in a user-code string at most."""
+def _test_imports(tests: Path = TESTS) -> list[str]:
+    """Test modules imported by a file of ``tests``: "path: name"."""
     found = []
-    for path in TESTS.rglob("*.py"):
+    for path in tests.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else \
                 [node.module or ""] if isinstance(node, ast.ImportFrom) else []
-            found += [f"{path.relative_to(TESTS)}: {name}" for name in names
+            found += [f"{path.relative_to(tests)}: {name}" for name in names
                       if any(part.startswith("test_") for part in name.split("."))]
-    assert found == []
+    return found
 
 
-def test_tests_mirror_the_package():
-    """Every folder of tests/ is a subpackage of accel_ddp/ (or helpers/, scripts/)."""
-    folders = {p.name for p in TESTS.iterdir() if p.is_dir() and p.name != "__pycache__"}
-    packages = {p.parent.name for p in ROOT.glob("*/__init__.py")}
-    assert folders - {"helpers", "scripts"} <= packages, folders - packages
-    assert {"config", "data", "checkpoint", "distributed", "lifecycle", "cli", "tasks"} <= folders
+def test_no_test_module_imports_another(tmp_path):
+    """Shared code lives in tests/helpers/; a test module names itself in a user-code string at most. Proven on a
+    planted import."""
+    assert _test_imports() == []
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "test_a.py").write_text("from tests.data.test_b import shared  # noqa\n")
+    assert _test_imports(tmp_path) == ["data/test_a.py: tests.data.test_b"]
 
 
-def test_every_group_has_a_layer():
-    assert {_group(src) for src, _ in _edges()} <= set(LAYER)
+def _unmirrored(tests: Path = TESTS) -> set[str]:
+    """Folders of ``tests`` that are no subpackage of accel_ddp/ (nor helpers/, scripts/)."""
+    folders = {p.name for p in tests.iterdir() if p.is_dir() and p.name != "__pycache__"}
+    return folders - {"helpers", "scripts"} - {p.parent.name for p in ROOT.glob("*/__init__.py")}
+
+
+def test_tests_mirror_the_package(tmp_path):
+    """Every folder of tests/ is a subpackage of accel_ddp/ (or helpers/, scripts/); a planted one is found."""
+    assert _unmirrored() == set()
+    assert {"config", "data", "checkpoint", "distributed", "lifecycle", "cli", "tasks"} <= \
+        {p.name for p in TESTS.iterdir() if p.is_dir()}
+    for name in ("data", "helpers", "transforms"):
+        (tmp_path / name).mkdir()
+    assert _unmirrored(tmp_path) == {"transforms"}
+
+
+def _ungrouped(edges: set[tuple[str, str]]) -> set[str]:
+    return {_group(src) for src, _ in edges} - set(LAYER)
+
+
+def test_every_group_has_a_layer(tmp_path):
+    """Every module's group is in LAYERS; a planted subpackage that has none is found."""
+    assert _ungrouped(_edges()) == set()
+    copy = _planted(tmp_path, {"transforms/__init__.py": "from accel_ddp.util import atomic  # noqa\n"})
+    assert _ungrouped(_edges(copy)) == {"transforms"}
+
+
+def _unnamed(doc: str, modules: list[str]) -> list[str]:
+    """The modules without a row of their own in a subpackage's docstring: a line that starts with ``name.py`` (or,
+    as config/'s list, ``- ``name``:``)."""
+    rows = {line.split()[0] for line in doc.splitlines() if line.strip()}
+    rows |= {line.split("``")[1] + ".py" for line in doc.splitlines() if line.startswith("- ``")}
+    return [name for name in modules if f"{name}.py" not in rows]
 
 
 @pytest.mark.parametrize("package", sorted(p.parent.name for p in ROOT.glob("*/__init__.py")))
 def test_each_subpackage_says_what_it_holds_and_what_it_may_import(package):
     doc = importlib.import_module(f"accel_ddp.{package}").__doc__ or ""
     assert "May import:" in doc, doc
-    for module in (ROOT / package).glob("*.py"):
-        if module.name != "__init__.py":
-            assert module.stem in doc, f"{package}/__init__.py does not name {module.name}"
+    modules = sorted(m.stem for m in (ROOT / package).glob("*.py") if m.name != "__init__.py")
+    assert _unnamed(doc, modules) == [], f"{package}/__init__.py has no row for these modules"
 
 
-def test_no_import_cycle_between_modules():
-    edges = _edges()
+def test_a_module_whose_row_was_deleted_is_found_though_its_name_is_in_other_rows():
+    """The check itself: checkpoint/__init__.py without start.py's row still says "start" elsewhere (agree_start,
+    "where_to_start"); the module is reported all the same."""
+    doc = importlib.import_module("accel_ddp.checkpoint").__doc__
+    kept = "\n".join(line for line in doc.splitlines() if not line.lstrip().startswith("start.py"))
+    assert "start" in kept and _unnamed(kept, ["start", "manager"]) == ["start"]
+
+
+def _module_map() -> str:
+    text = (ROOT.parent / "docs" / "development.md").read_text(encoding="utf-8")
+    return text[text.index("## Module map"):text.index("### Who writes what")]
+
+
+def _unmapped(table: str) -> list[str]:
+    """The package's root modules and subpackages with no row of docs/development.md's module map naming them."""
+    rows = [line for line in table.splitlines() if line.startswith("| `")]
+    names = [f"{p.stem}.py" for p in ROOT.glob("*.py") if not p.stem.startswith("__")]
+    names += [f"accel_ddp/{p.parent.name}/" for p in ROOT.glob("*/__init__.py")]
+    return sorted(name for name in names if not any(f"`{name}`" in row.split("|")[1] or
+                                                     f"`accel_ddp/{name}`" in row.split("|")[1] for row in rows))
+
+
+def test_the_module_map_of_development_md_has_a_row_for_every_module():
+    assert _unmapped(_module_map()) == []
+
+
+def test_a_module_without_its_map_row_is_found():
+    table = _module_map()
+    kept = "\n".join(line for line in table.splitlines() if not line.startswith("| `accel_ddp/finetune.py`"))
+    assert "finetune" in kept and _unmapped(kept) == ["finetune.py"]
+
+
+def _cycle(edges: set[tuple[str, str]]) -> list[str] | None:
+    """One import cycle among ``edges`` (its modules, the first repeated at the end), or None."""
     graph: dict[str, set[str]] = {}
     for src, dst in edges:
         graph.setdefault(src, set()).add(dst)
@@ -129,14 +198,34 @@ def test_no_import_cycle_between_modules():
                               or _group(dst) in {"config", "util"}}
     done: set[str] = set()
 
-    def visit(module: str, path: list[str]) -> None:
+    def visit(module: str, path: list[str]) -> list[str] | None:
         if module in path:
-            pytest.fail("import cycle: " + " -> ".join(path[path.index(module):] + [module]))
+            return path[path.index(module):] + [module]
         if module in done:
-            return
+            return None
         for target in sorted(graph.get(module, ())):
-            visit(target, path + [module])
+            if (found := visit(target, path + [module])) is not None:
+                return found
         done.add(module)
+        return None
 
     for module in sorted(graph):
-        visit(module, [])
+        if (found := visit(module, [])) is not None:
+            return found
+    return None
+
+
+def test_no_import_cycle_between_modules():
+    assert _cycle(_edges()) is None
+
+
+def test_a_planted_import_cycle_is_found(tmp_path):
+    """The check itself: two modules of one layer importing each other (lazily, so Python itself would not stop it,
+    and no arrow runs against the flow) are reported as a cycle."""
+    copy = _planted(tmp_path, {
+        "util/atomic.py": "\n\ndef _planted():\n    from accel_ddp.util import ranks  # noqa\n",
+        "util/ranks.py": "\n\ndef _planted():\n    from accel_ddp.util.atomic import atomic_write_text  # noqa\n"})
+    edges = _edges(copy)
+    assert _against(edges) == set() and _cycle(_edges(ROOT)) is None
+    assert _cycle(edges) in (["accel_ddp.util.atomic", "accel_ddp.util.ranks", "accel_ddp.util.atomic"],
+                             ["accel_ddp.util.ranks", "accel_ddp.util.atomic", "accel_ddp.util.ranks"])

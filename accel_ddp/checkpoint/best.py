@@ -108,13 +108,15 @@ class BestModel:
 
     # ---- in checkpoint.json, and back
 
-    def state(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, Any]:
+        """The records, for checkpoint.json's ``best`` (checkpoint/train_state.py)."""
         return {"metric": self.metric, "greater_is_better": self.greater, "best_metric": self.best_metric,
                 "counter": self.counter, "best_step": self.kept_step, "best_step_metric": self.kept_metric}
 
-    def restore(self, meta: dict[str, Any]) -> None:
-        """Continue the records of the checkpoint resumed from (one made without them: start afresh)."""
-        saved = meta.get("best")
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Continue the records of the checkpoint resumed from (one made without them, or for another metric or
+        direction: start afresh)."""
+        saved = state_dict
         if not isinstance(saved, dict) or saved.get("metric") != self.metric or saved.get("greater_is_better") != \
                 self.greater:
             return
@@ -152,3 +154,14 @@ class BestModel:
         if accelerator.is_main_process:
             say(f"--load_best_model_at_end: the final weights are {folder}'s ({self.metric} {self.kept_metric:.6g}, "
                 f"step {self.kept_step} of {step})")
+
+
+def check_eval_set(cfg: Any, has_eval: bool) -> None:
+    """The best model and early stopping rank evaluations: without an eval set the last weights would be exported
+    as the best, and the patience never run out."""
+    given = [flag for flag, on in (("--load_best_model_at_end", cfg.load_best_model_at_end),
+                                   (f"--early_stopping_patience {cfg.early_stopping_patience}",
+                                    cfg.early_stopping_patience)) if on]
+    if given and not has_eval:
+        raise ConfigError(f"{' and '.join(given)} rank evaluations, but --dataset {cfg.dataset} has no eval set; give "
+                          "a dataset with an eval split, or drop the flag")

@@ -1,6 +1,8 @@
 """Where a run starts: the one function that decides it (fresh, resumed, already finished, refused).
 
     start_step = where_to_start(cfg, accelerator, checkpoints, optimizer, scheduler, plan.total_steps)
+    start_step = agree_start(cfg, accelerator, checkpoints, (optimizer, scheduler, flags_win), total_steps, recorder,
+                             facts, block, preemption)  # that step; then the trackers, config.yaml, the block
 
 Every rank gets the same answer or the same error: each decision is the main process's
 (``main_process_decides``), or a collective read of the same checkpoint.
@@ -19,8 +21,11 @@ from accel_ddp.checkpoint.manager import CheckpointManager, flags_in_force
 from accel_ddp.checkpoint.storage import open_store
 from accel_ddp.config import TrainConfig
 from accel_ddp.lifecycle.failure import main_process_decides
+from accel_ddp.lifecycle.preemption import PreemptionWatcher
 from accel_ddp.outputs.names import CHECKPOINTS_DIR
 from accel_ddp.outputs.run_dir import refuse_to_overwrite_finished, stop_if_finished
+from accel_ddp.tracking.recorder import RunRecorder
+from accel_ddp.tracking.startup_block import StartupBlock, resumed_from
 
 
 def where_to_start(cfg: TrainConfig, accelerator: Accelerator, checkpoints: CheckpointManager, optimizer: Any,
@@ -78,3 +83,23 @@ def recorded_layout(cfg: TrainConfig, accelerator: Accelerator) -> dict[str, Any
         return None
 
     return main_process_decides(accelerator, look)
+
+
+def agree_start(cfg: TrainConfig, accelerator: Accelerator, checkpoints: CheckpointManager, state: tuple,
+                total_steps: int, recorder: RunRecorder, facts: dict[str, Any], block: StartupBlock,
+                preemption: PreemptionWatcher) -> int:
+    """The step this run starts after (every rank agrees: checkpoint/start.py), then the trackers, the config and
+    the start-up block: nothing an earlier run left is touched before the start point is known."""
+    optimizer, scheduler, flags_win = state
+    # A finished run (RunFinished): its one line is said (outputs/run_dir.py), not the block; nothing written.
+    start_step = where_to_start(cfg, accelerator, checkpoints, optimizer, scheduler, total_steps, flags_win)
+    block.start = resumed_from(start_step, checkpoints.last_saved_folder) if start_step else "fresh"
+    resolved = {**cfg.to_dict(), "resolved": facts}
+    # One that cannot start (or not within --tracker_start_timeout): exit 2 here; a SIGTERM meanwhile: exit 75.
+    recorder.start_trackers(cfg.tracker_project_name, resolved, start_step, cfg.tracker_start_timeout, preemption)
+    # Only now, with the input checked and the start point agreed, touch what earlier runs left.
+    recorder.rewind(start_step)  # metrics past the checkpoint belong to the lost steps
+    recorder.write_config({**resolved, "startup": block.as_dict()})  # replay (--config) ignores startup:
+    recorder.write_startup(block.text(), start_step)
+    block.say(accelerator.is_main_process)
+    return start_step

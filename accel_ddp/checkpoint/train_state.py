@@ -13,9 +13,12 @@ object existed, which resume as they are):
 - the optimizer, the schedule (and fp16's scaler), every rank's RNGs: Accelerate's ``save_state``/``load_state`` of
   what ``accelerator.prepare`` registered (``optimizer.bin``, ``scheduler.bin``, ``random_states_<rank>.pkl``);
 - the data position: the optimizer step (``checkpoint.json``; epochs have a fixed number of steps, so the sampler's
-  place follows from it) and, for a stream, its readers' positions (one JSON file per rank: data/streaming.py);
+  place follows from it) and, for a stream, its readers' positions (``positions.state_dict()``, one JSON file per
+  rank, ``POSITION_FILE``; data/streaming.py);
 - the records: the best model's and early stopping's (``best``) and the anomaly log (``anomalies``), JSON in
   ``checkpoint.json`` (``records`` / ``restore_records``).
+
+One protocol for every part: ``Stateful`` (``state_dict`` / ``load_state_dict``, torch.distributed.checkpoint's).
 
 Not Accelerate's ``register_for_checkpointing``: its ``load_custom_state`` unpickles with ``weights_only=False``
 (accelerate/checkpointing.py), and it would add a file that the checkpoints on disk do not have.
@@ -23,6 +26,7 @@ Not Accelerate's ``register_for_checkpointing``: its ``load_custom_state`` unpic
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -37,21 +41,34 @@ from accel_ddp.checkpoint.weights import load_weights, trainable_state_dict
 from accel_ddp.outputs.names import WEIGHTS_NAME
 
 
-class Record(Protocol):
-    """A part of the state kept as JSON in ``checkpoint.json`` (the anomaly log)."""
+@runtime_checkable
+class Stateful(Protocol):
+    """Every part of the state: torch.distributed.checkpoint.stateful.Stateful's protocol (torch 2.x), declared here
+    so that reading a checkpoint imports no torch.distributed.checkpoint. The model, optimizer and schedule are
+    Stateful by torch; the best model's records (checkpoint/best.py), the anomaly log (anomaly.py) and a stream's
+    position (data/streaming.py) by their own methods."""
 
     def state_dict(self) -> dict[str, Any]: ...
 
-    def load_state_dict(self, state: dict[str, Any] | None) -> None: ...
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
 
 
-@runtime_checkable
-class Position(Protocol):
-    """A data position kept in files of its own in the checkpoint folder, one per rank (a stream's readers)."""
+POSITION_FILE = "data_state_rank{rank}.json"  # each rank's ``positions.state_dict()``, in every checkpoint folder
+RECORDS = ("best", "anomalies")  # the parts kept as JSON in checkpoint.json, each under its name
 
-    def position_files(self) -> dict[str, str]: ...
 
-    def load_position(self, folder: str) -> None: ...
+def saved_positions(folder: str, rank: int) -> dict[str, Any]:
+    """What a stream's ``load_state_dict`` gets from checkpoint ``folder``: rank 0's position and this ``rank``'s
+    (each None where that rank saved none) and the folder (its warnings name it)."""
+    def read(r: int) -> dict[str, Any] | None:
+        path = os.path.join(folder, POSITION_FILE.format(rank=r))
+        if not os.path.isfile(path):
+            return None
+        with open(path, encoding="utf-8") as fh:
+            return json.load(fh)
+
+    first = read(0)
+    return {"rank_0": first, "mine": first if rank == 0 else read(rank), "folder": folder}
 
 
 @dataclass(frozen=True)
@@ -63,8 +80,8 @@ class TrainState:
     optimizer: AcceleratedOptimizer
     scheduler: AcceleratedScheduler
     best: BestModel | None = None  # --metric_for_best_model, --early_stopping_patience: its records
-    anomalies: Record | None = None  # --on_anomaly, --spike_factor: the steps left out, the rollbacks
-    positions: Position | None = None  # a stream's readers; None where the step alone places the data
+    anomalies: Stateful | None = None  # --on_anomaly, --spike_factor: the steps left out, the rollbacks
+    positions: Stateful | None = None  # a stream's readers; None where the step alone places the data
 
     def save_files(self, models: list[torch.nn.Module], weights: list[dict[str, Any]], folder: str) -> None:
         """Accelerate's save pre-hook: our weight files instead of its DDP-prefixed ones; the stream's positions."""
@@ -83,25 +100,22 @@ class TrainState:
                          source="--resume_from_checkpoint", keep_frozen=True)
         models.clear()  # loaded: Accelerate would expect DDP's "module." keys
         if self.positions is not None:
-            self.positions.load_position(folder)
+            self.positions.load_state_dict(saved_positions(folder, self.accelerator.process_index))
 
     def position_files(self) -> dict[str, str]:
-        """This rank's data position files, taken now: {} where the step alone places the data."""
-        return {} if self.positions is None else self.positions.position_files()
+        """This rank's data position file, taken now (``positions.state_dict()`` as JSON): {} where the step alone
+        places the data."""
+        if self.positions is None:
+            return {}
+        return {POSITION_FILE.format(rank=self.accelerator.process_index): json.dumps(self.positions.state_dict())}
 
     def records(self) -> dict[str, Any]:
-        """``checkpoint.json``'s share of the state, taken at the save step."""
-        found: dict[str, Any] = {}
-        if self.best:
-            found["best"] = self.best.state()
-        if self.anomalies is not None:
-            found["anomalies"] = self.anomalies.state_dict()
-        return found
+        """``checkpoint.json``'s share of the state, taken at the save step: each record's ``state_dict()``."""
+        return {name: part.state_dict() for name in RECORDS if (part := getattr(self, name)) is not None}
 
     def restore_records(self, meta: dict[str, Any]) -> None:
         """The records of the checkpoint resumed from (``checkpoint.json``); one saved without them starts them
-        afresh."""
-        if self.best:
-            self.best.restore(meta)
-        if self.anomalies is not None:
-            self.anomalies.load_state_dict(meta.get("anomalies"))
+        afresh (``load_state_dict({})``)."""
+        for name in RECORDS:
+            if (part := getattr(self, name)) is not None:
+                part.load_state_dict(meta.get(name) or {})

@@ -11,6 +11,8 @@
 - ``checks``: the options that only make sense together, each refused with one ``ConfigError`` line;
 - ``dependents``: the one table of flags that only mean something with another option (flag -> when a run uses it
   -> the fix); one given where nothing would use it is refused in one line;
+- ``plan``: a run's ``Plan`` (the batch layout, total steps) and ``Cadence`` (when to log, evaluate, save),
+  derived once by ``assemble.setup`` (``plan_run``);
 - ``choices``: the vocabulary: allowed values, limits, the Hugging Face aliases, renamed flags, store schemes.
 
 The command line and the ``--config`` YAML recipe are read by ``accel_ddp/cli/args.py``. No torch here, so that

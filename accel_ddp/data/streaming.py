@@ -37,7 +37,6 @@ evaluated like a memory-mapped set (``gather_for_metrics``, exact counts). Keep 
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
@@ -56,7 +55,6 @@ from accel_ddp.lifecycle.failure import PeerFailed
 from accel_ddp.util.messages import first_line, warn
 from accel_ddp.util.validation import ConfigError
 
-STATE_FILE = "data_state_rank{rank}.json"  # each rank's stream position, in every checkpoint folder
 _HAVE, _ENDED, _FAILED = 0, 1, 2  # what each rank reports before a step; the all-reduce takes the largest
 
 
@@ -126,7 +124,7 @@ class StreamingLoader:
     """Micro-batches of this rank's share of a stream, moved to ``device``; the loader surface of the others.
 
     ``len()`` is the whole run (``max_steps * accumulation`` micro-batches): the loop sees one epoch.
-    Its position goes into each checkpoint through the run's TrainState (``save_position``/``load_position``: a JSON
+    Its position goes into each checkpoint through the run's TrainState (``state_dict``/``load_state_dict``: a JSON
     file per rank; nothing unpickled).
     """
 
@@ -310,17 +308,18 @@ class StreamingLoader:
                 "num_workers": self.num_workers, "made_from": self.made_from,
                 "workers": {str(w): s for w, s in self.states.items()}, "next_worker": self.next_slot}
 
-    def position_files(self) -> dict[str, str]:
-        """This rank's readers' positions now, as the checkpoint folder's file names and contents (the run's
-        TrainState takes them at each save step)."""
-        return {STATE_FILE.format(rank=self.rank): json.dumps(self._position())}
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's readers' positions now (the run's TrainState takes it at each save step and writes it as this
+        rank's file of the checkpoint folder, ``POSITION_FILE``)."""
+        return self._position()
 
-    def load_position(self, input_dir: str) -> None:
-        """From the checkpoint folder resumed from (the run's TrainState calls it): where this rank's readers go on."""
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """From the checkpoint resumed from (``train_state.saved_positions``: rank 0's position, this rank's, the
+        folder): where this rank's readers go on."""
         # The pass comes from rank 0's file on every rank (all ranks saved the same pass: they agree on every
         # step), so a rank with no file of its own (the world grew) or another world size lands in the same pass
         # as the others: in different passes they would read different shuffles and end them at different steps.
-        saved = _read_position(input_dir, 0)
+        saved, input_dir = state_dict["rank_0"], state_dict["folder"]
         if saved is None:
             if self.rank == 0:
                 warn(f"{input_dir} holds no stream position: the stream starts over")
@@ -334,7 +333,7 @@ class StreamingLoader:
                 warn(f"{input_dir} was saved with {changed}: pass {self.data_epoch} of the stream starts over, so "
                       "some of its examples are trained on twice")
             return None
-        mine = saved if self.rank == 0 else _read_position(input_dir, self.rank)
+        mine = state_dict["mine"]
         if mine is None:
             return warn(f"{input_dir} holds no stream position for rank {self.rank}: its share of pass "
                          f"{self.data_epoch} starts over")
@@ -358,15 +357,6 @@ class StreamingLoader:
 
 def _changed(what: str, saved: Any, now: Any) -> str | None:
     return None if saved == now else f"{what} {saved}, this run has {now}"
-
-
-def _read_position(folder: str, rank: int) -> dict[str, Any] | None:
-    """What rank ``rank`` saved in checkpoint ``folder`` (``_position``), or None when it saved nothing there."""
-    path = os.path.join(folder, STATE_FILE.format(rank=rank))
-    if not os.path.isfile(path):
-        return None
-    with open(path, encoding="utf-8") as fh:
-        return json.load(fh)
 
 
 def _data_errors() -> tuple[type[Exception], ...]:

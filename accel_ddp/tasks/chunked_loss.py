@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from accel_ddp.util.converters import ModelBuild, ModelConverter
 from accel_ddp.util.validation import ConfigError
 
 IGNORE_INDEX = -100  # as accel_ddp.tasks.protocol: labels that count for nothing
@@ -177,3 +178,14 @@ def _add_weight_grad(grad_weight: torch.Tensor, low: torch.Tensor, grad: torch.T
 def autocast_dtype(mixed_precision: Any) -> torch.dtype | None:
     """The matmuls' dtype for Accelerate's ``mixed_precision`` ("bf16", "fp16"; else None: the hidden states')."""
     return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(str(mixed_precision))
+
+
+def _split_for_loss(model: torch.nn.Module, build: ModelBuild) -> tuple[torch.nn.Module, str]:
+    """Before DDP wraps it: training forwards return hidden states, the task applies the layer."""
+    build.task.split_head = split_output_layer(model, sharded=build.accelerator.is_fsdp2)
+    build.task.compute_dtype = autocast_dtype(build.accelerator.mixed_precision)
+    return model, "output layer chunked into the loss (--chunked_loss)"
+
+
+CHUNKED_LOSS = ModelConverter("chunked_loss", applies=lambda cfg: bool(cfg.chunked_loss), apply=_split_for_loss,
+                              training_only=True)  # in assemble.MODEL_CONVERTERS (util/converters.py)

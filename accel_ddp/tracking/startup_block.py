@@ -15,6 +15,7 @@ Plain values only (no torch): the loop gathers them, this module says them and s
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -86,10 +87,48 @@ class StartupBlock:
         width = max(map(len, rows)) + 1
         return "\n".join([HEADER, *(f"  {f'{label}:':<{width}} {value}" for label, value in rows.items())]) + "\n"
 
+    def say(self, is_main: bool) -> None:
+        """The start-up block on stdout and its warnings on stderr, once (main process)."""
+        if is_main:
+            print(self.text(warnings=False), end="", flush=True)
+            for warning in self.warnings:
+                print(f"accel_ddp: warning: {warning}", file=sys.stderr, flush=True)
+
     def as_dict(self) -> dict[str, Any]:
         """config.yaml's ``startup:`` section: the same lines (whole numbers as numbers), the warnings as a list."""
         lines = {label: int(value) if value.isdigit() else value for label, value in self.lines.items()}
         return {**lines, "start": self.start, "warnings": list(self.warnings)}
+
+
+def describe_run(cfg: Any, facts: dict[str, Any], epochs: int, train_loader: Any, model: str, data: Any,
+                 optimization: dict[str, str], cpus: int) -> StartupBlock:
+    """``assemble.setup``'s start-up block, before the start point is known (``checkpoint/start.agree_start`` adds
+    it): the run's facts, its loader's workers, its data sets' sizes (``data``: data/resolve.py's), the model."""
+    return StartupBlock.describe(cfg, facts, epochs=epochs, workers=_workers(train_loader), model=model,
+                                 data_sizes=_debug_sizes(cfg, data), cpus=cpus,
+                                 examples=(_length(data.train), _length(data.eval)), optimization=optimization)
+
+
+def _workers(loader) -> int | None:
+    """DataLoader workers per rank of a training loader (HostLoader wraps a DataLoader); None for the device loader."""
+    inner = getattr(loader, "loader", loader)
+    return getattr(loader, "num_workers", getattr(inner, "num_workers", None))
+
+
+def _debug_sizes(cfg: Any, data: Any) -> tuple[tuple[int, int], ...]:
+    """--debug: (kept, full) samples of the training and eval sets that data/resolve.py cut to a Subset."""
+    from torch.utils.data import Subset  # torch only here: the block's lines are read without it
+
+    sets = [d for d in (data.train, data.eval) if isinstance(d, Subset)] if cfg.debug else []
+    return tuple((len(d), len(d.dataset)) for d in sets if len(d) < len(d.dataset))
+
+
+def _length(dataset) -> int | None:
+    """Samples in ``dataset`` for the start-up block; None for a stream (or no dataset)."""
+    try:
+        return len(dataset) if dataset is not None else None
+    except TypeError:  # an iterable dataset without __len__
+        return None
 
 
 def training_lines(cfg: Any, total_steps: int, global_batch: int,

@@ -77,10 +77,10 @@ def test_the_best_model_is_chosen_among_kept_weights_only():
     feed(best, [0.4, 0.3], every=8)
     assert best.kept_step == 16
     restored = tracker(save_steps=4, total=10)
-    restored.restore({"best": best.state()})
-    assert restored.state() == best.state()
-    restored.restore({"best": {**best.state(), "metric": "eval_accuracy"}})  # another metric: not continued
-    assert restored.state() == best.state()
+    restored.load_state_dict(best.state_dict())
+    assert restored.state_dict() == best.state_dict()
+    restored.load_state_dict({**best.state_dict(), "metric": "eval_accuracy"})  # another metric: not continued
+    assert restored.state_dict() == best.state_dict()
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -15,7 +15,7 @@ import pytest
 
 from accel_ddp.data import HFSource, build_datasets
 from accel_ddp.util.validation import ConfigError
-from tests.helpers.checkpoints import save_stream_position
+from tests.helpers.checkpoints import load_stream_position, save_stream_position
 from tests.helpers.data import batches_until_data_error, hf_image_dataset
 from tests.helpers.multiproc import run_ranks
 from tests.helpers.runs import main_ranks
@@ -288,7 +288,7 @@ def _read_stream(folder: Path, *, buffer: int, steps: int, save_to: Path | None 
                              seed=0, num_workers=0)
     batches = loader
     if resume_from is not None:
-        loader.load_position(str(resume_from))
+        load_stream_position(loader, resume_from)
         batches = loader.skip_first_batches(steps)
     seen = []
     for x, _ in batches:

@@ -19,7 +19,7 @@ from accel_ddp.data import (
 from accel_ddp.data.loaders import data_source
 from accel_ddp.util.validation import ConfigError
 from tests.helpers import faults
-from tests.helpers.checkpoints import save_stream_position
+from tests.helpers.checkpoints import load_stream_position, save_stream_position
 from tests.helpers.data import image_shards, write_shards
 from tests.helpers.multiproc import RankFailed, run_ranks
 from tests.helpers.runs import load_weights, main_ranks, read_metrics, train_ranks
@@ -48,7 +48,7 @@ def _stream(files: list[str], world: int, *, max_steps: int, workers: int = 1, b
                                  num_workers=workers)
         batches = loader
         if resume_from is not None:
-            loader.load_position(str(resume_from))
+            load_stream_position(loader, resume_from)
             batches = loader.skip_first_batches(int(resume_from.name))
         seen = []
         for x, _ in batches:

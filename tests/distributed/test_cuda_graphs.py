@@ -180,7 +180,7 @@ def _train_with(args: list[str], graphs: bool):
         return torch.optim.AdamW(groups, lr=torch.tensor(float(lr)), fused=True)
 
     accel_ddp.optim_user.build_optimizer = cpu_adamw
-    accel_ddp.assemble._refuse_graphs = lambda *args: None  # the CPU would be refused: the wiring is what is tested
+    accel_ddp.assemble.refuse_graphs = lambda *args, **kwargs: None  # the CPU would be refused: the wiring is tested
     accel_ddp.after_step.CudaGraphs = lambda: backends.append(Rerun()) or backends[-1]
     summary = accel_ddp.loop.train(parse_args([*args, *(["--cuda_graphs"] if graphs else [])]))
     return summary, [(b.captures, len(b.eager_batches)) for b in backends]

@@ -46,5 +46,13 @@ def plant_pickle(folder: Path, name: str, proof: Path) -> None:
 
 def save_stream_position(loader, folder) -> None:
     """What a checkpoint writes of a stream's position (the run's TrainState's ``position_files``), into ``folder``."""
-    for name, text in loader.position_files().items():
-        (Path(folder) / name).write_text(text)
+    from accel_ddp.checkpoint.train_state import POSITION_FILE
+
+    (Path(folder) / POSITION_FILE.format(rank=loader.rank)).write_text(json.dumps(loader.state_dict()))
+
+
+def load_stream_position(loader, folder) -> None:
+    """What a resume reads of a stream's position (the run's TrainState's ``load_files``), from ``folder``."""
+    from accel_ddp.checkpoint.train_state import saved_positions
+
+    loader.load_state_dict(saved_positions(str(folder), loader.rank))
