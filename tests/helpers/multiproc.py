@@ -21,6 +21,7 @@ import gc
 import multiprocessing
 import os
 import pickle
+import random
 import shutil
 import signal
 import socket
@@ -38,9 +39,36 @@ _LAUNCH_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RA
 
 
 def free_port() -> int:
+    """A loopback port free now, drawn below the kernel's ephemeral range.
+
+    A port the kernel hands out for ``bind(0)`` comes from the ephemeral range, the one every outgoing connection
+    (gloo's pairs, the store's clients of the other tests running beside this one) also takes its local port from:
+    between this check and the rank's own bind, such a connection could take it (seen: EADDRINUSE under a loaded
+    suite). Below that range only an explicit bind takes a port.
+    """
+    low, high = _PORTS_BELOW_EPHEMERAL
+    for _ in range(64):
+        port = random.randrange(low, high)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def _ports_below_ephemeral() -> tuple[int, int]:
+    try:
+        ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = 32768  # Linux's default
+    return (min(20000, ephemeral_low // 2), ephemeral_low)
+
+
+_PORTS_BELOW_EPHEMERAL = _ports_below_ephemeral()
 
 
 class RankFailed(AssertionError):
