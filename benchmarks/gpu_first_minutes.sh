@@ -84,18 +84,26 @@ carried() {  # what the device tool sends: tracked and untracked-not-ignored fil
 }
 
 setup() {
-    local has_gpu
-    has_gpu=$("$PY" -c 'import torch; print(int(torch.cuda.is_available()))' 2>/dev/null || echo 0)
+    local has_gpu has_datasets
+    # One interpreter answers both (each start imports torch: seconds on a loaded machine); `datasets` imported, not
+    # only found, so that a version the image cannot load counts as missing.
+    read -r has_gpu has_datasets < <("$PY" -c 'import torch, importlib
+try:
+    importlib.import_module("datasets"); found = 1
+except Exception:
+    found = 0
+print(int(torch.cuda.is_available()), found)' 2>/dev/null || echo 0 0)
     if [[ -z "$DRY" && "$has_gpu" != 1 ]]; then
         echo "FAIL setup torch sees no CUDA GPU: run with --dry-run on a CPU machine"
         return 1
     fi
-    if ! "$PY" -c 'import datasets' 2>/dev/null && compgen -G "$WHEELHOUSE/*.whl" >/dev/null; then
+    if [[ "$has_datasets" != 1 ]] && compgen -G "$WHEELHOUSE/*.whl" >/dev/null; then
         # --no-deps: the image has the dependencies; a version it lacks shows as `datasets` failing to import
         "$PY" -m pip install -q --no-index --no-deps --find-links "$WHEELHOUSE" datasets dill multiprocess pexpect \
             ptyprocess || true
+        "$PY" -c 'import datasets' 2>/dev/null && has_datasets=1
     fi
-    if "$PY" -c 'import datasets' 2>/dev/null; then
+    if [[ "$has_datasets" == 1 ]]; then
         echo "PASS setup gpu=$has_gpu datasets=yes"
     else
         echo "PASS setup gpu=$has_gpu datasets=no (none of these stages needs it: synthetic data)"
