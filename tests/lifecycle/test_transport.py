@@ -93,7 +93,9 @@ def _real_gloo_messages(seen_both: str) -> dict[str, str] | None:
             time.sleep(0.05)                                                   # both errors
         return {}
     seen = {}
-    works = [dist.all_reduce(torch.ones(4), async_op=True) for _ in range(2)]
+    works = [dist.all_reduce(torch.ones(4), async_op=True)]
+    time.sleep(0.5)  # the second's own 1 s runs out after the first's closed the pairs, not at the same moment
+    works.append(dist.all_reduce(torch.ones(4), async_op=True))
     for name, work in zip(["timeout", "pair_closure"], works, strict=True):
         try:
             work.wait()
