@@ -24,9 +24,11 @@ BASE = ["--dataset", "synthetic", "--synthetic_samples", "256", "--synthetic_sha
 class Recorder:
     """Every hook call: (hook, process, step, epoch, what it was given); asks on ``process`` at the steps given."""
 
-    def __init__(self, process: int = -1, stop: int = 0, save: int = 0, evaluate: int = 0, stop_on_eval: int = 0):
+    def __init__(self, process: int = -1, stop: int = 0, save: int = 0, evaluate: int = 0, stop_on_eval: int = 0,
+                 evaluate_on: int | None = None):
         self.process, self.stop, self.save, self.evaluate, self.stop_on_eval = process, stop, save, evaluate, \
             stop_on_eval
+        self.evaluate_on = process if evaluate_on is None else evaluate_on  # the evaluation asked on another rank
         self.calls: list[tuple] = []
 
     def _record(self, hook, state, given=None):
@@ -40,6 +42,7 @@ class Recorder:
         if state.process_index == self.process:
             state.should_stop = state.step == self.stop
             state.should_save = state.step == self.save
+        if state.process_index == self.evaluate_on:
             state.should_evaluate = state.step == self.evaluate
 
     def on_evaluate(self, state, metrics):
@@ -109,14 +112,12 @@ def test_a_save_and_an_evaluation_asked_on_one_rank_happen_at_that_step_on_every
     the epoch's end): the checkpoint of step 5 is written through the collective save, on_save runs on every rank;
     step 7 is evaluated and recorded."""
     args = [*BASE, "--max_steps", "8", "--output_dir", str(tmp_path)]
-    ranks = _train(args, process=0, save=5)
+    ranks = _train(args, process=0, save=5, evaluate_on=1, evaluate=7)  # one run: each rank asks for one of them
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_00000005"]
     for _, calls in ranks:
-        assert ("save", 5, 0, "step_00000005") in calls
-    ranks = _train([*args[:-1], str(tmp_path / "eval")], process=1, evaluate=7)
-    for _, calls in ranks:
-        assert [(step, given) for hook, step, _, given in calls if hook == "evaluate"] == [(7, 64), (8, 64)]
-    assert [row["step"] for row in read_metrics(tmp_path / "eval") if "eval_loss" in row] == [7, 8]
+        assert [(hook, step, given) for hook, step, _, given in calls if hook in ("save", "evaluate")] == [
+            ("save", 5, "step_00000005"), ("evaluate", 7, 64), ("evaluate", 8, 64)]
+    assert [row["step"] for row in read_metrics(tmp_path) if "eval_loss" in row] == [7, 8]
 
 
 def test_a_stop_and_a_save_asked_in_on_evaluate_are_honoured_at_that_evaluation(tmp_path):

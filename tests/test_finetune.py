@@ -171,10 +171,17 @@ def test_eval_perplexity_and_the_token_exact_loss_are_those_of_the_base_before_a
 # ----------------------------------------------------------------------------- checkpoints and resume
 
 
-def test_a_checkpoint_holds_the_adapter_and_its_optimizer_state_and_the_base_fingerprint(base, tmp_path):
-    out = tmp_path / "run"
+@pytest.fixture(scope="module")
+def adapter_checkpoint(base, tmp_path_factory) -> Path:
+    """A LoRA run's checkpoint at step 4 (of 8: the resumes below have steps left)."""
+    out = tmp_path_factory.mktemp("adapter-run") / "run"
     train_ranks(lora_args(base, out, "--checkpointing_steps", "4"), world_size=1)
-    folder = out / "checkpoints" / "step_00000004"
+    return out / "checkpoints" / "step_00000004"
+
+
+def test_a_checkpoint_holds_the_adapter_and_its_optimizer_state_and_the_base_fingerprint(adapter_checkpoint):
+    folder = adapter_checkpoint
+    out = folder.parent.parent
     weights = load_file(str(folder / "model.safetensors"))
     assert len(weights) == 8 and all("lora_" in k for k in weights)
     assert sum(t.numel() for t in weights.values()) == TRAINABLE
@@ -312,13 +319,10 @@ def test_lora_r_zero_is_one_line(base, tmp_path, capfd):
                    "--lora_r must be > 0, got 0")
 
 
-def test_an_adapter_checkpoint_for_another_base_is_one_line(base, tmp_path, capfd):
-    first = tmp_path / "first"
-    train_ranks(lora_args(base, first, "--checkpointing_steps", "4"), world_size=1)
+def test_an_adapter_checkpoint_for_another_base_is_one_line(adapter_checkpoint, tmp_path, capfd):
     other = save_base(tmp_path / "other", seed=1)  # the same architecture, other weights
     capfd.readouterr()
-    codes = main_ranks(lora_args(other, tmp_path / "second", "--resume_from_checkpoint",
-                                 str(first / "checkpoints" / "step_00000004")), 1)
+    codes = main_ranks(lora_args(other, tmp_path / "second", "--resume_from_checkpoint", str(adapter_checkpoint)), 1)
     assert_refused(codes, capfd, "its adapter belongs to another base model")
 
 
@@ -343,14 +347,6 @@ def changed_base(base: Path, folder: Path) -> Path:
     weights["transformer.h.1.mlp.c_fc.weight"][3, 5] += 0.5
     save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
     return folder
-
-
-@pytest.fixture(scope="module")
-def adapter_checkpoint(base, tmp_path_factory) -> Path:
-    """A LoRA run's checkpoint at step 4 (of 8: the resumes below have steps left)."""
-    out = tmp_path_factory.mktemp("adapter-run") / "run"
-    train_ranks(lora_args(base, out, "--checkpointing_steps", "4"), world_size=1)
-    return out / "checkpoints" / "step_00000004"
 
 
 def test_an_adapter_checkpoint_on_a_base_with_one_changed_weight_is_one_line(base, adapter_checkpoint, tmp_path,

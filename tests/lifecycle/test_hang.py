@@ -155,7 +155,7 @@ def test_a_stopped_rank_is_named_no_stack(tmp_path, capfd, tiny_args, monkeypatc
     import accel_ddp.lifecycle.hang as hang
     from accel_ddp.cli.train import main
 
-    monkeypatch.setattr(hang, "GRACE_S", 2.0)
+    monkeypatch.setattr(hang, "GRACE_S", 0.5)  # rank 1, stopped, never posts: the whole grace is waited
     args = [*tiny_args, *HANG, "--output_dir", str(tmp_path / "run")]
     pid_file = tmp_path / "rank1.pid"
 

@@ -72,12 +72,13 @@ def test_a_peer_message_makes_a_peers_failure_a_peer_failed_naming_it():
     assert failure.peer_named(ValueError("its own bug"), made).args == ("its own bug",)
 
 
-def _real_gloo_messages() -> dict[str, str] | None:
+def _real_gloo_messages(seen_both: str) -> dict[str, str] | None:
     """On forked ranks of a gloo group with a 1 s timeout: rank 0 starts two all-reduces that rank 1 never joins;
     the first times out ("Timed out waiting 1000ms for recv"), which closes every pair of the context, so the second
     fails with "Application timeout caused pair closure" (gloo/transport/tcp/unbound_buffer.cc ``waitRecv``). Rank 0
-    returns each error's text. (A peer that exited: "Connection closed by peer", provoked by
-    tests/lifecycle/test_failure.py's killed ranks.)"""
+    returns each error's text, then writes the file ``seen_both``, which rank 1 waits for: it leaves no sooner (a
+    peer that exited gives "Connection closed by peer" instead, as tests/lifecycle/test_failure.py's killed ranks
+    show) and no later than needed."""
     import os
     import time
     from datetime import timedelta
@@ -87,22 +88,27 @@ def _real_gloo_messages() -> dict[str, str] | None:
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=1))
     if os.environ["RANK"] == "1":
-        time.sleep(3)  # joins nothing until rank 0 has seen both timeouts
+        deadline = time.monotonic() + 50
+        while not os.path.exists(seen_both) and time.monotonic() < deadline:  # joins nothing until rank 0 has seen
+            time.sleep(0.05)                                                   # both errors
         return {}
     seen = {}
-    works = [dist.all_reduce(torch.ones(4), async_op=True) for _ in range(2)]
+    works = [dist.all_reduce(torch.ones(4), async_op=True)]
+    time.sleep(0.5)  # the second's own 1 s runs out after the first's closed the pairs, not at the same moment
+    works.append(dist.all_reduce(torch.ones(4), async_op=True))
     for name, work in zip(["timeout", "pair_closure"], works, strict=True):
         try:
             work.wait()
         except RuntimeError as err:
             seen[name] = str(err)
+    open(seen_both, "w").close()
     return seen
 
 
-def test_gloos_timeout_and_pair_closure_as_raised_are_named_as_a_stopped_peer():
+def test_gloos_timeout_and_pair_closure_as_raised_are_named_as_a_stopped_peer(tmp_path):
     from tests.helpers.multiproc import run_ranks
 
-    seen = run_ranks(_real_gloo_messages, world_size=2, timeout=60)[0]
+    seen = run_ranks(lambda: _real_gloo_messages(str(tmp_path / "seen_both")), world_size=2, timeout=60)[0]
     assert "Timed out waiting 1000ms for recv" in seen["timeout"], seen
     assert "Application timeout caused pair closure" in seen["pair_closure"], seen
     for text in seen.values():
