@@ -44,7 +44,8 @@ def free_port() -> int:
     A port the kernel hands out for ``bind(0)`` comes from the ephemeral range, the one every outgoing connection
     (gloo's pairs, the store's clients of the other tests running beside this one) also takes its local port from:
     between this check and the rank's own bind, such a connection could take it (seen: EADDRINUSE under a loaded
-    suite). Below that range only an explicit bind takes a port.
+    suite). Below that range only an explicit bind takes a port, and each xdist worker draws from its own slice of it,
+    so two tests running side by side never draw the same port (a rank of one could then join the other's world).
     """
     low, high = _PORTS_BELOW_EPHEMERAL
     for _ in range(64):
@@ -65,7 +66,12 @@ def _ports_below_ephemeral() -> tuple[int, int]:
         ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     except (OSError, ValueError, IndexError):
         ephemeral_low = 32768  # Linux's default
-    return (min(20000, ephemeral_low // 2), ephemeral_low)
+    low = min(20000, ephemeral_low // 2)
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    index = int(worker[2:]) if worker[2:].isdigit() else 0
+    width = (ephemeral_low - low) // max(workers, 1)
+    return (low + index * width, low + (index + 1) * width)
 
 
 _PORTS_BELOW_EPHEMERAL = _ports_below_ephemeral()
