@@ -10,7 +10,10 @@ summary = train(TrainConfig(dataset="digits", max_steps=6, hidden_size=32, outpu
 first = evaluate(out)
 rows = predict(out, f"{out}/predictions.jsonl")
 again = evaluate(out)
-if first["eval_samples"]:  # every rank prints; the test reads rank 0's line
-    print(json.dumps({"summary": summary["eval_loss"], "first": first["eval_loss"], "again": again["eval_loss"],
-                      "rows": rows}), flush=True)
+if first["eval_samples"]:  # every rank prints its line; the test compares them
+    # One write of the whole line: print() writes the text and its newline apart when stdout is unbuffered (as under
+    # the launcher), and the two ranks' lines then interleave on the shared pipe ('{...}{...}' seen once in CI).
+    sys.stdout.write(json.dumps({"summary": summary["eval_loss"], "first": first["eval_loss"],
+                                 "again": again["eval_loss"], "rows": rows}) + "\n")
+    sys.stdout.flush()
 exit_process(0)
