@@ -35,8 +35,9 @@ from accel_ddp.assemble import Run
 from accel_ddp.evaluation import evaluate
 from accel_ddp.lifecycle.non_finite import LossWatch, NonFiniteLoss, trace_non_finite
 from accel_ddp.lifecycle.preemption import Preempted
-from accel_ddp.step import LossAccumulator, TrainStep
-from accel_ddp.step_graph import CudaGraphs
+from accel_ddp.step.graph import CudaGraphs
+from accel_ddp.step.losses import LossAccumulator
+from accel_ddp.step.train_step import TrainStep
 from accel_ddp.tracking.step_log import StepLog
 from accel_ddp.util.validation import ConfigError
 

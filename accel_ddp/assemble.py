@@ -37,8 +37,6 @@ from accel_ddp.data import DeviceEvalLoader, DeviceLoader, HostLoader, Streaming
 from accel_ddp.data.resolve import resolve_data
 from accel_ddp.distributed.preflight import check_fsdp, check_shared_output_dir
 from accel_ddp.distributed.world import build_accelerator, end_world, prepare
-from accel_ddp.finetune import GRADIENT_CHECKPOINTING, INIT_FROM, PEFT, describe_parameters, finetune_facts
-from accel_ddp.fused_activations import FUSED_KERNELS
 from accel_ddp.lifecycle import failure
 from accel_ddp.lifecycle.failure import main_process_decides
 from accel_ddp.lifecycle.hang import HangWatch, pauses_after
@@ -48,13 +46,12 @@ from accel_ddp.lifecycle.preemption import (
     restart_hazard,
 )
 from accel_ddp.models import build_configured_model, set_attn_implementation
-from accel_ddp.optim_user import build_optimization, check_optimization
+from accel_ddp.optim.user import build_optimization, check_optimization
 from accel_ddp.outputs.run_dir import (
     check_output_dir,
     claim_output_dir,
 )
-from accel_ddp.regional_compile import COMPILE_REGIONS, slower_here
-from accel_ddp.step_graph import construction_stream, refuse_graphs
+from accel_ddp.step.graph import construction_stream, refuse_graphs
 from accel_ddp.tasks.chunked_loss import CHUNKED_LOSS
 from accel_ddp.tasks.probe import probe_task
 from accel_ddp.tasks.protocol import CHANNELS_LAST, Task, build_task
@@ -66,6 +63,9 @@ from accel_ddp.tracking.recorder import RunRecorder
 from accel_ddp.tracking.startup import StartupClock
 from accel_ddp.tracking.startup_block import describe_run
 from accel_ddp.tracking.trackers import tracking_kwargs
+from accel_ddp.transforms.finetune import GRADIENT_CHECKPOINTING, INIT_FROM, PEFT, describe_parameters, finetune_facts
+from accel_ddp.transforms.fused_activations import FUSED_KERNELS
+from accel_ddp.transforms.regional_compile import COMPILE_REGIONS, slower_here
 from accel_ddp.util.converters import ModelBuild, convert_model
 from accel_ddp.util.messages import warn
 from accel_ddp.util.registry import resolve
@@ -120,7 +120,7 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
           optimizer=None, lr_scheduler=None, callbacks=None, console: ConsoleLog | None = None) -> Run:
     """Join the process group, build data, model, optimizer and schedule, and agree on where to start.
 
-    ``optimizer`` and ``lr_scheduler``: the Python API's own (accel_ddp/optim_user.py), else the flags'.
+    ``optimizer`` and ``lr_scheduler``: the Python API's own (accel_ddp/optim/user.py), else the flags'.
 
     A preemption signal during start-up stops every rank together at the end of the phase it came in
     (``Preempted`` with nothing saved): the ranks compare their flags there. ``console``: what the main process
@@ -339,7 +339,7 @@ def configured_task(cfg: TrainConfig, loss_fn=None, metrics=()) -> Task:
 
 def build_run_model(cfg: TrainConfig, accelerator: Accelerator, model, data, task: Task) -> torch.nn.Module:
     """The caller's model or the configured one, checked for FSDP2, through the converters that a trained run's
-    model needs too (``--init_from``'s weights, ``finetune.py``'s, ``task``'s layout: ``MODEL_CONVERTERS``).
+    model needs too (``--init_from``'s weights, ``transforms/finetune.py``'s, ``task``'s layout: ``MODEL_CONVERTERS``).
     ``setup`` and a trained run's evaluation (``inference.py``) build it here."""
     if model is None:
         model = build_configured_model(cfg, data)

@@ -33,12 +33,12 @@ from accel_ddp.data.resolve import resolve_data
 from accel_ddp.distributed.world import build_accelerator
 from accel_ddp.evaluation import evaluate as evaluate_on_every_rank
 from accel_ddp.evaluation import predictions
-from accel_ddp.finetune import base_fingerprint
-from accel_ddp.fused_activations import fuse_activations
 from accel_ddp.lifecycle.failure import main_process_decides
 from accel_ddp.outputs.files import written
 from accel_ddp.outputs.trained import TrainedRun, find_trained
 from accel_ddp.tasks.protocol import IGNORE_INDEX, Task
+from accel_ddp.transforms.finetune import base_fingerprint
+from accel_ddp.transforms.fused_activations import fuse_activations
 from accel_ddp.util.atomic import atomic_write_text
 from accel_ddp.util.ranks import launch_world_size
 from accel_ddp.util.validation import ConfigError

@@ -70,7 +70,7 @@ def train(
     ``update(outputs, batch)`` and ``compute() -> dict`` (see :mod:`accel_ddp.tasks.protocol`). ``optimizer``: a
     function of the parameter groups returning a ``torch.optim.Optimizer``, or one built on ``model.parameters()``;
     ``lr_scheduler``: a function of the optimizer returning an ``LRScheduler``, stepped once per optimizer step
-    instead of the built-in schedule; both are checkpointed and restored (:mod:`accel_ddp.optim_user`).
+    instead of the built-in schedule; both are checkpointed and restored (:mod:`accel_ddp.optim.user`).
     ``callbacks``: objects (or classes) with any of ``on_train_begin(state)``, ``on_step_end(state)``,
     ``on_evaluate(state, metrics)``, ``on_save(state, checkpoint_dir)``, ``on_train_end(state, summary)``, called on
     every rank; a request (``state.should_stop/should_save/should_evaluate``) on any rank is every rank's

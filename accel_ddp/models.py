@@ -29,8 +29,8 @@ from torch.utils.data import Dataset
 
 from accel_ddp.checkpoint.weights import plain_state_dict
 from accel_ddp.config import TEXT_TASKS, TrainConfig
-from accel_ddp.finetune import export_adapter, is_peft_model
 from accel_ddp.outputs.names import PRETRAINED_SUBDIR
+from accel_ddp.transforms.finetune import export_adapter, is_peft_model
 from accel_ddp.util.atomic import follow_umask
 from accel_ddp.util.messages import prints
 from accel_ddp.util.optional import require

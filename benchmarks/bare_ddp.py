@@ -42,10 +42,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from accel_ddp.data import build_datasets, epoch_order, steps_per_epoch  # noqa: E402  (no Accelerate import)
-from accel_ddp.fused_activations import fuse_activations  # noqa: E402
 from accel_ddp.models import build_model  # noqa: E402
-from accel_ddp.optim import build_optimizer, use_fused_optimizer  # noqa: E402
+from accel_ddp.optim.build import build_optimizer, use_fused_optimizer  # noqa: E402
 from accel_ddp.tracking.startup import process_age  # noqa: E402
+from accel_ddp.transforms.fused_activations import fuse_activations  # noqa: E402
 from accel_ddp.util.host_memory import keep_freed_host_memory  # noqa: E402
 from benchmarks.common import exit_now  # noqa: E402
 

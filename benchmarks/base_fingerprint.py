@@ -1,6 +1,6 @@
-"""What the LoRA base's fingerprint of every value costs (accel_ddp.finetune.base_fingerprint), on a frozen GPT-2 of
-124M parameters built from its config (random weights, nothing downloaded), against the sampled fingerprint of
-earlier versions and a bare sha256 of the same bytes in one call (the floor), in the same invocation.
+"""What the LoRA base's fingerprint of every value costs (accel_ddp.transforms.finetune.base_fingerprint), on a
+frozen GPT-2 of 124M parameters built from its config (random weights, nothing downloaded), against the sampled
+fingerprint of earlier versions and a bare sha256 of the same bytes in one call (the floor), in the same invocation.
 
     python -m benchmarks.base_fingerprint --repeats 3
 
@@ -36,7 +36,7 @@ def best_of(repeats: int, fn) -> float:
 
 def main() -> None:
     args = parser(__doc__, repeats=(3, "timings of each; the best counts")).parse_args()
-    from accel_ddp.finetune import base_fingerprint, sampled_fingerprint
+    from accel_ddp.transforms.finetune import base_fingerprint, sampled_fingerprint
 
     model = gpt2_124m()
     params = list(model.parameters())  # each tensor once (lm_head is tied to wte)

@@ -12,14 +12,15 @@ interpreter:
     before   the model's own activation modules, the loss of accel_ddp before this change: logits[:, :-1]
              flattened (a copy of the (B, T, vocab) logits; its backward fills and copies another)
     labels   the model's own activation modules, accel_ddp's causal-LM loss (labels shifted, logits as they are)
-    fused    accel_ddp's defaults: the loss above and --fused_kernels (accel_ddp/fused_activations.py: torch's
-             one-kernel tanh GELU in place of Transformers' Python one)
+    fused    accel_ddp's defaults: the loss above and --fused_kernels
+             (accel_ddp/transforms/fused_activations.py: torch's one-kernel tanh GELU in place of Transformers'
+             Python one)
 
 Printed: CPU ms per step (median and range over rounds, each round the mean of ``--steps`` steps) and each
 variant's step time over ``before``'s, paired per round; then the loss alone (forward and backward on fixed
 (16, 128, 2048) logits), sliced against shifted, where the whole step's spread would hide its few milliseconds.
 
-``optimizer``: why accel_ddp asks for the fused optimizer kernels on the CPU too (``accel_ddp/optim.py``,
+``optimizer``: why accel_ddp asks for the fused optimizer kernels on the CPU too (``accel_ddp/optim/build.py``,
 ``use_fused_optimizer``): the best-of-``--repeats`` milliseconds of one ``step()`` with gradients in place, per
 implementation (per tensor, multi-tensor ``foreach``, ``fused``), for AdamW and for SGD (momentum 0.9, Nesterov),
 on the mlp, mnist_cnn and the tiny GPT-2.
@@ -40,9 +41,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from accel_ddp.fused_activations import fuse_activations  # noqa: E402
 from accel_ddp.models import build_model  # noqa: E402
 from accel_ddp.tasks.protocol import build_task  # noqa: E402
+from accel_ddp.transforms.fused_activations import fuse_activations  # noqa: E402
 from benchmarks.common import alternated, best_per_call, cpu_ms_per_call, parser, spread, tiny_gpt2  # noqa: E402
 
 PARTS = ("step", "loss", "optimizer")

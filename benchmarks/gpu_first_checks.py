@@ -102,7 +102,7 @@ def _train(shape: dict, flags: dict, steps: int, dry_run: bool, output_dir: str,
 
 def graphs(dry_run: bool) -> dict:
     """Eager and --cuda_graphs from the same weights and batches: the final weights compared, the replays counted."""
-    from accel_ddp.step_graph import StepGraph
+    from accel_ddp.step.graph import StepGraph
     from accel_ddp.util.validation import ConfigError
 
     shape = TINY if dry_run else GPT2_SMALL

@@ -29,7 +29,7 @@ from accel_ddp.cli.args import parse_args  # noqa: E402
 from accel_ddp.distributed.world import build_accelerator  # noqa: E402
 from accel_ddp.lifecycle.preemption import flag_group  # noqa: E402
 from accel_ddp.models import build_model
-from accel_ddp.optim import build_optimizer, use_fused_optimizer  # noqa: E402
+from accel_ddp.optim.build import build_optimizer, use_fused_optimizer  # noqa: E402
 
 
 def _outcome(fn) -> str:

@@ -98,7 +98,7 @@ def run_worker(args: argparse.Namespace) -> None:
 
     from accel_ddp.data import MNIST_MEAN, MNIST_STD, InMemoryDataset, build_loaders
     from accel_ddp.models import build_model
-    from accel_ddp.optim import build_optimizer, use_fused_optimizer
+    from accel_ddp.optim.build import build_optimizer, use_fused_optimizer
 
     cuda = torch.cuda.is_available()
     world = PartialState(cpu=not cuda).num_processes

@@ -87,7 +87,7 @@ def main() -> None:
 
         def configure_optimizers(self):
             if args.optimizer == "fused":
-                from accel_ddp.optim import build_optimizer
+                from accel_ddp.optim.build import build_optimizer
 
                 optimizer = build_optimizer("adamw", self, args.lr, 0.0, fused=True)
             else:

@@ -34,8 +34,9 @@ def build(workload: str):
     from accel_ddp.lifecycle.non_finite import LossWatch
     from accel_ddp.lifecycle.preemption import PreemptionWatcher
     from accel_ddp.models import build_model
-    from accel_ddp.optim import build_lr_scheduler, build_optimizer, use_fused_optimizer
-    from accel_ddp.step import LossAccumulator, build_update
+    from accel_ddp.optim.build import build_lr_scheduler, build_optimizer, use_fused_optimizer
+    from accel_ddp.step.losses import LossAccumulator
+    from accel_ddp.step.update import build_update
     from accel_ddp.tasks.protocol import build_task
     from accel_ddp.tracking.meters import EpochTimer, progress_bar
 

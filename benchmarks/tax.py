@@ -29,8 +29,8 @@ Pairs (``--pairs``), accel_ddp side / bare side:
     malloc    train.py defaults / the defaults' bare side with glibc's moving malloc thresholds (--glibc_default):
               not matched work; what pinning them (accel_ddp/util/host_memory.py) buys over a hand-written loop
     kernels   train.py defaults / the defaults' bare side with the model's own activation modules (--model_kernels):
-              not matched work; what --fused_kernels (accel_ddp/fused_activations.py) buys on the lm over a hand-written
-              loop
+              not matched work; what --fused_kernels (accel_ddp/transforms/fused_activations.py) buys on the
+              lm over a hand-written loop
 
     python benchmarks/tax.py                                   # mlp and cnn, defaults, 2 processes, 3 rounds
     python benchmarks/tax.py --workloads mlp --pairs defaults,noclip,sgd --rounds 5

@@ -80,7 +80,7 @@ def test_max_anomalies_in_a_row_stops_as_today(tmp_path, capfd):
         install()
         FAULT["step"] = None
         # Every training forward of rank 1 is nan from step 3 on.
-        import accel_ddp.optim_user as optim_user
+        import accel_ddp.optim.user as optim_user
         sched = optim_user.build_lr_scheduler
 
         def seen(*a, **k):

@@ -71,10 +71,10 @@ def test_a_model_through_several_converters_equals_the_transforms_applied_by_han
 
     from accel_ddp.assemble import _model, configured_task
     from accel_ddp.checkpoint.weights import load_weights
-    from accel_ddp.finetune import add_lora, enable_activation_checkpointing
-    from accel_ddp.fused_activations import fuse_activations
-    from accel_ddp.regional_compile import compile_regions
     from accel_ddp.tasks.chunked_loss import split_output_layer
+    from accel_ddp.transforms.finetune import add_lora, enable_activation_checkpointing
+    from accel_ddp.transforms.fused_activations import fuse_activations
+    from accel_ddp.transforms.regional_compile import compile_regions
     from tests.helpers.text import tiny_gpt
 
     torch.manual_seed(1)

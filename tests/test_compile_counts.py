@@ -84,7 +84,7 @@ def test_whole_model_compilation_compiles_a_bounded_number_of_graphs_over_a_whol
 
 
 def test_a_compile_is_said_to_be_slower_on_the_cpu_only():
-    from accel_ddp.regional_compile import slower_here
+    from accel_ddp.transforms.regional_compile import slower_here
 
     assert "--compile on the CPU: measured slower" in slower_here("cpu", compile=True, compile_regions=False)
     assert slower_here("cuda", compile=True, compile_regions=False) is None  # unmeasured there: nothing said
@@ -94,8 +94,8 @@ def test_a_compile_is_said_to_be_slower_on_the_cpu_only():
 def test_every_forward_of_a_transformers_model_runs_without_a_key_value_cache():
     """The extra argument is given where the forward takes it (GPT-2, Llama, under LoRA too), and not to other
     models; the model's config is left as it was (the exported hf_model/ keeps its cache for generation)."""
-    from accel_ddp.finetune import add_lora
     from accel_ddp.tasks.protocol import build_task
+    from accel_ddp.transforms.finetune import add_lora
 
     for model in (tiny_gpt(), llama(layers=2), add_lora(tiny_gpt(), r=2, alpha=4, dropout=0.0, targets="c_attn")):
         assert without_kv_cache(model) == {"use_cache": False}

@@ -19,7 +19,7 @@ NOT_RUN = {
     "train": "it trains: seconds to hours, on GPUs or the Hub for most (the README's main run is launched by "
              "tests/distributed/test_ddp.py::test_default_run_trains_digits_to_95_percent)",
     "train script": "it trains (examples/custom_model_and_data.py: tests/data/test_loaders.py trains its functions; "
-                    "examples/optimizers.py: tests/test_optim_user.py builds its optimizer and schedule)",
+                    "examples/optimizers.py: tests/optim/test_user.py builds its optimizer and schedule)",
     "sbatch": "needs SLURM",
     "pip": "installs packages", "git": "clones", "cd": "",
     "pytest": "the suite itself",

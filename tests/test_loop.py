@@ -1,5 +1,5 @@
 """What the loop does per optimizer step beyond the bare DDP loop: no host syncs, a cheap preemption check;
-start-up time; imports kept off the light paths (the update's arithmetic: tests/test_step.py).
+start-up time; imports kept off the light paths (the update's arithmetic: tests/step/test_train_step.py).
 
 Speed itself is measured in benchmarks/tax.py, against the bare loop; these tests pin the behaviour.
 """
@@ -227,7 +227,7 @@ def _imports_at_load(module: str) -> set[str]:
 
 @pytest.mark.parametrize(
     "module",
-    ["accel_ddp.models", "accel_ddp.fused_activations", "accel_ddp.data", "accel_ddp.config",
+    ["accel_ddp.models", "accel_ddp.transforms.fused_activations", "accel_ddp.data", "accel_ddp.config",
      "accel_ddp.tracking.startup"],
 )
 def test_light_modules_import_no_accelerate(module):

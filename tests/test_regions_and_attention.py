@@ -11,8 +11,8 @@ transformers = pytest.importorskip("transformers")
 
 from accel_ddp import TrainConfig  # noqa: E402
 from accel_ddp.models import build_transformers_model, set_attn_implementation  # noqa: E402
-from accel_ddp.regional_compile import compile_regions  # noqa: E402
 from accel_ddp.tasks.protocol import build_task  # noqa: E402
+from accel_ddp.transforms.regional_compile import compile_regions  # noqa: E402
 from accel_ddp.util.validation import ConfigError  # noqa: E402
 from tests.helpers.multiproc import run_ranks  # noqa: E402
 from tests.helpers.runs import main_ranks  # noqa: E402

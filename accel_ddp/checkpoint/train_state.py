@@ -86,7 +86,7 @@ class TrainState:
     def save_files(self, models: list[torch.nn.Module], weights: list[dict[str, Any]], folder: str) -> None:
         """Accelerate's save pre-hook: our weight files instead of its DDP-prefixed ones; the stream's positions."""
         for i, model in enumerate(models[: len(weights)]):
-            # a fine-tuned model's frozen base is not saved (its fingerprint is in checkpoint.json: finetune.py)
+            # a fine-tuned model's frozen base is not saved (its fingerprint: checkpoint.json, transforms/finetune.py)
             weights[i] = trainable_state_dict(self.accelerator.unwrap_model(model, keep_torch_compile=False))
         for name, text in self.position_files().items():
             with open(os.path.join(folder, name), "w", encoding="utf-8") as fh:

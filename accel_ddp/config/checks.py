@@ -53,7 +53,7 @@ def optimizer_kwargs(cfg: Any) -> dict[str, Any]:
 def _check_optimizer(cfg: Any) -> None:
     """--optimizer (a torch.optim class by name, any case, or 'pkg.module:function') and --optimizer_kwargs (a JSON
     object). Whether the name is a class of the installed torch, and the keywords its signature, is checked once
-    torch is imported (accel_ddp/optim.py ``check_optimizer``, at start-up)."""
+    torch is imported (accel_ddp/optim/build.py ``check_optimizer``, at start-up)."""
     name = cfg.optimizer.strip()
     if ":" in name:
         module, _, function = name.partition(":")
@@ -266,7 +266,7 @@ def _check_peft(cfg: Any) -> None:
 
 
 def _check_cuda_graphs(cfg: Any) -> None:
-    """``--cuda_graphs`` with options whose guarantees a captured step cannot keep (accel_ddp/step_graph.py; the
+    """``--cuda_graphs`` with options whose guarantees a captured step cannot keep (accel_ddp/step/graph.py; the
     launch-dependent refusals, no CUDA, gloo, accumulation, the loader, fp16, come once the run is set up)."""
     if not cfg.cuda_graphs:
         return

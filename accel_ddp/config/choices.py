@@ -60,7 +60,7 @@ ON_ANOMALY = ("stop", "skip", "rollback")  # what a nan/inf or spiking step does
 TASKS = ("classification", "sequence_classification", "causal_lm")
 
 TEXT_TASKS = ("sequence_classification", "causal_lm")
-PEFT_METHODS = ("lora",)  # --peft (accel_ddp/finetune.py)
+PEFT_METHODS = ("lora",)  # --peft (accel_ddp/transforms/finetune.py)
 
 # Old spellings that keep working for one release, each with a warning naming the new one.
 RENAMED_FLAGS = {"fast_loader_max_mb": "device_loader_max_mb"}

@@ -17,7 +17,7 @@ for ``causal_lm``, the next-token cross-entropy summed over the tokens whose ``l
 
 Token-exact averaging. A ``(sum, num_items)`` loss gives each optimizer step the gradient of
 ``total loss / total items`` over its whole global batch (every accumulation micro-step, every
-rank), not a mean of per-micro-batch means: see :class:`accel_ddp.step.LossAccumulator`.
+rank), not a mean of per-micro-batch means: see :class:`accel_ddp.step.losses.LossAccumulator`.
 
 Evaluation. Each eval batch gives per-sample statistics (loss sum, items, correct), gathered
 so that each sample (or token) counts exactly once at any world size: ``eval_loss`` is

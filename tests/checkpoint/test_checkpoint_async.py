@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import accel_ddp.checkpoint.async_save as async_save
-import accel_ddp.optim_user as optim_user
+import accel_ddp.optim.user as optim_user
 from accel_ddp.checkpoint.manager import MARKER_NAME, list_checkpoints, read_checkpoint
 from accel_ddp.cli.train import main
 from tests.helpers.multiproc import RankFailed, run_ranks

@@ -1,4 +1,4 @@
-"""--cuda_graphs (accel_ddp/step_graph.py) on the CPU: each refusal (one line, exit 2), the capturable optimizer's
+"""--cuda_graphs (accel_ddp/step/graph.py) on the CPU: each refusal (one line, exit 2), the capturable optimizer's
 LR, and the capture wrapper's bookkeeping with a stand-in for the CUDA graph whose "replay" runs the captured step
 again on the captured buffers: a run through it must train exactly as the eager run does. The GPU itself (the
 capture, NCCL in it, the speed) is unmeasured here: docs/performance.md."""
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from accel_ddp.config import TrainConfig
-from accel_ddp.optim import build_lr_scheduler, build_optimizer
-from accel_ddp.step_graph import StepGraph, copy_into, device_learning_rates, graph_problem, static_copy
+from accel_ddp.optim.build import build_lr_scheduler, build_optimizer
+from accel_ddp.step.graph import StepGraph, copy_into, device_learning_rates, graph_problem, static_copy
 from accel_ddp.util.validation import ConfigError
 from tests.helpers.files import error_lines
 from tests.helpers.multiproc import run_ranks
@@ -169,7 +169,7 @@ def _train_with(args: list[str], graphs: bool):
     import accel_ddp.after_step
     import accel_ddp.assemble
     import accel_ddp.loop
-    import accel_ddp.optim_user
+    import accel_ddp.optim.user
     from accel_ddp.cli.args import parse_args
 
     backends: list[Rerun] = []
@@ -179,7 +179,7 @@ def _train_with(args: list[str], graphs: bool):
                   {"params": [p for p in model.parameters() if p.ndim < 2], "weight_decay": 0.0}]
         return torch.optim.AdamW(groups, lr=torch.tensor(float(lr)), fused=True)
 
-    accel_ddp.optim_user.build_optimizer = cpu_adamw
+    accel_ddp.optim.user.build_optimizer = cpu_adamw
     accel_ddp.assemble.refuse_graphs = lambda *args, **kwargs: None  # the CPU would be refused: the wiring is tested
     accel_ddp.after_step.CudaGraphs = lambda: backends.append(Rerun()) or backends[-1]
     summary = accel_ddp.loop.train(parse_args([*args, *(["--cuda_graphs"] if graphs else [])]))

@@ -80,7 +80,7 @@ def test_lr_schedule_steps_once_per_optimizer_step(layouts):
 
 
 def layouts_lr(step: int) -> float:
-    from accel_ddp.optim import lr_multiplier
+    from accel_ddp.optim.build import lr_multiplier
 
     return 0.05 * lr_multiplier(step, "cosine", warmup_steps=3, total_steps=30)
 

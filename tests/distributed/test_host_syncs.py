@@ -19,7 +19,7 @@ from tests.helpers.syncs import count_step_syncs
 
 STEPS, LOG_EVERY = 16, 4
 # A log line reads the loss of every rank once: one all-reduced tensor turned into Python numbers (.tolist() or
-# .item(), step.py LossAccumulator.mean_since_log). The loss's sanity (non-finite, a sum over no items) rides on
+# .item(), step/losses.py LossAccumulator.mean_since_log). The loss's sanity (non-finite, a sum over no items) rides on
 # that same read.
 C_PER_LOG = 1
 # Once per run of N steps: the epoch's end, where every rank's peak memory is gathered for metrics.jsonl

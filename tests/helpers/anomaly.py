@@ -37,7 +37,7 @@ def install(bad: tuple[int, int] | None = BAD, drop_update_at: int | None = None
             factor: float = float("nan")):
     """In a rank: multiply the output of step ``bad`` by ``factor``; drop the optimizer's step() call of
     ``drop_update_at`` (the reference); SIGKILL every rank right after optimizer step ``kill_after``."""
-    import accel_ddp.optim_user as optim_user  # where setup's optimizer and schedule are built
+    import accel_ddp.optim.user as optim_user  # where setup's optimizer and schedule are built
 
     FAULT.update(step=bad[0] if bad else None, rank=bad[1] if bad else None, factor=factor)
     build_scheduler, build_optimizer = optim_user.build_lr_scheduler, optim_user.build_optimizer
@@ -88,8 +88,8 @@ def fused_skip_equals_never_stepping(name: str, device: str = "cpu") -> bool:
     guarded updates run under ``torch.cuda.set_sync_debug_mode("error")``: a host sync in them raises."""
     import torch
 
-    from accel_ddp.optim import build_optimizer
-    from accel_ddp.step import _guarded_update, build_norm
+    from accel_ddp.optim.build import build_optimizer
+    from accel_ddp.step.update import _guarded_update, build_norm
 
     answers = [True, False, True, False, False]  # the first step skipped, and one mid-run
     draw = torch.Generator().manual_seed(1)

@@ -39,7 +39,7 @@ def install(fail_at: tuple[int, int] | None = None, once: str | None = None, cra
             kill_at: tuple[int, int] | None = None) -> None:
     import accel_ddp.checkpoint.manager as checkpoint
     import accel_ddp.lifecycle.failure as failure
-    import accel_ddp.optim_user as optim_user  # where setup's optimizer and schedule are built
+    import accel_ddp.optim.user as optim_user  # where setup's optimizer and schedule are built
 
     if fail_at is not None or step_delay or kill_at is not None:
         build = optim_user.build_lr_scheduler

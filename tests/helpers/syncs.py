@@ -100,7 +100,7 @@ def count_step_syncs(args: list[str]) -> tuple[SyncCounter, int]:
     """
     import accel_ddp.tasks.labels as labels
     from accel_ddp.loop import train
-    from accel_ddp.step import TrainStep
+    from accel_ddp.step.train_step import TrainStep
     from accel_ddp.tracking.step_log import StepLog
 
     counter = SyncCounter().install()

@@ -216,7 +216,7 @@ def test_the_user_frame_is_the_innermost_outside_libraries_and_inside_the_packag
     assert user_frame(frames[3:]) is None  # a script calling the package is not where it hangs
     assert user_frame([Frame(stdlib_threading.__file__, "1", "wait"), *frames[3:]]) is None
     text = _dump((1, [(f"{torch_dir}/autograd/graph.py", 8, "_engine_run_backward"),
-                      (f"{package}/step.py", 3, "micro_step")]),
+                      (f"{package}/step/train_step.py", 3, "micro_step")]),
                  (2, [("/home/me/my_loss.py", 14, "loss")]))  # another thread's user frame does not count
     assert summarize(text, 1) == {"where": None, "wait": "backward", "inner": f"{torch_dir}/autograd/graph.py:8 in "
                                   "_engine_run_backward", "worker": None}

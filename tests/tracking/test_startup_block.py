@@ -154,7 +154,7 @@ def test_the_block_says_what_the_trainers_says(tmp_path):
 
 def test_the_optimizer_lines_say_the_keywords_muons_split_and_a_users_optimizer_and_schedule():
     """Issue 48: --optimizer_kwargs beside the name; Muon's split on a line of its own, after the optimizer's; a
-    user's optimizer and schedule (accel_ddp/optim_user.py's lines) instead of the flags' words."""
+    user's optimizer and schedule (accel_ddp/optim/user.py's lines) instead of the flags' words."""
     cfg = parse_args(["--optimizer", "Muon", "--optimizer_kwargs", '{"momentum": 0.9}'])
     split = "Muon for 2 hidden matrices (4 parameters), AdamW for 1 other tensor (2 parameters: 1 biases and norms)"
     lines = StartupBlock.describe(cfg, _facts(1, 64, 1), epochs=1, workers=None, model="m", env={},

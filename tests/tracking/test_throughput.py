@@ -80,7 +80,7 @@ def test_transformer_flops_are_6n_plus_12ldt_without_lookup_tables():
 def test_frozen_parameters_count_4_flops_a_token_not_6():
     """A LoRA base (frozen: no weight gradient) and its trainable adapters: 6 per trainable and 4 per frozen matmul
     parameter a token, the lookup-only position table in neither; the same model all trainable gives 6N."""
-    from accel_ddp.finetune import add_lora
+    from accel_ddp.transforms.finetune import add_lora
 
     model = add_lora(tiny_gpt(), r=2, alpha=4, dropout=0.0, targets="c_attn")
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)

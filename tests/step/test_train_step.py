@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from accel_ddp.step import build_clip
+from accel_ddp.step.update import build_clip
 from tests.helpers.multiproc import run_ranks
 
 
@@ -31,8 +31,8 @@ def test_backward_and_update_give_the_weights_of_accelerates_methods():
         from accelerate import Accelerator
 
         from accel_ddp.models import build_model
-        from accel_ddp.optim import build_optimizer
-        from accel_ddp.step import build_backward, build_update
+        from accel_ddp.optim.build import build_optimizer
+        from accel_ddp.step.update import build_backward, build_update
 
         accelerator = Accelerator(cpu=True)
         assert build_backward(accelerator) is torch.Tensor.backward

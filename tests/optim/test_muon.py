@@ -1,4 +1,4 @@
-"""accel_ddp/optim_muon.py: Muon's share of a model (hidden matrices) and AdamW's (the rest), one optimizer whose
+"""accel_ddp/optim/muon.py: Muon's share of a model (hidden matrices) and AdamW's (the rest), one optimizer whose
 state survives a checkpoint exactly."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from accel_ddp.models import build_model
-from accel_ddp.optim import build_lr_scheduler, build_optimizer
-from accel_ddp.optim_muon import MuonWithAdamW, muon_split
+from accel_ddp.optim.build import build_lr_scheduler, build_optimizer
+from accel_ddp.optim.muon import MuonWithAdamW, muon_split
 from accel_ddp.util.validation import ConfigError
 
 

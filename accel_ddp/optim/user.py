@@ -22,8 +22,8 @@ from torch import nn
 
 from accel_ddp.config import TrainConfig
 from accel_ddp.config.checks import optimizer_kwargs
-from accel_ddp.optim import build_lr_scheduler, build_optimizer, check_optimizer, use_fused_optimizer, user_groups
-from accel_ddp.optim_muon import MuonWithAdamW
+from accel_ddp.optim.build import build_lr_scheduler, build_optimizer, check_optimizer, use_fused_optimizer, user_groups
+from accel_ddp.optim.muon import MuonWithAdamW
 from accel_ddp.util.cpu_bf16 import cpu_has_bf16_units, read_cpuinfo
 from accel_ddp.util.messages import warn
 from accel_ddp.util.validation import ConfigError

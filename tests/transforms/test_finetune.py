@@ -1,5 +1,5 @@
-"""Fine-tuning (accel_ddp/finetune.py): LoRA adapters on a frozen Transformers base, activation checkpointing under
-DDP, trainable-only checkpoints with the base's fingerprint, the adapter and merged exports.
+"""Fine-tuning (accel_ddp/transforms/finetune.py): LoRA adapters on a frozen Transformers base, activation
+checkpointing under DDP, trainable-only checkpoints with the base's fingerprint, the adapter and merged exports.
 
 The "pretrained" base is a two-layer GPT-2 written with ``save_pretrained`` into a temporary folder (no download);
 the data are tests/helpers/text.py's token sequences (64 training, 16 eval). Runs are forked ranks.
@@ -64,7 +64,7 @@ def adapter_of(output_dir: Path) -> dict[str, torch.Tensor]:
 
 def frozen_of(output_dir: Path) -> dict[str, torch.Tensor]:
     """The final weights' frozen base, named as in the base model."""
-    from accel_ddp.finetune import base_name
+    from accel_ddp.transforms.finetune import base_name
 
     return {base_name(k): v for k, v in load_weights(output_dir).items() if "lora_" not in k}
 
@@ -143,7 +143,7 @@ def test_the_python_api_trains_adapters_on_the_callers_model_and_leaves_its_base
         cfg = TrainConfig(task="causal_lm", peft="lora", lora_r=2, merge_adapter=True, global_batch_size=8,
                           max_steps=4, lr=1e-2, num_workers=0, output_dir=str(tmp_path / "api"))
         train(cfg, model=model, train_dataset=Sequences(64), eval_dataset=Sequences(16, seed=1))
-        from accel_ddp.finetune import base_name
+        from accel_ddp.transforms.finetune import base_name
 
         # peft injects the adapters into the caller's modules (their names gain .base_layer); the tensors stay
         after = {base_name(k): v for k, v in model.state_dict().items() if "lora_" not in k}
@@ -368,7 +368,7 @@ def test_a_checkpoint_with_the_earlier_sampled_fingerprint_resumes_with_a_warnin
 
     from transformers import AutoModelForCausalLM
 
-    from accel_ddp.finetune import add_lora, sampled_fingerprint
+    from accel_ddp.transforms.finetune import add_lora, sampled_fingerprint
 
     old = tmp_path / "old" / "step_00000004"
     shutil.copytree(adapter_checkpoint, old)
@@ -402,7 +402,7 @@ def test_adapter_weights_of_another_rank_name_lora_r_also_where_checkpoint_json_
 
     from accel_ddp.checkpoint.weights import load_weights as load_into
     from accel_ddp.checkpoint.weights import trainable_state_dict
-    from accel_ddp.finetune import add_lora
+    from accel_ddp.transforms.finetune import add_lora
 
     torch.manual_seed(0)
     save_file(trainable_state_dict(add_lora(tiny_gpt(), 4, 8.0, 0.0, "c_attn")), str(tmp_path / "model.safetensors"))
@@ -508,7 +508,7 @@ def test_a_merge_that_does_not_give_the_adapters_logits_is_refused_before_hf_mod
     hf_model/ (the adapter/ is written)."""
     from peft.tuners.lora import Linear as LoraLinear
 
-    from accel_ddp.finetune import MERGE_CHECK_TOKENS  # noqa: F401 - the check exists
+    from accel_ddp.transforms.finetune import MERGE_CHECK_TOKENS  # noqa: F401 - the check exists
 
     merge = LoraLinear.merge
 
@@ -528,7 +528,7 @@ def test_a_merge_that_does_not_give_the_adapters_logits_is_refused_before_hf_mod
 def test_peft_under_fsdp_is_refused_before_anything_is_built():
     from types import SimpleNamespace
 
-    from accel_ddp.finetune import PEFT
+    from accel_ddp.transforms.finetune import PEFT
     from accel_ddp.util.converters import ModelBuild, convert_model
 
     build = ModelBuild(TrainConfig(peft="lora", task="causal_lm"), SimpleNamespace(is_fsdp2=True), None)
@@ -537,7 +537,7 @@ def test_peft_under_fsdp_is_refused_before_anything_is_built():
 
 
 def test_the_fingerprint_is_the_bases_whatever_the_adapters_and_changes_with_its_weights():
-    from accel_ddp.finetune import add_lora, base_fingerprint
+    from accel_ddp.transforms.finetune import add_lora, base_fingerprint
 
     torch.manual_seed(0)
     plain = tiny_gpt().requires_grad_(False)

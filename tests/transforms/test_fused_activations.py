@@ -1,5 +1,5 @@
-"""accel_ddp/fused_activations.py: Transformers' Python tanh GELUs become torch's one kernel, with the same outputs and
-gradients, in a DDP run by default and not with ``fused_kernels=False``."""
+"""accel_ddp/transforms/fused_activations.py: Transformers' Python tanh GELUs become torch's one kernel, with the
+same outputs and gradients, in a DDP run by default and not with ``fused_kernels=False``."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ transformers = pytest.importorskip("transformers")
 from transformers.activations import FastGELUActivation, NewGELUActivation  # noqa: E402
 
 from accel_ddp import TrainConfig, train  # noqa: E402
-from accel_ddp.fused_activations import TanhGELU, fuse_activations  # noqa: E402
+from accel_ddp.transforms.fused_activations import TanhGELU, fuse_activations  # noqa: E402
 from tests.helpers.multiproc import run_ranks  # noqa: E402
 from tests.helpers.runs import load_weights  # noqa: E402
 from tests.helpers.text import VOCAB, Sequences, tiny_gpt  # noqa: E402

@@ -1,4 +1,4 @@
-"""accel_ddp/optim_user.py: the Python API's optimizer and LR scheduler (``train(optimizer=, lr_scheduler=)``),
+"""accel_ddp/optim/user.py: the Python API's optimizer and LR scheduler (``train(optimizer=, lr_scheduler=)``),
 checked before the data is read, built on the model's trainable parameters, said in the start-up block."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 
 from accel_ddp.config import TrainConfig
 from accel_ddp.models import build_model
-from accel_ddp.optim_user import build_optimization, check_optimization
+from accel_ddp.optim.user import build_optimization, check_optimization
 from accel_ddp.util.validation import ConfigError
 
 StepLR = torch.optim.lr_scheduler.StepLR
@@ -76,8 +76,8 @@ def test_an_optimizer_already_built_on_the_model_and_a_scheduler_on_it_are_used_
     ({}, None, None, 0.5, "train(lr_scheduler=...) got float: give a function of the optimizer returning a "
                           "torch.optim.lr_scheduler.LRScheduler"),
     ({"optimizer": "lamb"}, None, None, None, "unknown optimizer 'lamb'; choose one of"),
-    ({"optimizer": "tests.test_optim_user:radam", "lr": 0.1}, None, None, None,
-     "--lr 0.1 with --optimizer tests.test_optim_user:radam: it does nothing there (set lr in the function, or pass "
+    ({"optimizer": "tests.optim.test_user:radam", "lr": 0.1}, None, None, None,
+     "--lr 0.1 with --optimizer tests.optim.test_user:radam: it does nothing there (set lr in the function, or pass "
      "it with --optimizer_kwargs '{\"lr\": ...}'); drop it"),
 ])
 def test_what_cannot_work_or_would_do_nothing_is_refused_before_the_data_in_one_line(cfg, model, optimizer,
@@ -108,10 +108,10 @@ def kwargs_radam(groups, lr=1e-3, **kwargs):
 
 
 def test_a_functions_learning_rate_is_its_own_and_its_keywords_may_set_it():
-    cfg = TrainConfig(optimizer="tests.test_optim_user:kwargs_radam", optimizer_kwargs={"lr": 0.02})
+    cfg = TrainConfig(optimizer="tests.optim.test_user:kwargs_radam", optimizer_kwargs={"lr": 0.02})
     check_optimization(cfg, None, None, None)
     built = build_optimization(cfg, _mlp(), CPU, 10)
-    assert built.optimizer.defaults["lr"] == 0.02 and built.name == "tests.test_optim_user:kwargs_radam"
+    assert built.optimizer.defaults["lr"] == 0.02 and built.name == "tests.optim.test_user:kwargs_radam"
     assert built.lines == {"learning rate": "the optimizer's 0.02 after 0 warmup steps, then --lr_schedule cosine"}
     with pytest.raises(ConfigError, match="--optimizer_kwargs sets 'lr': use --lr"):  # a class takes --lr
         TrainConfig(optimizer="radam", optimizer_kwargs={"lr": 0.02})

@@ -1,4 +1,4 @@
-"""accel_ddp/optim.py: the optimizer (parameter groups, fused or multi-tensor kernels) and the LR schedule."""
+"""accel_ddp/optim/build.py: the optimizer (parameter groups, fused or multi-tensor kernels) and the LR schedule."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from accel_ddp.models import build_model
-from accel_ddp.optim import build_lr_scheduler, build_optimizer, lr_multiplier, use_fused_optimizer
+from accel_ddp.optim.build import build_lr_scheduler, build_optimizer, lr_multiplier, use_fused_optimizer
 from accel_ddp.util.validation import ConfigError
 
 
@@ -102,7 +102,7 @@ def _steps(model, optimizer, scheduler=None, count: int = 3) -> float:
 @pytest.mark.parametrize("name", NAMED)
 def test_every_named_optimizer_is_its_torch_class_in_any_case_and_trains(name):
     from accel_ddp.config import TrainConfig
-    from accel_ddp.optim import optimizer_classes
+    from accel_ddp.optim.build import optimizer_classes
 
     assert TrainConfig(optimizer=name.upper()).optimizer == name  # the flag is case-insensitive
     model = _mlp()
@@ -190,7 +190,7 @@ def test_optimizer_kwargs_from_yaml_or_python_are_kept_as_json():
 # ----------------------------------------------------------------------------- --optimizer pkg.module:function
 
 def build_radam(groups, **kwargs):
-    """``--optimizer tests.test_optim:build_radam``: RAdam on the groups it is given."""
+    """``--optimizer tests.optim.test_build:build_radam``: RAdam on the groups it is given."""
     return torch.optim.RAdam(groups, lr=5e-3, **kwargs)
 
 
@@ -200,22 +200,22 @@ def not_an_optimizer(groups):
 
 def test_a_function_gets_the_groups_and_the_keywords_and_returns_the_optimizer():
     model = _mlp()
-    optimizer = build_optimizer("tests.test_optim:build_radam", model, 1e-3, 0.0, kwargs={"betas": [0.8, 0.9]})
+    optimizer = build_optimizer("tests.optim.test_build:build_radam", model, 1e-3, 0.0, kwargs={"betas": [0.8, 0.9]})
     assert isinstance(optimizer, torch.optim.RAdam) and optimizer.defaults["betas"] == (0.8, 0.9)
     decay, no_decay = optimizer.param_groups
     assert [tuple(p.shape) for p in decay["params"]] == [(8, 4), (8, 8), (3, 8)]
     assert decay["weight_decay"] == 0 and no_decay["weight_decay"] == 0.0  # RAdam's own 0; none for biases
-    with_decay = build_optimizer("tests.test_optim:build_radam", model, 1e-3, 0.05)
+    with_decay = build_optimizer("tests.optim.test_build:build_radam", model, 1e-3, 0.05)
     assert [g["weight_decay"] for g in with_decay.param_groups] == [0.05, 0.0]
 
 
 @pytest.mark.parametrize("name, words", [
     ("tests.no_such_module:build", "--optimizer tests.no_such_module:build: cannot import module "
                                    "'tests.no_such_module'"),
-    ("tests.test_optim:missing", "--optimizer tests.test_optim:missing: module 'tests.test_optim' has no function "
-                                 "'missing'"),
-    ("tests.test_optim:not_an_optimizer", "--optimizer tests.test_optim:not_an_optimizer returned list, not a "
-                                          "torch.optim.Optimizer"),
+    ("tests.optim.test_build:missing",
+     "--optimizer tests.optim.test_build:missing: module 'tests.optim.test_build' has no function 'missing'"),
+    ("tests.optim.test_build:not_an_optimizer",
+     "--optimizer tests.optim.test_build:not_an_optimizer returned list, not a torch.optim.Optimizer"),
 ])
 def test_a_function_that_does_not_import_or_returns_no_optimizer_is_one_line(name, words):
     with pytest.raises(ConfigError) as err:
@@ -224,22 +224,23 @@ def test_a_function_that_does_not_import_or_returns_no_optimizer_is_one_line(nam
 
 
 def test_the_function_is_checked_against_the_keywords_before_anything_is_built():
-    from accel_ddp.optim import check_optimizer
+    from accel_ddp.optim.build import check_optimizer
 
-    with pytest.raises(ConfigError, match=r"--optimizer tests.test_optim:not_an_optimizer cannot be called with the "
-                                          r"parameter groups and --optimizer_kwargs \{\"eps\": 1\}"):
-        check_optimizer("tests.test_optim:not_an_optimizer", {"eps": 1})
+    with pytest.raises(ConfigError, match=r"--optimizer tests.optim.test_build:not_an_optimizer cannot be called "
+                                          r"with the parameter groups and --optimizer_kwargs \{\"eps\": 1\}"):
+        check_optimizer("tests.optim.test_build:not_an_optimizer", {"eps": 1})
     with pytest.raises(ConfigError, match="RAdam takes no keyword 'momentum'"):
         check_optimizer("radam", {"momentum": 0.9})
-    check_optimizer("tests.test_optim:build_radam", {"eps": 1e-6})  # good: no error
+    check_optimizer("tests.optim.test_build:build_radam", {"eps": 1e-6})  # good: no error
 
 
 @pytest.mark.parametrize("flags, words", [
     (["--optimizer", "Lamb"], "accel_ddp: error: unknown optimizer 'lamb'; choose one of adadelta, adafactor"),
     (["--optimizer", "radam", "--optimizer_kwargs", '{"betaz": [0.9, 0.95]}'],
      "accel_ddp: error: --optimizer_kwargs: RAdam takes no keyword 'betaz'; it takes betas"),
-    (["--optimizer", "tests.test_optim:not_an_optimizer"],
-     "accel_ddp: error: --optimizer tests.test_optim:not_an_optimizer returned list, not a torch.optim.Optimizer"),
+    (["--optimizer", "tests.optim.test_build:not_an_optimizer"],
+     "accel_ddp: error: --optimizer tests.optim.test_build:not_an_optimizer returned list, not a "
+     "torch.optim.Optimizer"),
 ])
 def test_a_bad_optimizer_is_one_line_and_exit_2_on_every_rank(flags, words, tmp_path, capfd):
     from tests.helpers.runs import main_ranks

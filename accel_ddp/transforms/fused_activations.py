@@ -5,9 +5,10 @@ CodeGen, ...) computes the tanh approximation of GELU as a chain of element-wise
 (``pow``, ``mul``, ``add``, ``tanh``: eight kernels forward, more backward). torch has the same function as one
 kernel, ``F.gelu(approximate="tanh")``, which Transformers offers as ``gelu_pytorch_tanh`` and describes as
 equivalent but not bit-identical. Swapping the module changes no weight, no config and no saved file (the
-exported model still says ``gelu_new``); outputs move by float rounding only (tests/test_fused_activations.py: a GPT-2's
-logits within 1e-5 of the module it replaces, gradients within 1e-4 relative). Measured on one CPU core: the
-activation's forward and backward on a (2048, 512) batch 15.6 -> 8.2 ms, the tiny GPT-2's whole step 0.87-0.89x
+exported model still says ``gelu_new``); outputs move by float rounding only
+(tests/transforms/test_fused_activations.py: a GPT-2's logits within 1e-5 of the module it replaces, gradients within
+1e-4 relative). Measured on one CPU core: the activation's forward and backward on a (2048, 512) batch
+15.6 -> 8.2 ms, the tiny GPT-2's whole step 0.87-0.89x
 the CPU time (benchmarks/cpu_kernels.py). On a GPU it is one kernel launch instead of eight.
 
 Imports no Transformers of its own: a model that holds Transformers' modules has already imported them.

@@ -15,9 +15,9 @@ import torch
 from accel_ddp.cli.args import parse_args
 from accel_ddp.data import DatasetBundle, build_datasets
 from accel_ddp.data.in_memory import TokenBlocks
-from accel_ddp.fused_activations import fuse_activations
 from accel_ddp.models import build_model
-from accel_ddp.optim import build_optimizer, use_fused_optimizer
+from accel_ddp.optim.build import build_optimizer, use_fused_optimizer
+from accel_ddp.transforms.fused_activations import fuse_activations
 from benchmarks.ops_per_step import SKIP, TARGET, OpCounter, difference
 from tests.helpers.multiproc import run_ranks
 
@@ -26,7 +26,7 @@ BATCH = 8
 
 
 def blocks(data_dir, download):
-    """``--dataset tests.test_step_ops:blocks``: packed token blocks for the tiny GPT-2 (16 steps of 8)."""
+    """``--dataset tests.step.test_update:blocks``: packed token blocks for the tiny GPT-2 (16 steps of 8)."""
     generator = torch.Generator().manual_seed(0)
     make = lambda n: TokenBlocks(torch.randint(2, 48, (n, 32), generator=generator))  # noqa: E731
     return DatasetBundle(make(16 * BATCH), make(BATCH), num_classes=48, input_shape=(32,))
@@ -85,7 +85,7 @@ def test_accel_ddp_dispatches_at_most_3_ops_per_step_more_than_a_bare_loop(workl
         args, bare = ["--dataset", "digits", "--model", "mlp"], _digits_bare
     else:
         pytest.importorskip("transformers")
-        args = ["--task", "causal_lm", "--dataset", "tests.test_step_ops:blocks", "--model",
+        args = ["--task", "causal_lm", "--dataset", "tests.step.test_update:blocks", "--model",
                 "tests.helpers.text:build_gpt"]
         bare = _gpt_bare
     [accel] = run_ranks(lambda: _accel([*args, "--output_dir", str(tmp_path)]), world_size=1)

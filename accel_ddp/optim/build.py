@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from accel_ddp.optim_muon import MuonWithAdamW, muon_split
+from accel_ddp.optim.muon import MuonWithAdamW, muon_split
 from accel_ddp.util.messages import first_line
 from accel_ddp.util.registry import resolve
 from accel_ddp.util.validation import ConfigError
