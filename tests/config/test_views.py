@@ -29,7 +29,8 @@ def test_a_field_that_is_no_option_or_typed_otherwise_is_refused_at_declaration(
         epochs: str
         no_such_option: int
 
-    assert section_problems(Bad) == ["epochs is typed str, the option int", "no_such_option is no option of TrainConfig"]
+    assert section_problems(Bad) == ["epochs is typed str, the option int",
+                                     "no_such_option is no option of TrainConfig"]
     with pytest.raises(TypeError, match="no_such_option is no option of TrainConfig"):
         config_section(Bad)
     assert Bad not in SECTIONS
