@@ -16,7 +16,7 @@ The non-finite policy (``NonFinite``): each step's losses are kept and checked o
 acted on where the loop syncs anyway: at a log line whose loss is not finite, before every evaluation and save, and
 before the final outputs (every rank raises ``NonFiniteLoss``, exit 3, nothing saved after the bad step); with
 ``--debug`` every micro-step's loss is checked before its backward, with a trace of the operation that made it.
-Under ``--on_anomaly skip|rollback`` (or ``--spike_factor``) the guard (anomaly.py) reads its per-step decisions at
+Under ``--on_anomaly skip|rollback`` (or ``--spike_factor``) the guard (bad_steps.py) reads its per-step decisions at
 the same points and skips, stops (``AnomalyStop``) or rolls back (``RolledBack``: ``train()`` reloads the checkpoint
 with ``roll_back``). A ``(sum, num_items)`` loss that summed over no items is refused there too (exit 2).
 """
@@ -30,10 +30,10 @@ from typing import Any, NoReturn
 import torch
 from tqdm.auto import tqdm
 
-from accel_ddp.anomaly import AnomalyGuard, RolledBack
 from accel_ddp.assemble import Run
+from accel_ddp.bad_steps import AnomalyGuard, LossWatch, RolledBack, trace_non_finite
 from accel_ddp.evaluation import evaluate
-from accel_ddp.lifecycle.non_finite import LossWatch, NonFiniteLoss, trace_non_finite
+from accel_ddp.lifecycle.non_finite import NonFiniteLoss
 from accel_ddp.lifecycle.preemption import Preempted
 from accel_ddp.step.graph import CudaGraphs
 from accel_ddp.step.losses import LossAccumulator
@@ -95,7 +95,7 @@ class AfterStep:
     def __init__(self, run: Run, start_step: int):
         self.run, self.plan, self.cadence = run, run.plan, run.plan.cadence
         self.checkpoints, self.best = run.checkpoints, run.checkpoints.best
-        guard = run.anomalies  # --on_anomaly skip|rollback: bad steps' updates left out (anomaly.py)
+        guard = run.anomalies  # --on_anomaly skip|rollback: bad steps' updates left out (bad_steps.py)
         if guard is not None:
             guard.restart(start_step)
         watch = LossWatch(run.accelerator, start_step)  # a nan/inf loss is noticed at the next sync point

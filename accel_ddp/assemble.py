@@ -23,8 +23,8 @@ from accelerate.utils import set_seed
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from accel_ddp.anomaly import AnomalyGuard
 from accel_ddp.auto_batch import choose_micro_batch
+from accel_ddp.bad_steps import AnomalyGuard
 from accel_ddp.callbacks import Callbacks
 from accel_ddp.checkpoint.best import BestModel, check_eval_set
 from accel_ddp.checkpoint.manager import HYPERPARAMETERS, CheckpointManager

@@ -24,8 +24,8 @@ import torch
 from torch.utils.data import Dataset
 
 from accel_ddp.after_step import AfterStep, roll_back
-from accel_ddp.anomaly import AnomalyStop, RolledBack
 from accel_ddp.assemble import Run, setup
+from accel_ddp.bad_steps import AnomalyStop, RolledBack
 from accel_ddp.checkpoint.weights import export_weights
 from accel_ddp.config import TrainConfig
 from accel_ddp.lifecycle.preemption import PreemptionWatcher

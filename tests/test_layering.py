@@ -19,7 +19,7 @@ LAYERS = [
     {"util"}, {"config"}, {"lifecycle"}, {"outputs"}, {"tracking", "checkpoint"}, {"distributed"}, {"data"},
     {"tasks"},
     {"models", "optim", "transforms"},
-    {"step", "anomaly", "evaluation", "auto_batch", "callbacks"},
+    {"step", "bad_steps", "evaluation", "auto_batch", "callbacks"},
     {"assemble"}, {"after_step", "inference"}, {"loop"},
     {"cli", "accel_ddp"},
     {"__main__"},

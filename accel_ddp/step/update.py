@@ -43,7 +43,7 @@ def build_update(
         ...     update()
 
     ``guard`` (``--on_anomaly skip|rollback``: an ``AnomalyGuard``): the update is left out, on every rank, of a
-    step whose all-reduced gradient norm ``guard.decide`` finds bad (see accel_ddp/anomaly.py).
+    step whose all-reduced gradient norm ``guard.decide`` finds bad (see accel_ddp/bad_steps.py).
     """
     plain = (type(optimizer) is AcceleratedOptimizer and optimizer.scaler is None
              and accelerator.distributed_type in PLAIN_TYPES)

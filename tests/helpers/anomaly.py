@@ -1,5 +1,5 @@
 """What tests of --on_anomaly share: the fault (a non-finite batch at optimizer step K on one rank, ``bad_step_mlp`` and
-``install``), for tests/test_anomalies.py and tests/checkpoint/test_checkpoint_async.py; and the fused optimizers'
+``install``), for tests/test_bad_steps.py and tests/checkpoint/test_checkpoint_async.py; and the fused optimizers'
 skipped step, importable without tests/conftest.py (which hides the GPUs): the GPU test runs it in a subprocess on
 CUDA.
 """
