@@ -1,6 +1,6 @@
 """A training loss that became nan or inf: the exception every rank raises (exit code 3).
 
-How a bad step is found, what the run does about it and its words live in ``accel_ddp/bad_steps.py``.
+How a bad step is found, what the run does about it and its words live in ``accel_ddp/bad_steps/``.
 """
 
 from __future__ import annotations
@@ -9,12 +9,11 @@ EXIT_NON_FINITE = 3  # not 75 (preempted): a relaunch would diverge again
 
 
 class NonFiniteLoss(Exception):  # noqa: N818 - an outcome, like Preempted
-    """Raised by ``train()`` on every rank once the loss of some optimizer step was nan or inf (exit code 3);
-    ``message`` replaces the default text (``--on_anomaly``'s stops say which rule stopped the run)."""
+    """Raised by ``train()`` on every rank once a bad step stopped the run (exit code 3): a nan/inf loss, or one that
+    ``--on_anomaly`` could not skip or roll back (``bad_steps.AnomalyStop``). Its words, and where it is raised, are
+    accel_ddp/bad_steps/'s; it lives here because failure.py, which maps it to exit code 3, imports nothing above
+    lifecycle/."""
 
-    def __init__(self, step: int, checkpoint: str | None, detail: str = "", *, message: str | None = None):
-        kept = f"the last checkpoint, {checkpoint}, is from before it" if checkpoint else "no checkpoint was saved"
-        super().__init__(message or f"the training loss became nan or inf at optimizer step {step}{detail}; every "
-                         f"rank stopped and {kept}; lower --lr, clip with --max_grad_norm, or rerun with --debug to "
-                         "see where")
+    def __init__(self, message: str, step: int, checkpoint: str | None):
+        super().__init__(message)
         self.step, self.checkpoint = step, checkpoint

@@ -1,24 +1,6 @@
-"""``--on_anomaly skip|rollback``: a step whose loss or gradient norm is not finite (or, with ``--spike_factor``,
-whose logged loss spiked) is not trained on, on any rank; every decision is recorded in ``OUTPUT_DIR/anomalies.json``.
-
-Where the decision comes from, and what it costs:
-
-- Per step, the decision is taken on the gradient norm after DDP's all-reduce (``step.build_update``). The
-  gradients are then the same on every rank, and the norm is computed from them by the same kernels, so every
-  rank takes the same decision without a collective of its own. A non-finite *local* loss is made a non-finite
-  gradient on its rank (:meth:`AnomalyGuard.poisoned`, one multiply), which the all-reduce carries to all.
-- With a fused optimizer (CUDA) the decision stays on the device: the optimizer's ``found_inf`` flag, the one
-  GradScaler hands it (torch/amp/grad_scaler.py ``_maybe_opt_step``; torch/optim/adam.py reads
-  ``getattr(self, "found_inf", None)``), makes its kernel return before it writes anything. Otherwise (the
-  multi-tensor optimizers the CPU uses) one ``bool()`` of the flag per step: a no-op sync on the CPU, whose
-  kernels run synchronously. The host reads the per-step flags where the loop syncs anyway (:meth:`resolve`: at
-  log lines, before saves and evaluations), prints one line per anomaly and writes its record.
-- Spikes are judged at log lines on the logged loss (already all-reduced: the same float on every rank); that
-  loss's updates are already applied, so a spike can only be stopped at or rolled back.
-
-``rollback``: every rank reloads the last checkpoint from before the first bad step and replays from there with
-the bad steps' updates left out; ``anomalies.json`` holds those steps, so a resumed run leaves out the same ones.
-"""
+"""``--on_anomaly skip|rollback`` and ``--spike_factor`` (``AnomalyGuard``): the per-step decision whether a step's
+update is left out, the host's view of it (a line and a record per anomaly; stop, go on or roll back), and the log of
+those decisions, ``OUTPUT_DIR/anomalies.json``, which a resumed run follows."""
 
 from __future__ import annotations
 
@@ -26,108 +8,21 @@ import json
 import math
 import os
 import statistics
-import sys
-import warnings
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from accelerate import Accelerator
-from accelerate.utils import gather_object
 
-from accel_ddp.lifecycle.non_finite import NonFiniteLoss
+from accel_ddp.bad_steps.stops import AnomalyStop, BadStepOptions, RolledBack
 from accel_ddp.outputs.names import ANOMALIES_NAME
 from accel_ddp.util.atomic import atomic_write_text
-from accel_ddp.util.messages import first_line
+from accel_ddp.util.messages import say
 from accel_ddp.util.validation import ConfigError
 
+if TYPE_CHECKING:
+    from accelerate import Accelerator
 
-class LossWatch:
-    """Finds the first optimizer step whose loss was nan or inf, with no device work on most steps.
-
-    ``after_step`` keeps the step's loss values (the detached device scalars the loop already made: no new
-    operation, no sync); every ``FOLD_EVERY`` steps, and at ``first_bad_step``, they are folded into a count, on the
-    device, of the steps before the first non-finite one (a dozen small operations, about 0.2 per step: the host
-    operations per step stay those of a bare loop, benchmarks/ops_per_step.py). ``first_bad_step`` is collective
-    (an all-reduce and one ``.item()``): the loop calls it only where it syncs anyway (a log line whose loss is not
-    finite, evaluations) and before every save, and every rank learns the same step.
-
-        >>> watch = LossWatch(accelerator, start_step=0)
-        >>> watch.after_step([loss.detach()])             # every optimizer step: its micro-steps' losses
-        >>> watch.first_bad_step(step)                    # at a sync point: None, or the first bad step
-    """
-
-    FOLD_EVERY = 64  # optimizer steps whose losses are kept before they are folded into the count
-
-    def __init__(self, accelerator: Accelerator, start_step: int):
-        self.accelerator = accelerator
-        self._start = start_step
-        self._finite_steps = torch.zeros((), dtype=torch.int64, device=accelerator.device)
-        self._clean = torch.ones((), dtype=torch.int64, device=accelerator.device)  # 0 once a bad step was folded
-        self._pending: list[list[torch.Tensor]] = []  # per step since the last fold: its micro-steps' losses
-
-    def after_step(self, losses: list[torch.Tensor]) -> None:
-        """``losses``: this optimizer step's loss values (device scalars that nothing changes afterwards)."""
-        self._pending.append(losses)
-        if len(self._pending) >= self.FOLD_EVERY:
-            self._fold()
-
-    def _fold(self) -> None:
-        if not self._pending:
-            return
-        values = torch.stack([value for step in self._pending for value in step])
-        finite = torch.isfinite(values).view(len(self._pending), -1).all(dim=1)  # per step: all its micro-steps
-        self._finite_steps += finite.cumprod(0).sum() * self._clean  # the steps before this fold's first bad one
-        self._clean *= finite.all()
-        self._pending = []
-
-    def first_bad_step(self, step: int) -> int | None:
-        """The first non-finite step over all ranks up to ``step``, or None (collective)."""
-        self._fold()
-        finite = -int(self.accelerator.reduce(-self._finite_steps, "max").item())  # the fewest, on any rank
-        return None if finite >= step - self._start else self._start + finite + 1
-
-    def any_rank(self, loss: torch.Tensor) -> bool:
-        """--debug only (a host sync per call): is ``loss`` nan or inf on any rank right now? (collective)"""
-        bad = (~torch.isfinite(loss.detach())).to(torch.int64)
-        return bool(self.accelerator.reduce(bad, "max").item())
-
-
-def trace_non_finite(accelerator: Accelerator, model: torch.nn.Module, loss: torch.Tensor) -> str:
-    """--debug: the backward of a nan/inf loss under anomaly detection, without gradient sync, on the ranks that
-    have one. We print torch's forward trace of the operation that made it (a warning, which filters could
-    hide); every rank gets the error's first line for its message."""
-    found = ""
-    if not bool(torch.isfinite(loss.detach())):
-        with warnings.catch_warnings(record=True) as traces:
-            warnings.simplefilter("always")
-            try:
-                # Gradients of the parameters without accumulating them: DDP's reducer hooks, armed by a
-                # forward that ran in sync, fire on accumulation, and an all-reduce the finite ranks never
-                # join would hang them (no_sync entered after the forward does not disarm them).
-                params = [p for p in model.parameters() if p.requires_grad]
-                torch.autograd.grad(loss, params, allow_unused=True)
-            except RuntimeError as err:
-                found = f" ({first_line(err)})"
-        for trace in traces:
-            print(f"accel_ddp: rank {accelerator.process_index}: {trace.message}", file=sys.stderr, flush=True)
-    return next((text for text in gather_object([found]) if text), "")  # collective
-
-
-class AnomalyStop(NonFiniteLoss):
-    """A non-finite loss (exit code 3) that ``--on_anomaly`` could not skip or roll back: too many anomalies in a row
-    (``--max_anomalies``), a spike under ``stop``, or a rollback with no checkpoint before the bad step."""
-
-    def __init__(self, message: str, step: int, checkpoint: str | None):
-        super().__init__(step, checkpoint, message=message)
-
-
-class RolledBack(Exception):  # noqa: N818 - an outcome, caught by train()
-    """Raised on every rank by :meth:`AnomalyGuard.resolve` under ``rollback``: reload ``folder`` and train again."""
-
-    def __init__(self, folder: str, step: int):
-        super().__init__(f"rollback to {folder}")
-        self.folder, self.step = folder, step
+    from accel_ddp.tracking.recorder import RunRecorder
 
 
 class AnomalyGuard:
@@ -138,21 +33,21 @@ class AnomalyGuard:
     the last checkpoint included (a rollback's, which a resumed run must leave out again): a resume takes that file
     where it exists, else the checkpoint's copy.
 
-        >>> guard = AnomalyGuard(cfg, accelerator, recorder)
+        >>> guard = AnomalyGuard(options, accelerator, recorder)     # options: BadStepOptions
         >>> guard.begin(start_step)            # once the start is agreed (a resume restored the log before)
         >>> bad = guard.decide(grad_norm)      # in the update, once per optimizer step: a device bool
         >>> guard.resolve(step, last_saved)    # where the loop syncs: lines, records, rollback or stop
     """
 
-    def __init__(self, cfg, accelerator, recorder):
-        if accelerator.scaler is not None and cfg.on_anomaly != "stop":
-            raise ConfigError(f"--on_anomaly {cfg.on_anomaly} with --mixed_precision fp16 is not supported (its "
+    def __init__(self, options: BadStepOptions, accelerator: Accelerator, recorder: RunRecorder):
+        if accelerator.scaler is not None and options.on_anomaly != "stop":
+            raise ConfigError(f"--on_anomaly {options.on_anomaly} with --mixed_precision fp16 is not supported (its "
                               "loss scaler skips steps by itself); use --mixed_precision bf16 or --on_anomaly stop")
-        self.mode, self.spike_factor, self.spike_window = cfg.on_anomaly, cfg.spike_factor, cfg.spike_window
+        self.mode, self.spike_factor, self.spike_window = options.on_anomaly, options.spike_factor, options.spike_window
         self.skips = self.mode != "stop"  # stop with --spike_factor: only the log lines' spike check
-        self.max_anomalies = cfg.max_anomalies
+        self.max_anomalies = options.max_anomalies
         self.accelerator, self.main = accelerator, accelerator.is_main_process
-        self.path = os.path.join(cfg.output_dir, ANOMALIES_NAME)
+        self.path = os.path.join(options.output_dir, ANOMALIES_NAME)
         self.recorder = recorder
         self.known: dict[str, Any] = {"skipped": {}, "rollbacks": []}
         self.restored: dict[str, Any] | None = None  # the log of the checkpoint resumed from, if it holds one
@@ -293,18 +188,14 @@ class AnomalyGuard:
             why = (f"{self.in_a_row} anomalies in a row (--max_anomalies {self.max_anomalies})"
                    if self.in_a_row >= self.max_anomalies else "no checkpoint from before it to roll back to"
                    if self.mode == "rollback" else "--on_anomaly stop")
-            kept = f"the last checkpoint, {checkpoint}, is from before it" if checkpoint else "no checkpoint was saved"
-            raise AnomalyStop(f"{kind.replace('_', '-')} step {steps} ({found[0][1]}): {why}; every rank stopped and "
-                              f"{kept}; lower --lr, clip with --max_grad_norm, or rerun with --debug to see where",
-                              first, checkpoint)
+            raise AnomalyStop(f"{kind.replace('_', '-')} step {steps} ({found[0][1]}): {why}", first, checkpoint)
         if action == "rollback":
             self.known["rollbacks"].append({"steps": [s for s, _ in found], "kind": kind, "to_step": last_saved[0]})
         self._write()
-        if self.main:
-            done = (f"rolled every rank back to {checkpoint}, leaving out step {steps}" if action == "rollback"
-                    else "skipped its update on every rank")
-            print(f"accel_ddp: anomaly: {kind.replace('_', '-')} at optimizer step {steps} ({found[0][1]}); {done} "
-                  f"({self.in_a_row} in a row, at most --max_anomalies {self.max_anomalies})", flush=True)
+        done = (f"rolled every rank back to {checkpoint}, leaving out step {steps}" if action == "rollback"
+                else "skipped its update on every rank")
+        say(f"anomaly: {kind.replace('_', '-')} at optimizer step {steps} ({found[0][1]}); {done} ({self.in_a_row} in "
+            f"a row, at most --max_anomalies {self.max_anomalies})", ranks="main")
         if action == "rollback":
             raise RolledBack(checkpoint, last_saved[0])
 
