@@ -23,9 +23,9 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
-from accel_ddp.after_step import AfterStep, roll_back
-from accel_ddp.anomaly import AnomalyStop, RolledBack
-from accel_ddp.assemble import Run, setup
+from accel_ddp.after_step import AfterStep
+from accel_ddp.assemble import Run, build_train_step, setup
+from accel_ddp.bad_steps import AnomalyStop, RolledBack
 from accel_ddp.checkpoint.weights import export_weights
 from accel_ddp.config import TrainConfig
 from accel_ddp.lifecycle.preemption import PreemptionWatcher
@@ -96,7 +96,7 @@ def train(
             try:
                 return finish(run, fit(run))
             except RolledBack as back:  # --on_anomaly rollback: every rank reloads the checkpoint and trains on
-                run.start_step = roll_back(run, back)
+                run.start_step = run.bad_steps.roll_back(back, run.bar)
             except AnomalyStop:  # it names the newest checkpoint, maybe one in flight: sealed before the exit
                 run.checkpoints.wait()
                 raise
@@ -124,8 +124,9 @@ def fit(run: Run) -> FitResult:
     """
     plan = run.plan
     step = run.start_step  # epochs have a fixed number of steps, so the step alone says where we are
-    after = AfterStep(run, step)  # the optimizer step (after.steps), and what follows each one
-    steps, log = after.steps, after.log
+    steps = build_train_step(run, step)  # the optimizer step: forward, backward, update
+    after = AfterStep(run, steps.losses, step)  # what follows each one
+    log = after.log
     for epoch in range(step // plan.steps_per_epoch, plan.num_epochs):
         if step >= plan.total_steps:  # resumed from the last step's checkpoint
             break
@@ -171,7 +172,7 @@ def finish(run: Run, result: FitResult) -> dict[str, Any]:
         **_startup_figures(run),
         "lr_scheduler_steps": run.scheduler.scheduler.last_epoch,
         "resumed_from_step": run.start_step,
-        **(run.anomalies.summary() if run.anomalies is not None else {}),  # skipped steps, rollbacks
+        **run.bad_steps.summary(),  # --on_anomaly: skipped steps, rollbacks
         **largest(memory_record(run.accelerator)),  # peak_rss_mb, peak_worker_rss_mb: max over ranks (MiB)
         **(best.summary(result.step) if best else {}),  # best_step, final_weights_step, stopped_early
         **run.callbacks.summary(),  # their names; stopped_early where one asked to stop

@@ -19,8 +19,8 @@ LAYERS = [
     {"util"}, {"config"}, {"lifecycle"}, {"outputs"}, {"tracking", "checkpoint"}, {"distributed"}, {"data"},
     {"tasks"},
     {"models", "optim", "transforms"},
-    {"step", "anomaly", "evaluation", "auto_batch", "callbacks"},
-    {"assemble"}, {"after_step", "inference"}, {"loop"},
+    {"step", "evaluation", "auto_batch", "callbacks"},
+    {"assemble", "bad_steps"}, {"after_step", "inference"}, {"loop"},
     {"cli", "accel_ddp"},
     {"__main__"},
 ]
