@@ -13,6 +13,7 @@ import time
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from datetime import timedelta
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -33,6 +34,7 @@ from accel_ddp.checkpoint.storage import check_store
 from accel_ddp.checkpoint.train_state import Stateful, TrainState
 from accel_ddp.config import TrainConfig
 from accel_ddp.config.plan import Plan, plan_run
+from accel_ddp.config.views import section_of
 from accel_ddp.data import DeviceEvalLoader, DeviceLoader, HostLoader, StreamingLoader, build_loaders, usable_cpus
 from accel_ddp.data.resolve import resolve_data
 from accel_ddp.distributed.preflight import check_fsdp, check_shared_output_dir
@@ -219,8 +221,8 @@ def _model(cfg: TrainConfig, accelerator: Accelerator, model, data, task: Task) 
                           "require gradients")
     named = f"{type(model).__name__}{named}, {describe_parameters(model)}"  # trainable of total where some are frozen
     tuned = finetune_facts(model)  # a frozen base: the parameter counts and its fingerprint (checkpoints, summary)
-    model, lines = convert_model(model, ModelBuild(cfg, accelerator, task),
-                                 (c for c in MODEL_CONVERTERS if c.training_only))
+    model, lines = convert_model(model, ModelBuild(accelerator, task),
+                                 (c for c in MODEL_CONVERTERS if c.training_only), partial(section_of, cfg))
     return model, "".join([named, *(f", {line}" for line in lines)]), tuned
 
 
@@ -347,8 +349,8 @@ def build_run_model(cfg: TrainConfig, accelerator: Accelerator, model, data, tas
         set_attn_implementation(model, cfg.attn_implementation)
     if accelerator.is_fsdp2:  # before anything is built on it: what FSDP2 cannot shard or cast
         check_fsdp(model, channels_last=cfg.channels_last, mixed_precision=accelerator.mixed_precision)
-    model, _ = convert_model(model, ModelBuild(cfg, accelerator, task),
-                             (c for c in MODEL_CONVERTERS if not c.training_only))
+    model, _ = convert_model(model, ModelBuild(accelerator, task),
+                             (c for c in MODEL_CONVERTERS if not c.training_only), partial(section_of, cfg))
     return model
 
 
