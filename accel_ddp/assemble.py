@@ -13,6 +13,7 @@ import time
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from datetime import timedelta
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -47,7 +48,7 @@ from accel_ddp.lifecycle.preemption import (
     restart_hazard,
 )
 from accel_ddp.models import build_configured_model, set_attn_implementation
-from accel_ddp.optim.user import build_optimization, check_optimization
+from accel_ddp.optim.user import OptimizerOptions, build_optimization, check_optimization
 from accel_ddp.outputs.run_dir import (
     check_output_dir,
     claim_output_dir,
@@ -137,7 +138,7 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
         preemption.check_start_up(name)
 
     accelerator, per_device_batch, accumulation = _join(cfg, teardown, preemption)
-    check_optimization(cfg, model, optimizer, lr_scheduler)  # an unknown optimizer or keyword: now, before the data
+    check_optimization(section_of(cfg, OptimizerOptions), model, optimizer, lr_scheduler)  # a bad one: before data
     phase_done("process_group")
 
     task, hooks, data = _task_and_data(cfg, accelerator, (loss_fn, metrics, callbacks),
@@ -220,8 +221,8 @@ def _model(cfg: TrainConfig, accelerator: Accelerator, model, data, task: Task) 
                           "require gradients")
     named = f"{type(model).__name__}{named}, {describe_parameters(model)}"  # trainable of total where some are frozen
     tuned = finetune_facts(model)  # a frozen base: the parameter counts and its fingerprint (checkpoints, summary)
-    model, lines = convert_model(model, ModelBuild(cfg, accelerator, task),
-                                 (c for c in MODEL_CONVERTERS if c.training_only))
+    model, lines = convert_model(model, ModelBuild(accelerator, task),
+                                 (c for c in MODEL_CONVERTERS if c.training_only), partial(section_of, cfg))
     return model, "".join([named, *(f", {line}" for line in lines)]), tuned
 
 
@@ -248,9 +249,10 @@ def _optimize_and_prepare(cfg: TrainConfig, accelerator: Accelerator, model: tor
     optimizer and schedule through ``accelerator.prepare`` (DDP, FSDP); the optimization's description too."""
     if cfg.cuda_graphs:  # what only the launch and the loaders tell (the options' clashes: config/checks.py)
         refuse_graphs(accelerator, plan.accumulation, loader_kind, packing=cfg.packing)
-    optimization = build_optimization(cfg, model, accelerator, plan.total_steps, *given)
     # --warmup_ratio (issue 22): a fraction of this run's total steps, so resolved here, once the total is known
     warmup = cfg.warmup_for(plan.total_steps)
+    optimization = build_optimization(section_of(cfg, OptimizerOptions), model, accelerator, plan.total_steps, warmup,
+                                      *given)
     if warmup > plan.total_steps:  # still a run (a smoke test, a short resume), but not the schedule asked for
         warn(f"--warmup_steps {warmup} is longer than this run's {plan.total_steps} optimizer steps: the learning rate "
              f"never reaches --lr {cfg.lr:g} (at most {cfg.lr * plan.total_steps / warmup:.3g}); lower --warmup_steps "
@@ -359,8 +361,8 @@ def build_run_model(cfg: TrainConfig, accelerator: Accelerator, model, data, tas
         set_attn_implementation(model, cfg.attn_implementation)
     if accelerator.is_fsdp2:  # before anything is built on it: what FSDP2 cannot shard or cast
         check_fsdp(model, channels_last=cfg.channels_last, mixed_precision=accelerator.mixed_precision)
-    model, _ = convert_model(model, ModelBuild(cfg, accelerator, task),
-                             (c for c in MODEL_CONVERTERS if not c.training_only))
+    model, _ = convert_model(model, ModelBuild(accelerator, task),
+                             (c for c in MODEL_CONVERTERS if not c.training_only), partial(section_of, cfg))
     return model
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
@@ -35,7 +35,7 @@ from accel_ddp.outputs.model_card import launch_command, write_model_card
 from accel_ddp.outputs.run_dir import (
     RunFinished,
 )
-from accel_ddp.tasks.arguments import check_arguments
+from accel_ddp.tasks.arguments import ArgumentError, a_kind, check_arguments
 from accel_ddp.tracking.console_log import ConsoleLog
 from accel_ddp.tracking.meters import (
     EpochTimer,
@@ -83,7 +83,8 @@ def train(
     (:func:`accel_ddp.lifecycle.failure.claim`); from then on this process records SIGTERM and SIGUSR1 instead of
     dying of them: the launcher is stopping every rank, and ``main()`` reports, then exits.
     """
-    check_arguments(cfg, model, train_dataset, eval_dataset)  # a wrong kind: one line naming it, nothing built
+    _check_config(cfg)  # a wrong kind: one line naming it, nothing built
+    check_arguments(model, train_dataset, eval_dataset, model_name=cfg.model, dataset_name=cfg.dataset)
     with ExitStack() as teardown:  # on any exit: signal handlers back, files closed, lock and process group gone
         try:
             run = setup(cfg, teardown, model, train_dataset, eval_dataset, loss_fn=loss_fn, metrics=metrics,
@@ -105,6 +106,14 @@ def train(
                 if failed is err:
                     raise
                 raise failed from err
+
+
+def _check_config(cfg: object) -> None:
+    """``cfg=`` a TrainConfig, else ``ArgumentError`` saying how to build one (a dict's fields fail deep inside)."""
+    if not isinstance(cfg, TrainConfig):
+        how = "TrainConfig(**your_dict)" if isinstance(cfg, Mapping) else \
+            "TrainConfig(...), or accel_ddp.cli.args.parse_args([flags])"
+        raise ArgumentError(f"cfg= must be a TrainConfig, not {a_kind(cfg)}; build one with {how}")
 
 
 @dataclass

@@ -58,3 +58,9 @@ def config_section(cls: type[Section]) -> type[Section]:
 def section_of(cfg: TrainConfig, cls: type[Section]) -> Section:
     """The options ``cls`` declares, read from ``cfg``."""
     return cls(**{field.name: getattr(cfg, field.name) for field in dataclasses.fields(cls)})
+
+
+def defaults_of(cls: type) -> dict[str, Any]:
+    """The default of each option ``cls`` declares (options.py's): which flags a run changed, for one."""
+    defaults = {field.name: field.default for field in dataclasses.fields(TrainConfig)}
+    return {field.name: defaults[field.name] for field in dataclasses.fields(cls)}
