@@ -25,10 +25,11 @@ import torch
 from tqdm.auto import tqdm
 
 from accel_ddp.assemble import Run
+from accel_ddp.config.views import section_of
 from accel_ddp.evaluation import evaluate
 from accel_ddp.lifecycle.preemption import Preempted
 from accel_ddp.step.losses import LossAccumulator
-from accel_ddp.tracking.step_log import StepLog
+from accel_ddp.tracking.step_log import StepLog, StepLogOptions
 from accel_ddp.util.validation import ConfigError
 
 
@@ -41,7 +42,7 @@ class AfterStep:
         self.checkpoints, self.best = run.checkpoints, run.checkpoints.best
         self.bad_steps = run.bad_steps  # nan/inf losses, --on_anomaly: found, acted on, recorded (bad_steps/)
         self.bad_steps.restart(start_step, losses)
-        self.log = StepLog(run, losses)
+        self.log = StepLog(run, losses, section_of(run.cfg, StepLogOptions))
         self.callbacks = run.callbacks  # --callbacks, train(callbacks=): their hooks and requests (callbacks.py)
         self.eval_metrics: dict[str, Any] = {}  # the last evaluation's
         self.evaluated_at: int | None = None  # the step of the last evaluation
