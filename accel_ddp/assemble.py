@@ -26,13 +26,14 @@ from tqdm.auto import tqdm
 from accel_ddp.anomaly import AnomalyGuard
 from accel_ddp.auto_batch import choose_micro_batch
 from accel_ddp.callbacks import Callbacks
-from accel_ddp.checkpoint.best import BestModel, check_eval_set
+from accel_ddp.checkpoint.best import BestModel, BestModelOptions, check_eval_set
 from accel_ddp.checkpoint.manager import HYPERPARAMETERS, CheckpointManager
 from accel_ddp.checkpoint.start import agree_start
 from accel_ddp.checkpoint.storage import check_store
 from accel_ddp.checkpoint.train_state import Stateful, TrainState
 from accel_ddp.config import TrainConfig
 from accel_ddp.config.plan import Plan, plan_run
+from accel_ddp.config.views import section_of
 from accel_ddp.data import DeviceEvalLoader, DeviceLoader, HostLoader, StreamingLoader, build_loaders, usable_cpus
 from accel_ddp.data.resolve import resolve_data
 from accel_ddp.distributed.preflight import check_fsdp, check_shared_output_dir
@@ -202,7 +203,7 @@ def _task_and_data(cfg: TrainConfig, accelerator: Accelerator, user: tuple, give
     task = configured_task(cfg, loss_fn, metrics)
     hooks = Callbacks.build(cfg.callbacks, callbacks)  # imported, made and checked before any data is read
     data = resolve_data(cfg, accelerator, *given, preemption=preemption)
-    check_eval_set(cfg, has_eval=data.eval is not None)
+    check_eval_set(section_of(cfg, BestModelOptions), has_eval=data.eval is not None)
     return task, hooks, data
 
 
@@ -288,7 +289,8 @@ def _records_and_checkpoints(cfg: TrainConfig, accelerator: Accelerator, teardow
     anomalies = AnomalyGuard(cfg, accelerator, recorder) if cfg.on_anomaly != "stop" or cfg.spike_factor else None
     state = TrainState(accelerator=accelerator, model=model, optimizer=optimizer, scheduler=scheduler,
                        # the best model and early stopping (checkpoint/best.py): their records go with each checkpoint
-                       best=BestModel.from_config(cfg, plan.steps_per_epoch, plan.total_steps), anomalies=anomalies,
+                       best=BestModel.from_options(section_of(cfg, BestModelOptions), plan.steps_per_epoch,
+                                                   plan.total_steps), anomalies=anomalies,
                        positions=loaders.train if isinstance(loaders.train, Stateful) else None)
     checkpoints = _checkpoints(cfg, accelerator, teardown, facts, state)
     checkpoints.store.stopping = lambda: preemption.signalled  # a store call under way gives up soon after a signal
