@@ -46,7 +46,7 @@ from accel_ddp.lifecycle.preemption import (
     PreemptionWatcher,
     restart_hazard,
 )
-from accel_ddp.models import build_configured_model, set_attn_implementation
+from accel_ddp.models import ModelOptions, build_configured_model, set_attn_implementation
 from accel_ddp.optim.user import build_optimization, check_optimization
 from accel_ddp.outputs.run_dir import (
     check_output_dir,
@@ -344,7 +344,7 @@ def build_run_model(cfg: TrainConfig, accelerator: Accelerator, model, data, tas
     model needs too (``--init_from``'s weights, ``transforms/finetune.py``'s, ``task``'s layout: ``MODEL_CONVERTERS``).
     ``setup`` and a trained run's evaluation (``inference.py``) build it here."""
     if model is None:
-        model = build_configured_model(cfg, data)
+        model = build_configured_model(section_of(cfg, ModelOptions), data)
     elif cfg.attn_implementation is not None:
         set_attn_implementation(model, cfg.attn_implementation)
     if accelerator.is_fsdp2:  # before anything is built on it: what FSDP2 cannot shard or cast
