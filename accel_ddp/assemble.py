@@ -24,11 +24,11 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from accel_ddp.anomaly import AnomalyGuard
-from accel_ddp.auto_batch import choose_micro_batch
+from accel_ddp.auto_batch import AutoBatchOptions, choose_micro_batch
 from accel_ddp.callbacks import Callbacks
 from accel_ddp.checkpoint.best import BestModel, BestModelOptions, check_eval_set
 from accel_ddp.checkpoint.manager import HYPERPARAMETERS, CheckpointManager
-from accel_ddp.checkpoint.start import agree_start
+from accel_ddp.checkpoint.start import StartOptions, agree_start
 from accel_ddp.checkpoint.storage import check_store
 from accel_ddp.checkpoint.train_state import Stateful, TrainState
 from accel_ddp.config import TrainConfig
@@ -144,7 +144,8 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
     phase_done("data")
     model, named, tuned = _model(cfg, accelerator, model, data, task)
     # --per_device_batch_size auto: the largest micro-batch that fits on every rank, before DDP wraps the model
-    chosen = choose_micro_batch(cfg, accelerator, model, task, data) if cfg.auto_batch else None
+    chosen = choose_micro_batch(section_of(cfg, AutoBatchOptions), section_of(cfg, StartOptions), accelerator, model,
+                                task, data) if cfg.auto_batch else None
     if chosen is not None:
         per_device_batch, accumulation = chosen.size, chosen.accumulation
     phase_done("model")
@@ -162,8 +163,9 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
         cfg, accelerator, teardown, plan, loaders, {**tuned, "optimizer": optimization.name},
         (model, optimizer, scheduler), preemption, console)
     block = describe_run(cfg, facts, plan.num_epochs, loaders.train, named, data, optimization.lines, usable_cpus())
-    start_step = agree_start(cfg, accelerator, checkpoints, (optimizer, scheduler, optimization.schedule_from_flags),
-                             plan.total_steps, recorder, facts, block, preemption)
+    start_step = agree_start(section_of(cfg, StartOptions), accelerator, checkpoints,
+                             (optimizer, scheduler, optimization.schedule_from_flags), plan.total_steps, recorder,
+                             {**cfg.to_dict(), "resolved": facts}, block, preemption)
     if anomalies is not None:
         anomalies.begin(start_step)  # a resumed run's log continues; a fresh start forgets an earlier run's
     phase_done("resume_and_config")
