@@ -10,13 +10,14 @@ from __future__ import annotations
 import os
 import sys
 import time
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import torch
-from accelerate import Accelerator
+from accelerate import Accelerator, PartialState
 from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.scheduler import AcceleratedScheduler
 from accelerate.utils import set_seed
@@ -37,7 +38,7 @@ from accel_ddp.config.views import section_of
 from accel_ddp.data import DeviceEvalLoader, DeviceLoader, HostLoader, StreamingLoader, build_loaders, usable_cpus
 from accel_ddp.data.resolve import resolve_data
 from accel_ddp.distributed.preflight import check_fsdp, check_shared_output_dir
-from accel_ddp.distributed.world import build_accelerator, end_world, prepare
+from accel_ddp.distributed.world import WorldOptions, build_accelerator, end_world, prepare
 from accel_ddp.lifecycle import failure
 from accel_ddp.lifecycle.failure import main_process_decides
 from accel_ddp.lifecycle.hang import HangWatch, pauses_after
@@ -321,7 +322,7 @@ def _join(cfg: TrainConfig, teardown: ExitStack, preemption: PreemptionWatcher) 
         cfg.check_tracker_wait(len(kwargs["log_with"]))  # every rank: the same names; `all` is known only now
         return kwargs
 
-    accelerator, per_device_batch, accumulation = build_accelerator(cfg, trackers if cfg.with_tracking else None)
+    accelerator, per_device_batch, accumulation = build_world(cfg, trackers if cfg.with_tracking else None)
     teardown.push(lambda kind, err, tb: end_world(accelerator, failed=err is not None))  # train() again, later
     preemption.connect(accelerator, timedelta(seconds=cfg.ddp_timeout))  # its all-reduce waits --ddp_timeout at most
     teardown.push(claim_failure)  # before the group goes: the ranks it then stops know that they are not first
@@ -332,6 +333,13 @@ def _join(cfg: TrainConfig, teardown: ExitStack, preemption: PreemptionWatcher) 
     if accelerator.is_main_process and (hazard := restart_hazard()):
         print(f"accel_ddp: warning: {hazard}", file=sys.stderr, flush=True)
     return accelerator, per_device_batch, accumulation
+
+
+def build_world(cfg: TrainConfig, trackers: Callable[[PartialState], dict[str, Any]] | None = None
+                ) -> tuple[Accelerator, int, int]:
+    """The process group and the Accelerator (distributed/world.py) with ``cfg``'s batch layout for its size,
+    resolved in ``cfg``: (accelerator, per-device batch, accumulation). ``setup`` and ``inference`` join here."""
+    return build_accelerator(section_of(cfg, WorldOptions), cfg.batch_layout, cfg.hang_seconds(), trackers)
 
 
 def configured_task(cfg: TrainConfig, loss_fn=None, metrics=()) -> Task:
