@@ -36,7 +36,7 @@ from accel_ddp.config import TrainConfig
 from accel_ddp.config.plan import Plan, plan_run
 from accel_ddp.config.views import section_of
 from accel_ddp.data import DeviceEvalLoader, DeviceLoader, HostLoader, StreamingLoader, build_loaders, usable_cpus
-from accel_ddp.data.resolve import resolve_data
+from accel_ddp.data.resolve import DataOptions, resolve_data
 from accel_ddp.distributed.preflight import check_fsdp, check_shared_output_dir
 from accel_ddp.distributed.world import WorldOptions, build_accelerator, end_world, prepare
 from accel_ddp.lifecycle import failure
@@ -205,7 +205,7 @@ def _task_and_data(cfg: TrainConfig, accelerator: Accelerator, user: tuple, give
     set_seed(cfg.seed)  # same model init on every rank; DDP also broadcasts rank 0's weights
     task = configured_task(cfg, loss_fn, metrics)
     hooks = Callbacks.build(cfg.callbacks, callbacks)  # imported, made and checked before any data is read
-    data = resolve_data(cfg, accelerator, *given, preemption=preemption)
+    data = resolve_data(section_of(cfg, DataOptions), accelerator, *given, preemption=preemption)
     check_eval_set(section_of(cfg, BestModelOptions), has_eval=data.eval is not None)
     return task, hooks, data
 
