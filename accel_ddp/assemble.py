@@ -63,7 +63,7 @@ from accel_ddp.tracking.meters import (
 )
 from accel_ddp.tracking.recorder import RunRecorder
 from accel_ddp.tracking.startup import StartupClock
-from accel_ddp.tracking.startup_block import describe_run
+from accel_ddp.tracking.startup_block import StartupOptions, describe_run
 from accel_ddp.tracking.trackers import tracking_kwargs
 from accel_ddp.transforms.finetune import GRADIENT_CHECKPOINTING, INIT_FROM, PEFT, describe_parameters, finetune_facts
 from accel_ddp.transforms.fused_activations import FUSED_KERNELS
@@ -163,7 +163,9 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
     recorder, facts, anomalies, checkpoints = _records_and_checkpoints(
         cfg, accelerator, teardown, plan, loaders, {**tuned, "optimizer": optimization.name},
         (model, optimizer, scheduler), preemption, console)
-    block = describe_run(cfg, facts, plan.num_epochs, loaders.train, named, data, optimization.lines, usable_cpus())
+    block = describe_run(section_of(cfg, StartupOptions), facts, plan.num_epochs, loaders.train, named, data,
+                         optimization.lines, usable_cpus(), warmup=cfg.warmup_for(plan.total_steps),
+                         global_batch_derived=cfg.global_batch_derived)
     start_step = agree_start(section_of(cfg, StartOptions), accelerator, checkpoints,
                              (optimizer, scheduler, optimization.schedule_from_flags), plan.total_steps, recorder,
                              {**cfg.to_dict(), "resolved": facts}, block, preemption)
