@@ -2,7 +2,7 @@
 
 The main process prints it (stdout; its warnings also as ``accel_ddp: warning:`` lines on stderr),
 appends it to ``OUTPUT_DIR/run.log`` and writes it into ``config.yaml``'s ``startup:`` section, which
-``--config`` ignores on replay (cli/args.py ``REPLAYED_KEYS``: derived facts never become flags).
+``--config`` ignores on replay (config/saved.py ``REPLAYED_KEYS``: derived facts never become flags).
 
     block = StartupBlock.describe(section_of(cfg, StartupOptions), facts, epochs=2, workers=0, warmup=0,
                                   global_batch_derived=False, model="MLP, 2,410 parameters")
