@@ -129,7 +129,7 @@ def build_accelerator(options: WorldOptions, batch_layout: Callable[[int], tuple
                       ) -> tuple[Accelerator, int, int]:
     """Join the process group and derive (per-device batch, accumulation) from the world size.
 
-    ``batch_layout(world_size)``: the run's layout for that many ranks (``TrainConfig.batch_layout``, which resolves
+    ``batch_layout(world_size)``: the run's layout for that many ranks (the config's ``batch_layout``, which resolves
     the config's batch in place); ``hang_seconds``: --hang_timeout resolved (0: off), which switches NCCL's flight
     recorder on. ``trackers(state)``: the ``Accelerator`` keyword arguments of the run's trackers, once the group
     exists (the loop passes ``tracking.trackers.tracking_kwargs``: forming the world knows no trackers).
