@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -17,28 +18,28 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
-from accelerate import Accelerator
+from accelerate import Accelerator, PartialState
 from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.scheduler import AcceleratedScheduler
 from accelerate.utils import set_seed
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from accel_ddp.auto_batch import choose_micro_batch
+from accel_ddp.auto_batch import AutoBatchOptions, choose_micro_batch
 from accel_ddp.bad_steps import BadStepOptions, BadSteps
 from accel_ddp.callbacks import Callbacks
-from accel_ddp.checkpoint.best import BestModel, check_eval_set
+from accel_ddp.checkpoint.best import BestModel, BestModelOptions, check_eval_set
 from accel_ddp.checkpoint.manager import HYPERPARAMETERS, CheckpointManager
-from accel_ddp.checkpoint.start import agree_start
+from accel_ddp.checkpoint.start import StartOptions, agree_start
 from accel_ddp.checkpoint.storage import check_store
 from accel_ddp.checkpoint.train_state import Stateful, TrainState
 from accel_ddp.config import TrainConfig
 from accel_ddp.config.plan import Plan, plan_run
 from accel_ddp.config.views import section_of
 from accel_ddp.data import DeviceEvalLoader, DeviceLoader, HostLoader, StreamingLoader, build_loaders, usable_cpus
-from accel_ddp.data.resolve import resolve_data
+from accel_ddp.data.resolve import DataOptions, resolve_data
 from accel_ddp.distributed.preflight import check_fsdp, check_shared_output_dir
-from accel_ddp.distributed.world import build_accelerator, end_world, prepare
+from accel_ddp.distributed.world import WorldOptions, build_accelerator, end_world, prepare
 from accel_ddp.lifecycle import failure
 from accel_ddp.lifecycle.failure import main_process_decides
 from accel_ddp.lifecycle.hang import HangWatch, pauses_after
@@ -47,7 +48,7 @@ from accel_ddp.lifecycle.preemption import (
     PreemptionWatcher,
     restart_hazard,
 )
-from accel_ddp.models import build_configured_model, set_attn_implementation
+from accel_ddp.models import ModelOptions, build_configured_model, set_attn_implementation
 from accel_ddp.optim.user import OptimizerOptions, build_optimization, check_optimization
 from accel_ddp.outputs.run_dir import (
     check_output_dir,
@@ -64,7 +65,7 @@ from accel_ddp.tracking.meters import (
 )
 from accel_ddp.tracking.recorder import RunRecorder
 from accel_ddp.tracking.startup import StartupClock
-from accel_ddp.tracking.startup_block import describe_run
+from accel_ddp.tracking.startup_block import StartupOptions, describe_run
 from accel_ddp.tracking.trackers import tracking_kwargs
 from accel_ddp.transforms.finetune import GRADIENT_CHECKPOINTING, INIT_FROM, PEFT, describe_parameters, finetune_facts
 from accel_ddp.transforms.fused_activations import FUSED_KERNELS
@@ -146,7 +147,8 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
     phase_done("data")
     model, named, tuned = _model(cfg, accelerator, model, data, task)
     # --per_device_batch_size auto: the largest micro-batch that fits on every rank, before DDP wraps the model
-    chosen = choose_micro_batch(cfg, accelerator, model, task, data) if cfg.auto_batch else None
+    chosen = choose_micro_batch(section_of(cfg, AutoBatchOptions), section_of(cfg, StartOptions), accelerator, model,
+                                task, data) if cfg.auto_batch else None
     if chosen is not None:
         per_device_batch, accumulation = chosen.size, chosen.accumulation
     phase_done("model")
@@ -163,9 +165,12 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
     recorder, facts, bad_steps, checkpoints = _records_and_checkpoints(
         cfg, accelerator, teardown, plan, loaders, {**tuned, "optimizer": optimization.name},
         (model, optimizer, scheduler), preemption, console)
-    block = describe_run(cfg, facts, plan.num_epochs, loaders.train, named, data, optimization.lines, usable_cpus())
-    start_step = agree_start(cfg, accelerator, checkpoints, (optimizer, scheduler, optimization.schedule_from_flags),
-                             plan.total_steps, recorder, facts, block, preemption)
+    block = describe_run(section_of(cfg, StartupOptions), facts, plan.num_epochs, loaders.train, named, data,
+                         optimization.lines, usable_cpus(), warmup=cfg.warmup_for(plan.total_steps),
+                         global_batch_derived=cfg.global_batch_derived)
+    start_step = agree_start(section_of(cfg, StartOptions), accelerator, checkpoints,
+                             (optimizer, scheduler, optimization.schedule_from_flags), plan.total_steps, recorder,
+                             {**cfg.to_dict(), "resolved": facts}, block, preemption)
     bad_steps.begin(start_step, checkpoints, loaders.train)  # a resumed run's anomaly log continues, else forgotten
     phase_done("resume_and_config")
     bar, hang = _watches(cfg, teardown, accelerator, plan, start_step)
@@ -203,8 +208,8 @@ def _task_and_data(cfg: TrainConfig, accelerator: Accelerator, user: tuple, give
     set_seed(cfg.seed)  # same model init on every rank; DDP also broadcasts rank 0's weights
     task = configured_task(cfg, loss_fn, metrics)
     hooks = Callbacks.build(cfg.callbacks, callbacks)  # imported, made and checked before any data is read
-    data = resolve_data(cfg, accelerator, *given, preemption=preemption)
-    check_eval_set(cfg, has_eval=data.eval is not None)
+    data = resolve_data(section_of(cfg, DataOptions), accelerator, *given, preemption=preemption)
+    check_eval_set(section_of(cfg, BestModelOptions), has_eval=data.eval is not None)
     return task, hooks, data
 
 
@@ -291,7 +296,8 @@ def _records_and_checkpoints(cfg: TrainConfig, accelerator: Accelerator, teardow
     bad_steps = BadSteps(section_of(cfg, BadStepOptions), accelerator, model, recorder)
     state = TrainState(accelerator=accelerator, model=model, optimizer=optimizer, scheduler=scheduler,
                        # the best model and early stopping (checkpoint/best.py): their records go with each checkpoint
-                       best=BestModel.from_config(cfg, plan.steps_per_epoch, plan.total_steps),
+                       best=BestModel.from_options(section_of(cfg, BestModelOptions), plan.steps_per_epoch,
+                                                   plan.total_steps),
                        anomalies=bad_steps.guard,  # --on_anomaly, --spike_factor: the anomaly log (None: no guard)
                        positions=loaders.train if isinstance(loaders.train, Stateful) else None)
     checkpoints = _checkpoints(cfg, accelerator, teardown, facts, state)
@@ -331,7 +337,7 @@ def _join(cfg: TrainConfig, teardown: ExitStack, preemption: PreemptionWatcher) 
         cfg.check_tracker_wait(len(kwargs["log_with"]))  # every rank: the same names; `all` is known only now
         return kwargs
 
-    accelerator, per_device_batch, accumulation = build_accelerator(cfg, trackers if cfg.with_tracking else None)
+    accelerator, per_device_batch, accumulation = build_world(cfg, trackers if cfg.with_tracking else None)
     teardown.push(lambda kind, err, tb: end_world(accelerator, failed=err is not None))  # train() again, later
     preemption.connect(accelerator, timedelta(seconds=cfg.ddp_timeout))  # its all-reduce waits --ddp_timeout at most
     teardown.push(claim_failure)  # before the group goes: the ranks it then stops know that they are not first
@@ -342,6 +348,13 @@ def _join(cfg: TrainConfig, teardown: ExitStack, preemption: PreemptionWatcher) 
     if accelerator.is_main_process and (hazard := restart_hazard()):
         print(f"accel_ddp: warning: {hazard}", file=sys.stderr, flush=True)
     return accelerator, per_device_batch, accumulation
+
+
+def build_world(cfg: TrainConfig, trackers: Callable[[PartialState], dict[str, Any]] | None = None
+                ) -> tuple[Accelerator, int, int]:
+    """The process group and the Accelerator (distributed/world.py) with ``cfg``'s batch layout for its size,
+    resolved in ``cfg``: (accelerator, per-device batch, accumulation). ``setup`` and ``inference`` join here."""
+    return build_accelerator(section_of(cfg, WorldOptions), cfg.batch_layout, cfg.hang_seconds(), trackers)
 
 
 def configured_task(cfg: TrainConfig, loss_fn=None, metrics=()) -> Task:
@@ -356,7 +369,7 @@ def build_run_model(cfg: TrainConfig, accelerator: Accelerator, model, data, tas
     model needs too (``--init_from``'s weights, ``transforms/finetune.py``'s, ``task``'s layout: ``MODEL_CONVERTERS``).
     ``setup`` and a trained run's evaluation (``inference.py``) build it here."""
     if model is None:
-        model = build_configured_model(cfg, data)
+        model = build_configured_model(section_of(cfg, ModelOptions), data)
     elif cfg.attn_implementation is not None:
         set_attn_implementation(model, cfg.attn_implementation)
     if accelerator.is_fsdp2:  # before anything is built on it: what FSDP2 cannot shard or cast

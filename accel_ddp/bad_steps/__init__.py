@@ -38,7 +38,7 @@ the bad steps' updates left out; ``anomalies.json`` holds those steps, so a resu
 The step's device-side hooks stay in ``step/`` (the guarded update, the poisoned loss, a skipped step's loss kept
 off the log): they run inside the step, between its backward and its update; what they consult is decided here.
 
-    stops.py   BadStepOptions (the room's section of TrainConfig); the words and exceptions of a stop, one family
+    stops.py   BadStepOptions (the room's section of the options); the words and exceptions of a stop, one family
     watch.py   LossWatch: the first nan/inf loss, found on the device; --debug's trace of the operation that made it
     guard.py   AnomalyGuard: --on_anomaly skip|rollback and --spike_factor's decisions, anomalies.json
     room.py    BadSteps: the one entry, built by setup, given to the step, called by AfterStep

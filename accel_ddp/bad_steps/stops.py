@@ -1,4 +1,4 @@
-"""What every part of the room shares: the options it reads (its section of TrainConfig) and the words and
+"""What every part of the room shares: the options it reads (its typed section) and the words and
 exceptions of a bad step that ends or rewinds the run.
 
 One family: ``NonFiniteLoss`` (lifecycle/non_finite.py, where failure.py maps it to exit code 3) is raised for a

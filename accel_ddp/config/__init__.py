@@ -14,6 +14,8 @@
 - ``plan``: a run's ``Plan`` (the batch layout, total steps) and ``Cadence`` (when to log, evaluate, save),
   derived once by ``assemble.setup`` (``plan_run``);
 - ``views``: typed sections of TrainConfig (``config_section``, ``section_of``): what a component reads, and only that;
+- ``saved``: a trained run's config.yaml read back (``saved_config``) and made ready to evaluate
+  (``evaluation_config``); ``REPLAYED_KEYS``, what a run adds to it beside its options;
 - ``choices``: the vocabulary: allowed values, limits, the Hugging Face aliases, renamed flags, store schemes.
 
 The command line and the ``--config`` YAML recipe are read by ``accel_ddp/cli/args.py``. No torch here, so that

@@ -36,3 +36,15 @@ def largest_micro_batch(global_batch_size: int, world_size: int, at_most: int | 
     share = global_batch_size // world_size
     at_most = share if at_most is None else max(1, min(at_most, share))
     return next(size for size in range(at_most, 0, -1) if share % size == 0)
+
+
+def auto_batch_cap(per_device_batch_size: int | str | None) -> int | None:
+    """The CAP of ``--per_device_batch_size auto:CAP`` (the probe starts at most there); None for plain ``auto`` or a
+    fixed size.
+
+        >>> auto_batch_cap("auto:16"), auto_batch_cap("auto"), auto_batch_cap(8)
+        (16, None, None)
+    """
+    if not isinstance(per_device_batch_size, str) or ":" not in per_device_batch_size:
+        return None
+    return int(per_device_batch_size.partition(":")[2])

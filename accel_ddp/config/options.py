@@ -43,7 +43,7 @@ from accel_ddp.config.choices import (
     _opt,
 )
 from accel_ddp.config.dependents import check_dependents
-from accel_ddp.config.layout import accumulation_steps, largest_micro_batch
+from accel_ddp.config.layout import accumulation_steps, auto_batch_cap, largest_micro_batch
 from accel_ddp.util.validation import INT_MAX, ConfigError, check_range, checked_type, show
 
 
@@ -416,9 +416,7 @@ class TrainConfig:
     @property
     def auto_batch_cap(self) -> int | None:
         """The CAP of ``auto:CAP`` (the probe starts at most there); None for plain ``auto`` or a fixed size."""
-        if not self.auto_batch or ":" not in self.per_device_batch_size:
-            return None
-        return int(self.per_device_batch_size.partition(":")[2])
+        return auto_batch_cap(self.per_device_batch_size)
 
     def _resolve_accumulation(self, world_size: int) -> None:
         """--gradient_accumulation_steps N (the Hugging Face meaning): global = world x per-device x N.

@@ -131,12 +131,12 @@ class SeenCounter:
 
 def _evaluate_lm(world: int, count: int = 23, batch_size: int = 4) -> list[dict]:
     def fn():
+        from accel_ddp.assemble import build_world
         from accel_ddp.data.loaders import build_eval_loader
-        from accel_ddp.distributed.world import build_accelerator
         from accel_ddp.evaluation import evaluate
         from accel_ddp.tasks.protocol import build_task
 
-        accelerator, _, _ = build_accelerator(TrainConfig(global_batch_size=2))
+        accelerator, _, _ = build_world(TrainConfig(global_batch_size=2))
         torch.manual_seed(0)
         model = accelerator.prepare(tiny_gpt())
         loader = accelerator.prepare(build_eval_loader(Sequences(count, seed=1), batch_size, 0, PadCollate(0)))
