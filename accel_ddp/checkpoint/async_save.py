@@ -85,9 +85,9 @@ class AsyncSaver:
                 shutil.rmtree(tmp, ignore_errors=True)
             why, bug = problems[0]
             if bug == "store":
-                raise ConfigError(why)  # storage.StoreError: the store refused the run (its lock lost)
+                raise ConfigError(why)  # store_calls.StoreError: the store refused the run (its lock lost)
             if bug == "store-failed":
-                raise ServiceFailure(why)  # storage.StoreFailed: the store failed mid-run (exit 1)
+                raise ServiceFailure(why)  # store_calls.StoreFailed: the store failed mid-run (exit 1)
             if bug:
                 raise RuntimeError(f"the checkpoint writer of step {step} failed: {why}")
             raise WriteFailed(self.manager._cannot_save(step, why))

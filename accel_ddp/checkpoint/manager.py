@@ -22,8 +22,8 @@ own ``total_limit`` rotation is not used: it deletes the oldest checkpoint befor
 written, and writes in place. With ``--checkpoint_dir URL`` the sealed checkpoints live in an object
 store instead (``storage.py``): each save is staged in ``OUTPUT_DIR/checkpoints``, uploaded, then sealed.
 
-Resuming (``CheckpointManager.resume``): ``auto`` takes the newest folder that ``read_checkpoint``
-trusts (``manifest.py``: files match ``checkpoint.json``, which lists every file the format needs;
+Resuming (``CheckpointManager.resume``; which checkpoint: ``choice.py``): ``auto`` takes the newest folder that
+``read_checkpoint`` trusts (``manifest.py``: files match ``checkpoint.json``, which lists every file the format needs;
 its step is the folder's and the scheduler's; every rank's RNG file applies); a damaged one is
 skipped with a warning, an explicit damaged path is exit 2. After ``load_state`` every rank checks
 that its generators are those of its RNG file (Accelerate skips one it cannot apply without a word),
@@ -51,6 +51,7 @@ from accelerate import Accelerator
 from accelerate.utils import gather_object
 
 from accel_ddp.checkpoint.async_save import AsyncSaver, check_async_checkpointing
+from accel_ddp.checkpoint.choice import CheckpointChoice
 from accel_ddp.checkpoint.hyperparameters import HYPERPARAMETERS, check_compatible, flags_in_force  # noqa: F401
 from accel_ddp.checkpoint.manifest import (  # noqa: F401 - CorruptCheckpoint, checkpoint_name, ...: this module's interface too
     _STEP_DIR,
@@ -63,7 +64,8 @@ from accel_ddp.checkpoint.manifest import (  # noqa: F401 - CorruptCheckpoint, c
     rng_not_restored,
     unsafe_file,
 )
-from accel_ddp.checkpoint.storage import DEFAULT_STORE_TIMEOUT, StoreError, StoreFailed, open_store
+from accel_ddp.checkpoint.storage import DEFAULT_STORE_TIMEOUT, open_store
+from accel_ddp.checkpoint.store_calls import StoreError, StoreFailed
 from accel_ddp.checkpoint.train_state import TrainState
 from accel_ddp.lifecycle.failure import main_process_decides
 from accel_ddp.outputs.files import (
@@ -74,7 +76,7 @@ from accel_ddp.outputs.files import (
     relative_files,
     write_failure,
 )
-from accel_ddp.outputs.names import CHECKPOINTS_DIR, MARKER_NAME, SUMMARY_NAME
+from accel_ddp.outputs.names import CHECKPOINTS_DIR
 from accel_ddp.util.atomic import follow_umask
 from accel_ddp.util.messages import first_line, say, warn
 from accel_ddp.util.validation import ConfigError
@@ -106,6 +108,7 @@ class CheckpointManager:
         self.root = self.store.root
         self.keep_last = keep_last
         self.run_facts = dict(run_facts)
+        self.choice = CheckpointChoice(self.store, self.run_facts, self.staging)  # which checkpoint a resume loads
         self.last_saved_step: int | None = None
         self.last_saved_folder: str | None = None  # the newest checkpoint this run saved or resumed from
         self.best = state.best  # its records go into checkpoint.json, its checkpoint is never pruned
@@ -254,7 +257,7 @@ class CheckpointManager:
         self.wait()
         unsafe: list[str] = []  # auto: checkpoints whose load a safe unpickler refused, passed over
         while True:
-            choice = self._on_main_then_all(lambda: self._choose(spec, unsafe))
+            choice = self._on_main_then_all(lambda: self.choice.choose(spec, unsafe))
             if choice is None:
                 return 0
             folder, local, meta = choice  # local: the folder itself, or its copy downloaded from the store
@@ -319,98 +322,6 @@ class CheckpointManager:
         warn(f"the resume from {folder} is not exact: {'; '.join(why)}; random layers such as dropout and random "
               f"augmentation on those ranks differ from the original run's from step {meta['step']} on (weights, "
               "optimizer, schedule and data position are restored exactly)")
-
-    def _choose(self, spec: str, unsafe: list[str] = ()) -> tuple[str, str, dict[str, Any]] | None:
-        """``(folder, local copy, checkpoint.json)`` of the checkpoint to resume, or None (auto, nothing saved);
-        ``unsafe``: folders ``auto`` passed over already (their load was refused)."""
-        if spec == "auto":
-            candidates = self.store.sealed()
-            for folder in self.store.unsealed() if not unsafe else ():  # an interrupted upload (said once)
-                warn(f"ignoring {folder}: it has no {MARKER_NAME}, so its save never finished")
-            if not candidates:
-                say(f"no checkpoint in {self.root}; starting from scratch")
-                return None
-            for _, folder in reversed(candidates):
-                if folder in unsafe:
-                    continue
-                try:
-                    local, meta = self._verified(folder)
-                except CorruptCheckpoint as err:
-                    warn(f"skipping a damaged checkpoint: {err}; falling back to the previous one")
-                    continue
-                self._check_within_run(folder, meta)
-                return folder, local, meta
-            raise ConfigError(f"--resume_from_checkpoint auto: all {len(candidates)} checkpoints in {self.root} "
-                              "are damaged or unsafe (see the warnings above); move them away to start from scratch")
-        if self.store.remote and self.store.is_own(spec):
-            try:
-                local, meta = self._verified(spec)
-            except CorruptCheckpoint as err:
-                raise ConfigError(f"--resume_from_checkpoint {spec}: {err}; resume from an older checkpoint, or use "
-                                  "auto, which skips damaged ones") from None
-            self._check_within_run(spec, meta)
-            self._refuse_to_overwrite_newer(spec, meta["step"])
-            return spec, local, meta
-        if not os.path.isdir(spec):
-            raise ConfigError(f"--resume_from_checkpoint {spec}: no such folder; give a checkpoint folder "
-                              f"(e.g. {os.path.join(self.root, checkpoint_name(100))}) or auto")
-        if not os.path.isfile(os.path.join(spec, MARKER_NAME)) and os.path.isdir(os.path.join(spec, CHECKPOINTS_DIR)):
-            raise ConfigError(f"--resume_from_checkpoint {spec} is a run folder; give one of its "
-                              f"{CHECKPOINTS_DIR}/step_* folders, or --output_dir {spec} with auto")
-        try:
-            meta = read_checkpoint(spec)
-        except CorruptCheckpoint as err:
-            raise ConfigError(f"--resume_from_checkpoint {spec}: {err}; resume from an older checkpoint, or use "
-                              "auto, which skips damaged ones") from None
-        self._check_within_run(spec, meta)
-        self._refuse_to_mix_runs(spec)
-        self._refuse_to_overwrite_newer(spec, meta["step"])
-        return spec, spec, meta
-
-    def _verified(self, folder: str) -> tuple[str, dict[str, Any]]:
-        """The checkpoint's local copy (the folder itself on disk) and its checkpoint.json, once it proves whole;
-        a CorruptCheckpoint names the store's object, not the downloaded copy."""
-        local = self.store.local_copy(folder)
-        try:
-            return local, read_checkpoint(local)
-        except CorruptCheckpoint as err:
-            if local == folder:
-                raise
-            raise CorruptCheckpoint(str(err).replace(local, folder)) from None
-
-    def _refuse_to_mix_runs(self, spec: str) -> None:
-        """Branching off another run's checkpoint goes into a folder of its own: this folder's checkpoints,
-        metrics and final outputs would otherwise be rewound, mixed with that run's, pruned or overwritten."""
-        if self.store.is_own(spec):
-            return  # one of this folder's own checkpoints
-        output_dir = os.path.dirname(self.staging)
-        held = [f"{CHECKPOINTS_DIR}/"] if self.store.sealed() else []
-        held += [SUMMARY_NAME] if os.path.isfile(os.path.join(output_dir, SUMMARY_NAME)) else []
-        if held:
-            raise ConfigError(f"--resume_from_checkpoint {spec} belongs to another run, and --output_dir {output_dir} "
-                              f"already holds one ({', '.join(held)}); branch off into an empty --output_dir")
-
-    def _check_within_run(self, folder: str, meta: dict[str, Any]) -> None:
-        """A checkpoint past this run's last step belongs to a longer run: resuming an older one instead would
-        overwrite that run's model.safetensors and summary.json, so refuse rather than skip it."""
-        total = self.run_facts.get("total_steps")
-        if total is not None and meta["step"] > total:
-            raise ConfigError(f"--resume_from_checkpoint {folder}: it holds step {meta['step']}, past this run's "
-                              f"last step {total} (were --epochs or --max_steps lowered?); resume with the options "
-                              "of the run that saved it, or give another --output_dir")
-
-    def _refuse_to_overwrite_newer(self, spec: str, step: int) -> None:
-        """Going back to an older checkpoint would overwrite (and prune) this folder's intact newer ones."""
-        for newer_step, folder in self.store.sealed():
-            if newer_step <= step:
-                continue
-            try:
-                self._verified(folder)
-            except CorruptCheckpoint:
-                continue  # damaged: auto would skip it too; it is set aside, not deleted, if this run reaches it
-            raise ConfigError(f"--resume_from_checkpoint {spec}: {self.root} holds a newer checkpoint, "
-                              f"{os.path.basename(folder)}, that this run would overwrite; continue from the newest "
-                              "with auto, or give this run another --output_dir")
 
     def local_folder(self, step: int) -> str:
         """Collective: a local folder holding the checkpoint of ``step`` (downloaded from a store by the main

@@ -22,7 +22,6 @@ import torch
 import yaml
 
 from accel_ddp.checkpoint.manager import (
-    MARKER_NAME,
     CheckpointManager,
     CorruptCheckpoint,
     list_checkpoints,
@@ -31,6 +30,7 @@ from accel_ddp.checkpoint.manager import (
 from accel_ddp.checkpoint.train_state import TrainState
 from accel_ddp.cli.train import main
 from accel_ddp.outputs.files import file_sha256
+from accel_ddp.outputs.names import MARKER_NAME
 from accel_ddp.tracking.recorder import RunRecorder
 from tests.helpers.checkpoints import assert_same_weights, plant_pickle, steps_of
 from tests.helpers.files import CHECKPOINTED_ARGS as ARGS

@@ -34,7 +34,6 @@ import torch
 from safetensors.torch import save_file
 
 from accel_ddp.checkpoint.manager import (
-    MARKER_NAME,
     CheckpointManager,
     CorruptCheckpoint,
     list_checkpoints,
@@ -43,6 +42,7 @@ from accel_ddp.checkpoint.manager import (
 from accel_ddp.checkpoint.train_state import TrainState
 from accel_ddp.cli.train import main
 from accel_ddp.lifecycle.preemption import PreemptionWatcher
+from accel_ddp.outputs.names import MARKER_NAME
 from tests.helpers import faults
 from tests.helpers.checkpoints import assert_same_weights, steps_of
 from tests.helpers.multiproc import RankFailed, run_ranks
