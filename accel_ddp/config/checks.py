@@ -1,21 +1,30 @@
-"""The checks of options that go together, called by ``TrainConfig.__post_init__`` (``cfg``: a TrainConfig):
-one ``ConfigError`` line each."""
+"""The checks ``TrainConfig.__post_init__`` calls (``cfg``: a TrainConfig): known values, sizes that fit, the options
+that go together, the waits that must end before --ddp_timeout; one ``ConfigError`` line each."""
 
 from __future__ import annotations
 
 import dataclasses
 import importlib.util
 import json
+import math
 import os
 from typing import Any
 
 from accel_ddp.config.choices import (
     ATTN_IMPLEMENTATIONS,
+    BOUNDED_TRACKER_CALLS,
+    COMM_HOOKS,
+    LOADERS,
+    LR_SCHEDULES,
     MIXED_PRECISIONS,
+    MODEL_STATE_MAX_BYTES,
+    ON_ANOMALY,
     PATH_FLAGS,
     PEFT_METHODS,
     REPORT_TO,
+    RESNET18_PARAMS_AT_WIDTH_64,
     STORE_PACKAGES,
+    SYNTHETIC_MAX_BYTES,
     TASKS,
     TEXT_TASKS,
     URL_SCHEME,
@@ -296,3 +305,90 @@ def _check_cuda_graphs(cfg: Any) -> None:
     for name, clash in clashes.items():
         if clash:
             raise ConfigError(f"--cuda_graphs cannot keep its guarantees here: {why[name]}; drop one of them")
+
+
+def _check_values(cfg: Any) -> None:
+    """Known choices, a positive --lr, something to train, no empty name."""
+    for name, choices in (("loader", LOADERS), ("lr_schedule", LR_SCHEDULES),
+                          ("ddp_comm_hook", COMM_HOOKS), ("on_anomaly", ON_ANOMALY)):
+        if getattr(cfg, name) not in choices:
+            raise ConfigError(f"--{name} {show(getattr(cfg, name))} is unknown; "
+                              f"choose one of {', '.join(choices)}")
+    if not cfg.lr > 0:
+        raise ConfigError(f"--lr must be > 0, got {cfg.lr}; try --lr 3e-3")
+    if cfg.epochs == 0 and cfg.max_steps is None:
+        raise ConfigError("--epochs is 0 and --max_steps is not set: nothing to train; set one of them")
+    for name in ("dataset", "model", "output_dir"):
+        if not getattr(cfg, name).strip():
+            raise ConfigError(f"--{name} is empty; give a {'folder' if name == 'output_dir' else 'name'}")
+
+
+def _checkpointing_steps(value: Any) -> str | None:
+    """--checkpointing_steps as text: a positive step count or ``epoch`` (None: no scheduled saves)."""
+    if value is None:
+        return None
+    value = str(value)
+    if value != "epoch" and not (value.isascii() and value.isdigit() and len(value) <= 10
+                                 and 0 < int(value) <= INT_MAX):
+        raise ConfigError(f"--checkpointing_steps must be a positive step count or 'epoch', got {show(value)}")
+    return value
+
+
+def _check_sizes(cfg: Any) -> None:
+    """A positive --synthetic_shape, and sizes whose memory is known before anything is built: refuse what cannot
+    fit (see the *_MAX_BYTES)."""
+    if not cfg.synthetic_shape or any(d < 1 for d in cfg.synthetic_shape):
+        raise ConfigError(f"--synthetic_shape must be one or more positive sizes, got "
+                          f"{show(list(cfg.synthetic_shape))}; e.g. --synthetic_shape 1 28 28")
+    mlp = cfg.hidden_size**2  # the hidden-to-hidden layer alone
+    resnet = RESNET18_PARAMS_AT_WIDTH_64 * (cfg.width / 64) ** 2
+    for name, params in (("hidden_size", mlp), ("width", resnet)):
+        if 16 * params > MODEL_STATE_MAX_BYTES:
+            raise ConfigError(f"--{name} {getattr(cfg, name)} is too large: ~{params:.2g} parameters need "
+                              f"~{_gib(16 * params)} for weights, gradients and AdamW state (at most "
+                              f"{_gib(MODEL_STATE_MAX_BYTES)}); use a smaller --{name}")
+    shape = " ".join(map(str, cfg.synthetic_shape))
+    one_sample = math.prod(cfg.synthetic_shape)
+    for name, rows in (("synthetic_samples", cfg.synthetic_samples + cfg.synthetic_samples // 4),
+                       ("synthetic_classes", cfg.synthetic_classes)):  # inputs; the labelling teacher
+        if 4 * one_sample * rows > SYNTHETIC_MAX_BYTES:
+            raise ConfigError(f"--{name} {getattr(cfg, name)} with --synthetic_shape {shape} needs "
+                              f"~{_gib(4 * one_sample * rows)} of float32 on every rank (at most "
+                              f"{_gib(SYNTHETIC_MAX_BYTES)}); lower --{name} or the shape")
+
+
+def _check_spike(cfg: Any) -> None:
+    """--spike_factor: above 1, and not with --on_anomaly skip."""
+    if cfg.spike_factor and cfg.on_anomaly == "skip":  # a spike is seen at a log line, after its updates
+        raise ConfigError(f"--spike_factor {cfg.spike_factor:g} with --on_anomaly skip: a spike is found at a "
+                          "log line, once its steps are trained; use --on_anomaly rollback (or stop)")
+    if cfg.spike_factor and cfg.spike_factor <= 1:
+        raise ConfigError(f"--spike_factor must be > 1 (a loss that many times the median), got "
+                          f"{cfg.spike_factor:g}; e.g. --spike_factor 3, or 0 for no spike check")
+
+
+def _check_timeouts(cfg: Any) -> None:
+    """The waits that must end before --ddp_timeout fails a collective on every rank, naming nothing."""
+    if cfg.with_tracking and "all" not in cfg.report_to.split(","):  # `all`: checked once it is resolved
+        check_tracker_wait(cfg, len(cfg.report_to.split(",")))
+    if cfg.checkpoint_dir and cfg.store_timeout >= cfg.ddp_timeout:  # the other ranks wait for the main's call
+        raise ConfigError(f"--store_timeout {cfg.store_timeout:g} s is not less than --ddp_timeout "
+                          f"{cfg.ddp_timeout} s: the other ranks' wait for a save would fail first, without "
+                          "naming the store; lower --store_timeout or raise --ddp_timeout")
+    if cfg.hang_timeout and cfg.hang_timeout >= cfg.ddp_timeout:  # a collective's timeout would come first
+        raise ConfigError(f"--hang_timeout {cfg.hang_timeout:g} s is not less than --ddp_timeout "
+                          f"{cfg.ddp_timeout} s: a hang would end in a collective's timeout, naming no line; "
+                          "lower --hang_timeout or raise --ddp_timeout")
+
+
+def check_tracker_wait(cfg: Any, trackers: int) -> None:
+    """The other ranks' wait for ``trackers`` trackers' start must end before --ddp_timeout fails their
+    broadcast: a collective timeout on every rank instead of the one line naming the tracker."""
+    longest = cfg.tracker_start_timeout * BOUNDED_TRACKER_CALLS * trackers
+    if longest >= cfg.ddp_timeout:
+        raise ConfigError(
+            f"--tracker_start_timeout {cfg.tracker_start_timeout:g} s with {trackers} tracker(s) can keep the "
+            f"other ranks waiting {longest:g} s (each tracker's start, its config and, after a failed start, its "
+            f"close, in turn), not less than --ddp_timeout {cfg.ddp_timeout} s; lower --tracker_start_timeout "
+            f"below {cfg.ddp_timeout / (BOUNDED_TRACKER_CALLS * trackers):g} or raise --ddp_timeout above "
+            f"{longest:g}")

@@ -154,3 +154,11 @@ STORE_PACKAGES = {"s3": ("s3fs", "s3"), "gs": ("gcsfs", "gcs"), "gcs": ("gcsfs",
 # other ranks wait in one broadcast (tracking/recorder.py, ``start_trackers``): its start, its config (Accelerate's
 # ``init_trackers`` starts every tracker, then gives each the config) and, after a failed start, its close.
 BOUNDED_TRACKER_CALLS = 3
+
+
+def new_spelling(options: dict[str, Any]) -> str:
+    """The flags for an ``EXPANDED_VALUES`` entry: ``{"with_tracking": True, "report_to": "csv"}`` ->
+    ``--with_tracking --report_to csv``."""
+    flags = [f"--{key}" if value is True else f"--{key} {value}"
+             for key, value in options.items() if value is not False]
+    return " ".join(flags) or " ".join(f"--{key} false" for key in options)
