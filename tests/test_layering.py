@@ -230,3 +230,59 @@ def test_a_planted_import_cycle_is_found(tmp_path):
     assert _against(edges) == set() and _cycle(_edges(ROOT)) is None
     assert _cycle(edges) in (["accel_ddp.util.atomic", "accel_ddp.util.ranks", "accel_ddp.util.atomic"],
                              ["accel_ddp.util.ranks", "accel_ddp.util.atomic", "accel_ddp.util.ranks"])
+
+
+# Sizes (docs/development.md, "Style"): a module past this many lines does two jobs, a function past 80 is two
+# functions, and the package's root keeps the loop's story (the rest lives in subpackages).
+MAX_MODULE_LINES = 420
+MAX_FUNCTION_LINES = 80
+MAX_ROOT_MODULES = 12
+
+
+def _long_modules(root: Path = ROOT) -> dict[str, int]:
+    """The package's modules over MAX_MODULE_LINES: path -> lines."""
+    sizes = {str(path.relative_to(root)): len(path.read_text(encoding="utf-8").splitlines())
+             for path in root.rglob("*.py")}
+    return {path: lines for path, lines in sizes.items() if lines > MAX_MODULE_LINES}
+
+
+def _long_functions(root: Path = ROOT) -> dict[str, int]:
+    """The package's functions and methods over MAX_FUNCTION_LINES (from ``def`` to their last line, docstring
+    included; a nested function counts within its own and on its own): "path:line name" -> lines."""
+    found = {}
+    for path in root.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    found[f"{path.relative_to(root)}:{node.lineno} {node.name}"] = lines
+    return found
+
+
+def _crowded_root(root: Path = ROOT) -> list[str]:
+    """The package's root modules where they are more than MAX_ROOT_MODULES (else [])."""
+    modules = sorted(path.name for path in root.glob("*.py"))
+    return modules if len(modules) > MAX_ROOT_MODULES else []
+
+
+def test_no_module_is_over_420_lines_and_no_function_over_80():
+    assert _long_modules() == {}, "split the module by job (docs/development.md's module map says where)"
+    assert _long_functions() == {}, "a function past 80 lines is two functions"
+
+
+def test_at_most_12_modules_at_the_package_root():
+    assert (ROOT / "loop.py").is_file() and _crowded_root() == []
+
+
+def test_a_planted_long_module_long_function_and_crowded_root_are_found(tmp_path):
+    """The checks themselves: a module grown past 420 lines, a function of 81 lines and enough new root modules
+    to make 13 are reported, and nothing else."""
+    long_function = "\n\ndef _planted():\n" + "    x = 1\n" * MAX_FUNCTION_LINES  # def + 80: 81 lines
+    extra = MAX_ROOT_MODULES + 1 - len(list(ROOT.glob("*.py")))
+    copy = _planted(tmp_path, {"util/atomic.py": "# planted\n" * MAX_MODULE_LINES, "config/layout.py": long_function,
+                               **{f"planted_{n}.py": "" for n in range(extra)}})
+    lines = len((copy / "util" / "atomic.py").read_text(encoding="utf-8").splitlines())
+    assert _long_modules(copy) == {"util/atomic.py": lines}
+    assert [(name.split(":")[0], lines) for name, lines in _long_functions(copy).items()] == \
+        [("config/layout.py", MAX_FUNCTION_LINES + 1)]
+    assert len(_crowded_root(copy)) == MAX_ROOT_MODULES + 1 and "planted_0.py" in _crowded_root(copy)
