@@ -28,7 +28,6 @@ from collections.abc import Callable
 from typing import Any, NoReturn
 
 import torch
-from tqdm.auto import tqdm
 
 from accel_ddp.anomaly import AnomalyGuard, RolledBack
 from accel_ddp.assemble import Run
@@ -39,6 +38,7 @@ from accel_ddp.step.graph import CudaGraphs
 from accel_ddp.step.losses import LossAccumulator
 from accel_ddp.step.train_step import TrainStep
 from accel_ddp.tracking.step_log import StepLog
+from accel_ddp.util.messages import write
 from accel_ddp.util.validation import ConfigError
 
 
@@ -227,7 +227,7 @@ def evaluate_and_log(run: Run, step: int, epoch: int) -> dict[str, Any]:
     if run.accelerator.is_main_process:
         shown = " ".join(f"{k} {v:.4f}" for k, v in metrics.items() if isinstance(v, float))
         shown = shown if metrics.get("eval_loss") is not None else f"no eval items {shown}".strip()  # a null loss
-        tqdm.write(f"step {step} epoch {epoch}: {shown} ({metrics['eval_samples']} samples)")
+        write(f"step {step} epoch {epoch}: {shown} ({metrics['eval_samples']} samples)", above_bar=True)
     return metrics
 
 

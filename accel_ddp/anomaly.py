@@ -34,6 +34,7 @@ import torch
 from accel_ddp.lifecycle.non_finite import NonFiniteLoss
 from accel_ddp.outputs.names import ANOMALIES_NAME
 from accel_ddp.util.atomic import atomic_write_text
+from accel_ddp.util.messages import say
 from accel_ddp.util.validation import ConfigError
 
 
@@ -226,8 +227,8 @@ class AnomalyGuard:
         if self.main:
             done = (f"rolled every rank back to {checkpoint}, leaving out step {steps}" if action == "rollback"
                     else "skipped its update on every rank")
-            print(f"accel_ddp: anomaly: {kind.replace('_', '-')} at optimizer step {steps} ({found[0][1]}); {done} "
-                  f"({self.in_a_row} in a row, at most --max_anomalies {self.max_anomalies})", flush=True)
+            say(f"anomaly: {kind.replace('_', '-')} at optimizer step {steps} ({found[0][1]}); {done} "
+                f"({self.in_a_row} in a row, at most --max_anomalies {self.max_anomalies})")
         if action == "rollback":
             raise RolledBack(checkpoint, last_saved[0])
 

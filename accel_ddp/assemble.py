@@ -8,7 +8,6 @@ A preemption signal during start-up stops every rank together at the end of the 
 from __future__ import annotations
 
 import os
-import sys
 import time
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -326,7 +325,7 @@ def _join(cfg: TrainConfig, teardown: ExitStack, preemption: PreemptionWatcher) 
         main_process_decides(accelerator, lambda: check_store(cfg.checkpoint_dir))
     check_shared_output_dir(accelerator, cfg.output_dir)  # several machines: one folder for all of them
     if accelerator.is_main_process and (hazard := restart_hazard()):
-        print(f"accel_ddp: warning: {hazard}", file=sys.stderr, flush=True)
+        warn(hazard)
     return accelerator, per_device_batch, accumulation
 
 

@@ -160,9 +160,9 @@ class CheckpointManager:
         if problems:
             if acc.is_main_process:
                 shutil.rmtree(tmp, ignore_errors=True)
-            raise WriteFailed(self._cannot_save(step, problems[0]))
-        self._on_main_then_all(lambda: self._writing(step, tmp, lambda: (self._seal(tmp, final, step),
-                                                                         self._prune(keep=final))))
+            raise WriteFailed(self.cannot_save(step, problems[0]))
+        self._on_main_then_all(lambda: self._writing(step, tmp, lambda: (self.seal(tmp, final, step),
+                                                                         self.prune(keep=final))))
         self.last_saved_step, self.last_saved_folder = step, final
         return final
 
@@ -201,9 +201,11 @@ class CheckpointManager:
             if why is None:
                 raise
             shutil.rmtree(tmp, ignore_errors=True)
-            raise WriteFailed(self._cannot_save(step, why)) from err
+            raise WriteFailed(self.cannot_save(step, why)) from err
 
-    def _cannot_save(self, step: int, why: str) -> str:
+    def cannot_save(self, step: int, why: str) -> str:
+        """The one line of a save of ``step`` that failed for ``why`` (a write refused here, or on the async saver's
+        thread): the fix, and the last checkpoint that is still intact."""
         intact = f" ({os.path.basename(self.last_saved_folder)}, the last checkpoint, is intact)" \
             if self.last_saved_folder else ""
         fix = WRITABLE_FIX if why.startswith(READ_ONLY) else \
@@ -211,7 +213,9 @@ class CheckpointManager:
         return f"cannot save the checkpoint of step {step} in {self.root}: {why}; {fix}, then resume with " \
                f"--resume_from_checkpoint auto{intact}"
 
-    def _seal(self, tmp: str, final: str, step: int) -> None:
+    def seal(self, tmp: str, final: str, step: int) -> None:
+        """Main process, once every rank wrote ``tmp``: its files' sizes and hashes into ``checkpoint.json``, written
+        last, and the folder made ``final`` (the store's seal); the synchronous save's and the async saver's."""
         follow_umask(tmp)  # Accelerate's model.safetensors is 0600 (safetensors' own write), the rest follow the umask
         files = {name: fingerprint(os.path.join(tmp, name)) for name in relative_files(tmp)}
         steps_per_epoch = self.run_facts["steps_per_epoch"]
@@ -220,7 +224,7 @@ class CheckpointManager:
                 "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "files": files, **self._records}
         self.store.seal(tmp, final, meta)  # checkpoint.json last: on disk fsynced then renamed, in a store uploaded
 
-    def _prune(self, keep: str) -> None:
+    def prune(self, keep: str) -> None:
         """Delete all but the newest ``keep_last`` checkpoints up to ``keep`` (the one just saved).
 
         Newer ones are never ours to delete: they can only be damaged ones that ``auto`` skipped (a resume

@@ -17,7 +17,7 @@ from typing import NoReturn
 
 from accel_ddp.lifecycle import failure, refusal
 from accel_ddp.outputs.trained import find_trained
-from accel_ddp.util.messages import say
+from accel_ddp.util.messages import say, write
 from accel_ddp.util.ranks import is_first_rank
 from accel_ddp.util.validation import ConfigError
 
@@ -61,7 +61,7 @@ def main(args: argparse.Namespace) -> int:
 
             result = evaluate(trained, args.out)
             if is_first_rank():
-                print(json.dumps(result, indent=2), flush=True)
+                write(json.dumps(result, indent=2))
         else:
             from accel_ddp.inference import predict
 

@@ -41,7 +41,6 @@ import contextlib
 import json
 import os
 import signal
-import sys
 import threading
 import time
 import traceback
@@ -52,7 +51,7 @@ from typing import Any
 from accel_ddp.lifecycle.peers import close_peer_connections, rank_store
 from accel_ddp.lifecycle.transport import LOST, STOPPED, Said, peer_message
 from accel_ddp.util.atomic import atomic_write_text
-from accel_ddp.util.messages import error_line, first_line
+from accel_ddp.util.messages import error_line, first_line, write
 from accel_ddp.util.ranks import launch_rank, launch_world_size
 from accel_ddp.util.validation import ConfigError, LaunchError, ServiceFailure, UserCodeFailed
 
@@ -346,8 +345,7 @@ def main_process_decides(state: Any, decide: Callable[[], Any]) -> Any:
 
 def print_report(text: str) -> None:
     """``text`` on stderr in one write: another process's output cannot land inside a line of it."""
-    sys.stderr.write(text)
-    sys.stderr.flush()
+    write(text, err=True, end="")
 
 
 def write_error_file(message: str, callstack: str | None = None) -> None:

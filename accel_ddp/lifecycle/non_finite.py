@@ -7,14 +7,13 @@ micro-step) is decided in one place, ``accel_ddp/after_step.py``; this module ho
 
 from __future__ import annotations
 
-import sys
 import warnings
 
 import torch
 from accelerate import Accelerator
 from accelerate.utils import gather_object
 
-from accel_ddp.util.messages import first_line
+from accel_ddp.util.messages import first_line, say
 
 EXIT_NON_FINITE = 3  # not 75 (preempted): a relaunch would diverge again
 
@@ -99,5 +98,5 @@ def trace_non_finite(accelerator: Accelerator, model: torch.nn.Module, loss: tor
             except RuntimeError as err:
                 found = f" ({first_line(err)})"
         for trace in traces:
-            print(f"accel_ddp: rank {accelerator.process_index}: {trace.message}", file=sys.stderr, flush=True)
+            say(f"rank {accelerator.process_index}: {trace.message}", err=True)
     return next((text for text in gather_object([found]) if text), "")  # collective

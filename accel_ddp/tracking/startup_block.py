@@ -15,12 +15,12 @@ Plain values only (no torch): the loop gathers them, this module says them and s
 from __future__ import annotations
 
 import os
-import sys
 from dataclasses import dataclass, field
 from typing import Any
 
 from accel_ddp.config import DEBUG_MAX_STEPS
 from accel_ddp.util.cpu_bf16 import cpu_bf16_verdict, cpu_has_bf16_units, read_cpuinfo
+from accel_ddp.util.messages import warn, write
 
 HEADER = "accel_ddp: ***** Running training *****"
 SOURCES = {"in_memory": "data in memory", "memory_mapped": "memory-mapped (read per batch)",
@@ -90,9 +90,9 @@ class StartupBlock:
     def say(self, is_main: bool) -> None:
         """The start-up block on stdout and its warnings on stderr, once (main process)."""
         if is_main:
-            print(self.text(warnings=False), end="", flush=True)
+            write(self.text(warnings=False), end="")
             for warning in self.warnings:
-                print(f"accel_ddp: warning: {warning}", file=sys.stderr, flush=True)
+                warn(warning)
 
     def as_dict(self) -> dict[str, Any]:
         """config.yaml's ``startup:`` section: the same lines (whole numbers as numbers), the warnings as a list."""

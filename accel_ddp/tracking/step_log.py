@@ -14,9 +14,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from tqdm.auto import tqdm
-
 from accel_ddp.tracking.meters import EpochTimer, StepProfiler, ThroughputMeter, memory_record
+from accel_ddp.util.messages import write
 
 
 class StepLog:
@@ -48,7 +47,7 @@ class StepLog:
                           **self.meter.record(step, tokens, self.losses.logged_steps)})
         run.bar.set_postfix(loss=f"{mean_loss:.4f}", refresh=False)  # shown at the bar's next redraw (<= 0.1 s)
         if run.plan.cadence.log_lines and run.accelerator.is_main_process:  # the Trainer's --logging_steps line
-            tqdm.write(f"step {step} epoch {epoch}: loss {mean_loss:.4f} lr {lr:.4g}")  # above the bar, as eval lines
+            write(f"step {step} epoch {epoch}: loss {mean_loss:.4f} lr {lr:.4g}", above_bar=True)  # as eval lines
 
     def paused(self, step: int) -> None:
         """After an evaluation or a checkpoint: neither is training throughput nor step time."""

@@ -289,7 +289,7 @@ def test_keep_last_never_prunes_checkpoints_newer_than_the_one_saved(tmp_path):
 
     nothing = TrainState(accelerator=Stub(), model=torch.nn.Identity(), optimizer=None, scheduler=None)  # not saved
     manager = CheckpointManager(nothing.accelerator, str(tmp_path), keep_last=1, run_facts={}, state=nothing)
-    manager._prune(keep=str(root / "step_00000020"))  # a run resumed at 10 past damaged 30 and 40
+    manager.prune(keep=str(root / "step_00000020"))  # a run resumed at 10 past damaged 30 and 40
     assert [s for s, _ in list_checkpoints(str(root))] == [20, 30, 40]
 
 
