@@ -31,6 +31,7 @@ import torch
 
 from accel_ddp.anomaly import AnomalyGuard, RolledBack
 from accel_ddp.assemble import Run
+from accel_ddp.config.debug import debug_mode
 from accel_ddp.evaluation import evaluate
 from accel_ddp.lifecycle.non_finite import LossWatch, NonFiniteLoss, trace_non_finite
 from accel_ddp.lifecycle.preemption import Preempted
@@ -52,7 +53,7 @@ class NonFinite:
     def micro_step_check(run: Run, watch: LossWatch) -> Callable[[torch.Tensor, int], None] | None:
         """``--debug``: every micro-step's loss is checked on every rank (a sync per step), so a nan/inf stops the run
         before its backward, with a trace of the operation that made it; None otherwise (checked at sync points)."""
-        if not run.cfg.debug:
+        if not debug_mode(run.cfg).check_micro_steps:
             return None
 
         def check(loss: torch.Tensor, step: int) -> None:
@@ -205,7 +206,6 @@ class AfterStep:
         """Preempted: every rank saves this step (unless ``saved`` already holds it), then stops."""
         checkpoint = saved or self.save(step)
         self.checkpoints.wait()  # --async_checkpointing: the checkpoint is sealed before the exit
-        self.run.bar.close()
         preemption = self.run.preemption
         raise Preempted(preemption.reason, step, checkpoint, signal_name=preemption.signal_name)
 

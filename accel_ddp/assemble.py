@@ -31,6 +31,7 @@ from accel_ddp.checkpoint.start import agree_start
 from accel_ddp.checkpoint.storage import check_store
 from accel_ddp.checkpoint.train_state import Stateful, TrainState
 from accel_ddp.config import TrainConfig
+from accel_ddp.config.debug import debug_mode
 from accel_ddp.config.plan import Plan, plan_run
 from accel_ddp.data import DeviceEvalLoader, DeviceLoader, HostLoader, StreamingLoader, build_loaders, usable_cpus
 from accel_ddp.data.resolve import resolve_data
@@ -194,8 +195,9 @@ def _task_and_data(cfg: TrainConfig, accelerator: Accelerator, user: tuple, give
     loss_fn, metrics, callbacks = user
     if slower := slower_here(accelerator.device.type, compile=cfg.compile, compile_regions=cfg.compile_regions):
         warn(slower, ranks="main")  # off by default here; asked for, it runs, and says what was measured
-    if cfg.debug:
+    if debug_mode(cfg).detect_anomaly:
         torch.autograd.set_detect_anomaly(True)
+    if debug_mode(cfg).deterministic:
         torch.use_deterministic_algorithms(True, warn_only=True)
     set_seed(cfg.seed)  # same model init on every rank; DDP also broadcasts rank 0's weights
     task = configured_task(cfg, loss_fn, metrics)
@@ -230,7 +232,7 @@ def _loaders_and_plan(cfg: TrainConfig, accelerator: Accelerator, data, per_devi
     loaders = build_loaders(
         accelerator, data.train, data.eval, per_device_batch_size=per_device_batch,
         global_batch_size=cfg.global_batch_size, eval_batch_size=cfg.eval_batch_size, loader=cfg.loader,
-        num_workers=0 if cfg.debug else cfg.num_workers, device_loader_max_mb=cfg.device_loader_max_mb,
+        num_workers=debug_mode(cfg).workers(cfg.num_workers), device_loader_max_mb=cfg.device_loader_max_mb,
         collate_fn=data.collate_fn, max_steps=cfg.max_steps,
         memory_limit=data.memory_limit,  # the machine's budget (data/memory_budget.py): device memory left for data
     )

@@ -14,6 +14,7 @@
   -> the fix); one given where nothing would use it is refused in one line;
 - ``plan``: a run's ``Plan`` (the batch layout, total steps) and ``Cadence`` (when to log, evaluate, save),
   derived once by ``assemble.setup`` (``plan_run``);
+- ``debug``: what --debug switches on (``debug_mode(cfg)``: the one place; each module reads its behaviour);
 - ``views``: typed sections of TrainConfig (``config_section``, ``section_of``): what a component reads, and only that;
 - ``choices``: the vocabulary: allowed values, limits, the Hugging Face aliases, renamed flags (``new_spelling``),
   store schemes.

@@ -29,6 +29,7 @@ from accel_ddp.config.choices import (
     TEXT_TASKS,
     URL_SCHEME,
 )
+from accel_ddp.config.debug import debug_mode
 from accel_ddp.util.messages import warn
 from accel_ddp.util.validation import INT_MAX, ConfigError, show
 
@@ -296,7 +297,8 @@ def _check_cuda_graphs(cfg: Any) -> None:
                                          "step (a replay would reuse the captured step's answer)",
            "ddp_static_graph": "--ddp_static_graph rebuilds DDP's buckets on the host after its first steps (a replay "
                                "would keep the captured buckets)"}
-    clashes = {"debug": cfg.debug, "on_anomaly": cfg.on_anomaly != "stop", "streaming": cfg.streaming,
+    clashes = {"debug": debug_mode(cfg).check_micro_steps, "on_anomaly": cfg.on_anomaly != "stop",
+               "streaming": cfg.streaming,
                "compile": cfg.compile, "optimizer": cfg.optimizer != "adamw",
                "ddp_comm_hook": cfg.ddp_comm_hook != "none",
                "loader": cfg.loader == "dataloader" and not cfg.packing,

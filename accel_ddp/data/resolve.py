@@ -13,7 +13,8 @@ from typing import Any, NamedTuple, TypeVar
 from accelerate import Accelerator
 from torch.utils.data import Dataset, IterableDataset, Subset
 
-from accel_ddp.config import DEBUG_MAX_STEPS, TEXT_TASKS, TrainConfig
+from accel_ddp.config import TEXT_TASKS, TrainConfig
+from accel_ddp.config.debug import debug_mode
 from accel_ddp.data import HFSource, build_datasets
 from accel_ddp.data.in_memory import TokenBlocks, without_subsets
 from accel_ddp.data.memory_budget import in_memory_limit
@@ -85,10 +86,11 @@ def resolve_data(cfg: TrainConfig, accelerator: Accelerator, train_dataset, eval
     if eval_dataset is not None and not isinstance(eval_dataset, IterableDataset) and len(eval_dataset) == 0:
         raise ConfigError(f"the eval set ({type(eval_dataset).__name__}) holds no samples, so there is nothing to "
                           "evaluate; give it samples, or train without one (no eval_dataset)")
-    if cfg.debug and not streamed:  # a small subset: errors show up in seconds
-        train_dataset = Subset(train_dataset, range(min(len(train_dataset), DEBUG_MAX_STEPS * cfg.global_batch_size)))
+    debug, batch = debug_mode(cfg), cfg.global_batch_size
+    if debug.train_batches and not streamed:  # a small subset: errors show up in seconds
+        train_dataset = Subset(train_dataset, range(min(len(train_dataset), debug.train_batches * batch)))
         if eval_dataset is not None:
-            eval_dataset = Subset(eval_dataset, range(min(len(eval_dataset), 4 * cfg.global_batch_size)))
+            eval_dataset = Subset(eval_dataset, range(min(len(eval_dataset), debug.eval_batches * batch)))
     collate_fn = collate_fn or (resolve(cfg.collate_fn, {}, kind="collate_fn") if cfg.collate_fn else None)
     if collate_fn is None and input_shape is None and not isinstance(without_subsets(train_dataset), TokenBlocks):
         collate_fn = PadCollate(pad_token_id(tokenizer))  # dict samples, maybe of different lengths

@@ -18,7 +18,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from accel_ddp.config import DEBUG_MAX_STEPS
+from accel_ddp.config.debug import debug_mode
 from accel_ddp.util.cpu_bf16 import cpu_bf16_verdict, cpu_has_bf16_units, read_cpuinfo
 from accel_ddp.util.messages import warn, write
 
@@ -69,7 +69,7 @@ class StartupBlock:
             "examples": _examples(*examples),
             **training_lines(cfg, facts["total_steps"], global_batch, optimization or {}),
         }
-        if cfg.debug:
+        if debug_mode(cfg).on:
             lines["debug"] = debug_changes(cfg, facts["total_steps"], data_sizes[0][1] if data_sizes else None)
             if data_sizes:
                 lines["debug data"] = "; ".join(f"{name} set: its first {kept} of {full} samples" for name, (kept, full)
@@ -119,7 +119,7 @@ def _debug_sizes(cfg: Any, data: Any) -> tuple[tuple[int, int], ...]:
     """--debug: (kept, full) samples of the training and eval sets that data/resolve.py cut to a Subset."""
     from torch.utils.data import Subset  # torch only here: the block's lines are read without it
 
-    sets = [d for d in (data.train, data.eval) if isinstance(d, Subset)] if cfg.debug else []
+    sets = [d for d in (data.train, data.eval) if isinstance(d, Subset)] if debug_mode(cfg).on else []
     return tuple((len(d), len(d.dataset)) for d in sets if len(d) < len(d.dataset))
 
 
@@ -196,9 +196,8 @@ def debug_changes(cfg: Any, total_steps: int, full_train: int | None) -> str:
     ``full_train``: the training set's samples before --debug cut it (None: not cut)."""
     before = cfg.max_steps or (cfg.epochs * (full_train // cfg.global_batch_size) if full_train else None)
     steps = f"cut to {total_steps} optimizer steps (from {before})" if before and before > total_steps else \
-        f"{total_steps} optimizer steps (at most {DEBUG_MAX_STEPS})"
-    return (f"{steps}; 0 DataLoader workers; anomaly detection, deterministic kernels, Accelerate's cross-rank "
-            "shape checks, every micro-step's loss checked")
+        f"{total_steps} optimizer steps (at most {debug_mode(cfg).max_steps})"
+    return f"{steps}; {debug_mode(cfg).changes()}"
 
 
 def mistakes(device: str, local_processes: int, precision: str, source: str, cpus: int,

@@ -59,5 +59,7 @@ class StepLog:
                                **memory_record(self.run.accelerator)})
 
     def close(self) -> None:
+        """The loop's end: the bar's line ended before ``finish`` and the callbacks write. Any other exit (an error,
+        a stop) ends it in the teardown, first (``assemble._watches``); nothing else closes it."""
         self.run.bar.close()
         self.profiler.stop()
