@@ -308,8 +308,9 @@ def _on_self(node: ast.Attribute) -> bool:
 
 def _private_reaches(root: Path = ROOT) -> list[str]:
     """``thing._name`` (read, called or set) in one module, where ``_name`` is private to another module of the
-    package and not its own ("path:line text"); ``self._name`` and ``cls._name`` are the class's own. Third-party
-    private names (torch's, Accelerate's) are not the package's, so not reported here."""
+    package and not its own, and ``from accel_ddp... import _name`` ("path:line text"); ``self._name`` and
+    ``cls._name`` are the class's own. Third-party private names (torch's, Accelerate's) are not the package's, so
+    not reported here."""
     trees = {path: ast.parse(path.read_text(encoding="utf-8")) for path in sorted(root.rglob("*.py"))}
     defined = {path: _private_names(tree) for path, tree in trees.items()}
     found = []
@@ -317,6 +318,9 @@ def _private_reaches(root: Path = ROOT) -> list[str]:
         elsewhere = set().union(*(names for other, names in defined.items() if other != path))
         found += [f"{path.relative_to(root)}:{node.lineno} {ast.unparse(node)}" for node in ast.walk(tree)
                   if isinstance(node, ast.Attribute) and node.attr in elsewhere - defined[path] and not _on_self(node)]
+        found += [f"{path.relative_to(root)}:{node.lineno} import {alias.name}" for node in ast.walk(tree)
+                  if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("accel_ddp")
+                  for alias in node.names if alias.name.startswith("_") and not alias.name.endswith("__")]
     return sorted(found)
 
 
@@ -330,15 +334,16 @@ def test_no_module_reaches_into_another_modules_private_names():
 
 
 def test_a_planted_reach_into_a_private_name_is_found(tmp_path):
-    """The check itself: a call of the manager's private helper from another module, and a private module function
-    read through its module, are reported; the module's own use of its private names is not."""
+    """The check itself: a call of the manager's private helper from another module, a private module function read
+    through its module and a private name imported are reported; the module's own use of its private names is not."""
     copy = _planted(tmp_path, {
         "checkpoint/async_save.py": "\n\ndef _planted(manager):\n    return manager._writing\n",
         "outputs/trained.py": "\n\ndef _planted():\n    from accel_ddp.checkpoint import storage\n"
-                              "    return storage._parsed(b'{}')\n"})
+                              "    return storage._parsed(b'{}')\n",
+        "data/hf.py": "\nfrom accel_ddp.data.hf_source import _PLANTED  # noqa\n"})
     found = [where.split(":")[0] + " " + where.split(" ", 1)[1] for where in _private_reaches(copy)]
     assert set(found) - KNOWN_PRIVATE_REACHES == {"checkpoint/async_save.py manager._writing",
-                                                  "outputs/trained.py storage._parsed"}
+                                                  "outputs/trained.py storage._parsed", "data/hf.py import _PLANTED"}
 
 
 def _console_writes(root: Path = ROOT) -> list[str]:

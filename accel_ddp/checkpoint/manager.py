@@ -54,7 +54,7 @@ from accel_ddp.checkpoint.async_save import AsyncSaver, check_async_checkpointin
 from accel_ddp.checkpoint.choice import CheckpointChoice
 from accel_ddp.checkpoint.hyperparameters import HYPERPARAMETERS, check_compatible, flags_in_force  # noqa: F401
 from accel_ddp.checkpoint.manifest import (  # noqa: F401 - CorruptCheckpoint, checkpoint_name, ...: this module's interface too
-    _STEP_DIR,
+    STEP_DIR,
     CorruptCheckpoint,
     checkpoint_name,
     list_checkpoints,
@@ -230,7 +230,7 @@ class CheckpointManager:
         Newer ones are never ours to delete: they can only be damaged ones that ``auto`` skipped (a resume
         from an older step with intact newer checkpoints is refused), left for their owner to look at.
         """
-        saved = int(_STEP_DIR.match(os.path.basename(keep)).group(1))
+        saved = int(STEP_DIR.match(os.path.basename(keep)).group(1))
         complete = [path for step, path in self.store.sealed() if step <= saved]
         best = self.store.folder(self.best.kept_step) if self.best and self.best.kept_step is not None else None
         for path in complete[: max(len(complete) - self.keep_last, 0)]:

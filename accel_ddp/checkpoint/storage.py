@@ -40,7 +40,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from accel_ddp.checkpoint.manifest import _STEP_DIR, checkpoint_name, list_checkpoints
+from accel_ddp.checkpoint.manifest import STEP_DIR, checkpoint_name, list_checkpoints
 from accel_ddp.checkpoint.store_calls import DEFAULT_STORE_TIMEOUT, BoundedCalls, StoreError, fs_options
 from accel_ddp.config import STORE_PACKAGES, URL_SCHEME
 from accel_ddp.outputs.files import (
@@ -177,7 +177,7 @@ class ObjectStore(BoundedCalls):
             keys = []
         for key in keys:
             parts = key[len(self.path):].strip("/").split("/")
-            match = _STEP_DIR.match(parts[0]) if len(parts) >= 2 else None
+            match = STEP_DIR.match(parts[0]) if len(parts) >= 2 else None
             if match:
                 step = int(match.group(1))
                 found[step] = found.get(step, False) or parts[1:] == [MARKER_NAME]
@@ -194,7 +194,7 @@ class ObjectStore(BoundedCalls):
         """Upload every file of ``tmp``, then ``checkpoint.json``: the manifest is the last object written."""
         self.check_claim()
         key = self._key(final)
-        existing = self._steps().get(int(_STEP_DIR.match(final.rsplit("/", 1)[1]).group(1)))
+        existing = self._steps().get(int(STEP_DIR.match(final.rsplit("/", 1)[1]).group(1)))
         if existing:  # sealed but damaged (auto skipped it): kept for its owner, under another name
             aside = f"{key}.damaged-{time.strftime('%Y%m%dT%H%M%S')}"
             for obj in self._call("list", "find", key):  # object by object: no rename in a store
@@ -257,7 +257,7 @@ class ObjectStore(BoundedCalls):
 
     def is_own(self, spec: str) -> bool:
         head, _, name = spec.rstrip("/").rpartition("/")
-        return head == self.root and bool(_STEP_DIR.match(name))
+        return head == self.root and bool(STEP_DIR.match(name))
 
     def claim(self, output_dir: str) -> None:
         """Write ``PREFIX/.lock`` naming this run, or take over a dead one's; another run's: one line, exit 2."""

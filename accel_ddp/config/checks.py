@@ -34,7 +34,7 @@ from accel_ddp.util.messages import warn
 from accel_ddp.util.validation import INT_MAX, ConfigError, show
 
 
-def _check_per_device(cfg: Any) -> None:
+def check_per_device(cfg: Any) -> None:
     """--per_device_batch_size: a whole number, ``auto`` or ``auto:CAP`` (CAP a whole number > 0)."""
     value = cfg.per_device_batch_size
     if not isinstance(value, str):
@@ -56,14 +56,14 @@ def optimizer_kwargs_text(value: Any) -> Any:
 
 
 def optimizer_kwargs(cfg: Any) -> dict[str, Any]:
-    """``--optimizer_kwargs`` parsed (``{}`` when unset); ``_check_optimizer`` has checked it is a JSON object."""
+    """``--optimizer_kwargs`` parsed (``{}`` when unset); ``check_optimizer_options`` checked that it is JSON."""
     return json.loads(cfg.optimizer_kwargs) if cfg.optimizer_kwargs else {}
 
 
-def _check_optimizer(cfg: Any) -> None:
+def check_optimizer_options(cfg: Any) -> None:
     """--optimizer (a torch.optim class by name, any case, or 'pkg.module:function') and --optimizer_kwargs (a JSON
     object). Whether the name is a class of the installed torch, and the keywords its signature, is checked once
-    torch is imported (accel_ddp/optim/build.py ``check_optimizer``, at start-up)."""
+    torch is imported (accel_ddp/optim/build.py ``check_optimizer_options``, at start-up)."""
     name = cfg.optimizer.strip()
     if ":" in name:
         module, _, function = name.partition(":")
@@ -92,7 +92,7 @@ def warn_deprecated(old: str, new: str) -> None:
     warn(f"{old} is deprecated and will be removed in the next release; use {new}", ranks="first")
 
 
-def _check_tracking(cfg: Any) -> None:
+def check_tracking(cfg: Any) -> None:
     """--with_tracking is a switch, --report_to a comma list of known trackers (normalised: lower case, no repeats)."""
     if not isinstance(cfg.with_tracking, bool):
         raise ConfigError(f"--with_tracking is a switch (true or false), got {cfg.with_tracking!r}; name the trackers "
@@ -123,7 +123,7 @@ def _check_tracker_names(cfg: Any) -> None:
             raise ConfigError(f"--{name} is empty; give a name or leave the flag out")
 
 
-def _check_hf_fields(cfg: Any) -> None:
+def check_hf_fields(cfg: Any) -> None:
     """The options with Hugging Face names and derived meanings (HF_FIELDS)."""
     if cfg.warmup_ratio is not None:
         if not cfg.warmup_ratio < 1:
@@ -144,7 +144,7 @@ def _gib(num_bytes: float) -> str:
     return f"{num_bytes / 2**30:,.3g} GiB"
 
 
-def _check_task(cfg: Any) -> None:
+def check_task(cfg: Any) -> None:
     """--task and the options that only make sense with some tasks (no dead flags)."""
     if cfg.task not in TASKS:
         raise ConfigError(f"--task {show(cfg.task)} is unknown; choose one of {', '.join(TASKS)}")
@@ -173,7 +173,7 @@ def _default(cfg: Any, name: str) -> Any:
     return next(f.default for f in dataclasses.fields(cfg) if f.name == name)
 
 
-def _check_data(cfg: Any) -> None:
+def check_data(cfg: Any) -> None:
     """The data options that only make sense together (--streaming and its companions)."""
     if not cfg.streaming:
         return
@@ -195,7 +195,7 @@ def _check_data(cfg: Any) -> None:
              "(optimizer steps) to evaluate during the run", kind="note", ranks="first")
 
 
-def _check_urls(cfg: Any) -> None:
+def check_urls(cfg: Any) -> None:
     """A URL is a local path (``file://``), a --checkpoint_dir store, or refused: Accelerate's save_state would
     write ``s3://b/r`` into a local folder named ``s3:/b/r`` (``os.makedirs``/``Path``, accelerate/accelerator.py)."""
     if cfg.checkpoint_dir is not None:
@@ -238,7 +238,7 @@ def _checked_store(url: str) -> str:
     return url.rstrip("/")
 
 
-def _check_rollback(cfg: Any) -> None:
+def check_rollback(cfg: Any) -> None:
     """--on_anomaly rollback reloads the last checkpoint: without --checkpointing_steps there is none to go back to
     (the first bad step would stop the run with exit 3, as --on_anomaly stop does)."""
     if cfg.on_anomaly == "rollback" and cfg.checkpointing_steps is None:
@@ -246,7 +246,7 @@ def _check_rollback(cfg: Any) -> None:
                           "--checkpointing_steps N, or use --on_anomaly skip")
 
 
-def _check_best_model(cfg: Any) -> None:
+def check_best_model(cfg: Any) -> None:
     """--load_best_model_at_end needs every checkpoint at an evaluation (the Trainer's rule), or the best is lost
     (--greater_is_better and --early_stopping_threshold without what uses them: config/dependents.py)."""
     if not cfg.load_best_model_at_end:
@@ -264,7 +264,7 @@ def _check_best_model(cfg: Any) -> None:
                           f"--eval_every {save}")
 
 
-def _check_peft(cfg: Any) -> None:
+def check_peft(cfg: Any) -> None:
     """--peft lora and its options: a known method, a dropout below 1, target names (--lora_*/--merge_adapter without
     --peft: config/dependents.py)."""
     if cfg.peft is not None and cfg.peft not in PEFT_METHODS:
@@ -275,7 +275,7 @@ def _check_peft(cfg: Any) -> None:
         raise ConfigError("--lora_target_modules is empty; give module names such as c_attn,c_proj, or all-linear")
 
 
-def _check_cuda_graphs(cfg: Any) -> None:
+def check_cuda_graphs(cfg: Any) -> None:
     """``--cuda_graphs`` with options whose guarantees a captured step cannot keep (accel_ddp/step/graph.py; the
     launch-dependent refusals, no CUDA, gloo, accumulation, the loader, fp16, come once the run is set up)."""
     if not cfg.cuda_graphs:
@@ -309,7 +309,7 @@ def _check_cuda_graphs(cfg: Any) -> None:
             raise ConfigError(f"--cuda_graphs cannot keep its guarantees here: {why[name]}; drop one of them")
 
 
-def _check_values(cfg: Any) -> None:
+def check_values(cfg: Any) -> None:
     """Known choices, a positive --lr, something to train, no empty name."""
     for name, choices in (("loader", LOADERS), ("lr_schedule", LR_SCHEDULES),
                           ("ddp_comm_hook", COMM_HOOKS), ("on_anomaly", ON_ANOMALY)):
@@ -325,7 +325,7 @@ def _check_values(cfg: Any) -> None:
             raise ConfigError(f"--{name} is empty; give a {'folder' if name == 'output_dir' else 'name'}")
 
 
-def _checkpointing_steps(value: Any) -> str | None:
+def checkpointing_steps_text(value: Any) -> str | None:
     """--checkpointing_steps as text: a positive step count or ``epoch`` (None: no scheduled saves)."""
     if value is None:
         return None
@@ -336,7 +336,7 @@ def _checkpointing_steps(value: Any) -> str | None:
     return value
 
 
-def _check_sizes(cfg: Any) -> None:
+def check_sizes(cfg: Any) -> None:
     """A positive --synthetic_shape, and sizes whose memory is known before anything is built: refuse what cannot
     fit (see the *_MAX_BYTES)."""
     if not cfg.synthetic_shape or any(d < 1 for d in cfg.synthetic_shape):
@@ -359,7 +359,7 @@ def _check_sizes(cfg: Any) -> None:
                               f"{_gib(SYNTHETIC_MAX_BYTES)}); lower --{name} or the shape")
 
 
-def _check_spike(cfg: Any) -> None:
+def check_spike(cfg: Any) -> None:
     """--spike_factor: above 1, and not with --on_anomaly skip."""
     if cfg.spike_factor and cfg.on_anomaly == "skip":  # a spike is seen at a log line, after its updates
         raise ConfigError(f"--spike_factor {cfg.spike_factor:g} with --on_anomaly skip: a spike is found at a "
@@ -369,7 +369,7 @@ def _check_spike(cfg: Any) -> None:
                           f"{cfg.spike_factor:g}; e.g. --spike_factor 3, or 0 for no spike check")
 
 
-def _check_timeouts(cfg: Any) -> None:
+def check_timeouts(cfg: Any) -> None:
     """The waits that must end before --ddp_timeout fails a collective on every rank, naming nothing."""
     if cfg.with_tracking and "all" not in cfg.report_to.split(","):  # `all`: checked once it is resolved
         check_tracker_wait(cfg, len(cfg.report_to.split(",")))

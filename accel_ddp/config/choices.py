@@ -1,23 +1,9 @@
-"""The options' vocabulary: allowed values, limits, Hugging Face aliases, renamed flags, store schemes; ``_opt``."""
+"""The options' vocabulary: allowed values, limits, Hugging Face aliases, renamed flags, store schemes."""
 
 from __future__ import annotations
 
 import re
-from dataclasses import field
 from typing import Any
-
-
-def _opt(default: Any, help: str, low: float | None = None, high: float | None = None, *,
-         section: str | None = None) -> Any:
-    """A field with its one-line help and, for numbers, its inclusive range (checked in ``__post_init__``).
-
-    ``section`` ("title (note)") starts a group of options, up to the next field that names one: docs/flags.md's
-    tables (tools/flag_table.py) and ``--help``'s groups (cli/args.py), both through ``sections()``."""
-    metadata = {"help": help, "low": low, "high": high}
-    if section is not None:
-        metadata["section"] = section
-    return field(default=default, metadata=metadata)
-
 
 SEED_MAX = 2**32 - 1  # NumPy's np.random.seed accepts 0 .. 2**32 - 1, and set_seed seeds NumPy too
 

@@ -6,27 +6,27 @@ from __future__ import annotations
 import dataclasses
 import math
 import typing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from accel_ddp.config.checks import (
-    _check_best_model,
-    _check_cuda_graphs,
-    _check_data,
-    _check_hf_fields,
-    _check_optimizer,
-    _check_peft,
-    _check_per_device,
-    _check_rollback,
-    _check_sizes,
-    _check_spike,
-    _check_task,
-    _check_timeouts,
-    _check_tracking,
-    _check_urls,
-    _check_values,
-    _checkpointing_steps,
+    check_best_model,
+    check_cuda_graphs,
+    check_data,
+    check_hf_fields,
+    check_optimizer_options,
+    check_peft,
+    check_per_device,
+    check_rollback,
+    check_sizes,
+    check_spike,
+    check_task,
+    check_timeouts,
     check_tracker_wait,
+    check_tracking,
+    check_urls,
+    check_values,
+    checkpointing_steps_text,
     optimizer_kwargs_text,
     warn_deprecated,
 )
@@ -37,11 +37,22 @@ from accel_ddp.config.choices import (
     RENAMED_VALUES,
     REPORT_TO,
     SEED_MAX,
-    _opt,
 )
 from accel_ddp.config.dependents import check_dependents
 from accel_ddp.config.layout import accumulation_resolved, accumulation_steps, largest_micro_batch
 from accel_ddp.util.validation import ConfigError, check_range, checked_type, show
+
+
+def _opt(default: Any, help: str, low: float | None = None, high: float | None = None, *,
+         section: str | None = None) -> Any:
+    """A field with its one-line help and, for numbers, its inclusive range (checked in ``__post_init__``).
+
+    ``section`` ("title (note)") starts a group of options, up to the next field that names one: docs/flags.md's
+    tables (tools/flag_table.py) and ``--help``'s groups (cli/args.py), both through ``sections()``."""
+    metadata = {"help": help, "low": low, "high": high}
+    if section is not None:
+        metadata["section"] = section
+    return field(default=default, metadata=metadata)
 
 
 @dataclass
@@ -287,7 +298,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         """Check every field's type and range, whatever the source (Python, YAML or CLI): one ConfigError each."""
-        _check_tracking(self)  # first: an old --with_tracking value gets its own message, not "expects true or false"
+        check_tracking(self)  # first: an old --with_tracking value gets its own message, not "expects true or false"
         self.optimizer_kwargs = optimizer_kwargs_text(self.optimizer_kwargs)  # a YAML or Python mapping: its JSON
         hints = field_types()
         for f in dataclasses.fields(self):
@@ -302,26 +313,26 @@ class TrainConfig:
             self.gradient_accumulation_steps = 1
         if self.global_batch_size is None and self.gradient_accumulation_steps is None:
             self.global_batch_size = DEFAULT_GLOBAL_BATCH
-        _check_hf_fields(self)
+        check_hf_fields(self)
         for (name, old), new in RENAMED_VALUES.items():
             if getattr(self, name) == old:
                 warn_deprecated(f"--{name} {old}", f"--{name} {new}")
                 setattr(self, name, new)
-        _check_values(self)
-        _check_urls(self)
-        _check_sizes(self)
-        _check_per_device(self)
-        self.checkpointing_steps = _checkpointing_steps(self.checkpointing_steps)
-        _check_spike(self)
+        check_values(self)
+        check_urls(self)
+        check_sizes(self)
+        check_per_device(self)
+        self.checkpointing_steps = checkpointing_steps_text(self.checkpointing_steps)
+        check_spike(self)
         check_dependents(self)  # a flag that nothing in this run would use (the one table)
-        _check_task(self)
-        _check_optimizer(self)
-        _check_peft(self)
-        _check_data(self)
-        _check_best_model(self)
-        _check_cuda_graphs(self)
-        _check_rollback(self)
-        _check_timeouts(self)
+        check_task(self)
+        check_optimizer_options(self)
+        check_peft(self)
+        check_data(self)
+        check_best_model(self)
+        check_cuda_graphs(self)
+        check_rollback(self)
+        check_timeouts(self)
         if self.init_from is not None and not self.init_from.endswith(".safetensors"):
             raise ConfigError(f"--init_from {show(self.init_from)}: expected a .safetensors weights file, "
                               "e.g. OUTPUT_DIR/model.safetensors")
