@@ -12,6 +12,7 @@ import time
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from datetime import timedelta
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -22,8 +23,8 @@ from accelerate.utils import set_seed
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from accel_ddp.anomaly import AnomalyGuard
 from accel_ddp.auto_batch import choose_micro_batch
+from accel_ddp.bad_steps import BadStepOptions, BadSteps
 from accel_ddp.callbacks import Callbacks
 from accel_ddp.checkpoint.best import BestModel, check_eval_set
 from accel_ddp.checkpoint.manager import HYPERPARAMETERS, CheckpointManager
@@ -33,6 +34,7 @@ from accel_ddp.checkpoint.train_state import Stateful, TrainState
 from accel_ddp.config import TrainConfig
 from accel_ddp.config.debug import debug_mode
 from accel_ddp.config.plan import Plan, plan_run
+from accel_ddp.config.views import section_of
 from accel_ddp.data import DeviceEvalLoader, DeviceLoader, HostLoader, StreamingLoader, build_loaders, usable_cpus
 from accel_ddp.data.resolve import resolve_data
 from accel_ddp.distributed.preflight import check_fsdp, check_shared_output_dir
@@ -46,12 +48,13 @@ from accel_ddp.lifecycle.preemption import (
     restart_hazard,
 )
 from accel_ddp.models import build_configured_model, set_attn_implementation
-from accel_ddp.optim.user import build_optimization, check_optimization
+from accel_ddp.optim.user import OptimizerOptions, build_optimization, check_optimization
 from accel_ddp.outputs.run_dir import (
     check_output_dir,
     claim_output_dir,
 )
-from accel_ddp.step.graph import construction_stream, refuse_graphs
+from accel_ddp.step.graph import CudaGraphs, construction_stream, refuse_graphs
+from accel_ddp.step.train_step import TrainStep
 from accel_ddp.tasks.chunked_loss import CHUNKED_LOSS
 from accel_ddp.tasks.probe import probe_task
 from accel_ddp.tasks.protocol import CHANNELS_LAST, Task, build_task
@@ -110,7 +113,7 @@ class Run:
     startup: StartupClock  # process start -> first optimizer step, by phase (summary.json's startup_sec)
     tokenizer: PreTrainedTokenizerBase | None  # text tasks: saved beside a Transformers model's final weights
     bar: tqdm  # the progress bar: closed by the teardown, so an error never shares its line
-    anomalies: AnomalyGuard | None  # --on_anomaly skip|rollback, --spike_factor (None: the loop as it was)
+    bad_steps: BadSteps  # nan/inf losses, --on_anomaly, --spike_factor: found, acted on, recorded (bad_steps/)
     hang: HangWatch  # --hang_timeout: after_step tells it of every step (lifecycle/hang.py; off: no thread)
     callbacks: Callbacks = field(default_factory=Callbacks)  # --callbacks, train(callbacks=): none by default
 
@@ -135,7 +138,7 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
         preemption.check_start_up(name)
 
     accelerator, per_device_batch, accumulation = _join(cfg, teardown, preemption)
-    check_optimization(cfg, model, optimizer, lr_scheduler)  # an unknown optimizer or keyword: now, before the data
+    check_optimization(section_of(cfg, OptimizerOptions), model, optimizer, lr_scheduler)  # a bad one: before data
     phase_done("process_group")
 
     task, hooks, data = _task_and_data(cfg, accelerator, (loss_fn, metrics, callbacks),
@@ -157,20 +160,19 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
                skips_bad_inputs=cfg.on_anomaly != "stop")  # then a nan/inf input is its step's anomaly
     phase_done("optimizer_and_prepare")
 
-    recorder, facts, anomalies, checkpoints = _records_and_checkpoints(
+    recorder, facts, bad_steps, checkpoints = _records_and_checkpoints(
         cfg, accelerator, teardown, plan, loaders, {**tuned, "optimizer": optimization.name},
         (model, optimizer, scheduler), preemption, console)
     block = describe_run(cfg, facts, plan.num_epochs, loaders.train, named, data, optimization.lines, usable_cpus())
     start_step = agree_start(cfg, accelerator, checkpoints, (optimizer, scheduler, optimization.schedule_from_flags),
                              plan.total_steps, recorder, facts, block, preemption)
-    if anomalies is not None:
-        anomalies.begin(start_step)  # a resumed run's log continues; a fresh start forgets an earlier run's
+    bad_steps.begin(start_step, checkpoints, loaders.train)  # a resumed run's anomaly log continues, else forgotten
     phase_done("resume_and_config")
     bar, hang = _watches(cfg, teardown, accelerator, plan, start_step)
     return Run(cfg=cfg, accelerator=accelerator, model=model, task=task, optimizer=optimizer, scheduler=scheduler,
                train_loader=loaders.train, eval_loader=loaders.eval, plan=plan, facts=facts, recorder=recorder,
                checkpoints=checkpoints, preemption=preemption, start_step=start_step, started=started,
-               startup=startup, tokenizer=data.tokenizer, bar=bar, anomalies=anomalies, hang=hang,
+               startup=startup, tokenizer=data.tokenizer, bar=bar, bad_steps=bad_steps, hang=hang,
                callbacks=hooks.connect(accelerator, preemption.group, plan, evaluates=loaders.eval is not None))
 
 
@@ -220,8 +222,8 @@ def _model(cfg: TrainConfig, accelerator: Accelerator, model, data, task: Task) 
                           "require gradients")
     named = f"{type(model).__name__}{named}, {describe_parameters(model)}"  # trainable of total where some are frozen
     tuned = finetune_facts(model)  # a frozen base: the parameter counts and its fingerprint (checkpoints, summary)
-    model, lines = convert_model(model, ModelBuild(cfg, accelerator, task),
-                                 (c for c in MODEL_CONVERTERS if c.training_only))
+    model, lines = convert_model(model, ModelBuild(accelerator, task),
+                                 (c for c in MODEL_CONVERTERS if c.training_only), partial(section_of, cfg))
     return model, "".join([named, *(f", {line}" for line in lines)]), tuned
 
 
@@ -248,9 +250,10 @@ def _optimize_and_prepare(cfg: TrainConfig, accelerator: Accelerator, model: tor
     optimizer and schedule through ``accelerator.prepare`` (DDP, FSDP); the optimization's description too."""
     if cfg.cuda_graphs:  # what only the launch and the loaders tell (the options' clashes: config/checks.py)
         refuse_graphs(accelerator, plan.accumulation, loader_kind, packing=cfg.packing)
-    optimization = build_optimization(cfg, model, accelerator, plan.total_steps, *given)
     # --warmup_ratio (issue 22): a fraction of this run's total steps, so resolved here, once the total is known
     warmup = cfg.warmup_for(plan.total_steps)
+    optimization = build_optimization(section_of(cfg, OptimizerOptions), model, accelerator, plan.total_steps, warmup,
+                                      *given)
     if warmup > plan.total_steps:  # still a run (a smoke test, a short resume), but not the schedule asked for
         warn(f"--warmup_steps {warmup} is longer than this run's {plan.total_steps} optimizer steps: the learning rate "
              f"never reaches --lr {cfg.lr:g} (at most {cfg.lr * plan.total_steps / warmup:.3g}); lower --warmup_steps "
@@ -276,8 +279,8 @@ def _watches(cfg: TrainConfig, teardown: ExitStack, accelerator: Accelerator, pl
 def _records_and_checkpoints(cfg: TrainConfig, accelerator: Accelerator, teardown: ExitStack, plan: Plan, loaders,
                              more_facts: dict[str, Any], prepared: tuple, preemption: PreemptionWatcher,
                              console: ConsoleLog) -> tuple[
-                                 RunRecorder, dict[str, Any], AnomalyGuard | None, CheckpointManager]:
-    """The output folder claimed, the run's recorder, facts and anomaly guard, and its checkpoints of the run's
+                                 RunRecorder, dict[str, Any], BadSteps, CheckpointManager]:
+    """The output folder claimed, the run's recorder, facts and bad steps' room, and its checkpoints of the run's
     ``TrainState`` (``prepared``: the model, optimizer and schedule as ``accelerator.prepare`` returned them)."""
     model, optimizer, scheduler = prepared
     # The input is checked. Before anything is written: the folder is created, and ours alone until we exit.
@@ -286,14 +289,25 @@ def _records_and_checkpoints(cfg: TrainConfig, accelerator: Accelerator, teardow
     teardown.callback(recorder.close)
     # more_facts: the fine-tuning facts, and a user's optimizer by its class (a resume must give the same)
     facts = {**_run_facts(cfg, accelerator, plan, loaders.kind, loaders.source), **more_facts}
-    anomalies = AnomalyGuard(cfg, accelerator, recorder) if cfg.on_anomaly != "stop" or cfg.spike_factor else None
+    bad_steps = BadSteps(section_of(cfg, BadStepOptions), accelerator, model, recorder)
     state = TrainState(accelerator=accelerator, model=model, optimizer=optimizer, scheduler=scheduler,
                        # the best model and early stopping (checkpoint/best.py): their records go with each checkpoint
-                       best=BestModel.from_config(cfg, plan.steps_per_epoch, plan.total_steps), anomalies=anomalies,
+                       best=BestModel.from_config(cfg, plan.steps_per_epoch, plan.total_steps),
+                       anomalies=bad_steps.guard,  # --on_anomaly, --spike_factor: the anomaly log (None: no guard)
                        positions=loaders.train if isinstance(loaders.train, Stateful) else None)
     checkpoints = _checkpoints(cfg, accelerator, teardown, facts, state)
     checkpoints.store.stopping = lambda: preemption.signalled  # a store call under way gives up soon after a signal
-    return recorder, facts, anomalies, checkpoints
+    return recorder, facts, bad_steps, checkpoints
+
+
+def build_train_step(run: Run, start_step: int) -> TrainStep:
+    """The run's optimizer step (``fit`` builds it, again after a rollback) from ``start_step`` on, given the bad steps'
+    hooks: the guard's decision in its update, --debug's check of each micro-step's loss (accel_ddp/bad_steps/)."""
+    cfg = run.cfg
+    return TrainStep(run.accelerator, run.model, run.task, run.optimizer, run.scheduler, run.plan.accumulation,
+                     cfg.global_batch_size, cfg.max_grad_norm, start_step, check_loss=run.bad_steps.check_loss,
+                     guard=run.bad_steps.step_guard, per_device_batch=run.plan.per_device_batch,
+                     graphs=CudaGraphs() if cfg.cuda_graphs else None)  # --cuda_graphs: checked in setup
 
 
 def _checkpoints(cfg: TrainConfig, accelerator: Accelerator, teardown: ExitStack, facts: dict[str, Any],
@@ -348,8 +362,8 @@ def build_run_model(cfg: TrainConfig, accelerator: Accelerator, model, data, tas
         set_attn_implementation(model, cfg.attn_implementation)
     if accelerator.is_fsdp2:  # before anything is built on it: what FSDP2 cannot shard or cast
         check_fsdp(model, channels_last=cfg.channels_last, mixed_precision=accelerator.mixed_precision)
-    model, _ = convert_model(model, ModelBuild(cfg, accelerator, task),
-                             (c for c in MODEL_CONVERTERS if not c.training_only))
+    model, _ = convert_model(model, ModelBuild(accelerator, task),
+                             (c for c in MODEL_CONVERTERS if not c.training_only), partial(section_of, cfg))
     return model
 
 

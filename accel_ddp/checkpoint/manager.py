@@ -256,7 +256,7 @@ class CheckpointManager:
 
         Returns the optimizer step to continue after; 0 when ``auto`` found no checkpoint.
         """
-        # A rollback (anomaly.py) while a save is in flight: its writer prunes, cleans the store's downloads and
+        # A rollback (bad_steps/) while a save is in flight: its writer prunes, cleans the store's downloads and
         # seals a newer checkpoint; all of that is done before we choose, download and load.
         self.wait()
         unsafe: list[str] = []  # auto: checkpoints whose load a safe unpickler refused, passed over

@@ -40,7 +40,7 @@ LOADERS = ("auto", "device", "dataloader")
 # PreTrainedModel.get_correct_attn_implementation); whether a model supports one is checked when it is built.
 ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
 
-ON_ANOMALY = ("stop", "skip", "rollback")  # what a nan/inf or spiking step does (accel_ddp/anomaly.py)
+ON_ANOMALY = ("stop", "skip", "rollback")  # what a nan/inf or spiking step does (accel_ddp/bad_steps/)
 
 # --task: what a batch and a loss mean (accel_ddp/tasks/protocol.py); the text tasks read text with a tokenizer.
 TASKS = ("classification", "sequence_classification", "causal_lm")

@@ -75,7 +75,7 @@ DEPENDENTS: tuple[Dependent, ...] = (
     # model
     *(Dependent(flag, (PEFT,)) for flag in ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules",
                                             "merge_adapter")),
-    # bad steps (anomaly.py): under stop the first anomaly ends the run; the window is the spike check's
+    # bad steps (bad_steps/): under stop the first anomaly ends the run; the window is the spike check's
     Dependent("spike_window", (Needs(lambda cfg: cfg.spike_factor > 0, "without --spike_factor",
                                      "add --spike_factor 3"),)),
     Dependent("max_anomalies", (Needs(lambda cfg: cfg.on_anomaly != "stop",

@@ -23,11 +23,13 @@ float rounding (tests/tasks/test_chunked_loss.py: fp32 1e-5 relative, bf16 2e-2)
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from accel_ddp.config.views import config_section
 from accel_ddp.util.converters import ModelBuild, ModelConverter
 from accel_ddp.util.validation import ConfigError
 
@@ -180,12 +182,21 @@ def autocast_dtype(mixed_precision: Any) -> torch.dtype | None:
     return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(str(mixed_precision))
 
 
-def _split_for_loss(model: torch.nn.Module, build: ModelBuild) -> tuple[torch.nn.Module, str]:
+@config_section
+@dataclass(frozen=True)
+class ChunkedLossOptions:
+    """What ``CHUNKED_LOSS`` reads (config/views.py)."""
+
+    chunked_loss: bool
+
+
+def _split_for_loss(model: torch.nn.Module, options: ChunkedLossOptions,
+                    build: ModelBuild) -> tuple[torch.nn.Module, str]:
     """Before DDP wraps it: training forwards return hidden states, the task applies the layer."""
     build.task.split_head = split_output_layer(model, sharded=build.accelerator.is_fsdp2)
     build.task.compute_dtype = autocast_dtype(build.accelerator.mixed_precision)
     return model, "output layer chunked into the loss (--chunked_loss)"
 
 
-CHUNKED_LOSS = ModelConverter("chunked_loss", applies=lambda cfg: bool(cfg.chunked_loss), apply=_split_for_loss,
-                              training_only=True)  # in assemble.MODEL_CONVERTERS (util/converters.py)
+CHUNKED_LOSS = ModelConverter("chunked_loss", ChunkedLossOptions, applies=lambda o: o.chunked_loss,
+                              apply=_split_for_loss, training_only=True)  # in assemble.MODEL_CONVERTERS

@@ -1,6 +1,6 @@
 """What each optimizer step leaves behind on the host: the progress bar, step times, the profile, log lines.
 
-    log = StepLog(run, losses)
+    log = StepLog(run, losses, section_of(cfg, StepLogOptions))
     log.step_done(step)                       # after every optimizer step: timers, the profile, the bar
     log.line(step, epoch, mean_loss)          # at a log step (accel_ddp/after_step.py decides which, and the loss);
                                               # --log_every given: also printed, step 20 epoch 0: loss 0.29 lr 0.003
@@ -12,15 +12,28 @@ Host clocks only: the logged loss (the one host sync of a log line) is read by t
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
+from accel_ddp.config.views import config_section
 from accel_ddp.tracking.meters import EpochTimer, StepProfiler, ThroughputMeter, memory_record
 from accel_ddp.util.messages import write
 
 
+@config_section
+@dataclass(frozen=True)
+class StepLogOptions:
+    """The options the step log reads (``global_batch_size``: the resolved run's, never None here)."""
+
+    global_batch_size: int | None
+    tf32: bool
+    profile: bool
+    output_dir: str
+
+
 class StepLog:
-    def __init__(self, run: Any, losses: Any):
-        cfg = run.cfg
+    def __init__(self, run: Any, losses: Any, options: StepLogOptions):
+        cfg = options
         self.run, self.losses = run, losses
         # samples/s, real tokens/s, model FLOP/s and MFU between log lines (tracking/meters.py, tracking/flops.py)
         self.meter = ThroughputMeter.for_run(run.accelerator, run.model, cfg.global_batch_size,

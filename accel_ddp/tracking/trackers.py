@@ -60,7 +60,7 @@ def _installed(name: str) -> bool:
 
 
 def resolve_report_to(report_to: str) -> list[str]:
-    """The tracker names of ``--report_to`` (already checked by TrainConfig), each installed.
+    """The tracker names of ``--report_to`` (already checked with the options: config/checks.py), each installed.
 
     ``all`` is every tracker Accelerate knows whose package is installed and which is configured to
     run here (configured.py), then csv, as in the Hugging Face example scripts; the installed ones

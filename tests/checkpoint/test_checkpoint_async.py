@@ -161,7 +161,7 @@ def test_a_rollback_while_a_save_is_in_flight_waits_for_it_and_rolls_back_to_it(
     """--on_anomaly rollback, --keep_last 1: the seal of step 4 is held until the guard has found step 5's nan (at
     step 6). The checkpoint in flight is the newest one from before it, as a synchronous save's would be: every rank
     waits for its seal (and the prune of step 2 that follows) before loading it, and the run ends normally."""
-    from accel_ddp.anomaly import AnomalyGuard
+    from accel_ddp.bad_steps import AnomalyGuard
     from tests.helpers.anomaly import ARGS as ANOMALY_ARGS
     from tests.helpers.anomaly import install
 

@@ -4,7 +4,7 @@ on resume.
 Every run here is forked ranks of a gloo group (tests/helpers/multiproc.py), not a launch. Config-level cases
 (types, ranges, YAML) live in tests/cli/test_args.py and tests/config/; the run folder's lock and bad output folders in
 tests/outputs/test_run_dir.py, users' functions in tests/tasks/test_user_code.py, a nan loss in
-tests/lifecycle/test_non_finite.py.
+tests/bad_steps/test_watch.py.
 """
 
 from __future__ import annotations
