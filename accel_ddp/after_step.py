@@ -22,7 +22,6 @@ from __future__ import annotations
 from typing import Any, NoReturn
 
 import torch
-from tqdm.auto import tqdm
 
 from accel_ddp.assemble import Run
 from accel_ddp.config.views import section_of
@@ -30,6 +29,7 @@ from accel_ddp.evaluation import evaluate
 from accel_ddp.lifecycle.preemption import Preempted
 from accel_ddp.step.losses import LossAccumulator
 from accel_ddp.tracking.step_log import StepLog, StepLogOptions
+from accel_ddp.util.messages import write
 from accel_ddp.util.validation import ConfigError
 
 
@@ -139,7 +139,6 @@ class AfterStep:
         """Preempted: every rank saves this step (unless ``saved`` already holds it), then stops."""
         checkpoint = saved or self.save(step)
         self.checkpoints.wait()  # --async_checkpointing: the checkpoint is sealed before the exit
-        self.run.bar.close()
         preemption = self.run.preemption
         raise Preempted(preemption.reason, step, checkpoint, signal_name=preemption.signal_name)
 
@@ -161,5 +160,5 @@ def evaluate_and_log(run: Run, step: int, epoch: int) -> dict[str, Any]:
     if run.accelerator.is_main_process:
         shown = " ".join(f"{k} {v:.4f}" for k, v in metrics.items() if isinstance(v, float))
         shown = shown if metrics.get("eval_loss") is not None else f"no eval items {shown}".strip()  # a null loss
-        tqdm.write(f"step {step} epoch {epoch}: {shown} ({metrics['eval_samples']} samples)")
+        write(f"step {step} epoch {epoch}: {shown} ({metrics['eval_samples']} samples)", above_bar=True)
     return metrics

@@ -8,7 +8,6 @@ A preemption signal during start-up stops every rank together at the end of the 
 from __future__ import annotations
 
 import os
-import sys
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
@@ -34,6 +33,7 @@ from accel_ddp.checkpoint.start import StartOptions, agree_start
 from accel_ddp.checkpoint.storage import check_store
 from accel_ddp.checkpoint.train_state import Stateful, TrainState
 from accel_ddp.config import TrainConfig
+from accel_ddp.config.debug import debug_mode
 from accel_ddp.config.plan import Plan, plan_run
 from accel_ddp.config.views import section_of
 from accel_ddp.data import DeviceEvalLoader, DeviceLoader, HostLoader, StreamingLoader, build_loaders, usable_cpus
@@ -202,8 +202,9 @@ def _task_and_data(cfg: TrainConfig, accelerator: Accelerator, user: tuple, give
     loss_fn, metrics, callbacks = user
     if slower := slower_here(accelerator.device.type, compile=cfg.compile, compile_regions=cfg.compile_regions):
         warn(slower, ranks="main")  # off by default here; asked for, it runs, and says what was measured
-    if cfg.debug:
+    if debug_mode(cfg).detect_anomaly:
         torch.autograd.set_detect_anomaly(True)
+    if debug_mode(cfg).deterministic:
         torch.use_deterministic_algorithms(True, warn_only=True)
     set_seed(cfg.seed)  # same model init on every rank; DDP also broadcasts rank 0's weights
     task = configured_task(cfg, loss_fn, metrics)
@@ -238,7 +239,7 @@ def _loaders_and_plan(cfg: TrainConfig, accelerator: Accelerator, data, per_devi
     loaders = build_loaders(
         accelerator, data.train, data.eval, per_device_batch_size=per_device_batch,
         global_batch_size=cfg.global_batch_size, eval_batch_size=cfg.eval_batch_size, loader=cfg.loader,
-        num_workers=0 if cfg.debug else cfg.num_workers, device_loader_max_mb=cfg.device_loader_max_mb,
+        num_workers=debug_mode(cfg).workers(cfg.num_workers), device_loader_max_mb=cfg.device_loader_max_mb,
         collate_fn=data.collate_fn, max_steps=cfg.max_steps,
         memory_limit=data.memory_limit,  # the machine's budget (data/memory_budget.py): device memory left for data
     )
@@ -346,7 +347,7 @@ def _join(cfg: TrainConfig, teardown: ExitStack, preemption: PreemptionWatcher) 
         main_process_decides(accelerator, lambda: check_store(cfg.checkpoint_dir))
     check_shared_output_dir(accelerator, cfg.output_dir)  # several machines: one folder for all of them
     if accelerator.is_main_process and (hazard := restart_hazard()):
-        print(f"accel_ddp: warning: {hazard}", file=sys.stderr, flush=True)
+        warn(hazard)
     return accelerator, per_device_batch, accumulation
 
 

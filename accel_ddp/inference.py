@@ -27,6 +27,7 @@ from accelerate.utils import DistributedType, set_seed
 from accel_ddp.assemble import EvalLoader, build_run_model, build_world, claim_failure, configured_task
 from accel_ddp.checkpoint.manifest import CorruptCheckpoint, read_checkpoint
 from accel_ddp.checkpoint.weights import load_weights
+from accel_ddp.config.debug import debug_mode
 from accel_ddp.config.saved import evaluation_config
 from accel_ddp.config.views import section_of
 from accel_ddp.data.loaders import build_eval_loader_beside
@@ -143,7 +144,7 @@ def rebuild(run: str | TrainedRun, teardown: ExitStack, data_dir: str | None = N
         fuse_activations(model)
     model = accelerator.prepare_model(model, evaluation_mode=True)  # device, mixed precision; no DDP
     loader = build_eval_loader_beside(accelerator, data.eval, trained.facts.get("loader", "dataloader"),
-                                      cfg.eval_batch_size or 2 * per_device, 0 if cfg.debug else cfg.num_workers,
+                                      cfg.eval_batch_size or 2 * per_device, debug_mode(cfg).workers(cfg.num_workers),
                                       data.collate_fn)
     samples = len(data.eval) if isinstance(data.eval, Sized) else None
     return Rebuilt(trained, accelerator, model, task, loader, samples)

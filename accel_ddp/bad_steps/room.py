@@ -13,6 +13,7 @@ from accelerate import Accelerator
 from accel_ddp.bad_steps.guard import AnomalyGuard
 from accel_ddp.bad_steps.stops import BadStepOptions, RolledBack, non_finite_loss
 from accel_ddp.bad_steps.watch import LossWatch, trace_non_finite
+from accel_ddp.config.debug import debug_mode
 from accel_ddp.util.validation import ConfigError
 
 if TYPE_CHECKING:
@@ -30,7 +31,8 @@ class BadSteps:
         # --on_anomaly skip|rollback, --spike_factor: the guard's decisions and records (None: stop at the first)
         self.guard = AnomalyGuard(options, accelerator, recorder) \
             if options.on_anomaly != "stop" or options.spike_factor else None
-        self.debug, self.accelerator, self.model, self.recorder = options.debug, accelerator, model, recorder
+        self.debug_switches, self.accelerator, self.model = debug_mode(options), accelerator, model
+        self.recorder = recorder
         self.checkpoints: CheckpointManager | None = None  # begin()
         self.watch: LossWatch | None = None  # restart(): the steps of this fit
         self.losses: LossAccumulator | None = None
@@ -45,7 +47,7 @@ class BadSteps:
     def check_loss(self) -> Callable[[torch.Tensor, int], None] | None:
         """``--debug``: every micro-step's loss checked on every rank before its backward (a sync per step), so a
         nan/inf stops the run there, with a trace of the operation that made it; None otherwise."""
-        return self._check_micro_step if self.debug else None
+        return self._check_micro_step if self.debug_switches.check_micro_steps else None
 
     def begin(self, start_step: int, checkpoints: CheckpointManager, train_loader) -> None:
         """Once the start is agreed: the guard's log continued (a resume) or forgotten; a nan/inf input becomes its

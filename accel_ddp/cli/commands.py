@@ -19,14 +19,16 @@ from __future__ import annotations
 import argparse
 import sys
 
+from accel_ddp.util.messages import write
+
 
 def _summary(args: argparse.Namespace) -> int:
     from accel_ddp.tracking.report import format_summary
 
     try:
-        print(format_summary(args.output_dir))
+        write(format_summary(args.output_dir))
     except FileNotFoundError as err:
-        print(f"accel-ddp: error: {err}", file=sys.stderr)
+        write(f"accel-ddp: error: {err}", err=True)
         return 2
     return 0
 
@@ -37,9 +39,9 @@ def _plot(args: argparse.Namespace) -> int:
     try:
         path = plot_run(args.output_dir, args.out)
     except (FileNotFoundError, ValueError) as err:
-        print(f"accel-ddp: error: {err}", file=sys.stderr)
+        write(f"accel-ddp: error: {err}", err=True)
         return 2
-    print(path)
+    write(path)
     return 0
 
 

@@ -14,7 +14,8 @@ from typing import Any, NamedTuple, TypeVar
 from accelerate import Accelerator
 from torch.utils.data import Dataset, IterableDataset, Subset
 
-from accel_ddp.config import DEBUG_MAX_STEPS, TEXT_TASKS
+from accel_ddp.config import TEXT_TASKS
+from accel_ddp.config.debug import debug_mode
 from accel_ddp.config.views import config_section
 from accel_ddp.data import HFSource, build_datasets
 from accel_ddp.data.in_memory import TokenBlocks, without_subsets
@@ -123,11 +124,11 @@ def resolve_data(options: DataOptions, accelerator: Accelerator, train_dataset, 
     if eval_dataset is not None and not isinstance(eval_dataset, IterableDataset) and len(eval_dataset) == 0:
         raise ConfigError(f"the eval set ({type(eval_dataset).__name__}) holds no samples, so there is nothing to "
                           "evaluate; give it samples, or train without one (no eval_dataset)")
-    if options.debug and not streamed:  # a small subset: errors show up in seconds
-        batch = options.global_batch_size
-        train_dataset = Subset(train_dataset, range(min(len(train_dataset), DEBUG_MAX_STEPS * batch)))
+    debug, batch = debug_mode(options), options.global_batch_size
+    if debug.train_batches and not streamed:  # a small subset: errors show up in seconds
+        train_dataset = Subset(train_dataset, range(min(len(train_dataset), debug.train_batches * batch)))
         if eval_dataset is not None:
-            eval_dataset = Subset(eval_dataset, range(min(len(eval_dataset), 4 * batch)))
+            eval_dataset = Subset(eval_dataset, range(min(len(eval_dataset), debug.eval_batches * batch)))
     collate_fn = collate_fn or (resolve(options.collate_fn, {}, kind="collate_fn") if options.collate_fn else None)
     if collate_fn is None and input_shape is None and not isinstance(without_subsets(train_dataset), TokenBlocks):
         collate_fn = PadCollate(pad_token_id(tokenizer))  # dict samples, maybe of different lengths

@@ -21,6 +21,7 @@ import torch
 from accelerate import Accelerator, DataLoaderConfiguration, PartialState
 from accelerate.utils import DDPCommunicationHookType, DistributedDataParallelKwargs, DistributedType
 
+from accel_ddp.config.debug import debug_mode
 from accel_ddp.config.views import config_section
 from accel_ddp.distributed.preflight import build_fsdp_plugin, check_launch_devices
 from accel_ddp.lifecycle.hang import flight_recorder_env
@@ -137,7 +138,7 @@ def build_accelerator(options: WorldOptions, batch_layout: Callable[[int], tuple
     Without a GPU we must ask for CPU ourselves: Accelerate only forms a gloo group for a
     torchrun launch when the script requests CPU; otherwise it would start N lone processes.
     """
-    if options.debug:
+    if debug_mode(options).accelerate_checks:
         os.environ["ACCELERATE_DEBUG_MODE"] = "1"  # cross-rank shape checks on every collective
     import_dynamo_before_the_group()
     cpu = not torch.cuda.is_available()

@@ -16,13 +16,13 @@ Plain values only (no torch): the loop gathers them, this module says them and s
 from __future__ import annotations
 
 import os
-import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from accel_ddp.config import DEBUG_MAX_STEPS
+from accel_ddp.config.debug import debug_mode
 from accel_ddp.config.views import config_section
 from accel_ddp.util.cpu_bf16 import cpu_bf16_verdict, cpu_has_bf16_units, read_cpuinfo
+from accel_ddp.util.messages import warn, write
 
 HEADER = "accel_ddp: ***** Running training *****"
 SOURCES = {"in_memory": "data in memory", "memory_mapped": "memory-mapped (read per batch)",
@@ -101,7 +101,7 @@ class StartupBlock:
             "examples": _examples(*examples),
             **training_lines(options, warmup, global_batch, optimization or {}),
         }
-        if options.debug:
+        if debug_mode(options).on:
             lines["debug"] = debug_changes(options, facts["total_steps"], data_sizes[0][1] if data_sizes else None)
             if data_sizes:
                 lines["debug data"] = "; ".join(f"{name} set: its first {kept} of {full} samples" for name, (kept, full)
@@ -122,9 +122,9 @@ class StartupBlock:
     def say(self, is_main: bool) -> None:
         """The start-up block on stdout and its warnings on stderr, once (main process)."""
         if is_main:
-            print(self.text(warnings=False), end="", flush=True)
+            write(self.text(warnings=False), end="")
             for warning in self.warnings:
-                print(f"accel_ddp: warning: {warning}", file=sys.stderr, flush=True)
+                warn(warning)
 
     def as_dict(self) -> dict[str, Any]:
         """config.yaml's ``startup:`` section: the same lines (whole numbers as numbers), the warnings as a list."""
@@ -138,7 +138,7 @@ def describe_run(options: StartupOptions, facts: dict[str, Any], epochs: int, tr
     it): the run's facts, its loader's workers, its data sets' sizes (``data``: data/resolve.py's), the model."""
     return StartupBlock.describe(options, facts, epochs=epochs, workers=_workers(train_loader), model=model,
                                  warmup=warmup, global_batch_derived=global_batch_derived,
-                                 data_sizes=_debug_sizes(options.debug, data), cpus=cpus,
+                                 data_sizes=_debug_sizes(debug_mode(options).on, data), cpus=cpus,
                                  examples=(_length(data.train), _length(data.eval)), optimization=optimization)
 
 
@@ -231,9 +231,8 @@ def debug_changes(options: StartupOptions, total_steps: int, full_train: int | N
     ``full_train``: the training set's samples before --debug cut it (None: not cut)."""
     before = options.max_steps or (options.epochs * (full_train // options.global_batch_size) if full_train else None)
     steps = f"cut to {total_steps} optimizer steps (from {before})" if before and before > total_steps else \
-        f"{total_steps} optimizer steps (at most {DEBUG_MAX_STEPS})"
-    return (f"{steps}; 0 DataLoader workers; anomaly detection, deterministic kernels, Accelerate's cross-rank "
-            "shape checks, every micro-step's loss checked")
+        f"{total_steps} optimizer steps (at most {debug_mode(options).max_steps})"
+    return f"{steps}; {debug_mode(options).changes()}"
 
 
 def mistakes(device: str, local_processes: int, precision: str, source: str, cpus: int,

@@ -15,10 +15,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from tqdm.auto import tqdm
-
 from accel_ddp.config.views import config_section
 from accel_ddp.tracking.meters import EpochTimer, StepProfiler, ThroughputMeter, memory_record
+from accel_ddp.util.messages import write
 
 
 @config_section
@@ -61,7 +60,7 @@ class StepLog:
                           **self.meter.record(step, tokens, self.losses.logged_steps)})
         run.bar.set_postfix(loss=f"{mean_loss:.4f}", refresh=False)  # shown at the bar's next redraw (<= 0.1 s)
         if run.plan.cadence.log_lines and run.accelerator.is_main_process:  # the Trainer's --logging_steps line
-            tqdm.write(f"step {step} epoch {epoch}: loss {mean_loss:.4f} lr {lr:.4g}")  # above the bar, as eval lines
+            write(f"step {step} epoch {epoch}: loss {mean_loss:.4f} lr {lr:.4g}", above_bar=True)  # as eval lines
 
     def paused(self, step: int) -> None:
         """After an evaluation or a checkpoint: neither is training throughput nor step time."""
@@ -73,5 +72,7 @@ class StepLog:
                                **memory_record(self.run.accelerator)})
 
     def close(self) -> None:
+        """The loop's end: the bar's line ended before ``finish`` and the callbacks write. Any other exit (an error,
+        a stop) ends it in the teardown, first (``assemble._watches``); nothing else closes it."""
         self.run.bar.close()
         self.profiler.stop()

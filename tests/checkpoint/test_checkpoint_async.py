@@ -19,8 +19,9 @@ import torch
 
 import accel_ddp.checkpoint.async_save as async_save
 import accel_ddp.optim.user as optim_user
-from accel_ddp.checkpoint.manager import MARKER_NAME, list_checkpoints, read_checkpoint
+from accel_ddp.checkpoint.manager import list_checkpoints, read_checkpoint
 from accel_ddp.cli.train import main
+from accel_ddp.outputs.names import MARKER_NAME
 from tests.helpers.multiproc import RankFailed, run_ranks
 from tests.helpers.ranks import error_lines
 from tests.helpers.runs import load_weights, main_ranks, read_summary
