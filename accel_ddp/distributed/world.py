@@ -23,6 +23,7 @@ from accelerate.utils import DDPCommunicationHookType, DistributedDataParallelKw
 from accel_ddp.config import TrainConfig
 from accel_ddp.distributed.preflight import build_fsdp_plugin, check_launch_devices
 from accel_ddp.lifecycle.hang import flight_recorder_env
+from accel_ddp.lifecycle.peers import group_forming
 from accel_ddp.util.host_memory import keep_freed_host_memory
 from accel_ddp.util.messages import note
 from accel_ddp.util.ranks import WORLD_SIZE_VARS
@@ -134,7 +135,8 @@ def build_accelerator(cfg: TrainConfig, trackers: Callable[[PartialState], dict[
     if not cpu:  # NCCL's flight recorder, read as the process group forms: on with --hang_timeout
         flight_recorder_env(cfg.output_dir, cfg.hang_seconds())
     forget_ended_world()  # a second run in this process (train, then evaluate): the group formed again
-    state = PartialState(cpu=cpu, timeout=timedelta(seconds=cfg.ddp_timeout))
+    with group_forming():  # its sockets: what a failing train() shuts to end its peers' collectives (failure.py)
+        state = PartialState(cpu=cpu, timeout=timedelta(seconds=cfg.ddp_timeout))
     launched_world = int(os.environ.get("WORLD_SIZE", "1"))
     if state.num_processes != launched_world:
         raise LaunchError(
