@@ -21,7 +21,7 @@ from torch.utils.data import TensorDataset
 from accel_ddp.cli.args import parse_args
 from accel_ddp.data.builtin import read_digits
 from accel_ddp.tracking.startup import StartupClock, process_age
-from tests.helpers.multiproc import free_port, run_ranks
+from tests.helpers.multiproc import RankFailed, free_port, run_ranks
 from tests.helpers.runs import REPO, load_weights, read_metrics, train_ranks
 from tests.helpers.syncs import OVERHEAD_RUN, count_host_syncs
 
@@ -362,3 +362,38 @@ def test_a_failure_on_rank_0_is_named_by_rank_1_not_its_transport_error(store, w
     assert rank1.startswith("PeerFailed: rank 0 failed: OSError: cannot read sample"), rank1
     assert "Connection" not in rank1 and "gloo" not in rank1.split("; this rank")[0], rank1
     assert waits == ([True] if store == "env" else []), waits  # env://: rank 0 waited, and not in vain
+
+
+class _DiesOnRankOne(_FailsOnRankZero):
+    """A user's dataset whose process on rank 1 ends at its third sample read, without a word (as if killed)."""
+
+    def __getitem__(self, index):
+        if os.environ.get("RANK") == "1" and self.reads >= 2:
+            os._exit(9)
+        self.reads += 1
+        return torch.full((6,), float(index)), index % 3
+
+
+def test_rank_0_does_not_wait_for_a_peer_that_is_gone(tmp_path):
+    """Rank 1's process ends mid-run: rank 0's train() raises its lost connection at once, without waiting for rank
+    1 to read its failure (``failure.outlive_readers``: a rank gone reads nothing; ``ACK_WAIT_S`` would be lost)."""
+    import json
+
+    from accel_ddp.config import TrainConfig
+    from accel_ddp.lifecycle import failure
+
+    def run() -> None:
+        waits: list[bool] = []
+        wait_for = failure._wait_for
+        failure._wait_for = lambda *args: waits.append(wait_for(*args)) or waits[-1]
+        cfg = TrainConfig(global_batch_size=16, max_steps=4, output_dir=str(tmp_path / "run"), loader="dataloader",
+                          num_workers=0)
+        try:
+            _tiny_train(tmp_path, cfg=cfg, train_dataset=_DiesOnRankOne())
+        except Exception as err:  # noqa: BLE001 - what rank 0 raised is the outcome
+            (tmp_path / "rank0.json").write_text(json.dumps([type(err).__name__, waits]))
+
+    with pytest.raises(RankFailed) as failed:
+        run_ranks(run, world_size=2)
+    assert set(failed.value.failures) == {1}, failed.value  # rank 1 ended; rank 0 returned
+    assert json.loads((tmp_path / "rank0.json").read_text()) == ["RuntimeError", []]

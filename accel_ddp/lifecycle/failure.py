@@ -157,6 +157,8 @@ def outlive_readers(err: BaseException | None) -> None:
         return
     if not made.nccl:  # the group's destroy leaves them open while the DDP model (in the traceback) holds it
         close_peer_connections(group_connections())
+    if made.ours and (lost_peer(err) or timed_out(err)):  # first, for a peer gone or stopped: none will read it
+        return
     others = [_claimed(made, rank) for rank in range(made.world_size) if rank != made.rank]
     with contextlib.suppress(RuntimeError):  # the store failed: nobody can read it any more
         _wait_for(made.store, others, ACK_WAIT_S, made.stop)
