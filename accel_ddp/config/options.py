@@ -326,7 +326,6 @@ class TrainConfig:
         if not self.synthetic_shape or any(d < 1 for d in self.synthetic_shape):
             raise ConfigError(f"--synthetic_shape must be one or more positive sizes, got "
                               f"{show(list(self.synthetic_shape))}; e.g. --synthetic_shape 1 28 28")
-        self._check_sizes()
         _check_per_device(self)
         if self.checkpointing_steps is not None:
             value = str(self.checkpointing_steps)
@@ -341,6 +340,7 @@ class TrainConfig:
             raise ConfigError(f"--spike_factor must be > 1 (a loss that many times the median), got "
                               f"{self.spike_factor:g}; e.g. --spike_factor 3, or 0 for no spike check")
         check_dependents(self)  # a flag that nothing in this run would use (the one table)
+        self._check_sizes()  # after it: the sizes left are those the run builds
         _check_task(self)
         _check_optimizer(self)
         _check_peft(self)
