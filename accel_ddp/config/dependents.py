@@ -12,7 +12,9 @@ Conflicts (two flags that cannot go together) and values out of range are ``chec
 - ``--epochs`` with ``--max_steps`` (the Hugging Face scripts' recipes give both; the help says which wins);
 - what the launch or the model decides, known once the run is set up: the ``--ddp_*`` knobs (one process has no
   DDP), ``--tf32`` and ``--cuda_graphs`` (CUDA), ``--gradient_checkpointing`` and ``--attn_implementation`` (checked
-  on the model built), ``--text_cache`` under the Python API's own dataset;
+  on the model built), ``--fused_kernels``, ``--channels_last`` and ``--compile_regions`` (what the model built
+  holds), ``--num_workers`` under ``--loader device`` (an eval set not in memory still has a DataLoader),
+  ``--text_cache`` under the Python API's own dataset;
 - ``--data_dir`` beside ``digits`` or ``synthetic`` (which read no files): it is every dataset's default
   location, and ``accel_ddp evaluate --data_dir`` moves any run's, whatever its dataset;
 - the Python API's own ``model=`` or ``train_dataset=``: ``--hidden_size``/``--width``, the ``--synthetic_*`` sizes
