@@ -339,6 +339,7 @@ def _join(cfg: TrainConfig, teardown: ExitStack, preemption: PreemptionWatcher) 
         return kwargs
 
     accelerator, per_device_batch, accumulation = build_world(cfg, trackers if cfg.with_tracking else None)
+    teardown.push(lambda kind, err, tb: failure.outlive_readers(err))  # after the group ends: the peers then claim
     teardown.push(lambda kind, err, tb: end_world(accelerator, failed=err is not None))  # train() again, later
     preemption.connect(accelerator, timedelta(seconds=cfg.ddp_timeout))  # its all-reduce waits --ddp_timeout at most
     teardown.push(claim_failure)  # before the group goes: the ranks it then stops know that they are not first

@@ -320,11 +320,11 @@ class TrainConfig:
                 setattr(self, name, new)
         check_values(self)
         check_urls(self)
-        check_sizes(self)
         check_per_device(self)
         self.checkpointing_steps = checkpointing_steps_text(self.checkpointing_steps)
         check_spike(self)
         check_dependents(self)  # a flag that nothing in this run would use (the one table)
+        check_sizes(self)  # after it: the sizes left are those the run builds
         check_task(self)
         check_optimizer_options(self)
         check_peft(self)

@@ -25,6 +25,7 @@ from accel_ddp.config.debug import debug_mode
 from accel_ddp.config.views import config_section
 from accel_ddp.distributed.preflight import build_fsdp_plugin, check_launch_devices
 from accel_ddp.lifecycle.hang import flight_recorder_env
+from accel_ddp.lifecycle.peers import group_forming
 from accel_ddp.util.host_memory import keep_freed_host_memory
 from accel_ddp.util.messages import note
 from accel_ddp.util.ranks import WORLD_SIZE_VARS
@@ -158,7 +159,8 @@ def build_accelerator(options: WorldOptions, batch_layout: Callable[[int], tuple
     if not cpu:  # NCCL's flight recorder, read as the process group forms: on with --hang_timeout
         flight_recorder_env(options.output_dir, hang_seconds)
     forget_ended_world()  # a second run in this process (train, then evaluate): the group formed again
-    state = PartialState(cpu=cpu, timeout=timedelta(seconds=options.ddp_timeout))
+    with group_forming():  # its sockets: what a failing train() shuts to end its peers' collectives (failure.py)
+        state = PartialState(cpu=cpu, timeout=timedelta(seconds=options.ddp_timeout))
     launched_world = int(os.environ.get("WORLD_SIZE", "1"))
     if state.num_processes != launched_world:
         raise LaunchError(

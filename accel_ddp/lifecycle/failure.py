@@ -48,7 +48,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from accel_ddp.lifecycle.peers import close_peer_connections, rank_store
+from accel_ddp.lifecycle.peers import close_peer_connections, group_connections, rank_store
 from accel_ddp.lifecycle.transport import LOST, STOPPED, Said, peer_message
 from accel_ddp.util.atomic import atomic_write_text
 from accel_ddp.util.messages import error_line, first_line, write
@@ -141,6 +141,30 @@ def _agree(made: Claim, err: BaseException) -> None:
     if isinstance(err, PeerFailed):  # the failing rank claims at about the same time: let it
         _wait_for(made.store, [f"{made.key}/first"], ACK_WAIT_S)
     made.first = json.loads(made.store.compare_set(f"{made.key}/first", "", json.dumps(made.first)))
+    made.store.set(_claimed(made, made.rank), "1")  # read: the store's host may go (outlive_readers)
+
+
+def outlive_readers(err: BaseException | None) -> None:
+    """``train()``'s last step on a failure, in the process that hosts the ranks' store (env://, mpirun, forked ranks:
+    rank 0's): end its group's connections, so that the ranks blocked in a collective with it fail now, and keep its
+    process, store and all, until every other rank has claimed (read the launch's first failure), ``ACK_WAIT_S`` at
+    most. Its caller may exit at once (a script, a forked rank), and a rank that then finds no store cannot tell who
+    failed: it raised gloo's "Connection closed by peer" naming no rank. Only the group's own sockets are shut
+    (``peers.group_connections``): the caller's process goes on (``report`` shuts them all, on its way out)."""
+    made = getattr(err, "_accel_ddp_claim", None)
+    if made is None or not made.hosts or made.store is None:
+        return
+    if not made.nccl:  # the group's destroy leaves them open while the DDP model (in the traceback) holds it
+        close_peer_connections(group_connections())
+    if made.ours and (lost_peer(err) or timed_out(err)):  # first, for a peer gone or stopped: none will read it
+        return
+    others = [_claimed(made, rank) for rank in range(made.world_size) if rank != made.rank]
+    with contextlib.suppress(RuntimeError):  # the store failed: nobody can read it any more
+        _wait_for(made.store, others, ACK_WAIT_S, made.stop)
+
+
+def _claimed(made: Claim, rank: int) -> str:
+    return f"{made.key}/claimed/{rank}"
 
 
 def exit_code(err: BaseException) -> int:

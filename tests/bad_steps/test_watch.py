@@ -15,10 +15,12 @@ from accel_ddp.cli.train import main
 from accel_ddp.tracking.recorder import RunRecorder
 from tests.helpers import faults
 from tests.helpers.checkpoints import steps_of
-from tests.helpers.files import CHECKPOINTED_ARGS, ckpt, error_lines
+from tests.helpers.files import CHECKPOINTED_ARGS, CHECKPOINTED_STEPS, SYNTHETIC_8X8, ckpt, error_lines
 from tests.helpers.multiproc import run_ranks
 
 # ----------------------------------------------------------------------------- a loss that turns nan (stop)
+
+NAN_MLP_RUN = [*SYNTHETIC_8X8, *CHECKPOINTED_STEPS]  # CHECKPOINTED_ARGS without its mlp (nan_mlp is one)
 
 
 def strict_json_lines(path: Path) -> list[dict]:
@@ -38,8 +40,8 @@ def test_a_nan_loss_stops_every_rank_at_the_same_step_and_saves_nothing_after_it
 
     def run() -> int:
         faults.install(nan_at=nan_at)
-        return main([*CHECKPOINTED_ARGS, "--model", "tests.helpers.faults:nan_mlp", "--max_steps", "20",
-                     "--log_every", log_every, "--output_dir", str(out)])
+        return main([*NAN_MLP_RUN, "--model", "tests.helpers.faults:nan_mlp", "--max_steps", "20", "--log_every",
+                     log_every, "--output_dir", str(out)])
 
     capfd.readouterr()
     assert run_ranks(run, world_size=2) == [3, 3]
@@ -59,7 +61,7 @@ def test_a_nan_loss_stops_every_rank_at_the_same_step_and_saves_nothing_after_it
 def test_a_nan_loss_under_debug_names_the_operation(tmp_path, capfd):
     def run() -> int:
         faults.install(nan_at=(2, 1))
-        return main([*CHECKPOINTED_ARGS, "--model", "tests.helpers.faults:nan_mlp", "--max_steps", "8", "--debug",
+        return main([*NAN_MLP_RUN, "--model", "tests.helpers.faults:nan_mlp", "--max_steps", "8", "--debug",
                      "--output_dir", str(tmp_path / "run")])
 
     capfd.readouterr()

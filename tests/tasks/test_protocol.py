@@ -355,8 +355,9 @@ def test_transformers_collators_work_unchanged_from_the_cli(tmp_path):
     assert all(torch.equal(ours[key], theirs[key]) for key in ours)
 
 
-TINY = ["--dataset", "synthetic", "--synthetic_samples", "64", "--synthetic_shape", "4", "--hidden_size", "8",
-        "--global_batch_size", "16", "--epochs", "1"]
+TINY_RUN = ["--dataset", "synthetic", "--synthetic_samples", "64", "--synthetic_shape", "4", "--global_batch_size",
+            "16", "--epochs", "1"]
+TINY = [*TINY_RUN, "--hidden_size", "8"]  # the mlp's size: refused beside another --model (config/dependents.py)
 
 
 def test_a_user_loss_from_the_cli_trains_like_the_default(tmp_path):
@@ -407,7 +408,7 @@ def test_bad_task_options_are_one_line_and_exit_2(tmp_path, capfd, extra, messag
     from accel_ddp.cli.train import main
 
     out = tmp_path / "out"
-    assert main([*TINY, *extra, "--output_dir", str(out)]) == 2
+    assert main([*TINY_RUN, *extra, "--output_dir", str(out)]) == 2
     assert message in _one_error_line(capfd.readouterr().err)
     assert not out.exists() or not any(out.iterdir())
 
