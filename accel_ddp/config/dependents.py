@@ -129,10 +129,9 @@ DEPENDENTS: tuple[Dependent, ...] = (
 )
 
 
-def check_dependents(cfg: Any) -> None:
-    """A ConfigError naming the flags of the first unmet condition (in the table's order) that were given in a run
-    that would not use them, with the fix; nothing when every given flag is used. ``cfg``: a TrainConfig."""
-    defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
+def unused_flags(cfg: Any, defaults: dict[str, Any]) -> dict[Needs, list[str]]:
+    """The flags ``cfg`` gives (unlike ``defaults``) that its run would not use, by the first unmet condition of each,
+    in the table's order. ``cfg``: a TrainConfig, or anything holding its options as attributes."""
     unused: dict[Needs, list[str]] = {}
     for row in DEPENDENTS:
         if getattr(cfg, row.flag) == defaults[row.flag]:
@@ -140,6 +139,13 @@ def check_dependents(cfg: Any) -> None:
         unmet = next((needs for needs in row.needs if not needs.used(cfg)), None)
         if unmet is not None:
             unused.setdefault(unmet, []).append(f"--{row.flag}")
+    return unused
+
+
+def check_dependents(cfg: Any) -> None:
+    """A ConfigError naming the flags of the first unmet condition (in the table's order) that were given in a run
+    that would not use them, with the fix; nothing when every given flag is used. ``cfg``: a TrainConfig."""
+    unused = unused_flags(cfg, {f.name: f.default for f in dataclasses.fields(cfg)})
     if not unused:
         return
     needs, flags = next(iter(unused.items()))

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from types import SimpleNamespace
 from typing import Any
 
+from accel_ddp.config.dependents import unused_flags
 from accel_ddp.config.options import TrainConfig
 from accel_ddp.util.validation import ConfigError
 
@@ -33,9 +35,18 @@ def saved_config(options: Mapping[str, Any], source: str) -> TrainConfig:
         raise ConfigError(f"{source}: option(s) {', '.join(unknown[:5])} unknown to this accel_ddp; evaluate it with "
                           "the version that trained it")
     try:
-        return TrainConfig(**options)
+        return TrainConfig(**_without_unused_flags(options))
     except ConfigError as err:
         raise ConfigError(f"{source}: {err}") from None
+
+
+def _without_unused_flags(options: Mapping[str, Any]) -> dict[str, Any]:
+    """``options`` with the flags its run never used put back to their defaults: a run trained before such a flag was
+    refused (``config/dependents.py``) still evaluates, and nothing it trained with changes (nothing read them)."""
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+    unused = unused_flags(SimpleNamespace(**{**defaults, **options}), defaults)
+    dropped = {flag[2:] for flags in unused.values() for flag in flags}
+    return {key: defaults[key] if key in dropped else value for key, value in options.items()}
 
 
 def evaluation_config(options: Mapping[str, Any], source: str, world_size: int, checkpoint: bool) -> TrainConfig:

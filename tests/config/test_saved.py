@@ -57,3 +57,14 @@ def test_a_world_that_does_not_divide_the_global_batch_evaluates_with_its_share(
     cfg = evaluation_config(_written(global_batch_size=64), "c", world_size=3, checkpoint=False)
     assert (cfg.global_batch_size, cfg.per_device_batch_size, cfg.eval_batch_size) == (63, 21, 42)
     assert evaluation_config(_written(global_batch_size=64), "c", 4, False).global_batch_size == 64
+
+
+def test_a_run_trained_before_a_flag_was_refused_unused_still_reads_back_without_it():
+    """A config.yaml written by a version that accepted ``--hidden_size`` beside another model (nothing used it):
+    read back with the flag at its default, the rest as written; a fresh command line still refuses it."""
+    options = {**_written(model="mnist_cnn", epochs=3), "hidden_size": 64}
+    cfg = saved_config(options, "outputs/run/config.yaml")
+    assert (cfg.model, cfg.epochs, cfg.hidden_size) == ("mnist_cnn", 3, TrainConfig().hidden_size)
+    assert saved_config({**options, "model": "mlp"}, "config.yaml").hidden_size == 64  # used: kept
+    with pytest.raises(ConfigError, match="--hidden_size .*nothing would use it"):
+        TrainConfig(**options)
