@@ -465,6 +465,19 @@ def accel_epochs(run_dir: Path, samples_per_step: int) -> tuple[list[dict], dict
     return epochs, summary
 
 
+SKIP_EPOCHS = 1  # the first epoch holds one-time costs (first-step allocations, DDP's bucket rebuild)
+
+
+def epoch_rates(epochs: list[dict], samples_per_step: int = 1) -> dict:
+    """Steps/s, samples/s and CPU ms per step (rank 0's process, all threads) over the epochs after the first
+    SKIP_EPOCHS (all of them when there are no more): what tax.py and peers.py report, measured as accel_ddp's
+    ``EpochTimer`` measures (an epoch's start to its last optimizer step)."""
+    kept = epochs[SKIP_EPOCHS:] or epochs
+    steps, seconds = sum(e["steps"] for e in kept), sum(e["seconds"] for e in kept)
+    return {"steps_per_sec": steps / seconds, "samples_per_sec": steps * samples_per_step / seconds,
+            "cpu_ms_per_step": 1e3 * sum(e["cpu_seconds"] for e in kept) / steps, "steps_per_epoch": kept[0]["steps"]}
+
+
 def pydoc_lm_folder(tmp: Path) -> str:
     """The causal-LM benchmarks' text folder under ``tmp`` (examples/pydoc_text.py lm), written the first time."""
     folder = tmp / "pydoc_lm"
