@@ -204,7 +204,7 @@ def check_resume_bitwise(s: Session, out: Path) -> str:
 
 def check_nccl_one_rank(s: Session, out: Path) -> str:
     answer = out / "probe.json"
-    ok(*s.launch(out, "probe", "cpu_2proc.yaml", PROBE, ["nccl", answer], nproc=1), "the probe")
+    ok(*s.launch(out, "probe", "cpu_2proc.yaml", PROBE, ["probe", "nccl", answer], nproc=1), "the probe")
     got = json.loads(answer.read_text())
     want = "nccl" if s.gpu else "gloo"
     expect(got["backend"] == want, f"the group's backend is {got['backend']}, not {want}")
@@ -336,7 +336,7 @@ def check_fsdp2_one_rank(s: Session, out: Path) -> str:
     if not s.gpu:
         raise Skip("needs a GPU: Accelerate applies FSDP only with GPU backends")
     answer = out / "probe.json"
-    ok(*s.launch(out, "probe", "fsdp_4gpu.yaml", PROBE, ["fsdp", answer], nproc=1), "the FSDP probe")
+    ok(*s.launch(out, "probe", "fsdp_4gpu.yaml", PROBE, ["probe", "fsdp", answer], nproc=1), "the FSDP probe")
     got = json.loads(answer.read_text())
     expect(got["is_fsdp2"] and "reduce_dtype=torch.float32" in got["applied_policy"],
            f"policy applied: {got['applied_policy']} (plugin: {got['plugin_policy']})")
@@ -361,7 +361,7 @@ def check_nccl_two_ranks(s: Session, out: Path) -> str:
     if not s.gpu or s.gpus < 2:
         raise Skip(f"needs two GPUs (this machine has {s.gpus if s.gpu else 'none in use'})")
     answer = out / "probe.json"
-    ok(*s.launch(out, "probe", "cpu_2proc.yaml", PROBE, ["nccl", answer], nproc=2), "the probe")
+    ok(*s.launch(out, "probe", "cpu_2proc.yaml", PROBE, ["probe", "nccl", answer], nproc=2), "the probe")
     got = json.loads(answer.read_text())
     expect(got["backend"] == "nccl" and got["all_reduce"] == 2.0 and got["flag_group_backend"] == "gloo", f"{got}")
     run = out / "run"
@@ -398,7 +398,14 @@ CHECKS = {
 }
 
 
-def machine() -> dict:
+def machine(dry_run: bool) -> dict:
+    """The versions and the GPUs in use. A dry run uses none, and reads the versions without importing torch (seconds
+    an interpreter, on a loaded machine, for the checks that only say they skip)."""
+    if dry_run:
+        from importlib.metadata import version
+
+        return {"python": sys.version.split()[0], "torch": version("torch"), "cuda": None,
+                "accelerate": version("accelerate"), "gpus": 0, "gpu_names": [], "bf16": False, "cpus": os.cpu_count()}
     import accelerate
     import torch
 
@@ -436,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget", type=float, default=float(os.environ.get("STAGE_SECONDS") or 480),
                         help="seconds for the check's launches (default: the stage's $STAGE_SECONDS, else 480)")
     args = parser.parse_args(argv)
-    facts = machine()
+    facts = machine(args.dry_run)
     dry_run = args.dry_run or facts["gpus"] == 0
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
