@@ -3,10 +3,15 @@
 # `timeout` and all within one budget, one line per stage, one results file under $OUT.
 #
 #   bash benchmarks/gpu_first_minutes.sh                  # on one GPU: the `first` group; results in outputs/gpu_first/
-#   bash benchmarks/gpu_first_minutes.sh --only paths     # another group, or stages by name: --only setup,doctor,compile
+#   bash benchmarks/gpu_first_minutes.sh --only paths     # another group; or stages: --only setup,doctor,compile
 #   OUT=/tmp/first BUDGET=300 bash benchmarks/gpu_first_minutes.sh
 #   bash benchmarks/gpu_first_minutes.sh --dry-run        # here, on the CPU: every stage's plumbing, tiny models
 #   bash benchmarks/gpu_first_minutes.sh --list           # the stages, their caps and groups
+#
+# On a lent device machine, where at most 8 files come back from the tool's $OUT: run it into a folder of its own,
+# then bring back the lines, the results file and the logs packed:
+#   OUT=/tmp/gf bash benchmarks/gpu_first_minutes.sh; cp /tmp/gf/gpu_first_minutes.* "$OUT"
+#   tar czf "$OUT/gf.tgz" -C /tmp gf
 #
 # Groups (--only takes group and stage names; a group opens with carry and setup):
 #   first    (default; issue 49) correctness of the GPU levers before their speed: chunked graphs compile_count sync,
@@ -20,14 +25,15 @@
 # Stages (cap in seconds on the GPU):
 #   carry 5          what travels to the GPU machine: this clone's files and wheelhouse/, at most 60 MiB
 #   setup 40         a CUDA GPU, and what the GPU image lacks from wheelhouse/ with no network (datasets, pexpect; the
-#                    first group needs neither: synthetic data), then benchmarks/env.sh's ensure_installed for the rest
+#                    first group needs neither: synthetic data), then benchmarks/env.sh's ensure_installed for the rest;
+#                    what stays missing is named on its line (only the stages that import it fail)
 #   chunked 60       --chunked_loss against the plain loss, GPT-2 124M, bf16: loss and every gradient
 #   graphs 75        eager against --cuda_graphs, 12 steps without dropout: weights within 1e-2, replays > 0
 #   compile_count 90 --compile_regions on a 12-layer GPT-2 124M over 2 epochs and evaluations: <= 3 graphs
 #   sync 45          torch.cuda.set_sync_debug_mode("error") inside steps 4-8: no device-to-host sync
 #   mfu 170          benchmarks/mfu.py: defaults, chunked_loss, cuda_graphs, compile_regions, flash_attention (skipped
 #                    where flash_attn does not import), 25 steps each, a fresh compile cache and 75 s each
-#   tax 55           benchmarks/tax.py --nproc 1 --workloads cnn --pairs graphs: --cuda_graphs against the eager bare loop
+#   tax 55           tax.py --nproc 1 --workloads cnn --pairs graphs: --cuda_graphs against the eager bare loop
 #   doctor ... pytest_gpu   benchmarks/gpu_check.py NAME, one check a stage (caps in CAPS below)
 #   tax_full 200     tax.py --nproc 1 on mlp, cnn and the tiny GPT-2, pairs defaults and graphs: the framework tax
 #   ops_per_step 50  ops_per_step.py on mlp, cnn and lm: ATen ops per optimizer step against the bare loop
@@ -124,8 +130,8 @@ stage() {  # stage NAME LATER...: under `timeout SHARE`, output in $OUT/NAME.log
     local left=$((BUDGET - SECONDS))
     local share=$((cap < left - kept ? cap : left - kept))
     if ((share < cap / 3)); then
-        record "$name" "$share" 0 "SKIP $name budget spent: ${left}s left, ${kept}s kept for the later stages, it needs \
-$((cap / 3))s (rerun with --only $name)"
+        local why="${left}s left, ${kept}s kept for the later stages, it needs $((cap / 3))s"
+        record "$name" "$share" 0 "SKIP $name budget spent: $why (rerun with --only $name)"
         return
     fi
     local began=$SECONDS code result
@@ -181,16 +187,15 @@ print(int(torch.cuda.is_available()), found)' 2>/dev/null || echo 0 0)
             ptyprocess || true
         "$PY" -c 'import datasets' 2>/dev/null && has_datasets=1
     fi
-    # The rest of what the stages import, on the GPU machine only (never into the dry run's environment)
-    if [[ -z "$DRY" ]] && ! ensure_installed test; then
-        echo "FAIL setup what the stages import is missing (above): bring it in wheelhouse/ (benchmarks/wheelhouse.sh)"
-        return 1
-    fi
-    if [[ "$has_datasets" == 1 ]]; then
-        echo "PASS setup gpu=$has_gpu datasets=yes"
-    else
-        echo "PASS setup gpu=$has_gpu datasets=no (the first group needs none: synthetic data)"
-    fi
+    # The rest of what the stages import (benchmarks/env.sh), on the GPU machine only (never into the dry run's
+    # environment); what stays missing is named on the line: only the stages that import it fail
+    [[ -z "$DRY" ]] && { ensure_installed test || true; }
+    local missing
+    missing=$("$PY" -c 'import importlib.util as u
+print(" ".join(m for m in ("pytest", "pytest_timeout", "pexpect", "sklearn", "matplotlib", "torchvision")
+               if u.find_spec(m) is None) or "none")')
+    [[ "$has_datasets" == 1 ]] && has_datasets=yes || has_datasets=no
+    echo "PASS setup gpu=$has_gpu datasets=$has_datasets missing=${missing// /,} (the first group needs none)"
 }
 
 recipes_data() {  # compare and tta (what gpu.sh did): data only from inside the clone, exactly one GPU
@@ -222,10 +227,11 @@ run() {  # run NAME: the stage's command, on the GPU or (--dry-run) its plumbing
                 "$PY" benchmarks/tax.py --nproc 1 --workloads mlp --pairs defaults --rounds 1 --epochs 2 --timeout 50 \
                     --out "$OUT/$1"
             elif [[ $1 == tax ]]; then
-                "$PY" benchmarks/tax.py --nproc 1 --workloads cnn --pairs graphs --rounds 1 --timeout 25 --out "$OUT/tax"
+                "$PY" benchmarks/tax.py --nproc 1 --workloads cnn --pairs graphs --rounds 1 --timeout 25 \
+                    --out "$OUT/tax"
             else
-                "$PY" benchmarks/tax.py --nproc 1 --workloads mlp,cnn,lm --pairs defaults,graphs --rounds 1 --timeout 60 \
-                    --out "$OUT/tax_full"
+                "$PY" benchmarks/tax.py --nproc 1 --workloads mlp,cnn,lm --pairs defaults,graphs --rounds 1 \
+                    --timeout 60 --out "$OUT/tax_full"
             fi ;;
         ops_per_step) "$PY" benchmarks/ops_per_step.py --workloads "$([[ -n "$dry" ]] && echo mlp || echo mlp,cnn,lm)" \
                 --steps "$([[ -n "$dry" ]] && echo 3 || echo 10)" --json "$OUT/ops_per_step.json" ;;
