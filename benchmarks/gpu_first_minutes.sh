@@ -19,7 +19,7 @@
 #   paths    the GPU paths, benchmarks/gpu_check.py's checks (its docstring says what each checks): doctor
 #            bf16_device_loader resume_bitwise nccl_one_rank preempt_resume gpu_guard gloo_two_ranks auto_batch_oom
 #            compile fsdp2_one_rank nccl_two_ranks pytest_gpu
-#   measure  issue 38's measurements: pytest_gpu tax_full ops_per_step peers
+#   measure  issue 38's measurements: doctor pytest_gpu tax_full ops_per_step peers
 #   recipes  against the textbook DDP script: compare tta
 #
 # Stages (cap in seconds on the GPU):
@@ -67,7 +67,7 @@ declare -A CAP=([carry]=5 [setup]=40 [chunked]=60 [graphs]=75 [compile_count]=90
 declare -A GROUP=([first]="carry setup chunked graphs compile_count sync mfu tax"
     [paths]="carry setup doctor bf16_device_loader resume_bitwise nccl_one_rank preempt_resume gpu_guard gloo_two_ranks
              auto_batch_oom compile fsdp2_one_rank nccl_two_ranks pytest_gpu"
-    [measure]="carry setup pytest_gpu tax_full ops_per_step peers"
+    [measure]="carry setup doctor pytest_gpu tax_full ops_per_step peers"
     [recipes]="carry setup compare tta")
 CHECKS=" doctor bf16_device_loader resume_bitwise nccl_one_rank preempt_resume gpu_guard gloo_two_ranks auto_batch_oom
          compile fsdp2_one_rank nccl_two_ranks pytest_gpu "
