@@ -495,10 +495,11 @@ def spread(values: list[float], spec: str) -> str:
     return f"{format(median(values), spec)} [{format(min(values), spec)}-{format(max(values), spec)}]"
 
 
-def machine_info() -> dict:
+def machine_info(gpu: bool = True) -> dict:
+    """The machine of a results file. ``gpu=False`` (a dry run's): no GPU asked for, torch's version read from its
+    package metadata, so that torch is not imported (seconds an interpreter on a loaded machine)."""
     import platform
-
-    import torch
+    from importlib.metadata import version
 
     cpu = platform.processor()
     try:
@@ -508,20 +509,25 @@ def machine_info() -> dict:
                 break
     except OSError:
         pass
-    try:
-        import accelerate
+    if gpu:
+        import torch
 
-        accel_version = accelerate.__version__
-    except ImportError:
+        torch_version = torch.__version__
+        gpu_name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    else:
+        torch_version, gpu_name = version("torch"), None
+    try:
+        accel_version = version("accelerate")
+    except ImportError:  # PackageNotFoundError is one
         accel_version = None
     return {
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "host": platform.node(),
         "cpu": cpu,
         "cpus": os.cpu_count(),
-        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "gpu": gpu_name,
         "python": platform.python_version(),
-        "torch": torch.__version__,
+        "torch": torch_version,
         "accelerate": accel_version,
         "load_avg_at_start": os.getloadavg(),
     }

@@ -306,7 +306,7 @@ def collect(out: Path, dry_run: bool, budget: float) -> dict:
         if record["status"] == "FAIL":
             record["log_tail"] = tail(log, 60)
         stages.append(record)
-    result = {"dry_run": dry_run, "budget_sec": budget, "machine": machine_info(), "stages": stages}
+    result = {"dry_run": dry_run, "budget_sec": budget, "machine": machine_info(gpu=not dry_run), "stages": stages}
     (out / "gpu_first_minutes.json").write_text(json.dumps(result, indent=1) + "\n")
     return result
 

@@ -51,6 +51,18 @@ def test_tax_and_peers_rate_the_epochs_after_the_first_one_way():
     assert epoch_rates(epochs[:1])["steps_per_sec"] == 10 / 9.0  # one epoch only: it counts
 
 
+def test_a_dry_runs_machine_is_read_without_importing_torch():
+    import subprocess
+    import sys
+
+    from tests.helpers.runs import REPO
+
+    code = ("import sys; from benchmarks.common import machine_info; m = machine_info(gpu=False); "
+            "print('torch' in sys.modules, m['gpu'], bool(m['torch']))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.stdout.split() == ["False", "None", "True"], done.stderr
+
+
 def test_the_results_file_is_written_whole_and_said(tmp_path, capsys):
     from benchmarks.common import write_json
 
