@@ -64,6 +64,17 @@ esac
 """
 
 
+def _sleeping(pid: int) -> bool:
+    """The stand-in's `sleep` still runs: its pid holds a `sleep` that is not a zombie (here the init process reaps
+    orphans late, and a killed child can stay a zombie a while)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        command = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+    return state != "Z" and command.startswith(b"sleep")
+
+
 @pytest.mark.slow  # a real bash running the stages, a 3 s hang
 def test_each_stage_within_its_share_of_the_budget_into_one_results_file(tmp_path):
     """BUDGET 80 s: chunked's cap (300) leaves less than its floor once the later stages' are kept: SKIP; graphs hangs
@@ -85,9 +96,7 @@ def test_each_stage_within_its_share_of_the_budget_into_one_results_file(tmp_pat
                                                           ["PASS", "compile_count"], ["FAIL", "sync"]], lines
     assert "budget spent" in lines[0] and "--only chunked" in lines[0]
     assert "graphs timed out after 3s" in lines[1]
-    child = int((out / "child.pid").read_text())
-    with pytest.raises(ProcessLookupError):
-        os.kill(child, 0)  # the stage's child went with it
+    assert not _sleeping(int((out / "child.pid").read_text()))  # the stage's child went with it
     given = int(re.search(r"given (\d+)", lines[2]).group(1))
     assert 80 / 3 <= given <= 80 - 30 // 3 - 3  # under its cap: the budget less graphs' 3 s and sync's floor
     assert (out / "sync.log").read_text().splitlines()[:200] == [f"line {i}" for i in range(200)]  # kept whole
