@@ -465,6 +465,19 @@ def accel_epochs(run_dir: Path, samples_per_step: int) -> tuple[list[dict], dict
     return epochs, summary
 
 
+SKIP_EPOCHS = 1  # the first epoch holds one-time costs (first-step allocations, DDP's bucket rebuild)
+
+
+def epoch_rates(epochs: list[dict], samples_per_step: int = 1) -> dict:
+    """Steps/s, samples/s and CPU ms per step (rank 0's process, all threads) over the epochs after the first
+    SKIP_EPOCHS (all of them when there are no more): what tax.py and peers.py report, measured as accel_ddp's
+    ``EpochTimer`` measures (an epoch's start to its last optimizer step)."""
+    kept = epochs[SKIP_EPOCHS:] or epochs
+    steps, seconds = sum(e["steps"] for e in kept), sum(e["seconds"] for e in kept)
+    return {"steps_per_sec": steps / seconds, "samples_per_sec": steps * samples_per_step / seconds,
+            "cpu_ms_per_step": 1e3 * sum(e["cpu_seconds"] for e in kept) / steps, "steps_per_epoch": kept[0]["steps"]}
+
+
 def pydoc_lm_folder(tmp: Path) -> str:
     """The causal-LM benchmarks' text folder under ``tmp`` (examples/pydoc_text.py lm), written the first time."""
     folder = tmp / "pydoc_lm"
@@ -482,10 +495,11 @@ def spread(values: list[float], spec: str) -> str:
     return f"{format(median(values), spec)} [{format(min(values), spec)}-{format(max(values), spec)}]"
 
 
-def machine_info() -> dict:
+def machine_info(gpu: bool = True) -> dict:
+    """The machine of a results file. ``gpu=False`` (a dry run's): no GPU asked for, torch's version read from its
+    package metadata, so that torch is not imported (seconds an interpreter on a loaded machine)."""
     import platform
-
-    import torch
+    from importlib.metadata import version
 
     cpu = platform.processor()
     try:
@@ -495,20 +509,25 @@ def machine_info() -> dict:
                 break
     except OSError:
         pass
-    try:
-        import accelerate
+    if gpu:
+        import torch
 
-        accel_version = accelerate.__version__
-    except ImportError:
+        torch_version = torch.__version__
+        gpu_name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    else:
+        torch_version, gpu_name = version("torch"), None
+    try:
+        accel_version = version("accelerate")
+    except ImportError:  # PackageNotFoundError is one
         accel_version = None
     return {
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "host": platform.node(),
         "cpu": cpu,
         "cpus": os.cpu_count(),
-        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "gpu": gpu_name,
         "python": platform.python_version(),
-        "torch": torch.__version__,
+        "torch": torch_version,
         "accelerate": accel_version,
         "load_avg_at_start": os.getloadavg(),
     }

@@ -1,5 +1,5 @@
-# Sourced by benchmarks/gpu.sh and benchmarks/gpu_check.sh: the repository, its Python, and what
-# they need, installed when missing, so that both run on a fresh machine with only this repository.
+# Sourced by benchmarks/gpu_first_minutes.sh, the GPU entry: the repository, its Python, and what its stages need,
+# installed when missing (its setup stage), so that it runs on a fresh machine with only this repository.
 #
 #   source benchmarks/env.sh && ensure_installed test
 #

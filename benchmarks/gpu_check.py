@@ -1,41 +1,33 @@
-"""The GPU paths nobody has run yet, run in one go on a machine with a GPU: one line per check.
+"""The GPU paths, one check per call: the `paths` stages of benchmarks/gpu_first_minutes.sh, the one GPU entry,
+which runs each under its own timeout (``bash benchmarks/gpu_first_minutes.sh --only paths``).
 
-    bash benchmarks/gpu_check.sh                      # installs what is missing, then this; ~5-8 minutes
-    python benchmarks/gpu_check.py --out /tmp/check   # results in /tmp/check/gpu_check.{txt,json}
-    python benchmarks/gpu_check.py --dry-run          # no GPU: the same checks on the CPU, plumbing only
-    python benchmarks/gpu_check.py --only doctor,compile
+    python benchmarks/gpu_check.py doctor --out /tmp/first          # OUT/doctor.json, its launches' logs in OUT/doctor/
+    python benchmarks/gpu_check.py resume_bitwise --dry-run         # no GPU: the same check on the CPU, plumbing only
 
-Each check prints ``PASS|FAIL|SKIP  name  seconds  figure`` and writes its launches' logs under
-``OUT/<check>/``; ``OUT/gpu_check.json`` holds every result plus the machine. Checks run in order
-of risk until ``--budget`` seconds (default 480) are spent; those left are SKIPped with the reason.
-Checks that need two GPUs say so and skip on a one-GPU machine. Exit code 1 if a check failed.
-
-Without a GPU (or with ``--dry-run``) every check that can runs on the CPU with the same commands
-(same configs, scripts and assertions, except that the device is ``cpu`` and the backend gloo):
-a test of the plumbing, not of the GPU. What stays GPU-only is skipped: the one-process-per-GPU
-guard, FSDP2 (Accelerate applies it only on GPUs), the GPU tests, the benchmark.
-
-The checks (``--only`` names):
+A call prints a mode line, then ``PASS|FAIL|SKIP  name  seconds  figure``; exit code 1 on FAIL. Its launches get at
+most ``--budget`` seconds together (the stage's ``$STAGE_SECONDS``). Checks that need two GPUs say so and skip on a
+one-GPU machine. Without a GPU (or with ``--dry-run``) a check runs on the CPU with the same commands (same configs,
+scripts and assertions, the device ``cpu`` and the backend gloo): the plumbing, not the GPU. What stays GPU-only is
+skipped: the one-process-per-GPU guard, FSDP2 (Accelerate applies it only on GPUs), the GPU tests.
 
     doctor              accel-ddp doctor on accelerate_configs/1gpu_debug.yaml: "ready"
     bf16_device_loader  1gpu_debug.yaml (bf16): --loader device, checkpoints every 10 steps
     resume_bitwise      a crash at step 25 (tests/helpers/faults.py), --resume_from_checkpoint auto: final weights
                         bitwise equal to an uninterrupted run's
-    nccl_one_rank       one rank through torchrun: NCCL set-up, barrier, broadcast, all-reduce, and the
-                        preemption flag's gloo sub-group next to the NCCL group (gpu_probe.py)
+    nccl_one_rank       one rank through torchrun: NCCL set-up, barrier, broadcast, all-reduce, and the preemption
+                        flag's gloo sub-group next to the NCCL group (gpu_first_checks.py's nccl probe)
     preempt_resume      a real 1-rank NCCL run: SIGTERM -> checkpoint + "preempted" -> resume to the end
     gpu_guard           more ranks than GPUs: every rank stops with one line before NCCL
-    gloo_two_ranks      two ranks on one GPU over gloo (gloo_on_one_gpu.py): DDP, the device loader,
-                        checkpoints, then a resume with the DataLoader loader
+    gloo_two_ranks      two ranks on one GPU over gloo (gloo_on_one_gpu.py): DDP, the device loader, checkpoints,
+                        then a resume with the DataLoader loader
     auto_batch_oom      --per_device_batch_size auto in a process allowed 2 GiB of the GPU (capped_memory.py): the
                         first micro-batch (65536 samples, ~4.6 GiB) really runs out of memory, the probe halves
                         until one fits (16384, ~1.4 GiB), the run finishes, its weights equal a run started there
     compile             --compile: plain keys in model.safetensors and checkpoints; resume without compile
-    fsdp2_one_rank      fsdp_4gpu.yaml on one rank: policy applied (fp32 reduce), the premises of the
-                        refusals, train + checkpoint + resume + full export, SGD (foreach)
+    fsdp2_one_rank      fsdp_4gpu.yaml on one rank (gpu_first_checks.py's fsdp probe): policy applied (fp32 reduce),
+                        the premises of the refusals, train + checkpoint + resume + full export, SGD (foreach)
     nccl_two_ranks      two GPUs: the NCCL probe and a checkpointed run on two ranks (else SKIP)
     pytest_gpu          pytest -m gpu (the tests that need a GPU)
-    benchmark           benchmarks/gpu.sh with what time is left (at least 150 s): tax.py, compare.py, tta.py
 """
 
 from __future__ import annotations
@@ -57,6 +49,7 @@ from benchmarks.common import REPO, bench_env, free_port  # noqa: E402
 
 CONFIGS = REPO / "accelerate_configs"
 HERE = REPO / "benchmarks"
+PROBE = HERE / "gpu_first_checks.py"  # its `probe nccl|fsdp OUT_JSON`, run under a launch
 FAULTY_TRAIN = REPO / "tests" / "scripts" / "faulty_train.py"
 DIGITS_MLP = ["--dataset", "digits", "--model", "mlp"]
 MLP_KEYS = {"1.weight", "1.bias", "3.weight", "3.bias", "5.weight", "5.bias"}
@@ -84,8 +77,8 @@ class Result:
 class Session:
     """What every check needs: the mode, the output folder, the clock, and how to launch."""
 
-    def __init__(self, out: Path, gpus: int, bf16: bool, dry_run: bool, budget: float, bench: bool = False):
-        self.out, self.gpus, self.bf16, self.dry_run, self.bench = out, gpus, bf16, dry_run, bench
+    def __init__(self, out: Path, gpus: int, bf16: bool, dry_run: bool, budget: float):
+        self.out, self.gpus, self.bf16, self.dry_run = out, gpus, bf16, dry_run
         self.gpu = gpus > 0 and not dry_run
         self.deadline = time.monotonic() + budget
         self.device = "cuda" if self.gpu else "cpu"
@@ -211,7 +204,7 @@ def check_resume_bitwise(s: Session, out: Path) -> str:
 
 def check_nccl_one_rank(s: Session, out: Path) -> str:
     answer = out / "probe.json"
-    ok(*s.launch(out, "probe", "cpu_2proc.yaml", HERE / "gpu_probe.py", ["nccl", answer], nproc=1), "the probe")
+    ok(*s.launch(out, "probe", "cpu_2proc.yaml", PROBE, ["probe", "nccl", answer], nproc=1), "the probe")
     got = json.loads(answer.read_text())
     want = "nccl" if s.gpu else "gloo"
     expect(got["backend"] == want, f"the group's backend is {got['backend']}, not {want}")
@@ -343,7 +336,7 @@ def check_fsdp2_one_rank(s: Session, out: Path) -> str:
     if not s.gpu:
         raise Skip("needs a GPU: Accelerate applies FSDP only with GPU backends")
     answer = out / "probe.json"
-    ok(*s.launch(out, "probe", "fsdp_4gpu.yaml", HERE / "gpu_probe.py", ["fsdp", answer], nproc=1), "the FSDP probe")
+    ok(*s.launch(out, "probe", "fsdp_4gpu.yaml", PROBE, ["probe", "fsdp", answer], nproc=1), "the FSDP probe")
     got = json.loads(answer.read_text())
     expect(got["is_fsdp2"] and "reduce_dtype=torch.float32" in got["applied_policy"],
            f"policy applied: {got['applied_policy']} (plugin: {got['plugin_policy']})")
@@ -368,7 +361,7 @@ def check_nccl_two_ranks(s: Session, out: Path) -> str:
     if not s.gpu or s.gpus < 2:
         raise Skip(f"needs two GPUs (this machine has {s.gpus if s.gpu else 'none in use'})")
     answer = out / "probe.json"
-    ok(*s.launch(out, "probe", "cpu_2proc.yaml", HERE / "gpu_probe.py", ["nccl", answer], nproc=2), "the probe")
+    ok(*s.launch(out, "probe", "cpu_2proc.yaml", PROBE, ["probe", "nccl", answer], nproc=2), "the probe")
     got = json.loads(answer.read_text())
     expect(got["backend"] == "nccl" and got["all_reduce"] == 2.0 and got["flag_group_backend"] == "gloo", f"{got}")
     run = out / "run"
@@ -389,26 +382,6 @@ def check_pytest_gpu(s: Session, out: Path) -> str:
     return line.strip("= ")
 
 
-def check_benchmark(s: Session, out: Path) -> str:
-    if not s.gpu and not s.bench:
-        raise Skip("the benchmark needs a GPU (--bench runs its plumbing on the CPU)")
-    left = s.remaining() - 20
-    if left < 150:
-        raise Skip(f"only {max(left, 0):.0f}s left; needs 150 (run bash benchmarks/gpu.sh on its own)")
-    extra = {"OUT": str(out), "TAX_TIMEOUT": str(int(left * 0.3)), "COMPARE_TIMEOUT": str(int(left * 0.25)),
-             "TTA_TIMEOUT": str(int(left * 0.4))}
-    if not s.gpu:
-        extra.update({"BENCH_ALLOW_CPU": "1", "STEPS": "10", "REPEATS": "1", "EPOCHS": "1", "MAX_EPOCHS": "1",
-                      "TARGET": "0.5", "TAX_ROUNDS": "1", "TAX_EPOCHS": "2"})
-    code, text = s.run(out, "gpu_sh", ["bash", str(HERE / "gpu.sh")], env=s.env(extra), limit=left + 10)
-    ok(code, text, "gpu.sh")
-    # tax.py's rows (workload, pair "defaults", side "accel": the median accel_ddp/bare ratio), then compare.py's
-    ratios = [f"{x.split()[0]} accel_ddp/bare {x.split()[7]}" for x in text.splitlines()
-              if x.split()[1:3] == ["defaults", "accel"]]
-    ratios += [x.strip() for x in text.splitlines() if "vs (a)" in x or x.startswith("(c) accel_ddp defaults")]
-    return "; ".join(ratios[:3]) or "ran; see gpu_sh.log"
-
-
 CHECKS = {
     "doctor": check_doctor,
     "bf16_device_loader": check_bf16_device_loader,
@@ -422,11 +395,17 @@ CHECKS = {
     "fsdp2_one_rank": check_fsdp2_one_rank,
     "nccl_two_ranks": check_nccl_two_ranks,
     "pytest_gpu": check_pytest_gpu,
-    "benchmark": check_benchmark,
 }
 
 
-def machine() -> dict:
+def machine(dry_run: bool) -> dict:
+    """The versions and the GPUs in use. A dry run uses none, and reads the versions without importing torch (seconds
+    an interpreter, on a loaded machine, for the checks that only say they skip)."""
+    if dry_run:
+        from importlib.metadata import version
+
+        return {"python": sys.version.split()[0], "torch": version("torch"), "cuda": None,
+                "accelerate": version("accelerate"), "gpus": 0, "gpu_names": [], "bf16": False, "cpus": os.cpu_count()}
     import accelerate
     import torch
 
@@ -437,54 +416,48 @@ def machine() -> dict:
             "bf16": bool(gpus and torch.cuda.is_bf16_supported()), "cpus": os.cpu_count()}
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default=os.environ.get("OUT") or str(REPO / "outputs" / "gpu_check"),
-                        help="results folder (default $OUT, else outputs/gpu_check)")
-    parser.add_argument("--dry-run", action="store_true", help="run on the CPU even with a GPU: plumbing only")
-    parser.add_argument("--budget", type=float, default=480, help="seconds for all checks (default 480)")
-    parser.add_argument("--only", default="", help="comma-separated check names (default: all, in order)")
-    parser.add_argument("--bench", action="store_true", help="in a dry run, run the benchmark's plumbing too")
-    args = parser.parse_args(argv)
-    names = [n for n in args.only.split(",") if n] or list(CHECKS)
-    unknown = sorted(set(names) - set(CHECKS))
-    if unknown:
-        parser.error(f"unknown checks {unknown}; choose from {', '.join(CHECKS)}")
+def run_check(name: str, session: Session, out: Path) -> Result:
+    """One check, its outcome as a Result: a Skip or a failed expectation is an outcome, a broken check a FAIL with
+    its traceback kept in ``out/<name>/traceback.txt``."""
+    started = time.monotonic()
+    try:
+        status, figure = "PASS", CHECKS[name](session, out / name)
+    except Skip as why:
+        status, figure = "SKIP", str(why)
+    except CheckFailed as err:
+        status, figure = "FAIL", str(err)
+    except Exception as err:  # noqa: BLE001 - a broken check is a failed check, with its traceback
+        status, figure = "FAIL", f"{type(err).__name__}: {err}"
+        (out / name).mkdir(parents=True, exist_ok=True)
+        (out / name / "traceback.txt").write_text(traceback.format_exc())
+    return Result(name, status, time.monotonic() - started, " ".join(figure.split()))
 
-    facts = machine()
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("check", choices=list(CHECKS))
+    parser.add_argument("--out", default=str(REPO / "outputs" / "gpu_first"),
+                        help="results folder: OUT/<check>.json, the launches' logs in OUT/<check>/")
+    parser.add_argument("--dry-run", action="store_true", help="run on the CPU even with a GPU: plumbing only")
+    parser.add_argument("--budget", type=float, default=float(os.environ.get("STAGE_SECONDS") or 480),
+                        help="seconds for the check's launches (default: the stage's $STAGE_SECONDS, else 480)")
+    args = parser.parse_args(argv)
+    facts = machine(args.dry_run)
     dry_run = args.dry_run or facts["gpus"] == 0
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    session = Session(out, facts["gpus"], facts["bf16"], dry_run, args.budget, args.bench)
     mode = "dry run on the CPU (plumbing only: nothing here says the GPU paths work)" if dry_run else \
         f"GPU: {facts['gpus']} x {', '.join(sorted(set(facts['gpu_names'])))}"
     if dry_run and not args.dry_run:
         mode += "; no GPU found, so --dry-run was implied"
     print(f"gpu_check: {mode}; torch {facts['torch']} (CUDA {facts['cuda']}), accelerate {facts['accelerate']}; "
-          f"budget {args.budget:.0f}s; logs under {out}", flush=True)
-    results = []
-    for name in names:
-        started = time.monotonic()
-        try:
-            status, figure = "PASS", CHECKS[name](session, out / name)
-        except Skip as why:
-            status, figure = "SKIP", str(why)
-        except CheckFailed as err:
-            status, figure = "FAIL", str(err)
-        except Exception as err:  # noqa: BLE001 - a broken check is a failed check, and the others still run
-            status, figure = "FAIL", f"{type(err).__name__}: {err}"
-            (out / name).mkdir(parents=True, exist_ok=True)
-            (out / name / "traceback.txt").write_text(traceback.format_exc())
-        result = Result(name, status, time.monotonic() - started, " ".join(figure.split()))
-        results.append(result)
-        print(result.line(), flush=True)
-    counts = {s: sum(r.status == s for r in results) for s in ("PASS", "FAIL", "SKIP")}
-    verdict = f"gpu_check: {counts['PASS']} passed, {counts['FAIL']} failed, {counts['SKIP']} skipped ({mode})"
-    print(verdict, flush=True)
-    (out / "gpu_check.txt").write_text("\n".join([*(r.line() for r in results), verdict]) + "\n")
-    (out / "gpu_check.json").write_text(json.dumps({"mode": mode, "dry_run": dry_run, "machine": facts,
-                                                     "results": [asdict(r) for r in results]}, indent=1))
-    return 1 if counts["FAIL"] else 0
+          f"budget {args.budget:.0f}s; logs under {out / args.check}", flush=True)
+    result = run_check(args.check, Session(out, facts["gpus"], facts["bf16"], dry_run, args.budget), out)
+    (out / f"{args.check}.json").write_text(json.dumps({**asdict(result), "mode": mode, "dry_run": dry_run,
+                                                        "machine": facts}, indent=1))
+    print(result.line(), flush=True)
+    return 1 if result.status == "FAIL" else 0
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""The correctness checks of benchmarks/gpu_first_minutes.sh, one stage per call (the script gives each a timeout):
+"""The in-process stages of benchmarks/gpu_first_minutes.sh (the one GPU entry), one per call (the entry gives
+each a timeout), the probes its launched checks run, and its one results file:
 
     chunked        --chunked_loss against the plain loss on GPT-2 124M in bf16 autocast: the loss within 1e-2 and
                    every parameter's gradient within 3e-2 relative (bf16's own error; tests/tasks/test_chunked_loss.py)
@@ -15,6 +16,10 @@ Each prints one line (``PASS``/``FAIL``/``SKIP`` name, figures) and writes ``OUT
 refused there, the sync stage runs without the debug mode): the plumbing, not the GPU.
 
     python benchmarks/gpu_first_checks.py chunked --out outputs/gpu_first
+
+``probe nccl|fsdp OUT_JSON`` runs under ``accelerate launch`` for benchmarks/gpu_check.py (nccl_one_rank,
+nccl_two_ranks, fsdp2_one_rank): rank 0 writes what it found, the check judges it. ``collect --out OUT`` writes the
+entry's results file, ``OUT/gpu_first_minutes.json``, from the stages' lines and results.
 """
 
 from __future__ import annotations
@@ -180,10 +185,148 @@ def sync(dry_run: bool) -> dict:
             **({"skipped": "no CUDA: the steps ran without the sync debug mode"} if dry_run else {})}
 
 
+def _outcome(fn) -> str:
+    try:
+        fn()
+    except Exception as err:  # noqa: BLE001 - the error is the answer
+        return "raises: " + " ".join(f"{type(err).__name__}: {err}".split())[:200]
+    return "works"
+
+
+def probe_nccl(accelerator) -> dict:
+    """The group accel_ddp forms (NCCL on a GPU): barrier, broadcast, an all-reduce, and the preemption flag's gloo
+    sub-group next to it (timed), then the default group again."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from accel_ddp.lifecycle.preemption import flag_group
+
+    device = accelerator.device
+    accelerator.wait_for_everyone()
+    value = torch.full((4,), float(accelerator.process_index + 7), device=device)
+    dist.broadcast(value, src=0)
+    total = torch.ones(1, device=device)
+    dist.all_reduce(total)
+    group = flag_group(timedelta(seconds=60))  # what PreemptionWatcher uses
+    flag = torch.ones(1, dtype=torch.int32)
+    started = time.perf_counter()
+    for _ in range(100):
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    flag_ms = (time.perf_counter() - started) * 10  # per all-reduce
+    total_after = torch.ones(1, device=device)
+    dist.all_reduce(total_after)  # the default group still works after the gloo traffic
+    return {"backend": dist.get_backend(), "device": str(device), "world_size": dist.get_world_size(),
+            "broadcast_ok": bool((value == 7.0).all()), "all_reduce": float(total.item()),
+            "all_reduce_after_flag": float(total_after.item()), "flag_group_backend": dist.get_backend(group),
+            "flag_all_reduce_ms": round(flag_ms, 3)}
+
+
+def probe_fsdp(accelerator) -> dict:
+    """Under an FSDP2 launch: the mixed-precision policy accel_ddp's model really got, and whether the premises of
+    accel_ddp's FSDP2 refusals still hold in this torch (fused SGD on DTensors, channels-last parameters, BatchNorm
+    under a bf16 policy): each "raises: ..." or "works"."""
+    import torch
+    from torch import nn
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from accel_ddp.models import build_model
+    from accel_ddp.optim.build import build_optimizer, use_fused_optimizer
+
+    plugin_policy = accelerator.state.fsdp_plugin.mixed_precision_policy
+    model = build_model("mlp", num_classes=3, input_shape=(16,), hidden_size=32)
+    optimizer = build_optimizer("adamw", model, 1e-3, 0.0, fused=use_fused_optimizer("adamw", "cuda", True))
+    model, optimizer = accelerator.prepare(model, optimizer)
+    state = model._get_fsdp_state() if hasattr(model, "_get_fsdp_state") else None  # FSDPModule's, torch 2.14
+    applied = getattr(state, "_mp_policy", None)
+    device = accelerator.device
+
+    def fused_sgd():
+        layer = fully_shard(nn.Linear(8, 8).to(device))
+        opt = torch.optim.SGD(layer.parameters(), lr=0.1, momentum=0.9, fused=True)
+        layer(torch.randn(4, 8, device=device)).sum().backward()
+        opt.step()
+
+    def channels_last():
+        conv = nn.Conv2d(3, 8, 3).to(device).to(memory_format=torch.channels_last)
+        fully_shard(conv)
+
+    def batchnorm_bf16():
+        net = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU()).to(device)
+        fully_shard(net, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+        net(torch.randn(4, 3, 8, 8, device=device)).sum().backward()
+
+    return {"distributed_type": str(accelerator.distributed_type.value), "is_fsdp2": accelerator.is_fsdp2,
+            "mixed_precision": accelerator.mixed_precision,
+            "plugin_policy": str(plugin_policy), "applied_policy": str(applied),
+            "fused_sgd_on_dtensors": _outcome(fused_sgd), "channels_last_params": _outcome(channels_last),
+            "batchnorm_under_bf16_policy": _outcome(batchnorm_bf16)}
+
+
+def probe(mode: str, answer: str) -> None:
+    """``gpu_first_checks.py probe nccl|fsdp OUT_JSON`` under ``accelerate launch``: rank 0 writes the answer, a figure
+    that the check reading it judges."""
+    from accel_ddp import exit_process
+    from accel_ddp.cli.args import parse_args
+    from accel_ddp.assemble import build_world
+
+    accelerator, _, _ = build_world(parse_args(["--ddp_timeout", "120"]))
+    got = {"nccl": probe_nccl, "fsdp": probe_fsdp}[mode](accelerator)
+    if accelerator.is_main_process:
+        Path(answer).write_text(json.dumps(got, indent=1), encoding="utf-8")
+    accelerator.wait_for_everyone()
+    exit_process(0)
+
+
+def _results(out: Path, name: str):
+    """What a stage's script wrote: ``OUT/<stage>.json``, else the JSON file in its folder ``OUT/<stage>/``."""
+    found = [out / f"{name}.json", *sorted((out / name).glob("*.json"))]
+    for path in found:
+        try:
+            return json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def collect(out: Path, dry_run: bool, budget: float) -> dict:
+    """gpu_first_minutes.sh's one results file: each stage's line, share, seconds and log (its tail when it failed),
+    the results its script wrote, embedded; the machine. At most 8 files come back from a device run: this one holds
+    the run."""
+    from benchmarks.common import machine_info, tail
+
+    stages = []
+    for row in (out / "stages.tsv").read_text().splitlines():
+        name, share, seconds, line = row.split("\t", 3)
+        log = out / f"{name}.log"
+        record = {"name": name, "status": line.split()[0], "timed_out": " timed out after " in line,
+                  "seconds": int(seconds), "share": int(share), "line": line, "log": str(log),
+                  "results": _results(out, name)}
+        if record["status"] == "FAIL":
+            record["log_tail"] = tail(log, 60)
+        stages.append(record)
+    result = {"dry_run": dry_run, "budget_sec": budget, "machine": machine_info(gpu=not dry_run), "stages": stages}
+    (out / "gpu_first_minutes.json").write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
+
 STAGES = {"chunked": chunked, "graphs": graphs, "compile_count": compile_count, "sync": sync}
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["probe"]:  # under `accelerate launch`, for benchmarks/gpu_check.py
+        probe(*argv[1:3])
+        return 0
+    if argv[:1] == ["collect"]:
+        parser = argparse.ArgumentParser(description="gpu_first_minutes.sh's results file")
+        parser.add_argument("--out", required=True)
+        parser.add_argument("--dry-run", action="store_true")
+        parser.add_argument("--budget", type=float, required=True)
+        args = parser.parse_args(argv[1:])
+        collect(Path(args.out), args.dry_run, args.budget)
+        return 0
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("stage", choices=list(STAGES))
     parser.add_argument("--dry-run", action="store_true", help="on the CPU, tiny models: the plumbing only")

@@ -51,6 +51,7 @@ from benchmarks.common import (  # noqa: E402
     alternated,
     bench_env,
     data_source,
+    epoch_rates,
     exit_on_sigterm,
     launch_cmd,
     machine_info,
@@ -65,7 +66,6 @@ from benchmarks.common import (  # noqa: E402
 )
 
 HERE = Path(__file__).resolve().parent
-SKIP_EPOCHS = 1  # the first epoch holds one-time costs (first-step allocations, DDP's bucket rebuild)
 EPOCHS = 3
 LM = {"per_device": 16, "lr": 2e-3, "warmup": 20}
 CNN = {"per_device": 64, "lr": 3e-3}
@@ -124,10 +124,9 @@ def keep_log(run_dir: Path, out: Path, name: str) -> Path:
 
 
 def rates(epochs: list[dict], samples_per_step: int) -> dict:
-    kept = epochs[SKIP_EPOCHS:] or epochs
-    steps = sum(e["steps"] for e in kept)
-    return {"samples_per_sec": steps * samples_per_step / sum(e["seconds"] for e in kept),
-            "cpu_ms_per_step": 1e3 * sum(e["cpu_seconds"] for e in kept) / steps, "steps_per_epoch": kept[0]["steps"]}
+    """Samples/s, CPU ms per step and steps per epoch over the epochs after the first (common.epoch_rates)."""
+    got = epoch_rates(epochs, samples_per_step)
+    return {key: got[key] for key in ("samples_per_sec", "cpu_ms_per_step", "steps_per_epoch")}
 
 
 def parse(side: str, run_dir: Path, samples_per_step: int) -> dict:

@@ -58,6 +58,7 @@ from benchmarks.common import (  # noqa: E402
     accel_epochs,
     bench_env,
     data_source,
+    epoch_rates,
     exit_on_sigterm,
     launch_cmd,
     machine_info,
@@ -69,7 +70,6 @@ from benchmarks.common import (  # noqa: E402
 )
 
 HERE = Path(__file__).resolve().parent
-SKIP_EPOCHS = 1  # the first epoch holds one-time costs (first-step allocations, DDP's bucket rebuild)
 LM_DATA = "{lm_data}"  # replaced by the folder examples/pydoc_text.py lm writes once per invocation
 LM_MODEL = ["--model_config", str(TINY_GPT2_CONFIG), "--max_length", "128",
             "--tokenizer", f"{LM_DATA}/tokenizer", "--data_dir", LM_DATA, "--lr", "2e-3"]
@@ -113,11 +113,9 @@ def commands(workload: str, pair: str, side: str, nproc: int, epochs: int, run_d
 
 
 def per_step(epochs: list[dict]) -> dict:
-    """Steps/s and CPU ms per step (rank 0's process, all threads) over the epochs after the first SKIP_EPOCHS."""
-    kept = epochs[SKIP_EPOCHS:] or epochs
-    steps = sum(e["steps"] for e in kept)
-    return {"steps_per_sec": steps / sum(e["seconds"] for e in kept),
-            "cpu_ms_per_step": 1e3 * sum(e["cpu_seconds"] for e in kept) / steps}
+    """Steps/s and CPU ms per step over the epochs after the first (common.epoch_rates)."""
+    rates = epoch_rates(epochs)
+    return {key: rates[key] for key in ("steps_per_sec", "cpu_ms_per_step")}
 
 
 def parse(side: str, run_dir: Path, batch: int) -> dict:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The wheels an offline GPU machine may lack, downloaded here (where pip reaches its index) into the clone's
-# gitignored wheelhouse/, so that benchmarks/gpu_check.sh, gpu.sh and gpu_all.sh install them there with no network
+# gitignored wheelhouse/, so that benchmarks/gpu_first_minutes.sh's setup stage installs them there with no network
 # (benchmarks/env.sh: pip install --no-index --find-links wheelhouse/ ...).
 #
 #   bash benchmarks/wheelhouse.sh                   # Python 3.12, manylinux x86_64: the GPU image of issue 38

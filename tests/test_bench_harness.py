@@ -39,6 +39,30 @@ def test_a_ratio_is_a_dash_where_a_side_is_missing():
     assert ratio(None, 2.0) == ratio(1.0, 0) == ratio(float("nan"), 1.0) == "-"
 
 
+def test_tax_and_peers_rate_the_epochs_after_the_first_one_way():
+    from benchmarks.common import epoch_rates
+    from benchmarks.peers import rates
+    from benchmarks.tax import per_step
+
+    epochs = [{"steps": 10, "seconds": 9.0, "cpu_seconds": 9.0},  # the first: one-time costs, left out
+              {"steps": 10, "seconds": 2.0, "cpu_seconds": 1.0}, {"steps": 10, "seconds": 3.0, "cpu_seconds": 2.0}]
+    assert per_step(epochs) == {"steps_per_sec": 4.0, "cpu_ms_per_step": 150.0}
+    assert rates(epochs, 64) == {"samples_per_sec": 256.0, "cpu_ms_per_step": 150.0, "steps_per_epoch": 10}
+    assert epoch_rates(epochs[:1])["steps_per_sec"] == 10 / 9.0  # one epoch only: it counts
+
+
+def test_a_dry_runs_machine_is_read_without_importing_torch():
+    import subprocess
+    import sys
+
+    from tests.helpers.runs import REPO
+
+    code = ("import sys; from benchmarks.common import machine_info; m = machine_info(gpu=False); "
+            "print('torch' in sys.modules, m['gpu'], bool(m['torch']))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.stdout.split() == ["False", "None", "True"], done.stderr
+
+
 def test_the_results_file_is_written_whole_and_said(tmp_path, capsys):
     from benchmarks.common import write_json
 

@@ -23,7 +23,7 @@ NOT_RUN = {
     "sbatch": "needs SLURM",
     "pip": "installs packages", "git": "clones", "cd": "",
     "pytest": "the suite itself",
-    "bash script": "benchmarks/gpu_check.sh: minutes, for a GPU machine",
+    "bash script": "benchmarks/gpu_first_minutes.sh: minutes, for a GPU machine (its dry run: test_gpu_first_minutes)",
     "benchmark": "a measurement (benchmarks/*.py): minutes of training",
     "tensorboard": "a server, after a run",
     "accelerate config": "interactive",
