@@ -268,8 +268,8 @@ def probe(mode: str, answer: str) -> None:
     """``gpu_first_checks.py probe nccl|fsdp OUT_JSON`` under ``accelerate launch``: rank 0 writes the answer, a figure
     that the check reading it judges."""
     from accel_ddp import exit_process
-    from accel_ddp.cli.args import parse_args
     from accel_ddp.assemble import build_world
+    from accel_ddp.cli.args import parse_args
 
     accelerator, _, _ = build_world(parse_args(["--ddp_timeout", "120"]))
     got = {"nccl": probe_nccl, "fsdp": probe_fsdp}[mode](accelerator)
