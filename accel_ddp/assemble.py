@@ -7,7 +7,6 @@ A preemption signal during start-up stops every rank together at the end of the 
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from contextlib import ExitStack
@@ -68,6 +67,7 @@ from accel_ddp.transforms.fused_activations import FUSED_KERNELS
 from accel_ddp.transforms.regional_compile import COMPILE_REGIONS, slower_here
 from accel_ddp.util.converters import ModelBuild, convert_model
 from accel_ddp.util.messages import warn
+from accel_ddp.util.ranks import launch_machines
 from accel_ddp.util.registry import resolve
 from accel_ddp.util.validation import ConfigError
 
@@ -367,7 +367,7 @@ def _run_facts(cfg: TrainConfig, accelerator: Accelerator, plan: Plan, loader_ki
         "loader": loader_kind,  # device, dataloader or streaming
         "data_source": data_source,  # in_memory, memory_mapped, streaming or map_style
         "device": str(accelerator.device.type),
-        "num_machines": int(os.environ.get("ACCELERATE_NUM_MACHINES", os.environ.get("GROUP_WORLD_SIZE", "1"))),
+        "num_machines": launch_machines(),
     }
 
 

@@ -41,6 +41,7 @@ from accel_ddp.data.sampler import (
 )
 from accel_ddp.data.workers import WORKER_DEATH_ERRORS, worker_options
 from accel_ddp.util.messages import warn
+from accel_ddp.util.ranks import local_world_size
 
 
 def usable_cpus() -> int:
@@ -53,8 +54,7 @@ def default_num_workers(dataset: Dataset) -> int:
     if is_in_memory(dataset):
         return 0
     cpus = usable_cpus()
-    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    return max(1, min(8, cpus // local_ranks - 1))
+    return max(1, min(8, cpus // local_world_size() - 1))
 
 
 class SeededSamples(Dataset):

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from accel_ddp.util.ranks import launch_machines, local_world_size
 from accel_ddp.util.validation import ConfigError
 
 # FSDP2 in torch 2.14 casts a BatchNorm's weight to the policy's param_dtype but not its running
@@ -84,10 +85,10 @@ def check_launch_devices(cuda_available: bool) -> None:
         return
     if dist.is_available() and dist.is_initialized() and dist.get_backend() != "nccl":
         return
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    local_world = local_world_size()
     gpus = torch.cuda.device_count()  # honours CUDA_VISIBLE_DEVICES (and the launch config's gpu_ids, set through it)
     if local_world > gpus:
-        machines = int(os.environ.get("GROUP_WORLD_SIZE", "1"))
+        machines = launch_machines()
         raise DeviceError(
             f"{local_world} processes on this machine but only {gpus} GPU(s) visible: Accelerate would put two ranks "
             "on one GPU and NCCL stops at the first collective ('Duplicate GPU detected'); launch at most one process "
@@ -147,7 +148,7 @@ def check_shared_output_dir(accelerator, output_dir: str) -> None:
     their RNG state where machine 0 never looks and find no checkpoint to resume from. The main
     process writes a probe file, every rank reads it. Collective; nothing to do on one machine.
     """
-    if accelerator.num_processes <= int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes)):
+    if accelerator.num_processes <= local_world_size(default=accelerator.num_processes):
         return
     from accelerate.utils import broadcast_object_list
 

@@ -25,7 +25,7 @@ from accel_ddp.distributed.preflight import build_fsdp_plugin, check_launch_devi
 from accel_ddp.lifecycle.hang import flight_recorder_env
 from accel_ddp.util.host_memory import keep_freed_host_memory
 from accel_ddp.util.messages import note
-from accel_ddp.util.ranks import WORLD_SIZE_VARS
+from accel_ddp.util.ranks import WORLD_SIZE_VARS, launch_world_size
 from accel_ddp.util.validation import ConfigError, LaunchError
 
 
@@ -135,7 +135,7 @@ def build_accelerator(cfg: TrainConfig, trackers: Callable[[PartialState], dict[
         flight_recorder_env(cfg.output_dir, cfg.hang_seconds())
     forget_ended_world()  # a second run in this process (train, then evaluate): the group formed again
     state = PartialState(cpu=cpu, timeout=timedelta(seconds=cfg.ddp_timeout))
-    launched_world = int(os.environ.get("WORLD_SIZE", "1"))
+    launched_world = launch_world_size()
     if state.num_processes != launched_world:
         raise LaunchError(
             f"the launcher started {launched_world} processes but they formed a group of "

@@ -53,7 +53,7 @@ from accel_ddp.lifecycle.peers import close_peer_connections, rank_store
 from accel_ddp.lifecycle.transport import LOST, STOPPED, Said, peer_message
 from accel_ddp.util.atomic import atomic_write_text
 from accel_ddp.util.messages import error_line, first_line
-from accel_ddp.util.ranks import launch_rank, launch_world_size
+from accel_ddp.util.ranks import launch_rank, launch_world_size, local_world_size
 from accel_ddp.util.validation import ConfigError, LaunchError, ServiceFailure, UserCodeFailed
 
 # How long a failing rank waits for the others to report before it exits anyway, at most: the others
@@ -386,7 +386,7 @@ def _local_error_files_written() -> bool:
     """Has every rank of this machine written its error file? torchrun gives each local rank
     ``.../attempt_N/<local rank>/error.json`` (torch/distributed/elastic/agent/server/local_elastic_agent.py)."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    local = int(os.environ["LOCAL_WORLD_SIZE"]) if os.environ.get("LOCAL_WORLD_SIZE", "").isdigit() else 1
+    local = local_world_size()
     if not path or local <= 1:
         return True
     attempt, name = os.path.dirname(os.path.dirname(path)), os.path.basename(path)

@@ -21,6 +21,7 @@ from typing import Any
 
 from accel_ddp.config import DEBUG_MAX_STEPS
 from accel_ddp.util.cpu_bf16 import cpu_bf16_verdict, cpu_has_bf16_units, read_cpuinfo
+from accel_ddp.util.ranks import local_world_size
 
 HEADER = "accel_ddp: ***** Running training *****"
 SOURCES = {"in_memory": "data in memory", "memory_mapped": "memory-mapped (read per batch)",
@@ -74,7 +75,7 @@ class StartupBlock:
             if data_sizes:
                 lines["debug data"] = "; ".join(f"{name} set: its first {kept} of {full} samples" for name, (kept, full)
                                                 in zip(("training", "eval"), data_sizes, strict=False))
-        local = int(env.get("LOCAL_WORLD_SIZE", world // max(machines, 1) or 1))
+        local = local_world_size(world // max(machines, 1) or 1, env)
         warnings = mistakes(facts["device"], local, precision, source, cpus)
         return cls(lines, warnings)
 
