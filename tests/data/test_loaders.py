@@ -26,7 +26,6 @@ from accel_ddp.data import (
     InMemoryDataset,
     build_datasets,
     build_eval_loader,
-    build_train_loader,
     choose_loader,
     default_num_workers,
 )
@@ -254,7 +253,7 @@ def test_loader_choice_threshold_and_worker_defaults(tmp_path):
         choose_loader("device", folder, device_loader_max_mb=4096)
     assert default_num_workers(mnist_like) == 0  # tensors in memory: workers would only copy
     assert default_num_workers(folder) >= 1  # per-sample decoding: worker processes
-    loader = build_train_loader(folder, 4, 8)
+    loader = HostLoader(folder, 4, 8, seed=0).loader
     assert loader.num_workers >= 1 and loader.persistent_workers
     assert build_eval_loader(mnist_like, 16).num_workers == 0
 
