@@ -14,7 +14,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from accel_ddp.data.device_loader import DeviceEvalLoader, DeviceLoader
-from accel_ddp.data.host_loader import HostLoader, default_num_workers, usable_cpus
+from accel_ddp.data.host_loader import HostLoader, default_num_workers, pin_memory_for, usable_cpus
 from accel_ddp.data.in_memory import as_in_memory, is_in_memory
 from accel_ddp.data.mapped import is_arrow_dataset
 from accel_ddp.data.memory_budget import say
@@ -30,9 +30,10 @@ __all__ = ["Loaders", "TrainLoader", "build_eval_loader", "build_loaders", "choo
 
 def build_eval_loader(
     dataset: Dataset, batch_size: int, num_workers: int | None = None, collate_fn: Callable | None = None,
-    worker_init_fn: Callable[[int], None] | None = None,
+    worker_init_fn: Callable[[int], None] | None = None, *, device: torch.device | str = "cpu",
 ) -> DataLoader:
-    """Ordered DataLoader; ``gather_for_metrics`` later drops the padding of the last batch.
+    """Ordered DataLoader; ``gather_for_metrics`` later drops the padding of the last batch. ``device``: where its
+    batches are copied (page-locked host memory for a CUDA device).
 
     Its workers are those of :class:`HostLoader`'s DataLoader, also through ``accelerator.prepare``.
     """
@@ -45,7 +46,7 @@ def build_eval_loader(
         num_workers=workers,
         persistent_workers=workers > 0,
         **worker_options(workers, worker_init_fn),
-        pin_memory=torch.cuda.is_available(),
+        pin_memory=pin_memory_for(device),
     )
 
 
@@ -178,7 +179,8 @@ def build_eval_loader_beside(accelerator, eval_dataset: Dataset, kind: str, batc
         return DeviceEvalLoader(eval_dataset, batch_size, rank=accelerator.process_index, world_size=world,
                                 device=accelerator.device)
     # Batches stay on the host: evaluate() checks their labels there (loader.batch_check), then copies them.
-    return accelerator.prepare_data_loader(build_eval_loader(eval_dataset, batch_size, num_workers, collate_fn),
+    return accelerator.prepare_data_loader(build_eval_loader(eval_dataset, batch_size, num_workers, collate_fn,
+                                                             device=accelerator.device),
                                            device_placement=False)
 
 
