@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from accel_ddp.util.precision import autocast_dtype
 from accel_ddp.util.ranks import launch_machines, local_world_size
 from accel_ddp.util.validation import ConfigError
 
@@ -110,7 +111,7 @@ def check_fsdp(model: nn.Module, *, channels_last: bool, mixed_precision: str) -
             "--channels_last with FSDP: FSDP2 cannot shard channels-last parameters ('FSDP does not support "
             "non-contiguous parameters yet'); drop --channels_last, or use a DDP config such as "
             "accelerate_configs/4gpu.yaml")
-    if mixed_precision in ("bf16", "fp16") and has_batchnorm(model):
+    if autocast_dtype(mixed_precision) is not None and has_batchnorm(model):  # its parameters cast to it
         raise DeviceError(
             f"a model with BatchNorm under FSDP with mixed_precision {mixed_precision}: FSDP2 casts BatchNorm's "
             f"weights but not its running statistics and the forward fails ({FSDP_BATCHNORM}); launch with "
@@ -131,7 +132,7 @@ def build_fsdp_plugin(cuda_available: bool):
     from accelerate.utils import FullyShardedDataParallelPlugin
 
     plugin = FullyShardedDataParallelPlugin()  # every fsdp_* key of the launch config, read from the environment
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(os.environ.get("ACCELERATE_MIXED_PRECISION", "no"))
+    dtype = autocast_dtype(os.environ.get("ACCELERATE_MIXED_PRECISION", "no"))
     if plugin.fsdp_version == 2 and dtype is not None and plugin.mixed_precision_policy is None:
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
