@@ -19,6 +19,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from accel_ddp.lifecycle.exit_codes import ExitCode
+
 
 def _summary(args: argparse.Namespace) -> int:
     from accel_ddp.tracking.report import format_summary
@@ -27,8 +29,8 @@ def _summary(args: argparse.Namespace) -> int:
         print(format_summary(args.output_dir))
     except FileNotFoundError as err:
         print(f"accel-ddp: error: {err}", file=sys.stderr)
-        return 2
-    return 0
+        return ExitCode.BAD_INPUT
+    return ExitCode.OK
 
 
 def _plot(args: argparse.Namespace) -> int:
@@ -38,9 +40,9 @@ def _plot(args: argparse.Namespace) -> int:
         path = plot_run(args.output_dir, args.out)
     except (FileNotFoundError, ValueError) as err:
         print(f"accel-ddp: error: {err}", file=sys.stderr)
-        return 2
+        return ExitCode.BAD_INPUT
     print(path)
-    return 0
+    return ExitCode.OK
 
 
 def _doctor(args: argparse.Namespace) -> int:

@@ -49,6 +49,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from accel_ddp.lifecycle.exit_codes import ExitCode
 from accel_ddp.lifecycle.peers import close_peer_connections, rank_store
 from accel_ddp.lifecycle.transport import LOST, STOPPED, Said, peer_message
 from accel_ddp.util.atomic import atomic_write_text
@@ -147,11 +148,11 @@ def _agree(made: Claim, err: BaseException) -> None:
 def exit_code(err: BaseException) -> int:
     """The exit code of a run that raised ``err``: 2 bad input, 3 a nan/inf loss, 1 anything else (a
     ``ServiceFailure`` too: a store that failed mid-run, which a relaunch may get past)."""
-    from accel_ddp.lifecycle.non_finite import EXIT_NON_FINITE, NonFiniteLoss  # torch: imported once it fails
+    from accel_ddp.lifecycle.non_finite import NonFiniteLoss  # torch: imported once it fails
 
     if isinstance(err, (ConfigError, LaunchError)):
-        return 2
-    return EXIT_NON_FINITE if isinstance(err, NonFiniteLoss) else 1
+        return ExitCode.BAD_INPUT
+    return ExitCode.NON_FINITE if isinstance(err, NonFiniteLoss) else ExitCode.FAILED
 
 
 def report(err: BaseException, code: int) -> int:
@@ -198,7 +199,7 @@ def _prints(made: Claim, err: BaseException) -> bool:
         return True  # the store was unreachable: better a second line than none
     # Several ranks and no store to agree on (mpirun without MASTER_ADDR): rank 0 speaks for bad input, as
     # every rank fails alike, and a rank's own bad data or bug is its own to print.
-    return made.rank == 0 or made.first["code"] == 1 or getattr(err, "only_this_rank", False)
+    return made.rank == 0 or made.first["code"] == ExitCode.FAILED or getattr(err, "only_this_rank", False)
 
 
 def timed_out(err: BaseException) -> Said | None:
@@ -232,8 +233,9 @@ def _silent_ranks(made: Claim) -> list[int]:
 
 
 def _report_text(err: BaseException, code: int, made: Claim | None = None) -> str:
-    if code != 1 or isinstance(err, (ServiceFailure, UserCodeFailed)):  # a store that failed mid-run, a callback
-        # that raised: one line, no traceback (a callback's line says where it raised; its traceback: the error file)
+    # A store that failed mid-run, a callback that raised: one line, no traceback (a callback's line says where it
+    # raised; its traceback: the error file).
+    if code != ExitCode.FAILED or isinstance(err, (ServiceFailure, UserCodeFailed)):
         return error_line(err)
     if lost_peer(err):
         return error_line(_LOST.format(rank=launch_rank()))
@@ -248,11 +250,11 @@ def _write_error_file_of(made: Claim, err: BaseException) -> None:
         why = f"stopped because rank {first['rank']} failed: {first['message']}"
         own = f"{type(err).__name__}: {first_line(err)}"  # worth adding where it is no mere lost connection
         write_error_file(why, why if own == first["message"] or lost_peer(err) else f"{why}\n(this rank then: {own})")
-    elif first["code"] == 1 and lost_peer(err):  # with what gloo or the store said
+    elif first["code"] == ExitCode.FAILED and lost_peer(err):  # with what gloo or the store said
         write_error_file(f"{_LOST.format(rank=made.rank)} ({type(err).__name__}: {first_line(err)})")
-    elif first["code"] == 1 and timed_out(err):
+    elif first["code"] == ExitCode.FAILED and timed_out(err):
         write_error_file(_timeout_line(err))
-    elif first["code"] == 1 and not isinstance(err, ServiceFailure):
+    elif first["code"] == ExitCode.FAILED and not isinstance(err, ServiceFailure):
         write_error_file(f"{type(err).__name__}: {err}", "".join(traceback.format_exception(err)))
     else:  # the one line, no traceback: bad input is not a bug
         write_error_file(f"{type(err).__name__}: {err}")
@@ -358,7 +360,7 @@ def refuse_options(err: ConfigError) -> int:
     message = f"{type(err).__name__}: {first_line(err)}"
     under_torchrun = bool(os.environ.get("TORCHELASTIC_RUN_ID"))
     if world > 1 and (not under_torchrun or "torch" in sys.modules):
-        return report(err, 2)
+        return report(err, ExitCode.BAD_INPUT)
     handles = under_torchrun and threading.current_thread() is threading.main_thread()
     if rank == 0 or world == 1:
         if handles:  # a SIGTERM now must not lose the line: it waits until the line is out
@@ -366,16 +368,17 @@ def refuse_options(err: ConfigError) -> int:
         write_error_file(message)
         print_report(error_line(err))
         if handles:
-            signal.signal(signal.SIGTERM, lambda *_: _leave_now(2))
+            signal.signal(signal.SIGTERM, lambda *_: _leave_now(ExitCode.BAD_INPUT))
         _wait_until(_local_error_files_written, EARLY_ACK_S)
-        return 2
+        return ExitCode.BAD_INPUT
     if handles:
-        signal.signal(signal.SIGTERM, lambda *_: _leave_now(2))  # the launcher stopping us: our code, not a kill
+        # the launcher stopping us: our code, not a kill
+        signal.signal(signal.SIGTERM, lambda *_: _leave_now(ExitCode.BAD_INPUT))
     write_error_file(f"stopped because rank 0 failed: {message}")
     _wait_until(lambda: False, EARLY_WAIT_S)
     write_error_file(message)  # not stopped: rank 0 did not fail alike, so this rank's line is the one
     print_report(error_line(err))
-    return 2
+    return ExitCode.BAD_INPUT
 
 
 EARLY_ACK_S = 5.0  # rank 0's wait for its machine's other ranks to write their error files (then SIGTERM is safe)

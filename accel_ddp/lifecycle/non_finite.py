@@ -14,9 +14,10 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import gather_object
 
+from accel_ddp.lifecycle.exit_codes import ExitCode
 from accel_ddp.util.messages import first_line
 
-EXIT_NON_FINITE = 3  # not 75 (preempted): a relaunch would diverge again
+EXIT_NON_FINITE = ExitCode.NON_FINITE  # 3, re-exported: the one list is accel_ddp/lifecycle/exit_codes.py
 
 
 class NonFiniteLoss(Exception):  # noqa: N818 - an outcome, like Preempted
