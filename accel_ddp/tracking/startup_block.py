@@ -40,13 +40,14 @@ class StartupBlock:
     def describe(cls, cfg: Any, facts: dict[str, Any], *, epochs: int, workers: int | None, model: str,
                  data_sizes: tuple[tuple[int, int], ...] = (), cpus: int = 1, env=os.environ,
                  examples: tuple[int | None, int | None] = (None, None),
-                 optimization: dict[str, str] | None = None) -> StartupBlock:
+                 optimization: dict[str, str] | None = None, counts_tokens: bool = False) -> StartupBlock:
         """From the config, the run's facts (assemble._run_facts), and what only the loop knows.
 
         ``workers``: the training loader's DataLoader workers per rank (None: no DataLoader); ``data_sizes``:
         --debug's (kept, full) sample counts of the training and eval sets; ``cpus``: the cores this rank may use;
         ``examples``: the samples of the training and eval sets as trained (None: a stream's, unknown; no eval set);
-        ``optimization``: the optimizer lines the flags alone cannot write (optim_user.Optimization.lines).
+        ``optimization``: the optimizer lines the flags alone cannot write (optim_user.Optimization.lines);
+        ``counts_tokens``: the task's (``Task.counts_tokens``): the tokens of a step get their line.
         """
         world, machines = facts["world_size"], facts["num_machines"]
         per_device, accumulation, global_batch = (facts["per_device_batch_size"], facts["grad_accum_steps"],
@@ -68,7 +69,7 @@ class StartupBlock:
             "task": cfg.task,
             "model": model,
             "examples": _examples(*examples),
-            **training_lines(cfg, facts["total_steps"], global_batch, optimization or {}),
+            **training_lines(cfg, facts["total_steps"], global_batch, optimization or {}, counts_tokens),
         }
         if cfg.debug:
             lines["debug"] = debug_changes(cfg, facts["total_steps"], data_sizes[0][1] if data_sizes else None)
@@ -102,12 +103,13 @@ class StartupBlock:
 
 
 def describe_run(cfg: Any, facts: dict[str, Any], epochs: int, train_loader: Any, model: str, data: Any,
-                 optimization: dict[str, str], cpus: int) -> StartupBlock:
+                 optimization: dict[str, str], cpus: int, counts_tokens: bool = False) -> StartupBlock:
     """``assemble.setup``'s start-up block, before the start point is known (``checkpoint/start.agree_start`` adds
     it): the run's facts, its loader's workers, its data sets' sizes (``data``: data/resolve.py's), the model."""
     return StartupBlock.describe(cfg, facts, epochs=epochs, workers=_workers(train_loader), model=model,
                                  data_sizes=_debug_sizes(cfg, data), cpus=cpus,
-                                 examples=(_length(data.train), _length(data.eval)), optimization=optimization)
+                                 examples=(_length(data.train), _length(data.eval)), optimization=optimization,
+                                 counts_tokens=counts_tokens)
 
 
 def _workers(loader) -> int | None:
@@ -133,7 +135,7 @@ def _length(dataset) -> int | None:
 
 
 def training_lines(cfg: Any, total_steps: int, global_batch: int,
-                   optimization: dict[str, str] | None = None) -> dict[str, str]:
+                   optimization: dict[str, str] | None = None, counts_tokens: bool = False) -> dict[str, str]:
     """What the Trainer's block says besides the layout: optimizer, learning rate and its schedule, seed, where the
     run writes, how often it saves, what it reports to, and the tokens of a step for a token task. ``optimization``:
     a user's optimizer or schedule, Muon's split (``optimizer``, ``learning rate``, ``optimizer split``)."""
@@ -154,7 +156,7 @@ def training_lines(cfg: Any, total_steps: int, global_batch: int,
         "trackers": f"{cfg.report_to}, and metrics.jsonl" if cfg.with_tracking else
                     "metrics.jsonl only (--report_to NAME adds one)",
     }
-    if cfg.task == "causal_lm":  # a token task: the step's unit people compare
+    if counts_tokens:  # a token task: the step's unit people compare
         length = cfg.max_length
         lines["tokens per step"] = (f"{global_batch * length:,} = {global_batch} sequences x {length}"
                                     + ("" if cfg.packing else " at most (padding is not trained on)"))
