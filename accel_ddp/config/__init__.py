@@ -24,19 +24,7 @@ May import: ``accel_ddp.util`` only.
 
 from __future__ import annotations
 
-from accel_ddp.config.checks import (  # noqa: F401 - the layer's names, as before the split
-    _check_best_model,
-    _check_data,
-    _check_hf_fields,
-    _check_per_device,
-    _check_task,
-    _check_tracking,
-    _check_urls,
-    _checked_store,
-    _default,
-    _gib,
-    warn_deprecated,
-)
+from accel_ddp.config.checks import warn_deprecated  # noqa: F401 - the layer's names, as before the split
 from accel_ddp.config.choices import (  # noqa: F401 - the layer's names, as before the split
     ACCELERATE_TRACKERS,
     BOUNDED_TRACKER_CALLS,
@@ -67,7 +55,6 @@ from accel_ddp.config.choices import (  # noqa: F401 - the layer's names, as bef
     TASKS,
     TEXT_TASKS,
     URL_SCHEME,
-    _opt,
 )
 from accel_ddp.config.layout import accumulation_steps, largest_micro_batch  # noqa: F401
 from accel_ddp.config.options import TrainConfig, field_types, new_spelling  # noqa: F401

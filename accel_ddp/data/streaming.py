@@ -170,10 +170,6 @@ class StreamingLoader:
         """``--on_anomaly skip|rollback``: see ``GlobalBatchLoader.report_bad_inputs``."""
         self.on_bad_input = report
 
-    @property
-    def total_batch_size(self) -> int:
-        return self.per_device_batch_size * self.world_size
-
     def __len__(self) -> int:
         return self.steps_per_epoch * self.accumulation - self.start
 

@@ -29,7 +29,7 @@ from accel_ddp.tracking.tracker_thread import TrackerInterrupted, TrackerThread,
 from accel_ddp.util.messages import first_line, note, warn
 from accel_ddp.util.validation import ConfigError
 
-__all__ = ["CSVTracker", "TrackerRun", "_new_tracker"]  # built elsewhere, used from here
+__all__ = ["CSVTracker", "TrackerRun"]  # TrackerRun: built in tracker_builds.py, used from here
 
 
 # pip package where it differs from the tracker's name (mlflow-skinny: the client without a server's dependencies)
