@@ -264,7 +264,7 @@ def _optimize_and_prepare(cfg: TrainConfig, accelerator: Accelerator, model: tor
 def _watches(cfg: TrainConfig, teardown: ExitStack, accelerator: Accelerator, plan: Plan,
              start_step: int) -> tuple[tqdm, HangWatch]:
     """The repeated flags' warnings, then the progress bar and the hang watch, each closed by the teardown."""
-    for line in getattr(cfg, "repeated_flags", ()):  # the command line's flags given twice (cli/args.py)
+    for line in cfg.repeated_flags:  # the command line's flags given twice (cli/args.py)
         warn(line, ranks="main")
     bar = progress_bar(plan.total_steps, start_step, accelerator.is_local_main_process)
     teardown.callback(bar.close)  # first on an error: the bar's line ends before any rank prints the error
