@@ -3,19 +3,20 @@
 ``train``, ``evaluate``, ``predict`` and ``exit_process`` are imported on first use: ``import accel_ddp.models`` (or
 ``accel_ddp.config``, the CLI's ``--help``, the doctor) then costs no Accelerate import.
 
-The loop's story is at the root (``loop``, ``after_step``, ``assemble``, ``inference``, ``anomaly``, ``auto_batch``,
+The loop's story is at the root (``loop``, ``after_step``, ``assemble``, ``inference``, ``auto_batch``,
 ``evaluation``, ``callbacks``, ``models``) with the options in ``config/``, the optimizer in ``optim/``, the model's
-transforms in ``transforms/`` and one optimizer step in ``step/``; infrastructure lives in subpackages, each
-``__init__`` saying what it holds and what it may import. Imports run one way: each layer imports only layers to its
-left.
+transforms in ``transforms/``, one optimizer step in ``step/`` and bad steps in ``bad_steps/``; infrastructure lives
+in subpackages, each ``__init__`` saying what it holds and what it may import. Imports run one way: each layer imports
+only layers to its left.
 
     util -> config -> lifecycle -> outputs -> tracking, checkpoint -> distributed -> data -> tasks
-         -> models, optim/, transforms/ -> step/, anomaly, auto_batch, evaluation, callbacks
-         -> assemble -> after_step, inference -> loop -> cli
+         -> models, optim/, transforms/ -> step/, auto_batch, evaluation, callbacks
+         -> assemble, bad_steps/ -> after_step, inference -> loop -> cli
 
 (``assemble`` builds a run from everything below it, ``loop`` trains it, ``after_step`` decides what follows each
-optimizer step, ``inference`` evaluates and predicts with a trained run, rebuilt by ``assemble``'s builders; nothing
-imports ``cli`` but ``__main__``.)
+optimizer step, ``bad_steps/`` (built by ``assemble``, called by ``after_step``) finds a nan/inf or spiking step and
+stops, skips or rolls back, ``inference`` evaluates and predicts with a trained run, rebuilt by ``assemble``'s
+builders; nothing imports ``cli`` but ``__main__``.)
 """
 
 from accel_ddp.config import TrainConfig

@@ -7,35 +7,38 @@ A preemption signal during start-up stops every rank together at the end of the 
 
 from __future__ import annotations
 
-import sys
 import time
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from datetime import timedelta
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
-from accelerate import Accelerator
+from accelerate import Accelerator, PartialState
 from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.scheduler import AcceleratedScheduler
 from accelerate.utils import set_seed
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from accel_ddp.anomaly import AnomalyGuard
-from accel_ddp.auto_batch import choose_micro_batch
+from accel_ddp.auto_batch import AutoBatchOptions, choose_micro_batch
+from accel_ddp.bad_steps import BadStepOptions, BadSteps
 from accel_ddp.callbacks import Callbacks
-from accel_ddp.checkpoint.best import BestModel, check_eval_set
+from accel_ddp.checkpoint.best import BestModel, BestModelOptions, check_eval_set
 from accel_ddp.checkpoint.manager import HYPERPARAMETERS, CheckpointManager
-from accel_ddp.checkpoint.start import agree_start
+from accel_ddp.checkpoint.start import StartOptions, agree_start
 from accel_ddp.checkpoint.storage import check_store
 from accel_ddp.checkpoint.train_state import Stateful, TrainState
 from accel_ddp.config import TrainConfig
+from accel_ddp.config.debug import debug_mode
 from accel_ddp.config.plan import Plan, plan_run
+from accel_ddp.config.views import section_of
 from accel_ddp.data import DeviceEvalLoader, DeviceLoader, HostLoader, StreamingLoader, build_loaders, usable_cpus
-from accel_ddp.data.resolve import resolve_data
+from accel_ddp.data.resolve import DataOptions, resolve_data
 from accel_ddp.distributed.preflight import check_fsdp, check_shared_output_dir
-from accel_ddp.distributed.world import build_accelerator, end_world, prepare
+from accel_ddp.distributed.world import WorldOptions, build_accelerator, end_world, prepare
 from accel_ddp.lifecycle import failure
 from accel_ddp.lifecycle.failure import main_process_decides
 from accel_ddp.lifecycle.hang import HangWatch, pauses_after
@@ -44,13 +47,14 @@ from accel_ddp.lifecycle.preemption import (
     PreemptionWatcher,
     restart_hazard,
 )
-from accel_ddp.models import build_configured_model, set_attn_implementation
-from accel_ddp.optim.user import build_optimization, check_optimization
+from accel_ddp.models import ModelOptions, build_configured_model, set_attn_implementation
+from accel_ddp.optim.user import OptimizerOptions, build_optimization, check_optimization
 from accel_ddp.outputs.run_dir import (
     check_output_dir,
     claim_output_dir,
 )
-from accel_ddp.step.graph import construction_stream, refuse_graphs
+from accel_ddp.step.graph import CudaGraphs, construction_stream, refuse_graphs
+from accel_ddp.step.train_step import TrainStep
 from accel_ddp.tasks.chunked_loss import CHUNKED_LOSS
 from accel_ddp.tasks.probe import probe_task
 from accel_ddp.tasks.protocol import CHANNELS_LAST, Task, build_task
@@ -60,7 +64,7 @@ from accel_ddp.tracking.meters import (
 )
 from accel_ddp.tracking.recorder import RunRecorder
 from accel_ddp.tracking.startup import StartupClock
-from accel_ddp.tracking.startup_block import describe_run
+from accel_ddp.tracking.startup_block import StartupOptions, describe_run
 from accel_ddp.tracking.trackers import tracking_kwargs
 from accel_ddp.transforms.finetune import GRADIENT_CHECKPOINTING, INIT_FROM, PEFT, describe_parameters, finetune_facts
 from accel_ddp.transforms.fused_activations import FUSED_KERNELS
@@ -110,7 +114,7 @@ class Run:
     startup: StartupClock  # process start -> first optimizer step, by phase (summary.json's startup_sec)
     tokenizer: PreTrainedTokenizerBase | None  # text tasks: saved beside a Transformers model's final weights
     bar: tqdm  # the progress bar: closed by the teardown, so an error never shares its line
-    anomalies: AnomalyGuard | None  # --on_anomaly skip|rollback, --spike_factor (None: the loop as it was)
+    bad_steps: BadSteps  # nan/inf losses, --on_anomaly, --spike_factor: found, acted on, recorded (bad_steps/)
     hang: HangWatch  # --hang_timeout: after_step tells it of every step (lifecycle/hang.py; off: no thread)
     callbacks: Callbacks = field(default_factory=Callbacks)  # --callbacks, train(callbacks=): none by default
 
@@ -135,7 +139,7 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
         preemption.check_start_up(name)
 
     accelerator, per_device_batch, accumulation = _join(cfg, teardown, preemption)
-    check_optimization(cfg, model, optimizer, lr_scheduler)  # an unknown optimizer or keyword: now, before the data
+    check_optimization(section_of(cfg, OptimizerOptions), model, optimizer, lr_scheduler)  # a bad one: before data
     phase_done("process_group")
 
     task, hooks, data = _task_and_data(cfg, accelerator, (loss_fn, metrics, callbacks),
@@ -143,7 +147,8 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
     phase_done("data")
     model, named, tuned = _model(cfg, accelerator, model, data, task)
     # --per_device_batch_size auto: the largest micro-batch that fits on every rank, before DDP wraps the model
-    chosen = choose_micro_batch(cfg, accelerator, model, task, data) if cfg.auto_batch else None
+    chosen = choose_micro_batch(section_of(cfg, AutoBatchOptions), section_of(cfg, StartOptions), accelerator, model,
+                                task, data) if cfg.auto_batch else None
     if chosen is not None:
         per_device_batch, accumulation = chosen.size, chosen.accumulation
     phase_done("model")
@@ -157,21 +162,22 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
                skips_bad_inputs=cfg.on_anomaly != "stop")  # then a nan/inf input is its step's anomaly
     phase_done("optimizer_and_prepare")
 
-    recorder, facts, anomalies, checkpoints = _records_and_checkpoints(
+    recorder, facts, bad_steps, checkpoints = _records_and_checkpoints(
         cfg, accelerator, teardown, plan, loaders, {**tuned, "optimizer": optimization.name},
         (model, optimizer, scheduler), preemption, console)
-    block = describe_run(cfg, facts, plan.num_epochs, loaders.train, named, data, optimization.lines, usable_cpus(),
-                         counts_tokens=task.counts_tokens)
-    start_step = agree_start(cfg, accelerator, checkpoints, (optimizer, scheduler, optimization.schedule_from_flags),
-                             plan.total_steps, recorder, facts, block, preemption)
-    if anomalies is not None:
-        anomalies.begin(start_step)  # a resumed run's log continues; a fresh start forgets an earlier run's
+    block = describe_run(section_of(cfg, StartupOptions), facts, plan.num_epochs, loaders.train, named, data,
+                         optimization.lines, usable_cpus(), warmup=cfg.warmup_for(plan.total_steps),
+                         global_batch_derived=cfg.global_batch_derived, counts_tokens=task.counts_tokens)
+    start_step = agree_start(section_of(cfg, StartOptions), accelerator, checkpoints,
+                             (optimizer, scheduler, optimization.schedule_from_flags), plan.total_steps, recorder,
+                             {**cfg.to_dict(), "resolved": facts}, block, preemption)
+    bad_steps.begin(start_step, checkpoints, loaders.train)  # a resumed run's anomaly log continues, else forgotten
     phase_done("resume_and_config")
     bar, hang = _watches(cfg, teardown, accelerator, plan, start_step)
     return Run(cfg=cfg, accelerator=accelerator, model=model, task=task, optimizer=optimizer, scheduler=scheduler,
                train_loader=loaders.train, eval_loader=loaders.eval, plan=plan, facts=facts, recorder=recorder,
                checkpoints=checkpoints, preemption=preemption, start_step=start_step, started=started,
-               startup=startup, tokenizer=data.tokenizer, bar=bar, anomalies=anomalies, hang=hang,
+               startup=startup, tokenizer=data.tokenizer, bar=bar, bad_steps=bad_steps, hang=hang,
                callbacks=hooks.connect(accelerator, preemption.group, plan, evaluates=loaders.eval is not None))
 
 
@@ -196,14 +202,15 @@ def _task_and_data(cfg: TrainConfig, accelerator: Accelerator, user: tuple, give
     loss_fn, metrics, callbacks = user
     if slower := slower_here(accelerator.device.type, compile=cfg.compile, compile_regions=cfg.compile_regions):
         warn(slower, ranks="main")  # off by default here; asked for, it runs, and says what was measured
-    if cfg.debug:
+    if debug_mode(cfg).detect_anomaly:
         torch.autograd.set_detect_anomaly(True)
+    if debug_mode(cfg).deterministic:
         torch.use_deterministic_algorithms(True, warn_only=True)
     set_seed(cfg.seed)  # same model init on every rank; DDP also broadcasts rank 0's weights
     task = configured_task(cfg, loss_fn, metrics)
     hooks = Callbacks.build(cfg.callbacks, callbacks)  # imported, made and checked before any data is read
-    data = resolve_data(cfg, accelerator, *given, preemption=preemption)
-    check_eval_set(cfg, has_eval=data.eval is not None)
+    data = resolve_data(section_of(cfg, DataOptions), accelerator, *given, preemption=preemption)
+    check_eval_set(section_of(cfg, BestModelOptions), has_eval=data.eval is not None)
     return task, hooks, data
 
 
@@ -220,8 +227,8 @@ def _model(cfg: TrainConfig, accelerator: Accelerator, model, data, task: Task) 
                           "require gradients")
     named = f"{type(model).__name__}{named}, {describe_parameters(model)}"  # trainable of total where some are frozen
     tuned = finetune_facts(model)  # a frozen base: the parameter counts and its fingerprint (checkpoints, summary)
-    model, lines = convert_model(model, ModelBuild(cfg, accelerator, task),
-                                 (c for c in MODEL_CONVERTERS if c.training_only))
+    model, lines = convert_model(model, ModelBuild(accelerator, task),
+                                 (c for c in MODEL_CONVERTERS if c.training_only), partial(section_of, cfg))
     return model, "".join([named, *(f", {line}" for line in lines)]), tuned
 
 
@@ -232,7 +239,7 @@ def _loaders_and_plan(cfg: TrainConfig, accelerator: Accelerator, data, per_devi
     loaders = build_loaders(
         accelerator, data.train, data.eval, per_device_batch_size=per_device_batch,
         global_batch_size=cfg.global_batch_size, eval_batch_size=cfg.eval_batch_size, loader=cfg.loader,
-        num_workers=0 if cfg.debug else cfg.num_workers, device_loader_max_mb=cfg.device_loader_max_mb,
+        num_workers=debug_mode(cfg).workers(cfg.num_workers), device_loader_max_mb=cfg.device_loader_max_mb,
         collate_fn=data.collate_fn, max_steps=cfg.max_steps,
         memory_limit=data.memory_limit,  # the machine's budget (data/memory_budget.py): device memory left for data
     )
@@ -248,9 +255,10 @@ def _optimize_and_prepare(cfg: TrainConfig, accelerator: Accelerator, model: tor
     optimizer and schedule through ``accelerator.prepare`` (DDP, FSDP); the optimization's description too."""
     if cfg.cuda_graphs:  # what only the launch and the loaders tell (the options' clashes: config/checks.py)
         refuse_graphs(accelerator, plan.accumulation, loader_kind, packing=cfg.packing)
-    optimization = build_optimization(cfg, model, accelerator, plan.total_steps, *given)
     # --warmup_ratio (issue 22): a fraction of this run's total steps, so resolved here, once the total is known
     warmup = cfg.warmup_for(plan.total_steps)
+    optimization = build_optimization(section_of(cfg, OptimizerOptions), model, accelerator, plan.total_steps, warmup,
+                                      *given)
     if warmup > plan.total_steps:  # still a run (a smoke test, a short resume), but not the schedule asked for
         warn(f"--warmup_steps {warmup} is longer than this run's {plan.total_steps} optimizer steps: the learning rate "
              f"never reaches --lr {cfg.lr:g} (at most {cfg.lr * plan.total_steps / warmup:.3g}); lower --warmup_steps "
@@ -276,8 +284,8 @@ def _watches(cfg: TrainConfig, teardown: ExitStack, accelerator: Accelerator, pl
 def _records_and_checkpoints(cfg: TrainConfig, accelerator: Accelerator, teardown: ExitStack, plan: Plan, loaders,
                              more_facts: dict[str, Any], prepared: tuple, preemption: PreemptionWatcher,
                              console: ConsoleLog) -> tuple[
-                                 RunRecorder, dict[str, Any], AnomalyGuard | None, CheckpointManager]:
-    """The output folder claimed, the run's recorder, facts and anomaly guard, and its checkpoints of the run's
+                                 RunRecorder, dict[str, Any], BadSteps, CheckpointManager]:
+    """The output folder claimed, the run's recorder, facts and bad steps' room, and its checkpoints of the run's
     ``TrainState`` (``prepared``: the model, optimizer and schedule as ``accelerator.prepare`` returned them)."""
     model, optimizer, scheduler = prepared
     # The input is checked. Before anything is written: the folder is created, and ours alone until we exit.
@@ -286,14 +294,26 @@ def _records_and_checkpoints(cfg: TrainConfig, accelerator: Accelerator, teardow
     teardown.callback(recorder.close)
     # more_facts: the fine-tuning facts, and a user's optimizer by its class (a resume must give the same)
     facts = {**_run_facts(cfg, accelerator, plan, loaders.kind, loaders.source), **more_facts}
-    anomalies = AnomalyGuard(cfg, accelerator, recorder) if cfg.on_anomaly != "stop" or cfg.spike_factor else None
+    bad_steps = BadSteps(section_of(cfg, BadStepOptions), accelerator, model, recorder)
     state = TrainState(accelerator=accelerator, model=model, optimizer=optimizer, scheduler=scheduler,
                        # the best model and early stopping (checkpoint/best.py): their records go with each checkpoint
-                       best=BestModel.from_config(cfg, plan.steps_per_epoch, plan.total_steps), anomalies=anomalies,
+                       best=BestModel.from_options(section_of(cfg, BestModelOptions), plan.steps_per_epoch,
+                                                   plan.total_steps),
+                       anomalies=bad_steps.guard,  # --on_anomaly, --spike_factor: the anomaly log (None: no guard)
                        positions=loaders.train if isinstance(loaders.train, Stateful) else None)
     checkpoints = _checkpoints(cfg, accelerator, teardown, facts, state)
     checkpoints.store.stopping = lambda: preemption.signalled  # a store call under way gives up soon after a signal
-    return recorder, facts, anomalies, checkpoints
+    return recorder, facts, bad_steps, checkpoints
+
+
+def build_train_step(run: Run, start_step: int) -> TrainStep:
+    """The run's optimizer step (``fit`` builds it, again after a rollback) from ``start_step`` on, given the bad steps'
+    hooks: the guard's decision in its update, --debug's check of each micro-step's loss (accel_ddp/bad_steps/)."""
+    cfg = run.cfg
+    return TrainStep(run.accelerator, run.model, run.task, run.optimizer, run.scheduler, run.plan.accumulation,
+                     cfg.global_batch_size, cfg.max_grad_norm, start_step, check_loss=run.bad_steps.check_loss,
+                     guard=run.bad_steps.step_guard, per_device_batch=run.plan.per_device_batch,
+                     graphs=CudaGraphs() if cfg.cuda_graphs else None)  # --cuda_graphs: checked in setup
 
 
 def _checkpoints(cfg: TrainConfig, accelerator: Accelerator, teardown: ExitStack, facts: dict[str, Any],
@@ -318,7 +338,8 @@ def _join(cfg: TrainConfig, teardown: ExitStack, preemption: PreemptionWatcher) 
         cfg.check_tracker_wait(len(kwargs["log_with"]))  # every rank: the same names; `all` is known only now
         return kwargs
 
-    accelerator, per_device_batch, accumulation = build_accelerator(cfg, trackers if cfg.with_tracking else None)
+    accelerator, per_device_batch, accumulation = build_world(cfg, trackers if cfg.with_tracking else None)
+    teardown.push(lambda kind, err, tb: failure.outlive_readers(err))  # after the group ends: the peers then claim
     teardown.push(lambda kind, err, tb: end_world(accelerator, failed=err is not None))  # train() again, later
     preemption.connect(accelerator, timedelta(seconds=cfg.ddp_timeout))  # its all-reduce waits --ddp_timeout at most
     teardown.push(claim_failure)  # before the group goes: the ranks it then stops know that they are not first
@@ -327,8 +348,15 @@ def _join(cfg: TrainConfig, teardown: ExitStack, preemption: PreemptionWatcher) 
         main_process_decides(accelerator, lambda: check_store(cfg.checkpoint_dir))
     check_shared_output_dir(accelerator, cfg.output_dir)  # several machines: one folder for all of them
     if accelerator.is_main_process and (hazard := restart_hazard()):
-        print(f"accel_ddp: warning: {hazard}", file=sys.stderr, flush=True)
+        warn(hazard)
     return accelerator, per_device_batch, accumulation
+
+
+def build_world(cfg: TrainConfig, trackers: Callable[[PartialState], dict[str, Any]] | None = None
+                ) -> tuple[Accelerator, int, int]:
+    """The process group and the Accelerator (distributed/world.py) with ``cfg``'s batch layout for its size,
+    resolved in ``cfg``: (accelerator, per-device batch, accumulation). ``setup`` and ``inference`` join here."""
+    return build_accelerator(section_of(cfg, WorldOptions), cfg.batch_layout, cfg.hang_seconds(), trackers)
 
 
 def configured_task(cfg: TrainConfig, loss_fn=None, metrics=()) -> Task:
@@ -343,13 +371,13 @@ def build_run_model(cfg: TrainConfig, accelerator: Accelerator, model, data, tas
     model needs too (``--init_from``'s weights, ``transforms/finetune.py``'s, ``task``'s layout: ``MODEL_CONVERTERS``).
     ``setup`` and a trained run's evaluation (``inference.py``) build it here."""
     if model is None:
-        model = build_configured_model(cfg, data)
+        model = build_configured_model(section_of(cfg, ModelOptions), data)
     elif cfg.attn_implementation is not None:
         set_attn_implementation(model, cfg.attn_implementation)
     if accelerator.is_fsdp2:  # before anything is built on it: what FSDP2 cannot shard or cast
         check_fsdp(model, channels_last=cfg.channels_last, mixed_precision=accelerator.mixed_precision)
-    model, _ = convert_model(model, ModelBuild(cfg, accelerator, task),
-                             (c for c in MODEL_CONVERTERS if not c.training_only))
+    model, _ = convert_model(model, ModelBuild(accelerator, task),
+                             (c for c in MODEL_CONVERTERS if not c.training_only), partial(section_of, cfg))
     return model
 
 

@@ -15,7 +15,7 @@ such a run (the order is a function of seed, epoch and position, accel_ddp/data/
 The size is recorded with the run facts (config.yaml's ``resolved``, every checkpoint.json, summary.json) and a
 resume reuses the checkpoint's without probing again.
 
-    >>> chosen = choose_micro_batch(cfg, accelerator, model, task, data)   # before accelerator.prepare
+    >>> chosen = choose_micro_batch(options, start, accelerator, model, task, data)   # before accelerator.prepare
     >>> chosen.size, chosen.accumulation, chosen.facts()
     (8, 2, {'requested': 'auto', 'tried': [32, 16, 8], 'from': 'probe'})
 """
@@ -32,8 +32,10 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType, send_to_device
 from accelerate.utils.memory import clear_device_cache, should_reduce_batch_size
 
-from accel_ddp.checkpoint.start import recorded_layout
-from accel_ddp.config import TrainConfig, accumulation_steps, largest_micro_batch
+from accel_ddp.checkpoint.start import StartOptions, recorded_layout
+from accel_ddp.config import accumulation_steps, largest_micro_batch
+from accel_ddp.config.layout import auto_batch_cap
+from accel_ddp.config.views import config_section
 from accel_ddp.data.in_memory import as_in_memory, is_in_memory
 from accel_ddp.data.loaders import choose_loader, data_source, first_samples
 from accel_ddp.util.messages import note
@@ -42,6 +44,24 @@ from accel_ddp.util.validation import ConfigError
 # Where the probe cannot stand for a rank's memory: the model is sharded, or the step runs elsewhere.
 UNPROBED = (DistributedType.FSDP, DistributedType.DEEPSPEED, DistributedType.XLA, DistributedType.MEGATRON_LM)
 STATE_SLOTS = {"adamw": 2, "sgd": 1}  # parameter-sized tensors of optimizer state: Adam's two moments; momentum
+
+
+@config_section
+@dataclass(frozen=True)
+class AutoBatchOptions:
+    """The options the probe reads: the batch asked for, and what sizes the memory it must leave free."""
+
+    per_device_batch_size: int | str | None  # "auto" or "auto:CAP" here
+    global_batch_size: int | None  # resolved by the batch layout before the probe runs
+    loader: str  # with device_loader_max_mb: whether the training set will sit on the device
+    device_loader_max_mb: int
+    optimizer: str  # its state's size (STATE_SLOTS)
+    ddp_gradient_as_bucket_view: bool  # without it DDP's buckets copy the gradients
+
+    @property
+    def cap(self) -> int | None:
+        """The CAP of ``auto:CAP`` (config/layout.py), or None."""
+        return auto_batch_cap(self.per_device_batch_size)
 
 
 @dataclass
@@ -59,44 +79,46 @@ class ChosenBatch:
         return {"requested": self.requested, "tried": self.tried, "from": self.source}
 
 
-def choose_micro_batch(cfg: TrainConfig, accelerator: Accelerator, model: torch.nn.Module, task, data) -> ChosenBatch:
-    """The run's micro-batch (collective): the resumed checkpoint's, or the largest that fits on every rank.
+def choose_micro_batch(options: AutoBatchOptions, start: StartOptions, accelerator: Accelerator, model: torch.nn.Module,
+                       task, data) -> ChosenBatch:
+    """The run's micro-batch (collective): the resumed checkpoint's (``start``: what the run resumes from), or the
+    largest that fits on every rank.
 
     Call it with the model built but not prepared. Sets the Accelerator's accumulation to match
     (``Accelerator.gradient_accumulation_steps`` has a setter: accelerate/accelerator.py).
     """
     world = accelerator.num_processes
     if accelerator.distributed_type in UNPROBED:
-        raise ConfigError(f"--per_device_batch_size {cfg.per_device_batch_size} with "
+        raise ConfigError(f"--per_device_batch_size {options.per_device_batch_size} with "
                           f"{accelerator.distributed_type.value}: the probe measures a whole model on one device; "
                           "give a number (e.g. --per_device_batch_size 8)")
-    share = cfg.global_batch_size // world
-    meta = recorded_layout(cfg, accelerator) or {}
+    share = options.global_batch_size // world
+    meta = recorded_layout(start, accelerator) or {}
     recorded = meta.get("per_device_batch_size")
     reusable = type(recorded) is int and recorded > 0 and share % recorded == 0 and \
-        meta.get("global_batch_size") == cfg.global_batch_size and recorded <= (cfg.auto_batch_cap or share)
+        meta.get("global_batch_size") == options.global_batch_size and recorded <= (options.cap or share)
     if reusable:
-        chosen = ChosenBatch(cfg.per_device_batch_size, recorded, share // recorded, "checkpoint")
+        chosen = ChosenBatch(options.per_device_batch_size, recorded, share // recorded, "checkpoint")
     else:
         if type(recorded) is int and accelerator.is_main_process:  # not the run's layout any more: said, not silent
-            note(f"--per_device_batch_size {cfg.per_device_batch_size}: the checkpoint's micro-batch {recorded} "
+            note(f"--per_device_batch_size {options.per_device_batch_size}: the checkpoint's micro-batch {recorded} "
                  f"(global batch {meta.get('global_batch_size')}) does not fit this run's global batch "
-                 f"{cfg.global_batch_size} x {world} ranks or cap; probing again")
-        chosen = _probe(cfg, accelerator, model, task, data)
+                 f"{options.global_batch_size} x {world} ranks or cap; probing again")
+        chosen = _probe(options, accelerator, model, task, data)
     accelerator.gradient_accumulation_steps = chosen.accumulation
     if accelerator.is_main_process:
         how = f"tried {', '.join(map(str, chosen.tried))}" if chosen.source == "probe" else "the checkpoint's"
         note(f"--per_device_batch_size {chosen.requested}: {chosen.size} per device x {chosen.accumulation} "
-             f"accumulation steps ({how}; global batch {cfg.global_batch_size})")
+             f"accumulation steps ({how}; global batch {options.global_batch_size})")
     return chosen
 
 
-def _probe(cfg: TrainConfig, accelerator: Accelerator, model: torch.nn.Module, task, data) -> ChosenBatch:
+def _probe(options: AutoBatchOptions, accelerator: Accelerator, model: torch.nn.Module, task, data) -> ChosenBatch:
     """Halve from the largest candidate until every rank fits (one all-reduce per size), restoring what it moved."""
     world = accelerator.num_processes
-    size = largest_micro_batch(cfg.global_batch_size, world, cfg.auto_batch_cap)
+    size = largest_micro_batch(options.global_batch_size, world, options.cap)
     model.to(accelerator.device)  # where accelerator.prepare puts it (device_placement); a no-op there then
-    reserve = _state_bytes(cfg, model, world) + device_data_bytes(cfg, accelerator, data)
+    reserve = _state_bytes(options, model, world) + device_data_bytes(options, accelerator, data)
     was_training, buffers = model.training, [b.detach().clone() for b in model.buffers()]
     tried = []
     py_state, np_state = random.getstate(), np.random.get_state()
@@ -104,23 +126,23 @@ def _probe(cfg: TrainConfig, accelerator: Accelerator, model: torch.nn.Module, t
         model.train()
         while True:
             tried.append(size)
-            accumulation = accumulation_steps(size, cfg.global_batch_size, world)
+            accumulation = accumulation_steps(size, options.global_batch_size, world)
             fits = _fits(accelerator, model, task, data, size, min(accumulation, 2), reserve)
             _drop_gradients(model)
             if not _any_rank(accelerator, not fits):
                 break
             if size == 1:
-                raise ConfigError(f"--per_device_batch_size {cfg.per_device_batch_size}: a micro-batch of 1 does not "
-                                  f"fit in memory on some rank (tried {', '.join(map(str, tried))}); use a smaller "
-                                  "model, --mixed_precision bf16, or a device with more memory")
-            size = largest_micro_batch(cfg.global_batch_size, world, size // 2)
+                raise ConfigError(f"--per_device_batch_size {options.per_device_batch_size}: a micro-batch of 1 does "
+                                  f"not fit in memory on some rank (tried {', '.join(map(str, tried))}); use a "
+                                  "smaller model, --mixed_precision bf16, or a device with more memory")
+            size = largest_micro_batch(options.global_batch_size, world, size // 2)
     random.setstate(py_state)
     np.random.set_state(np_state)
     with torch.no_grad():
         for buffer, saved in zip(model.buffers(), buffers, strict=True):
             buffer.copy_(saved)
     model.train(was_training)
-    return ChosenBatch(cfg.per_device_batch_size, size, accumulation, "probe", tried)
+    return ChosenBatch(options.per_device_batch_size, size, accumulation, "probe", tried)
 
 
 def _fits(accelerator: Accelerator, model, task, data, size: int, micro_steps: int, reserve: int) -> bool:
@@ -161,14 +183,15 @@ def rng_fork(device: torch.device) -> dict[str, Any]:
     return {"devices": [device], "device_type": device.type}
 
 
-def device_data_bytes(cfg: TrainConfig, accelerator: Accelerator, data) -> int:
+def device_data_bytes(options: AutoBatchOptions, accelerator: Accelerator, data) -> int:
     """Device memory the loaders will take after the probe: with the device loader on an accelerator, the whole
     in-memory training set (DeviceLoader moves it there) and this rank's share of an in-memory eval set
     (DeviceEvalLoader); 0 where the data stays on the host (a DataLoader, a stream, a collate_fn, a CPU run).
     The same choice as build_loaders makes, asked before it (quietly: it says it then)."""
     if accelerator.device.type == "cpu" or data_source(data.train) == "streaming" or data.collate_fn is not None:
         return 0
-    if choose_loader(cfg.loader, data.train, cfg.device_loader_max_mb, data.memory_limit, quiet=True) != "device":
+    kind = choose_loader(options.loader, data.train, options.device_loader_max_mb, data.memory_limit, quiet=True)
+    if kind != "device":
         return 0
     total = as_in_memory(data.train).nbytes
     if data.eval is not None and is_in_memory(data.eval):  # its rank share at most (DeviceEvalLoader's slice)
@@ -192,10 +215,10 @@ def _any_rank(accelerator: Accelerator, flag: bool) -> bool:
     return bool(value.item())
 
 
-def _state_bytes(cfg: TrainConfig, model: torch.nn.Module, world: int) -> int:
+def _state_bytes(options: AutoBatchOptions, model: torch.nn.Module, world: int) -> int:
     """Device memory the real steps hold beside the forward and backward that the probe does not make: the
     optimizer's state (allocated at its first step) and, without ``--ddp_gradient_as_bucket_view``, DDP's
     gradient buckets (a copy of the gradients; with it the gradients are views into them)."""
     trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-    buckets = 1 if world > 1 and not cfg.ddp_gradient_as_bucket_view else 0
-    return trainable * (STATE_SLOTS.get(cfg.optimizer, 2) + buckets)
+    buckets = 1 if world > 1 and not options.ddp_gradient_as_bucket_view else 0
+    return trainable * (STATE_SLOTS.get(options.optimizer, 2) + buckets)

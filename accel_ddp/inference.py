@@ -13,7 +13,6 @@ FILE.jsonl`` (also under ``accelerate launch ... -m accel_ddp``). Nothing is wri
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 from collections.abc import Sized
@@ -25,12 +24,14 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, set_seed
 
-from accel_ddp.assemble import EvalLoader, build_run_model, claim_failure, configured_task
+from accel_ddp.assemble import EvalLoader, build_run_model, build_world, claim_failure, configured_task
 from accel_ddp.checkpoint.manifest import CorruptCheckpoint, read_checkpoint
 from accel_ddp.checkpoint.weights import load_weights
+from accel_ddp.config.debug import debug_mode
+from accel_ddp.config.saved import evaluation_config
+from accel_ddp.config.views import section_of
 from accel_ddp.data.loaders import build_eval_loader_beside
-from accel_ddp.data.resolve import resolve_data
-from accel_ddp.distributed.world import build_accelerator
+from accel_ddp.data.resolve import DataOptions, resolve_data
 from accel_ddp.evaluation import evaluate as evaluate_on_every_rank
 from accel_ddp.evaluation import predictions
 from accel_ddp.lifecycle.failure import main_process_decides
@@ -122,8 +123,8 @@ def rebuild(run: str | TrainedRun, teardown: ExitStack, data_dir: str | None = N
     the weights asked for (a checkpoint's proven whole first), the eval loader. ``teardown`` ends the group.
     ``model``, ``eval_dataset``, ``collate_fn``: the caller's, as ``train()`` takes them, instead of the config's."""
     trained = run if isinstance(run, TrainedRun) else find_trained(run, data_dir)
-    cfg = _inference_config(trained)
-    accelerator, per_device, _ = build_accelerator(cfg)
+    cfg = evaluation_config(trained.options, trained.config_file, launch_world_size(), trained.checkpoint is not None)
+    accelerator, per_device, _ = build_world(cfg)
     teardown.callback(accelerator.end_training)
     teardown.push(claim_failure)  # before the group goes: a failure is this rank's own, reported once per launch
     if accelerator.distributed_type == DistributedType.FSDP:
@@ -132,7 +133,7 @@ def rebuild(run: str | TrainedRun, teardown: ExitStack, data_dir: str | None = N
     set_seed(cfg.seed)  # as training did before it built the model (whose weights are then replaced)
     task = configured_task(cfg)
     # A caller's eval set stands in for the training set too: resolve_data reads its samples' shape from it
-    data = resolve_data(cfg, accelerator, eval_dataset, eval_dataset, collate_fn)
+    data = resolve_data(section_of(cfg, DataOptions), accelerator, eval_dataset, eval_dataset, collate_fn)
     if data.eval is None:
         raise ConfigError(f"{trained.output_dir}: --dataset {cfg.dataset} has no eval set, so there is nothing to "
                           "evaluate or predict; give a run trained on a dataset with an eval split")
@@ -143,28 +144,10 @@ def rebuild(run: str | TrainedRun, teardown: ExitStack, data_dir: str | None = N
         fuse_activations(model)
     model = accelerator.prepare_model(model, evaluation_mode=True)  # device, mixed precision; no DDP
     loader = build_eval_loader_beside(accelerator, data.eval, trained.facts.get("loader", "dataloader"),
-                                      cfg.eval_batch_size or 2 * per_device, 0 if cfg.debug else cfg.num_workers,
+                                      cfg.eval_batch_size or 2 * per_device, debug_mode(cfg).workers(cfg.num_workers),
                                       data.collate_fn)
     samples = len(data.eval) if isinstance(data.eval, Sized) else None
     return Rebuilt(trained, accelerator, model, task, loader, samples)
-
-
-def _inference_config(trained: TrainedRun):
-    """The run's config for evaluation: no compilation (the same figures without its warm-up), no trackers, no resume,
-    and ``--init_from`` only where the weights to load leave the base out (a fine-tuned run's checkpoint). A launch
-    whose world size does not divide the run's global batch still evaluates: the batch only sizes the eval batches."""
-    cfg = trained.cfg
-    keeps_base = trained.checkpoint is not None and cfg.peft is not None
-    cfg = dataclasses.replace(cfg, compile=False, compile_regions=False, cuda_graphs=False, with_tracking=False,
-                              resume_from_checkpoint=None, init_from=cfg.init_from if keeps_base else None)
-    world = launch_world_size()
-    try:
-        dataclasses.replace(cfg).batch_layout(world)  # on a copy: it resolves --gradient_accumulation_steps in place
-    except ConfigError:
-        share = max(1, (cfg.global_batch_size or world) // world)
-        cfg = dataclasses.replace(cfg, global_batch_size=share * world, per_device_batch_size=share,
-                                  gradient_accumulation_steps=None, eval_batch_size=cfg.eval_batch_size or 2 * share)
-    return cfg
 
 
 def _load(accelerator: Accelerator, model: torch.nn.Module, trained: TrainedRun, given: bool) -> None:

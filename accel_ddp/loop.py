@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
@@ -23,9 +23,9 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
-from accel_ddp.after_step import AfterStep, roll_back
-from accel_ddp.anomaly import AnomalyStop, RolledBack
-from accel_ddp.assemble import Run, setup
+from accel_ddp.after_step import AfterStep
+from accel_ddp.assemble import Run, build_train_step, setup
+from accel_ddp.bad_steps import AnomalyStop, RolledBack
 from accel_ddp.checkpoint.weights import export_weights
 from accel_ddp.config import TrainConfig
 from accel_ddp.lifecycle.preemption import PreemptionWatcher
@@ -35,7 +35,7 @@ from accel_ddp.outputs.model_card import launch_command, write_model_card
 from accel_ddp.outputs.run_dir import (
     RunFinished,
 )
-from accel_ddp.tasks.arguments import check_arguments
+from accel_ddp.tasks.arguments import ArgumentError, a_kind, check_arguments
 from accel_ddp.tracking.console_log import ConsoleLog
 from accel_ddp.tracking.meters import (
     EpochTimer,
@@ -83,7 +83,8 @@ def train(
     (:func:`accel_ddp.lifecycle.failure.claim`); from then on this process records SIGTERM and SIGUSR1 instead of
     dying of them: the launcher is stopping every rank, and ``main()`` reports, then exits.
     """
-    check_arguments(cfg, model, train_dataset, eval_dataset)  # a wrong kind: one line naming it, nothing built
+    _check_config(cfg)  # a wrong kind: one line naming it, nothing built
+    check_arguments(model, train_dataset, eval_dataset, model_name=cfg.model, dataset_name=cfg.dataset)
     with ExitStack() as teardown:  # on any exit: signal handlers back, files closed, lock and process group gone
         try:
             run = setup(cfg, teardown, model, train_dataset, eval_dataset, loss_fn=loss_fn, metrics=metrics,
@@ -96,7 +97,7 @@ def train(
             try:
                 return finish(run, fit(run))
             except RolledBack as back:  # --on_anomaly rollback: every rank reloads the checkpoint and trains on
-                run.start_step = roll_back(run, back)
+                run.start_step = run.bad_steps.roll_back(back, run.bar)
             except AnomalyStop:  # it names the newest checkpoint, maybe one in flight: sealed before the exit
                 run.checkpoints.wait()
                 raise
@@ -105,6 +106,14 @@ def train(
                 if failed is err:
                     raise
                 raise failed from err
+
+
+def _check_config(cfg: object) -> None:
+    """``cfg=`` a TrainConfig, else ``ArgumentError`` saying how to build one (a dict's fields fail deep inside)."""
+    if not isinstance(cfg, TrainConfig):
+        how = "TrainConfig(**your_dict)" if isinstance(cfg, Mapping) else \
+            "TrainConfig(...), or accel_ddp.cli.args.parse_args([flags])"
+        raise ArgumentError(f"cfg= must be a TrainConfig, not {a_kind(cfg)}; build one with {how}")
 
 
 @dataclass
@@ -124,8 +133,9 @@ def fit(run: Run) -> FitResult:
     """
     plan = run.plan
     step = run.start_step  # epochs have a fixed number of steps, so the step alone says where we are
-    after = AfterStep(run, step)  # the optimizer step (after.steps), and what follows each one
-    steps, log = after.steps, after.log
+    steps = build_train_step(run, step)  # the optimizer step: forward, backward, update
+    after = AfterStep(run, steps.losses, step)  # what follows each one
+    log = after.log
     for epoch in range(step // plan.steps_per_epoch, plan.num_epochs):
         if step >= plan.total_steps:  # resumed from the last step's checkpoint
             break
@@ -171,7 +181,7 @@ def finish(run: Run, result: FitResult) -> dict[str, Any]:
         **_startup_figures(run),
         "lr_scheduler_steps": run.scheduler.scheduler.last_epoch,
         "resumed_from_step": run.start_step,
-        **(run.anomalies.summary() if run.anomalies is not None else {}),  # skipped steps, rollbacks
+        **run.bad_steps.summary(),  # --on_anomaly: skipped steps, rollbacks
         **largest(memory_record(run.accelerator)),  # peak_rss_mb, peak_worker_rss_mb: max over ranks (MiB)
         **(best.summary(result.step) if best else {}),  # best_step, final_weights_step, stopped_early
         **run.callbacks.summary(),  # their names; stopped_early where one asked to stop

@@ -21,6 +21,7 @@ import math
 import os
 import shutil
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -28,7 +29,8 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from accel_ddp.checkpoint.weights import plain_state_dict
-from accel_ddp.config import TEXT_TASKS, TrainConfig
+from accel_ddp.config import TEXT_TASKS
+from accel_ddp.config.views import config_section
 from accel_ddp.outputs.names import PRETRAINED_SUBDIR
 from accel_ddp.transforms.finetune import export_adapter, is_peft_model
 from accel_ddp.util.atomic import follow_umask
@@ -301,29 +303,45 @@ def export_pretrained(accelerator, model: nn.Module, tokenizer: Any, output_dir:
     return final
 
 
-def build_configured_model(cfg: TrainConfig, data: Data) -> torch.nn.Module:
+@config_section
+@dataclass(frozen=True)
+class ModelOptions:
+    """The options that name and size the run's model (``build_configured_model``)."""
+
+    model: str
+    model_config: str | None
+    task: str
+    max_length: int  # a text task's longest sequence: a Transformers model's positions are checked against it
+    attn_implementation: str | None
+    hidden_size: int
+    width: int
+
+
+def build_configured_model(options: ModelOptions, data: Data) -> torch.nn.Module:
     """The model named by --model / --model_config: a Transformers model, a built-in one or the user's builder."""
-    if os.path.isdir(cfg.model) and not is_pretrained_folder(cfg.model):
-        raise ConfigError(f"--model {cfg.model}: a folder without a config.json; give a folder written by "
+    model = options.model
+    if os.path.isdir(model) and not is_pretrained_folder(model):
+        raise ConfigError(f"--model {model}: a folder without a config.json; give a folder written by "
                           "save_pretrained (a run's final model is OUTPUT_DIR/hf_model)")
-    transformers_model = cfg.model_config is not None or is_pretrained_folder(cfg.model) or (
-        cfg.model not in MODELS and ":" not in cfg.model and "/" in cfg.model)  # a Hub id: org/name
+    transformers_model = options.model_config is not None or is_pretrained_folder(model) or (
+        model not in MODELS and ":" not in model and "/" in model)  # a Hub id: org/name
     if transformers_model:
         return build_transformers_model(
-            cfg.task, None if cfg.model_config else cfg.model, cfg.model_config, num_labels=data.num_classes,
-            tokenizer=data.tokenizer, max_length=cfg.max_length if data.tokenizer is not None else None,
-            attn_implementation=cfg.attn_implementation)
-    if cfg.attn_implementation is not None:
-        raise ConfigError(f"--attn_implementation {cfg.attn_implementation} chooses a Transformers model's attention; "
-                          f"--model {cfg.model} is not one: drop the flag")
-    if cfg.task in TEXT_TASKS and ":" not in cfg.model:
-        raise ConfigError(f"--task {cfg.task} needs a Transformers model: --model FOLDER (save_pretrained) or "
+            options.task, None if options.model_config else model, options.model_config,
+            num_labels=data.num_classes, tokenizer=data.tokenizer,
+            max_length=options.max_length if data.tokenizer is not None else None,
+            attn_implementation=options.attn_implementation)
+    if options.attn_implementation is not None:
+        raise ConfigError(f"--attn_implementation {options.attn_implementation} chooses a Transformers model's "
+                          f"attention; --model {model} is not one: drop the flag")
+    if options.task in TEXT_TASKS and ":" not in model:
+        raise ConfigError(f"--task {options.task} needs a Transformers model: --model FOLDER (save_pretrained) or "
                           f"--model_config config.json, or your own --model pkg.module:function")
-    if data.input_shape is None and ":" not in cfg.model:
-        raise ConfigError(f"--model {cfg.model} takes (input, label) samples, but the dataset yields dicts; give a "
+    if data.input_shape is None and ":" not in model:
+        raise ConfigError(f"--model {model} takes (input, label) samples, but the dataset yields dicts; give a "
                           "model that takes them (model=, a Transformers folder, or pkg.module:function)")
-    return build_model(cfg.model, data.num_classes or _infer_num_classes(data.train), data.input_shape,
-                       cfg.hidden_size, width=cfg.width)
+    return build_model(model, data.num_classes or _infer_num_classes(data.train), data.input_shape,
+                       options.hidden_size, width=options.width)
 
 
 def _infer_num_classes(dataset: Dataset) -> int:

@@ -25,8 +25,8 @@ import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
 from accel_ddp import exit_process  # noqa: E402
+from accel_ddp.assemble import build_world  # noqa: E402
 from accel_ddp.cli.args import parse_args  # noqa: E402
-from accel_ddp.distributed.world import build_accelerator  # noqa: E402
 from accel_ddp.lifecycle.preemption import flag_group  # noqa: E402
 from accel_ddp.models import build_model
 from accel_ddp.optim.build import build_optimizer, use_fused_optimizer  # noqa: E402
@@ -96,7 +96,7 @@ def probe_fsdp(accelerator) -> dict:
 
 def main() -> None:
     mode, out = sys.argv[1], sys.argv[2]
-    accelerator, _, _ = build_accelerator(parse_args(["--ddp_timeout", "120"]))
+    accelerator, _, _ = build_world(parse_args(["--ddp_timeout", "120"]))
     answer = {"nccl": probe_nccl, "fsdp": probe_fsdp}[mode](accelerator)
     if accelerator.is_main_process:
         with open(out, "w", encoding="utf-8") as fh:

@@ -30,8 +30,8 @@ def build(workload: str):
     """Everything one step of each loop touches, built as accel_ddp's setup and bare_ddp.py build it."""
     from accelerate import Accelerator
 
+    from accel_ddp.bad_steps import LossWatch
     from accel_ddp.data import DeviceLoader, build_datasets
-    from accel_ddp.lifecycle.non_finite import LossWatch
     from accel_ddp.lifecycle.preemption import PreemptionWatcher
     from accel_ddp.models import build_model
     from accel_ddp.optim.build import build_lr_scheduler, build_optimizer, use_fused_optimizer

@@ -3,6 +3,7 @@ the optimizer over the prepared model, the schedule over the run's own total, th
 
 from __future__ import annotations
 
+import dataclasses
 from contextlib import ExitStack
 
 import pytest
@@ -58,6 +59,21 @@ def test_the_model_converters_run_in_one_order_the_training_only_ones_last():
                                                   "fused_kernels", "compile_regions", "chunked_loss"]
     training_only = [c.training_only for c in MODEL_CONVERTERS]
     assert training_only == sorted(training_only)  # inference.py's rebuilt model stops before the first of them
+
+
+def test_each_model_converter_reads_a_declared_section_of_the_options():
+    """A converter is given its own typed section (config/views.py), never the whole config (issue 52 item 2)."""
+    from accel_ddp.assemble import MODEL_CONVERTERS
+    from accel_ddp.config import TrainConfig
+    from accel_ddp.config.views import SECTIONS, section_of
+    from accel_ddp.util.converters import NoOptions
+
+    for converter in MODEL_CONVERTERS:
+        assert converter.options in SECTIONS or converter.options is NoOptions, converter.name
+        assert isinstance(section_of(TrainConfig(), converter.options), converter.options)
+    # the option that switches a converter on is one of its section's fields (channels_last: the task's layout)
+    assert all(c.name in {f.name for f in dataclasses.fields(c.options)} for c in MODEL_CONVERTERS
+               if c.options is not NoOptions)
 
 
 def test_a_model_through_several_converters_equals_the_transforms_applied_by_hand(tmp_path):

@@ -16,6 +16,7 @@ import torch
 
 from accel_ddp.cli.train import main
 from accel_ddp.config import TrainConfig
+from accel_ddp.config.views import section_of
 from accel_ddp.util.validation import ConfigError
 from tests.helpers import faults
 from tests.helpers.multiproc import run_ranks
@@ -289,17 +290,18 @@ def test_the_probe_reserves_the_memory_of_data_the_device_loader_will_hold(monke
     train = InMemoryDataset(torch.zeros(64, 1, 8, 8), torch.zeros(64, dtype=torch.long))
     held = InMemoryDataset(torch.zeros(10, 1, 8, 8), torch.zeros(10, dtype=torch.long))
     data = Data(train, held, 4, (1, 8, 8))
-    cfg = TrainConfig(per_device_batch_size="auto", global_batch_size=32, loader=loader)
+    options = section_of(TrainConfig(per_device_batch_size="auto", global_batch_size=32, loader=loader),
+                         auto_batch.AutoBatchOptions)
     accelerator = SimpleNamespace(device=torch.device("meta"), num_processes=1)
     reserves = []
     monkeypatch.setattr(auto_batch, "_fits", lambda *args: reserves.append(args[-1]) or True)
     model = oom_model(4, (1, 8, 8))
-    state = auto_batch._state_bytes(cfg, model, 1)
-    chosen = auto_batch._probe(cfg, accelerator, model, None, data)
+    state = auto_batch._state_bytes(options, model, 1)
+    chosen = auto_batch._probe(options, accelerator, model, None, data)
     assert (chosen.size, chosen.tried) == (32, [32])
     assert reserves == [state + (train.nbytes + held.nbytes if on_device else 0)]
     accelerator.device = torch.device("cpu")  # host memory: not what the probe measures
-    assert auto_batch.device_data_bytes(cfg, accelerator, data) == 0
+    assert auto_batch.device_data_bytes(options, accelerator, data) == 0
 
 
 @pytest.mark.parametrize(("device", "fork"), [

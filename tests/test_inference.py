@@ -181,7 +181,7 @@ def test_data_dir_replaces_the_runs_and_nothing_else(digits_runs):
 
     run = digits_runs["device"]
     trained = find_trained(str(run / "checkpoints" / "step_00000012"), data_dir="/data/moved")
-    assert trained.cfg.data_dir == "/data/moved" and trained.cfg.max_steps == 12 and trained.step == 12
+    assert trained.options["data_dir"] == "/data/moved" and trained.options["max_steps"] == 12 and trained.step == 12
     assert trained.output_dir == str(run) and trained.weights.endswith("step_00000012/model.safetensors")
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import re
 from pathlib import Path
 
 import pytest
@@ -19,8 +20,8 @@ LAYERS = [
     {"util"}, {"config"}, {"lifecycle"}, {"outputs"}, {"tracking", "checkpoint"}, {"distributed"}, {"data"},
     {"tasks"},
     {"models", "optim", "transforms"},
-    {"step", "anomaly", "evaluation", "auto_batch", "callbacks"},
-    {"assemble"}, {"after_step", "inference"}, {"loop"},
+    {"step", "evaluation", "auto_batch", "callbacks"},
+    {"assemble", "bad_steps"}, {"after_step", "inference"}, {"loop"},
     {"cli", "accel_ddp"},
     {"__main__"},
 ]
@@ -230,3 +231,172 @@ def test_a_planted_import_cycle_is_found(tmp_path):
     assert _against(edges) == set() and _cycle(_edges(ROOT)) is None
     assert _cycle(edges) in (["accel_ddp.util.atomic", "accel_ddp.util.ranks", "accel_ddp.util.atomic"],
                              ["accel_ddp.util.ranks", "accel_ddp.util.atomic", "accel_ddp.util.ranks"])
+
+
+# Issue 52 item 2: each component takes its own typed section of the options (config/views.py) or explicit values.
+
+
+def _naming_train_config(root: Path = ROOT) -> set[str]:
+    """The package's modules, other than TrainConfig's homes (config/, cli/, assemble.py, loop.py and the package's
+    __init__), whose text names it: code, annotations, docstrings and comments alike (``cfg: Any  # TrainConfig``
+    hides nothing)."""
+    named = set()
+    for path in root.rglob("*.py"):
+        relative = path.relative_to(root).as_posix()
+        if relative.startswith(("config/", "cli/")) or relative in ("assemble.py", "loop.py", "__init__.py"):
+            continue
+        if re.search(r"\bTrainConfig\b", path.read_text(encoding="utf-8")):
+            named.add(relative)
+    return named
+
+
+def test_train_config_is_named_only_in_config_cli_assemble_loop_and_the_package():
+    assert _naming_train_config() == set(), "give the component a typed section (config/views.py)"
+
+
+def test_a_module_that_names_train_config_is_found(tmp_path):
+    """The check itself: planted in a parameter's annotation and in a comment beside an ``Any``, it is found; in
+    config/, cli/ and the package's __init__ it is at home."""
+    copy = _planted(tmp_path, {
+        "data/resolve.py": "\n\ndef _planted(cfg: 'TrainConfig') -> None:  # noqa\n    pass\n",
+        "models.py": "\n\ndef _planted(cfg: Any) -> None:  # noqa: the whole TrainConfig\n    pass\n",
+        "cli/args.py": "\n# TrainConfig\n", "config/views.py": "\n# TrainConfig\n"})
+    assert _naming_train_config(copy) == {"data/resolve.py", "models.py"}
+
+
+# Sizes (docs/development.md, "Style"): a module past this many lines does two jobs, a function past 80 is two
+# functions, and the package's root keeps the loop's story (the rest lives in subpackages).
+MAX_MODULE_LINES = 420
+MAX_FUNCTION_LINES = 80
+MAX_ROOT_MODULES = 12
+
+
+def _long_modules(root: Path = ROOT) -> dict[str, int]:
+    """The package's modules over MAX_MODULE_LINES: path -> lines."""
+    sizes = {str(path.relative_to(root)): len(path.read_text(encoding="utf-8").splitlines())
+             for path in root.rglob("*.py")}
+    return {path: lines for path, lines in sizes.items() if lines > MAX_MODULE_LINES}
+
+
+def _long_functions(root: Path = ROOT) -> dict[str, int]:
+    """The package's functions and methods over MAX_FUNCTION_LINES (from ``def`` to their last line, docstring
+    included; a nested function counts within its own and on its own): "path:line name" -> lines."""
+    found = {}
+    for path in root.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    found[f"{path.relative_to(root)}:{node.lineno} {node.name}"] = lines
+    return found
+
+
+def _crowded_root(root: Path = ROOT) -> list[str]:
+    """The package's root modules where they are more than MAX_ROOT_MODULES (else [])."""
+    modules = sorted(path.name for path in root.glob("*.py"))
+    return modules if len(modules) > MAX_ROOT_MODULES else []
+
+
+def test_no_module_is_over_420_lines_and_no_function_over_80():
+    assert _long_modules() == {}, "split the module by job (docs/development.md's module map says where)"
+    assert _long_functions() == {}, "a function past 80 lines is two functions"
+
+
+def test_at_most_12_modules_at_the_package_root():
+    assert (ROOT / "loop.py").is_file() and _crowded_root() == []
+
+
+def test_a_planted_long_module_long_function_and_crowded_root_are_found(tmp_path):
+    """The checks themselves: a module grown past 420 lines, a function of 81 lines and enough new root modules
+    to make 13 are reported, and nothing else."""
+    long_function = "\n\ndef _planted():\n" + "    x = 1\n" * MAX_FUNCTION_LINES  # def + 80: 81 lines
+    extra = MAX_ROOT_MODULES + 1 - len(list(ROOT.glob("*.py")))
+    copy = _planted(tmp_path, {"util/atomic.py": "# planted\n" * MAX_MODULE_LINES, "config/layout.py": long_function,
+                               **{f"planted_{n}.py": "" for n in range(extra)}})
+    lines = len((copy / "util" / "atomic.py").read_text(encoding="utf-8").splitlines())
+    assert _long_modules(copy) == {"util/atomic.py": lines}
+    assert [(name.split(":")[0], lines) for name, lines in _long_functions(copy).items()] == \
+        [("config/layout.py", MAX_FUNCTION_LINES + 1)]
+    assert len(_crowded_root(copy)) == MAX_ROOT_MODULES + 1 and "planted_0.py" in _crowded_root(copy)
+
+
+def _private_names(tree: ast.AST) -> set[str]:
+    """The private names a module defines: its functions and classes, its module and class variables, and the
+    attributes it sets on ``self`` or ``cls``."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and _on_self(node):
+            names.add(node.attr)
+    return {name for name in names if name.startswith("_") and not name.endswith("__")}
+
+
+def _on_self(node: ast.Attribute) -> bool:
+    return isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")
+
+
+def _private_reaches(root: Path = ROOT) -> list[str]:
+    """``thing._name`` (read, called or set) in one module, where ``_name`` is private to another module of the
+    package and not its own, and ``from accel_ddp... import _name`` ("path:line text"); ``self._name`` and
+    ``cls._name`` are the class's own. Third-party private names (torch's, Accelerate's) are not the package's, so
+    not reported here."""
+    trees = {path: ast.parse(path.read_text(encoding="utf-8")) for path in sorted(root.rglob("*.py"))}
+    defined = {path: _private_names(tree) for path, tree in trees.items()}
+    found = []
+    for path, tree in trees.items():
+        elsewhere = set().union(*(names for other, names in defined.items() if other != path))
+        found += [f"{path.relative_to(root)}:{node.lineno} {ast.unparse(node)}" for node in ast.walk(tree)
+                  if isinstance(node, ast.Attribute) and node.attr in elsewhere - defined[path] and not _on_self(node)]
+        found += [f"{path.relative_to(root)}:{node.lineno} import {alias.name}" for node in ast.walk(tree)
+                  if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("accel_ddp")
+                  for alias in node.names if alias.name.startswith("_") and not alias.name.endswith("__")]
+    return sorted(found)
+
+
+def test_no_module_reaches_into_another_modules_private_names():
+    assert _private_reaches() == [], "give the name a public spelling in its module, or move the logic there"
+
+
+def test_a_planted_reach_into_a_private_name_is_found(tmp_path):
+    """The check itself: a call of the manager's private helper from another module, a private module function read
+    through its module and a private name imported are reported; the module's own use of its private names is not."""
+    copy = _planted(tmp_path, {
+        "checkpoint/async_save.py": "\n\ndef _planted(manager):\n    return manager._writing\n",
+        "outputs/trained.py": "\n\ndef _planted():\n    from accel_ddp.checkpoint import storage\n"
+                              "    return storage._parsed(b'{}')\n",
+        "data/hf.py": "\nfrom accel_ddp.data.hf_source import _PLANTED  # noqa\n"})
+    found = [where.split(":")[0] + " " + where.split(" ", 1)[1] for where in _private_reaches(copy)]
+    assert set(found) == {"checkpoint/async_save.py manager._writing",
+                                                  "outputs/trained.py storage._parsed", "data/hf.py import _PLANTED"}
+
+
+def _console_writes(root: Path = ROOT) -> list[str]:
+    """Console writes outside util/messages.py ("path:line text"): ``print(...)``, ``sys.stdout.write`` /
+    ``sys.stderr.write`` (``.flush`` alike does not count) and ``tqdm.write``."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        if path.relative_to(root).as_posix() == "util/messages.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(node, ast.Call):
+                continue
+            name = ast.unparse(node.func)
+            if name == "print" or name in ("sys.stdout.write", "sys.stderr.write", "tqdm.write"):
+                found.append(f"{path.relative_to(root)}:{node.lineno} {name}")
+    return found
+
+
+def test_every_console_write_goes_through_messages():
+    assert _console_writes() == [], "write through accel_ddp.util.messages (say, warn, note, write)"
+
+
+def test_a_planted_console_write_is_found(tmp_path):
+    """The check itself: a ``print`` in a subpackage's module and a ``sys.stderr.write`` at the root are reported;
+    messages.py's own writes are not."""
+    copy = _planted(tmp_path, {"outputs/trained.py": "\n\ndef _planted():\n    print('hello')\n",
+                               "callbacks.py": "\n\ndef _planted():\n    import sys\n    sys.stderr.write('x')\n"})
+    assert [where.split(":")[0] + " " + where.split(" ")[1] for where in _console_writes(copy)] == \
+        ["callbacks.py sys.stderr.write", "outputs/trained.py print"]

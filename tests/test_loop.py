@@ -21,7 +21,7 @@ from torch.utils.data import TensorDataset
 from accel_ddp.cli.args import parse_args
 from accel_ddp.data.builtin import read_digits
 from accel_ddp.tracking.startup import StartupClock, process_age
-from tests.helpers.multiproc import free_port, run_ranks
+from tests.helpers.multiproc import RankFailed, free_port, run_ranks
 from tests.helpers.runs import REPO, load_weights, read_metrics, train_ranks
 from tests.helpers.syncs import OVERHEAD_RUN, count_host_syncs
 
@@ -317,23 +317,83 @@ class _FailsOnRankZero(torch.utils.data.Dataset):
         return torch.full((6,), float(index)), index % 3
 
 
-def test_a_dataset_failing_on_rank_0_is_named_by_rank_1_not_its_transport_error(tmp_path, launcher_store):
-    """Rank 0's dataset raises in __getitem__ (a DataLoader without workers: the rank reads): rank 0 raises that
-    error, rank 1 a PeerFailed naming rank 0 and its error, never gloo's "Connection closed by peer". (Under
-    torchrun's store, which outlives rank 0: where rank 0's process hosts it, rank 1 learns of it only once rank 0
-    has exited, store and all, and cannot tell more than gloo.)"""
-    from accel_ddp.config import TrainConfig
+class _ForwardFailsOnRankZero(torch.nn.Module):
+    """A user's model whose third training forward fails on rank 0 (the DDP model then stays in the traceback)."""
 
-    def run() -> str:
+    def __init__(self):
+        super().__init__()
+        self.linear, self.calls = torch.nn.Linear(6, 3), 0
+
+    def forward(self, x):
+        self.calls += 1
+        if os.environ.get("RANK") == "0" and self.training and self.calls > 2:
+            raise OSError("cannot read sample 7: disk gone")
+        return self.linear(x)
+
+
+@pytest.mark.parametrize("store", ["env", "launcher"])
+@pytest.mark.parametrize("where", ["dataset", "forward"])
+def test_a_failure_on_rank_0_is_named_by_rank_1_not_its_transport_error(store, where, tmp_path, request):
+    """Rank 0's dataset raises in __getitem__ (a DataLoader without workers: the rank reads), or its model's forward:
+    rank 0 raises that error, rank 1 a PeerFailed naming rank 0 and its error, never gloo's "Connection closed by
+    peer". Under torchrun's store, which outlives rank 0, and over env://, where rank 0's process hosts the store
+    (as mpirun's and these forked ranks'): rank 0 then ends its group's connections and keeps the store until rank 1
+    has read its failure (``failure.outlive_readers``), which it did (no wait ran out), and returns."""
+    from accel_ddp.config import TrainConfig
+    from accel_ddp.lifecycle import failure
+
+    env = request.getfixturevalue("launcher_store")[1] if store == "launcher" else {}
+
+    def run() -> tuple[str, list[bool]]:
+        waits: list[bool] = []
+        wait_for = failure._wait_for
+        failure._wait_for = lambda *args: waits.append(wait_for(*args)) or waits[-1]
         cfg = TrainConfig(global_batch_size=16, max_steps=4, output_dir=str(tmp_path), loader="dataloader",
                           num_workers=0)
+        parts = {"train_dataset": _FailsOnRankZero()} if where == "dataset" else {"model": _ForwardFailsOnRankZero()}
         try:
-            _tiny_train(tmp_path, cfg=cfg, train_dataset=_FailsOnRankZero())
+            _tiny_train(tmp_path, cfg=cfg, **parts)
         except Exception as err:  # noqa: BLE001 - what each rank raised is the outcome
-            return f"{type(err).__name__}: {err}"
-        return "trained"
+            return f"{type(err).__name__}: {err}", waits
+        return "trained", waits
 
-    rank0, rank1 = run_ranks(run, world_size=2, env=launcher_store[1])
+    (rank0, waits), (rank1, _) = run_ranks(run, world_size=2, env=env)
     assert rank0.startswith("OSError: cannot read sample"), rank0
     assert rank1.startswith("PeerFailed: rank 0 failed: OSError: cannot read sample"), rank1
     assert "Connection" not in rank1 and "gloo" not in rank1.split("; this rank")[0], rank1
+    assert waits == ([True] if store == "env" else []), waits  # env://: rank 0 waited, and not in vain
+
+
+class _DiesOnRankOne(_FailsOnRankZero):
+    """A user's dataset whose process on rank 1 ends at its third sample read, without a word (as if killed)."""
+
+    def __getitem__(self, index):
+        if os.environ.get("RANK") == "1" and self.reads >= 2:
+            os._exit(9)
+        self.reads += 1
+        return torch.full((6,), float(index)), index % 3
+
+
+def test_rank_0_does_not_wait_for_a_peer_that_is_gone(tmp_path):
+    """Rank 1's process ends mid-run: rank 0's train() raises its lost connection at once, without waiting for rank
+    1 to read its failure (``failure.outlive_readers``: a rank gone reads nothing; ``ACK_WAIT_S`` would be lost)."""
+    import json
+
+    from accel_ddp.config import TrainConfig
+    from accel_ddp.lifecycle import failure
+
+    def run() -> None:
+        waits: list[bool] = []
+        wait_for = failure._wait_for
+        failure._wait_for = lambda *args: waits.append(wait_for(*args)) or waits[-1]
+        cfg = TrainConfig(global_batch_size=16, max_steps=4, output_dir=str(tmp_path / "run"), loader="dataloader",
+                          num_workers=0)
+        try:
+            _tiny_train(tmp_path, cfg=cfg, train_dataset=_DiesOnRankOne())
+        except Exception as err:  # noqa: BLE001 - what rank 0 raised is the outcome
+            (tmp_path / "rank0.json").write_text(json.dumps([type(err).__name__, waits]))
+
+    with pytest.raises(RankFailed) as failed:
+        run_ranks(run, world_size=2)
+    assert set(failed.value.failures) == {1}, failed.value  # rank 1 ended; rank 0 returned
+    assert json.loads((tmp_path / "rank0.json").read_text()) == ["RuntimeError", []]

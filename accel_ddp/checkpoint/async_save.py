@@ -13,7 +13,7 @@ The writer thread of each rank writes Accelerate's files (names, formats and fun
 ``save_accelerator_state``: safetensors weights with tied aliases removed, ``torch.save`` for the
 optimizer, schedule, scaler and RNG) into the ``.tmp-`` folder, to local paths only (``torch.save``
 into a Python file object would hold the GIL per write), then drops ``.done-<rank>``. The main
-process's writer seals (``CheckpointManager._seal``: hashes, ``checkpoint.json`` last, rename) once
+process's writer seals (``CheckpointManager.seal``: hashes, ``checkpoint.json`` last, rename) once
 every rank's marker is there, then prunes: a crash at any point before the rename leaves the previous
 checkpoint the newest intact one. At most one save is in flight: the next save, a preemption and the
 end of training first :meth:`AsyncSaver.wait`, whose gather of every rank's outcome is the same
@@ -85,12 +85,12 @@ class AsyncSaver:
                 shutil.rmtree(tmp, ignore_errors=True)
             why, bug = problems[0]
             if bug == "store":
-                raise ConfigError(why)  # storage.StoreError: the store refused the run (its lock lost)
+                raise ConfigError(why)  # store_calls.StoreError: the store refused the run (its lock lost)
             if bug == "store-failed":
-                raise ServiceFailure(why)  # storage.StoreFailed: the store failed mid-run (exit 1)
+                raise ServiceFailure(why)  # store_calls.StoreFailed: the store failed mid-run (exit 1)
             if bug:
                 raise RuntimeError(f"the checkpoint writer of step {step} failed: {why}")
-            raise WriteFailed(self.manager._cannot_save(step, why))
+            raise WriteFailed(self.manager.cannot_save(step, why))
         self.manager.last_saved_step, self.manager.last_saved_folder = step, final  # a pair: both sealed
         return final
 
@@ -107,7 +107,7 @@ class AsyncSaver:
         self._pending = None
         if self.manager.accelerator.is_main_process:
             shutil.rmtree(tmp, ignore_errors=True)
-        return self.manager._cannot_save(step, self._outcome)
+        return self.manager.cannot_save(step, self._outcome)
 
     @property
     def pending_step(self) -> int | None:
@@ -154,8 +154,8 @@ class AsyncSaver:
             time.sleep(POLL_SECONDS)
         for rank in range(world):
             os.remove(os.path.join(tmp, f"{DONE_PREFIX}{rank}"))
-        self.manager._seal(tmp, final, step)
-        self.manager._prune(keep=final)
+        self.manager.seal(tmp, final, step)
+        self.manager.prune(keep=final)
 
 
 def check_async_checkpointing(acc: Any) -> None:

@@ -19,7 +19,7 @@ rank: every rank takes the same decision at the same step without an extra colle
 
 Both records travel in ``checkpoint.json`` (``best`` key), so a resume continues them.
 
-    >>> best = BestModel.from_config(cfg, steps_per_epoch=8, total_steps=32)
+    >>> best = BestModel.from_options(section_of(cfg, BestModelOptions), steps_per_epoch=8, total_steps=32)
     >>> best.after_eval({"eval_loss": 0.3}, step=8)    # True: stop now (every rank)
 """
 
@@ -28,8 +28,10 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
+from accel_ddp.config.views import config_section
 from accel_ddp.util.messages import say
 from accel_ddp.util.validation import ConfigError
 
@@ -43,6 +45,20 @@ def metric_key(name: str) -> str:
 
 def greater_is_better_default(name: str) -> bool:
     return not name.endswith(LOWER_IS_BETTER_SUFFIXES)
+
+
+@config_section
+@dataclass(frozen=True)
+class BestModelOptions:
+    """The options of the best model and early stopping (``dataset``: named where there is no eval set)."""
+
+    metric_for_best_model: str | None
+    greater_is_better: bool | None
+    early_stopping_patience: int | None
+    early_stopping_threshold: float
+    load_best_model_at_end: bool
+    checkpointing_steps: str | None  # which evaluations' weights are kept
+    dataset: str
 
 
 class BestModel:
@@ -61,13 +77,13 @@ class BestModel:
         self.stopped_at: int | None = None
 
     @classmethod
-    def from_config(cls, cfg: Any, steps_per_epoch: int, total_steps: int) -> BestModel | None:
+    def from_options(cls, options: BestModelOptions, steps_per_epoch: int, total_steps: int) -> BestModel | None:
         """None unless one of the best-model or early-stopping flags is given."""
-        if not (cfg.metric_for_best_model or cfg.load_best_model_at_end or cfg.early_stopping_patience):
+        if not (options.metric_for_best_model or options.load_best_model_at_end or options.early_stopping_patience):
             return None
-        return cls(cfg.metric_for_best_model or "loss", cfg.greater_is_better, cfg.early_stopping_patience,
-                   cfg.early_stopping_threshold, cfg.checkpointing_steps, steps_per_epoch, total_steps,
-                   cfg.load_best_model_at_end)
+        return cls(options.metric_for_best_model or "loss", options.greater_is_better, options.early_stopping_patience,
+                   options.early_stopping_threshold, options.checkpointing_steps, steps_per_epoch, total_steps,
+                   options.load_best_model_at_end)
 
     def _better(self, value: float, than: float | None) -> bool:
         if than is None:
@@ -156,12 +172,12 @@ class BestModel:
                 f"step {self.kept_step} of {step})")
 
 
-def check_eval_set(cfg: Any, has_eval: bool) -> None:
+def check_eval_set(options: BestModelOptions, has_eval: bool) -> None:
     """The best model and early stopping rank evaluations: without an eval set the last weights would be exported
     as the best, and the patience never run out."""
-    given = [flag for flag, on in (("--load_best_model_at_end", cfg.load_best_model_at_end),
-                                   (f"--early_stopping_patience {cfg.early_stopping_patience}",
-                                    cfg.early_stopping_patience)) if on]
+    given = [flag for flag, on in (("--load_best_model_at_end", options.load_best_model_at_end),
+                                   (f"--early_stopping_patience {options.early_stopping_patience}",
+                                    options.early_stopping_patience)) if on]
     if given and not has_eval:
-        raise ConfigError(f"{' and '.join(given)} rank evaluations, but --dataset {cfg.dataset} has no eval set; give "
-                          "a dataset with an eval split, or drop the flag")
+        raise ConfigError(f"{' and '.join(given)} rank evaluations, but --dataset {options.dataset} has no eval set; "
+                          "give a dataset with an eval split, or drop the flag")

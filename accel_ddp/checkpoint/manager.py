@@ -22,8 +22,8 @@ own ``total_limit`` rotation is not used: it deletes the oldest checkpoint befor
 written, and writes in place. With ``--checkpoint_dir URL`` the sealed checkpoints live in an object
 store instead (``storage.py``): each save is staged in ``OUTPUT_DIR/checkpoints``, uploaded, then sealed.
 
-Resuming (``CheckpointManager.resume``): ``auto`` takes the newest folder that ``read_checkpoint``
-trusts (``manifest.py``: files match ``checkpoint.json``, which lists every file the format needs;
+Resuming (``CheckpointManager.resume``; which checkpoint: ``choice.py``): ``auto`` takes the newest folder that
+``read_checkpoint`` trusts (``manifest.py``: files match ``checkpoint.json``, which lists every file the format needs;
 its step is the folder's and the scheduler's; every rank's RNG file applies); a damaged one is
 skipped with a warning, an explicit damaged path is exit 2. After ``load_state`` every rank checks
 that its generators are those of its RNG file (Accelerate skips one it cannot apply without a word),
@@ -51,9 +51,10 @@ from accelerate import Accelerator
 from accelerate.utils import gather_object
 
 from accel_ddp.checkpoint.async_save import AsyncSaver, check_async_checkpointing
+from accel_ddp.checkpoint.choice import CheckpointChoice
 from accel_ddp.checkpoint.hyperparameters import HYPERPARAMETERS, check_compatible, flags_in_force  # noqa: F401
 from accel_ddp.checkpoint.manifest import (  # noqa: F401 - CorruptCheckpoint, checkpoint_name, ...: this module's interface too
-    _STEP_DIR,
+    STEP_DIR,
     CorruptCheckpoint,
     checkpoint_name,
     list_checkpoints,
@@ -63,7 +64,8 @@ from accel_ddp.checkpoint.manifest import (  # noqa: F401 - CorruptCheckpoint, c
     rng_not_restored,
     unsafe_file,
 )
-from accel_ddp.checkpoint.storage import DEFAULT_STORE_TIMEOUT, StoreError, StoreFailed, open_store
+from accel_ddp.checkpoint.storage import DEFAULT_STORE_TIMEOUT, open_store
+from accel_ddp.checkpoint.store_calls import StoreError, StoreFailed
 from accel_ddp.checkpoint.train_state import TrainState
 from accel_ddp.lifecycle.failure import main_process_decides
 from accel_ddp.outputs.files import (
@@ -74,7 +76,7 @@ from accel_ddp.outputs.files import (
     relative_files,
     write_failure,
 )
-from accel_ddp.outputs.names import CHECKPOINTS_DIR, MARKER_NAME, SUMMARY_NAME
+from accel_ddp.outputs.names import CHECKPOINTS_DIR
 from accel_ddp.util.atomic import follow_umask
 from accel_ddp.util.messages import first_line, say, warn
 from accel_ddp.util.validation import ConfigError
@@ -106,6 +108,7 @@ class CheckpointManager:
         self.root = self.store.root
         self.keep_last = keep_last
         self.run_facts = dict(run_facts)
+        self.choice = CheckpointChoice(self.store, self.run_facts, self.staging)  # which checkpoint a resume loads
         self.last_saved_step: int | None = None
         self.last_saved_folder: str | None = None  # the newest checkpoint this run saved or resumed from
         self.best = state.best  # its records go into checkpoint.json, its checkpoint is never pruned
@@ -157,9 +160,9 @@ class CheckpointManager:
         if problems:
             if acc.is_main_process:
                 shutil.rmtree(tmp, ignore_errors=True)
-            raise WriteFailed(self._cannot_save(step, problems[0]))
-        self._on_main_then_all(lambda: self._writing(step, tmp, lambda: (self._seal(tmp, final, step),
-                                                                         self._prune(keep=final))))
+            raise WriteFailed(self.cannot_save(step, problems[0]))
+        self._on_main_then_all(lambda: self._writing(step, tmp, lambda: (self.seal(tmp, final, step),
+                                                                         self.prune(keep=final))))
         self.last_saved_step, self.last_saved_folder = step, final
         return final
 
@@ -198,9 +201,11 @@ class CheckpointManager:
             if why is None:
                 raise
             shutil.rmtree(tmp, ignore_errors=True)
-            raise WriteFailed(self._cannot_save(step, why)) from err
+            raise WriteFailed(self.cannot_save(step, why)) from err
 
-    def _cannot_save(self, step: int, why: str) -> str:
+    def cannot_save(self, step: int, why: str) -> str:
+        """The one line of a save of ``step`` that failed for ``why`` (a write refused here, or on the async saver's
+        thread): the fix, and the last checkpoint that is still intact."""
         intact = f" ({os.path.basename(self.last_saved_folder)}, the last checkpoint, is intact)" \
             if self.last_saved_folder else ""
         fix = WRITABLE_FIX if why.startswith(READ_ONLY) else \
@@ -208,7 +213,9 @@ class CheckpointManager:
         return f"cannot save the checkpoint of step {step} in {self.root}: {why}; {fix}, then resume with " \
                f"--resume_from_checkpoint auto{intact}"
 
-    def _seal(self, tmp: str, final: str, step: int) -> None:
+    def seal(self, tmp: str, final: str, step: int) -> None:
+        """Main process, once every rank wrote ``tmp``: its files' sizes and hashes into ``checkpoint.json``, written
+        last, and the folder made ``final`` (the store's seal); the synchronous save's and the async saver's."""
         follow_umask(tmp)  # Accelerate's model.safetensors is 0600 (safetensors' own write), the rest follow the umask
         files = {name: fingerprint(os.path.join(tmp, name)) for name in relative_files(tmp)}
         steps_per_epoch = self.run_facts["steps_per_epoch"]
@@ -217,13 +224,13 @@ class CheckpointManager:
                 "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "files": files, **self._records}
         self.store.seal(tmp, final, meta)  # checkpoint.json last: on disk fsynced then renamed, in a store uploaded
 
-    def _prune(self, keep: str) -> None:
+    def prune(self, keep: str) -> None:
         """Delete all but the newest ``keep_last`` checkpoints up to ``keep`` (the one just saved).
 
         Newer ones are never ours to delete: they can only be damaged ones that ``auto`` skipped (a resume
         from an older step with intact newer checkpoints is refused), left for their owner to look at.
         """
-        saved = int(_STEP_DIR.match(os.path.basename(keep)).group(1))
+        saved = int(STEP_DIR.match(os.path.basename(keep)).group(1))
         complete = [path for step, path in self.store.sealed() if step <= saved]
         best = self.store.folder(self.best.kept_step) if self.best and self.best.kept_step is not None else None
         for path in complete[: max(len(complete) - self.keep_last, 0)]:
@@ -249,12 +256,12 @@ class CheckpointManager:
 
         Returns the optimizer step to continue after; 0 when ``auto`` found no checkpoint.
         """
-        # A rollback (anomaly.py) while a save is in flight: its writer prunes, cleans the store's downloads and
+        # A rollback (bad_steps/) while a save is in flight: its writer prunes, cleans the store's downloads and
         # seals a newer checkpoint; all of that is done before we choose, download and load.
         self.wait()
         unsafe: list[str] = []  # auto: checkpoints whose load a safe unpickler refused, passed over
         while True:
-            choice = self._on_main_then_all(lambda: self._choose(spec, unsafe))
+            choice = self._on_main_then_all(lambda: self.choice.choose(spec, unsafe))
             if choice is None:
                 return 0
             folder, local, meta = choice  # local: the folder itself, or its copy downloaded from the store
@@ -319,98 +326,6 @@ class CheckpointManager:
         warn(f"the resume from {folder} is not exact: {'; '.join(why)}; random layers such as dropout and random "
               f"augmentation on those ranks differ from the original run's from step {meta['step']} on (weights, "
               "optimizer, schedule and data position are restored exactly)")
-
-    def _choose(self, spec: str, unsafe: list[str] = ()) -> tuple[str, str, dict[str, Any]] | None:
-        """``(folder, local copy, checkpoint.json)`` of the checkpoint to resume, or None (auto, nothing saved);
-        ``unsafe``: folders ``auto`` passed over already (their load was refused)."""
-        if spec == "auto":
-            candidates = self.store.sealed()
-            for folder in self.store.unsealed() if not unsafe else ():  # an interrupted upload (said once)
-                warn(f"ignoring {folder}: it has no {MARKER_NAME}, so its save never finished")
-            if not candidates:
-                say(f"no checkpoint in {self.root}; starting from scratch")
-                return None
-            for _, folder in reversed(candidates):
-                if folder in unsafe:
-                    continue
-                try:
-                    local, meta = self._verified(folder)
-                except CorruptCheckpoint as err:
-                    warn(f"skipping a damaged checkpoint: {err}; falling back to the previous one")
-                    continue
-                self._check_within_run(folder, meta)
-                return folder, local, meta
-            raise ConfigError(f"--resume_from_checkpoint auto: all {len(candidates)} checkpoints in {self.root} "
-                              "are damaged or unsafe (see the warnings above); move them away to start from scratch")
-        if self.store.remote and self.store.is_own(spec):
-            try:
-                local, meta = self._verified(spec)
-            except CorruptCheckpoint as err:
-                raise ConfigError(f"--resume_from_checkpoint {spec}: {err}; resume from an older checkpoint, or use "
-                                  "auto, which skips damaged ones") from None
-            self._check_within_run(spec, meta)
-            self._refuse_to_overwrite_newer(spec, meta["step"])
-            return spec, local, meta
-        if not os.path.isdir(spec):
-            raise ConfigError(f"--resume_from_checkpoint {spec}: no such folder; give a checkpoint folder "
-                              f"(e.g. {os.path.join(self.root, checkpoint_name(100))}) or auto")
-        if not os.path.isfile(os.path.join(spec, MARKER_NAME)) and os.path.isdir(os.path.join(spec, CHECKPOINTS_DIR)):
-            raise ConfigError(f"--resume_from_checkpoint {spec} is a run folder; give one of its "
-                              f"{CHECKPOINTS_DIR}/step_* folders, or --output_dir {spec} with auto")
-        try:
-            meta = read_checkpoint(spec)
-        except CorruptCheckpoint as err:
-            raise ConfigError(f"--resume_from_checkpoint {spec}: {err}; resume from an older checkpoint, or use "
-                              "auto, which skips damaged ones") from None
-        self._check_within_run(spec, meta)
-        self._refuse_to_mix_runs(spec)
-        self._refuse_to_overwrite_newer(spec, meta["step"])
-        return spec, spec, meta
-
-    def _verified(self, folder: str) -> tuple[str, dict[str, Any]]:
-        """The checkpoint's local copy (the folder itself on disk) and its checkpoint.json, once it proves whole;
-        a CorruptCheckpoint names the store's object, not the downloaded copy."""
-        local = self.store.local_copy(folder)
-        try:
-            return local, read_checkpoint(local)
-        except CorruptCheckpoint as err:
-            if local == folder:
-                raise
-            raise CorruptCheckpoint(str(err).replace(local, folder)) from None
-
-    def _refuse_to_mix_runs(self, spec: str) -> None:
-        """Branching off another run's checkpoint goes into a folder of its own: this folder's checkpoints,
-        metrics and final outputs would otherwise be rewound, mixed with that run's, pruned or overwritten."""
-        if self.store.is_own(spec):
-            return  # one of this folder's own checkpoints
-        output_dir = os.path.dirname(self.staging)
-        held = [f"{CHECKPOINTS_DIR}/"] if self.store.sealed() else []
-        held += [SUMMARY_NAME] if os.path.isfile(os.path.join(output_dir, SUMMARY_NAME)) else []
-        if held:
-            raise ConfigError(f"--resume_from_checkpoint {spec} belongs to another run, and --output_dir {output_dir} "
-                              f"already holds one ({', '.join(held)}); branch off into an empty --output_dir")
-
-    def _check_within_run(self, folder: str, meta: dict[str, Any]) -> None:
-        """A checkpoint past this run's last step belongs to a longer run: resuming an older one instead would
-        overwrite that run's model.safetensors and summary.json, so refuse rather than skip it."""
-        total = self.run_facts.get("total_steps")
-        if total is not None and meta["step"] > total:
-            raise ConfigError(f"--resume_from_checkpoint {folder}: it holds step {meta['step']}, past this run's "
-                              f"last step {total} (were --epochs or --max_steps lowered?); resume with the options "
-                              "of the run that saved it, or give another --output_dir")
-
-    def _refuse_to_overwrite_newer(self, spec: str, step: int) -> None:
-        """Going back to an older checkpoint would overwrite (and prune) this folder's intact newer ones."""
-        for newer_step, folder in self.store.sealed():
-            if newer_step <= step:
-                continue
-            try:
-                self._verified(folder)
-            except CorruptCheckpoint:
-                continue  # damaged: auto would skip it too; it is set aside, not deleted, if this run reaches it
-            raise ConfigError(f"--resume_from_checkpoint {spec}: {self.root} holds a newer checkpoint, "
-                              f"{os.path.basename(folder)}, that this run would overwrite; continue from the newest "
-                              "with auto, or give this run another --output_dir")
 
     def local_folder(self, step: int) -> str:
         """Collective: a local folder holding the checkpoint of ``step`` (downloaded from a store by the main

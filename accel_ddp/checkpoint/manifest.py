@@ -31,7 +31,7 @@ from accel_ddp.outputs.names import MARKER_NAME, WEIGHTS_NAME
 from accel_ddp.util.messages import first_line
 from accel_ddp.util.validation import ConfigError
 
-_STEP_DIR = re.compile(r"^step_(\d{8,})$")
+STEP_DIR = re.compile(r"^step_(\d{8,})$")
 SCHEDULER_FILE = f"{SCHEDULER_NAME}.bin"
 
 
@@ -53,7 +53,7 @@ def list_checkpoints(root: str) -> list[tuple[int, str]]:
         raise ConfigError(f"cannot list {root} ({err.strerror}); fix its permissions") from None
     found = []
     for name in names:
-        match = _STEP_DIR.match(name)
+        match = STEP_DIR.match(name)
         if match and os.path.isfile(os.path.join(root, name, MARKER_NAME)):
             found.append((int(match.group(1)), os.path.join(root, name)))
     return sorted(found)
@@ -129,7 +129,7 @@ def _ranks(meta: dict[str, Any]) -> int:
 def _check_step(folder: str, meta: dict[str, Any]) -> None:
     """The recorded step must be the folder's, the scheduler's, and on an optimizer-step boundary for Accelerate."""
     step = meta["step"]
-    name = _STEP_DIR.match(os.path.basename(os.path.normpath(folder)))
+    name = STEP_DIR.match(os.path.basename(os.path.normpath(folder)))
     if name and int(name.group(1)) != step:
         raise CorruptCheckpoint(f"{folder}: its {MARKER_NAME} says step {step}, its name says step "
                                 f"{int(name.group(1))}")

@@ -25,26 +25,11 @@ the conditional write, a later run can still overwrite the lock; so every seal a
 that the lock object still holds our bytes, and the run stops with one line where it does not. Only the main
 process calls any of this.
 
-No call waits forever (``--store_timeout`` T, docs/checkpoints.md "A store that stops answering"). A server
-that accepts connections but never answers (stopped, not closed) hangs s3fs's PutObject for good: botocore
-adds ``Expect: 100-continue`` and aiohttp's wait for the ``100 Continue`` is outside its ``sock_read``
-timeout (measured against such a server: ``read_timeout=1`` bounded a GET, never a PUT). So every call of
-an async file system (s3fs, gcsfs, adlfs: ``AsyncFileSystem``) runs its coroutine on the file system's loop
-(what fsspec's ``sync`` does, fsspec/asyn.py) under our own deadline, T seconds plus 1 s per MiB it carries,
-retries included, and is cancelled past it (``StoreStalled``: one line naming the store and the bound, exit 2
-on every rank, as ``main_process_decides`` and the async saver's gather carry it). Inside that bound each
-request of s3fs gets T/3 to connect and T/3 to answer (botocore ``Config(connect_timeout, read_timeout)``
-through s3fs's ``config_kwargs``; s3fs's defaults are 5 s and 15 s) and botocore's standard retry mode 3
-attempts; s3fs's own retry loop (``S3FileSystem.retries``, 5 by default, around botocore's own 5 legacy
-attempts: up to 25 tries of 15 s per call) is cut to one. A stop signal (SIGTERM, SIGUSR1) that comes while
-a call is under way cuts it ``STOP_GRACE_S`` later: torchrun SIGKILLs 30 s after its SIGTERM, and the run
-must still stop with its line and exit code (``StopPoints.save``).
+No call waits forever: ``store_calls.py`` bounds each call of an object store (``--store_timeout``).
 """
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import errno
 import json
 import os
@@ -55,7 +40,8 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from accel_ddp.checkpoint.manifest import _STEP_DIR, checkpoint_name, list_checkpoints
+from accel_ddp.checkpoint.manifest import STEP_DIR, checkpoint_name, list_checkpoints
+from accel_ddp.checkpoint.store_calls import DEFAULT_STORE_TIMEOUT, BoundedCalls, StoreError, fs_options
 from accel_ddp.config import STORE_PACKAGES, URL_SCHEME
 from accel_ddp.outputs.files import (
     READ_ONLY,
@@ -71,27 +57,9 @@ from accel_ddp.outputs.files import (
 from accel_ddp.outputs.names import LOCK_NAME, MARKER_NAME, STORE_CLAIM_NAME
 from accel_ddp.util.atomic import atomic_write_text
 from accel_ddp.util.messages import first_line, say, warn
-from accel_ddp.util.validation import ConfigError, ServiceFailure
+from accel_ddp.util.validation import ConfigError
 
 FETCHED_DIR = ".fetched"  # under the staging folder: checkpoints downloaded from the store to be verified and loaded
-DEFAULT_STORE_TIMEOUT = 60.0  # seconds: --store_timeout's default (config/options.py)
-SECONDS_PER_MIB = 1.0  # a transfer's bound grows by this per MiB: a store slower than 1 MiB/s counts as stalled
-REQUEST_ATTEMPTS = 3  # botocore's standard retry mode, each attempt within T / REQUEST_ATTEMPTS
-STOP_GRACE_S = 5.0  # a call under way when a stop signal comes ends this much later at most
-POLL_S = 0.1  # how often a waiting call looks at its deadline and for a stop signal
-
-
-class StoreError(ConfigError):
-    """The object store refused the run at its start (settings, credentials, a missing bucket, a lock another run
-    holds or took): bad input, one line, exit 2."""
-
-
-class StoreStalled(StoreError):
-    """A call to the store did not finish within its bound (``--store_timeout``), or a stop signal cut it."""
-
-
-class StoreFailed(ServiceFailure):
-    """The object store failed an operation once its lock was ours (its settings worked): one line, exit 1."""
 
 
 def open_store(root: str, staging: str | None = None,
@@ -163,7 +131,7 @@ class LocalStore:
         pass
 
 
-class ObjectStore:
+class ObjectStore(BoundedCalls):
     """Checkpoints as objects under a URL prefix (``s3://bucket/run/step_N/...``), through fsspec."""
 
     remote = True
@@ -177,7 +145,7 @@ class ObjectStore:
         try:
             import fsspec
 
-            self.fs, self.path = fsspec.core.url_to_fs(url, **_fs_options(scheme, timeout))
+            self.fs, self.path = fsspec.core.url_to_fs(url, **fs_options(scheme, timeout))
             if scheme == "s3":
                 self.fs.retries = 1  # botocore retries (config_kwargs); s3fs's loop around it would multiply them
         except ImportError:  # config/checks.py found the package; an import that still fails is one line too
@@ -209,7 +177,7 @@ class ObjectStore:
             keys = []
         for key in keys:
             parts = key[len(self.path):].strip("/").split("/")
-            match = _STEP_DIR.match(parts[0]) if len(parts) >= 2 else None
+            match = STEP_DIR.match(parts[0]) if len(parts) >= 2 else None
             if match:
                 step = int(match.group(1))
                 found[step] = found.get(step, False) or parts[1:] == [MARKER_NAME]
@@ -226,7 +194,7 @@ class ObjectStore:
         """Upload every file of ``tmp``, then ``checkpoint.json``: the manifest is the last object written."""
         self.check_claim()
         key = self._key(final)
-        existing = self._steps().get(int(_STEP_DIR.match(final.rsplit("/", 1)[1]).group(1)))
+        existing = self._steps().get(int(STEP_DIR.match(final.rsplit("/", 1)[1]).group(1)))
         if existing:  # sealed but damaged (auto skipped it): kept for its owner, under another name
             aside = f"{key}.damaged-{time.strftime('%Y%m%dT%H%M%S')}"
             for obj in self._call("list", "find", key):  # object by object: no rename in a store
@@ -289,7 +257,7 @@ class ObjectStore:
 
     def is_own(self, spec: str) -> bool:
         head, _, name = spec.rstrip("/").rpartition("/")
-        return head == self.root and bool(_STEP_DIR.match(name))
+        return head == self.root and bool(STEP_DIR.match(name))
 
     def claim(self, output_dir: str) -> None:
         """Write ``PREFIX/.lock`` naming this run, or take over a dead one's; another run's: one line, exit 2."""
@@ -377,72 +345,6 @@ class ObjectStore:
                 "free space there (room for one checkpoint) or give another --output_dir"
             raise WriteFailed(f"cannot download {self.root}'s checkpoint into {dest}: {why}; {fix}") from None
         raise self._failed("download", err) from None
-
-    def _call(self, what: str, method: str, *args: Any, passes: type[Exception] | tuple = (), nbytes: int = 0,
-              **kwargs: Any) -> Any:
-        """The file system's ``method(*args, **kwargs)`` within its bound (``nbytes``: what it carries); a failure of
-        the store is one line naming it (``passes``: the errors the caller handles)."""
-        try:
-            if getattr(self.fs, "async_impl", False):
-                return self._bounded(what, method, args, kwargs, nbytes)
-            return getattr(self.fs, method)(*args, **kwargs)  # a local file system (file://) does not stall
-        except Exception as err:
-            if isinstance(err, (ConfigError, ServiceFailure, *(passes if isinstance(passes, tuple) else (passes,)))):
-                raise
-            raise self._failed(what, err) from None
-
-    def _bounded(self, what: str, method: str, args: tuple, kwargs: dict, nbytes: int) -> Any:
-        """``method``'s coroutine on the file system's loop, cancelled past ``--store_timeout`` plus 1 s per MiB,
-        or ``STOP_GRACE_S`` after a stop signal that came while it ran: a StoreStalled either way."""
-        started = time.monotonic()
-        limit = self.timeout + nbytes / 2**20 * SECONDS_PER_MIB
-        deadline, signalled = started + limit, self.stopping()  # a save after the signal (preemption's) runs in full
-        future = asyncio.run_coroutine_threadsafe(getattr(self.fs, f"_{method}")(*args, **kwargs), self.fs.loop)
-        while True:
-            try:
-                return future.result(timeout=POLL_S)
-            except concurrent.futures.TimeoutError:
-                if future.done():  # the call's own TimeoutError (asyncio's is the same class): the store's failure
-                    raise
-            now = time.monotonic()
-            if not signalled and self.stopping():
-                signalled, deadline = True, min(deadline, now + STOP_GRACE_S)
-                limit = -1.0  # the signal's cut, not the store's bound
-            if now < deadline:
-                continue
-            future.cancel()
-            self._stalled = True
-            article = "an" if what[0] in "aeiou" else "a"
-            if limit < 0:
-                raise StoreStalled(f"--checkpoint_dir {self.root}: the store had not finished {article} {what} "
-                                   f"{now - started:.0f} s after it began, {STOP_GRACE_S:.0f} s after the stop signal")
-            per_mib = f" plus {SECONDS_PER_MIB:g} s per MiB" if nbytes else ""
-            raise StoreStalled(f"--checkpoint_dir {self.root}: the store did not finish {article} {what} within "
-                               f"{limit:.0f} s (--store_timeout {self.timeout:g}{per_mib}): it stopped answering; "
-                               "check that it is up and reachable (or raise --store_timeout), then relaunch with "
-                               "--resume_from_checkpoint auto")
-
-    def _failed(self, what: str, err: BaseException) -> StoreError | StoreFailed:
-        """Before the lock is ours, a refusal is the settings' (exit 2); after, the store failed a run it served."""
-        article = "an" if what[0] in "aeiou" else "a"
-        line = (f"--checkpoint_dir {self.root}: the store refused {article} {what} ({type(err).__name__}: "
-                f"{first_line(err)}); check its credentials, permissions and endpoint (AWS_ENDPOINT_URL, ...)")
-        if self._lock_data is None:
-            return StoreError(line)
-        return StoreFailed(f"{line}, then relaunch with --resume_from_checkpoint auto")
-
-
-def _fs_options(scheme: str, timeout: float) -> dict[str, Any]:
-    """The file system's own bounds per request, inside ours per call: s3fs hands ``config_kwargs`` to botocore's
-    ``Config`` (s3fs/core.py ``_prepare_config_kwargs``; connect_timeout, read_timeout, retries). gcsfs and adlfs
-    get ours per call only."""
-    if scheme == "file":
-        return {"auto_mkdir": True}  # the local file system makes parent folders as object stores need none
-    if scheme == "s3":
-        request = max(timeout / REQUEST_ATTEMPTS, 1.0)
-        return {"config_kwargs": {"connect_timeout": request, "read_timeout": request,
-                                  "retries": {"max_attempts": REQUEST_ATTEMPTS, "mode": "standard"}}}
-    return {}
 
 
 def _folder_id(output_dir: str) -> str:

@@ -45,7 +45,7 @@ from accel_ddp.outputs.names import WEIGHTS_NAME
 class Stateful(Protocol):
     """Every part of the state: torch.distributed.checkpoint.stateful.Stateful's protocol (torch 2.x), declared here
     so that reading a checkpoint imports no torch.distributed.checkpoint. The model, optimizer and schedule are
-    Stateful by torch; the best model's records (checkpoint/best.py), the anomaly log (anomaly.py) and a stream's
+    Stateful by torch; the best model's records (checkpoint/best.py), the anomaly log (bad_steps/) and a stream's
     position (data/streaming.py) by their own methods."""
 
     def state_dict(self) -> dict[str, Any]: ...

@@ -33,6 +33,7 @@ from accel_ddp.config import (
     sections,
     warn_deprecated,
 )
+from accel_ddp.config.saved import REPLAYED_KEYS
 from accel_ddp.util.validation import ConfigError, scalar_type, show
 
 
@@ -243,10 +244,6 @@ def load_recipe(path: str) -> dict[str, Any]:
             "train.py --help"
         )
     return data
-
-
-# What a run adds to its config.yaml beside the options (facts, the start-up block): read back, ignored.
-REPLAYED_KEYS = ("resolved", "startup")
 
 
 def _alias_values(alias: str, value: Any) -> dict[str, Any]:

@@ -20,15 +20,16 @@ import argparse
 import sys
 
 from accel_ddp.lifecycle.exit_codes import ExitCode
+from accel_ddp.util.messages import write
 
 
 def _summary(args: argparse.Namespace) -> int:
     from accel_ddp.tracking.report import format_summary
 
     try:
-        print(format_summary(args.output_dir))
+        write(format_summary(args.output_dir))
     except FileNotFoundError as err:
-        print(f"accel-ddp: error: {err}", file=sys.stderr)
+        write(f"accel-ddp: error: {err}", err=True)
         return ExitCode.BAD_INPUT
     return ExitCode.OK
 
@@ -39,9 +40,9 @@ def _plot(args: argparse.Namespace) -> int:
     try:
         path = plot_run(args.output_dir, args.out)
     except (FileNotFoundError, ValueError) as err:
-        print(f"accel-ddp: error: {err}", file=sys.stderr)
+        write(f"accel-ddp: error: {err}", err=True)
         return ExitCode.BAD_INPUT
-    print(path)
+    write(path)
     return ExitCode.OK
 
 

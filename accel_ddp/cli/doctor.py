@@ -37,6 +37,7 @@ from accel_ddp.cli.doctor_report import ERROR, NOTE, WARNING, Finding, Report
 from accel_ddp.cli.launch_config import DoctorInputError, launch_defaults, load_launch_config, resolve_config_file
 from accel_ddp.cli.machine import MachineFacts, software_versions
 from accel_ddp.lifecycle.exit_codes import ExitCode
+from accel_ddp.util.messages import write
 
 __all__ = ["ERROR", "NOTE", "WARNING", "Finding", "Report", "build_parser", "diagnose", "main", "port_in_use", "run"]
 
@@ -121,10 +122,10 @@ def run(args: argparse.Namespace, facts: MachineFacts | None = None) -> int:
     try:
         report = diagnose(args.config_file, facts, overrides, cpu=args.cpu, script=args.script)
     except DoctorInputError as err:
-        print(f"accel-ddp doctor: error: {err}", file=sys.stderr)
+        write(f"accel-ddp doctor: error: {err}", err=True)
         return ExitCode.BAD_INPUT
     report.versions = software_versions()
-    print(report.render())
+    write(report.render())
     return ExitCode.OK if report.ok else ExitCode.FAILED
 
 

@@ -15,10 +15,10 @@ import json
 import sys
 from typing import NoReturn
 
-from accel_ddp.lifecycle import failure
+from accel_ddp.lifecycle import failure, refusal
 from accel_ddp.lifecycle.exit_codes import ExitCode
 from accel_ddp.outputs.trained import find_trained
-from accel_ddp.util.messages import say
+from accel_ddp.util.messages import say, write
 from accel_ddp.util.ranks import is_first_rank
 from accel_ddp.util.validation import ConfigError
 
@@ -55,14 +55,14 @@ def main(args: argparse.Namespace) -> int:
     try:
         trained = find_trained(args.run, args.data_dir)
     except ConfigError as err:  # before torch: every rank alike, rank 0 says it
-        return failure.refuse_options(err)
+        return refusal.refuse_options(err)
     try:
         if args.command == "evaluate":
             from accel_ddp.inference import evaluate
 
             result = evaluate(trained, args.out)
             if is_first_rank():
-                print(json.dumps(result, indent=2), flush=True)
+                write(json.dumps(result, indent=2))
         else:
             from accel_ddp.inference import predict
 

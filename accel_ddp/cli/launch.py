@@ -31,11 +31,10 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 
 from accel_ddp.lifecycle.exit_codes import EXIT_CODES_DIR, ExitCode, killed_by, recorded
-from accel_ddp.util.messages import PREFIX
+from accel_ddp.util.messages import error_line, write
 
 ELASTIC_LOGGER = "torch.distributed.elastic"  # torchrun's agent: each worker's end, logged after the rank's line
 
@@ -105,7 +104,7 @@ def _signal_code(code: int, who: str) -> int:
     except ValueError:
         name = f"signal {-code}"
     hint = " (out of memory? the kernel's OOM killer sends SIGKILL)" if -code == signal.SIGKILL else ""
-    print(f"{PREFIX}: error: {who} was killed by {name}{hint}", file=sys.stderr, flush=True)
+    write(error_line(f"{who} was killed by {name}{hint}"), err=True, end="")
     return killed_by(-code)
 
 

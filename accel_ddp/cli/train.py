@@ -11,7 +11,7 @@ import traceback
 from typing import NoReturn
 
 from accel_ddp.cli.args import parse_args
-from accel_ddp.lifecycle import failure
+from accel_ddp.lifecycle import failure, refusal
 from accel_ddp.lifecycle.exit_codes import ExitCode, record
 from accel_ddp.util.messages import warn
 from accel_ddp.util.validation import ConfigError
@@ -19,11 +19,11 @@ from accel_ddp.util.validation import ConfigError
 
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point: returns the exit code. Bad flags and a bad recipe are refused here, before torch is
-    imported (one line, exit 2, within a second of the start: ``failure.refuse_options``); then ``train_main``."""
+    imported (one line, exit 2, within a second of the start: ``refusal.refuse_options``); then ``train_main``."""
     try:
         cfg = parse_args(argv)
     except ConfigError as err:
-        return failure.refuse_options(err)
+        return refusal.refuse_options(err)
     except Exception as err:  # noqa: BLE001 - a bug in the parsing: its report, as below
         return failure.report(err, failure.exit_code(err))
     return train_main(cfg)

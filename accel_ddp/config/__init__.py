@@ -5,16 +5,21 @@
 
 - ``options``: TrainConfig, every field and its type and range checks, the batch layout derived from it
   (``batch_layout``);
-- ``layout``: the batch layout's arithmetic (``accumulation_steps``, ``largest_micro_batch``), shared by
-  ``batch_layout``, the samplers and the micro-batch probe;
+- ``layout``: the batch layout's arithmetic (``accumulation_steps``, ``largest_micro_batch``,
+  ``accumulation_resolved``), shared by ``batch_layout``, the samplers and the micro-batch probe;
 - ``sections``: TrainConfig's groups (``sections()``: docs/flags.md's tables and ``--help``'s groups);
-- ``checks``: the options that only make sense together, each refused with one ``ConfigError`` line;
+- ``checks``: the checks ``__post_init__`` calls (known values, sizes that fit, the options that only make sense
+  together, the waits below --ddp_timeout), each refused with one ``ConfigError`` line;
 - ``dependents``: the one table of flags that only mean something with another option (flag -> when a run uses it
   -> the fix); one given where nothing would use it is refused in one line;
 - ``plan``: a run's ``Plan`` (the batch layout, total steps) and ``Cadence`` (when to log, evaluate, save),
   derived once by ``assemble.setup`` (``plan_run``);
+- ``debug``: what --debug switches on (``debug_mode(cfg)``: the one place; each module reads its behaviour);
 - ``views``: typed sections of TrainConfig (``config_section``, ``section_of``): what a component reads, and only that;
-- ``choices``: the vocabulary: allowed values, limits, the Hugging Face aliases, renamed flags, store schemes.
+- ``saved``: a trained run's config.yaml read back (``saved_config``) and made ready to evaluate
+  (``evaluation_config``); ``REPLAYED_KEYS``, what a run adds to it beside its options;
+- ``choices``: the vocabulary: allowed values, limits, the Hugging Face aliases, renamed flags (``new_spelling``),
+  store schemes.
 
 The command line and the ``--config`` YAML recipe are read by ``accel_ddp/cli/args.py``. No torch here, so that
 ``--help`` and bad-input errors are instant.
@@ -24,7 +29,7 @@ May import: ``accel_ddp.util`` only.
 
 from __future__ import annotations
 
-from accel_ddp.config.checks import warn_deprecated  # noqa: F401 - the layer's names, as before the split
+from accel_ddp.config.checks import warn_deprecated  # noqa: F401
 from accel_ddp.config.choices import (  # noqa: F401 - the layer's names, as before the split
     ACCELERATE_TRACKERS,
     BOUNDED_TRACKER_CALLS,
@@ -55,7 +60,8 @@ from accel_ddp.config.choices import (  # noqa: F401 - the layer's names, as bef
     TASKS,
     TEXT_TASKS,
     URL_SCHEME,
+    new_spelling,
 )
 from accel_ddp.config.layout import accumulation_steps, largest_micro_batch  # noqa: F401
-from accel_ddp.config.options import TrainConfig, field_types, new_spelling  # noqa: F401
+from accel_ddp.config.options import TrainConfig, field_types  # noqa: F401
 from accel_ddp.config.sections import Section, sections  # noqa: F401

@@ -1,30 +1,40 @@
-"""The checks of options that go together, called by ``TrainConfig.__post_init__`` (``cfg``: a TrainConfig):
-one ``ConfigError`` line each."""
+"""The checks ``TrainConfig.__post_init__`` calls (``cfg``: a TrainConfig): known values, sizes that fit, the options
+that go together, the waits that must end before --ddp_timeout; one ``ConfigError`` line each."""
 
 from __future__ import annotations
 
 import dataclasses
 import importlib.util
 import json
+import math
 import os
 from typing import Any
 
 from accel_ddp.config.choices import (
     ATTN_IMPLEMENTATIONS,
+    BOUNDED_TRACKER_CALLS,
+    COMM_HOOKS,
+    LOADERS,
+    LR_SCHEDULES,
     MIXED_PRECISIONS,
+    MODEL_STATE_MAX_BYTES,
+    ON_ANOMALY,
     PATH_FLAGS,
     PEFT_METHODS,
     REPORT_TO,
+    RESNET18_PARAMS_AT_WIDTH_64,
     STORE_PACKAGES,
+    SYNTHETIC_MAX_BYTES,
     TASKS,
     TEXT_TASKS,
     URL_SCHEME,
 )
+from accel_ddp.config.debug import debug_mode
 from accel_ddp.util.messages import warn
 from accel_ddp.util.validation import INT_MAX, ConfigError, show
 
 
-def _check_per_device(cfg: Any) -> None:
+def check_per_device(cfg: Any) -> None:
     """--per_device_batch_size: a whole number, ``auto`` or ``auto:CAP`` (CAP a whole number > 0)."""
     value = cfg.per_device_batch_size
     if not isinstance(value, str):
@@ -46,14 +56,14 @@ def optimizer_kwargs_text(value: Any) -> Any:
 
 
 def optimizer_kwargs(cfg: Any) -> dict[str, Any]:
-    """``--optimizer_kwargs`` parsed (``{}`` when unset); ``_check_optimizer`` has checked it is a JSON object."""
+    """``--optimizer_kwargs`` parsed (``{}`` when unset); ``check_optimizer_options`` checked that it is JSON."""
     return json.loads(cfg.optimizer_kwargs) if cfg.optimizer_kwargs else {}
 
 
-def _check_optimizer(cfg: Any) -> None:
+def check_optimizer_options(cfg: Any) -> None:
     """--optimizer (a torch.optim class by name, any case, or 'pkg.module:function') and --optimizer_kwargs (a JSON
     object). Whether the name is a class of the installed torch, and the keywords its signature, is checked once
-    torch is imported (accel_ddp/optim/build.py ``check_optimizer``, at start-up)."""
+    torch is imported (accel_ddp/optim/build.py ``check_optimizer_options``, at start-up)."""
     name = cfg.optimizer.strip()
     if ":" in name:
         module, _, function = name.partition(":")
@@ -82,7 +92,7 @@ def warn_deprecated(old: str, new: str) -> None:
     warn(f"{old} is deprecated and will be removed in the next release; use {new}", ranks="first")
 
 
-def _check_tracking(cfg: Any) -> None:
+def check_tracking(cfg: Any) -> None:
     """--with_tracking is a switch, --report_to a comma list of known trackers (normalised: lower case, no repeats)."""
     if not isinstance(cfg.with_tracking, bool):
         raise ConfigError(f"--with_tracking is a switch (true or false), got {cfg.with_tracking!r}; name the trackers "
@@ -113,7 +123,7 @@ def _check_tracker_names(cfg: Any) -> None:
             raise ConfigError(f"--{name} is empty; give a name or leave the flag out")
 
 
-def _check_hf_fields(cfg: Any) -> None:
+def check_hf_fields(cfg: Any) -> None:
     """The options with Hugging Face names and derived meanings (HF_FIELDS)."""
     if cfg.warmup_ratio is not None:
         if not cfg.warmup_ratio < 1:
@@ -134,7 +144,7 @@ def _gib(num_bytes: float) -> str:
     return f"{num_bytes / 2**30:,.3g} GiB"
 
 
-def _check_task(cfg: Any) -> None:
+def check_task(cfg: Any) -> None:
     """--task and the options that only make sense with some tasks (no dead flags)."""
     if cfg.task not in TASKS:
         raise ConfigError(f"--task {show(cfg.task)} is unknown; choose one of {', '.join(TASKS)}")
@@ -163,7 +173,7 @@ def _default(cfg: Any, name: str) -> Any:
     return next(f.default for f in dataclasses.fields(cfg) if f.name == name)
 
 
-def _check_data(cfg: Any) -> None:
+def check_data(cfg: Any) -> None:
     """The data options that only make sense together (--streaming and its companions)."""
     if not cfg.streaming:
         return
@@ -185,7 +195,7 @@ def _check_data(cfg: Any) -> None:
              "(optimizer steps) to evaluate during the run", kind="note", ranks="first")
 
 
-def _check_urls(cfg: Any) -> None:
+def check_urls(cfg: Any) -> None:
     """A URL is a local path (``file://``), a --checkpoint_dir store, or refused: Accelerate's save_state would
     write ``s3://b/r`` into a local folder named ``s3:/b/r`` (``os.makedirs``/``Path``, accelerate/accelerator.py)."""
     if cfg.checkpoint_dir is not None:
@@ -228,7 +238,7 @@ def _checked_store(url: str) -> str:
     return url.rstrip("/")
 
 
-def _check_rollback(cfg: Any) -> None:
+def check_rollback(cfg: Any) -> None:
     """--on_anomaly rollback reloads the last checkpoint: without --checkpointing_steps there is none to go back to
     (the first bad step would stop the run with exit 3, as --on_anomaly stop does)."""
     if cfg.on_anomaly == "rollback" and cfg.checkpointing_steps is None:
@@ -236,7 +246,7 @@ def _check_rollback(cfg: Any) -> None:
                           "--checkpointing_steps N, or use --on_anomaly skip")
 
 
-def _check_best_model(cfg: Any) -> None:
+def check_best_model(cfg: Any) -> None:
     """--load_best_model_at_end needs every checkpoint at an evaluation (the Trainer's rule), or the best is lost
     (--greater_is_better and --early_stopping_threshold without what uses them: config/dependents.py)."""
     if not cfg.load_best_model_at_end:
@@ -254,7 +264,7 @@ def _check_best_model(cfg: Any) -> None:
                           f"--eval_every {save}")
 
 
-def _check_peft(cfg: Any) -> None:
+def check_peft(cfg: Any) -> None:
     """--peft lora and its options: a known method, a dropout below 1, target names (--lora_*/--merge_adapter without
     --peft: config/dependents.py)."""
     if cfg.peft is not None and cfg.peft not in PEFT_METHODS:
@@ -265,7 +275,7 @@ def _check_peft(cfg: Any) -> None:
         raise ConfigError("--lora_target_modules is empty; give module names such as c_attn,c_proj, or all-linear")
 
 
-def _check_cuda_graphs(cfg: Any) -> None:
+def check_cuda_graphs(cfg: Any) -> None:
     """``--cuda_graphs`` with options whose guarantees a captured step cannot keep (accel_ddp/step/graph.py; the
     launch-dependent refusals, no CUDA, gloo, accumulation, the loader, fp16, come once the run is set up)."""
     if not cfg.cuda_graphs:
@@ -287,7 +297,8 @@ def _check_cuda_graphs(cfg: Any) -> None:
                                          "step (a replay would reuse the captured step's answer)",
            "ddp_static_graph": "--ddp_static_graph rebuilds DDP's buckets on the host after its first steps (a replay "
                                "would keep the captured buckets)"}
-    clashes = {"debug": cfg.debug, "on_anomaly": cfg.on_anomaly != "stop", "streaming": cfg.streaming,
+    clashes = {"debug": debug_mode(cfg).check_micro_steps, "on_anomaly": cfg.on_anomaly != "stop",
+               "streaming": cfg.streaming,
                "compile": cfg.compile, "optimizer": cfg.optimizer != "adamw",
                "ddp_comm_hook": cfg.ddp_comm_hook != "none",
                "loader": cfg.loader == "dataloader" and not cfg.packing,
@@ -296,3 +307,90 @@ def _check_cuda_graphs(cfg: Any) -> None:
     for name, clash in clashes.items():
         if clash:
             raise ConfigError(f"--cuda_graphs cannot keep its guarantees here: {why[name]}; drop one of them")
+
+
+def check_values(cfg: Any) -> None:
+    """Known choices, a positive --lr, something to train, no empty name."""
+    for name, choices in (("loader", LOADERS), ("lr_schedule", LR_SCHEDULES),
+                          ("ddp_comm_hook", COMM_HOOKS), ("on_anomaly", ON_ANOMALY)):
+        if getattr(cfg, name) not in choices:
+            raise ConfigError(f"--{name} {show(getattr(cfg, name))} is unknown; "
+                              f"choose one of {', '.join(choices)}")
+    if not cfg.lr > 0:
+        raise ConfigError(f"--lr must be > 0, got {cfg.lr}; try --lr 3e-3")
+    if cfg.epochs == 0 and cfg.max_steps is None:
+        raise ConfigError("--epochs is 0 and --max_steps is not set: nothing to train; set one of them")
+    for name in ("dataset", "model", "output_dir"):
+        if not getattr(cfg, name).strip():
+            raise ConfigError(f"--{name} is empty; give a {'folder' if name == 'output_dir' else 'name'}")
+
+
+def checkpointing_steps_text(value: Any) -> str | None:
+    """--checkpointing_steps as text: a positive step count or ``epoch`` (None: no scheduled saves)."""
+    if value is None:
+        return None
+    value = str(value)
+    if value != "epoch" and not (value.isascii() and value.isdigit() and len(value) <= 10
+                                 and 0 < int(value) <= INT_MAX):
+        raise ConfigError(f"--checkpointing_steps must be a positive step count or 'epoch', got {show(value)}")
+    return value
+
+
+def check_sizes(cfg: Any) -> None:
+    """A positive --synthetic_shape, and sizes whose memory is known before anything is built: refuse what cannot
+    fit (see the *_MAX_BYTES)."""
+    if not cfg.synthetic_shape or any(d < 1 for d in cfg.synthetic_shape):
+        raise ConfigError(f"--synthetic_shape must be one or more positive sizes, got "
+                          f"{show(list(cfg.synthetic_shape))}; e.g. --synthetic_shape 1 28 28")
+    mlp = cfg.hidden_size**2  # the hidden-to-hidden layer alone
+    resnet = RESNET18_PARAMS_AT_WIDTH_64 * (cfg.width / 64) ** 2
+    for name, params in (("hidden_size", mlp), ("width", resnet)):
+        if 16 * params > MODEL_STATE_MAX_BYTES:
+            raise ConfigError(f"--{name} {getattr(cfg, name)} is too large: ~{params:.2g} parameters need "
+                              f"~{_gib(16 * params)} for weights, gradients and AdamW state (at most "
+                              f"{_gib(MODEL_STATE_MAX_BYTES)}); use a smaller --{name}")
+    shape = " ".join(map(str, cfg.synthetic_shape))
+    one_sample = math.prod(cfg.synthetic_shape)
+    for name, rows in (("synthetic_samples", cfg.synthetic_samples + cfg.synthetic_samples // 4),
+                       ("synthetic_classes", cfg.synthetic_classes)):  # inputs; the labelling teacher
+        if 4 * one_sample * rows > SYNTHETIC_MAX_BYTES:
+            raise ConfigError(f"--{name} {getattr(cfg, name)} with --synthetic_shape {shape} needs "
+                              f"~{_gib(4 * one_sample * rows)} of float32 on every rank (at most "
+                              f"{_gib(SYNTHETIC_MAX_BYTES)}); lower --{name} or the shape")
+
+
+def check_spike(cfg: Any) -> None:
+    """--spike_factor: above 1, and not with --on_anomaly skip."""
+    if cfg.spike_factor and cfg.on_anomaly == "skip":  # a spike is seen at a log line, after its updates
+        raise ConfigError(f"--spike_factor {cfg.spike_factor:g} with --on_anomaly skip: a spike is found at a "
+                          "log line, once its steps are trained; use --on_anomaly rollback (or stop)")
+    if cfg.spike_factor and cfg.spike_factor <= 1:
+        raise ConfigError(f"--spike_factor must be > 1 (a loss that many times the median), got "
+                          f"{cfg.spike_factor:g}; e.g. --spike_factor 3, or 0 for no spike check")
+
+
+def check_timeouts(cfg: Any) -> None:
+    """The waits that must end before --ddp_timeout fails a collective on every rank, naming nothing."""
+    if cfg.with_tracking and "all" not in cfg.report_to.split(","):  # `all`: checked once it is resolved
+        check_tracker_wait(cfg, len(cfg.report_to.split(",")))
+    if cfg.checkpoint_dir and cfg.store_timeout >= cfg.ddp_timeout:  # the other ranks wait for the main's call
+        raise ConfigError(f"--store_timeout {cfg.store_timeout:g} s is not less than --ddp_timeout "
+                          f"{cfg.ddp_timeout} s: the other ranks' wait for a save would fail first, without "
+                          "naming the store; lower --store_timeout or raise --ddp_timeout")
+    if cfg.hang_timeout and cfg.hang_timeout >= cfg.ddp_timeout:  # a collective's timeout would come first
+        raise ConfigError(f"--hang_timeout {cfg.hang_timeout:g} s is not less than --ddp_timeout "
+                          f"{cfg.ddp_timeout} s: a hang would end in a collective's timeout, naming no line; "
+                          "lower --hang_timeout or raise --ddp_timeout")
+
+
+def check_tracker_wait(cfg: Any, trackers: int) -> None:
+    """The other ranks' wait for ``trackers`` trackers' start must end before --ddp_timeout fails their
+    broadcast: a collective timeout on every rank instead of the one line naming the tracker."""
+    longest = cfg.tracker_start_timeout * BOUNDED_TRACKER_CALLS * trackers
+    if longest >= cfg.ddp_timeout:
+        raise ConfigError(
+            f"--tracker_start_timeout {cfg.tracker_start_timeout:g} s with {trackers} tracker(s) can keep the "
+            f"other ranks waiting {longest:g} s (each tracker's start, its config and, after a failed start, its "
+            f"close, in turn), not less than --ddp_timeout {cfg.ddp_timeout} s; lower --tracker_start_timeout "
+            f"below {cfg.ddp_timeout / (BOUNDED_TRACKER_CALLS * trackers):g} or raise --ddp_timeout above "
+            f"{longest:g}")

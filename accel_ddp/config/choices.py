@@ -1,23 +1,9 @@
-"""The options' vocabulary: allowed values, limits, Hugging Face aliases, renamed flags, store schemes; ``_opt``."""
+"""The options' vocabulary: allowed values, limits, Hugging Face aliases, renamed flags, store schemes."""
 
 from __future__ import annotations
 
 import re
-from dataclasses import field
 from typing import Any
-
-
-def _opt(default: Any, help: str, low: float | None = None, high: float | None = None, *,
-         section: str | None = None) -> Any:
-    """A field with its one-line help and, for numbers, its inclusive range (checked in ``__post_init__``).
-
-    ``section`` ("title (note)") starts a group of options, up to the next field that names one: docs/flags.md's
-    tables (tools/flag_table.py) and ``--help``'s groups (cli/args.py), both through ``sections()``."""
-    metadata = {"help": help, "low": low, "high": high}
-    if section is not None:
-        metadata["section"] = section
-    return field(default=default, metadata=metadata)
-
 
 SEED_MAX = 2**32 - 1  # NumPy's np.random.seed accepts 0 .. 2**32 - 1, and set_seed seeds NumPy too
 
@@ -54,7 +40,7 @@ LOADERS = ("auto", "device", "dataloader")
 # PreTrainedModel.get_correct_attn_implementation); whether a model supports one is checked when it is built.
 ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
 
-ON_ANOMALY = ("stop", "skip", "rollback")  # what a nan/inf or spiking step does (accel_ddp/anomaly.py)
+ON_ANOMALY = ("stop", "skip", "rollback")  # what a nan/inf or spiking step does (accel_ddp/bad_steps/)
 
 # --task: what a batch and a loss mean (accel_ddp/tasks/protocol.py); the text tasks read text with a tokenizer.
 TASKS = ("classification", "sequence_classification", "causal_lm")
@@ -154,3 +140,11 @@ STORE_PACKAGES = {"s3": ("s3fs", "s3"), "gs": ("gcsfs", "gcs"), "gcs": ("gcsfs",
 # other ranks wait in one broadcast (tracking/recorder.py, ``start_trackers``): its start, its config (Accelerate's
 # ``init_trackers`` starts every tracker, then gives each the config) and, after a failed start, its close.
 BOUNDED_TRACKER_CALLS = 3
+
+
+def new_spelling(options: dict[str, Any]) -> str:
+    """The flags for an ``EXPANDED_VALUES`` entry: ``{"with_tracking": True, "report_to": "csv"}`` ->
+    ``--with_tracking --report_to csv``."""
+    flags = [f"--{key}" if value is True else f"--{key} {value}"
+             for key, value in options.items() if value is not False]
+    return " ".join(flags) or " ".join(f"--{key} false" for key in options)

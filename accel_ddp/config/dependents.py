@@ -12,11 +12,17 @@ Conflicts (two flags that cannot go together) and values out of range are ``chec
 - ``--epochs`` with ``--max_steps`` (the Hugging Face scripts' recipes give both; the help says which wins);
 - what the launch or the model decides, known once the run is set up: the ``--ddp_*`` knobs (one process has no
   DDP), ``--tf32`` and ``--cuda_graphs`` (CUDA), ``--gradient_checkpointing`` and ``--attn_implementation`` (checked
-  on the model built), ``--text_cache`` under the Python API's own dataset;
-- not yet, though nothing uses them either: ``--hidden_size``/``--width`` beside a model other than mlp/resnet18 and
-  ``--synthetic_*`` beside another ``--dataset``. The suite's shared argument lists pass them with another
-  ``--model``/``--dataset`` (tests/helpers/files.py's, with ``--model tests.helpers.faults:nan_mlp``); their rows
-  come with a sweep of those lists, confirmed by a full run of the suite.
+  on the model built), ``--fused_kernels``, ``--channels_last`` and ``--compile_regions`` (what the model built
+  holds), ``--num_workers`` under ``--loader device`` (an eval set not in memory still has a DataLoader),
+  ``--text_cache`` under the Python API's own dataset;
+- ``--data_dir`` beside ``digits`` or ``synthetic`` (which read no files): it is every dataset's default
+  location, and ``accel_ddp evaluate --data_dir`` moves any run's, whatever its dataset;
+- the Python API's own ``model=`` or ``train_dataset=``: ``--hidden_size``/``--width``, the ``--synthetic_*`` sizes
+  and the other data flags then size or load nothing either, but the config cannot know it.
+
+The model sizes: ``--hidden_size`` is ``mlp``'s, ``--width`` is ``resnet18``'s (models.py build_model). A
+``pkg.module:function`` model is called with ``num_classes`` and ``input_shape`` only (its own sizes are its own
+defaults or flags of its own), and a Transformers model's sizes are its config.json's: both are rows' refusals.
 """
 
 from __future__ import annotations
@@ -55,6 +61,19 @@ TEXT = Needs(lambda cfg: cfg.task in TEXT_TASKS, "on --task {cfg.task}",
              "add --task sequence_classification or --task causal_lm")
 CAUSAL_LM = Needs(lambda cfg: cfg.task == "causal_lm", "on --task {cfg.task}", "add --task causal_lm")
 PACKING = Needs(lambda cfg: cfg.packing, "without --packing", "add --packing")
+SYNTHETIC = Needs(lambda cfg: cfg.dataset == "synthetic", "with --dataset {cfg.dataset}", "add --dataset synthetic")
+# A Transformers model (--model_config) is sized by its config.json; only --model's built-in default stands beside it.
+NOT_A_CONFIG = Needs(lambda cfg: cfg.model_config is None, "with --model_config (its config.json sizes the model)",
+                     "set the size in that config.json")
+BUILT_IN_ONLY = "a pkg.module:function model is called with num_classes and input_shape only"
+
+
+def _model(name: str) -> Needs:
+    """Used where --model builds ``name`` (also as models.py's own builder, which build_model sizes the same)."""
+    builder = f"accel_ddp.models:build_{name}"
+    return Needs(lambda cfg: cfg.model in (name, builder), "with --model {cfg.model}",
+                 f"add --model {name} ({BUILT_IN_ONLY})")
+
 
 DEPENDENTS: tuple[Dependent, ...] = (
     # data
@@ -65,6 +84,17 @@ DEPENDENTS: tuple[Dependent, ...] = (
     Dependent("image_size", (Needs(lambda cfg: cfg.dataset in ("imagefolder", "hf"), "with --dataset {cfg.dataset}",
                                    "add --dataset imagefolder or --dataset hf"),)),
     *(Dependent(flag, (TEXT,)) for flag in ("text_column", "tokenizer", "max_length")),
+    *(Dependent(flag, (SYNTHETIC,)) for flag in ("synthetic_samples", "synthetic_shape", "synthetic_classes")),
+    # data/builtin.py: digits and synthetic read no files, imagefolder reads the user's; a pkg.module:function gets
+    # the flag; hf: the main process loads first (the Hub's one download per machine, data/resolve.py main_first)
+    Dependent("download", (Needs(lambda cfg: cfg.dataset in ("mnist", "fashion_mnist", "cifar10", "hf")
+                                 or ":" in cfg.dataset, "with --dataset {cfg.dataset}, which downloads nothing",
+                                 "give --dataset mnist, fashion_mnist, cifar10 or hf"),)),
+    # data/loaders.py: the device loader's limit under auto and device; with dataloader, only hf's (kept in memory
+    # up to it, memory-mapped above: data/resolve.py)
+    Dependent("device_loader_max_mb", (Needs(lambda cfg: cfg.loader != "dataloader" or cfg.dataset == "hf",
+                                             "with --loader dataloader", "use --loader auto (or --dataset hf, whose "
+                                             "decoded size it bounds)"),)),
     Dependent("packing", (CAUSAL_LM,)),
     # data/text_cache.py: the packed blocks of a local --data_dir's texts (a Hub dataset's files are the datasets
     # cache's, whose revisions its key cannot see)
@@ -73,9 +103,11 @@ DEPENDENTS: tuple[Dependent, ...] = (
         lambda cfg: cfg.hf_name is None, "with --hf_name (a Hub dataset is not cached)",
         "save it with save_to_disk and give that folder as --data_dir instead of --hf_name"))),
     # model
+    Dependent("hidden_size", (NOT_A_CONFIG, _model("mlp"))),
+    Dependent("width", (NOT_A_CONFIG, _model("resnet18"))),
     *(Dependent(flag, (PEFT,)) for flag in ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules",
                                             "merge_adapter")),
-    # bad steps (anomaly.py): under stop the first anomaly ends the run; the window is the spike check's
+    # bad steps (bad_steps/): under stop the first anomaly ends the run; the window is the spike check's
     Dependent("spike_window", (Needs(lambda cfg: cfg.spike_factor > 0, "without --spike_factor",
                                      "add --spike_factor 3"),)),
     Dependent("max_anomalies", (Needs(lambda cfg: cfg.on_anomaly != "stop",

@@ -6,6 +6,7 @@ theirs with the same functions. No torch, no TrainConfig: plain integers in, int
 
 from __future__ import annotations
 
+from accel_ddp.config.choices import DEFAULT_GLOBAL_BATCH
 from accel_ddp.util.validation import ConfigError
 
 
@@ -36,3 +37,41 @@ def largest_micro_batch(global_batch_size: int, world_size: int, at_most: int | 
     share = global_batch_size // world_size
     at_most = share if at_most is None else max(1, min(at_most, share))
     return next(size for size in range(at_most, 0, -1) if share % size == 0)
+
+
+def auto_batch_cap(per_device_batch_size: int | str | None) -> int | None:
+    """The CAP of ``--per_device_batch_size auto:CAP`` (the probe starts at most there); None for plain ``auto`` or a
+    fixed size.
+
+        >>> auto_batch_cap("auto:16"), auto_batch_cap("auto"), auto_batch_cap(8)
+        (16, None, None)
+    """
+    if not isinstance(per_device_batch_size, str) or ":" not in per_device_batch_size:
+        return None
+    return int(per_device_batch_size.partition(":")[2])
+
+
+def accumulation_resolved(accumulation: int, per_device_batch_size: int | None, global_batch_size: int | None,
+                          world_size: int) -> tuple[int, int]:
+    """--gradient_accumulation_steps N (the Hugging Face meaning): global = world x per-device x N, as
+    ``(global batch, per-device batch)``.
+
+    ``TrainConfig.batch_layout`` resolves N into --global_batch_size and --per_device_batch_size (N unset), once, so
+    that config.yaml replays the same optimizer steps on another world size (the global batch is the unit).
+    """
+    n, per_device = accumulation, per_device_batch_size
+    if per_device is not None:
+        derived = world_size * per_device * n
+        if global_batch_size is not None and global_batch_size != derived:
+            raise ConfigError(
+                f"--gradient_accumulation_steps {n} x --per_device_batch_size {per_device} x {world_size} "
+                f"process(es) = {derived}, but --global_batch_size {global_batch_size}; drop one of them")
+    else:
+        derived = global_batch_size or DEFAULT_GLOBAL_BATCH
+        if derived % (world_size * n):
+            raise ConfigError(
+                f"--gradient_accumulation_steps {n}: --global_batch_size {derived} is not divisible by "
+                f"{world_size} process(es) x {n}; give --per_device_batch_size, or a global batch that is a "
+                f"multiple of {world_size * n}")
+        per_device = derived // (world_size * n)
+    return derived, per_device

@@ -7,45 +7,53 @@ import dataclasses
 import math
 import typing
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from accel_ddp.config.checks import (
-    _check_best_model,
-    _check_cuda_graphs,
-    _check_data,
-    _check_hf_fields,
-    _check_optimizer,
-    _check_peft,
-    _check_per_device,
-    _check_rollback,
-    _check_task,
-    _check_tracking,
-    _check_urls,
-    _gib,
+    check_best_model,
+    check_cuda_graphs,
+    check_data,
+    check_hf_fields,
+    check_optimizer_options,
+    check_peft,
+    check_per_device,
+    check_rollback,
+    check_sizes,
+    check_spike,
+    check_task,
+    check_timeouts,
+    check_tracker_wait,
+    check_tracking,
+    check_urls,
+    check_values,
+    checkpointing_steps_text,
     optimizer_kwargs_text,
     warn_deprecated,
 )
 from accel_ddp.config.choices import (
-    BOUNDED_TRACKER_CALLS,
-    COMM_HOOKS,
     DDP_TIMEOUT_MAX,
     DEFAULT_GLOBAL_BATCH,
     HANG_TIMEOUT_DEFAULT,
-    LOADERS,
-    LR_SCHEDULES,
-    MODEL_STATE_MAX_BYTES,
-    ON_ANOMALY,
     RENAMED_VALUES,
     REPORT_TO,
-    RESNET18_PARAMS_AT_WIDTH_64,
     SEED_MAX,
-    SYNTHETIC_MAX_BYTES,
-    _opt,
 )
 from accel_ddp.config.dependents import check_dependents
-from accel_ddp.config.layout import accumulation_steps, largest_micro_batch
-from accel_ddp.util.validation import INT_MAX, ConfigError, check_range, checked_type, show
+from accel_ddp.config.layout import accumulation_resolved, accumulation_steps, auto_batch_cap, largest_micro_batch
+from accel_ddp.util.validation import ConfigError, check_range, checked_type, show
+
+
+def _opt(default: Any, help: str, low: float | None = None, high: float | None = None, *,
+         section: str | None = None) -> Any:
+    """A field with its one-line help and, for numbers, its inclusive range (checked in ``__post_init__``).
+
+    ``section`` ("title (note)") starts a group of options, up to the next field that names one: docs/flags.md's
+    tables (tools/flag_table.py) and ``--help``'s groups (cli/args.py), both through ``sections()``."""
+    metadata = {"help": help, "low": low, "high": high}
+    if section is not None:
+        metadata["section"] = section
+    return field(default=default, metadata=metadata)
 
 
 @dataclass
@@ -296,7 +304,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         """Check every field's type and range, whatever the source (Python, YAML or CLI): one ConfigError each."""
-        _check_tracking(self)  # first: an old --with_tracking value gets its own message, not "expects true or false"
+        check_tracking(self)  # first: an old --with_tracking value gets its own message, not "expects true or false"
         self.optimizer_kwargs = optimizer_kwargs_text(self.optimizer_kwargs)  # a YAML or Python mapping: its JSON
         hints = field_types()
         for f in dataclasses.fields(self):
@@ -311,92 +319,33 @@ class TrainConfig:
             self.gradient_accumulation_steps = 1
         if self.global_batch_size is None and self.gradient_accumulation_steps is None:
             self.global_batch_size = DEFAULT_GLOBAL_BATCH
-        _check_hf_fields(self)
+        check_hf_fields(self)
         for (name, old), new in RENAMED_VALUES.items():
             if getattr(self, name) == old:
                 warn_deprecated(f"--{name} {old}", f"--{name} {new}")
                 setattr(self, name, new)
-        for name, choices in (("loader", LOADERS), ("lr_schedule", LR_SCHEDULES),
-                              ("ddp_comm_hook", COMM_HOOKS), ("on_anomaly", ON_ANOMALY)):
-            if getattr(self, name) not in choices:
-                raise ConfigError(f"--{name} {show(getattr(self, name))} is unknown; "
-                                  f"choose one of {', '.join(choices)}")
-        if not self.lr > 0:
-            raise ConfigError(f"--lr must be > 0, got {self.lr}; try --lr 3e-3")
-        if self.epochs == 0 and self.max_steps is None:
-            raise ConfigError("--epochs is 0 and --max_steps is not set: nothing to train; set one of them")
-        for name in ("dataset", "model", "output_dir"):
-            if not getattr(self, name).strip():
-                raise ConfigError(f"--{name} is empty; give a {'folder' if name == 'output_dir' else 'name'}")
-        _check_urls(self)
-        if not self.synthetic_shape or any(d < 1 for d in self.synthetic_shape):
-            raise ConfigError(f"--synthetic_shape must be one or more positive sizes, got "
-                              f"{show(list(self.synthetic_shape))}; e.g. --synthetic_shape 1 28 28")
-        self._check_sizes()
-        _check_per_device(self)
-        if self.checkpointing_steps is not None:
-            value = str(self.checkpointing_steps)
-            if value != "epoch" and not (value.isascii() and value.isdigit() and len(value) <= 10
-                                         and 0 < int(value) <= INT_MAX):
-                raise ConfigError(f"--checkpointing_steps must be a positive step count or 'epoch', got {show(value)}")
-            self.checkpointing_steps = value
-        if self.spike_factor and self.on_anomaly == "skip":  # a spike is seen at a log line, after its updates
-            raise ConfigError(f"--spike_factor {self.spike_factor:g} with --on_anomaly skip: a spike is found at a "
-                              "log line, once its steps are trained; use --on_anomaly rollback (or stop)")
-        if self.spike_factor and self.spike_factor <= 1:
-            raise ConfigError(f"--spike_factor must be > 1 (a loss that many times the median), got "
-                              f"{self.spike_factor:g}; e.g. --spike_factor 3, or 0 for no spike check")
+        check_values(self)
+        check_urls(self)
+        check_per_device(self)
+        self.checkpointing_steps = checkpointing_steps_text(self.checkpointing_steps)
+        check_spike(self)
         check_dependents(self)  # a flag that nothing in this run would use (the one table)
-        _check_task(self)
-        _check_optimizer(self)
-        _check_peft(self)
-        _check_data(self)
-        _check_best_model(self)
-        _check_cuda_graphs(self)
-        _check_rollback(self)
-        if self.with_tracking and "all" not in self.report_to.split(","):  # `all`: checked once it is resolved
-            self.check_tracker_wait(len(self.report_to.split(",")))
-        if self.checkpoint_dir and self.store_timeout >= self.ddp_timeout:  # the other ranks wait for the main's call
-            raise ConfigError(f"--store_timeout {self.store_timeout:g} s is not less than --ddp_timeout "
-                              f"{self.ddp_timeout} s: the other ranks' wait for a save would fail first, without "
-                              "naming the store; lower --store_timeout or raise --ddp_timeout")
-        if self.hang_timeout and self.hang_timeout >= self.ddp_timeout:  # a collective's timeout would come first
-            raise ConfigError(f"--hang_timeout {self.hang_timeout:g} s is not less than --ddp_timeout "
-                              f"{self.ddp_timeout} s: a hang would end in a collective's timeout, naming no line; "
-                              "lower --hang_timeout or raise --ddp_timeout")
+        check_sizes(self)  # after it: the sizes left are those the run builds
+        check_task(self)
+        check_optimizer_options(self)
+        check_peft(self)
+        check_data(self)
+        check_best_model(self)
+        check_cuda_graphs(self)
+        check_rollback(self)
+        check_timeouts(self)
         if self.init_from is not None and not self.init_from.endswith(".safetensors"):
             raise ConfigError(f"--init_from {show(self.init_from)}: expected a .safetensors weights file, "
                               "e.g. OUTPUT_DIR/model.safetensors")
 
     def check_tracker_wait(self, trackers: int) -> None:
-        """The other ranks' wait for ``trackers`` trackers' start must end before --ddp_timeout fails their
-        broadcast: a collective timeout on every rank instead of the one line naming the tracker."""
-        longest = self.tracker_start_timeout * BOUNDED_TRACKER_CALLS * trackers
-        if longest >= self.ddp_timeout:
-            raise ConfigError(
-                f"--tracker_start_timeout {self.tracker_start_timeout:g} s with {trackers} tracker(s) can keep the "
-                f"other ranks waiting {longest:g} s (each tracker's start, its config and, after a failed start, its "
-                f"close, in turn), not less than --ddp_timeout {self.ddp_timeout} s; lower --tracker_start_timeout "
-                f"below {self.ddp_timeout / (BOUNDED_TRACKER_CALLS * trackers):g} or raise --ddp_timeout above "
-                f"{longest:g}")
-
-    def _check_sizes(self) -> None:
-        """Sizes whose memory is known before anything is built: refuse what cannot fit (see the *_MAX_BYTES)."""
-        mlp = self.hidden_size**2  # the hidden-to-hidden layer alone
-        resnet = RESNET18_PARAMS_AT_WIDTH_64 * (self.width / 64) ** 2
-        for name, params in (("hidden_size", mlp), ("width", resnet)):
-            if 16 * params > MODEL_STATE_MAX_BYTES:
-                raise ConfigError(f"--{name} {getattr(self, name)} is too large: ~{params:.2g} parameters need "
-                                  f"~{_gib(16 * params)} for weights, gradients and AdamW state (at most "
-                                  f"{_gib(MODEL_STATE_MAX_BYTES)}); use a smaller --{name}")
-        shape = " ".join(map(str, self.synthetic_shape))
-        one_sample = math.prod(self.synthetic_shape)
-        for name, rows in (("synthetic_samples", self.synthetic_samples + self.synthetic_samples // 4),
-                           ("synthetic_classes", self.synthetic_classes)):  # inputs; the labelling teacher
-            if 4 * one_sample * rows > SYNTHETIC_MAX_BYTES:
-                raise ConfigError(f"--{name} {getattr(self, name)} with --synthetic_shape {shape} needs "
-                                  f"~{_gib(4 * one_sample * rows)} of float32 on every rank (at most "
-                                  f"{_gib(SYNTHETIC_MAX_BYTES)}); lower --{name} or the shape")
+        """The other ranks' wait for ``trackers`` trackers' start ends before --ddp_timeout (``checks.py``)."""
+        check_tracker_wait(self, trackers)
 
     def batch_layout(self, world_size: int) -> tuple[int, int]:
         """(per-device batch, gradient accumulation steps) for ``world_size`` ranks.
@@ -406,8 +355,10 @@ class TrainConfig:
             >>> TrainConfig(global_batch_size=64, per_device_batch_size=16).batch_layout(2)
             (16, 2)
         """
-        if self.gradient_accumulation_steps is not None:
-            self._resolve_accumulation(world_size)
+        if self.gradient_accumulation_steps is not None:  # resolved once: config.yaml replays the same steps
+            self.global_batch_size, self.per_device_batch_size = accumulation_resolved(
+                self.gradient_accumulation_steps, self.per_device_batch_size, self.global_batch_size, world_size)
+            self.gradient_accumulation_steps = None
         if self.auto_batch:  # the probe's first candidate (accel_ddp/auto_batch.py)
             per_device = largest_micro_batch(self.global_batch_size, world_size, self.auto_batch_cap)
         else:
@@ -422,32 +373,7 @@ class TrainConfig:
     @property
     def auto_batch_cap(self) -> int | None:
         """The CAP of ``auto:CAP`` (the probe starts at most there); None for plain ``auto`` or a fixed size."""
-        if not self.auto_batch or ":" not in self.per_device_batch_size:
-            return None
-        return int(self.per_device_batch_size.partition(":")[2])
-
-    def _resolve_accumulation(self, world_size: int) -> None:
-        """--gradient_accumulation_steps N (the Hugging Face meaning): global = world x per-device x N.
-
-        Resolved into --global_batch_size and --per_device_batch_size (N unset), once, so that config.yaml
-        replays the same optimizer steps on another world size (the global batch is the unit).
-        """
-        n, per_device = self.gradient_accumulation_steps, self.per_device_batch_size
-        if per_device is not None:
-            derived = world_size * per_device * n
-            if self.global_batch_size is not None and self.global_batch_size != derived:
-                raise ConfigError(
-                    f"--gradient_accumulation_steps {n} x --per_device_batch_size {per_device} x {world_size} "
-                    f"process(es) = {derived}, but --global_batch_size {self.global_batch_size}; drop one of them")
-        else:
-            derived = self.global_batch_size or DEFAULT_GLOBAL_BATCH
-            if derived % (world_size * n):
-                raise ConfigError(
-                    f"--gradient_accumulation_steps {n}: --global_batch_size {derived} is not divisible by "
-                    f"{world_size} process(es) x {n}; give --per_device_batch_size, or a global batch that is a "
-                    f"multiple of {world_size * n}")
-            per_device = derived // (world_size * n)
-        self.global_batch_size, self.per_device_batch_size, self.gradient_accumulation_steps = derived, per_device, None
+        return auto_batch_cap(self.per_device_batch_size)
 
     def hang_seconds(self) -> float:
         """--hang_timeout resolved: given, it; else ``HANG_TIMEOUT_DEFAULT`` where --ddp_timeout is above it, else 0
@@ -470,11 +396,3 @@ class TrainConfig:
 
 def field_types() -> dict[str, Any]:
     return typing.get_type_hints(TrainConfig)
-
-
-def new_spelling(options: dict[str, Any]) -> str:
-    """The flags for an ``EXPANDED_VALUES`` entry: ``{"with_tracking": True, "report_to": "csv"}`` ->
-    ``--with_tracking --report_to csv``."""
-    flags = [f"--{key}" if value is True else f"--{key} {value}"
-             for key, value in options.items() if value is not False]
-    return " ".join(flags) or " ".join(f"--{key} false" for key in options)

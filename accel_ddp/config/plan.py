@@ -8,7 +8,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from accel_ddp.config.choices import DEBUG_MAX_STEPS, DEFAULT_LOG_EVERY
+from accel_ddp.config.choices import DEFAULT_LOG_EVERY
+from accel_ddp.config.debug import debug_mode
 from accel_ddp.config.options import TrainConfig
 
 
@@ -61,8 +62,8 @@ def plan_run(cfg: TrainConfig, steps_in_epoch: int, per_device_batch: int, accum
     """The run's plan: its total steps (``--max_steps``, else the epochs'; ``--debug``: at most DEBUG_MAX_STEPS),
     epochs and cadence, from the loaders' steps per epoch and the batch layout (``assemble.setup``)."""
     total_steps = cfg.max_steps or cfg.epochs * steps_in_epoch
-    if cfg.debug:
-        total_steps = min(total_steps, DEBUG_MAX_STEPS)
+    if (most := debug_mode(cfg).max_steps) is not None:
+        total_steps = min(total_steps, most)
     return Plan(per_device_batch=per_device_batch, accumulation=accumulation, steps_per_epoch=steps_in_epoch,
                 total_steps=total_steps, num_epochs=math.ceil(total_steps / steps_in_epoch),
                 cadence=Cadence.from_config(cfg, evaluates), auto_batch=auto_batch)

@@ -4,11 +4,11 @@ torchtitan and litgpt hand each component its own section in the same spirit).
 
     @config_section
     @dataclass(frozen=True)
-    class AnomalyOptions:               # in the module that reads them
+    class BadStepOptions:               # in the module that reads them (accel_ddp/bad_steps/stops.py)
         on_anomaly: str
         spike_factor: float
 
-    guard = AnomalyGuard(section_of(cfg, AnomalyOptions), ...)      # in assemble.py, which holds the TrainConfig
+    bad_steps = BadSteps(section_of(cfg, BadStepOptions), ...)      # in assemble.py, which holds the TrainConfig
 
 A section is a view: the flags, their defaults, help and checks stay in ``options.py``, so ``--help`` and
 docs/flags.md are unchanged. A field whose name or type is not an option's is a programming error, raised when the
@@ -58,3 +58,9 @@ def config_section(cls: type[Section]) -> type[Section]:
 def section_of(cfg: TrainConfig, cls: type[Section]) -> Section:
     """The options ``cls`` declares, read from ``cfg``."""
     return cls(**{field.name: getattr(cfg, field.name) for field in dataclasses.fields(cls)})
+
+
+def defaults_of(cls: type) -> dict[str, Any]:
+    """The default of each option ``cls`` declares (options.py's): which flags a run changed, for one."""
+    defaults = {field.name: field.default for field in dataclasses.fields(TrainConfig)}
+    return {field.name: defaults[field.name] for field in dataclasses.fields(cls)}

@@ -19,7 +19,7 @@ One job per module, arrows pointing one way (``bundle`` and ``sampler`` depend o
     builtin.py        digits, MNIST, FashionMNIST, CIFAR-10, imagefolder, synthetic; the registry
     loaders.py        choosing and building the train and eval loaders
     memory_budget.py  how much decoded data this machine holds per rank (host, cgroup, device)
-    resolve.py        resolve_data: a TrainConfig's data, built on one process per machine first
+    resolve.py        resolve_data: the data its options name (DataOptions), built on one process per machine first
 
 May import: util, config, lifecycle.
 """

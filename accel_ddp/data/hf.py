@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from accel_ddp.data.bundle import DatasetBundle
-from accel_ddp.data.hf_source import HFSource, _input_column, _label_column, bad_text_named, load_splits
+from accel_ddp.data.hf_source import HFSource, bad_text_named, input_column_of, label_column_of, load_splits
 from accel_ddp.data.in_memory import InMemoryDataset
 from accel_ddp.data.mapped import (
     ArrayRows,
@@ -60,8 +60,8 @@ def build_hf(data_dir: str, download: bool, source: HFSource | None = None, imag
 
 def _held(train, eval_split, source: HFSource, image_size: int | None) -> DatasetBundle:
     """The loaded splits decoded into memory, or left memory-mapped when larger than ``source.in_memory_max_mb``."""
-    label_col = _label_column(train, source.label_column)
-    input_col = _input_column(train, source.image_column, label_col)
+    label_col = label_column_of(train, source.label_column)
+    input_col = input_column_of(train, source.image_column, label_col)
     if source.in_memory_max_mb is not None and \
             (nbytes := decoded_nbytes(train, input_col, label_col, image_size)) > source.in_memory_max_mb * 2**20:
         if source.memory_limit is not None:  # over this machine's memory budget, not the flag: one line says so
@@ -69,7 +69,7 @@ def _held(train, eval_split, source: HFSource, image_size: int | None) -> Datase
         return _mapped_bundle(train, eval_split, input_col, label_col, image_size)
 
     train_x, layout = _inputs(train, input_col, label_col, image_size, layout=None)
-    train_y, eval_y, num_classes = _labels(train, eval_split, label_col)
+    train_y, eval_y, num_classes = split_labels(train, eval_split, label_col)
     if eval_split is not None:
         eval_x, _ = _inputs(eval_split, input_col, label_col, image_size, layout=layout)
     else:  # no eval split: hold out a fixed 10% of train (seed 0), the same on every rank
@@ -78,7 +78,7 @@ def _held(train, eval_split, source: HFSource, image_size: int | None) -> Datase
         train_y, eval_y = train_y[train_rows], train_y[eval_rows]
     pixels: dict[str, Any] = {}
     if train_x.dtype == torch.uint8:
-        mean, std = _uint8_stats(train_x[stats_rows(len(train_x))])
+        mean, std = uint8_stats(train_x[stats_rows(len(train_x))])
         pixels = {"scale": 255.0, "mean": mean, "std": std}
     return DatasetBundle(
         InMemoryDataset(train_x, train_y, **pixels),
@@ -140,7 +140,7 @@ def _mapped_bundle(train, eval_split, input_col: str | None, label_col: str, ima
         rows = dict(image_column=input_col, label_column=label_col, mode=mode, size=size,
                     resize=image_size is not None, label_ids=label_ids)
         raw = ImageRows(**rows, mean=(0.0,), std=(1.0,), split="train")
-        mean, std = _uint8_stats(_read_sample(train, lambda batch, where: raw.pixels(batch[input_col], where)))
+        mean, std = uint8_stats(_read_sample(train, lambda batch, where: raw.pixels(batch[input_col], where)))
         decoders = [ImageRows(**rows, mean=mean, std=std, split=split) for split in ("train", "eval")]
         input_shape = (1 if mode == "L" else 3, size[1], size[0])
     else:
@@ -149,7 +149,7 @@ def _mapped_bundle(train, eval_split, input_col: str | None, label_col: str, ima
         pixels = all(_stored_dtype(train.features[name]) == "uint8" for name in columns)
         raw = ArrayRows(columns, label_col, label_ids, "train", pixels)
         sample = _read_sample(train, lambda batch, where: raw.inputs(batch))
-        mean, std = _uint8_stats(sample) if pixels else (None, None)
+        mean, std = uint8_stats(sample) if pixels else (None, None)
         decoders = [ArrayRows(columns, label_col, label_ids, split, pixels, mean, std) for split in ("train", "eval")]
         input_shape = tuple(sample.shape[1:])
     mapped = [MappedDataset(ds, decode, rows_of) for ds, decode, rows_of in
@@ -300,7 +300,7 @@ def _decode_images(ds, column: str, image_size: int | None, layout, split: str =
     return out, layout
 
 
-def _labels(train, eval_, column: str):
+def split_labels(train, eval_, column: str):
     """(train labels, eval labels, number of classes): ``class_ids`` over the decoded columns, names mapped."""
     def column_of(ds):
         return None if ds is None else np.asarray(ds.with_format("numpy", columns=[column])[:][column])
@@ -323,7 +323,7 @@ def _labels(train, eval_, column: str):
     return tensors[0], tensors[1], num_classes
 
 
-def _uint8_stats(inputs: torch.Tensor) -> tuple[tuple[float, ...], tuple[float, ...]]:
+def uint8_stats(inputs: torch.Tensor) -> tuple[tuple[float, ...], tuple[float, ...]]:
     """Per-channel mean and std in [0, 1] units (one for all values unless inputs are (N, C, H, W) images)."""
     per_channel = inputs.dim() == 4
     channels = inputs.shape[1] if per_channel else 1

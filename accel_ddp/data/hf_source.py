@@ -256,7 +256,7 @@ def _existing_column(ds, name: str) -> str:
     return name
 
 
-def _label_column(ds, requested: str | None) -> str:
+def label_column_of(ds, requested: str | None) -> str:
     import datasets
 
     if requested is not None:
@@ -270,7 +270,7 @@ def _label_column(ds, requested: str | None) -> str:
     raise ConfigError(f"hf: cannot tell the label column among {', '.join(ds.column_names)}; pass --label_column")
 
 
-def _input_column(ds, requested: str | None, label_col: str) -> str | None:
+def input_column_of(ds, requested: str | None, label_col: str) -> str | None:
     """The input column, or None for 'every numeric column but the label'."""
     import datasets
 

@@ -12,8 +12,8 @@ imports the other (``builtin`` chooses between them).
 from __future__ import annotations
 
 from accel_ddp.data.bundle import DataError, DatasetBundle
-from accel_ddp.data.hf import STATS_SAMPLE, LabelValues, _uint8_stats, class_ids
-from accel_ddp.data.hf_source import _input_column, _label_column, empty_split, load_splits
+from accel_ddp.data.hf import STATS_SAMPLE, LabelValues, class_ids, uint8_stats
+from accel_ddp.data.hf_source import empty_split, input_column_of, label_column_of, load_splits
 from accel_ddp.data.mapped import ImageRows, MappedDataset, image_mode, open_image
 from accel_ddp.data.streaming import StreamSource, read_failure
 from accel_ddp.util.validation import ConfigError
@@ -26,8 +26,8 @@ def build_stream(data_dir: str, source, image_size: int | None) -> DatasetBundle
     train, eval_stream = load_splits(data_dir, source, streaming=True)
     if train.features is None:
         raise ConfigError("--streaming: the stream does not declare its columns; save it with its features")
-    label_col = _label_column(train, source.label_column)
-    input_col = _input_column(train, source.image_column, label_col)
+    label_col = label_column_of(train, source.label_column)
+    input_col = input_column_of(train, source.image_column, label_col)
     if input_col is None or not isinstance(train.features[input_col], datasets.Image):
         raise ConfigError("--streaming reads image datasets for now (an Image column); drop --streaming for others")
     train = train.cast_column(input_col, datasets.Image(decode=False))
@@ -50,7 +50,7 @@ def build_stream(data_dir: str, source, image_size: int | None) -> DatasetBundle
                   resize=image_size is not None, label_ids=label_ids)
     sample = ImageRows(**layout, mean=(0.0,), std=(1.0,), split="train").pixels(
         [row[input_col] for row in head], [f"example {i}" for i in range(len(head))])
-    mean, std = _uint8_stats(sample)
+    mean, std = uint8_stats(sample)
     decode = _CheckedLabels(ImageRows(**layout, mean=mean, std=std, split="train"), num_classes, label_col)
     eval_set = None
     if eval_rows:

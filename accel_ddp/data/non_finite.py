@@ -79,7 +79,7 @@ class NonFiniteBatch(DataError):
 class NonFiniteInput:
     """A host batch with a nan or inf input, as the worker that collated it hands it on: the rank names the sample
     and either stops (``DataError``: exit 2, the default) or, under ``--on_anomaly skip|rollback``, reports it and
-    trains on the batch, whose step the anomaly guard then leaves out on every rank (accel_ddp/anomaly.py).
+    trains on the batch, whose step the anomaly guard then leaves out on every rank (accel_ddp/bad_steps/).
     ``line``: the problem's line, its sample named by ``where`` in the worker; ``row``: the sample's row."""
 
     def __init__(self, batch: Any, row: int, line: str):

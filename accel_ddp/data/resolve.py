@@ -1,19 +1,22 @@
 """What a run trains and evaluates on: the datasets from the config (built once per machine first) or the
 caller's, and how to batch them.
 
-    data = resolve_data(cfg, accelerator, train_dataset, eval_dataset)   # built once per machine, or the caller's
+    data = resolve_data(options, accelerator, train_dataset, eval_dataset)   # built once per machine, or the caller's
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any, NamedTuple, TypeVar
 
 from accelerate import Accelerator
 from torch.utils.data import Dataset, IterableDataset, Subset
 
-from accel_ddp.config import DEBUG_MAX_STEPS, TEXT_TASKS, TrainConfig
+from accel_ddp.config import TEXT_TASKS
+from accel_ddp.config.debug import debug_mode
+from accel_ddp.config.views import config_section
 from accel_ddp.data import HFSource, build_datasets
 from accel_ddp.data.in_memory import TokenBlocks, without_subsets
 from accel_ddp.data.memory_budget import in_memory_limit
@@ -25,6 +28,40 @@ from accel_ddp.util.registry import resolve
 from accel_ddp.util.validation import ConfigError
 
 T = TypeVar("T")
+
+
+@config_section
+@dataclass(frozen=True)
+class DataOptions:
+    """The options that name, build and cut the run's data sets (``resolve_data``)."""
+
+    dataset: str
+    data_dir: str
+    download: bool
+    task: str  # a text task tokenizes (--tokenizer, else --model's own)
+    model: str
+    loader: str  # not the device loader: the machine's memory budget decides what is held in memory
+    device_loader_max_mb: int
+    hf_name: str | None
+    hf_config: str | None
+    hf_train_split: str
+    hf_eval_split: str | None
+    image_column: str | None
+    label_column: str | None
+    streaming: bool
+    shuffle_buffer: int
+    synthetic_samples: int
+    synthetic_shape: tuple[int, ...]
+    synthetic_classes: int
+    image_size: int | None
+    text_column: str | None
+    tokenizer: str | None
+    max_length: int
+    packing: bool
+    text_cache: str | None
+    collate_fn: str | None
+    debug: bool  # the sets cut to a few global batches
+    global_batch_size: int | None  # resolved by the batch layout before the data is built
 
 
 class Data(NamedTuple):
@@ -39,33 +76,35 @@ class Data(NamedTuple):
     memory_limit: Any = None  # memory_budget.InMemoryLimit (None with --loader device): what --loader auto holds
 
 
-def resolve_data(cfg: TrainConfig, accelerator: Accelerator, train_dataset, eval_dataset, collate_fn=None, *,
+def resolve_data(options: DataOptions, accelerator: Accelerator, train_dataset, eval_dataset, collate_fn=None, *,
                  preemption: PreemptionWatcher | None = None) -> Data:
     """The datasets from the config (built once per machine first) or the caller, and how to batch them.
 
     ``preemption``: a signal during the build stops it, and every rank (``local_main_first``)."""
     tokenizer = None
     # The machine's memory budget (cgroup-aware host memory / local ranks, device memory): collective, agreed.
-    limit = in_memory_limit(accelerator, cfg.device_loader_max_mb) if cfg.loader != "device" else None
-    hf = HFSource(cfg.hf_name, cfg.hf_config, cfg.hf_train_split, cfg.hf_eval_split, cfg.image_column,
-                  cfg.label_column, streaming=cfg.streaming, shuffle_buffer=cfg.shuffle_buffer,
+    limit = in_memory_limit(accelerator, options.device_loader_max_mb) if options.loader != "device" else None
+    hf = HFSource(options.hf_name, options.hf_config, options.hf_train_split, options.hf_eval_split,
+                  options.image_column, options.label_column, streaming=options.streaming,
+                  shuffle_buffer=options.shuffle_buffer,
                   # in memory below the threshold (the device loader can serve it), memory-mapped above
                   in_memory_max_mb=math.inf if limit is None else limit.decode_mb, memory_limit=limit)
-    if train_dataset is None and cfg.task in TEXT_TASKS and cfg.dataset == "hf":
-        text = TextOptions(cfg.tokenizer or (cfg.model if has_tokenizer(cfg.model) else None), cfg.text_column,
-                           cfg.max_length, cfg.packing, labels=cfg.task == "sequence_classification",
-                           cache_dir=cache_root(cfg.text_cache),
+    if train_dataset is None and options.task in TEXT_TASKS and options.dataset == "hf":
+        text = TextOptions(options.tokenizer or (options.model if has_tokenizer(options.model) else None),
+                           options.text_column, options.max_length, options.packing,
+                           labels=options.task == "sequence_classification",
+                           cache_dir=cache_root(options.text_cache),
                            cache_write=accelerator.is_local_main_process)  # goes first (local_main_first)
         # Tokenized on each machine's first process, then read from the datasets cache by the others.
-        bundle, tokenizer = local_main_first(accelerator, lambda: build_text(cfg.data_dir, hf, text),
+        bundle, tokenizer = local_main_first(accelerator, lambda: build_text(options.data_dir, hf, text),
                                              preemption=preemption, phase="data: tokenizing",
-                                             while_waiting=lambda: import_text_libraries(cfg.data_dir, hf, text))
+                                             while_waiting=lambda: import_text_libraries(options.data_dir, hf, text))
     elif train_dataset is None:
         bundle = local_main_first(accelerator, lambda: build_datasets(  # one download per --data_dir
-            cfg.dataset, cfg.data_dir, cfg.download, samples=cfg.synthetic_samples,
-            shape=cfg.synthetic_shape, classes=cfg.synthetic_classes, image_size=cfg.image_size, hf=hf,
-        ), main_first=cfg.download, preemption=preemption,
-            while_waiting=(lambda: import_quietly("datasets")) if cfg.dataset == "hf" else None)
+            options.dataset, options.data_dir, options.download, samples=options.synthetic_samples,
+            shape=options.synthetic_shape, classes=options.synthetic_classes, image_size=options.image_size, hf=hf,
+        ), main_first=options.download, preemption=preemption,
+            while_waiting=(lambda: import_quietly("datasets")) if options.dataset == "hf" else None)
     if train_dataset is None:
         train_dataset, eval_dataset = bundle.train, bundle.eval
         num_classes, input_shape = bundle.num_classes, bundle.input_shape
@@ -73,7 +112,7 @@ def resolve_data(cfg: TrainConfig, accelerator: Accelerator, train_dataset, eval
         num_classes, input_shape = None, None
     streamed = isinstance(train_dataset, IterableDataset)  # a stream has no [0]: its bundle gave the shape
     if not streamed and hasattr(train_dataset, "__len__") and len(train_dataset) == 0:
-        raise ConfigError(f"the training set of --dataset {cfg.dataset} ({type(train_dataset).__name__}) holds no "
+        raise ConfigError(f"the training set of --dataset {options.dataset} ({type(train_dataset).__name__}) holds no "
                           "samples (0 rows), so there is nothing to train on; check its files or filters, or give a "
                           "dataset with samples")
     if not streamed and isinstance(train_dataset[0], Mapping):  # dict samples: no single input shape
@@ -81,15 +120,16 @@ def resolve_data(cfg: TrainConfig, accelerator: Accelerator, train_dataset, eval
     elif input_shape is None:
         input_shape = tuple(train_dataset[0][0].shape)
     elif not streamed:
-        _check_input_shape(cfg.dataset, input_shape, train_dataset[0][0])
+        _check_input_shape(options.dataset, input_shape, train_dataset[0][0])
     if eval_dataset is not None and not isinstance(eval_dataset, IterableDataset) and len(eval_dataset) == 0:
         raise ConfigError(f"the eval set ({type(eval_dataset).__name__}) holds no samples, so there is nothing to "
                           "evaluate; give it samples, or train without one (no eval_dataset)")
-    if cfg.debug and not streamed:  # a small subset: errors show up in seconds
-        train_dataset = Subset(train_dataset, range(min(len(train_dataset), DEBUG_MAX_STEPS * cfg.global_batch_size)))
+    debug, batch = debug_mode(options), options.global_batch_size
+    if debug.train_batches and not streamed:  # a small subset: errors show up in seconds
+        train_dataset = Subset(train_dataset, range(min(len(train_dataset), debug.train_batches * batch)))
         if eval_dataset is not None:
-            eval_dataset = Subset(eval_dataset, range(min(len(eval_dataset), 4 * cfg.global_batch_size)))
-    collate_fn = collate_fn or (resolve(cfg.collate_fn, {}, kind="collate_fn") if cfg.collate_fn else None)
+            eval_dataset = Subset(eval_dataset, range(min(len(eval_dataset), debug.eval_batches * batch)))
+    collate_fn = collate_fn or (resolve(options.collate_fn, {}, kind="collate_fn") if options.collate_fn else None)
     if collate_fn is None and input_shape is None and not isinstance(without_subsets(train_dataset), TokenBlocks):
         collate_fn = PadCollate(pad_token_id(tokenizer))  # dict samples, maybe of different lengths
     return Data(train_dataset, eval_dataset, num_classes, input_shape, tokenizer, collate_fn, limit)

@@ -33,7 +33,7 @@ from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import default_collate
 
 from accel_ddp.data.bundle import DatasetBundle
-from accel_ddp.data.hf import HFSource, _label_column, _labels, load_splits
+from accel_ddp.data.hf import HFSource, label_column_of, load_splits, split_labels
 from accel_ddp.data.hf_source import bad_text_named
 from accel_ddp.data.in_memory import TokenBlocks
 from accel_ddp.data.memory_budget import say
@@ -227,8 +227,8 @@ def build_text(data_dir: str, source: HFSource, options: TextOptions) -> tuple[D
     with bad_text_named(data_dir, source):  # the texts and label names are read here, every row of them
         splits = [_tokenize(ds, tokenizer, column, options) for ds in (train, eval_split)]
         if options.labels:
-            label_col = _label_column(train, source.label_column)
-            train_y, eval_y, num_classes = _labels(train, eval_split, label_col)
+            label_col = label_column_of(train, source.label_column)
+            train_y, eval_y, num_classes = split_labels(train, eval_split, label_col)
             splits = [ds.add_column("labels", y.tolist()) for ds, y in zip(splits, (train_y, eval_y), strict=True)]
         else:
             num_classes = len(tokenizer)

@@ -1,6 +1,6 @@
 """The world of processes a run trains in: checked against the launch, joined, and the model wrapped for it.
 
-    accelerator, per_device, accumulation = build_accelerator(cfg)   # the group formed, the batch layout derived
+    accelerator, per_device, accumulation = build_accelerator(options, batch_layout, hang_seconds)  # the group formed
     model, optimizer, scheduler = prepare(accelerator, model, optimizer, scheduler)
 
 A launch that started fewer processes than its config asked for (Accelerate's simple launcher)
@@ -13,6 +13,7 @@ import contextlib
 import os
 import socket
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -20,9 +21,11 @@ import torch
 from accelerate import Accelerator, DataLoaderConfiguration, PartialState
 from accelerate.utils import DDPCommunicationHookType, DistributedDataParallelKwargs, DistributedType
 
-from accel_ddp.config import TrainConfig
+from accel_ddp.config.debug import debug_mode
+from accel_ddp.config.views import config_section
 from accel_ddp.distributed.preflight import build_fsdp_plugin, check_launch_devices
 from accel_ddp.lifecycle.hang import flight_recorder_env
+from accel_ddp.lifecycle.peers import group_forming
 from accel_ddp.util.host_memory import keep_freed_host_memory
 from accel_ddp.util.messages import note
 from accel_ddp.util.ranks import WORLD_SIZE_VARS, launch_world_size
@@ -104,37 +107,60 @@ def import_dynamo_before_the_group() -> None:
     import torch._dynamo  # noqa: F401
 
 
-def build_accelerator(cfg: TrainConfig, trackers: Callable[[PartialState], dict[str, Any]] | None = None
+@config_section
+@dataclass(frozen=True)
+class WorldOptions:
+    """The options of forming the world: precision, the group's timeout, the process-wide switches and DDP's."""
+
+    debug: bool  # Accelerate's cross-rank shape checks
+    mixed_precision: str | None
+    tf32: bool
+    compile: bool  # Accelerate's dynamo backend, applied at prepare
+    seed: int  # the seedable sampler's data seed
+    ddp_timeout: int
+    output_dir: str  # where NCCL's flight recorder dumps a hang
+    ddp_bucket_cap_mb: int
+    ddp_gradient_as_bucket_view: bool
+    ddp_static_graph: bool
+    ddp_find_unused_parameters: bool
+    ddp_comm_hook: str
+
+
+def build_accelerator(options: WorldOptions, batch_layout: Callable[[int], tuple[int, int]], hang_seconds: float,
+                      trackers: Callable[[PartialState], dict[str, Any]] | None = None
                       ) -> tuple[Accelerator, int, int]:
     """Join the process group and derive (per-device batch, accumulation) from the world size.
 
-    ``trackers(state)``: the ``Accelerator`` keyword arguments of the run's trackers, once the group exists
-    (the loop passes ``tracking.trackers.tracking_kwargs``: forming the world knows no trackers).
+    ``batch_layout(world_size)``: the run's layout for that many ranks (the config's ``batch_layout``, which resolves
+    the config's batch in place); ``hang_seconds``: --hang_timeout resolved (0: off), which switches NCCL's flight
+    recorder on. ``trackers(state)``: the ``Accelerator`` keyword arguments of the run's trackers, once the group
+    exists (the loop passes ``tracking.trackers.tracking_kwargs``: forming the world knows no trackers).
 
     Without a GPU we must ask for CPU ourselves: Accelerate only forms a gloo group for a
     torchrun launch when the script requests CPU; otherwise it would start N lone processes.
     """
-    if cfg.debug:
+    if debug_mode(options).accelerate_checks:
         os.environ["ACCELERATE_DEBUG_MODE"] = "1"  # cross-rank shape checks on every collective
     import_dynamo_before_the_group()
     cpu = not torch.cuda.is_available()
-    if cfg.mixed_precision is not None:  # issue 22: --mixed_precision wins over the launch config (a note says so)
-        override_mixed_precision(cfg.mixed_precision, cpu)
+    if options.mixed_precision is not None:  # issue 22: --mixed_precision wins over the launch config (a note says so)
+        override_mixed_precision(options.mixed_precision, cpu)
     if cpu and os.environ.get("ACCELERATE_MIXED_PRECISION") == "fp8":  # else Accelerate's ValueError, per rank
         raise ConfigError("the launch config's mixed_precision fp8 needs a GPU with FP8 support (NVIDIA Ada or Hopper "
                           "and later) and none is usable here; launch with --mixed_precision no (or bf16) on CPU")
     check_launch_devices(cuda_available=not cpu)  # one process per GPU; GPUs this torch cannot use
     if cpu:  # the step's freed tensors reused, not faulted in again each step (util/host_memory.py)
         keep_freed_host_memory()
-    if not cpu and cfg.tf32:  # TF32 tensor cores for fp32 matmuls/convs: ~8x on Ampere+, 10-bit mantissa
+    if not cpu and options.tf32:  # TF32 tensor cores for fp32 matmuls/convs: ~8x on Ampere+, 10-bit mantissa
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     if problem := single_process_trap():
         raise LaunchError(problem)
     if not cpu:  # NCCL's flight recorder, read as the process group forms: on with --hang_timeout
-        flight_recorder_env(cfg.output_dir, cfg.hang_seconds())
+        flight_recorder_env(options.output_dir, hang_seconds)
     forget_ended_world()  # a second run in this process (train, then evaluate): the group formed again
-    state = PartialState(cpu=cpu, timeout=timedelta(seconds=cfg.ddp_timeout))
+    with group_forming():  # its sockets: what a failing train() shuts to end its peers' collectives (failure.py)
+        state = PartialState(cpu=cpu, timeout=timedelta(seconds=options.ddp_timeout))
     launched_world = launch_world_size()
     if state.num_processes != launched_world:
         raise LaunchError(
@@ -142,15 +168,16 @@ def build_accelerator(cfg: TrainConfig, trackers: Callable[[PartialState], dict[
             f"{state.num_processes}; launch with an accelerate config of distributed_type MULTI_GPU "
             "(see accelerate_configs/README.md), not MULTI_CPU without mpirun"
         )
-    per_device, accumulation = cfg.batch_layout(state.num_processes)
+    per_device, accumulation = batch_layout(state.num_processes)
     accelerator = Accelerator(
         cpu=cpu,
         gradient_accumulation_steps=accumulation,
         # Accelerate would otherwise step the schedule num_processes times per optimizer step.
         step_scheduler_with_optimizer=False,
-        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=cfg.seed, non_blocking=not cpu),
-        kwargs_handlers=[ddp_kwargs(cfg)],
-        dynamo_backend="inductor" if cfg.compile else None,
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=options.seed,
+                                                  non_blocking=not cpu),
+        kwargs_handlers=[ddp_kwargs(options)],
+        dynamo_backend="inductor" if options.compile else None,
         fsdp_plugin=build_fsdp_plugin(cuda_available=not cpu),  # FSDP2 launches: gradients reduced in fp32
         **(trackers(state) if trackers is not None else {}),
     )
@@ -206,14 +233,14 @@ def override_mixed_precision(requested: str, cpu: bool, env=os.environ) -> None:
     env["ACCELERATE_MIXED_PRECISION"] = requested
 
 
-def ddp_kwargs(cfg: TrainConfig) -> DistributedDataParallelKwargs:
-    """The DistributedDataParallel options from the config (Accelerate applies them in ``prepare``)."""
+def ddp_kwargs(options: WorldOptions) -> DistributedDataParallelKwargs:
+    """The DistributedDataParallel options of the --ddp_* flags (Accelerate applies them in ``prepare``)."""
     return DistributedDataParallelKwargs(
-        bucket_cap_mb=cfg.ddp_bucket_cap_mb,
-        gradient_as_bucket_view=cfg.ddp_gradient_as_bucket_view,
-        static_graph=cfg.ddp_static_graph,
-        find_unused_parameters=cfg.ddp_find_unused_parameters,
-        comm_hook=DDPCommunicationHookType("no" if cfg.ddp_comm_hook == "none" else cfg.ddp_comm_hook),
+        bucket_cap_mb=options.ddp_bucket_cap_mb,
+        gradient_as_bucket_view=options.ddp_gradient_as_bucket_view,
+        static_graph=options.ddp_static_graph,
+        find_unused_parameters=options.ddp_find_unused_parameters,
+        comm_hook=DDPCommunicationHookType("no" if options.ddp_comm_hook == "none" else options.ddp_comm_hook),
     )
 
 

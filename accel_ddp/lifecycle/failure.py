@@ -41,7 +41,6 @@ import contextlib
 import json
 import os
 import signal
-import sys
 import threading
 import time
 import traceback
@@ -50,11 +49,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from accel_ddp.lifecycle.exit_codes import ExitCode
-from accel_ddp.lifecycle.peers import close_peer_connections, rank_store
+from accel_ddp.lifecycle.peers import close_peer_connections, group_connections, rank_store
 from accel_ddp.lifecycle.transport import LOST, STOPPED, Said, peer_message
 from accel_ddp.util.atomic import atomic_write_text
-from accel_ddp.util.messages import error_line, first_line
-from accel_ddp.util.ranks import launch_rank, launch_world_size, local_world_size
+from accel_ddp.util.messages import error_line, first_line, write
+from accel_ddp.util.ranks import launch_rank, launch_world_size
 from accel_ddp.util.validation import ConfigError, LaunchError, ServiceFailure, UserCodeFailed
 
 # How long a failing rank waits for the others to report before it exits anyway, at most: the others
@@ -143,6 +142,30 @@ def _agree(made: Claim, err: BaseException) -> None:
     if isinstance(err, PeerFailed):  # the failing rank claims at about the same time: let it
         _wait_for(made.store, [f"{made.key}/first"], ACK_WAIT_S)
     made.first = json.loads(made.store.compare_set(f"{made.key}/first", "", json.dumps(made.first)))
+    made.store.set(_claimed(made, made.rank), "1")  # read: the store's host may go (outlive_readers)
+
+
+def outlive_readers(err: BaseException | None) -> None:
+    """``train()``'s last step on a failure, in the process that hosts the ranks' store (env://, mpirun, forked ranks:
+    rank 0's): end its group's connections, so that the ranks blocked in a collective with it fail now, and keep its
+    process, store and all, until every other rank has claimed (read the launch's first failure), ``ACK_WAIT_S`` at
+    most. Its caller may exit at once (a script, a forked rank), and a rank that then finds no store cannot tell who
+    failed: it raised gloo's "Connection closed by peer" naming no rank. Only the group's own sockets are shut
+    (``peers.group_connections``): the caller's process goes on (``report`` shuts them all, on its way out)."""
+    made = getattr(err, "_accel_ddp_claim", None)
+    if made is None or not made.hosts or made.store is None:
+        return
+    if not made.nccl:  # the group's destroy leaves them open while the DDP model (in the traceback) holds it
+        close_peer_connections(group_connections())
+    if made.ours and (lost_peer(err) or timed_out(err)):  # first, for a peer gone or stopped: none will read it
+        return
+    others = [_claimed(made, rank) for rank in range(made.world_size) if rank != made.rank]
+    with contextlib.suppress(RuntimeError):  # the store failed: nobody can read it any more
+        _wait_for(made.store, others, ACK_WAIT_S, made.stop)
+
+
+def _claimed(made: Claim, rank: int) -> str:
+    return f"{made.key}/claimed/{rank}"
 
 
 def exit_code(err: BaseException) -> int:
@@ -345,74 +368,10 @@ def main_process_decides(state: Any, decide: Callable[[], Any]) -> Any:
     return outcome[0]
 
 
-def refuse_options(err: ConfigError) -> int:
-    """Bad flags or a bad recipe, found before torch is imported: the one line within a second of the start, exit 2.
-
-    Every rank parses the same options and fails alike, so rank 0 speaks and no store is needed (``report``'s
-    agreement would import torch first: 3-10 s). Under torchrun, the line must not be lost to the launcher's SIGTERM
-    (issue 20): every rank writes its error file at once and takes SIGTERM as exit 2; rank 0 prints, then leaves
-    once its machine's other ranks have written theirs (``EARLY_ACK_S`` at most); the others wait for the launcher to
-    stop them (``EARLY_WAIT_S``) and, never stopped (rank 0 did not fail alike), print their own line. Without
-    torchrun and with several ranks (mpirun) nobody stops the others, and where torch is loaded already (a caller's
-    process, forked test ranks) the store costs no import: ``report`` as usual.
-    """
-    rank, world = launch_rank(), launch_world_size()
-    message = f"{type(err).__name__}: {first_line(err)}"
-    under_torchrun = bool(os.environ.get("TORCHELASTIC_RUN_ID"))
-    if world > 1 and (not under_torchrun or "torch" in sys.modules):
-        return report(err, ExitCode.BAD_INPUT)
-    handles = under_torchrun and threading.current_thread() is threading.main_thread()
-    if rank == 0 or world == 1:
-        if handles:  # a SIGTERM now must not lose the line: it waits until the line is out
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        write_error_file(message)
-        print_report(error_line(err))
-        if handles:
-            signal.signal(signal.SIGTERM, lambda *_: _leave_now(ExitCode.BAD_INPUT))
-        _wait_until(_local_error_files_written, EARLY_ACK_S)
-        return ExitCode.BAD_INPUT
-    if handles:
-        # the launcher stopping us: our code, not a kill
-        signal.signal(signal.SIGTERM, lambda *_: _leave_now(ExitCode.BAD_INPUT))
-    write_error_file(f"stopped because rank 0 failed: {message}")
-    _wait_until(lambda: False, EARLY_WAIT_S)
-    write_error_file(message)  # not stopped: rank 0 did not fail alike, so this rank's line is the one
-    print_report(error_line(err))
-    return ExitCode.BAD_INPUT
-
-
-EARLY_ACK_S = 5.0  # rank 0's wait for its machine's other ranks to write their error files (then SIGTERM is safe)
-EARLY_WAIT_S = 10.0  # another rank's wait for the launcher's SIGTERM after rank 0 exited
-
-
-def _local_error_files_written() -> bool:
-    """Has every rank of this machine written its error file? torchrun gives each local rank
-    ``.../attempt_N/<local rank>/error.json`` (torch/distributed/elastic/agent/server/local_elastic_agent.py)."""
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    local = local_world_size()
-    if not path or local <= 1:
-        return True
-    attempt, name = os.path.dirname(os.path.dirname(path)), os.path.basename(path)
-    return all(os.path.isfile(os.path.join(attempt, str(i), name)) for i in range(local))
-
-
-def _wait_until(done: Callable[[], bool], seconds: float) -> None:
-    deadline = time.monotonic() + seconds
-    while not done() and time.monotonic() < deadline:
-        time.sleep(POLL_S)
-
-
-def _leave_now(code: int) -> None:
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(OSError, ValueError):
-            stream.flush()
-    os._exit(code)
-
 
 def print_report(text: str) -> None:
     """``text`` on stderr in one write: another process's output cannot land inside a line of it."""
-    sys.stderr.write(text)
-    sys.stderr.flush()
+    write(text, err=True, end="")
 
 
 def write_error_file(message: str, callstack: str | None = None) -> None:

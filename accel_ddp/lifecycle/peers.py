@@ -19,6 +19,7 @@ socket, silently.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import time
@@ -83,8 +84,9 @@ def _tcp_store(addr: str, port: int, host: bool):
         return None
 
 
-def close_peer_connections() -> int:
+def close_peer_connections(only: frozenset[str] | None = None) -> int:
     """Shut down this process's TCP connections, all but the store's (at MASTER_PORT); how many (Linux; else 0).
+    ``only``: those among them (``/proc/self/fd`` link names, ``socket:[inode]``), e.g. :func:`group_connections`.
 
     The other ranks' collectives with this rank then fail at once (gloo: "Connection closed by peer"),
     as they would at its exit, and they report. Before that they could not: a process group's
@@ -95,14 +97,10 @@ def close_peer_connections() -> int:
     """
     keep = int(os.environ.get("MASTER_PORT", "") or -1)
     closed = 0
-    try:
-        names = os.listdir("/proc/self/fd")
-    except OSError:
-        return 0
-    for name in names:
+    for name, link in _sockets():
+        if only is not None and link not in only:
+            continue
         try:
-            if not os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
-                continue
             sock = socket.socket(fileno=int(name))
         except OSError:  # gone meanwhile (the listing's own fd), or not a socket
             continue
@@ -116,3 +114,35 @@ def close_peer_connections() -> int:
         finally:
             sock.detach()  # the fd stays its owner's (gloo's) to close
     return closed
+
+
+def _sockets() -> list[tuple[str, str]]:
+    """(fd, ``socket:[inode]``) of this process's open sockets (Linux; else none)."""
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return []
+    found = []
+    for name in names:
+        with contextlib.suppress(OSError):  # gone meanwhile (the listing's own fd)
+            if (link := os.readlink(f"/proc/self/fd/{name}")).startswith("socket:"):
+                found.append((name, link))
+    return found
+
+
+_GROUP: dict[str, frozenset[str]] = {"sockets": frozenset()}
+
+
+@contextlib.contextmanager
+def group_forming():
+    """Around the process group's formation: note the sockets it opened (gloo's listener and its connections to
+    each peer; gloo connects the full mesh as the group forms), for :func:`group_connections`."""
+    before = {link for _, link in _sockets()}
+    yield
+    _GROUP["sockets"] = frozenset(link for _, link in _sockets() if link not in before)
+
+
+def group_connections() -> frozenset[str]:
+    """The sockets the current process group opened (by inode: a number another file took since is not one of
+    them): what a caller's process may shut down to end its group's collectives, and nothing of the caller's."""
+    return _GROUP["sockets"]

@@ -8,20 +8,20 @@ already built on ``model.parameters()`` (then ``model=`` must be given: it must 
 built on it), stepped once per optimizer step like the built-in schedule, which it replaces. Both are checkpointed
 by Accelerate's ``save_state`` (``optimizer.bin``, ``scheduler.bin``) and restored by ``load_state`` as saved.
 
-    optimization = build_optimization(cfg, model, accelerator, total_steps, optimizer=fn, lr_scheduler=fn)
+    check_optimization(options, model, optimizer=fn, lr_scheduler=fn)    # options: section_of(cfg, OptimizerOptions)
+    optimization = build_optimization(options, model, accelerator, total_steps, warmup, optimizer=fn, lr_scheduler=fn)
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from accel_ddp.config import TrainConfig
 from accel_ddp.config.checks import optimizer_kwargs
+from accel_ddp.config.views import config_section, defaults_of
 from accel_ddp.optim.build import build_lr_scheduler, build_optimizer, check_optimizer, use_fused_optimizer, user_groups
 from accel_ddp.optim.muon import MuonWithAdamW
 from accel_ddp.util.cpu_bf16 import cpu_has_bf16_units, read_cpuinfo
@@ -31,6 +31,22 @@ from accel_ddp.util.validation import ConfigError
 LRScheduler = torch.optim.lr_scheduler.LRScheduler
 USER_OPTIMIZER = "train(optimizer=...)"
 USER_SCHEDULER = "train(lr_scheduler=...)"
+
+
+@config_section
+@dataclass(frozen=True)
+class OptimizerOptions:
+    """The options this module reads (config/views.py): the flags' optimizer and schedule, and those a user's
+    optimizer or schedule would make void."""
+
+    optimizer: str
+    optimizer_kwargs: str | None
+    lr: float
+    weight_decay: float
+    warmup_steps: int
+    warmup_ratio: float | None
+    lr_schedule: str
+    cuda_graphs: bool
 
 
 @dataclass(frozen=True)
@@ -44,30 +60,31 @@ class Optimization:
     schedule_from_flags: bool  # the built-in schedule: on a resume this run's --lr and friends are in force
 
 
-def check_optimization(cfg: TrainConfig, model: nn.Module | None, optimizer: Any, lr_scheduler: Any) -> None:
+def check_optimization(options: OptimizerOptions, model: nn.Module | None, optimizer: Any, lr_scheduler: Any) -> None:
     """Before any data is read: the flags' optimizer exists and takes its keywords, and the API's objects are of a
     usable kind, with no flag beside them that would silently do nothing. One line (ConfigError) each."""
     if optimizer is None:
-        check_optimizer(cfg.optimizer, optimizer_kwargs(cfg))
-        if ":" in cfg.optimizer:  # a function's optimizer sets its own learning rate
-            _refuse_unused(cfg, ["lr"], f"--optimizer {cfg.optimizer}",
+        check_optimizer(options.optimizer, optimizer_kwargs(options))
+        if ":" in options.optimizer:  # a function's optimizer sets its own learning rate
+            _refuse_unused(options, ["lr"], f"--optimizer {options.optimizer}",
                            "set lr in the function, or pass it with --optimizer_kwargs '{\"lr\": ...}'")
     else:
-        _check_users_optimizer(cfg, model, optimizer)
+        _check_users_optimizer(options, model, optimizer)
     if lr_scheduler is not None:
-        _check_users_scheduler(cfg, lr_scheduler)
+        _check_users_scheduler(options, lr_scheduler)
 
 
-def build_optimization(cfg: TrainConfig, model: nn.Module, accelerator: Any, total_steps: int, optimizer: Any = None,
-                       lr_scheduler: Any = None) -> Optimization:
-    """The run's optimizer on ``model``'s trainable parameters and its schedule (``check_optimization`` passed)."""
+def build_optimization(options: OptimizerOptions, model: nn.Module, accelerator: Any, total_steps: int, warmup: int,
+                       optimizer: Any = None, lr_scheduler: Any = None) -> Optimization:
+    """The run's optimizer on ``model``'s trainable parameters and its schedule (``check_optimization`` passed);
+    ``warmup``: the built-in schedule's warmup in optimizer steps (--warmup_steps, or --warmup_ratio resolved)."""
     lines = {}
     if optimizer is None:
         built = build_optimizer(
-            cfg.optimizer, model, cfg.lr, cfg.weight_decay,
-            fused=use_fused_optimizer(cfg.optimizer, accelerator.device.type, accelerator.is_fsdp2),
-            capturable=cfg.cuda_graphs, kwargs=optimizer_kwargs(cfg))
-        name = cfg.optimizer
+            options.optimizer, model, options.lr, options.weight_decay,
+            fused=use_fused_optimizer(options.optimizer, accelerator.device.type, accelerator.is_fsdp2),
+            capturable=options.cuda_graphs, kwargs=optimizer_kwargs(options))
+        name = options.optimizer
         if isinstance(built, MuonWithAdamW):
             if accelerator.distributed_type.value == "FSDP":  # FSDP saves optimizer state by parameter name
                 raise ConfigError("--optimizer muon is not supported under FSDP (its state is two optimizers'); "
@@ -78,18 +95,17 @@ def build_optimization(cfg: TrainConfig, model: nn.Module, accelerator: Any, tot
                      "bf16, ~20x slower than float32 matrix products here (docs/optimizers.md)", ranks="main")
     else:
         made = _is_builder(optimizer)
-        built = optimizer(user_groups(model, cfg.weight_decay)) if made else optimizer
+        built = optimizer(user_groups(model, options.weight_decay)) if made else optimizer
         _check_built(built, model)
         name = f"{type(built).__name__} ({USER_OPTIMIZER})"
-        decay = (f"weight decay {cfg.weight_decay:g}" if cfg.weight_decay else "its own weight decay") + \
+        decay = (f"weight decay {options.weight_decay:g}" if options.weight_decay else "its own weight decay") + \
             " (none for biases and norms)" if made else "its own parameter groups"
         lines["optimizer"] = f"{name}, its own learning rate, {decay}"
     if lr_scheduler is None:
-        warmup = cfg.warmup_for(total_steps)
-        scheduler = build_lr_scheduler(built, cfg.lr_schedule, warmup, total_steps)
-        if optimizer is not None or ":" in cfg.optimizer:  # the peak is the optimizer's own learning rate
+        scheduler = build_lr_scheduler(built, options.lr_schedule, warmup, total_steps)
+        if optimizer is not None or ":" in options.optimizer:  # the peak is the optimizer's own learning rate
             lines["learning rate"] = (f"the optimizer's {scheduler.base_lrs[0]:g} after {warmup} warmup step"
-                                      f"{'s' * (warmup != 1)}, then --lr_schedule {cfg.lr_schedule}")
+                                      f"{'s' * (warmup != 1)}, then --lr_schedule {options.lr_schedule}")
     else:
         scheduler = lr_scheduler(built) if _is_builder(lr_scheduler) else lr_scheduler
         _check_scheduler(scheduler, built)
@@ -103,7 +119,7 @@ def _is_builder(value: Any) -> bool:
     return callable(value) and not isinstance(value, (torch.optim.Optimizer, LRScheduler))
 
 
-def _check_users_optimizer(cfg: TrainConfig, model: nn.Module | None, optimizer: Any) -> None:
+def _check_users_optimizer(options: OptimizerOptions, model: nn.Module | None, optimizer: Any) -> None:
     if not isinstance(optimizer, torch.optim.Optimizer) and not callable(optimizer):
         raise ConfigError(f"{USER_OPTIMIZER} got {type(optimizer).__name__}: give a function of the parameter "
                           "groups returning a torch.optim.Optimizer, or an optimizer built on model.parameters()")
@@ -113,20 +129,21 @@ def _check_users_optimizer(cfg: TrainConfig, model: nn.Module | None, optimizer:
     unused = ["optimizer", "optimizer_kwargs", "lr", "cuda_graphs"]
     if isinstance(optimizer, torch.optim.Optimizer):  # its groups are made: --weight_decay could not reach them
         unused.append("weight_decay")
-    _refuse_unused(cfg, unused, USER_OPTIMIZER, "set it on your optimizer")
+    _refuse_unused(options, unused, USER_OPTIMIZER, "set it on your optimizer")
 
 
-def _check_users_scheduler(cfg: TrainConfig, lr_scheduler: Any) -> None:
+def _check_users_scheduler(options: OptimizerOptions, lr_scheduler: Any) -> None:
     if not isinstance(lr_scheduler, LRScheduler) and not callable(lr_scheduler):
         raise ConfigError(f"{USER_SCHEDULER} got {type(lr_scheduler).__name__}: give a function of the optimizer "
                           "returning a torch.optim.lr_scheduler.LRScheduler")
-    _refuse_unused(cfg, ["warmup_steps", "warmup_ratio", "lr_schedule"], USER_SCHEDULER, "your scheduler sets the LR")
+    _refuse_unused(options, ["warmup_steps", "warmup_ratio", "lr_schedule"], USER_SCHEDULER,
+                   "your scheduler sets the LR")
 
 
-def _refuse_unused(cfg: TrainConfig, flags: list[str], owner: str, fix: str) -> None:
+def _refuse_unused(options: OptimizerOptions, flags: list[str], owner: str, fix: str) -> None:
     """A flag changed from its default that ``owner`` makes void: one line naming it (never silently ignored)."""
-    defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
-    given = [f"--{flag} {getattr(cfg, flag)}" for flag in flags if getattr(cfg, flag) != defaults[flag]]
+    defaults = defaults_of(OptimizerOptions)
+    given = [f"--{flag} {getattr(options, flag)}" for flag in flags if getattr(options, flag) != defaults[flag]]
     if given:
         raise ConfigError(f"{', '.join(given)} with {owner}: {'it does' if len(given) == 1 else 'they do'} nothing "
                           f"there ({fix}); drop {'it' if len(given) == 1 else 'them'}")

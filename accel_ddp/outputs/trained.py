@@ -2,17 +2,16 @@
 
     trained = find_trained("outputs/run")                                   # the final model.safetensors
     trained = find_trained("outputs/run/checkpoints/step_00000040")        # that checkpoint's weights
-    trained.cfg, trained.weights, trained.checkpoint, trained.step
+    trained.options, trained.weights, trained.checkpoint, trained.step
 
-Only what can be told without torch is checked here (the folder's layout, config.yaml read back into a
-``TrainConfig``): a path that holds no finished run or checkpoint is one ``ConfigError`` line before anything heavy
+Only what can be told without torch is checked here (the folder's layout, config.yaml's options read back:
+``config/saved.py``): a path that holds no finished run or checkpoint is one ``ConfigError`` line before anything heavy
 is imported. The checkpoint's files are proven whole later, against its manifest (``checkpoint/manifest.py``), and
 every weights file is checked key by key as it loads (``checkpoint/weights.py``).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import re
@@ -21,13 +20,12 @@ from typing import Any
 
 import yaml
 
-from accel_ddp.config import TrainConfig
+from accel_ddp.config.saved import REPLAYED_KEYS, saved_config
 from accel_ddp.outputs.names import CHECKPOINTS_DIR, CONFIG_NAME, MARKER_NAME, SUMMARY_NAME, WEIGHTS_NAME
 from accel_ddp.util.messages import first_line
 from accel_ddp.util.validation import ConfigError
 
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")  # checkpoint/manifest.py's checkpoint_name
-REPLAYED_KEYS = ("resolved", "startup")  # what a run adds to config.yaml beside its options (cli/args.py ignores them)
 WHAT = "give a finished run's --output_dir, or one of its checkpoints/step_* folders"
 
 
@@ -36,11 +34,16 @@ class TrainedRun:
     """A run's saved config and the weights to evaluate: the final ones, or a checkpoint's."""
 
     output_dir: str
-    cfg: TrainConfig  # config.yaml's options; --data_dir replaced where asked
+    options: dict[str, Any]  # config.yaml's options (checked: config/saved.py reads them back); --data_dir replaced
     facts: dict[str, Any]  # config.yaml's ``resolved:`` section (world size, loader, ...)
     weights: str  # the safetensors file to load
     checkpoint: str | None  # the checkpoint folder (its manifest is checked before the load), or None: final weights
     step: int | None  # optimizer steps the weights were trained for (summary.json's, or the checkpoint's)
+
+    @property
+    def config_file(self) -> str:
+        """The run's config.yaml, which ``options`` were read from."""
+        return os.path.join(self.output_dir, CONFIG_NAME)
 
 
 def find_trained(path: str, data_dir: str | None = None) -> TrainedRun:
@@ -65,10 +68,11 @@ def find_trained(path: str, data_dir: str | None = None) -> TrainedRun:
                                if not there)
         raise ConfigError(f"{path} holds no finished run (no {missing}: still training, or stopped before its end); "
                           f"{_newest_checkpoint_hint(path)}")
-    cfg, facts = read_config(path, data_dir)
+    options, facts = read_config(path, data_dir)
     # --load_best_model_at_end: the final weights are the best step's (checkpoint/best.py's final_weights_step)
     step = summary.get("final_weights_step", summary.get("optimizer_steps"))
-    return TrainedRun(path, cfg, facts, os.path.join(path, WEIGHTS_NAME), None, step if type(step) is int else None)
+    return TrainedRun(path, options, facts, os.path.join(path, WEIGHTS_NAME), None,
+                      step if type(step) is int else None)
 
 
 def _checkpoint(path: str, data_dir: str | None) -> TrainedRun:
@@ -81,16 +85,14 @@ def _checkpoint(path: str, data_dir: str | None) -> TrainedRun:
         raise ConfigError(f"{path}: a checkpoint outside its run folder (its options are OUTPUT_DIR/{CONFIG_NAME}, "
                           f"for OUTPUT_DIR/{CHECKPOINTS_DIR}/step_*); give it inside the run folder that saved it")
     match = _STEP_DIR.match(os.path.basename(path))
-    cfg, facts = read_config(output_dir, data_dir)
-    return TrainedRun(output_dir, cfg, facts, os.path.join(path, WEIGHTS_NAME), path,
+    options, facts = read_config(output_dir, data_dir)
+    return TrainedRun(output_dir, options, facts, os.path.join(path, WEIGHTS_NAME), path,
                       int(match.group(1)) if match else None)
 
 
-def read_config(output_dir: str, data_dir: str | None = None) -> tuple[TrainConfig, dict[str, Any]]:
-    """``OUTPUT_DIR/config.yaml`` as the run's ``TrainConfig`` and its ``resolved:`` facts (ConfigError: unreadable).
-
-    It is read as written (``yaml.safe_dump`` of every option), so no option is missing and none is a recipe's
-    spelling; an option this version does not know is named."""
+def read_config(output_dir: str, data_dir: str | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``OUTPUT_DIR/config.yaml``'s options, checked to read back as the run's config (``config/saved.py``), and its
+    ``resolved:`` facts (ConfigError: unreadable, or an option this version does not take)."""
     config = os.path.join(output_dir, CONFIG_NAME)
     try:
         with open(config, encoding="utf-8") as fh:
@@ -103,17 +105,10 @@ def read_config(output_dir: str, data_dir: str | None = None) -> tuple[TrainConf
                           f"{CONFIG_NAME}")
     facts = values.get("resolved") if isinstance(values.get("resolved"), dict) else {}
     options = {key: value for key, value in values.items() if key not in REPLAYED_KEYS}
-    known = {field.name for field in dataclasses.fields(TrainConfig)}
-    unknown = sorted(str(key) for key in options if key not in known)
-    if unknown:
-        raise ConfigError(f"{config}: option(s) {', '.join(unknown[:5])} unknown to this accel_ddp; evaluate it with "
-                          "the version that trained it")
     if data_dir is not None:
         options["data_dir"] = data_dir
-    try:
-        return TrainConfig(**options), facts
-    except ConfigError as err:
-        raise ConfigError(f"{config}: {err}") from None
+    saved_config(options, config)  # refused now, before torch, rather than once the process group stands
+    return options, facts
 
 
 def _read_json(path: str) -> dict[str, Any] | None:

@@ -50,9 +50,11 @@ class LossAccumulator:
     (:meth:`empty_sum_problem`). No step's state is saved or reported in between.
     """
 
-    def __init__(self, accelerator, accumulation: int, nominal_items: int, guard=None):
+    def __init__(self, accelerator, accumulation: int, nominal_items: int, guard=None, *, captured: bool = False):
         self.accelerator = accelerator
-        self.guard = guard  # --on_anomaly skip|rollback: a skipped step's loss stays out of the logged mean
+        # --on_anomaly skip|rollback (accel_ddp/bad_steps/): a bad micro-step's loss poisoned before its backward, a
+        # skipped step's loss kept out of the logged mean. Here, not in the room: both run inside the step.
+        self.guard = guard
         self._backward = build_backward(accelerator)  # accelerator.backward, without its division by 1
         self.accumulation = accumulation
         self.nominal = float(nominal_items)
@@ -67,22 +69,25 @@ class LossAccumulator:
         # added into the running sums above at the next log line or check (_fold): no device operation per step
         # for the log's sake (benchmarks/ops_per_step.py: host operations per step within a few of a bare loop's).
         self._pending: list[tuple[torch.Tensor, torch.Tensor | None]] = []
-        # Off under --cuda_graphs (TrainStep): a replay runs none of this Python, so the sums are added on the device
-        # in the captured step instead, and the watch gets a copy of the running loss after each step.
-        self.keep_losses = guard is None
+        # Off under --cuda_graphs (``captured``): a replay runs none of this Python, so the sums are added on the
+        # device in the captured step instead, and the watch gets a copy of the running loss after each step.
+        self.keep_losses = guard is None and not captured
         self._folded_since_log = False  # some kept losses are in running / running_mean already
         self._step_values: list[torch.Tensor] = []  # this optimizer step's kept losses, for the non-finite watch
         self._step_started = True  # the next micro-step begins an optimizer step (step_values starts over)
         # One micro-step per optimizer step on one process, plain backward: the step's items are this micro-batch's,
         # so a (sum, num_items) loss is backpropagated with gradient 1 / items (what autograd's ones_like would have
         # been, divided: the bits of backpropagating sum / items), with no count to reduce and no rescale after.
-        self._single = (accumulation == 1 and accelerator.num_processes == 1 and guard is None
+        # Not with a guard, nor captured (the sums are kept on the device there, the backward the general one).
+        self._single = (accumulation == 1 and accelerator.num_processes == 1 and self.keep_losses
                         and self._backward is torch.Tensor.backward)
         if guard is not None:  # this step's share of running / running_mean, added by end_step unless skipped
             self._step_running, self._step_mean = torch.zeros_like(self.running), torch.zeros_like(self.running_mean)
         # Several plain ranks (DDP over torch.distributed): the step's item count is all-reduced asynchronously,
         # launched after the last micro-step's forward and waited for before the rescale (overlaps the backward).
-        self._async_count = accelerator.num_processes > 1 and accelerator.distributed_type in PLAIN_TYPES
+        # Captured: in stream order with the step instead, not an async Work waited on.
+        self._async_count = (not captured and accelerator.num_processes > 1
+                             and accelerator.distributed_type in PLAIN_TYPES)
         self._count: tuple[torch.Tensor, object] | None = None  # (the reduced count, its Work handle) in flight
         # What the last mean_since_log counted, every rank (host numbers): throughput's real tokens (meters.py).
         self.logged_items: float | None = None

@@ -37,9 +37,11 @@ class TrainStep:
                  check_loss: Callable[[torch.Tensor, int], None] | None = None, guard=None,
                  per_device_batch: int | None = None, graphs=None):
         self.accelerator, self.model, self.task, self.scheduler = accelerator, model, task, scheduler
-        # guard (--on_anomaly skip|rollback): a bad step's update is left out on every rank, its loss off the log
+        # guard (--on_anomaly skip|rollback: BadSteps.step_guard, accel_ddp/bad_steps/): a bad step's update is left
+        # out on every rank, its loss off the log; check_loss (--debug: BadSteps.check_loss) before each backward
         self.guard = guard
-        self.losses = LossAccumulator(accelerator, accumulation, global_batch_size, guard)  # backward, logged mean
+        # backward, logged mean; --cuda_graphs: the sums kept on the device, the item count reduced in stream order
+        self.losses = LossAccumulator(accelerator, accumulation, global_batch_size, guard, captured=graphs is not None)
         self.update = build_update(accelerator, model, optimizer, max_grad_norm, guard)  # clip, step, zero_grad
         self.step = start_step  # optimizer steps done
         self.check_loss = check_loss  # --debug: (each micro-step's loss, the step it belongs to) before its backward
@@ -48,10 +50,6 @@ class TrainStep:
         self.graph = None if graphs is None else StepGraph(self._train_on, graph_warmup(accelerator), graphs)
         if graphs is not None:  # each group's LR: the device tensor the schedule updates and the replays read
             device_learning_rates(getattr(optimizer, "optimizer", optimizer), accelerator.device)
-            # the item count's all-reduce in stream order (captured with the step), not an async Work waited on
-            self.losses._async_count = False
-            # a replay runs no Python: the losses summed on the device in the captured step, the eager backward
-            self.losses.keep_losses = self.losses._single = False
 
     def _train_on(self, batch) -> None:
         """The micro-step's device work: forward, loss, backward; at the step's last, rescale, clip and update."""

@@ -43,7 +43,7 @@ def build_update(
         ...     update()
 
     ``guard`` (``--on_anomaly skip|rollback``: an ``AnomalyGuard``): the update is left out, on every rank, of a
-    step whose all-reduced gradient norm ``guard.decide`` finds bad (see accel_ddp/anomaly.py).
+    step whose all-reduced gradient norm ``guard.decide`` finds bad (see accel_ddp/bad_steps/).
     """
     plain = (type(optimizer) is AcceleratedOptimizer and optimizer.scaler is None
              and accelerator.distributed_type in PLAIN_TYPES)
@@ -62,7 +62,7 @@ def build_update(
     params = [p for p in model.parameters() if p.requires_grad]
     clip = build_clip(params, max_grad_norm) if max_grad_norm > 0 else None
     if guard is not None:
-        return _guarded_update(torch_optimizer, params, clip or build_norm(params), guard)
+        return guarded_update(torch_optimizer, params, clip or build_norm(params), guard)
 
     def update() -> None:
         if clip is not None:
@@ -73,8 +73,11 @@ def build_update(
     return update
 
 
-def _guarded_update(torch_optimizer, params, clip: Callable[[], torch.Tensor], guard) -> Callable[[], None]:
+def guarded_update(torch_optimizer, params, clip: Callable[[], torch.Tensor], guard) -> Callable[[], None]:
     """The plain update, left out where ``guard.decide`` (on the clipped norm) says so.
+
+    Here, not in the bad steps' room (accel_ddp/bad_steps/, which decides): the decision is applied inside the
+    step, between the clip and the optimizer's kernels, and on a fused optimizer by those kernels themselves.
 
     A fused optimizer (CUDA) takes the decision as its ``found_inf`` flag, on the device: float32, exactly 1.0 to
     skip (its kernels compare ``== 1``; GradScaler hands it the same way, torch/amp/grad_scaler.py), no host sync.

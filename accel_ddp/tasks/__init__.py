@@ -7,7 +7,7 @@
     finite.py     nan or inf inputs of the sets held in memory and of the probe's batch, named at start-up
     probe.py      one batch through the model at start-up: a wrong task, shape or label fails before training
     user_code.py  a user's collate_fn / loss_fn / metrics: called, checked, named in the error line
-    arguments.py  train()'s arguments checked at the door: a TrainConfig, an nn.Module, datasets of samples
+    arguments.py  train()'s arguments checked at the door: an nn.Module, datasets of samples
 
 May import: util, config, lifecycle, data.
 """

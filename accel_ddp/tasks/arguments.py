@@ -1,4 +1,5 @@
-"""``train()``'s arguments checked at the door: a config, a model and datasets of the right kind, or one line.
+"""``train()``'s arguments checked at the door: a model and datasets of the right kind, or one line (the config
+itself: ``loop.train``).
 
 Without it a wrong kind fails deep inside the run, in words that name our code, not the argument: a string as the
 model ("'str' object has no attribute 'to'"), a dict as the config ("'dict' object has no attribute
@@ -14,7 +15,6 @@ from typing import Any
 
 import torch
 
-from accel_ddp.config import TrainConfig
 from accel_ddp.util.validation import ConfigError
 
 
@@ -22,18 +22,15 @@ class ArgumentError(ConfigError, TypeError):
     """An argument of ``train()`` of the wrong kind: bad input (exit 2, one line), and a ``TypeError`` for callers."""
 
 
-def check_arguments(cfg: Any, model: Any, train_dataset: Any, eval_dataset: Any) -> None:
-    """Raise ``ArgumentError`` naming the first argument of the wrong kind; nothing is built before this."""
-    if not isinstance(cfg, TrainConfig):
-        how = "TrainConfig(**your_dict)" if isinstance(cfg, Mapping) else \
-            "TrainConfig(...), or accel_ddp.cli.args.parse_args([flags])"
-        raise ArgumentError(f"cfg= must be a TrainConfig, not a{_kind(cfg)}; build one with {how}")
+def check_arguments(model: Any, train_dataset: Any, eval_dataset: Any, *, model_name: str, dataset_name: str) -> None:
+    """Raise ``ArgumentError`` naming the first argument of the wrong kind; nothing is built before this.
+    ``model_name``, ``dataset_name``: the run's --model and --dataset, what leaving the argument out gives."""
     if model is not None and not isinstance(model, torch.nn.Module):
-        raise ArgumentError(f"model= must be a torch.nn.Module, not a{_kind(model)}; or leave it out to build "
-                            f"--model {cfg.model}")
+        raise ArgumentError(f"model= must be a torch.nn.Module, not {a_kind(model)}; or leave it out to build "
+                            f"--model {model_name}")
     for name, dataset in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
         if dataset is not None and (problem := dataset_problem(dataset)) is not None:
-            raise ArgumentError(f"{name}= must be a {problem}; or leave it out to use --dataset {cfg.dataset}")
+            raise ArgumentError(f"{name}= must be a {problem}; or leave it out to use --dataset {dataset_name}")
 
 
 def dataset_problem(dataset: Any) -> str | None:
@@ -42,7 +39,7 @@ def dataset_problem(dataset: Any) -> str | None:
         return None  # read as a stream: its samples are checked where they are batched
     if isinstance(dataset, (str, bytes, Mapping)) or not (hasattr(dataset, "__getitem__")
                                                           and hasattr(dataset, "__len__")):
-        return f"Dataset (a torch.utils.data.Dataset, a datasets.Dataset), not a{_kind(dataset)}"
+        return f"Dataset (a torch.utils.data.Dataset, a datasets.Dataset), not {a_kind(dataset)}"
     try:
         if len(dataset) == 0:
             return None  # said later, with the batch size it cannot fill
@@ -51,7 +48,7 @@ def dataset_problem(dataset: Any) -> str | None:
         return None
     if isinstance(sample, (torch.Tensor, Mapping, tuple, list)) or hasattr(sample, "__array__"):
         return None
-    return f"Dataset of tensors, tuples or dicts: its sample 0 is a{_kind(sample)} ({sample!r:.40})"
+    return f"Dataset of tensors, tuples or dicts: its sample 0 is {a_kind(sample)} ({sample!r:.40})"
 
 
 def _is_stream(dataset: Any) -> bool:
@@ -59,7 +56,7 @@ def _is_stream(dataset: Any) -> bool:
     return type(dataset).__name__ == "IterableDataset" and hasattr(dataset, "__iter__")
 
 
-def _kind(value: Any) -> str:
-    """``str``, ``int``: what the value is, for "a ..." (``an`` before a vowel: "an int")."""
+def a_kind(value: Any) -> str:
+    """What the value is, with its article: "a str", "an int" (for "must be a ..., not an int")."""
     name = type(value).__name__
-    return f"n {name}" if name[:1].lower() in "aeiou" else f" {name}"
+    return f"an {name}" if name[:1].lower() in "aeiou" else f"a {name}"

@@ -23,9 +23,12 @@ float rounding (tests/tasks/test_chunked_loss.py: fp32 1e-5 relative, bf16 2e-2)
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
+from accel_ddp.config.views import config_section
 from accel_ddp.util.converters import ModelBuild, ModelConverter
 from accel_ddp.util.precision import autocast_dtype
 from accel_ddp.util.validation import ConfigError
@@ -174,12 +177,21 @@ def _add_weight_grad(grad_weight: torch.Tensor, low: torch.Tensor, grad: torch.T
     grad_weight.addmm_(grad.T, h.to(grad_weight.dtype))
 
 
-def _split_for_loss(model: torch.nn.Module, build: ModelBuild) -> tuple[torch.nn.Module, str]:
+@config_section
+@dataclass(frozen=True)
+class ChunkedLossOptions:
+    """What ``CHUNKED_LOSS`` reads (config/views.py)."""
+
+    chunked_loss: bool
+
+
+def _split_for_loss(model: torch.nn.Module, options: ChunkedLossOptions,
+                    build: ModelBuild) -> tuple[torch.nn.Module, str]:
     """Before DDP wraps it: training forwards return hidden states, the task applies the layer."""
     build.task.split_head = split_output_layer(model, sharded=build.accelerator.is_fsdp2)
     build.task.compute_dtype = autocast_dtype(build.accelerator.mixed_precision)  # None: the hidden states' dtype
     return model, "output layer chunked into the loss (--chunked_loss)"
 
 
-CHUNKED_LOSS = ModelConverter("chunked_loss", applies=lambda cfg: bool(cfg.chunked_loss), apply=_split_for_loss,
-                              training_only=True)  # in assemble.MODEL_CONVERTERS (util/converters.py)
+CHUNKED_LOSS = ModelConverter("chunked_loss", ChunkedLossOptions, applies=lambda o: o.chunked_loss,
+                              apply=_split_for_loss, training_only=True)  # in assemble.MODEL_CONVERTERS

@@ -50,7 +50,7 @@ from accel_ddp.tasks.batches import (
 )
 from accel_ddp.tasks.chunked_loss import linear_cross_entropy
 from accel_ddp.tasks.user_code import check_count, check_scalar, fresh_copies, metric_values
-from accel_ddp.util.converters import ModelBuild, ModelConverter
+from accel_ddp.util.converters import ModelBuild, ModelConverter, NoOptions
 from accel_ddp.util.messages import empty_sum, warn
 from accel_ddp.util.model_outputs import logits_of
 from accel_ddp.util.registry import describe
@@ -388,13 +388,14 @@ def build_task(name: str, loss_fn: Callable[[Any, Any], Any] | None = None, metr
 
 
 
-def _channels_last(model: torch.nn.Module, build: ModelBuild) -> tuple[torch.nn.Module, None]:
+def _channels_last(model: torch.nn.Module, options: NoOptions, build: ModelBuild) -> tuple[torch.nn.Module, None]:
     return model.to(memory_format=build.task.memory_format), None  # NHWC convolutions: faster on tensor cores
 
 
 # --channels_last: the model in the layout its task gives the batches (in assemble.MODEL_CONVERTERS). Always
-# applied: without the flag a caller's channels-last model is made contiguous, as the batches are.
-CHANNELS_LAST = ModelConverter("channels_last", applies=lambda cfg: True, apply=_channels_last)
+# applied, reading no option (the task holds the flag's layout): without the flag a caller's channels-last model is
+# made contiguous, as the batches are.
+CHANNELS_LAST = ModelConverter("channels_last", NoOptions, applies=lambda o: True, apply=_channels_last)
 
 
 @contextmanager

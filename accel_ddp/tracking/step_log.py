@@ -1,6 +1,6 @@
 """What each optimizer step leaves behind on the host: the progress bar, step times, the profile, log lines.
 
-    log = StepLog(run, losses)
+    log = StepLog(run, losses, section_of(cfg, StepLogOptions))
     log.step_done(step)                       # after every optimizer step: timers, the profile, the bar
     log.line(step, epoch, mean_loss)          # at a log step (accel_ddp/after_step.py decides which, and the loss);
                                               # --log_every given: also printed, step 20 epoch 0: loss 0.29 lr 0.003
@@ -12,16 +12,28 @@ Host clocks only: the logged loss (the one host sync of a log line) is read by t
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
-from tqdm.auto import tqdm
-
+from accel_ddp.config.views import config_section
 from accel_ddp.tracking.meters import EpochTimer, StepProfiler, ThroughputMeter, memory_record
+from accel_ddp.util.messages import write
+
+
+@config_section
+@dataclass(frozen=True)
+class StepLogOptions:
+    """The options the step log reads (``global_batch_size``: the resolved run's, never None here)."""
+
+    global_batch_size: int | None
+    tf32: bool
+    profile: bool
+    output_dir: str
 
 
 class StepLog:
-    def __init__(self, run: Any, losses: Any):
-        cfg = run.cfg
+    def __init__(self, run: Any, losses: Any, options: StepLogOptions):
+        cfg = options
         self.run, self.losses = run, losses
         # samples/s, real tokens/s, model FLOP/s and MFU between log lines (tracking/meters.py, tracking/flops.py)
         self.meter = ThroughputMeter.for_run(run.accelerator, run.model, cfg.global_batch_size,
@@ -48,7 +60,7 @@ class StepLog:
                           **self.meter.record(step, tokens, self.losses.logged_steps)})
         run.bar.set_postfix(loss=f"{mean_loss:.4f}", refresh=False)  # shown at the bar's next redraw (<= 0.1 s)
         if run.plan.cadence.log_lines and run.accelerator.is_main_process:  # the Trainer's --logging_steps line
-            tqdm.write(f"step {step} epoch {epoch}: loss {mean_loss:.4f} lr {lr:.4g}")  # above the bar, as eval lines
+            write(f"step {step} epoch {epoch}: loss {mean_loss:.4f} lr {lr:.4g}", above_bar=True)  # as eval lines
 
     def paused(self, step: int) -> None:
         """After an evaluation or a checkpoint: neither is training throughput nor step time."""
@@ -60,5 +72,7 @@ class StepLog:
                                **memory_record(self.run.accelerator)})
 
     def close(self) -> None:
+        """The loop's end: the bar's line ended before ``finish`` and the callbacks write. Any other exit (an error,
+        a stop) ends it in the teardown, first (``assemble._watches``); nothing else closes it."""
         self.run.bar.close()
         self.profiler.stop()

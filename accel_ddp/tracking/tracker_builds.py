@@ -28,7 +28,7 @@ class TrackerRun:
     saved: dict[str, Any] = field(default_factory=dict)  # this tracker's entry of trackers.json (resumes only)
 
 
-def _new_tracker(name: str, run: TrackerRun) -> GeneralTracker:
+def new_tracker(name: str, run: TrackerRun) -> GeneralTracker:
     """Accelerate's tracker ``name``, with this run's project, run name, folder and resume state."""
     from accelerate import tracking
 

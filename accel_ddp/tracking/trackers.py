@@ -24,12 +24,12 @@ from accel_ddp.lifecycle.failure import main_process_decides
 from accel_ddp.outputs.names import METRICS_NAME
 from accel_ddp.tracking.configured import skipped_line, unconfigured
 from accel_ddp.tracking.csv_tracker import CSVTracker
-from accel_ddp.tracking.tracker_builds import TrackerRun, _new_tracker
+from accel_ddp.tracking.tracker_builds import TrackerRun, new_tracker
 from accel_ddp.tracking.tracker_thread import TrackerInterrupted, TrackerThread, TrackerTimedOut
 from accel_ddp.util.messages import first_line, note, warn
 from accel_ddp.util.validation import ConfigError
 
-__all__ = ["CSVTracker", "TrackerRun"]  # TrackerRun: built in tracker_builds.py, used from here
+__all__ = ["CSVTracker", "TrackerRun", "new_tracker"]  # built elsewhere, used from here
 
 
 # pip package where it differs from the tracker's name (mlflow-skinny: the client without a server's dependencies)
@@ -60,7 +60,7 @@ def _installed(name: str) -> bool:
 
 
 def resolve_report_to(report_to: str) -> list[str]:
-    """The tracker names of ``--report_to`` (already checked by TrainConfig), each installed.
+    """The tracker names of ``--report_to`` (already checked with the options: config/checks.py), each installed.
 
     ``all`` is every tracker Accelerate knows whose package is installed and which is configured to
     run here (configured.py), then csv, as in the Hugging Face example scripts; the installed ones
@@ -105,7 +105,7 @@ class GuardedTracker(GeneralTracker):
     """One tracker of ``--report_to``, built when the run starts and kept from stopping it.
 
     Passed to ``Accelerator(log_with=[...])`` on every rank; Accelerate starts and feeds it on the
-    main process only. The real tracker is built in ``start`` (``_new_tracker``), once ``prepare``
+    main process only. The real tracker is built in ``start`` (``new_tracker``), once ``prepare``
     has said where the run starts: a resumed run reopens the tracker run it interrupted where the
     tracker can. Every call into it runs on the run's ``TrackerThread``. A failure to start or to
     store the config, or no answer within ``start_timeout`` seconds, is a ConfigError naming the fix;
@@ -147,7 +147,7 @@ class GuardedTracker(GeneralTracker):
 
     def start(self) -> None:
         def build_and_start() -> GeneralTracker:
-            inner = _new_tracker(self.name, self.run)
+            inner = new_tracker(self.name, self.run)
             inner.start()
             return inner
 

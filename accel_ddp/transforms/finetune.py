@@ -1,9 +1,9 @@
 """Fine-tuning a pretrained model: LoRA adapters on a frozen base (``--peft lora``), activation checkpointing
 (``--gradient_checkpointing``), the base's fingerprint, and the adapter's export.
 
-    model, _ = convert_model(model, build, (GRADIENT_CHECKPOINTING, PEFT))  # before DDP: checkpointing, adapters
-    facts = finetune_facts(model)                     # trainable/total parameters, the frozen base's fingerprint
-    export_adapter(accelerator, model, tokenizer, "outputs/run", merge=True)   # adapter/ and hf_model/
+    model, _ = convert_model(model, build, (GRADIENT_CHECKPOINTING, PEFT), read)  # before DDP: checkpointing, LoRA
+    facts = finetune_facts(model)                      # trainable/total parameters, the frozen base's fingerprint
+    export_adapter(accelerator, model, tokenizer, "outputs/run", merge=True)    # adapter/ and hf_model/
 
 What DDP needs for this is nothing special, by construction: DDP registers only the parameters that require a
 gradient (the adapters), every adapter is used in every forward, so ``find_unused_parameters`` stays off (its
@@ -24,6 +24,7 @@ import os
 import shutil
 import warnings
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,6 +32,7 @@ from torch import nn
 
 from accel_ddp.checkpoint.hyperparameters import FULL_FINGERPRINT
 from accel_ddp.checkpoint.weights import load_weights
+from accel_ddp.config.views import config_section
 from accel_ddp.lifecycle.failure import main_process_decides
 from accel_ddp.outputs.names import ADAPTER_SUBDIR, PRETRAINED_SUBDIR
 from accel_ddp.util.atomic import follow_umask
@@ -43,25 +45,39 @@ DIGEST_VALUES = 64  # values per frozen tensor in the sampled fingerprint of ear
 FINGERPRINT_THREADS = 4  # tensors hashed at once; each holds one tensor's host copy
 
 
-def _init_from(model: nn.Module, build: ModelBuild) -> tuple[nn.Module, None]:
-    load_weights(model, build.cfg.init_from)  # every rank reads the same file before DDP wraps the model
+@config_section
+@dataclass(frozen=True)
+class FinetuneOptions:
+    """What this module's converters read (config/views.py): the base's weights, checkpointing, the adapters."""
+
+    init_from: str | None
+    gradient_checkpointing: bool
+    peft: str | None
+    lora_r: int
+    lora_alpha: float
+    lora_dropout: float
+    lora_target_modules: str
+    merge_adapter: bool
+
+
+def _init_from(model: nn.Module, options: FinetuneOptions, build: ModelBuild) -> tuple[nn.Module, None]:
+    load_weights(model, options.init_from)  # every rank reads the same file before DDP wraps the model
     return model, None
 
 
-def _gradient_checkpointing(model: nn.Module, build: ModelBuild) -> tuple[nn.Module, None]:
+def _gradient_checkpointing(model: nn.Module, options: FinetuneOptions, build: ModelBuild) -> tuple[nn.Module, None]:
     enable_activation_checkpointing(model)
     return model, None
 
 
-def _peft(model: nn.Module, build: ModelBuild) -> tuple[nn.Module, None]:
+def _peft(model: nn.Module, options: FinetuneOptions, build: ModelBuild) -> tuple[nn.Module, None]:
     """``--peft lora``'s adapters added (the base frozen), after ``--init_from`` loaded the base's weights. Under
     FSDP --peft is refused (its trainable-only checkpoints and exports are written for DDP)."""
-    cfg = build.cfg
     if build.accelerator.is_fsdp2:
-        raise ConfigError(f"--peft {cfg.peft} under FSDP is not supported yet; launch with a DDP config (the "
+        raise ConfigError(f"--peft {options.peft} under FSDP is not supported yet; launch with a DDP config (the "
                           "frozen base is not trained, so its memory is weights only), or drop --peft")
-    model = add_lora(model, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules)
-    tie = tied_output_adapted(model) if cfg.merge_adapter else None
+    model = add_lora(model, options.lora_r, options.lora_alpha, options.lora_dropout, options.lora_target_modules)
+    tie = tied_output_adapted(model) if options.merge_adapter else None
     if tie is not None:
         output, embedding, size = tie
         note(f"--lora_target_modules: {output} is tied to {embedding} (the input embedding), and its adapter "
@@ -72,10 +88,10 @@ def _peft(model: nn.Module, build: ModelBuild) -> tuple[nn.Module, None]:
 
 
 # The model converters this module owns, in the order assemble.MODEL_CONVERTERS applies them (util/converters.py).
-INIT_FROM = ModelConverter("init_from", applies=lambda cfg: bool(cfg.init_from), apply=_init_from)
-GRADIENT_CHECKPOINTING = ModelConverter("gradient_checkpointing", applies=lambda cfg: bool(cfg.gradient_checkpointing),
-                                        apply=_gradient_checkpointing)
-PEFT = ModelConverter("peft", applies=lambda cfg: cfg.peft == "lora", apply=_peft)
+INIT_FROM = ModelConverter("init_from", FinetuneOptions, applies=lambda o: bool(o.init_from), apply=_init_from)
+GRADIENT_CHECKPOINTING = ModelConverter("gradient_checkpointing", FinetuneOptions,
+                                        applies=lambda o: o.gradient_checkpointing, apply=_gradient_checkpointing)
+PEFT = ModelConverter("peft", FinetuneOptions, applies=lambda o: o.peft == "lora", apply=_peft)
 
 
 def enable_activation_checkpointing(model: nn.Module) -> None:

@@ -17,11 +17,13 @@ Imports no Transformers of its own: a model that holds Transformers' modules has
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from accel_ddp.config.views import config_section
 from accel_ddp.util.converters import ModelBuild, ModelConverter
 
 # Transformers' classes (in transformers.activations) that compute 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))
@@ -55,13 +57,21 @@ def fuse_activations(model: nn.Module) -> int:
     return replaced
 
 
-def _fuse(model: nn.Module, build: ModelBuild) -> tuple[nn.Module, str | None]:
+@config_section
+@dataclass(frozen=True)
+class FusedKernelsOptions:
+    """What ``FUSED_KERNELS`` reads (config/views.py)."""
+
+    fused_kernels: bool
+
+
+def _fuse(model: nn.Module, options: FusedKernelsOptions, build: ModelBuild) -> tuple[nn.Module, str | None]:
     fused = fuse_activations(model)  # before DDP wraps it: same math, fewer kernels
     return model, (f"{fused} tanh-GELU module{'s' if fused > 1 else ''} on torch's one kernel (--fused_kernels)"
                    if fused else None)
 
 
-FUSED_KERNELS = ModelConverter("fused_kernels", applies=lambda cfg: bool(cfg.fused_kernels), apply=_fuse,
+FUSED_KERNELS = ModelConverter("fused_kernels", FusedKernelsOptions, applies=lambda o: o.fused_kernels, apply=_fuse,
                                training_only=True)  # assemble.MODEL_CONVERTERS applies it (util/converters.py)
 
 

@@ -1,13 +1,16 @@
 """``--compile_regions``: ``torch.compile`` of a model's repeated blocks, one compiled graph shared by the blocks.
 
-Imports torch and util only (the same layer as ``fused_activations``: both change how a built model runs, never its
-weights). Its converter, ``COMPILE_REGIONS``, is one of ``assemble.MODEL_CONVERTERS``.
+Imports torch, util and its section of the options only (the same layer as ``fused_activations``: both change how a
+built model runs, never its weights). Its converter, ``COMPILE_REGIONS``, is one of ``assemble.MODEL_CONVERTERS``.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from torch import nn
 
+from accel_ddp.config.views import config_section
 from accel_ddp.util.converters import ModelBuild, ModelConverter
 from accel_ddp.util.validation import ConfigError
 
@@ -51,10 +54,18 @@ def slower_here(device_type: str, *, compile: bool, compile_regions: bool) -> st
             "pays back; benchmarks/compile_cost.py, docs/performance.md); it runs as asked: drop it to train faster")
 
 
-def _compile_regions(model: nn.Module, build: ModelBuild) -> tuple[nn.Module, str]:
+@config_section
+@dataclass(frozen=True)
+class CompileRegionsOptions:
+    """What ``COMPILE_REGIONS`` reads (config/views.py)."""
+
+    compile_regions: bool
+
+
+def _compile_regions(model: nn.Module, options: CompileRegionsOptions, build: ModelBuild) -> tuple[nn.Module, str]:
     regions = compile_regions(model)  # in place, before DDP wraps it: the same parameter names
     return model, f"{regions} repeated block{'s' if regions != 1 else ''} compiled (--compile_regions)"
 
 
-COMPILE_REGIONS = ModelConverter("compile_regions", applies=lambda cfg: bool(cfg.compile_regions),
+COMPILE_REGIONS = ModelConverter("compile_regions", CompileRegionsOptions, applies=lambda o: o.compile_regions,
                                  apply=_compile_regions, training_only=True)  # in assemble.MODEL_CONVERTERS

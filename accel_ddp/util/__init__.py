@@ -12,7 +12,8 @@ crash-safe write, and the messages module (warnings, notes, error lines, which r
     host_memory.py  keep_freed_host_memory: glibc keeps a CPU step's freed memory for the next step
     cpu_bf16.py     the CPU's bf16 units and the one verdict on bf16 autocast there (doctor and start-up block)
     precision.py    autocast_dtype: the dtype Accelerate's mixed_precision computes in, the one map
-    converters.py   ModelConverter: one transform of a built model (its check, its start-up line); convert_model
+    converters.py   ModelConverter: one transform of a built model (its section of the options, its check, its
+                    start-up line); convert_model
 
 May import: nothing from accel_ddp (the standard library; torch and Accelerate only inside a function).
 """

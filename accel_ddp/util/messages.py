@@ -5,6 +5,8 @@
     say("resumed from outputs/run/checkpoints/step_00000100 ...")   # accel_ddp: resumed from ... (stdout)
     error_line("--lr -1: must be > 0; pass a positive number")   # accel_ddp: error: --lr -1: ...
     first_line(err)                                    # an error's first line, for a one-line message
+    write(report.render())                             # text as it is: a command's output, the start-up block
+    write(f"step 40 epoch 1: loss 0.3131 ...", above_bar=True)   # a log or eval line while the bar is on screen
 
 Which rank prints (``ranks``):
 
@@ -15,7 +17,8 @@ Which rank prints (``ranks``):
   reads), or where only the main process calls anyway.
 
 A failing launch's ``accel_ddp: error:`` line is printed by the rank that failed first
-(:mod:`accel_ddp.lifecycle.failure`); it is formatted here.
+(:mod:`accel_ddp.lifecycle.failure`); it is formatted here. Nothing else in the package writes to the console
+(``print``, ``sys.stdout.write``, ``tqdm.write``): tests/test_layering.py checks it; the progress bar is tqdm's own.
 """
 
 from __future__ import annotations
@@ -80,6 +83,20 @@ def _write(text: str, stream, above_bar: bool) -> None:
         stream.flush()
     else:
         print(text, file=stream, flush=True)
+
+
+def write(text: str, err: bool = False, above_bar: bool = False, end: str = "\n") -> None:
+    """``text`` as it is (no ``accel_ddp:`` prefix), then ``end``, on stdout (stderr with ``err``), flushed; in one
+    write, so another process's output cannot land inside it. ``above_bar``: through ``tqdm.write``, as ``warn``'s.
+    The caller decides which rank writes."""
+    stream = sys.stderr if err else sys.stdout
+    if above_bar:
+        from tqdm.auto import tqdm
+
+        tqdm.write(text, file=stream, end=end)
+    else:
+        stream.write(text + end)
+    stream.flush()
 
 
 def note(message: str, ranks: str = "every") -> None:

@@ -3,7 +3,7 @@
     checked_type("lr", "0.1", float, 3e-3)   # ConfigError: --lr expects a finite number, got '0.1' (str); ...
     check_range("keep_last", 0, low=1, high=None)   # ConfigError: --keep_last must be > 0, got 0; ...
 
-``TrainConfig.__post_init__`` (config/options.py) runs these on every field, whatever the source (Python,
+The options' ``__post_init__`` (config/options.py) runs these on every field, whatever the source (Python,
 YAML or CLI). No torch import, like accel_ddp/config/.
 """
 

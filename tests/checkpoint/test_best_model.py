@@ -15,11 +15,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from accel_ddp.checkpoint.best import BestModel
+from accel_ddp.checkpoint.best import BestModel, BestModelOptions
 from accel_ddp.checkpoint.manager import list_checkpoints, read_checkpoint
 from accel_ddp.cli.args import parse_args
 from accel_ddp.cli.train import main
 from accel_ddp.config import TrainConfig
+from accel_ddp.config.views import section_of
 from accel_ddp.util.validation import ConfigError
 from tests.helpers import faults
 from tests.helpers.multiproc import run_ranks
@@ -162,7 +163,7 @@ def test_a_resume_in_the_middle_of_the_patience_count_stops_at_the_same_step(sto
 
 def test_without_the_flags_nothing_changes(tmp_path):
     cfg = TrainConfig()
-    assert BestModel.from_config(cfg, 8, 32) is None
+    assert BestModel.from_options(section_of(cfg, BestModelOptions), 8, 32) is None
 
 
 def test_early_stopping_at_an_epoch_end_evaluation(tmp_path):

@@ -19,8 +19,9 @@ import torch
 
 import accel_ddp.checkpoint.async_save as async_save
 import accel_ddp.optim.user as optim_user
-from accel_ddp.checkpoint.manager import MARKER_NAME, list_checkpoints, read_checkpoint
+from accel_ddp.checkpoint.manager import list_checkpoints, read_checkpoint
 from accel_ddp.cli.train import main
+from accel_ddp.outputs.names import MARKER_NAME
 from tests.helpers.multiproc import RankFailed, run_ranks
 from tests.helpers.ranks import error_lines
 from tests.helpers.runs import load_weights, main_ranks, read_summary
@@ -160,7 +161,7 @@ def test_a_rollback_while_a_save_is_in_flight_waits_for_it_and_rolls_back_to_it(
     """--on_anomaly rollback, --keep_last 1: the seal of step 4 is held until the guard has found step 5's nan (at
     step 6). The checkpoint in flight is the newest one from before it, as a synchronous save's would be: every rank
     waits for its seal (and the prune of step 2 that follows) before loading it, and the run ends normally."""
-    from accel_ddp.anomaly import AnomalyGuard
+    from accel_ddp.bad_steps import AnomalyGuard
     from tests.helpers.anomaly import ARGS as ANOMALY_ARGS
     from tests.helpers.anomaly import install
 

@@ -4,7 +4,7 @@ on resume.
 Every run here is forked ranks of a gloo group (tests/helpers/multiproc.py), not a launch. Config-level cases
 (types, ranges, YAML) live in tests/cli/test_args.py and tests/config/; the run folder's lock and bad output folders in
 tests/outputs/test_run_dir.py, users' functions in tests/tasks/test_user_code.py, a nan loss in
-tests/lifecycle/test_non_finite.py.
+tests/bad_steps/test_watch.py.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ import torch
 import yaml
 
 from accel_ddp.checkpoint.manager import (
-    MARKER_NAME,
     CheckpointManager,
     CorruptCheckpoint,
     list_checkpoints,
@@ -31,6 +30,7 @@ from accel_ddp.checkpoint.manager import (
 from accel_ddp.checkpoint.train_state import TrainState
 from accel_ddp.cli.train import main
 from accel_ddp.outputs.files import file_sha256
+from accel_ddp.outputs.names import MARKER_NAME
 from accel_ddp.tracking.recorder import RunRecorder
 from tests.helpers.checkpoints import assert_same_weights, plant_pickle, steps_of
 from tests.helpers.files import CHECKPOINTED_ARGS as ARGS
@@ -289,7 +289,7 @@ def test_keep_last_never_prunes_checkpoints_newer_than_the_one_saved(tmp_path):
 
     nothing = TrainState(accelerator=Stub(), model=torch.nn.Identity(), optimizer=None, scheduler=None)  # not saved
     manager = CheckpointManager(nothing.accelerator, str(tmp_path), keep_last=1, run_facts={}, state=nothing)
-    manager._prune(keep=str(root / "step_00000020"))  # a run resumed at 10 past damaged 30 and 40
+    manager.prune(keep=str(root / "step_00000020"))  # a run resumed at 10 past damaged 30 and 40
     assert [s for s, _ in list_checkpoints(str(root))] == [20, 30, 40]
 
 

@@ -281,7 +281,8 @@ def _sealed_folder(store, step: int) -> None:
 
 
 def test_a_run_whose_lock_a_later_run_overwrote_stops_before_its_next_seal_or_deletion(tmp_path):
-    from accel_ddp.checkpoint.storage import ObjectStore, StoreError
+    from accel_ddp.checkpoint.storage import ObjectStore
+    from accel_ddp.checkpoint.store_calls import StoreError
 
     store, first, second = tmp_path / "store", tmp_path / "first", tmp_path / "second"
     first.mkdir()
@@ -329,7 +330,8 @@ def test_the_first_run_stops_with_one_line_at_its_seal_instead_of_pruning_the_ot
 
 def test_a_lock_of_this_host_and_path_is_taken_over_only_from_the_same_folder(tmp_path, capsys):
     """Two containers can share a host name and a path on different file systems: the folder's id decides."""
-    from accel_ddp.checkpoint.storage import ObjectStore, StoreError
+    from accel_ddp.checkpoint.storage import ObjectStore
+    from accel_ddp.checkpoint.store_calls import StoreError
 
     store, out = tmp_path / "store", tmp_path / "run"
     store.mkdir()

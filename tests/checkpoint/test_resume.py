@@ -34,7 +34,6 @@ import torch
 from safetensors.torch import save_file
 
 from accel_ddp.checkpoint.manager import (
-    MARKER_NAME,
     CheckpointManager,
     CorruptCheckpoint,
     list_checkpoints,
@@ -43,6 +42,7 @@ from accel_ddp.checkpoint.manager import (
 from accel_ddp.checkpoint.train_state import TrainState
 from accel_ddp.cli.train import main
 from accel_ddp.lifecycle.preemption import PreemptionWatcher
+from accel_ddp.outputs.names import MARKER_NAME
 from tests.helpers import faults
 from tests.helpers.checkpoints import assert_same_weights, steps_of
 from tests.helpers.multiproc import RankFailed, run_ranks
@@ -116,12 +116,12 @@ def test_prune_keeps_the_newest_k_and_never_the_one_just_written(tmp_path):
     stub = _StubAccelerator()
     nothing = TrainState(accelerator=stub, model=torch.nn.Identity(), optimizer=None, scheduler=None)  # not saved
     manager = CheckpointManager(stub, str(tmp_path), keep_last=2, run_facts={}, state=nothing)
-    manager._prune(keep=str(root / "step_00000040"))
+    manager.prune(keep=str(root / "step_00000040"))
     assert [s for s, _ in list_checkpoints(str(root))] == [30, 40]
     assert not (root / ".tmp-step_00000060").exists()
     # A resumed run that saves an older step than some left-overs keeps what it just wrote.
     manager.keep_last = 1
-    manager._prune(keep=str(root / "step_00000030"))
+    manager.prune(keep=str(root / "step_00000030"))
     assert [s for s, _ in list_checkpoints(str(root))] == [30, 40]
 
 

@@ -107,10 +107,10 @@ def test_sigterm_during_a_stuck_save_stops_every_rank_with_75_and_the_previous_c
     step 4's seal waits on the stopped server: the call gives up STOP_GRACE_S later, every rank exits 75 with one
     line saying that step 4 was not saved and that step 2 is intact; auto then resumes from step 2. The grace is 2 s
     here (the forked ranks inherit it), not 5: the same cut, 3 s less waiting."""
-    from accel_ddp.checkpoint import storage
+    from accel_ddp.checkpoint import store_calls
 
-    monkeypatch.setattr(storage, "STOP_GRACE_S", 2.0)
-    STOP_GRACE_S = storage.STOP_GRACE_S
+    monkeypatch.setattr(store_calls, "STOP_GRACE_S", 2.0)
+    STOP_GRACE_S = store_calls.STOP_GRACE_S
 
     client, server = moto
     prefix, out = new_prefix(), tmp_path / "run"
@@ -184,7 +184,8 @@ def silent_endpoint(monkeypatch):
 def test_every_call_to_a_silent_store_ends_within_its_bound_naming_it(what, method, args, silent_endpoint, tmp_path):
     """botocore's own read timeout bounds a GET but not a PUT (its ``Expect: 100-continue``): every kind of call
     the store makes ends with StoreStalled naming the store and --store_timeout (plus 1 s per MiB carried)."""
-    from accel_ddp.checkpoint.storage import ObjectStore, StoreStalled
+    from accel_ddp.checkpoint.storage import ObjectStore
+    from accel_ddp.checkpoint.store_calls import StoreStalled
 
     store = ObjectStore("s3://bucket/run", str(tmp_path / "staging"), timeout=1)
     path = tmp_path / "model.safetensors"

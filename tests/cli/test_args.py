@@ -15,11 +15,11 @@ from accel_ddp.util.validation import ConfigError
 
 def test_yaml_recipe_then_cli_overrides(tmp_path):
     recipe = tmp_path / "recipe.yaml"
-    recipe.write_text("lr: 0.05\nepochs: 7\noptimizer: sgd\nsynthetic_shape: [3, 4, 4]\n")
-    cfg = parse_args(["--config", str(recipe), "--epochs", "2", "--download"])
+    recipe.write_text("lr: 0.05\nepochs: 7\noptimizer: sgd\ndataset: synthetic\nsynthetic_shape: [3, 4, 4]\n")
+    cfg = parse_args(["--config", str(recipe), "--epochs", "2", "--compile"])
     assert cfg.lr == 0.05 and cfg.optimizer == "sgd"  # from the recipe
     assert cfg.epochs == 2  # the flag wins over the recipe
-    assert cfg.download is True and cfg.synthetic_shape == (3, 4, 4)
+    assert cfg.compile is True and cfg.synthetic_shape == (3, 4, 4)
     assert parse_args([]).epochs == TrainConfig().epochs  # defaults untouched
 
 
@@ -36,9 +36,11 @@ def test_yaml_recipe_then_cli_overrides(tmp_path):
         (["--weight_decay", "nan"], "--weight_decay must be a finite number, got nan"),
         (["--max_grad_norm", "nan"], "--max_grad_norm must be a finite number, got nan"),
         (["--hidden_size", "100000000"], "--hidden_size 100000000 is too large: ~1e+16 parameters"),
-        (["--width", "4096"], "--width 4096 is too large"),
-        (["--synthetic_samples", str(10**9)], "--synthetic_samples 1000000000 with --synthetic_shape 1 28 28 needs"),
-        (["--synthetic_classes", "1000000", "--synthetic_shape", "3", "64", "64", "--synthetic_samples", "64"],
+        (["--model", "resnet18", "--width", "4096"], "--width 4096 is too large"),
+        (["--dataset", "synthetic", "--synthetic_samples", str(10**9)],
+         "--synthetic_samples 1000000000 with --synthetic_shape 1 28 28 needs"),
+        (["--dataset", "synthetic", "--synthetic_classes", "1000000", "--synthetic_shape", "3", "64", "64",
+          "--synthetic_samples", "64"],
          "--synthetic_classes 1000000 with --synthetic_shape 3 64 64 needs"),
         (["--num_workers", "100000"], "--num_workers must be <= 256"),
         (["--max_steps", "0"], "--max_steps must be > 0"),
@@ -119,7 +121,7 @@ def test_yaml_numbers_and_booleans_that_are_meant_are_taken(tmp_path):
     path = tmp_path / "recipe.yaml"
     # PyYAML alone reads 1e-3 as text; `yes` is a YAML 1.1 boolean; checkpointing_steps may be a number.
     path.write_text("lr: 1e-3\nweight_decay: 5E-2\nprofile: yes\ndebug: false\ncheckpointing_steps: 100\n"
-                    "synthetic_shape: 784\nnum_workers: null\nmax_grad_norm: 2\n")
+                    "dataset: synthetic\nsynthetic_shape: 784\nnum_workers: null\nmax_grad_norm: 2\n")
     cfg = parse_args(["--config", str(path)])
     assert (cfg.lr, cfg.weight_decay, cfg.profile, cfg.debug) == (1e-3, 5e-2, True, False)
     assert (cfg.checkpointing_steps, cfg.synthetic_shape, cfg.num_workers) == ("100", (784,), None)

@@ -1,5 +1,5 @@
 """Issue 40: bad flags and a bad recipe are refused before torch is imported (accel_ddp/cli/train.py ``main``,
-accel_ddp/lifecycle/failure.py ``refuse_options``): one line, exit 2, torch not loaded; under torchrun rank 0 speaks
+accel_ddp/lifecycle/refusal.py ``refuse_options``): one line, exit 2, torch not loaded; under torchrun rank 0 speaks
 and the other ranks, stopped by the launcher's SIGTERM, exit 2 silently with the reason in their error file.
 
 How soon the line comes is measured, not asserted (docs/launch.md): a test checks what makes it soon, that torch is

@@ -25,6 +25,13 @@ CASES = {
     "text_column": ("body", dict(task="causal_lm"), {}),
     "tokenizer": ("tok", dict(task="sequence_classification"), {}),
     "max_length": (64, dict(task="causal_lm"), {}),
+    "synthetic_samples": (64, dict(dataset="synthetic"), {}),
+    "synthetic_shape": ((4,), dict(dataset="synthetic"), dict(dataset="mnist")),
+    "synthetic_classes": (3, dict(dataset="synthetic"), dict(dataset="pkg.data:build")),
+    "download": (True, dict(dataset="mnist"), dict(dataset="synthetic")),
+    "device_loader_max_mb": (0, dict(loader="dataloader", dataset="hf"), dict(loader="dataloader")),
+    "hidden_size": (16, {}, dict(model="resnet18")),
+    "width": (16, dict(model="resnet18"), {}),
     "packing": (True, dict(task="causal_lm"), dict(task="sequence_classification")),
     "text_cache": ("/tmp/blocks", dict(task="causal_lm", packing=True, dataset="hf"), {}),
     "lora_r": (4, dict(peft="lora"), {}),
@@ -81,10 +88,44 @@ def test_a_dependent_flag_is_accepted_where_it_is_used_and_refused_in_one_line_w
      "--shuffle_buffer without --streaming: nothing would use it"),
     (dict(lora_dropout=0.1, merge_adapter=True),
      "--lora_dropout, --merge_adapter without --peft: nothing would use them; add --peft lora, or drop them"),
+    # the model sizes: a user's builder gets num_classes and input_shape only; a config.json sizes its own model
+    (dict(hidden_size=16, model="my_pkg.models:build"), "--hidden_size with --model my_pkg.models:build: nothing "
+     "would use it; add --model mlp (a pkg.module:function model is called with num_classes and input_shape only)"),
+    (dict(hidden_size=16, model="tests.helpers.faults:nan_mlp"), "--hidden_size with --model tests.helpers.faults:"),
+    (dict(hidden_size=16, width=8, model_config="config.json"), "--hidden_size, --width with --model_config (its "
+     "config.json sizes the model): nothing would use them; set the size in that config.json, or drop them"),
+    (dict(width=8), "--width with --model mlp: nothing would use it; add --model resnet18"),
+    (dict(synthetic_samples=64, synthetic_shape=(4,), dataset="hf"), "--synthetic_samples, --synthetic_shape with "
+     "--dataset hf: nothing would use them; add --dataset synthetic, or drop them"),
+    (dict(download=True, dataset="imagefolder"), "--download with --dataset imagefolder, which downloads nothing: "
+     "nothing would use it; give --dataset mnist, fashion_mnist, cifar10 or hf, or drop it"),
+    (dict(device_loader_max_mb=0, loader="dataloader"), "--device_loader_max_mb with --loader dataloader: nothing "
+     "would use it; use --loader auto (or --dataset hf, whose decoded size it bounds), or drop it"),
 ])
 def test_the_issues_cases_in_their_words(options, expected):
     with pytest.raises(ConfigError, match=re.escape(expected)):
         TrainConfig(**options)
+
+
+def test_the_sizes_are_used_where_the_model_or_dataset_reads_them():
+    """models.py build_model sizes mlp and resnet18, also named as its own builders; data/builtin.py hands the
+    download flag to a user's dataset builder, and hf's main process loads first with it."""
+    assert TrainConfig(model="accel_ddp.models:build_mlp", hidden_size=16).hidden_size == 16
+    assert TrainConfig(model="accel_ddp.models:build_resnet18", width=16).width == 16
+    assert TrainConfig(dataset="my_pkg.data:build", download=True).download is True
+    assert TrainConfig(dataset="hf", download=True).download is True
+    assert TrainConfig(loader="device", device_loader_max_mb=0).device_loader_max_mb == 0
+
+
+def test_a_size_too_large_for_memory_is_still_refused_where_the_run_builds_it():
+    """The memory check (options.py ``_check_sizes``) comes after the table: a size nothing builds is refused as
+    unused, one the run builds as too large."""
+    with pytest.raises(ConfigError, match="--width 4096 is too large"):
+        TrainConfig(model="resnet18", width=4096)
+    with pytest.raises(ConfigError, match="--width with --model mlp: nothing would use it"):
+        TrainConfig(width=4096)
+    with pytest.raises(ConfigError, match="--hidden_size 100000000 is too large"):
+        TrainConfig(hidden_size=100_000_000)
 
 
 def test_on_the_command_line_it_is_one_line_and_exit_2(tmp_path, capfd):

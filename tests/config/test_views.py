@@ -10,7 +10,7 @@ import pytest
 
 import accel_ddp
 from accel_ddp.config import TrainConfig
-from accel_ddp.config.views import SECTIONS, config_section, section_of, section_problems
+from accel_ddp.config.views import SECTIONS, config_section, defaults_of, section_of, section_problems
 
 
 @dataclasses.dataclass(frozen=True)
@@ -21,6 +21,12 @@ class _Good:
 
 def test_a_section_reads_its_options_from_the_config():
     assert section_of(TrainConfig(epochs=3, lr=0.5), _Good) == _Good(epochs=3, lr=0.5)
+
+
+def test_a_sections_defaults_are_its_options_defaults():
+    """What a component compares against to name the flags a run changed (optim/user.py's refusals)."""
+    assert defaults_of(_Good) == {"epochs": TrainConfig().epochs, "lr": TrainConfig().lr}
+    assert section_of(TrainConfig(), _Good) == _Good(**defaults_of(_Good))
 
 
 def test_a_field_that_is_no_option_or_typed_otherwise_is_refused_at_declaration():

@@ -383,13 +383,13 @@ def test_the_in_memory_mapped_and_streamed_paths_share_one_label_rule(labels, ex
     the same classes, or the same refusal, for the same labels: one rule (accel_ddp.data.hf.class_ids)."""
     import datasets
 
-    from accel_ddp.data.hf import _label_ids, _labels
+    from accel_ddp.data.hf import _label_ids, split_labels
     from accel_ddp.data.hf_stream import _stream_labels
 
     train, eval_ = datasets.Dataset.from_dict({"label": labels[:3]}), datasets.Dataset.from_dict({"label": labels[3:]})
     readers = {"mapped": lambda: _label_ids(train, eval_, "label"),
                "stream": lambda: _stream_labels(train.features["label"], [{"label": v} for v in labels], "label"),
-               "in_memory": lambda: _labels(train, eval_, "label")}
+               "in_memory": lambda: split_labels(train, eval_, "label")}
     if isinstance(expected, str):
         for name, read in readers.items():
             with pytest.raises(ConfigError) as err:
@@ -406,11 +406,11 @@ def test_the_in_memory_mapped_and_streamed_paths_share_one_label_rule(labels, ex
 def test_a_class_label_declares_the_classes_on_every_path():
     import datasets
 
-    from accel_ddp.data.hf import _label_ids, _labels
+    from accel_ddp.data.hf import _label_ids, split_labels
     from accel_ddp.data.hf_stream import _stream_labels
 
     features = datasets.Features({"label": datasets.ClassLabel(names=["a", "b", "c", "d"])})
     train = datasets.Dataset.from_dict({"label": [0, 2]}, features=features)
     assert _label_ids(train, None, "label") == _stream_labels(features["label"], [], "label") == (None, 4)
-    train_y, eval_y, num_classes = _labels(train, None, "label")
+    train_y, eval_y, num_classes = split_labels(train, None, "label")
     assert (train_y.tolist(), eval_y, num_classes) == ([0, 2], None, 4)

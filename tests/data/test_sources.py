@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from accel_ddp.cli.args import parse_args
+from accel_ddp.config.views import section_of
 from accel_ddp.data import (
     CIFAR10_MEAN,
     CIFAR10_STD,
@@ -229,7 +230,7 @@ def test_download_runs_on_one_process_when_machines_share_the_data_dir(tmp_path)
         import torchvision.datasets
         from accelerate import Accelerator
 
-        from accel_ddp.data.resolve import resolve_data
+        from accel_ddp.data.resolve import DataOptions, resolve_data
 
         def fake_download(root, train, download):  # slow enough that a second downloader would overlap it
             with open(calls, "a", encoding="utf-8") as fh:
@@ -243,7 +244,7 @@ def test_download_runs_on_one_process_when_machines_share_the_data_dir(tmp_path)
         accelerator = Accelerator(cpu=True)
         assert accelerator.is_local_main_process
         cfg = parse_args(["--dataset", "mnist", "--data_dir", str(tmp_path / "data"), "--download"])
-        return len(resolve_data(cfg, accelerator, None, None).train)
+        return len(resolve_data(section_of(cfg, DataOptions), accelerator, None, None).train)
 
     assert run_ranks(run) == [64, 64]
     assert calls.read_text().split() == ["0"]
@@ -303,7 +304,7 @@ def test_a_rank_waiting_for_the_tokenizing_one_imports_the_text_libraries_meanwh
         resolve.import_text_libraries = lambda *_args: events.setdefault("imports", time.monotonic())
         cfg = parse_args(["--task", "causal_lm", "--dataset", "hf", "--data_dir", str(tmp_path), "--tokenizer",
                           str(tmp_path), "--max_length", "8", "--loader", "dataloader"])
-        resolve.resolve_data(cfg, Accelerator(cpu=True), None, None)
+        resolve.resolve_data(section_of(cfg, resolve.DataOptions), Accelerator(cpu=True), None, None)
         return events
 
     first, waiting = run_ranks(run)

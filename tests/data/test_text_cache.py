@@ -141,7 +141,8 @@ def test_every_rank_reads_the_same_blocks_and_only_the_first_process_writes_the_
 
         import accel_ddp.data.text as text
         from accel_ddp.cli.args import parse_args
-        from accel_ddp.data.resolve import resolve_data
+        from accel_ddp.config.views import section_of
+        from accel_ddp.data.resolve import DataOptions, resolve_data
 
         writes, tokenized, loads = [], [], []
         write, tokenize, load = text.write_blocks, text._tokenize_batch, transformers.AutoTokenizer.from_pretrained
@@ -150,7 +151,7 @@ def test_every_rank_reads_the_same_blocks_and_only_the_first_process_writes_the_
         transformers.AutoTokenizer.from_pretrained = lambda *a, **k: (loads.append(1), load(*a, **k))[1]
         cfg = parse_args(["--task", "causal_lm", "--dataset", "hf", "--data_dir", str(texts), "--tokenizer",
                           str(texts.parent / "tok"), "--max_length", "16", "--packing", "--text_cache", str(cache)])
-        data = resolve_data(cfg, Accelerator(cpu=True), None, None)
+        data = resolve_data(section_of(cfg, DataOptions), Accelerator(cpu=True), None, None)
         return data.train.inputs, data.eval.inputs, len(writes), len(tokenized) > 0, len(loads), data.num_classes
 
     (train0, eval0, writes0, tokenized0, _, classes), (train1, eval1, writes1, tokenized1, _, _) = run_ranks(run)
@@ -252,11 +253,12 @@ def _two_ranks_build(texts: Path, cache: Path) -> list[int]:
         from accelerate import Accelerator
 
         from accel_ddp.cli.args import parse_args
-        from accel_ddp.data.resolve import resolve_data
+        from accel_ddp.config.views import section_of
+        from accel_ddp.data.resolve import DataOptions, resolve_data
 
         cfg = parse_args(["--task", "causal_lm", "--dataset", "hf", "--data_dir", str(texts), "--tokenizer",
                           str(texts.parent / "tok"), "--max_length", "16", "--packing", "--text_cache", str(cache)])
-        return len(resolve_data(cfg, Accelerator(cpu=True), None, None).train)
+        return len(resolve_data(section_of(cfg, DataOptions), Accelerator(cpu=True), None, None).train)
 
     return run_ranks(run)
 

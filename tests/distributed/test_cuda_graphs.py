@@ -166,7 +166,6 @@ def test_a_batch_unlike_the_captured_one_is_one_line(other):
 def _train_with(args: list[str], graphs: bool):
     """``train`` on this CPU with the capture replaced by :class:`Rerun` and the CUDA-only capturable AdamW by the
     CPU's fused AdamW with a tensor LR (the same in both runs: the comparison is of the capture, not the kernels)."""
-    import accel_ddp.after_step
     import accel_ddp.assemble
     import accel_ddp.loop
     import accel_ddp.optim.user
@@ -181,7 +180,7 @@ def _train_with(args: list[str], graphs: bool):
 
     accel_ddp.optim.user.build_optimizer = cpu_adamw
     accel_ddp.assemble.refuse_graphs = lambda *args, **kwargs: None  # the CPU would be refused: the wiring is tested
-    accel_ddp.after_step.CudaGraphs = lambda: backends.append(Rerun()) or backends[-1]
+    accel_ddp.assemble.CudaGraphs = lambda: backends.append(Rerun()) or backends[-1]  # where fit builds the step
     summary = accel_ddp.loop.train(parse_args([*args, *(["--cuda_graphs"] if graphs else [])]))
     return summary, [(b.captures, len(b.eager_batches)) for b in backends]
 

@@ -178,10 +178,10 @@ def test_same_samples_per_step_for_any_world_size_and_accumulation(tmp_path):
 
 def _prepare_from_a_rank_seeded_init() -> dict:
     """Each rank builds its model from a different seed; what prepare leaves on every rank."""
-    from accel_ddp.distributed.world import build_accelerator
+    from accel_ddp.assemble import build_world
     from accel_ddp.models import build_model
 
-    accelerator, _, _ = build_accelerator(TrainConfig(global_batch_size=8))
+    accelerator, _, _ = build_world(TrainConfig(global_batch_size=8))
     torch.manual_seed(100 + accelerator.process_index)
     model = build_model("mlp", num_classes=3, input_shape=(5,), hidden_size=16)
     before = torch.cat([p.detach().flatten() for p in model.parameters()])
@@ -294,12 +294,12 @@ def test_plain_python(tmp_path):
 @pytest.mark.skipif(not GLIBC, reason="glibc's malloc thresholds only")
 def test_every_cpu_rank_keeps_a_steps_freed_host_memory_for_the_next_step():
     def fn():
-        from accel_ddp.distributed.world import build_accelerator
+        from accel_ddp.assemble import build_world
         from tests.helpers.host_memory import faults_per_step, give_freed_memory_back
 
         give_freed_memory_back()  # whatever the forked test process had set
         before = faults_per_step(3)
-        build_accelerator(TrainConfig(global_batch_size=2))
+        build_world(TrainConfig(global_batch_size=2))
         return before, faults_per_step()
 
     for before, after in run_ranks(fn, world_size=2):

@@ -16,9 +16,9 @@ from torch.utils.data import TensorDataset
 
 import accel_ddp.lifecycle.preemption
 from accel_ddp import TrainConfig, train
+from accel_ddp.assemble import build_world
 from accel_ddp.checkpoint.weights import load_weights
 from accel_ddp.cli.args import parse_args
-from accel_ddp.distributed.world import build_accelerator
 from accel_ddp.loop import setup
 from accel_ddp.models import build_model
 from tests.helpers.multiproc import RankFailed, run_ranks
@@ -27,7 +27,7 @@ from tests.helpers.runs import check, gpu_env, launch, read_metrics, read_summar
 
 def _ddp_facts(flags: list[str]) -> dict:
     """Build the accelerator from train.py's flags, prepare a small model, report what DDP really got."""
-    accelerator, _, _ = build_accelerator(parse_args(flags))
+    accelerator, _, _ = build_world(parse_args(flags))
     model = accelerator.prepare(build_model("mlp", num_classes=3, input_shape=(5,), hidden_size=8))
     ddp = getattr(model, "_orig_mod", model)  # under --compile the DDP module sits inside the compiled wrapper
     return {
@@ -72,7 +72,7 @@ def test_compile_wraps_the_ddp_model():
 
 
 def _barrier_with_a_late_rank() -> str:
-    accelerator, _, _ = build_accelerator(parse_args(["--ddp_timeout", "2"]))
+    accelerator, _, _ = build_world(parse_args(["--ddp_timeout", "2"]))
     if accelerator.process_index == 1:
         time.sleep(60)
     accelerator.wait_for_everyone()
@@ -241,8 +241,8 @@ def test_tf32_switches_on_with_cuda():
     result = check(run_python(
         "import torch\n"
         "from accel_ddp import TrainConfig\n"
-        "from accel_ddp.distributed.world import build_accelerator\n"
-        "build_accelerator(TrainConfig(tf32=True))\n"
+        "from accel_ddp.assemble import build_world\n"
+        "build_world(TrainConfig(tf32=True))\n"
         "print('tf32', torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)\n",
         env=gpu_env()))
     assert "tf32 True True" in result.stdout

@@ -1,5 +1,5 @@
 """What tests of --on_anomaly share: the fault (a non-finite batch at optimizer step K on one rank, ``bad_step_mlp`` and
-``install``), for tests/test_anomalies.py and tests/checkpoint/test_checkpoint_async.py; and the fused optimizers'
+``install``), for tests/bad_steps/test_guard.py and tests/checkpoint/test_checkpoint_async.py; and the fused optimizers'
 skipped step, importable without tests/conftest.py (which hides the GPUs): the GPU test runs it in a subprocess on
 CUDA.
 """
@@ -89,7 +89,7 @@ def fused_skip_equals_never_stepping(name: str, device: str = "cpu") -> bool:
     import torch
 
     from accel_ddp.optim.build import build_optimizer
-    from accel_ddp.step.update import _guarded_update, build_norm
+    from accel_ddp.step.update import build_norm, guarded_update
 
     answers = [True, False, True, False, False]  # the first step skipped, and one mid-run
     draw = torch.Generator().manual_seed(1)
@@ -102,7 +102,7 @@ def fused_skip_equals_never_stepping(name: str, device: str = "cpu") -> bool:
         optimizer = build_optimizer(name, model, lr=0.1, weight_decay=0.1, fused=True)
         params = list(model.parameters())
         flags = [torch.tensor(bad, device=device) for bad in answers]
-        update = _guarded_update(optimizer, params, build_norm(params), _Guard(flags)) if guarded else None
+        update = guarded_update(optimizer, params, build_norm(params), _Guard(flags)) if guarded else None
         for bad, step_grads in zip(answers, grads, strict=True):
             if bad and not guarded:  # the reference: that step's update never happened
                 continue

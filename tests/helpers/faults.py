@@ -55,14 +55,14 @@ def install(fail_at: tuple[int, int] | None = None, once: str | None = None, cra
     if nan_at is not None:
         _NAN_AT.update(step=nan_at[0], rank=nan_at[1])
     if crash_in_checkpoint is not None:
-        seal = checkpoint.CheckpointManager._seal
+        seal = checkpoint.CheckpointManager.seal
 
         def seal_or_die(self, tmp, final, step):
             if step == crash_in_checkpoint:  # every rank has written its files; the checkpoint is not sealed
                 os.kill(os.getpid(), signal.SIGKILL)
             seal(self, tmp, final, step)
 
-        checkpoint.CheckpointManager._seal = seal_or_die
+        checkpoint.CheckpointManager.seal = seal_or_die
     if report_delay is not None:
         failure.report = _delayed(failure.report, *report_delay)
     if print_delay is not None:

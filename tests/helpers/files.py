@@ -12,10 +12,14 @@ from accel_ddp.outputs.names import MARKER_NAME
 
 # 256 samples / global batch 32 = 8 optimizer steps per epoch. A constant LR makes the run's total step
 # count irrelevant to its first steps: a run stopped at 20 and resumed to 30 must equal a 30-step run.
-# A 2-rank run that checkpoints every 5 steps and keeps them all; tests add --max_steps and --output_dir.
-CHECKPOINTED_ARGS = ["--dataset", "synthetic", "--synthetic_samples", "256", "--synthetic_shape", "1", "8", "8",
-        "--model", "mlp", "--hidden_size", "16", "--global_batch_size", "32", "--num_workers", "0",
-        "--log_every", "4", "--lr_schedule", "constant", "--checkpointing_steps", "5", "--keep_last", "10"]
+# A 2-rank run that checkpoints every 5 steps and keeps them all; tests add --max_steps and --output_dir. Its three
+# parts apart, for a test that gives its own --model or --dataset (a size that its model or dataset would not read
+# is refused: accel_ddp/config/dependents.py).
+SYNTHETIC_8X8 = ["--dataset", "synthetic", "--synthetic_samples", "256", "--synthetic_shape", "1", "8", "8"]
+MLP_16 = ["--model", "mlp", "--hidden_size", "16"]
+CHECKPOINTED_STEPS = ["--global_batch_size", "32", "--num_workers", "0", "--log_every", "4", "--lr_schedule",
+                      "constant", "--checkpointing_steps", "5", "--keep_last", "10"]
+CHECKPOINTED_ARGS = [*SYNTHETIC_8X8, *MLP_16, *CHECKPOINTED_STEPS]
 
 
 NOBODY = 65534

@@ -25,8 +25,8 @@ from tests.helpers.multiproc import RankFailed, free_port
 from tests.helpers.ranks import C10D_UNSHARED, assert_quiet, error_lines, launch_ranks, recorded
 from tests.helpers.runs import SCRIPTS, launch_together, main_ranks, run_single
 
-BASE = ["--dataset", "synthetic", "--synthetic_samples", "64", "--synthetic_shape", "4", "--epochs", "1",
-        "--global_batch_size", "16"]
+STEPS = ["--epochs", "1", "--global_batch_size", "16"]
+BASE = ["--dataset", "synthetic", "--synthetic_samples", "64", "--synthetic_shape", "4", *STEPS]
 
 
 def _error_lines(stderr: str) -> list[str]:
@@ -45,7 +45,8 @@ def _error_lines(stderr: str) -> list[str]:
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, argv, message):
-    assert main([*BASE, *argv, "--output_dir", str(tmp_path)]) == 2
+    base = STEPS if "--dataset" in argv else BASE  # no synthetic sizes beside another dataset: refused
+    assert main([*base, *argv, "--output_dir", str(tmp_path)]) == 2
     lines = _error_lines(capsys.readouterr().err)
     assert len(lines) == 1 and message in lines[0], lines
     assert lines[0].startswith("accel_ddp: error: ")
@@ -80,7 +81,7 @@ def test_a_bad_rerun_leaves_the_previous_results_alone(tmp_path, capsys):
     saved = {"config.yaml": "lr: 0.1\n", "metrics.jsonl": '{"step": 1}\n', "summary.json": "{}\n"}
     for name, text in saved.items():
         (tmp_path / name).write_text(text)
-    assert main([*BASE, "--dataset", "nope", "--output_dir", str(tmp_path)]) == 2
+    assert main([*STEPS, "--dataset", "nope", "--output_dir", str(tmp_path)]) == 2
     for name, text in saved.items():
         assert (tmp_path / name).read_text() == text
 
@@ -131,7 +132,7 @@ def torchrun_env(request, launcher_store) -> dict[str, str]:
 
 def test_two_ranks_report_bad_input_once_without_rank_tracebacks(tmp_path, capfd):
     """Forked ranks, no launcher store: they agree on rank 0's, the group's (a c10d launch that does not share)."""
-    assert main_ranks([*BASE, "--dataset", "imagenet22k", "--output_dir", str(tmp_path)]) == [2, 2]
+    assert main_ranks([*STEPS, "--dataset", "imagenet22k", "--output_dir", str(tmp_path)]) == [2, 2]
     err = capfd.readouterr().err
     assert err.count("accel_ddp: error: unknown dataset 'imagenet22k'") == 1
     assert_quiet(err)

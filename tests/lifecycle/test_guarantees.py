@@ -376,13 +376,13 @@ def test_a_signal_during_a_save_lets_it_complete_then_stops(matrix, tmp_path, ca
     def while_sealing(rank: int, fire) -> None:
         from accel_ddp.checkpoint.manager import CheckpointManager
 
-        seal = CheckpointManager._seal
+        seal = CheckpointManager.seal
 
         def signalled(self, tmp, final, step):
             fire()  # every rank has written its files; the other rank waits in the save's last barrier
             seal(self, tmp, final, step)
 
-        CheckpointManager._seal = signalled
+        CheckpointManager.seal = signalled
 
     capfd.readouterr()
     codes = run_signalled(args_for(matrix, "dataloader", out), tmp_path / "pids", signal.SIGTERM, "job",

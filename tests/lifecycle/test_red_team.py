@@ -111,6 +111,8 @@ def test_t4_a_model_with_no_parameters_is_refused(tmp_path, capfd):
     args = user_data("no_rows", tmp_path)
     args[args.index("--dataset") + 1] = "synthetic"
     args[args.index("--model") + 1] = f"{HERE}:no_parameters"
+    size = args.index("--hidden_size")
+    del args[size:size + 2]  # mlp's size: refused beside another --model
     assert_refused([*args, "--synthetic_shape", "4", "--synthetic_classes", "2", "--synthetic_samples", "64"], capfd,
                    r"no (trainable )?parameters")
 
@@ -232,8 +234,8 @@ def test_s3_s7_options_that_would_be_silently_wrong_are_refused(flags):
 def test_s5_a_flag_given_twice_with_different_values_is_said_once_when_the_run_starts(tmp_path, capfd, tiny_args):
     from accel_ddp.cli.args import parse_args
 
-    assert parse_args(["--lr", "1e-3", "--epochs", "2", "--lr=1e-4", "--synthetic_shape", "1", "8", "8",
-                       "--synthetic_shape", "1", "4", "4"]).repeated_flags == [
+    assert parse_args(["--lr", "1e-3", "--epochs", "2", "--lr=1e-4", "--dataset", "synthetic", "--synthetic_shape", "1",
+                       "8", "8", "--synthetic_shape", "1", "4", "4"]).repeated_flags == [
         "--lr 1e-3 and --lr 1e-4: --lr is given 2 times; the last, --lr 1e-4, is used (give it once to silence this)",
         "--synthetic_shape 1 8 8 and --synthetic_shape 1 4 4: --synthetic_shape is given 2 times; the last, "
         "--synthetic_shape 1 4 4, is used (give it once to silence this)"]

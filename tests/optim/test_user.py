@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from accel_ddp.config import TrainConfig
+from accel_ddp.config.views import section_of
 from accel_ddp.models import build_model
-from accel_ddp.optim.user import build_optimization, check_optimization
+from accel_ddp.optim.user import OptimizerOptions, build_optimization, check_optimization
 from accel_ddp.util.validation import ConfigError
 
 StepLR = torch.optim.lr_scheduler.StepLR
@@ -23,6 +24,17 @@ def _mlp() -> torch.nn.Module:
     return build_model("mlp", num_classes=3, input_shape=(4,), hidden_size=8)
 
 
+def _options(**options) -> OptimizerOptions:
+    """The optimizer's section of a config of ``options``, as assemble builds it."""
+    return section_of(TrainConfig(**options), OptimizerOptions)
+
+
+def _build(cfg: TrainConfig, model, accelerator, total_steps: int, *given):
+    """``build_optimization`` as assemble calls it: the config's section, its warmup resolved for ``total_steps``."""
+    return build_optimization(section_of(cfg, OptimizerOptions), model, accelerator, total_steps,
+                              cfg.warmup_for(total_steps), *given)
+
+
 def radam(groups):
     return torch.optim.RAdam(groups, lr=1e-3)
 
@@ -33,7 +45,7 @@ def step_lr(optimizer):
 
 def test_a_function_of_the_groups_and_a_function_of_the_optimizer_replace_the_built_ins():
     model = _mlp()
-    built = build_optimization(TrainConfig(weight_decay=0.05), model, CPU, 10, radam, step_lr)
+    built = _build(TrainConfig(weight_decay=0.05), model, CPU, 10, radam, step_lr)
     assert isinstance(built.optimizer, torch.optim.RAdam) and isinstance(built.scheduler, StepLR)
     assert [g["weight_decay"] for g in built.optimizer.param_groups] == [0.05, 0.0]  # the split, --weight_decay
     assert built.name == "RAdam (train(optimizer=...))" and not built.schedule_from_flags
@@ -41,7 +53,7 @@ def test_a_function_of_the_groups_and_a_function_of_the_optimizer_replace_the_bu
         "optimizer": "RAdam (train(optimizer=...)), its own learning rate, weight decay 0.05 (none for biases and "
                      "norms)",
         "learning rate": "StepLR (train(lr_scheduler=...)), stepped once per optimizer step, from 0.001"}
-    alone = build_optimization(TrainConfig(warmup_steps=2), model, CPU, 10, radam)  # the built-in schedule on it
+    alone = _build(TrainConfig(warmup_steps=2), model, CPU, 10, radam)  # the built-in schedule on it
     assert alone.schedule_from_flags and alone.scheduler.get_last_lr() == [pytest.approx(1e-3 / 3)] * 2
     assert alone.lines["learning rate"] == "the optimizer's 0.001 after 2 warmup steps, then --lr_schedule cosine"
 
@@ -50,8 +62,8 @@ def test_an_optimizer_already_built_on_the_model_and_a_scheduler_on_it_are_used_
     model = _mlp()
     optimizer = torch.optim.Adam(model.parameters(), lr=2e-3)
     scheduler = StepLR(optimizer, step_size=3)
-    check_optimization(TrainConfig(), model, optimizer, scheduler)
-    built = build_optimization(TrainConfig(), model, CPU, 10, optimizer, scheduler)
+    check_optimization(_options(), model, optimizer, scheduler)
+    built = _build(TrainConfig(), model, CPU, 10, optimizer, scheduler)
     assert built.optimizer is optimizer and built.scheduler is scheduler
     assert "its own parameter groups" in built.lines["optimizer"]
 
@@ -83,7 +95,7 @@ def test_an_optimizer_already_built_on_the_model_and_a_scheduler_on_it_are_used_
 def test_what_cannot_work_or_would_do_nothing_is_refused_before_the_data_in_one_line(cfg, model, optimizer,
                                                                                      lr_scheduler, words):
     with pytest.raises(ConfigError) as err:
-        check_optimization(TrainConfig(**cfg), model, optimizer, lr_scheduler)
+        check_optimization(_options(**cfg), model, optimizer, lr_scheduler)
     assert str(err.value).startswith(words) and "\n" not in str(err.value)
 
 
@@ -99,7 +111,7 @@ def test_what_cannot_work_or_would_do_nothing_is_refused_before_the_data_in_one_
 ])
 def test_what_the_functions_return_is_checked_in_one_line(optimizer, lr_scheduler, words):
     with pytest.raises(ConfigError) as err:
-        build_optimization(TrainConfig(), _mlp(), CPU, 10, optimizer, lr_scheduler)
+        _build(TrainConfig(), _mlp(), CPU, 10, optimizer, lr_scheduler)
     assert str(err.value).startswith(words) and "\n" not in str(err.value)
 
 
@@ -109,8 +121,8 @@ def kwargs_radam(groups, lr=1e-3, **kwargs):
 
 def test_a_functions_learning_rate_is_its_own_and_its_keywords_may_set_it():
     cfg = TrainConfig(optimizer="tests.optim.test_user:kwargs_radam", optimizer_kwargs={"lr": 0.02})
-    check_optimization(cfg, None, None, None)
-    built = build_optimization(cfg, _mlp(), CPU, 10)
+    check_optimization(section_of(cfg, OptimizerOptions), None, None, None)
+    built = _build(cfg, _mlp(), CPU, 10)
     assert built.optimizer.defaults["lr"] == 0.02 and built.name == "tests.optim.test_user:kwargs_radam"
     assert built.lines == {"learning rate": "the optimizer's 0.02 after 0 warmup steps, then --lr_schedule cosine"}
     with pytest.raises(ConfigError, match="--optimizer_kwargs sets 'lr': use --lr"):  # a class takes --lr
@@ -119,13 +131,13 @@ def test_a_functions_learning_rate_is_its_own_and_its_keywords_may_set_it():
 
 def test_the_examples_optimizer_and_schedule_are_what_docs_optimizers_md_says():
     """examples/optimizers.py (its launch is not run by the suite): RAdam with decoupled decay, StepLR by 50."""
-    built = build_optimization(TrainConfig(optimizer="examples.optimizers:radam_decoupled", weight_decay=0.01),
+    built = _build(TrainConfig(optimizer="examples.optimizers:radam_decoupled", weight_decay=0.01),
                                _mlp(), CPU, 200)
     assert isinstance(built.optimizer, torch.optim.RAdam) and built.optimizer.defaults["decoupled_weight_decay"]
     assert [g["weight_decay"] for g in built.optimizer.param_groups] == [0.01, 0.0]
     from examples.optimizers import radam_decoupled, step_lr
 
-    scheduler = build_optimization(TrainConfig(), _mlp(), CPU, 200, radam_decoupled, step_lr).scheduler
+    scheduler = _build(TrainConfig(), _mlp(), CPU, 200, radam_decoupled, step_lr).scheduler
     assert isinstance(scheduler, StepLR) and (scheduler.step_size, scheduler.gamma) == (50, 0.5)
 
 
@@ -134,4 +146,4 @@ def test_muon_under_fsdp_is_refused_in_one_line():
                                  distributed_type=types.SimpleNamespace(value="FSDP"))
     with pytest.raises(ConfigError, match=r"^--optimizer muon is not supported under FSDP \(its state is two "
                                           r"optimizers'\); use DDP, or another optimizer$"):
-        build_optimization(TrainConfig(optimizer="muon"), _mlp(), fsdp, 10)
+        _build(TrainConfig(optimizer="muon"), _mlp(), fsdp, 10)

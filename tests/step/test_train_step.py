@@ -1,5 +1,5 @@
-"""accel_ddp/step.py: one optimizer step with torch's arithmetic: the fused clip, backward and update give the bits
-of torch's and Accelerate's own methods."""
+"""accel_ddp/step/ (update.py, losses.py): one optimizer step with torch's arithmetic: the fused clip, backward and
+update give the bits of torch's and Accelerate's own methods."""
 
 from __future__ import annotations
 
@@ -61,3 +61,31 @@ def test_backward_and_update_give_the_weights_of_accelerates_methods():
             torch.equal(a, b) for a, b in zip(*weights, strict=True))
 
     assert run_ranks(both_ways, world_size=1) == [True]
+
+
+def test_a_captured_accumulator_adds_each_loss_into_the_sums_inside_the_step_with_the_same_gradient():
+    """``LossAccumulator(captured=True)`` (what TrainStep builds under --cuda_graphs, whose replays run no Python):
+    each micro-step's loss is added into the running sums on the device as it is made, not kept for the log line; and
+    a (sum, num_items) loss takes the general path (backpropagated / nominal, rescaled by the item count), whose
+    gradient is the one-process shortcut's."""
+    from accelerate.utils import DistributedType
+
+    from accel_ddp.step.losses import LossAccumulator
+    from accel_ddp.tasks.protocol import Loss
+
+    class OneProcess:
+        device, num_processes, distributed_type = torch.device("cpu"), 1, DistributedType.NO
+        gradient_accumulation_steps, scaler, sync_gradients = 1, None, True
+
+    sums, grads = [], []
+    for captured in (False, True):
+        losses = LossAccumulator(OneProcess(), 1, 4, captured=captured)
+        model = torch.nn.Linear(3, 1, bias=False)
+        torch.nn.init.ones_(model.weight)
+        losses.backward(Loss(model(torch.ones(3, 3)).sum(), torch.tensor(3)))  # a sum of 9 over 3 items
+        losses.finish_step(model)
+        sums.append(float(losses.running[0]))
+        grads.append(model.weight.grad)
+        assert losses.keep_losses is not captured
+    assert sums == [0.0, 9.0]  # kept as the scalar it is (added at the log line), or added in the step
+    assert torch.allclose(grads[0], grads[1]) and torch.allclose(grads[0], torch.ones(1, 3))

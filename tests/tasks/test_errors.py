@@ -178,14 +178,14 @@ def token_sets(count: int, seed: int) -> torch.utils.data.TensorDataset:
 
 def _evaluate_tokens(loss_fn, world: int, count: int = 37, batch_size: int = 4) -> list[dict]:
     from accel_ddp import TrainConfig
+    from accel_ddp.assemble import build_world
     from accel_ddp.data.loaders import build_eval_loader
-    from accel_ddp.distributed.world import build_accelerator
     from accel_ddp.evaluation import evaluate
     from accel_ddp.tasks.protocol import build_task
     from tests.helpers.multiproc import run_ranks
 
     def fn():
-        accelerator, _, _ = build_accelerator(TrainConfig(global_batch_size=2))
+        accelerator, _, _ = build_world(TrainConfig(global_batch_size=2))
         torch.manual_seed(0)
         model = accelerator.prepare(TokenModel())
         loader = accelerator.prepare(build_eval_loader(token_sets(count, seed=1), batch_size, 0))
@@ -253,8 +253,8 @@ def smoothed(outputs, batch):
 
 def test_a_user_loss_on_class_logits_is_eval_loss_and_the_task_still_reports_accuracy():
     from accel_ddp import TrainConfig
+    from accel_ddp.assemble import build_world
     from accel_ddp.data.loaders import build_eval_loader
-    from accel_ddp.distributed.world import build_accelerator
     from accel_ddp.evaluation import evaluate
     from accel_ddp.tasks.protocol import build_task
     from tests.helpers.multiproc import run_ranks
@@ -264,7 +264,7 @@ def test_a_user_loss_on_class_logits_is_eval_loss_and_the_task_still_reports_acc
     y = (x[:, 0] > 0).long()
 
     def fn():
-        accelerator, _, _ = build_accelerator(TrainConfig(global_batch_size=2))
+        accelerator, _, _ = build_world(TrainConfig(global_batch_size=2))
         torch.manual_seed(0)
         model = accelerator.prepare(torch.nn.Linear(5, 3))
         loader = accelerator.prepare(build_eval_loader(torch.utils.data.TensorDataset(x, y), 4, 0))

@@ -131,12 +131,12 @@ class SeenCounter:
 
 def _evaluate_lm(world: int, count: int = 23, batch_size: int = 4) -> list[dict]:
     def fn():
+        from accel_ddp.assemble import build_world
         from accel_ddp.data.loaders import build_eval_loader
-        from accel_ddp.distributed.world import build_accelerator
         from accel_ddp.evaluation import evaluate
         from accel_ddp.tasks.protocol import build_task
 
-        accelerator, _, _ = build_accelerator(TrainConfig(global_batch_size=2))
+        accelerator, _, _ = build_world(TrainConfig(global_batch_size=2))
         torch.manual_seed(0)
         model = accelerator.prepare(tiny_gpt())
         loader = accelerator.prepare(build_eval_loader(Sequences(count, seed=1), batch_size, 0, PadCollate(0)))
@@ -358,8 +358,9 @@ def test_transformers_collators_work_unchanged_from_the_cli(tmp_path):
     assert all(torch.equal(ours[key], theirs[key]) for key in ours)
 
 
-TINY = ["--dataset", "synthetic", "--synthetic_samples", "64", "--synthetic_shape", "4", "--hidden_size", "8",
-        "--global_batch_size", "16", "--epochs", "1"]
+TINY_RUN = ["--dataset", "synthetic", "--synthetic_samples", "64", "--synthetic_shape", "4", "--global_batch_size",
+            "16", "--epochs", "1"]
+TINY = [*TINY_RUN, "--hidden_size", "8"]  # the mlp's size: refused beside another --model (config/dependents.py)
 
 
 def test_a_user_loss_from_the_cli_trains_like_the_default(tmp_path):
@@ -410,7 +411,7 @@ def test_bad_task_options_are_one_line_and_exit_2(tmp_path, capfd, extra, messag
     from accel_ddp.cli.train import main
 
     out = tmp_path / "out"
-    assert main([*TINY, *extra, "--output_dir", str(out)]) == 2
+    assert main([*TINY_RUN, *extra, "--output_dir", str(out)]) == 2
     assert message in _one_error_line(capfd.readouterr().err)
     assert not out.exists() or not any(out.iterdir())
 

@@ -7,8 +7,7 @@ import sys
 import pytest
 
 from accel_ddp.cli.train import main
-from tests.helpers.files import CHECKPOINTED_ARGS as ARGS
-from tests.helpers.files import error_lines
+from tests.helpers.files import CHECKPOINTED_STEPS, MLP_16, SYNTHETIC_8X8, error_lines
 from tests.helpers.multiproc import run_ranks
 
 # ----------------------------------------------------------------------------- 6. users' functions
@@ -69,7 +68,9 @@ def test_a_users_function_that_does_not_fit_is_one_line_and_exit_2_on_every_rank
 
     def run() -> int:
         sys.path.insert(0, str(tmp_path))
-        return main([*ARGS, "--max_steps", "2", "--output_dir", str(tmp_path / "run"), flag, name])
+        given = [*SYNTHETIC_8X8] if flag == "--model" else [*MLP_16]  # the other's, not a size for the user's
+        return main([*given, *CHECKPOINTED_STEPS, "--max_steps", "2", "--output_dir", str(tmp_path / "run"), flag,
+                     name])
 
     capfd.readouterr()
     assert run_ranks(run, world_size=2) == [2, 2]

@@ -6,8 +6,9 @@ import yaml
 
 from accel_ddp.cli.args import parse_args
 from accel_ddp.config import TrainConfig
+from accel_ddp.config.views import section_of
 from accel_ddp.outputs.names import RUN_LOG_NAME
-from accel_ddp.tracking.startup_block import HEADER, StartupBlock, mistakes
+from accel_ddp.tracking.startup_block import HEADER, StartupBlock, StartupOptions, mistakes
 from accel_ddp.util.cpu_bf16 import cpu_bf16_verdict, cpu_has_bf16_units, read_cpuinfo
 from tests.helpers.runs import REPO, launcher_env, main_ranks, read_summary
 
@@ -102,6 +103,12 @@ def test_a_gpu_launch_config_on_a_cpu_machine_is_one_warning(tmp_path, capfd):
         "2 processes on CPU in bf16")
 
 
+def _describe(cfg: TrainConfig, facts: dict, **kwargs) -> StartupBlock:
+    """The block of a run of ``cfg``, as assemble.setup describes it (its section, warmup and derived batch)."""
+    return StartupBlock.describe(section_of(cfg, StartupOptions), facts, warmup=cfg.warmup_for(facts["total_steps"]),
+                                 global_batch_derived=cfg.global_batch_derived, **kwargs)
+
+
 def test_likely_mistakes():
     assert mistakes("cpu", 2, "no", "launch config", cpus=2) == []  # cpu_2proc.yaml on two cores
     assert mistakes("cuda", 4, "bf16", "launch config", cpus=2) == []
@@ -117,11 +124,11 @@ def test_the_per_device_line_says_how_auto_found_it():
              "global_batch_size": 64, "mixed_precision": "no", "device": "cpu", "distributed_type": "MULTI_CPU",
              "steps_per_epoch": 5, "total_steps": 10, "loader": "dataloader", "data_source": "memory_mapped",
              "auto_batch": {"requested": "auto", "tried": [32, 16, 8], "from": "probe"}}
-    block = StartupBlock.describe(TrainConfig(), facts, epochs=2, workers=3, model="m", cpus=2, env={})
+    block = _describe(TrainConfig(), facts, epochs=2, workers=3, model="m", cpus=2, env={})
     assert block.lines["per-device batch"] == "8 (--per_device_batch_size auto: the largest that fits, of 32, 16, 8)"
     assert block.lines["loader"] == "dataloader with 3 workers per rank; memory-mapped (read per batch)"
     facts["auto_batch"]["from"] = "checkpoint"
-    assert StartupBlock.describe(TrainConfig(), facts, epochs=2, workers=3, model="m", cpus=2, env={}).lines[
+    assert _describe(TrainConfig(), facts, epochs=2, workers=3, model="m", cpus=2, env={}).lines[
         "per-device batch"] == "8 (--per_device_batch_size auto: the resumed checkpoint's)"
 
 
@@ -139,15 +146,15 @@ def test_the_block_says_what_the_trainers_says(tmp_path):
                       "--warmup_ratio", "0.1", "--lr_schedule", "linear", "--seed", "7", "--max_grad_norm", "0",
                       "--weight_decay", "0.01", "--checkpointing_steps", "epoch", "--keep_last", "2",
                       "--with_tracking", "--report_to", "csv", "--output_dir", str(tmp_path)])
-    lines = StartupBlock.describe(cfg, _facts(2, 8, 4), epochs=20, workers=None, model="m", env={},
-                                  examples=(1000, None), counts_tokens=True).lines
+    lines = _describe(cfg, _facts(2, 8, 4), epochs=20, workers=None, model="m", env={},
+                      examples=(1000, None), counts_tokens=True).lines
     assert {key: lines[key] for key in ("examples", "optimizer", "learning rate", "seed", "output folder",
                                         "checkpoints", "trackers", "tokens per step")} == {
         "examples": "1,000 training, no eval set", "optimizer": "sgd, weight decay 0.01, no gradient clipping",
         "learning rate": "0.1 after 10 warmup steps, then linear to 0", "seed": "7", "output folder": str(tmp_path),
         "checkpoints": "each epoch, the newest 2 kept", "trackers": "csv, and metrics.jsonl",
         "tokens per step": "8,192 = 64 sequences x 128"}
-    plain = StartupBlock.describe(parse_args([]), _facts(1, 64, 1), epochs=1, workers=None, model="m", env={}).lines
+    plain = _describe(parse_args([]), _facts(1, 64, 1), epochs=1, workers=None, model="m", env={}).lines
     assert "tokens per step" not in plain and plain["examples"] == "training set streamed (size unknown), no eval set"
     assert plain["checkpoints"] == "none saved (--checkpointing_steps N saves every N optimizer steps)"
 
@@ -157,13 +164,13 @@ def test_the_optimizer_lines_say_the_keywords_muons_split_and_a_users_optimizer_
     user's optimizer and schedule (accel_ddp/optim/user.py's lines) instead of the flags' words."""
     cfg = parse_args(["--optimizer", "Muon", "--optimizer_kwargs", '{"momentum": 0.9}'])
     split = "Muon for 2 hidden matrices (4 parameters), AdamW for 1 other tensor (2 parameters: 1 biases and norms)"
-    lines = StartupBlock.describe(cfg, _facts(1, 64, 1), epochs=1, workers=None, model="m", env={},
+    lines = _describe(cfg, _facts(1, 64, 1), epochs=1, workers=None, model="m", env={},
                                   optimization={"optimizer split": split}).lines
     assert list(lines).index("optimizer split") == list(lines).index("optimizer") + 1
     assert lines["optimizer"] == 'muon {"momentum": 0.9}, weight decay 0, gradients clipped to norm 1'
     users = {"optimizer": "RAdam (train(optimizer=...)), its own learning rate, its own parameter groups",
              "learning rate": "StepLR (train(lr_scheduler=...)), stepped once per optimizer step, from 0.001"}
-    lines = StartupBlock.describe(parse_args([]), _facts(1, 64, 1), epochs=1, workers=None, model="m", env={},
+    lines = _describe(parse_args([]), _facts(1, 64, 1), epochs=1, workers=None, model="m", env={},
                                   optimization=users).lines
     assert lines["optimizer"] == users["optimizer"] + ", gradients clipped to norm 1"
     assert lines["learning rate"] == users["learning rate"] and "optimizer split" not in lines
@@ -174,13 +181,13 @@ def test_a_global_batch_made_by_a_per_device_batch_says_how_to_keep_it():
     the block says it changes with the processes and which flag keeps it."""
     cfg = parse_args(["--per_device_train_batch_size", "8"])
     assert cfg.batch_layout(2) == (8, 1) and cfg.global_batch_size == 16
-    line = StartupBlock.describe(cfg, _facts(2, 8, 1), epochs=1, workers=None, model="m", env={}).lines[
+    line = _describe(cfg, _facts(2, 8, 1), epochs=1, workers=None, model="m", env={}).lines[
         "global batch"]
     assert line == ("16 = 2 processes x 8 x 1 (from the per-device batch: it changes with the processes; "
                     "--global_batch_size 16 keeps it)")
     fixed = parse_args(["--per_device_train_batch_size", "8", "--global_batch_size", "64"])
     assert fixed.batch_layout(2) == (8, 4)
-    assert StartupBlock.describe(fixed, _facts(2, 8, 4), epochs=1, workers=None, model="m", env={}).lines[
+    assert _describe(fixed, _facts(2, 8, 4), epochs=1, workers=None, model="m", env={}).lines[
         "global batch"] == "64 = 2 processes x 8 x 4"
 
 

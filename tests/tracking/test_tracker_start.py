@@ -1,7 +1,7 @@
 """A tracker's start (--with_tracking): what `all` starts, a bounded start, a signal during it, what a failed
 start leaves, where trackers write, and scalars only.
 
-Network trackers are fakes built where trackers.py builds every tracker (``_new_tracker``, patched before the
+Network trackers are fakes built where trackers.py builds every tracker (``new_tracker``, patched before the
 ranks fork): a start that never returns, one that fails, one that gets a SIGTERM meanwhile. Nothing here
 reaches a network.
 """
@@ -181,9 +181,9 @@ def _fake_wandb(monkeypatch, action: str, record: str | None = None) -> None:
 
     import accel_ddp.tracking.trackers as trackers
 
-    real = trackers._new_tracker
+    real = trackers.new_tracker
     monkeypatch.setattr(accelerate.utils, "is_wandb_available", lambda: True)
-    monkeypatch.setattr(trackers, "_new_tracker", lambda name, run: _FakeTracker(run.output_dir, action, record)
+    monkeypatch.setattr(trackers, "new_tracker", lambda name, run: _FakeTracker(run.output_dir, action, record)
                         if name == "wandb" else real(name, run))
 
 
@@ -355,7 +355,7 @@ def _fake_dvclive(monkeypatch, git_root: Path) -> list[dict]:
 def test_dvclive_writes_its_folder_only_no_dvc_repository_experiment_or_dvc_yaml(tmp_path, monkeypatch):
     """`--report_to dvclive` made .dvc/, .dvcignore and dvc.yaml in the user's git checkout and committed an
     experiment ref. dvclive is not in the test extra: a fake of what it does stands in (dvclive/live.py, dvc.py)."""
-    from accel_ddp.tracking.trackers import TrackerRun, _new_tracker
+    from accel_ddp.tracking.trackers import TrackerRun, new_tracker
 
     checkout = tmp_path / "checkout"
     (checkout / ".git").mkdir(parents=True)
@@ -364,7 +364,7 @@ def test_dvclive_writes_its_folder_only_no_dvc_repository_experiment_or_dvc_yaml
     out = checkout / "outputs" / "run"
 
     def start() -> tuple[list[dict], str]:
-        _new_tracker("dvclive", TrackerRun(str(out), "p", "r")).start()
+        new_tracker("dvclive", TrackerRun(str(out), "p", "r")).start()
         return made, sys.modules["dvclive.live"].get_dvc_repo.__name__
 
     (made_in_rank, restored), = run_ranks(start, world_size=1)
@@ -378,13 +378,13 @@ def test_dvclive_writes_its_folder_only_no_dvc_repository_experiment_or_dvc_yaml
 def test_mlflow_without_a_tracking_uri_keeps_its_store_in_the_output_folder(tmp_path, no_accounts, monkeypatch):
     """MLflow's default store is sqlite:///mlflow.db in the working directory (mlflow/store/tracking/__init__.py)."""
     mlflow = pytest.importorskip("mlflow", reason="the mlflow tracker needs mlflow")
-    from accel_ddp.tracking.trackers import TrackerRun, _new_tracker
+    from accel_ddp.tracking.trackers import TrackerRun, new_tracker
 
     out = tmp_path / "run"
     uris = []
 
     def start() -> list[str]:
-        tracker = _new_tracker("mlflow", TrackerRun(str(out), "p", "r"))
+        tracker = new_tracker("mlflow", TrackerRun(str(out), "p", "r"))
         monkeypatch.setattr(mlflow, "search_experiments",  # in the rank: records where it would look, finds one
                             lambda **kw: uris.append(mlflow.get_tracking_uri()) or [SimpleNamespace(experiment_id="0")])
         monkeypatch.setattr(mlflow, "start_run", lambda **kw: None)

@@ -320,7 +320,7 @@ class _StubTracker(CSVTracker):
 def test_a_resume_says_which_trackers_start_a_new_run(tmp_path, capfd, monkeypatch):
     import accel_ddp.tracking.trackers as trackers
 
-    monkeypatch.setattr(trackers, "_new_tracker", _StubTracker)
+    monkeypatch.setattr(trackers, "new_tracker", _StubTracker)
     out = tmp_path / "run"
     out.mkdir()
     (out / "trackers.json").write_text(json.dumps({"wandb": {"id": "abc123"}}))
@@ -345,14 +345,14 @@ def test_a_resume_says_which_trackers_start_a_new_run(tmp_path, capfd, monkeypat
 
 
 def test_wandb_and_mlflow_are_built_to_reopen_the_kept_run(tmp_path, monkeypatch):
-    from accel_ddp.tracking.trackers import TrackerRun, _new_tracker
+    from accel_ddp.tracking.trackers import TrackerRun, new_tracker
 
     monkeypatch.delenv("WANDB_DIR", raising=False)
     monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
-    wandb = _new_tracker("wandb", TrackerRun(str(tmp_path), "proj", "r1", 4, {"id": "abc123"}))
+    wandb = new_tracker("wandb", TrackerRun(str(tmp_path), "proj", "r1", 4, {"id": "abc123"}))
     assert (wandb.run_name, wandb.init_kwargs) == ("proj", {"name": "r1", "id": "abc123", "resume": "allow",
                                                             "dir": str(tmp_path)})
-    mlflow = _new_tracker("mlflow", TrackerRun(str(tmp_path), "proj", "r1", 4, {"run_id": "f00"}))
+    mlflow = new_tracker("mlflow", TrackerRun(str(tmp_path), "proj", "r1", 4, {"run_id": "f00"}))
     assert (mlflow.experiment_name, mlflow.run_id, mlflow.run_name) == ("proj", "f00", "r1")
 
 
@@ -557,7 +557,7 @@ def test_a_damaged_trackers_json_is_one_line_naming_it_and_the_fix(tmp_path, mon
     is no object, an AttributeError traceback; a number as the id went to W&B."""
     import accel_ddp.tracking.trackers as trackers
 
-    monkeypatch.setattr(trackers, "_new_tracker", _StubTracker)
+    monkeypatch.setattr(trackers, "new_tracker", _StubTracker)
     out = tmp_path / "run"
     out.mkdir()
     (out / "trackers.json").write_bytes(content)
@@ -583,7 +583,7 @@ def test_a_damaged_trackers_json_stops_the_resume_on_every_rank_before_anything_
 
     import accel_ddp.tracking.trackers as trackers
 
-    monkeypatch.setattr(trackers, "_new_tracker", _StubTracker)  # W&B stands in; forked ranks inherit both
+    monkeypatch.setattr(trackers, "new_tracker", _StubTracker)  # W&B stands in; forked ranks inherit both
     monkeypatch.setattr(accelerate.utils, "is_wandb_available", lambda: True)
     out = tmp_path / "run"
     args = [*tiny_args, "--with_tracking", "--report_to", "wandb", "--checkpointing_steps", "2", "--output_dir",

@@ -526,14 +526,16 @@ def test_a_merge_that_does_not_give_the_adapters_logits_is_refused_before_hf_mod
 
 
 def test_peft_under_fsdp_is_refused_before_anything_is_built():
+    from functools import partial
     from types import SimpleNamespace
 
+    from accel_ddp.config.views import section_of
     from accel_ddp.transforms.finetune import PEFT
     from accel_ddp.util.converters import ModelBuild, convert_model
 
-    build = ModelBuild(TrainConfig(peft="lora", task="causal_lm"), SimpleNamespace(is_fsdp2=True), None)
+    read = partial(section_of, TrainConfig(peft="lora", task="causal_lm"))
     with pytest.raises(ConfigError, match="--peft lora under FSDP is not supported yet; launch with a DDP config"):
-        convert_model(tiny_gpt(), build, (PEFT,))
+        convert_model(tiny_gpt(), ModelBuild(SimpleNamespace(is_fsdp2=True), None), (PEFT,), read)
 
 
 def test_the_fingerprint_is_the_bases_whatever_the_adapters_and_changes_with_its_weights():

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from accel_ddp.util.messages import error_line, first_line, note, prints, say, warn
+from accel_ddp.util.messages import error_line, first_line, note, prints, say, warn, write
 from accel_ddp.util.ranks import RANK_VARS, WORLD_SIZE_VARS, launch_rank, launch_world_size
 
 
@@ -30,6 +30,41 @@ def test_lines_have_the_one_format(capsys):
     out = capsys.readouterr()
     assert out.out == "accel_ddp: resumed from step 4\n"
     assert out.err == "accel_ddp: preempted\naccel_ddp: warning: above the bar\n"
+
+
+class _Stream:
+    """A console stream that keeps each ``write`` call apart."""
+
+    def __init__(self):
+        self.writes: list[str] = []
+
+    def write(self, text: str) -> int:
+        self.writes.append(text)
+        return len(text)
+
+    def flush(self) -> None:
+        self.writes.append("<flush>")
+
+
+def test_write_puts_text_as_it_is_in_one_write_then_flushes(monkeypatch):
+    """``write``: no prefix, the line and its end in one write call (another process's output cannot land between
+    them), on stdout or stderr; ``end=""`` for a report that brings its own newlines."""
+    out, err = _Stream(), _Stream()
+    monkeypatch.setattr("sys.stdout", out)
+    monkeypatch.setattr("sys.stderr", err)
+    write("step 4 epoch 0: eval_loss 0.5000 (8 samples)")
+    write("accel_ddp: error: --lr must be > 0\n", err=True, end="")
+    assert out.writes == ["step 4 epoch 0: eval_loss 0.5000 (8 samples)\n", "<flush>"]
+    assert err.writes == ["accel_ddp: error: --lr must be > 0\n", "<flush>"]
+
+
+def test_write_above_the_bar_goes_through_tqdm(capsys):
+    """``above_bar``: the line still reaches stdout whole (tqdm.write clears a bar's line first)."""
+    from tqdm.auto import tqdm
+
+    with tqdm(total=3, disable=True):
+        write("step 2 epoch 0: loss 0.1000 lr 0.001", above_bar=True)
+    assert capsys.readouterr().out == "step 2 epoch 0: loss 0.1000 lr 0.001\n"
 
 
 @pytest.mark.parametrize(("rank", "printed"), [(None, True), ("0", True), ("1", False)])

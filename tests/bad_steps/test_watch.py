@@ -1,5 +1,5 @@
-"""A loss that turns nan or inf (accel_ddp/lifecycle/non_finite.py LossWatch): every rank stops at the same step,
-nothing saved after it, metrics stay JSON."""
+"""A loss that turns nan or inf under the default ``--on_anomaly stop`` (accel_ddp/bad_steps/watch.py ``LossWatch``,
+room.py ``BadSteps.check``): every rank stops at the same step, nothing saved after it, metrics stay JSON."""
 
 from __future__ import annotations
 
@@ -9,19 +9,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from accel_ddp.checkpoint.manager import (
-    read_checkpoint,
-)
+from accel_ddp.bad_steps import LossWatch
+from accel_ddp.checkpoint.manager import read_checkpoint
 from accel_ddp.cli.train import main
-from accel_ddp.lifecycle.non_finite import LossWatch
 from accel_ddp.tracking.recorder import RunRecorder
 from tests.helpers import faults
 from tests.helpers.checkpoints import steps_of
-from tests.helpers.files import CHECKPOINTED_ARGS as ARGS
-from tests.helpers.files import ckpt, error_lines
+from tests.helpers.files import CHECKPOINTED_ARGS, CHECKPOINTED_STEPS, SYNTHETIC_8X8, ckpt, error_lines
 from tests.helpers.multiproc import run_ranks
 
-# ----------------------------------------------------------------------------- 8. a loss that turns nan
+# ----------------------------------------------------------------------------- a loss that turns nan (stop)
+
+NAN_MLP_RUN = [*SYNTHETIC_8X8, *CHECKPOINTED_STEPS]  # CHECKPOINTED_ARGS without its mlp (nan_mlp is one)
 
 
 def strict_json_lines(path: Path) -> list[dict]:
@@ -41,8 +40,8 @@ def test_a_nan_loss_stops_every_rank_at_the_same_step_and_saves_nothing_after_it
 
     def run() -> int:
         faults.install(nan_at=nan_at)
-        return main([*ARGS, "--model", "tests.helpers.faults:nan_mlp", "--max_steps", "20", "--log_every", log_every,
-                     "--output_dir", str(out)])
+        return main([*NAN_MLP_RUN, "--model", "tests.helpers.faults:nan_mlp", "--max_steps", "20", "--log_every",
+                     log_every, "--output_dir", str(out)])
 
     capfd.readouterr()
     assert run_ranks(run, world_size=2) == [3, 3]
@@ -62,7 +61,7 @@ def test_a_nan_loss_stops_every_rank_at_the_same_step_and_saves_nothing_after_it
 def test_a_nan_loss_under_debug_names_the_operation(tmp_path, capfd):
     def run() -> int:
         faults.install(nan_at=(2, 1))
-        return main([*ARGS, "--model", "tests.helpers.faults:nan_mlp", "--max_steps", "8", "--debug",
+        return main([*NAN_MLP_RUN, "--model", "tests.helpers.faults:nan_mlp", "--max_steps", "8", "--debug",
                      "--output_dir", str(tmp_path / "run")])
 
     capfd.readouterr()
@@ -79,7 +78,7 @@ def test_an_inf_loss_with_finite_gradients_under_debug_stops_every_rank_without_
     other rank would never join: an inf loss whose backward is finite reaches every parameter's hook."""
     def run() -> int:
         faults.install(nan_at=(2, 1))
-        return main([*ARGS, "--loss", "tests.helpers.faults:inf_loss", "--max_steps", "8", "--debug",
+        return main([*CHECKPOINTED_ARGS, "--loss", "tests.helpers.faults:inf_loss", "--max_steps", "8", "--debug",
                      "--output_dir", str(tmp_path / "run")])
 
     capfd.readouterr()

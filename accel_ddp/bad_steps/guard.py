@@ -1,24 +1,6 @@
-"""``--on_anomaly skip|rollback``: a step whose loss or gradient norm is not finite (or, with ``--spike_factor``,
-whose logged loss spiked) is not trained on, on any rank; every decision is recorded in ``OUTPUT_DIR/anomalies.json``.
-
-Where the decision comes from, and what it costs:
-
-- Per step, the decision is taken on the gradient norm after DDP's all-reduce (``step.build_update``). The
-  gradients are then the same on every rank, and the norm is computed from them by the same kernels, so every
-  rank takes the same decision without a collective of its own. A non-finite *local* loss is made a non-finite
-  gradient on its rank (:meth:`AnomalyGuard.poisoned`, one multiply), which the all-reduce carries to all.
-- With a fused optimizer (CUDA) the decision stays on the device: the optimizer's ``found_inf`` flag, the one
-  GradScaler hands it (torch/amp/grad_scaler.py ``_maybe_opt_step``; torch/optim/adam.py reads
-  ``getattr(self, "found_inf", None)``), makes its kernel return before it writes anything. Otherwise (the
-  multi-tensor optimizers the CPU uses) one ``bool()`` of the flag per step: a no-op sync on the CPU, whose
-  kernels run synchronously. The host reads the per-step flags where the loop syncs anyway (:meth:`resolve`: at
-  log lines, before saves and evaluations), prints one line per anomaly and writes its record.
-- Spikes are judged at log lines on the logged loss (already all-reduced: the same float on every rank); that
-  loss's updates are already applied, so a spike can only be stopped at or rolled back.
-
-``rollback``: every rank reloads the last checkpoint from before the first bad step and replays from there with
-the bad steps' updates left out; ``anomalies.json`` holds those steps, so a resumed run leaves out the same ones.
-"""
+"""``--on_anomaly skip|rollback`` and ``--spike_factor`` (``AnomalyGuard``): the per-step decision whether a step's
+update is left out, the host's view of it (a line and a record per anomaly; stop, go on or roll back), and the log of
+those decisions, ``OUTPUT_DIR/anomalies.json``, which a resumed run follows."""
 
 from __future__ import annotations
 
@@ -27,30 +9,20 @@ import math
 import os
 import statistics
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from accel_ddp.lifecycle.non_finite import NonFiniteLoss
+from accel_ddp.bad_steps.stops import AnomalyStop, BadStepOptions, RolledBack
 from accel_ddp.outputs.names import ANOMALIES_NAME
 from accel_ddp.util.atomic import atomic_write_text
+from accel_ddp.util.messages import say
 from accel_ddp.util.validation import ConfigError
 
+if TYPE_CHECKING:
+    from accelerate import Accelerator
 
-class AnomalyStop(NonFiniteLoss):
-    """A non-finite loss (exit code 3) that ``--on_anomaly`` could not skip or roll back: too many anomalies in a row
-    (``--max_anomalies``), a spike under ``stop``, or a rollback with no checkpoint before the bad step."""
-
-    def __init__(self, message: str, step: int, checkpoint: str | None):
-        super().__init__(step, checkpoint, message=message)
-
-
-class RolledBack(Exception):  # noqa: N818 - an outcome, caught by train()
-    """Raised on every rank by :meth:`AnomalyGuard.resolve` under ``rollback``: reload ``folder`` and train again."""
-
-    def __init__(self, folder: str, step: int):
-        super().__init__(f"rollback to {folder}")
-        self.folder, self.step = folder, step
+    from accel_ddp.tracking.recorder import RunRecorder
 
 
 class AnomalyGuard:
@@ -61,21 +33,21 @@ class AnomalyGuard:
     the last checkpoint included (a rollback's, which a resumed run must leave out again): a resume takes that file
     where it exists, else the checkpoint's copy.
 
-        >>> guard = AnomalyGuard(cfg, accelerator, recorder)
+        >>> guard = AnomalyGuard(options, accelerator, recorder)     # options: BadStepOptions
         >>> guard.begin(start_step)            # once the start is agreed (a resume restored the log before)
         >>> bad = guard.decide(grad_norm)      # in the update, once per optimizer step: a device bool
         >>> guard.resolve(step, last_saved)    # where the loop syncs: lines, records, rollback or stop
     """
 
-    def __init__(self, cfg, accelerator, recorder):
-        if accelerator.scaler is not None and cfg.on_anomaly != "stop":
-            raise ConfigError(f"--on_anomaly {cfg.on_anomaly} with --mixed_precision fp16 is not supported (its "
+    def __init__(self, options: BadStepOptions, accelerator: Accelerator, recorder: RunRecorder):
+        if accelerator.scaler is not None and options.on_anomaly != "stop":
+            raise ConfigError(f"--on_anomaly {options.on_anomaly} with --mixed_precision fp16 is not supported (its "
                               "loss scaler skips steps by itself); use --mixed_precision bf16 or --on_anomaly stop")
-        self.mode, self.spike_factor, self.spike_window = cfg.on_anomaly, cfg.spike_factor, cfg.spike_window
+        self.mode, self.spike_factor, self.spike_window = options.on_anomaly, options.spike_factor, options.spike_window
         self.skips = self.mode != "stop"  # stop with --spike_factor: only the log lines' spike check
-        self.max_anomalies = cfg.max_anomalies
+        self.max_anomalies = options.max_anomalies
         self.accelerator, self.main = accelerator, accelerator.is_main_process
-        self.path = os.path.join(cfg.output_dir, ANOMALIES_NAME)
+        self.path = os.path.join(options.output_dir, ANOMALIES_NAME)
         self.recorder = recorder
         self.known: dict[str, Any] = {"skipped": {}, "rollbacks": []}
         self.restored: dict[str, Any] | None = None  # the log of the checkpoint resumed from, if it holds one
@@ -216,18 +188,14 @@ class AnomalyGuard:
             why = (f"{self.in_a_row} anomalies in a row (--max_anomalies {self.max_anomalies})"
                    if self.in_a_row >= self.max_anomalies else "no checkpoint from before it to roll back to"
                    if self.mode == "rollback" else "--on_anomaly stop")
-            kept = f"the last checkpoint, {checkpoint}, is from before it" if checkpoint else "no checkpoint was saved"
-            raise AnomalyStop(f"{kind.replace('_', '-')} step {steps} ({found[0][1]}): {why}; every rank stopped and "
-                              f"{kept}; lower --lr, clip with --max_grad_norm, or rerun with --debug to see where",
-                              first, checkpoint)
+            raise AnomalyStop(f"{kind.replace('_', '-')} step {steps} ({found[0][1]}): {why}", first, checkpoint)
         if action == "rollback":
             self.known["rollbacks"].append({"steps": [s for s, _ in found], "kind": kind, "to_step": last_saved[0]})
         self._write()
-        if self.main:
-            done = (f"rolled every rank back to {checkpoint}, leaving out step {steps}" if action == "rollback"
-                    else "skipped its update on every rank")
-            print(f"accel_ddp: anomaly: {kind.replace('_', '-')} at optimizer step {steps} ({found[0][1]}); {done} "
-                  f"({self.in_a_row} in a row, at most --max_anomalies {self.max_anomalies})", flush=True)
+        done = (f"rolled every rank back to {checkpoint}, leaving out step {steps}" if action == "rollback"
+                else "skipped its update on every rank")
+        say(f"anomaly: {kind.replace('_', '-')} at optimizer step {steps} ({found[0][1]}); {done} ({self.in_a_row} in "
+            f"a row, at most --max_anomalies {self.max_anomalies})", ranks="main")
         if action == "rollback":
             raise RolledBack(checkpoint, last_saved[0])
 

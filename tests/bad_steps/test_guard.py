@@ -1,4 +1,5 @@
-"""--on_anomaly skip|rollback on two forked ranks: a non-finite batch at optimizer step K on one rank.
+"""--on_anomaly skip|rollback (accel_ddp/bad_steps/guard.py) on two forked ranks: a non-finite batch at optimizer step
+K on one rank.
 
 The fault (tests/helpers/anomaly.py) is injected in the ranks' own process, as tests/helpers/faults.py does:
 ``bad_step_mlp``'s training forward is nan during optimizer step K on one rank, K read from the LR scheduler
@@ -232,7 +233,7 @@ def test_a_skipped_step_of_a_fused_cuda_optimizer_changes_no_bit_without_a_host_
     assert result.stdout.strip().splitlines()[-1] == "True", result.stdout + result.stderr
 
 def sum_loss(outputs, batch):
-    """``--loss tests.test_anomalies:sum_loss``: a (sum, num_items) loss (the token-exact path)."""
+    """``--loss tests.bad_steps.test_guard:sum_loss``: a (sum, num_items) loss (the token-exact path)."""
     import torch
     import torch.nn.functional as F
 
@@ -242,7 +243,7 @@ def sum_loss(outputs, batch):
 @pytest.mark.parametrize("extra", [
     ["--per_device_batch_size", "8"],  # 2 micro-steps per step: accelerator.backward, no_sync
     ["--max_grad_norm", "0"],  # no clipping: the guard computes the norm itself
-    ["--loss", "tests.test_anomalies:sum_loss", "--per_device_batch_size", "8", "--with_tracking",
+    ["--loss", "tests.bad_steps.test_guard:sum_loss", "--per_device_batch_size", "8", "--with_tracking",
      "--report_to", "csv"],  # (sum, num_items), rescaled after the items' all-reduce; the records reach a tracker
 ], ids=["accumulation", "no_clipping", "summed_loss"])
 def test_skip_on_every_update_path_equals_the_run_without_that_update(tmp_path, extra):
