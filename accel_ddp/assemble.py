@@ -7,7 +7,6 @@ A preemption signal during start-up stops every rank together at the end of the 
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
@@ -72,6 +71,7 @@ from accel_ddp.transforms.fused_activations import FUSED_KERNELS
 from accel_ddp.transforms.regional_compile import COMPILE_REGIONS, slower_here
 from accel_ddp.util.converters import ModelBuild, convert_model
 from accel_ddp.util.messages import warn
+from accel_ddp.util.ranks import launch_machines
 from accel_ddp.util.registry import resolve
 from accel_ddp.util.validation import ConfigError
 
@@ -167,7 +167,7 @@ def setup(cfg: TrainConfig, teardown: ExitStack, model=None, train_dataset=None,
         (model, optimizer, scheduler), preemption, console)
     block = describe_run(section_of(cfg, StartupOptions), facts, plan.num_epochs, loaders.train, named, data,
                          optimization.lines, usable_cpus(), warmup=cfg.warmup_for(plan.total_steps),
-                         global_batch_derived=cfg.global_batch_derived)
+                         global_batch_derived=cfg.global_batch_derived, counts_tokens=task.counts_tokens)
     start_step = agree_start(section_of(cfg, StartOptions), accelerator, checkpoints,
                              (optimizer, scheduler, optimization.schedule_from_flags), plan.total_steps, recorder,
                              {**cfg.to_dict(), "resolved": facts}, block, preemption)
@@ -272,7 +272,7 @@ def _optimize_and_prepare(cfg: TrainConfig, accelerator: Accelerator, model: tor
 def _watches(cfg: TrainConfig, teardown: ExitStack, accelerator: Accelerator, plan: Plan,
              start_step: int) -> tuple[tqdm, HangWatch]:
     """The repeated flags' warnings, then the progress bar and the hang watch, each closed by the teardown."""
-    for line in getattr(cfg, "repeated_flags", ()):  # the command line's flags given twice (cli/args.py)
+    for line in cfg.repeated_flags:  # the command line's flags given twice (cli/args.py)
         warn(line, ranks="main")
     bar = progress_bar(plan.total_steps, start_step, accelerator.is_local_main_process)
     teardown.callback(bar.close)  # first on an error: the bar's line ends before any rank prints the error
@@ -396,7 +396,7 @@ def _run_facts(cfg: TrainConfig, accelerator: Accelerator, plan: Plan, loader_ki
         "loader": loader_kind,  # device, dataloader or streaming
         "data_source": data_source,  # in_memory, memory_mapped, streaming or map_style
         "device": str(accelerator.device.type),
-        "num_machines": int(os.environ.get("ACCELERATE_NUM_MACHINES", os.environ.get("GROUP_WORLD_SIZE", "1"))),
+        "num_machines": launch_machines(),
     }
 
 

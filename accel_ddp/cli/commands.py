@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from accel_ddp.lifecycle.exit_codes import ExitCode
 from accel_ddp.util.messages import write
 
 
@@ -29,8 +30,8 @@ def _summary(args: argparse.Namespace) -> int:
         write(format_summary(args.output_dir))
     except FileNotFoundError as err:
         write(f"accel-ddp: error: {err}", err=True)
-        return 2
-    return 0
+        return ExitCode.BAD_INPUT
+    return ExitCode.OK
 
 
 def _plot(args: argparse.Namespace) -> int:
@@ -40,9 +41,9 @@ def _plot(args: argparse.Namespace) -> int:
         path = plot_run(args.output_dir, args.out)
     except (FileNotFoundError, ValueError) as err:
         write(f"accel-ddp: error: {err}", err=True)
-        return 2
+        return ExitCode.BAD_INPUT
     write(path)
-    return 0
+    return ExitCode.OK
 
 
 def _doctor(args: argparse.Namespace) -> int:

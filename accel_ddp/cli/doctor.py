@@ -36,6 +36,7 @@ from accel_ddp.cli.doctor_checks import no_config_file, read_launch, run_checks
 from accel_ddp.cli.doctor_report import ERROR, NOTE, WARNING, Finding, Report
 from accel_ddp.cli.launch_config import DoctorInputError, launch_defaults, load_launch_config, resolve_config_file
 from accel_ddp.cli.machine import MachineFacts, software_versions
+from accel_ddp.lifecycle.exit_codes import ExitCode
 from accel_ddp.util.messages import write
 
 __all__ = ["ERROR", "NOTE", "WARNING", "Finding", "Report", "build_parser", "diagnose", "main", "port_in_use", "run"]
@@ -122,10 +123,10 @@ def run(args: argparse.Namespace, facts: MachineFacts | None = None) -> int:
         report = diagnose(args.config_file, facts, overrides, cpu=args.cpu, script=args.script)
     except DoctorInputError as err:
         write(f"accel-ddp doctor: error: {err}", err=True)
-        return 2
+        return ExitCode.BAD_INPUT
     report.versions = software_versions()
     write(report.render())
-    return 0 if report.ok else 1
+    return ExitCode.OK if report.ok else ExitCode.FAILED
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,6 +14,7 @@ from typing import Any
 
 from accel_ddp.cli.doctor_report import ERROR, NOTE, WARNING, Report
 from accel_ddp.cli.machine import MachineFacts
+from accel_ddp.config import MIXED_PRECISIONS
 from accel_ddp.util.cpu_bf16 import cpu_bf16_verdict
 
 _LABEL = r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
@@ -180,7 +181,7 @@ def _check_precision(report: Report, config: dict[str, Any], facts: MachineFacts
                 is_port_in_use=None) -> None:
     """mixed_precision against this machine's GPU or CPU."""
     mixed = launch.mixed
-    if mixed not in ("no", "fp16", "bf16", "fp8"):
+    if mixed not in MIXED_PRECISIONS:
         report.add(ERROR, f"mixed_precision {mixed!r} is unknown", "use no, bf16 or fp16")
     elif mixed == "bf16" and facts.gpu_count and not facts.bf16_supported:
         report.add(ERROR, f"mixed_precision bf16 but this GPU ({facts.gpu_name or 'pre-Ampere'}) has no bf16 support",

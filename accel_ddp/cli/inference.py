@@ -16,6 +16,7 @@ import sys
 from typing import NoReturn
 
 from accel_ddp.lifecycle import failure, refusal
+from accel_ddp.lifecycle.exit_codes import ExitCode
 from accel_ddp.outputs.trained import find_trained
 from accel_ddp.util.messages import say, write
 from accel_ddp.util.ranks import is_first_rank
@@ -69,7 +70,7 @@ def main(args: argparse.Namespace) -> int:
             say(f"wrote {rows} predictions to {args.out}", ranks="first")
     except Exception as err:  # noqa: BLE001 - every failure gets its exit code and, once per launch, its report
         return failure.report(err, failure.exit_code(err))
-    return 0
+    return ExitCode.OK
 
 
 def run(args: argparse.Namespace) -> NoReturn:

@@ -33,7 +33,7 @@ import signal
 import subprocess
 import tempfile
 
-from accel_ddp.lifecycle.exit_codes import EXIT_CODES_DIR, recorded
+from accel_ddp.lifecycle.exit_codes import EXIT_CODES_DIR, ExitCode, killed_by, recorded
 from accel_ddp.util.messages import error_line, write
 
 ELASTIC_LOGGER = "torch.distributed.elastic"  # torchrun's agent: each worker's end, logged after the rank's line
@@ -71,9 +71,9 @@ def _launch(launch_command, args, folder: str) -> int:
     except subprocess.CalledProcessError as err:  # the one-process launcher; the worker's stderr is printed
         return ranks_code(recorded(folder)) or _signal_code(err.returncode, "the training process")
     except SystemExit as stop:  # Accelerate's exit when it was signalled (128 + the signal, 130 for Ctrl-C)
-        launcher = stop.code if isinstance(stop.code, int) else 1
+        launcher = stop.code if isinstance(stop.code, int) else ExitCode.FAILED
         return ranks_code(recorded(folder)) or launcher
-    return 0
+    return ExitCode.OK
 
 
 def failed_rank_code(failures: dict[int, tuple[int, int]], codes: dict[int, int]) -> int:
@@ -105,7 +105,7 @@ def _signal_code(code: int, who: str) -> int:
         name = f"signal {-code}"
     hint = " (out of memory? the kernel's OOM killer sends SIGKILL)" if -code == signal.SIGKILL else ""
     write(error_line(f"{who} was killed by {name}{hint}"), err=True, end="")
-    return 128 - code
+    return killed_by(-code)
 
 
 @contextlib.contextmanager

@@ -12,7 +12,7 @@ from typing import NoReturn
 
 from accel_ddp.cli.args import parse_args
 from accel_ddp.lifecycle import failure, refusal
-from accel_ddp.lifecycle.exit_codes import record
+from accel_ddp.lifecycle.exit_codes import ExitCode, record
 from accel_ddp.util.messages import warn
 from accel_ddp.util.validation import ConfigError
 
@@ -34,12 +34,12 @@ def train_main(cfg) -> int:
 
     Bad input is one line on stderr and exit code 2, a nan/inf loss one line and 3, anything else
     its traceback and 1; a rank stopped by another rank's failure prints nothing and exits with that
-    rank's code. Preemption (SIGTERM or SIGUSR1) saves a checkpoint and exits with ``EXIT_PREEMPTED``
+    rank's code. Preemption (SIGTERM or SIGUSR1) saves a checkpoint and exits with ``ExitCode.PREEMPTED``
     (75), Ctrl-C (SIGINT) and a closed terminal (SIGHUP) likewise with 130 and 129; the exit codes are listed
-    in ``accel_ddp/lifecycle/preemption.py``.
+    in ``accel_ddp/lifecycle/exit_codes.py``.
     """
     # torch, Accelerate and the loop: imported once the options are good
-    from accel_ddp.lifecycle.preemption import EXIT_PREEMPTED, Preempted, ignore_preemption_signals
+    from accel_ddp.lifecycle.preemption import Preempted, ignore_preemption_signals
     from accel_ddp.tracking.console_log import ConsoleLog
 
     console = ConsoleLog().install()  # run.log: everything rank 0 prints, the last line below included
@@ -48,14 +48,14 @@ def train_main(cfg) -> int:
     except Preempted as stop:
         ignore_preemption_signals()  # exiting with 75: the launcher's follow-up SIGTERM must not make it a kill
         code = stop.exit_code
-        what = "preempted" if code == EXIT_PREEMPTED else "interrupted"
+        what = "preempted" if code == ExitCode.PREEMPTED else "interrupted"
         warn(f"{stop} (exit code {code})", kind=what, ranks="first")
         return code
     except Exception as err:  # noqa: BLE001 - every failure gets its exit code and, once per launch, its report
         return failure.report(err, failure.exit_code(err))
     finally:
         console.close()
-    return 0
+    return ExitCode.OK
 
 
 def _train(cfg, console) -> None:
@@ -77,7 +77,7 @@ def run(argv: list[str] | None = None) -> NoReturn:
         code = main(argv)
     except Exception:  # noqa: BLE001 - the report itself failed: Python's traceback, then the same safe exit
         traceback.print_exc()
-        code = 1
+        code = ExitCode.FAILED
     record(code)  # for accel-ddp launch, which exits with it (a signalled launcher's own code says less)
     if "torch" not in sys.modules:  # refused before torch: no thread of gloo's to race the interpreter's exit
         sys.stdout.flush()

@@ -6,8 +6,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import typing
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from accel_ddp.config.checks import (
     check_best_model,
@@ -295,6 +296,11 @@ class TrainConfig:
     channels_last: bool = _opt(False, "store image models and batches channels-last (faster convs on GPUs)")
     tf32: bool = _opt(True, "CUDA only: TF32 tensor cores for fp32 matmuls and convolutions")
     profile: bool = _opt(False, "record a torch.profiler trace of a few steps into OUTPUT_DIR/profile")
+
+    # Not an option (a ClassVar, not a field: no flag, no recipe key, not in config.yaml): a warning line for each
+    # flag the command line gave twice with different values, set by cli/args.py's parse_args and said once the run
+    # starts (assemble.py), after every check of its input.
+    repeated_flags: ClassVar[Sequence[str]] = ()
 
     def __post_init__(self) -> None:
         """Check every field's type and range, whatever the source (Python, YAML or CLI): one ConfigError each."""

@@ -44,7 +44,6 @@ from accel_ddp.data.loaders import (
     Loaders,
     build_eval_loader,
     build_loaders,
-    build_train_loader,
     choose_loader,
 )
 from accel_ddp.data.mapped import MappedDataset
@@ -55,6 +54,6 @@ __all__ = [
     "CIFAR10_MEAN", "CIFAR10_STD", "DATASETS", "FASHION_MNIST_MEAN", "FASHION_MNIST_STD", "MNIST_MEAN", "MNIST_STD",
     "DataError", "DatasetBundle", "DeviceEvalLoader", "DeviceLoader", "GlobalBatchSampler", "HFSource", "HostLoader",
     "InMemoryDataset", "Loaders", "MappedDataset", "PlacedBatch", "SeededSamples", "StreamingLoader",
-    "build_datasets", "build_eval_loader", "build_loaders", "build_train_loader", "choose_loader",
+    "build_datasets", "build_eval_loader", "build_loaders", "choose_loader",
     "default_num_workers", "epoch_order", "read_idx", "steps_per_epoch", "usable_cpus",
 ]

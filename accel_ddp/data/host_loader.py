@@ -41,6 +41,7 @@ from accel_ddp.data.sampler import (
 )
 from accel_ddp.data.workers import WORKER_DEATH_ERRORS, worker_options
 from accel_ddp.util.messages import warn
+from accel_ddp.util.ranks import local_world_size
 
 
 def usable_cpus() -> int:
@@ -48,13 +49,19 @@ def usable_cpus() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
+def pin_memory_for(device: torch.device | str) -> bool:
+    """Page-locked host batches for ``device``? Only where they are copied to a CUDA device: the copy
+    (``non_blocking=True``) then overlaps compute; elsewhere pinning only costs. The one rule of every DataLoader the
+    package builds (training, evaluation, streaming)."""
+    return torch.device(device).type == "cuda"
+
+
 def default_num_workers(dataset: Dataset) -> int:
     """0 for tensors in memory (workers would only add copies); else up to 8, sharing the CPUs among local ranks."""
     if is_in_memory(dataset):
         return 0
     cpus = usable_cpus()
-    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    return max(1, min(8, cpus // local_ranks - 1))
+    return max(1, min(8, cpus // local_world_size() - 1))
 
 
 class SeededSamples(Dataset):
@@ -167,7 +174,7 @@ class HostLoader(GlobalBatchLoader):
             num_workers=workers,
             persistent_workers=workers > 0,  # no worker start-up cost at every epoch
             **worker_options(workers, worker_init_fn),  # deaf to the job's SIGTERM, dead with this rank
-            pin_memory=self.device.type == "cuda",  # page-locked host batches: the copy below overlaps compute
+            pin_memory=pin_memory_for(self.device),  # page-locked host batches: the copy below overlaps compute
             # The DataLoader draws its workers' base seed from this generator, not from torch's global one:
             # the training stream (dropout) must not depend on the loader. Augmentation does not use it.
             generator=torch.Generator().manual_seed(seed),

@@ -14,55 +14,28 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from accel_ddp.data.device_loader import DeviceEvalLoader, DeviceLoader
-from accel_ddp.data.host_loader import HostLoader, default_num_workers, readable, usable_cpus
+from accel_ddp.data.host_loader import HostLoader, default_num_workers, pin_memory_for, usable_cpus
 from accel_ddp.data.in_memory import as_in_memory, is_in_memory
 from accel_ddp.data.mapped import is_arrow_dataset
 from accel_ddp.data.memory_budget import say
-from accel_ddp.data.sampler import GlobalBatchSampler
 from accel_ddp.data.workers import worker_options
 from accel_ddp.util.messages import note
 from accel_ddp.util.registry import describe
 from accel_ddp.util.validation import ConfigError
 
-__all__ = ["Loaders", "TrainLoader", "build_eval_loader", "build_loaders", "build_train_loader", "choose_loader",
+__all__ = ["Loaders", "TrainLoader", "build_eval_loader", "build_loaders", "choose_loader",
            "build_eval_loader_beside", "data_seed", "data_source", "default_num_workers", "first_samples",
            "usable_cpus"]
 
 
-def build_train_loader(
-    dataset: Dataset, per_device_batch_size: int, global_batch_size: int, num_workers: int | None = None,
-    collate_fn: Callable | None = None, *, seed: int = 0, rank: int = 0, world_size: int = 1,
-    worker_init_fn: Callable[[int], None] | None = None,
-) -> DataLoader:
-    """A plain DataLoader over rank ``rank``'s share of every global batch (what :class:`HostLoader` wraps).
-
-    Its batch sampler is :class:`~accel_ddp.data.sampler.GlobalBatchSampler`: do not pass it through
-    ``accelerator.prepare``, which would shard it a second time. ``num_workers=None`` picks
-    :func:`default_num_workers`; ``collate_fn=None`` is torch's ``default_collate``. Its workers ignore the job's
-    preemption signals and die with this rank (:mod:`accel_ddp.data.workers`), then run ``worker_init_fn``.
-    """
-    workers = default_num_workers(dataset) if num_workers is None else num_workers
-    sampler = GlobalBatchSampler(len(dataset), per_device_batch_size, global_batch_size, seed=seed, rank=rank,
-                                 world_size=world_size)
-    return DataLoader(
-        readable(dataset),
-        batch_sampler=sampler,
-        collate_fn=collate_fn,
-        num_workers=workers,
-        persistent_workers=workers > 0,
-        **worker_options(workers, worker_init_fn),
-        pin_memory=torch.cuda.is_available(),
-        generator=torch.Generator().manual_seed(seed),
-    )
-
-
 def build_eval_loader(
     dataset: Dataset, batch_size: int, num_workers: int | None = None, collate_fn: Callable | None = None,
-    worker_init_fn: Callable[[int], None] | None = None,
+    worker_init_fn: Callable[[int], None] | None = None, *, device: torch.device | str = "cpu",
 ) -> DataLoader:
-    """Ordered DataLoader; ``gather_for_metrics`` later drops the padding of the last batch.
+    """Ordered DataLoader; ``gather_for_metrics`` later drops the padding of the last batch. ``device``: where its
+    batches are copied (page-locked host memory for a CUDA device).
 
-    Its workers are those of :func:`build_train_loader`, also through ``accelerator.prepare``.
+    Its workers are those of :class:`HostLoader`'s DataLoader, also through ``accelerator.prepare``.
     """
     workers = default_num_workers(dataset) if num_workers is None else num_workers
     return DataLoader(
@@ -73,7 +46,7 @@ def build_eval_loader(
         num_workers=workers,
         persistent_workers=workers > 0,
         **worker_options(workers, worker_init_fn),
-        pin_memory=torch.cuda.is_available(),
+        pin_memory=pin_memory_for(device),
     )
 
 
@@ -206,7 +179,8 @@ def build_eval_loader_beside(accelerator, eval_dataset: Dataset, kind: str, batc
         return DeviceEvalLoader(eval_dataset, batch_size, rank=accelerator.process_index, world_size=world,
                                 device=accelerator.device)
     # Batches stay on the host: evaluate() checks their labels there (loader.batch_check), then copies them.
-    return accelerator.prepare_data_loader(build_eval_loader(eval_dataset, batch_size, num_workers, collate_fn),
+    return accelerator.prepare_data_loader(build_eval_loader(eval_dataset, batch_size, num_workers, collate_fn,
+                                                             device=accelerator.device),
                                            device_placement=False)
 
 

@@ -23,6 +23,7 @@ import os
 from typing import NamedTuple
 
 from accel_ddp.util.messages import note
+from accel_ddp.util.ranks import local_world_size
 
 DECODE_WORKING_FACTOR = 2  # peak resident set / decoded size while decoding (issue 25: "about twice")
 DEVICE_SHARE = 0.25  # of the device memory free at start-up: the model, optimizer and activations need the rest
@@ -97,12 +98,6 @@ def device_available_bytes(device) -> int | None:
     return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
 
 
-def local_ranks(default: int = 1) -> int:
-    """The ranks on this machine (torchrun's ``LOCAL_WORLD_SIZE``), each holding its own copy of the data."""
-    value = os.environ.get("LOCAL_WORLD_SIZE", "")
-    return int(value) if value.isdigit() and int(value) > 0 else default
-
-
 class InMemoryLimit(NamedTuple):
     """The agreed limits, in MiB (``math.inf``: none), and how the budget was found."""
 
@@ -139,7 +134,7 @@ def in_memory_limit(accelerator, configured_mb: float) -> InMemoryLimit:
     """The limits every rank agrees on (collective: one MIN all-reduce over the ranks' budgets)."""
     import torch
 
-    ranks = local_ranks(default=accelerator.num_processes)
+    ranks = local_world_size(default=accelerator.num_processes)
     host_mb, dev_mb = budget_mb(accelerator.device, ranks)
     if accelerator.num_processes > 1:
         mine = torch.tensor([min(host_mb, 2.0**60), min(dev_mb, 2.0**60)], dtype=torch.float64,

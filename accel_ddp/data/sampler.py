@@ -199,7 +199,7 @@ class GlobalBatchLoader:
     """What the device loader and the DataLoader path share: a prepared DataLoader's surface over a sampler.
 
     ``len()`` (micro-batches per rank left this epoch), ``set_epoch``, ``skip_first_batches`` (a
-    :class:`SkippedPass`), ``steps_per_epoch``, ``accumulation`` and ``total_batch_size``, and one constructor:
+    :class:`SkippedPass`), ``steps_per_epoch`` and ``accumulation``, and one constructor:
     the sampler over the dataset's ``size`` samples, the layout, and the ``device`` batches go to. A subclass
     iterates ``self.sampler``, calling ``sampler.set_epoch(epoch + 1)`` after a full pass.
     """
@@ -238,11 +238,6 @@ class GlobalBatchLoader:
     @property
     def accumulation(self) -> int:
         return self.sampler.accumulation
-
-    @property
-    def total_batch_size(self) -> int:
-        """Samples per micro-step over all ranks (as Accelerate's DataLoaderShard reports it)."""
-        return self.sampler.per_device_batch_size * self.sampler.world_size
 
     def __len__(self) -> int:
         return len(self.sampler)

@@ -47,7 +47,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from accel_ddp.config import accumulation_steps
 from accel_ddp.data.bundle import DataError
-from accel_ddp.data.host_loader import default_num_workers
+from accel_ddp.data.host_loader import default_num_workers, pin_memory_for
 from accel_ddp.data.non_finite import NonFiniteInput, batch_problem, without_fix
 from accel_ddp.data.sampler import sample_seed
 from accel_ddp.data.workers import worker_options
@@ -170,10 +170,6 @@ class StreamingLoader:
         """``--on_anomaly skip|rollback``: see ``GlobalBatchLoader.report_bad_inputs``."""
         self.on_bad_input = report
 
-    @property
-    def total_batch_size(self) -> int:
-        return self.per_device_batch_size * self.world_size
-
     def __len__(self) -> int:
         return self.steps_per_epoch * self.accumulation - self.start
 
@@ -217,7 +213,7 @@ class StreamingLoader:
         # would shift dropout after a resume (the draws of the passes since the start are not replayed).
         generator = torch.Generator().manual_seed(sample_seed(self.seed, self.data_epoch, 0))
         return DataLoader(batches, batch_size=None, num_workers=self.num_workers, generator=generator,
-                          collate_fn=self._collate, pin_memory=self.device.type == "cuda",
+                          collate_fn=self._collate, pin_memory=pin_memory_for(self.device),
                           **worker_options(self.num_workers))  # deaf to the job's SIGTERM, dead with this rank
 
     def _collate(self, item):

@@ -42,6 +42,7 @@ import sys
 import threading
 from collections.abc import Callable
 
+from accel_ddp.lifecycle.exit_codes import ExitCode
 from accel_ddp.lifecycle.hang import answer_stack_requests
 
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
@@ -137,7 +138,7 @@ def _exit_on_parents_sigterm() -> None:
     while True:  # one pending since the fork is taken first
         info = signal.sigwaitinfo({signal.SIGTERM})
         if info.si_pid == os.getppid():  # torch's handler_SIGTERM: the parent's SIGTERM is a quiet exit
-            os._exit(0)
+            os._exit(ExitCode.OK)
 
 
 def die_with_rank(rank_pid: int | None) -> None:
@@ -151,4 +152,4 @@ def die_with_rank(rank_pid: int | None) -> None:
     if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
         return  # not allowed here (a sandbox): torch's watchdog still ends the worker between two batches
     if rank_pid is not None and os.getppid() != rank_pid:  # the rank died before the prctl: no signal will come
-        os._exit(0)
+        os._exit(ExitCode.OK)

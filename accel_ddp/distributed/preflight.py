@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from accel_ddp.util.precision import autocast_dtype
+from accel_ddp.util.ranks import launch_machines, local_world_size
 from accel_ddp.util.validation import ConfigError
 
 # FSDP2 in torch 2.14 casts a BatchNorm's weight to the policy's param_dtype but not its running
@@ -84,10 +86,10 @@ def check_launch_devices(cuda_available: bool) -> None:
         return
     if dist.is_available() and dist.is_initialized() and dist.get_backend() != "nccl":
         return
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    local_world = local_world_size()
     gpus = torch.cuda.device_count()  # honours CUDA_VISIBLE_DEVICES (and the launch config's gpu_ids, set through it)
     if local_world > gpus:
-        machines = int(os.environ.get("GROUP_WORLD_SIZE", "1"))
+        machines = launch_machines()
         raise DeviceError(
             f"{local_world} processes on this machine but only {gpus} GPU(s) visible: Accelerate would put two ranks "
             "on one GPU and NCCL stops at the first collective ('Duplicate GPU detected'); launch at most one process "
@@ -109,7 +111,7 @@ def check_fsdp(model: nn.Module, *, channels_last: bool, mixed_precision: str) -
             "--channels_last with FSDP: FSDP2 cannot shard channels-last parameters ('FSDP does not support "
             "non-contiguous parameters yet'); drop --channels_last, or use a DDP config such as "
             "accelerate_configs/4gpu.yaml")
-    if mixed_precision in ("bf16", "fp16") and has_batchnorm(model):
+    if autocast_dtype(mixed_precision) is not None and has_batchnorm(model):  # its parameters cast to it
         raise DeviceError(
             f"a model with BatchNorm under FSDP with mixed_precision {mixed_precision}: FSDP2 casts BatchNorm's "
             f"weights but not its running statistics and the forward fails ({FSDP_BATCHNORM}); launch with "
@@ -130,7 +132,7 @@ def build_fsdp_plugin(cuda_available: bool):
     from accelerate.utils import FullyShardedDataParallelPlugin
 
     plugin = FullyShardedDataParallelPlugin()  # every fsdp_* key of the launch config, read from the environment
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(os.environ.get("ACCELERATE_MIXED_PRECISION", "no"))
+    dtype = autocast_dtype(os.environ.get("ACCELERATE_MIXED_PRECISION", "no"))
     if plugin.fsdp_version == 2 and dtype is not None and plugin.mixed_precision_policy is None:
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -147,7 +149,7 @@ def check_shared_output_dir(accelerator, output_dir: str) -> None:
     their RNG state where machine 0 never looks and find no checkpoint to resume from. The main
     process writes a probe file, every rank reads it. Collective; nothing to do on one machine.
     """
-    if accelerator.num_processes <= int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes)):
+    if accelerator.num_processes <= local_world_size(default=accelerator.num_processes):
         return
     from accelerate.utils import broadcast_object_list
 

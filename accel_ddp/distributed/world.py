@@ -28,7 +28,7 @@ from accel_ddp.lifecycle.hang import flight_recorder_env
 from accel_ddp.lifecycle.peers import group_forming
 from accel_ddp.util.host_memory import keep_freed_host_memory
 from accel_ddp.util.messages import note
-from accel_ddp.util.ranks import WORLD_SIZE_VARS
+from accel_ddp.util.ranks import WORLD_SIZE_VARS, launch_world_size
 from accel_ddp.util.validation import ConfigError, LaunchError
 
 
@@ -161,7 +161,7 @@ def build_accelerator(options: WorldOptions, batch_layout: Callable[[int], tuple
     forget_ended_world()  # a second run in this process (train, then evaluate): the group formed again
     with group_forming():  # its sockets: what a failing train() shuts to end its peers' collectives (failure.py)
         state = PartialState(cpu=cpu, timeout=timedelta(seconds=options.ddp_timeout))
-    launched_world = int(os.environ.get("WORLD_SIZE", "1"))
+    launched_world = launch_world_size()
     if state.num_processes != launched_world:
         raise LaunchError(
             f"the launcher started {launched_world} processes but they formed a group of "

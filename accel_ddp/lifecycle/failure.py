@@ -48,6 +48,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from accel_ddp.lifecycle.exit_codes import ExitCode
 from accel_ddp.lifecycle.peers import close_peer_connections, group_connections, rank_store
 from accel_ddp.lifecycle.transport import LOST, STOPPED, Said, peer_message
 from accel_ddp.util.atomic import atomic_write_text
@@ -170,11 +171,11 @@ def _claimed(made: Claim, rank: int) -> str:
 def exit_code(err: BaseException) -> int:
     """The exit code of a run that raised ``err``: 2 bad input, 3 a nan/inf loss, 1 anything else (a
     ``ServiceFailure`` too: a store that failed mid-run, which a relaunch may get past)."""
-    from accel_ddp.lifecycle.non_finite import EXIT_NON_FINITE, NonFiniteLoss  # torch: imported once it fails
+    from accel_ddp.lifecycle.non_finite import NonFiniteLoss  # torch: imported once it fails
 
     if isinstance(err, (ConfigError, LaunchError)):
-        return 2
-    return EXIT_NON_FINITE if isinstance(err, NonFiniteLoss) else 1
+        return ExitCode.BAD_INPUT
+    return ExitCode.NON_FINITE if isinstance(err, NonFiniteLoss) else ExitCode.FAILED
 
 
 def report(err: BaseException, code: int) -> int:
@@ -221,7 +222,7 @@ def _prints(made: Claim, err: BaseException) -> bool:
         return True  # the store was unreachable: better a second line than none
     # Several ranks and no store to agree on (mpirun without MASTER_ADDR): rank 0 speaks for bad input, as
     # every rank fails alike, and a rank's own bad data or bug is its own to print.
-    return made.rank == 0 or made.first["code"] == 1 or getattr(err, "only_this_rank", False)
+    return made.rank == 0 or made.first["code"] == ExitCode.FAILED or getattr(err, "only_this_rank", False)
 
 
 def timed_out(err: BaseException) -> Said | None:
@@ -255,8 +256,9 @@ def _silent_ranks(made: Claim) -> list[int]:
 
 
 def _report_text(err: BaseException, code: int, made: Claim | None = None) -> str:
-    if code != 1 or isinstance(err, (ServiceFailure, UserCodeFailed)):  # a store that failed mid-run, a callback
-        # that raised: one line, no traceback (a callback's line says where it raised; its traceback: the error file)
+    # A store that failed mid-run, a callback that raised: one line, no traceback (a callback's line says where it
+    # raised; its traceback: the error file).
+    if code != ExitCode.FAILED or isinstance(err, (ServiceFailure, UserCodeFailed)):
         return error_line(err)
     if lost_peer(err):
         return error_line(_LOST.format(rank=launch_rank()))
@@ -271,11 +273,11 @@ def _write_error_file_of(made: Claim, err: BaseException) -> None:
         why = f"stopped because rank {first['rank']} failed: {first['message']}"
         own = f"{type(err).__name__}: {first_line(err)}"  # worth adding where it is no mere lost connection
         write_error_file(why, why if own == first["message"] or lost_peer(err) else f"{why}\n(this rank then: {own})")
-    elif first["code"] == 1 and lost_peer(err):  # with what gloo or the store said
+    elif first["code"] == ExitCode.FAILED and lost_peer(err):  # with what gloo or the store said
         write_error_file(f"{_LOST.format(rank=made.rank)} ({type(err).__name__}: {first_line(err)})")
-    elif first["code"] == 1 and timed_out(err):
+    elif first["code"] == ExitCode.FAILED and timed_out(err):
         write_error_file(_timeout_line(err))
-    elif first["code"] == 1 and not isinstance(err, ServiceFailure):
+    elif first["code"] == ExitCode.FAILED and not isinstance(err, ServiceFailure):
         write_error_file(f"{type(err).__name__}: {err}", "".join(traceback.format_exception(err)))
     else:  # the one line, no traceback: bad input is not a bug
         write_error_file(f"{type(err).__name__}: {err}")

@@ -12,7 +12,7 @@ after a step that an evaluation, a save, an epoch's end or the run's end follows
    which is what hangs; so the report is the same on one machine or several;
 3. the lowest rank that posted waits ``GRACE_S`` for the others, prints the one line (``hang_stacks.hang_line``:
    ``rank 1 is stuck at my_loss.py:14 in loss ...; rank 0 waiting in backward ...``; a rank that never posted is
-   "no stack: stopped or dead"), and every rank exits with ``EXIT_HUNG`` once it is out (``os._exit``: the main
+   "no stack: stopped or dead"), and every rank exits with ``ExitCode.HUNG`` once it is out (``os._exit``: the main
    thread is the one that hangs). Checkpoints already written stay; ``--resume_from_checkpoint auto`` resumes.
 
 The watch is a Python thread that polls the step counter ``step_done`` sets: one attribute store per step on the
@@ -42,12 +42,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from accel_ddp.lifecycle.exit_codes import ExitCode
 from accel_ddp.lifecycle.hang_stacks import SECTION, WORKER_SECTION, hang_line, summarize
 from accel_ddp.lifecycle.peers import rank_store
 from accel_ddp.util.messages import error_line
 from accel_ddp.util.ranks import launch_rank, launch_world_size
 
-EXIT_HUNG = 124  # what timeout(1) returns for a command that ran past its limit: no rank is to blame for the code
 PHASE_FACTOR = 2  # start-up's first step, an evaluation, a save: twice --hang_timeout
 GRACE_S = 5.0  # how long the reporting rank waits for the others' stacks before it names them "no stack"
 WORKER_DUMP_S = 1.0  # how long a DataLoader worker may take to write its stacks
@@ -158,7 +158,7 @@ def pauses_after(plan: Any) -> Callable[[int], bool]:
 
 def report(state: dict, rank: int, world_size: int, seconds: float, folder: str) -> int:
     """Post this rank's ``state`` to the launch's store; the lowest rank that posted prints the line once the others
-    posted (``GRACE_S`` at most); every rank leaves once it is out. Returns ``EXIT_HUNG``."""
+    posted (``GRACE_S`` at most); every rank leaves once it is out. Returns ``ExitCode.HUNG`` (124)."""
     from accel_ddp.lifecycle.failure import print_report, write_error_file
 
     key = f"accel_ddp/hang/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/" \
@@ -168,7 +168,7 @@ def report(state: dict, rank: int, world_size: int, seconds: float, folder: str)
         line = hang_line({rank: state}, 1 if world_size == 1 else world_size, seconds, folder)
         write_error_file(line)
         print_report("\n" + error_line(line))
-        return EXIT_HUNG
+        return ExitCode.HUNG
     store, hosts = found
     try:
         store.set(f"{key}/rank/{rank}", json.dumps(state))
@@ -188,7 +188,7 @@ def report(state: dict, rank: int, world_size: int, seconds: float, folder: str)
             store.set(f"{key}/left/{rank}", "1")
     except RuntimeError:  # the store's host is gone (it reported and left, or it is the one that died)
         pass
-    return EXIT_HUNG
+    return ExitCode.HUNG
 
 
 def _wait_for(store: Any, keys: list[str], seconds: float) -> bool:

@@ -5,7 +5,9 @@ How a bad step is found, what the run does about it and its words live in ``acce
 
 from __future__ import annotations
 
-EXIT_NON_FINITE = 3  # not 75 (preempted): a relaunch would diverge again
+from accel_ddp.lifecycle.exit_codes import ExitCode
+
+EXIT_NON_FINITE = ExitCode.NON_FINITE  # 3, re-exported: the one list is accel_ddp/lifecycle/exit_codes.py
 
 
 class NonFiniteLoss(Exception):  # noqa: N818 - an outcome, like Preempted

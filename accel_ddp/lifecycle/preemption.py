@@ -71,13 +71,13 @@ import torch
 import torch.distributed as dist
 from accelerate import Accelerator
 
+from accel_ddp.lifecycle.exit_codes import ExitCode
 from accel_ddp.lifecycle.stdio import guard_stdio, silence_dead_pipes
 
-EXIT_PREEMPTED = 75  # sysexits.h EX_TEMPFAIL: the job may be retried
 # SIGUSR1: what SLURM's --signal sends by default; SIGINT: Ctrl-C; SIGHUP: the terminal (or ssh session) closed.
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP)
 # A person stopped the run: 128 + the signal, as a shell reports a process it killed, not 75 ("try again").
-EXIT_INTERRUPTED = {"SIGINT": 128 + signal.SIGINT, "SIGHUP": 128 + signal.SIGHUP}
+EXIT_INTERRUPTED = {"SIGINT": ExitCode.INTERRUPTED, "SIGHUP": ExitCode.HANGUP}
 # Ranks compare their preemption flags about this often: the bound on the delay from a signal to the stop,
 # against the launcher's 30 s between its SIGTERM and its SIGKILL and SLURM's --signal lead time (minutes).
 # 1 s: a step longer than the interval compares after every step, a blocking all-reduce on which a rank waits for
@@ -113,7 +113,7 @@ class Preempted(Exception):  # noqa: N818 - it is an outcome, not a failure
     @property
     def exit_code(self) -> int:
         """75 (preempted, the launcher died), or 130 / 129 for SIGINT / SIGHUP (a person stopped it)."""
-        return EXIT_INTERRUPTED.get(self.signal_name or "", EXIT_PREEMPTED)
+        return EXIT_INTERRUPTED.get(self.signal_name or "", ExitCode.PREEMPTED)
 
 
 class _Interrupted(KeyboardInterrupt):  # noqa: N818 - what Ctrl-C raises, for the same purpose
@@ -314,7 +314,7 @@ def flag_group(timeout: timedelta | None = None):
 
 
 def ignore_preemption_signals() -> None:
-    """For a process about to exit with ``EXIT_PREEMPTED`` (or 130, 129): ignore further SIGTERM, SIGUSR1, SIGINT,
+    """For a process about to exit with ``ExitCode.PREEMPTED`` (or 130, 129): ignore further SIGTERM, SIGUSR1, SIGINT,
     SIGHUP.
 
     The launcher answers the first rank that exits with a SIGTERM to the others; it must not turn

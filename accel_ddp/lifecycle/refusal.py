@@ -19,8 +19,9 @@ import time
 from collections.abc import Callable
 
 from accel_ddp.lifecycle import failure
+from accel_ddp.lifecycle.exit_codes import ExitCode
 from accel_ddp.util.messages import error_line, first_line
-from accel_ddp.util.ranks import launch_rank, launch_world_size
+from accel_ddp.util.ranks import launch_rank, launch_world_size, local_world_size
 from accel_ddp.util.validation import ConfigError
 
 
@@ -39,7 +40,7 @@ def refuse_options(err: ConfigError) -> int:
     message = f"{type(err).__name__}: {first_line(err)}"
     under_torchrun = bool(os.environ.get("TORCHELASTIC_RUN_ID"))
     if world > 1 and (not under_torchrun or "torch" in sys.modules):
-        return failure.report(err, 2)
+        return failure.report(err, ExitCode.BAD_INPUT)
     handles = under_torchrun and threading.current_thread() is threading.main_thread()
     if rank == 0 or world == 1:
         if handles:  # a SIGTERM now must not lose the line: it waits until the line is out
@@ -47,16 +48,17 @@ def refuse_options(err: ConfigError) -> int:
         failure.write_error_file(message)
         failure.print_report(error_line(err))
         if handles:
-            signal.signal(signal.SIGTERM, lambda *_: _leave_now(2))
+            signal.signal(signal.SIGTERM, lambda *_: _leave_now(ExitCode.BAD_INPUT))
         _wait_until(_local_error_files_written, EARLY_ACK_S)
-        return 2
+        return ExitCode.BAD_INPUT
     if handles:
-        signal.signal(signal.SIGTERM, lambda *_: _leave_now(2))  # the launcher stopping us: our code, not a kill
+        # the launcher stopping us: our code, not a kill
+        signal.signal(signal.SIGTERM, lambda *_: _leave_now(ExitCode.BAD_INPUT))
     failure.write_error_file(f"stopped because rank 0 failed: {message}")
     _wait_until(lambda: False, EARLY_WAIT_S)
     failure.write_error_file(message)  # not stopped: rank 0 did not fail alike, so this rank's line is the one
     failure.print_report(error_line(err))
-    return 2
+    return ExitCode.BAD_INPUT
 
 
 EARLY_ACK_S = 5.0  # rank 0's wait for its machine's other ranks to write their error files (then SIGTERM is safe)
@@ -67,7 +69,7 @@ def _local_error_files_written() -> bool:
     """Has every rank of this machine written its error file? torchrun gives each local rank
     ``.../attempt_N/<local rank>/error.json`` (torch/distributed/elastic/agent/server/local_elastic_agent.py)."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    local = int(os.environ["LOCAL_WORLD_SIZE"]) if os.environ.get("LOCAL_WORLD_SIZE", "").isdigit() else 1
+    local = local_world_size()
     if not path or local <= 1:
         return True
     attempt, name = os.path.dirname(os.path.dirname(path)), os.path.basename(path)

@@ -29,6 +29,7 @@ from accel_ddp.outputs.names import (
 )
 from accel_ddp.util.atomic import atomic_write_text
 from accel_ddp.util.messages import warn
+from accel_ddp.util.ranks import launch_machines, launch_world_size, local_world_size
 
 # (summary.json key, label): the final figures the card shows, in this order, when present
 RESULTS = (
@@ -57,8 +58,7 @@ def launch_command(argv: list[str], env: Mapping[str, str]) -> str:
     else:
         target = [program]
     args = list(argv[1:])
-    world = int(env.get("WORLD_SIZE", "1"))
-    machines = int(env.get("ACCELERATE_NUM_MACHINES") or env.get("GROUP_WORLD_SIZE") or 1)
+    world, machines = launch_world_size(env), launch_machines(env)
     if "ACCELERATE_MIXED_PRECISION" in env:  # set by every accelerate launch
         launcher = ["accel-ddp" if env.get(EXIT_CODES_DIR) else "accelerate", "launch"]  # accel-ddp launch sets it
         if env.get("ACCELERATE_USE_FSDP", "").lower() == "true":
@@ -75,7 +75,7 @@ def launch_command(argv: list[str], env: Mapping[str, str]) -> str:
         if backend.upper() != "NO":
             launcher += ["--dynamo_backend", backend.lower()]
     elif "TORCHELASTIC_RUN_ID" in env:  # torchrun
-        launcher = ["torchrun", "--nnodes", str(machines), "--nproc_per_node", env.get("LOCAL_WORLD_SIZE", str(world))]
+        launcher = ["torchrun", "--nnodes", str(machines), "--nproc_per_node", str(local_world_size(world, env))]
     elif os.path.basename(program) == "accel-ddp":  # the console script runs as is
         return shlex.join(["accel-ddp", *args])
     else:

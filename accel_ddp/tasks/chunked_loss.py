@@ -24,13 +24,13 @@ float rounding (tests/tasks/test_chunked_loss.py: fp32 1e-5 relative, bf16 2e-2)
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from accel_ddp.config.views import config_section
 from accel_ddp.util.converters import ModelBuild, ModelConverter
+from accel_ddp.util.precision import autocast_dtype
 from accel_ddp.util.validation import ConfigError
 
 IGNORE_INDEX = -100  # as accel_ddp.tasks.protocol: labels that count for nothing
@@ -177,11 +177,6 @@ def _add_weight_grad(grad_weight: torch.Tensor, low: torch.Tensor, grad: torch.T
     grad_weight.addmm_(grad.T, h.to(grad_weight.dtype))
 
 
-def autocast_dtype(mixed_precision: Any) -> torch.dtype | None:
-    """The matmuls' dtype for Accelerate's ``mixed_precision`` ("bf16", "fp16"; else None: the hidden states')."""
-    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(str(mixed_precision))
-
-
 @config_section
 @dataclass(frozen=True)
 class ChunkedLossOptions:
@@ -194,7 +189,7 @@ def _split_for_loss(model: torch.nn.Module, options: ChunkedLossOptions,
                     build: ModelBuild) -> tuple[torch.nn.Module, str]:
     """Before DDP wraps it: training forwards return hidden states, the task applies the layer."""
     build.task.split_head = split_output_layer(model, sharded=build.accelerator.is_fsdp2)
-    build.task.compute_dtype = autocast_dtype(build.accelerator.mixed_precision)
+    build.task.compute_dtype = autocast_dtype(build.accelerator.mixed_precision)  # None: the hidden states' dtype
     return model, "output layer chunked into the loss (--chunked_loss)"
 
 

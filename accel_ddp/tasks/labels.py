@@ -60,7 +60,7 @@ def forward_ranges(task: Task, model: torch.nn.Module) -> list[IdRange]:
     # Transformers' classifiers (sequence, token) set self.num_labels and compute their loss from `labels`; a
     # config's num_labels alone says nothing (every config has one, 2 by default).
     num_labels = getattr(module, "num_labels", None)
-    if task.name != "causal_lm" and isinstance(num_labels, int) and num_labels > 1:  # 1: a regression head
+    if not task.counts_tokens and isinstance(num_labels, int) and num_labels > 1:  # 1: a regression head
         ranges.append(IdRange("labels", num_labels, "classes"))
     return ranges
 
@@ -71,7 +71,7 @@ def figure_ranges(task: Task, outputs: Any, batch: Any) -> list[IdRange]:
     logits = logits_of(outputs)
     if not isinstance(logits, torch.Tensor) or task.stats_problem(outputs, batch) is not None:
         return []
-    if task.name == "causal_lm":
+    if task.counts_tokens:
         return [IdRange(key, logits.shape[-1], "vocabulary") for key in ("input_ids", "labels")
                 if isinstance(batch, Mapping) and key in batch]
     if labels_of(batch).is_floating_point():  # class probabilities: nothing to index with

@@ -76,6 +76,7 @@ class Task:
 
     name = "classification"
     held_back = frozenset()  # batch keys this task uses itself instead of passing them to the model
+    counts_tokens = False  # are its loss's items tokens (its labels ids in a vocabulary)? The figures count them
 
     def __init__(self, loss_fn: Callable[[Any, Any], Any] | None = None, metrics: Sequence[Any] = (),
                  memory_format: torch.memory_format = torch.contiguous_format):
@@ -292,6 +293,7 @@ class CausalLMTask(Task):
 
     name = "causal_lm"
     held_back = frozenset({"labels"})
+    counts_tokens = True
     split_head: Any = None  # --chunked_loss: the model's chunked_loss.HiddenStatesHead (training: hidden states out)
     compute_dtype: torch.dtype | None = None  # --chunked_loss: the matmuls' dtype (the run's autocast dtype)
 

@@ -23,6 +23,7 @@ from accel_ddp.config.debug import debug_mode
 from accel_ddp.config.views import config_section
 from accel_ddp.util.cpu_bf16 import cpu_bf16_verdict, cpu_has_bf16_units, read_cpuinfo
 from accel_ddp.util.messages import warn, write
+from accel_ddp.util.ranks import local_world_size
 
 HEADER = "accel_ddp: ***** Running training *****"
 SOURCES = {"in_memory": "data in memory", "memory_mapped": "memory-mapped (read per batch)",
@@ -69,7 +70,7 @@ class StartupBlock:
     def describe(cls, options: StartupOptions, facts: dict[str, Any], *, epochs: int, workers: int | None,
                  model: str, warmup: int, global_batch_derived: bool, data_sizes: tuple[tuple[int, int], ...] = (),
                  cpus: int = 1, env=os.environ, examples: tuple[int | None, int | None] = (None, None),
-                 optimization: dict[str, str] | None = None) -> StartupBlock:
+                 optimization: dict[str, str] | None = None, counts_tokens: bool = False) -> StartupBlock:
         """From the options, the run's facts (assemble._run_facts), and what only the loop knows.
 
         ``warmup``: the warmup in optimizer steps (the config's ``warmup_for``); ``global_batch_derived``: the
@@ -77,7 +78,8 @@ class StartupBlock:
         DataLoader workers per rank (None: no DataLoader); ``data_sizes``: --debug's (kept, full) sample counts of the
         training and eval sets; ``cpus``: the cores this rank may use; ``examples``: the samples of the training and
         eval sets as trained (None: a stream's, unknown; no eval set); ``optimization``: the optimizer lines the flags
-        alone cannot write (optim_user.Optimization.lines).
+        alone cannot write (optim_user.Optimization.lines); ``counts_tokens``: the task's (``Task.counts_tokens``):
+        the tokens of a step get their line.
         """
         world, machines = facts["world_size"], facts["num_machines"]
         per_device, accumulation, global_batch = (facts["per_device_batch_size"], facts["grad_accum_steps"],
@@ -99,14 +101,14 @@ class StartupBlock:
             "task": options.task,
             "model": model,
             "examples": _examples(*examples),
-            **training_lines(options, warmup, global_batch, optimization or {}),
+            **training_lines(options, warmup, global_batch, optimization or {}, counts_tokens),
         }
         if debug_mode(options).on:
             lines["debug"] = debug_changes(options, facts["total_steps"], data_sizes[0][1] if data_sizes else None)
             if data_sizes:
                 lines["debug data"] = "; ".join(f"{name} set: its first {kept} of {full} samples" for name, (kept, full)
                                                 in zip(("training", "eval"), data_sizes, strict=False))
-        local = int(env.get("LOCAL_WORLD_SIZE", world // max(machines, 1) or 1))
+        local = local_world_size(world // max(machines, 1) or 1, env)
         warnings = mistakes(facts["device"], local, precision, source, cpus)
         return cls(lines, warnings)
 
@@ -133,13 +135,15 @@ class StartupBlock:
 
 
 def describe_run(options: StartupOptions, facts: dict[str, Any], epochs: int, train_loader: Any, model: str, data: Any,
-                 optimization: dict[str, str], cpus: int, *, warmup: int, global_batch_derived: bool) -> StartupBlock:
+                 optimization: dict[str, str], cpus: int, *, warmup: int, global_batch_derived: bool,
+                 counts_tokens: bool = False) -> StartupBlock:
     """``assemble.setup``'s start-up block, before the start point is known (``checkpoint/start.agree_start`` adds
     it): the run's facts, its loader's workers, its data sets' sizes (``data``: data/resolve.py's), the model."""
     return StartupBlock.describe(options, facts, epochs=epochs, workers=_workers(train_loader), model=model,
                                  warmup=warmup, global_batch_derived=global_batch_derived,
                                  data_sizes=_debug_sizes(debug_mode(options).on, data), cpus=cpus,
-                                 examples=(_length(data.train), _length(data.eval)), optimization=optimization)
+                                 examples=(_length(data.train), _length(data.eval)), optimization=optimization,
+                                 counts_tokens=counts_tokens)
 
 
 def _workers(loader) -> int | None:
@@ -165,11 +169,11 @@ def _length(dataset) -> int | None:
 
 
 def training_lines(options: StartupOptions, warmup: int, global_batch: int,
-                   optimization: dict[str, str] | None = None) -> dict[str, str]:
+                   optimization: dict[str, str] | None = None, counts_tokens: bool = False) -> dict[str, str]:
     """What the Trainer's block says besides the layout: optimizer, learning rate and its schedule (``warmup``: its
     warmup in optimizer steps), seed, where the run writes, how often it saves, what it reports to, and the tokens of
-    a step for a token task. ``optimization``: a user's optimizer or schedule, Muon's split (``optimizer``,
-    ``learning rate``, ``optimizer split``)."""
+    a step for a token task (``counts_tokens``). ``optimization``: a user's optimizer or schedule, Muon's split
+    (``optimizer``, ``learning rate``, ``optimizer split``)."""
     optimization = optimization or {}
     clip = f"gradients clipped to norm {options.max_grad_norm:g}" if options.max_grad_norm else "no gradient clipping"
     decay = {"constant": "then constant", "linear": "then linear to 0", "cosine": "then cosine to 0"}
@@ -188,7 +192,7 @@ def training_lines(options: StartupOptions, warmup: int, global_batch: int,
         "trackers": f"{options.report_to}, and metrics.jsonl" if options.with_tracking else
                     "metrics.jsonl only (--report_to NAME adds one)",
     }
-    if options.task == "causal_lm":  # a token task: the step's unit people compare
+    if counts_tokens:  # a token task: the step's unit people compare
         length = options.max_length
         lines["tokens per step"] = (f"{global_batch * length:,} = {global_batch} sequences x {length}"
                                     + ("" if options.packing else " at most (padding is not trained on)"))

@@ -38,7 +38,7 @@ class StepLog:
         # samples/s, real tokens/s, model FLOP/s and MFU between log lines (tracking/meters.py, tracking/flops.py)
         self.meter = ThroughputMeter.for_run(run.accelerator, run.model, cfg.global_batch_size,
                                              run.accelerator.mixed_precision, cfg.tf32, run.start_step)
-        self.tokens = run.task.name == "causal_lm"  # a token task: its real tokens are the loss's items
+        self.tokens = run.task.counts_tokens  # a token task: its real tokens are the loss's items
         self.timer = EpochTimer(cfg.global_batch_size)  # per-epoch step-time percentiles and data-wait share
         self.profiler = StepProfiler(cfg.profile, cfg.output_dir, run.accelerator.process_index)
 

@@ -11,6 +11,7 @@ crash-safe write, and the messages module (warnings, notes, error lines, which r
     model_outputs.py  logits_of: a model's logits, whatever it returns
     host_memory.py  keep_freed_host_memory: glibc keeps a CPU step's freed memory for the next step
     cpu_bf16.py     the CPU's bf16 units and the one verdict on bf16 autocast there (doctor and start-up block)
+    precision.py    autocast_dtype: the dtype Accelerate's mixed_precision computes in, the one map
     converters.py   ModelConverter: one transform of a built model (its section of the options, its check, its
                     start-up line); convert_model
 

@@ -3,6 +3,7 @@ each), YAML's types, the boolean spellings, old spellings, --help naming every o
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -147,6 +148,24 @@ def test_every_field_is_a_flag_with_help():
     from accel_ddp.cli.args import build_parser
 
     help_text = build_parser().format_help()
-    for name in TrainConfig.__dataclass_fields__:
+    for name in (f.name for f in dataclasses.fields(TrainConfig)):
         assert f"--{name}" in help_text
 
+
+
+def test_the_repeated_flags_are_declared_on_the_config_but_are_no_option(tmp_path):
+    """``TrainConfig.repeated_flags``: what parse_args found given twice (said once the run starts, tested in
+    tests/lifecycle/test_red_team.py), declared on the class; no flag, no recipe key, not in config.yaml."""
+    from accel_ddp.cli.args import build_parser
+
+    assert TrainConfig().repeated_flags == ()  # a config made in Python: nothing said
+    cfg = parse_args(["--epochs", "2", "--epochs", "3"])
+    assert cfg.repeated_flags == ["--epochs 2 and --epochs 3: --epochs is given 2 times; the last, --epochs 3, is "
+                                  "used (give it once to silence this)"] and TrainConfig.repeated_flags == ()
+    assert "repeated_flags" not in {f.name for f in dataclasses.fields(TrainConfig)} | set(cfg.to_dict())
+    assert "repeated_flags" not in build_parser().format_help()
+    with pytest.raises(ConfigError, match="repeated_flags"):
+        parse_args(["--repeated_flags", "x"])
+    (tmp_path / "recipe.yaml").write_text("repeated_flags: [x]\n")
+    with pytest.raises(ConfigError, match="repeated_flags"):
+        parse_args(["--config", str(tmp_path / "recipe.yaml")])

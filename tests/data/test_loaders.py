@@ -26,17 +26,17 @@ from accel_ddp.data import (
     InMemoryDataset,
     build_datasets,
     build_eval_loader,
-    build_train_loader,
     choose_loader,
     default_num_workers,
 )
 from accel_ddp.data.device_loader import DeviceEvalLoader
+from accel_ddp.data.host_loader import pin_memory_for
 from accel_ddp.data.in_memory import CROP_PADDING, crop_flip
 from accel_ddp.data.sampler import epoch_order
 from accel_ddp.util.validation import ConfigError
 from tests.helpers import data as helpers_data
 from tests.helpers import faults
-from tests.helpers.data import write_cifar, write_png_classes
+from tests.helpers.data import write_cifar, write_png_classes, write_shards
 from tests.helpers.multiproc import RankFailed, run_ranks
 from tests.helpers.runs import load_weights, read_summary, train_ranks
 
@@ -254,9 +254,28 @@ def test_loader_choice_threshold_and_worker_defaults(tmp_path):
         choose_loader("device", folder, device_loader_max_mb=4096)
     assert default_num_workers(mnist_like) == 0  # tensors in memory: workers would only copy
     assert default_num_workers(folder) >= 1  # per-sample decoding: worker processes
-    loader = build_train_loader(folder, 4, 8)
+    loader = HostLoader(folder, 4, 8, seed=0).loader
     assert loader.num_workers >= 1 and loader.persistent_workers
     assert build_eval_loader(mnist_like, 16).num_workers == 0
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda", "cuda:1", "meta"])
+def test_every_dataloader_pins_its_batches_by_the_one_rule(tmp_path, device):
+    """Page-locked batches where they go to a CUDA device, and only there (a CPU run on a machine with a GPU too):
+    the training DataLoader, the eval one and each streamed pass's alike. Built, not iterated: no GPU needed."""
+    import datasets
+
+    from accel_ddp.data.streaming import StreamingLoader, StreamSource
+
+    pinned = device.startswith("cuda")
+    assert pin_memory_for(device) is pin_memory_for(torch.device(device)) is pinned
+    data = TensorDataset(torch.randn(16, 3), torch.arange(16))
+    assert HostLoader(data, 4, 8, seed=0, num_workers=0, device=device).loader.pin_memory is pinned
+    assert build_eval_loader(data, 4, 0, device=device).pin_memory is pinned
+    stream = datasets.load_dataset("parquet", data_files=write_shards(tmp_path, [8]), split="train", streaming=True)
+    streamed = StreamingLoader(StreamSource(stream, lambda columns, where: [], 0), 2, 2, max_steps=2, seed=0,
+                               num_workers=0, device=device)
+    assert streamed._pass_loader().pin_memory is pinned
 
 
 def test_fast_loader_accepts_tensor_datasets_and_subsets_as_stored():

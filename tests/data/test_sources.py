@@ -19,8 +19,8 @@ from accel_ddp.data import (
     MNIST_MEAN,
     MNIST_STD,
     HFSource,
+    HostLoader,
     build_datasets,
-    build_train_loader,
     choose_loader,
     read_idx,
 )
@@ -127,7 +127,7 @@ def test_imagefolder_from_class_folders_of_pngs(tmp_path, layout):
     assert x.shape == (channels, 10, 12) and -1.0 <= float(x.min()) and float(x.max()) <= 1.0
     resized = build_datasets("imagefolder", str(tmp_path), download=False, image_size=8)
     assert resized.input_shape == (channels, 8, 8) and resized.train[0][0].shape == (channels, 8, 8)
-    batch, labels = next(iter(build_train_loader(bundle.train, 4, 8, num_workers=0)))
+    batch, labels = next(iter(HostLoader(bundle.train, 4, 8, seed=0, num_workers=0)))
     assert batch.shape == (4, channels, 10, 12) and labels.dtype == torch.long
 
 

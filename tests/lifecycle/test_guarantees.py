@@ -500,10 +500,10 @@ def wait_until_gone(pids: list[int], timeout: float = 30) -> list[int]:
 
 
 def _workers_hear_only_their_parent() -> tuple[list[bool], int, int | None]:
-    from accel_ddp.data.loaders import build_train_loader
+    from accel_ddp.data import HostLoader
     from tests.helpers.data import IndexDataset
 
-    loader = iter(build_train_loader(IndexDataset(64), 4, 4, num_workers=2))  # 16 batches
+    loader = iter(HostLoader(IndexDataset(64), 4, 4, seed=0, num_workers=2).loader)  # its DataLoader: 16 batches
     next(loader)
     workers = list(loader._workers)
     job = "; ".join(f"os.kill({w.pid}, {sig})" for w in workers for sig in (signal.SIGTERM, signal.SIGUSR1))

@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 
-from accel_ddp.lifecycle.hang import EXIT_HUNG
+from accel_ddp.lifecycle.exit_codes import ExitCode
 from accel_ddp.lifecycle.hang_stacks import Frame, hang_line, stuck_ranks, summarize, user_frame, waits_in
 from tests.helpers.data import TensorRows
 from tests.helpers.multiproc import RankFailed, run_ranks
@@ -77,13 +77,13 @@ def _line_of(pattern: str) -> int:
 
 
 def hung(fn, capfd) -> tuple[str, float]:
-    """``fn`` on two forked ranks that must both end with EXIT_HUNG: the report's line and the seconds it took."""
+    """``fn`` on two forked ranks that must both end with ExitCode.HUNG: the report's line and the seconds it took."""
     capfd.readouterr()
     started = time.monotonic()
     with pytest.raises(RankFailed) as failed:
         run_ranks(fn, world_size=2, timeout=90)
     seconds = time.monotonic() - started
-    assert failed.value.failures == {rank: f"exited with code {EXIT_HUNG} without a result" for rank in (0, 1)}, \
+    assert failed.value.failures == {rank: f"exited with code {ExitCode.HUNG} without a result" for rank in (0, 1)}, \
         failed.value
     err = capfd.readouterr().err
     assert "Traceback" not in err, err[-3000:]
@@ -182,7 +182,7 @@ def test_a_stopped_rank_is_named_no_stack(tmp_path, capfd, tiny_args, monkeypatc
     capfd.readouterr()
     with pytest.raises(RankFailed) as failed:
         run_ranks(rank_main, world_size=2, timeout=90)
-    assert failed.value.failures[0] == f"exited with code {EXIT_HUNG} without a result", failed.value
+    assert failed.value.failures[0] == f"exited with code {ExitCode.HUNG} without a result", failed.value
     line = [row for row in capfd.readouterr().err.splitlines() if "accel_ddp: error:" in row]
     assert len(line) == 1 and "rank 1: no stack: stopped or dead" in line[0], line
     assert "rank 0 waiting in " in line[0], line

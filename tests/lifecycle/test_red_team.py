@@ -396,10 +396,10 @@ def _workers_through_ctrl_c_and_hangup() -> tuple[list[bool], int]:
     import sys
     import time
 
-    from accel_ddp.data.loaders import build_train_loader
+    from accel_ddp.data import HostLoader
     from tests.helpers.data import IndexDataset
 
-    loader = iter(build_train_loader(IndexDataset(64), 4, 4, num_workers=2))  # 16 batches
+    loader = iter(HostLoader(IndexDataset(64), 4, 4, seed=0, num_workers=2).loader)  # its DataLoader: 16 batches
     next(loader)
     workers = list(loader._workers)
     job = "; ".join(f"os.kill({w.pid}, {int(sig)})" for w in workers for sig in (signal.SIGINT, signal.SIGHUP))

@@ -219,6 +219,8 @@ def test_causal_lm_from_a_config_on_text_files(corpus, datasets_cache, tmp_path)
     card = (out / "README.md").read_text()  # the model card names the config, the perplexity and hf_model/
     assert "gpt2.json` (fresh weights, --task causal_lm)" in card and "| eval perplexity |" in card
     assert "[`hf_model/`](hf_model)" in card and "- perplexity" in card
+    startup = yaml.safe_load((out / "config.yaml").read_text())["startup"]  # a token task: the tokens of a step
+    assert startup["tokens per step"] == "512 = 16 sequences x 32", startup
     # Tokenized once per machine: the second rank read the first rank's cache, so one file per split.
     caches = sorted(datasets_cache.rglob("cache-*.arrow"))
     assert len(caches) == 2, caches
@@ -253,6 +255,7 @@ def test_sequence_classification_on_a_csv_of_labelled_texts(corpus, datasets_cac
     assert said["startup"]["model"].startswith(  # the flag that named the model, and the kernels swapped in it
         f"GPT2ForSequenceClassification (--model_config {corpus / 'gpt2.json'}), "), said["startup"]["model"]
     assert said["startup"]["model"].endswith(" tanh-GELU modules on torch's one kernel (--fused_kernels)")
+    assert "tokens per step" not in said["startup"]  # texts, but one label each: not a token task
 
 
 def test_crash_mid_epoch_then_resume_is_bitwise_exact_for_a_pretrained_lm_folder(corpus, datasets_cache, tmp_path):
@@ -612,3 +615,26 @@ def test_a_classifier_whose_tokenizer_has_no_pad_token_pads_with_its_eos_token(c
     assert saved.pad_token == "[EOS]"
     assert AutoModelForSequenceClassification.from_pretrained(out / "hf_model").config.pad_token_id == \
         saved.eos_token_id
+
+
+def test_the_task_says_whether_it_counts_tokens(tmp_path):
+    """``Task.counts_tokens``, not the task's name: the throughput's tokens/s, the start-up block's tokens per step
+    and the probe's id ranges all ask it; nothing outside config/ (which has only the flag) compares the name."""
+    import ast
+
+    import accel_ddp
+    from accel_ddp.tasks.protocol import TASKS, build_task
+
+    assert {name: build_task(name).counts_tokens for name in TASKS} == {
+        "classification": False, "sequence_classification": False, "causal_lm": True}
+
+    def name_compares(package: Path) -> list[str]:
+        return [f"{path.relative_to(package)}:{node.lineno}" for path in sorted(package.rglob("*.py"))
+                if path.relative_to(package).parts[0] != "config"
+                for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+                if isinstance(node, ast.Compare) and any(isinstance(side, ast.Constant) and side.value == "causal_lm"
+                                                         for side in (node.left, *node.comparators))]
+
+    assert name_compares(Path(accel_ddp.__file__).parent) == []
+    (tmp_path / "step_log.py").write_text('def tokens(run):\n    return run.task.name == "causal_lm"\n')
+    assert name_compares(tmp_path) == ["step_log.py:2"]

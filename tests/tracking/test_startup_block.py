@@ -147,7 +147,7 @@ def test_the_block_says_what_the_trainers_says(tmp_path):
                       "--weight_decay", "0.01", "--checkpointing_steps", "epoch", "--keep_last", "2",
                       "--with_tracking", "--report_to", "csv", "--output_dir", str(tmp_path)])
     lines = _describe(cfg, _facts(2, 8, 4), epochs=20, workers=None, model="m", env={},
-                                  examples=(1000, None)).lines
+                      examples=(1000, None), counts_tokens=True).lines
     assert {key: lines[key] for key in ("examples", "optimizer", "learning rate", "seed", "output folder",
                                         "checkpoints", "trackers", "tokens per step")} == {
         "examples": "1,000 training, no eval set", "optimizer": "sgd, weight decay 0.01, no gradient clipping",
