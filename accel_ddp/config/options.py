@@ -301,6 +301,9 @@ class TrainConfig:
     # flag the command line gave twice with different values, set by cli/args.py's parse_args and said once the run
     # starts (assemble.py), after every check of its input.
     repeated_flags: ClassVar[Sequence[str]] = ()
+    # Not an option either: whether the global batch was derived from --per_device_batch_size (no
+    # --global_batch_size given), set by __post_init__ and named in the start-up block.
+    global_batch_derived: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         """Check every field's type and range, whatever the source (Python, YAML or CLI): one ConfigError each."""
