@@ -10,6 +10,7 @@ here, and the batch norm statistics it moved are put back), summary and every lo
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -65,6 +66,15 @@ def _run(args: list[str], above: int | None = None, ranks=(0, 1), fail_at=None, 
     return run_ranks(rank)
 
 
+@pytest.fixture(scope="module")
+def at_4(tmp_path_factory) -> Path:
+    """The reference of the auto runs below that end at 4 (x 4 accumulation): ARGS started at 4, trained once for the
+    module (it is the same run for each of them)."""
+    ref = tmp_path_factory.mktemp("at_4") / "ref"
+    assert [code for code, _ in _run([*ARGS, "--per_device_batch_size", "4", "--output_dir", str(ref)])] == [0, 0]
+    return ref
+
+
 def _same_run(out, ref) -> None:
     auto_weights, ref_weights = load_weights(out), load_weights(ref)
     assert auto_weights.keys() == ref_weights.keys()
@@ -75,8 +85,8 @@ def _same_run(out, ref) -> None:
 
 
 @pytest.mark.parametrize("ranks", [(0, 1), (1,)], ids=["both_ranks", "rank_1_only"])
-def test_auto_halves_until_every_rank_fits_and_trains_as_a_run_started_there(tmp_path, ranks):
-    out, ref = tmp_path / "auto", tmp_path / "ref"
+def test_auto_halves_until_every_rank_fits_and_trains_as_a_run_started_there(tmp_path, ranks, at_4):
+    out = tmp_path / "auto"
     results = _run([*ARGS, "--per_device_batch_size", "auto", "--output_dir", str(out)], above=4, ranks=ranks)
     assert [code for code, _ in results] == [0, 0]
     # Every rank tried every size (one agreed answer per size): one micro-step at 16 (no accumulation there), two
@@ -87,8 +97,7 @@ def test_auto_halves_until_every_rank_fits_and_trains_as_a_run_started_there(tmp
     summary = read_summary(out)
     assert (summary["per_device_batch_size"], summary["grad_accum_steps"]) == (4, 4)
     assert summary["auto_batch"] == {"requested": "auto", "tried": [16, 8, 4], "from": "probe"}
-    assert [code for code, _ in _run([*ARGS, "--per_device_batch_size", "4", "--output_dir", str(ref)])] == [0, 0]
-    _same_run(out, ref)
+    _same_run(out, at_4)
 
 
 def test_a_cap_starts_the_probe_below_the_share_and_a_size_that_fits_is_kept(tmp_path):
@@ -101,13 +110,13 @@ def test_a_cap_starts_the_probe_below_the_share_and_a_size_that_fits_is_kept(tmp
     assert layout == (4, 4, [4])
 
 
-def test_a_resume_reuses_the_recorded_size_without_probing(tmp_path):
+def test_a_resume_reuses_the_recorded_size_without_probing(tmp_path, at_4):
     """The run fails after step 4 (checkpoint at step 2); the resume trains at the checkpoint's size, never above."""
-    out, ref = tmp_path / "auto", tmp_path / "ref"
+    out = tmp_path / "auto"
     args = [*ARGS, "--per_device_batch_size", "auto", "--output_dir", str(out), "--checkpointing_steps", "2"]
     assert [code for code, _ in _run(args, above=4, fail_at=(4, 1))] == [1, 1]
     results = _run([*args, "--resume_from_checkpoint", "auto"], above=4)
-    _resumed_at_the_recorded_size(results, out, ref)
+    _resumed_at_the_recorded_size(results, out, at_4)
 
 
 def _resumed_at_the_recorded_size(results, out, ref) -> None:
@@ -117,7 +126,6 @@ def _resumed_at_the_recorded_size(results, out, ref) -> None:
     summary = read_summary(out)
     assert (summary["resumed_from_step"], summary["per_device_batch_size"], summary["grad_accum_steps"]) == (2, 4, 4)
     assert summary["auto_batch"] == {"requested": "auto", "tried": [], "from": "checkpoint"}
-    assert [code for code, _ in _run([*ARGS, "--per_device_batch_size", "4", "--output_dir", str(ref)])] == [0, 0]
     _same_run(out, ref)
 
 
@@ -238,18 +246,18 @@ def test_the_command_line_and_the_hugging_face_name_take_auto():
 
 
 @pytest.mark.parametrize("spec", ["auto", "step_00000002"])
-def test_a_resume_from_an_object_store_reuses_the_recorded_size(s3, tmp_path, spec):
+def test_a_resume_from_an_object_store_reuses_the_recorded_size(s3, tmp_path, spec, at_4):
     """--checkpoint_dir s3://...: the sealed checkpoints are in the store, OUTPUT_DIR/checkpoints holds only staging.
     The resume (auto: the store's newest sealed one; or that checkpoint's URL) trains at its size, never probing."""
     from tests.helpers.s3 import BUCKET, new_prefix
 
-    out, ref, url = tmp_path / "auto", tmp_path / "ref", f"s3://{BUCKET}/{new_prefix()}"
+    out, url = tmp_path / "auto", f"s3://{BUCKET}/{new_prefix()}"
     args = [*ARGS, "--per_device_batch_size", "auto", "--output_dir", str(out), "--checkpointing_steps", "2",
             "--checkpoint_dir", url]
     assert [code for code, _ in _run(args, above=4, fail_at=(4, 1))] == [1, 1]
     resume = "auto" if spec == "auto" else f"{url}/{spec}"
     results = _run([*args, "--resume_from_checkpoint", resume], above=4)
-    _resumed_at_the_recorded_size(results, out, ref)
+    _resumed_at_the_recorded_size(results, out, at_4)
 
 
 def test_a_streamed_probe_measures_batches_of_the_candidate_size(tmp_path):
