@@ -59,9 +59,7 @@ from accel_ddp.tasks.chunked_loss import CHUNKED_LOSS
 from accel_ddp.tasks.probe import probe_task
 from accel_ddp.tasks.protocol import CHANNELS_LAST, Task, build_task
 from accel_ddp.tracking.console_log import ConsoleLog
-from accel_ddp.tracking.meters import (
-    progress_bar,
-)
+from accel_ddp.tracking.meters import end_progress, progress_bar
 from accel_ddp.tracking.recorder import RunRecorder
 from accel_ddp.tracking.startup import StartupClock
 from accel_ddp.tracking.startup_block import StartupOptions, describe_run
@@ -275,7 +273,7 @@ def _watches(cfg: TrainConfig, teardown: ExitStack, accelerator: Accelerator, pl
     for line in cfg.repeated_flags:  # the command line's flags given twice (cli/args.py)
         warn(line, ranks="main")
     bar = progress_bar(plan.total_steps, start_step, accelerator.is_local_main_process)
-    teardown.callback(bar.close)  # first on an error: the bar's line ends before any rank prints the error
+    teardown.callback(end_progress, bar)  # first on an error: the bar's line ends before any rank prints the error
     hang = HangWatch.start(cfg.hang_seconds(), cfg.output_dir, start_step, pauses_after=pauses_after(plan))
     teardown.callback(hang.stop)  # before the failure's claim: a watch that found a hang ends the process itself
     return bar, hang

@@ -25,6 +25,12 @@ def progress_bar(total: int, initial: int, enabled: bool) -> tqdm:
     return tqdm(total=total, initial=initial, disable=not enabled, unit="step", dynamic_ncols=True)
 
 
+def end_progress(bar: tqdm) -> None:
+    """The one place a run's bar ends (its last line written, the line ended): at the loop's end (``StepLog.close``,
+    before ``finish`` and the callbacks write), else first in the teardown (``assemble._watches``). Twice is once."""
+    bar.close()
+
+
 class ThroughputMeter:
     """Training throughput between two log lines, evaluation time left out: samples/s, tokens/s, model FLOP/s, MFU.
 

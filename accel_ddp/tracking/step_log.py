@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from accel_ddp.config.views import config_section
-from accel_ddp.tracking.meters import EpochTimer, StepProfiler, ThroughputMeter, memory_record
+from accel_ddp.tracking.meters import EpochTimer, StepProfiler, ThroughputMeter, end_progress, memory_record
 from accel_ddp.util.messages import write
 
 
@@ -73,6 +73,6 @@ class StepLog:
 
     def close(self) -> None:
         """The loop's end: the bar's line ended before ``finish`` and the callbacks write. Any other exit (an error,
-        a stop) ends it in the teardown, first (``assemble._watches``); nothing else closes it."""
-        self.run.bar.close()
+        a stop) ends it in the teardown, first (``assemble._watches``); both through ``end_progress``."""
+        end_progress(self.run.bar)
         self.profiler.stop()

@@ -1,6 +1,6 @@
-"""accel_ddp/tracking/step_log.py: one place ends the progress bar at the loop's end (``StepLog.close``); on any other
-exit the teardown ends it, first (``assemble._watches``). Nothing else closes it: a new exit path cannot end it
-twice or leave an error on its line."""
+"""One place ends the progress bar, ``tracking/meters.end_progress``: at the loop's end (``StepLog.close``) and, on
+any other exit, first in the teardown (``assemble._watches``). Nothing else closes it: a new exit path cannot end it
+its own way or leave an error on its line."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import accel_ddp
 
 ROOT = Path(accel_ddp.__file__).resolve().parent
-CLOSERS = {"tracking/step_log.py self.run.bar.close", "assemble.py bar.close"}
+CLOSERS = {"tracking/meters.py bar.close"}
 
 
 def _bar_closes(root: Path = ROOT) -> set[str]:
@@ -23,7 +23,7 @@ def _bar_closes(root: Path = ROOT) -> set[str]:
     return found
 
 
-def test_the_bar_is_closed_at_the_loops_end_and_by_the_teardown_only(tmp_path):
+def test_only_end_progress_closes_the_bar(tmp_path):
     assert _bar_closes() == CLOSERS
     (tmp_path / "planted.py").write_text("def stop(run):\n    run.bar.close()\n")
     assert _bar_closes(tmp_path) == {"planted.py run.bar.close"}
