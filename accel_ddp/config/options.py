@@ -399,3 +399,8 @@ class TrainConfig:
 
 def field_types() -> dict[str, Any]:
     return typing.get_type_hints(TrainConfig)
+
+
+def option_defaults() -> dict[str, Any]:
+    """Each option's default (``dataclasses.MISSING`` for one made by a factory)."""
+    return {option.name: option.default for option in dataclasses.fields(TrainConfig)}

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from accel_ddp.config.dependents import unused_flags
-from accel_ddp.config.options import TrainConfig
+from accel_ddp.config.options import TrainConfig, option_defaults
 from accel_ddp.util.validation import ConfigError
 
 # What a run adds to config.yaml beside its options: its facts and its start-up block. Never options: ``--config``
@@ -43,7 +43,7 @@ def saved_config(options: Mapping[str, Any], source: str) -> TrainConfig:
 def _without_unused_flags(options: Mapping[str, Any]) -> dict[str, Any]:
     """``options`` with the flags its run never used put back to their defaults: a run trained before such a flag was
     refused (``config/dependents.py``) still evaluates, and nothing it trained with changes (nothing read them)."""
-    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+    defaults = option_defaults()
     unused = unused_flags(SimpleNamespace(**{**defaults, **options}), defaults)
     dropped = {flag[2:] for flags in unused.values() for flag in flags}
     return {key: defaults[key] if key in dropped else value for key, value in options.items()}

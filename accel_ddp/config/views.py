@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, TypeVar
 
-from accel_ddp.config.options import TrainConfig
+from accel_ddp.config.options import TrainConfig, option_defaults
 
 Section = TypeVar("Section")
 SECTIONS: list[type] = []  # every declared section, in import order (tests/config/test_views.py reads them)
@@ -62,5 +62,5 @@ def section_of(cfg: TrainConfig, cls: type[Section]) -> Section:
 
 def defaults_of(cls: type) -> dict[str, Any]:
     """The default of each option ``cls`` declares (options.py's): which flags a run changed, for one."""
-    defaults = {field.name: field.default for field in dataclasses.fields(TrainConfig)}
+    defaults = option_defaults()
     return {field.name: defaults[field.name] for field in dataclasses.fields(cls)}

@@ -33,14 +33,13 @@ class StepLogOptions:
 
 class StepLog:
     def __init__(self, run: Any, losses: Any, options: StepLogOptions):
-        cfg = options
         self.run, self.losses = run, losses
         # samples/s, real tokens/s, model FLOP/s and MFU between log lines (tracking/meters.py, tracking/flops.py)
-        self.meter = ThroughputMeter.for_run(run.accelerator, run.model, cfg.global_batch_size,
-                                             run.accelerator.mixed_precision, cfg.tf32, run.start_step)
+        self.meter = ThroughputMeter.for_run(run.accelerator, run.model, options.global_batch_size,
+                                             run.accelerator.mixed_precision, options.tf32, run.start_step)
         self.tokens = run.task.counts_tokens  # a token task: its real tokens are the loss's items
-        self.timer = EpochTimer(cfg.global_batch_size)  # per-epoch step-time percentiles and data-wait share
-        self.profiler = StepProfiler(cfg.profile, cfg.output_dir, run.accelerator.process_index)
+        self.timer = EpochTimer(options.global_batch_size)  # per-epoch step-time percentiles and data-wait share
+        self.profiler = StepProfiler(options.profile, options.output_dir, run.accelerator.process_index)
 
     def step_done(self, step: int) -> None:
         """After optimizer ``step``: timers, the start-up clock's first step, the profile, the bar."""
