@@ -639,7 +639,7 @@ def test_the_traps_the_doctor_flags_really_start_one_process(tmp_path):
     launches = [["--config_file", path, "--num_processes", "2", "--main_process_port", str(free_port()), *flags,
                  str(probe)] for flags, path in cases.values()]
     result = check(subprocess.run([sys.executable, "-c", LAUNCHES, json.dumps(launches)], env=suite_env(),
-                                  capture_output=True, text=True, timeout=180, cwd=REPO))
+                                  capture_output=True, text=True, timeout=560, cwd=REPO))  # 4 launches in turn
     outputs = result.stdout.split("LAUNCHED ")
     assert len(outputs) == len(cases) + 1, result.stdout
     for (name, (flags, path)), before, after in zip(cases.items(), outputs, outputs[1:], strict=False):
