@@ -17,7 +17,8 @@ from tools import doc_commands
 # Why each kind of command is not run here; a new kind of command must be placed here or in the runs below.
 NOT_RUN = {
     "train": "it trains: seconds to hours, on GPUs or the Hub for most (the README's main run is launched by "
-             "tests/distributed/test_ddp.py::test_default_run_trains_digits_to_95_percent)",
+             "tests/cli/test_doctor.py::test_accelerate_config_as_the_docs_answer_it_then_accelerate_launch_trains_"
+             "digits_to_95_percent)",
     "train script": "it trains (examples/custom_model_and_data.py: tests/data/test_loaders.py trains its functions; "
                     "examples/optimizers.py: tests/optim/test_user.py builds its optimizer and schedule)",
     "sbatch": "needs SLURM",

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -19,7 +18,7 @@ import torch
 
 from accel_ddp.cli.commands import build_parser
 from tests.helpers.multiproc import run_ranks
-from tests.helpers.runs import REPO, SCRIPTS, launch, read_metrics, read_summary, suite_env, train_ranks
+from tests.helpers.runs import SCRIPTS, launch, read_metrics, read_summary, train_ranks
 from tests.helpers.text import Sequences, tiny_gpt  # and GPT-2's modelling, loaded here once for the forked ranks
 
 DIGITS = ["--dataset", "digits", "--model", "mlp", "--hidden_size", "64", "--global_batch_size", "64",
@@ -185,14 +184,23 @@ def test_data_dir_replaces_the_runs_and_nothing_else(digits_runs):
     assert trained.output_dir == str(run) and trained.weights.endswith("step_00000012/model.safetensors")
 
 
-@pytest.mark.slow  # a fresh interpreter: the command as a user types it
-def test_python_m_accel_ddp_evaluate_prints_and_writes_the_runs_figures(digits_runs, tmp_path):
+def test_accel_ddp_evaluate_prints_and_writes_the_runs_figures(digits_runs, tmp_path, capfd):
+    """`accel-ddp evaluate RUN --out FILE` (the command's parser and ``main``, before its exit) in one forked process
+    with no launch environment, as `python -m accel_ddp evaluate` runs it (the module entry and the exit through
+    ``exit_process`` are started for real by test_doctor.py's `accelerate launch -m accel_ddp train` and
+    `python -m accel_ddp doctor`)."""
+    from accel_ddp.cli.inference import main
+
+    def evaluate_command() -> int:
+        code = main(build_parser().parse_args(["evaluate", str(digits_runs["dataloader"]), "--out",
+                                               str(tmp_path / "eval.json")]))
+        sys.stdout.flush()  # the forked process ends with os._exit
+        return code
+
     run = digits_runs["dataloader"]
-    result = subprocess.run([sys.executable, "-m", "accel_ddp", "evaluate", str(run), "--out",
-                             str(tmp_path / "eval.json")], env=suite_env(), capture_output=True, text=True,
-                            timeout=240, cwd=REPO)
-    assert result.returncode == 0, result.stderr[-3000:]
-    printed = json.loads(result.stdout)
+    capfd.readouterr()
+    assert run_ranks(evaluate_command, 1) == [0]
+    printed = json.loads(capfd.readouterr().out)
     assert printed == json.loads((tmp_path / "eval.json").read_text())
     assert_same_figures(printed, read_summary(run))
 

@@ -7,6 +7,7 @@ the "silent single-process traps" for real, to prove the doctor's claims about t
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import socket
@@ -23,7 +24,8 @@ from accel_ddp.cli.doctor import ERROR, NOTE, WARNING, diagnose
 from accel_ddp.cli.launch_config import load_launch_config
 from accel_ddp.cli.machine import MachineFacts, cpu_has_bf16_units, software_versions
 from tests.helpers.doctor import check_file, never_in_use, only
-from tests.helpers.runs import CPU_2PROC, REPO, launch_together, read_summary
+from tests.helpers.multiproc import free_port
+from tests.helpers.runs import CPU_2PROC, REPO, check, launch_together, read_summary, suite_env
 
 CONFIGS = REPO / "accelerate_configs"
 CPU_ONLY = MachineFacts(gpu_count=0, nccl_available=False, cpu_count=2)
@@ -532,23 +534,27 @@ for path in sys.argv[1:]:
 
 
 @pytest.mark.slow
-def test_accelerate_config_as_the_docs_answer_it_then_accelerate_launch_without_config_file(tmp_path):
-    """The docs' answers give the shipped configs; and the usual Accelerate workflow, where the real
-    `accelerate config` writes the default config in HF_HOME and `accelerate launch` reads it.
+def test_accelerate_config_as_the_docs_answer_it_then_accelerate_launch_trains_digits_to_95_percent(tmp_path):
+    """The docs' answers give the shipped configs; and the usual Accelerate workflow, where `accelerate config`
+    writes the default config in HF_HOME and `accelerate launch` reads it; and the README's main run (no flags but
+    the output folder, on cpu_2proc's answers) trains digits to 95% on two ranks.
 
-    The three questionnaires run at once: one interpreter answers the four docs questionnaires (one
-    `accelerate config` run each would cost 4 starts), two real `accelerate config` runs write a default config
-    each (multi-CPU: the trap; multi-GPU: cpu_2proc's answers). Then both launches run at once: the multi-GPU one
-    starts the package as a module (`accelerate launch -m accel_ddp train`), the one launch that shows both this
-    workflow and the module entry point (test_distributed.py runs plain python).
+    Two questionnaires run at once: one interpreter answers the four docs questionnaires and the multi-CPU trap's
+    (one `accelerate config` run each would cost 5 starts; the trap's goes to HF_HOME's default path by name), and
+    the real `accelerate config` writes the multi-GPU default config (cpu_2proc's answers) where HF_HOME puts it.
+    Then both launches run at once: the multi-GPU one starts the package as a module (`accelerate launch -m
+    accel_ddp train`), the one launch that shows this workflow, the module entry point and the default run's
+    accuracy (test_ddp.py runs plain python; the written config differs from cpu_2proc.yaml only in
+    DIFFERENCES, which change nothing).
     """
     written = {name: tmp_path / name for name in ANSWERS}
     homes = {"multi-CPU": tmp_path / "hf_multi_cpu", "multi-GPU": tmp_path / "hf_multi_gpu"}
+    trap_default = homes["multi-CPU"] / "accelerate" / "default_config.yaml"
+    trap_default.parent.mkdir(parents=True)  # what `accelerate config` does for its default path
     accelerate_config = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "config"]
     sessions = [
-        ([pair for answers in ANSWERS.values() for pair in answers],
-         [sys.executable, "-c", CONFIG_COMMAND, *map(str, written.values())], dict(os.environ)),
-        (MULTI_CPU_TRAP, accelerate_config, {**os.environ, "HF_HOME": str(homes["multi-CPU"])}),
+        ([pair for answers in ANSWERS.values() for pair in answers] + MULTI_CPU_TRAP,
+         [sys.executable, "-c", CONFIG_COMMAND, *map(str, written.values()), str(trap_default)], dict(os.environ)),
         (ANSWERS["cpu_2proc.yaml"], accelerate_config, {**os.environ, "HF_HOME": str(homes["multi-GPU"])}),
     ]
     with ThreadPoolExecutor(len(sessions)) as pool:
@@ -562,12 +568,13 @@ def test_accelerate_config_as_the_docs_answer_it_then_accelerate_launch_without_
         assert (home / "accelerate" / "default_config.yaml").is_file()
 
     outs = {answers: tmp_path / f"out_{answers}" for answers in homes}
-    args = {answers: ["--dataset", "synthetic", "--synthetic_samples", "64", "--synthetic_shape", "4", "--epochs", "1",
-                      "--global_batch_size", "16", "--output_dir", str(out)] for answers, out in outs.items()}
+    tiny = ["--dataset", "synthetic", "--synthetic_samples", "64", "--synthetic_shape", "4", "--epochs", "1",
+            "--global_batch_size", "16"]  # refused before training: any run
     trapped, multi_gpu = launch_together(
-        {"script_args": args["multi-CPU"], "config_file": None, "env": {"HF_HOME": str(homes["multi-CPU"])}},
-        {"script_args": ["train", *args["multi-GPU"]], "script": "accel_ddp", "launch_args": ["-m"],
-         "config_file": None, "env": {"HF_HOME": str(homes["multi-GPU"])}})
+        {"script_args": [*tiny, "--output_dir", str(outs["multi-CPU"])], "config_file": None,
+         "env": {"HF_HOME": str(homes["multi-CPU"])}},
+        {"script_args": ["train", "--output_dir", str(outs["multi-GPU"])], "script": "accel_ddp",
+         "launch_args": ["-m"], "config_file": None, "env": {"HF_HOME": str(homes["multi-GPU"])}})
 
     # multi-CPU: Accelerate's simple launcher, one process, refused before training
     assert trapped.returncode != 0
@@ -577,9 +584,11 @@ def test_accelerate_config_as_the_docs_answer_it_then_accelerate_launch_without_
                                "several (distributed_type MULTI_CPU without mpirun")
     assert "returned non-zero exit status 2" in trapped.stderr  # the launcher names the worker's exit code
     assert not outs["multi-CPU"].exists()
-    # multi-GPU: torchrun, two ranks of a gloo group trained
+    # multi-GPU: torchrun, two ranks of a gloo group trained the default run to the README's accuracy
     assert multi_gpu.returncode == 0, multi_gpu.stderr[-3000:]
-    assert read_summary(outs["multi-GPU"])["world_size"] == 2
+    summary = read_summary(outs["multi-GPU"])
+    assert summary["world_size"] == 2 and summary["eval_samples"] == 360
+    assert summary["eval_accuracy"] >= 0.95, multi_gpu.stdout[-2000:]
 
 
 # ----------------------------------------------------------------------------- the traps are real
@@ -595,6 +604,26 @@ print(f"PROBE world={state.num_processes} rank={state.process_index} trapped={tr
 """
 
 
+# `accelerate launch ARGS` is `launch_command(launch_command_parser().parse_args(ARGS))` (accelerate/commands/launch.py,
+# main): one interpreter makes the four launches one after the other, each from its own arguments, as four
+# `accelerate launch` commands would (the launcher's environment for a worker is a copy of os.environ made per launch,
+# prepare_simple_launcher_cmd_env; torchrun's is patched in and restored, multi_gpu_launcher). The traps go first, so
+# that nothing the torchrun launch might leave could reach them.
+LAUNCHES = """
+import json, subprocess, sys
+from accelerate.commands.launch import launch_command, launch_command_parser
+for argv in json.loads(sys.argv[1]):
+    try:
+        launch_command(launch_command_parser().parse_args(argv))
+        code = 0
+    except subprocess.CalledProcessError as error:
+        code = error.returncode
+    except SystemExit as error:
+        code = error.code
+    print(f"LAUNCHED {code}", flush=True)  # every worker of this launch has ended: its output is above
+"""
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(sys.platform != "linux", reason="launch behaviour checked on Linux")
 def test_the_traps_the_doctor_flags_really_start_one_process(tmp_path):
@@ -602,17 +631,21 @@ def test_the_traps_the_doctor_flags_really_start_one_process(tmp_path):
     probe = tmp_path / "probe.py"
     probe.write_text(PROBE)
     cases = {
-        "ok": ([], make_config(tmp_path)),
         "MULTI_CPU": ([], make_config(tmp_path, distributed_type="MULTI_CPU")),
         "NO": ([], make_config(tmp_path, distributed_type="NO")),
         "--cpu": (["--cpu"], make_config(tmp_path)),
+        "ok": ([], make_config(tmp_path)),
     }
-    results = launch_together(*({"script_args": [], "script": probe, "launch_args": ["--config_file", path, *flags],
-                                 "timeout": 180} for flags, path in cases.values()))
-    for (name, (flags, path)), result in zip(cases.items(), results, strict=True):
-        assert result.returncode == 0, result.stderr[-3000:]
+    launches = [["--config_file", path, "--num_processes", "2", "--main_process_port", str(free_port()), *flags,
+                 str(probe)] for flags, path in cases.values()]
+    result = check(subprocess.run([sys.executable, "-c", LAUNCHES, json.dumps(launches)], env=suite_env(),
+                                  capture_output=True, text=True, timeout=560, cwd=REPO))  # 4 launches in turn
+    outputs = result.stdout.split("LAUNCHED ")
+    assert len(outputs) == len(cases) + 1, result.stdout
+    for (name, (flags, path)), before, after in zip(cases.items(), outputs, outputs[1:], strict=False):
+        assert after.startswith("0\n"), (name, result.stdout, result.stderr[-3000:])  # the launch's exit code
         # Two ranks share the pipe and a print's text and newline are separate writes: match, don't split lines.
-        worlds = re.findall(r"PROBE world=\d+ rank=\d+ trapped=(?:True|False)", result.stdout)
+        worlds = re.findall(r"PROBE world=\d+ rank=\d+ trapped=(?:True|False)", before)
         expected = 2 if name == "ok" else 1
         assert len(worlds) == expected and all(f"world={expected}" in w for w in worlds), (name, result.stdout)
         assert all(w.endswith(f"trapped={name != 'ok'}") for w in worlds), (name, worlds)
