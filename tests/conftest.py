@@ -138,13 +138,24 @@ def open_dir():
     shutil.rmtree(path, ignore_errors=True)
 
 
-@pytest.fixture(scope="module")
-def s3():
-    """moto's S3 server with the bucket tests.helpers.s3.BUCKET, for one test module; a boto3 client of it."""
+@pytest.fixture(scope="session")
+def _s3_server():
+    """moto's S3 server with the bucket tests.helpers.s3.BUCKET, started once per pytest process (~1.7 s of CPU each
+    start); a boto3 client of it and the environment that reaches it."""
     from tests.helpers.s3 import s3_server
 
-    with s3_server() as client:
-        yield client
+    with s3_server() as served:
+        yield served
+
+
+@pytest.fixture
+def s3(_s3_server, monkeypatch):
+    """A boto3 client of moto's S3 server; the environment s3fs reads its endpoint and keys from is set for this test
+    (the forked ranks inherit it), and only for tests that ask for the server."""
+    client, env = _s3_server
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    return client
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -10,6 +10,7 @@ here, and the batch norm statistics it moved are put back), summary and every lo
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -245,19 +246,27 @@ def test_the_command_line_and_the_hugging_face_name_take_auto():
     assert parse_args(["--per_device_batch_size", "8"]).per_device_batch_size == 8
 
 
-@pytest.mark.parametrize("spec", ["auto", "step_00000002"])
-def test_a_resume_from_an_object_store_reuses_the_recorded_size(s3, tmp_path, spec, at_4):
+def test_a_resume_from_an_object_store_reuses_the_recorded_size(s3, tmp_path, at_4):
     """--checkpoint_dir s3://...: the sealed checkpoints are in the store, OUTPUT_DIR/checkpoints holds only staging.
-    The resume (auto: the store's newest sealed one; or that checkpoint's URL) trains at its size, never probing."""
+    The resume (auto: the store's newest sealed one; or that checkpoint's URL) trains at its size, never probing.
+    The failed run is made once; each resume starts from a copy of its folder and of its objects."""
     from tests.helpers.s3 import BUCKET, new_prefix
 
-    out, url = tmp_path / "auto", f"s3://{BUCKET}/{new_prefix()}"
-    args = [*ARGS, "--per_device_batch_size", "auto", "--output_dir", str(out), "--checkpointing_steps", "2",
-            "--checkpoint_dir", url]
-    assert [code for code, _ in _run(args, above=4, fail_at=(4, 1))] == [1, 1]
-    resume = "auto" if spec == "auto" else f"{url}/{spec}"
-    results = _run([*args, "--resume_from_checkpoint", resume], above=4)
-    _resumed_at_the_recorded_size(results, out, at_4)
+    failed, prefix = tmp_path / "failed", new_prefix()
+    args = [*ARGS, "--per_device_batch_size", "auto", "--checkpointing_steps", "2"]
+    assert [code for code, _ in _run([*args, "--output_dir", str(failed), "--checkpoint_dir",
+                                      f"s3://{BUCKET}/{prefix}"], above=4, fail_at=(4, 1))] == [1, 1]
+    for spec in ("auto", "step_00000002"):
+        out, copy = tmp_path / spec, new_prefix()
+        shutil.copytree(failed, out)
+        for obj in s3.list_objects_v2(Bucket=BUCKET, Prefix=f"{prefix}/")["Contents"]:
+            s3.copy_object(Bucket=BUCKET, Key=copy + obj["Key"][len(prefix):],
+                           CopySource={"Bucket": BUCKET, "Key": obj["Key"]})
+        url = f"s3://{BUCKET}/{copy}"
+        resume = "auto" if spec == "auto" else f"{url}/{spec}"
+        results = _run([*args, "--output_dir", str(out), "--checkpoint_dir", url, "--resume_from_checkpoint", resume],
+                       above=4)
+        _resumed_at_the_recorded_size(results, out, at_4)
 
 
 def test_a_streamed_probe_measures_batches_of_the_candidate_size(tmp_path):

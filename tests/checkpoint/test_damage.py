@@ -135,20 +135,6 @@ def test_a_resume_from_the_last_steps_checkpoint_still_evaluates_the_final_weigh
         assert resumed[key] == finished[key], key
 
 
-def test_a_half_written_metrics_line_does_not_block_the_resume(stopped_at_20, tmp_path):
-    """A run killed in the middle of a metrics write leaves half a line; the resume drops it and goes on."""
-    out = copy_run(stopped_at_20, tmp_path)
-    shutil.rmtree(ckpt(out, 20))
-    (out / "summary.json").unlink()
-    with open(out / "metrics.jsonl", "a", encoding="utf-8") as fh:
-        fh.write('{"step": 16, "loss": 0.4')  # no closing brace, no newline
-    assert main_ranks([*ARGS, "--max_steps", "20", "--output_dir", str(out), "--resume_from_checkpoint", "auto"]) \
-        == [0, 0]
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]  # every line whole
-    logged = [r["step"] for r in records if "loss" in r]
-    assert logged == sorted(set(logged)) and logged[-1] == 20, logged
-
-
 def test_an_fsdp_checkpoint_needs_fsdps_own_model_and_optimizer_files(stopped_at_20, tmp_path):
     """Under FSDP Accelerate saves `pytorch_model_fsdp_0/` and `optimizer_0/` instead of our two files: such a
     checkpoint is intact (it resumes), and one without its optimizer folder is still damaged."""
@@ -169,9 +155,14 @@ def test_an_fsdp_checkpoint_needs_fsdps_own_model_and_optimizer_files(stopped_at
         read_checkpoint(str(folder))
 
 
-def test_auto_skips_lying_checkpoints_keeps_the_intact_ones_and_resumes_exactly(stopped_at_20, thirty_steps,
-                                                                                 tmp_path, capfd):
+def test_auto_skips_lying_checkpoints_and_half_a_metrics_line_keeps_the_intact_ones_and_resumes_exactly(
+        stopped_at_20, thirty_steps, tmp_path, capfd):
+    """Checkpoints that lie (a step that is not its name's, a renamed folder, a file missing from the manifest) are
+    skipped with a line each; and the half line a run killed in the middle of a metrics write leaves does not block
+    the resume, which drops it and goes on."""
     out = copy_run(stopped_at_20, tmp_path)
+    with open(out / "metrics.jsonl", "a", encoding="utf-8") as fh:
+        fh.write('{"step": 16, "loss": 0.4')  # no closing brace, no newline
     edit_marker(ckpt(out, 20), step=7)  # issue 14: this resumed at step 7 and overwrote steps 10 and 15
     shutil.copytree(ckpt(out, 15), out / "checkpoints" / "step_00099999")  # a renamed folder is not the newest
     (ckpt(out, 15) / "optimizer.bin").unlink()
@@ -193,6 +184,9 @@ def test_auto_skips_lying_checkpoints_keeps_the_intact_ones_and_resumes_exactly(
     assert f"resumed from {ckpt(out, 10)} (optimizer step 10" in captured.out
     assert_same_weights(out, thirty_steps)
     assert read_summary(out)["optimizer_steps"] == 30
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]  # every line whole
+    logged = [r["step"] for r in records if "loss" in r]
+    assert logged == sorted(set(logged)) and logged[-1] == 30, logged
     for step, files in intact.items():  # neither overwritten nor pruned
         assert snapshot(ckpt(out, step)) == files
     # The damaged ones the run reached again were set aside, byte for byte, not deleted; the others stay.
@@ -341,24 +335,29 @@ def _planted(source: Path, tmp_path: Path, name: str, capfd) -> tuple[Path, Path
     return out, proof
 
 
-def test_auto_passes_over_a_malicious_optimizer_file_and_resumes_the_newest_safe_checkpoint(stopped_at_20,
-                                                                                              thirty_steps, tmp_path,
-                                                                                              capfd):
-    """step_20's optimizer.bin replaced by a pickle that would run code, its manifest recomputed: the manifest passes,
-    the safe load refuses it on every rank; auto says so in one line naming the file (never torch's advice to load
-    with weights_only=False), resumes step 15 and ends with the uninterrupted run's weights, bit for bit."""
-    out, proof = _planted(stopped_at_20, tmp_path, "optimizer.bin", capfd)
+def test_auto_passes_over_malicious_scheduler_and_optimizer_files_and_resumes_the_newest_safe_checkpoint(
+        stopped_at_20, thirty_steps, tmp_path, capfd):
+    """step_20's scheduler.bin and step_15's optimizer.bin replaced by pickles that would run code, their manifests
+    recomputed: the manifests pass. scheduler.bin is read when auto verifies a checkpoint, before any load;
+    optimizer.bin only by the load, which the safe unpickler refuses on every rank. auto says so in one line each
+    naming the file (never torch's advice to load with weights_only=False), resumes step 10 and ends with the
+    uninterrupted run's weights, bit for bit. (One run for both files: each is found at its own stage, the
+    verification and the load.)"""
+    out, proof = _planted(stopped_at_20, tmp_path, "scheduler.bin", capfd)
+    optimizer_proof = tmp_path / "optimizer-payload-ran"
+    plant_pickle(ckpt(out, 15), "optimizer.bin", optimizer_proof)
     assert main_ranks([*ARGS, "--max_steps", "30", "--output_dir", str(out), "--resume_from_checkpoint", "auto"]) \
         == [0, 0]
     err = capfd.readouterr().err
+    assert f"{ckpt(out, 20) / 'scheduler.bin'} holds objects that a safe load" in err, err
     skipped = [line for line in err.splitlines() if "skipping a checkpoint that does not load safely" in line]
     assert len(skipped) == 1, err
-    assert f"{ckpt(out, 20) / 'optimizer.bin'} holds objects that a safe load" in skipped[0]
+    assert f"{ckpt(out, 15) / 'optimizer.bin'} holds objects that a safe load" in skipped[0]
     assert "(Unsupported global: GLOBAL io.open)" in skipped[0], skipped
     assert skipped[0].endswith("falling back to the previous one")
     assert "weights_only=False" not in err and "weights_only` set to `False" not in err
-    assert not proof.exists()
-    assert read_summary(out)["resumed_from_step"] == 15
+    assert not proof.exists() and not optimizer_proof.exists()
+    assert read_summary(out)["resumed_from_step"] == 10
     assert_same_weights(out, thirty_steps)
 
 
@@ -372,17 +371,6 @@ def test_an_explicit_malicious_checkpoint_is_one_line_exit_2(stopped_at_20, tmp_
     assert f"{ckpt(out, 20)}: {ckpt(out, 20) / 'optimizer.bin'} holds objects that a safe load" in lines[0]
     assert lines[0].endswith("or use auto, which passes over it")
     assert "weights_only=False" not in err and "Traceback" not in err and not proof.exists()
-
-
-def test_a_malicious_scheduler_file_is_skipped_without_torchs_advice(stopped_at_20, tmp_path, capfd):
-    """scheduler.bin is read when auto verifies a checkpoint: the same words, before any load."""
-    out, proof = _planted(stopped_at_20, tmp_path, "scheduler.bin", capfd)
-    assert main_ranks([*ARGS, "--max_steps", "30", "--output_dir", str(out), "--resume_from_checkpoint", "auto"]) \
-        == [0, 0]
-    err = capfd.readouterr().err
-    assert read_summary(out)["resumed_from_step"] == 15
-    assert f"{ckpt(out, 20) / 'scheduler.bin'} holds objects that a safe load" in err, err
-    assert "weights_only=False" not in err and not proof.exists()
 
 
 # ----------------------------------------------------------------------------- 4b. a full disk
@@ -528,7 +516,7 @@ def test_a_full_disk_while_writing_the_runs_files_is_one_line_and_the_checkpoint
                     self._metrics = open("/dev/full", "w", encoding="utf-8")  # every write: ENOSPC
                 return log(self, record)
             RunRecorder.log = full_at_24
-        code = main([*ARGS, "--max_steps", "30", "--output_dir", str(out)])
+        code = main([*ARGS, "--max_steps", "25", "--output_dir", str(out)])  # past step 24 (its metrics line fails)
         (tmp_path / f"exit{os.environ['RANK']}").write_text(str(code))
         return code
 
@@ -541,7 +529,7 @@ def test_a_full_disk_while_writing_the_runs_files_is_one_line_and_the_checkpoint
     assert line.startswith(f"accel_ddp: error: cannot write {what} in {out}: the file system is full (")
     assert line.endswith("; free space there or give another --output_dir (a copy of this one), then resume with "
                          "--resume_from_checkpoint auto: it continues from the last checkpoint")
-    assert steps_of(out) == ([5, 10, 15, 20] if what == "metrics.jsonl" else [5, 10, 15, 20, 25, 30])
+    assert steps_of(out) == ([5, 10, 15, 20] if what == "metrics.jsonl" else [5, 10, 15, 20, 25])
     for step in steps_of(out):
         read_checkpoint(str(ckpt(out, step)))
     assert not list(out.glob("*.tmp*")) and not (out / "summary.json").exists()

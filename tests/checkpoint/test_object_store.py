@@ -9,9 +9,11 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -24,6 +26,7 @@ from tests.helpers.s3 import BUCKET, new_prefix
 ARGS = ["--dataset", "synthetic", "--synthetic_samples", "64", "--synthetic_shape", "1", "4", "4",
         "--model", "mlp", "--hidden_size", "8", "--global_batch_size", "16", "--epochs", "1", "--num_workers", "0"]
 # 8 optimizer steps an epoch; a checkpoint every 2 of them, the constant LR so that a longer run continues exactly
+# (the runs below stop at step 10, in the second epoch)
 STORE_ARGS = ["--dataset", "synthetic", "--synthetic_samples", "128", "--synthetic_shape", "1", "4", "4",
               "--model", "mlp", "--hidden_size", "8", "--global_batch_size", "16", "--num_workers", "0",
               "--lr_schedule", "constant", "--checkpointing_steps", "2", "--keep_last", "5", "--log_every", "2"]
@@ -47,12 +50,6 @@ def test_a_url_is_one_line_exit_2_and_no_local_folder_named_after_it(flag, url, 
         assert f"--checkpoint_dir {url}" in lines[0]
     assert "Traceback" not in err
     assert os.listdir(tmp_path) == []
-
-
-def test_a_file_url_is_the_local_folder(tmp_path):
-    out = tmp_path / "run"
-    assert main_ranks([*ARGS, "--output_dir", f"file://{out}"]) == [0, 0]
-    assert read_summary(out)["optimizer_steps"] == 4
 
 
 @pytest.mark.parametrize("url, package, extra", [("s3://bucket/run", "s3fs", "s3"), ("gs://bucket/run", "gcsfs", "gcs"),
@@ -81,31 +78,37 @@ def _sealed_steps(client, prefix: str) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """The uninterrupted 8-step run, checkpoints on disk: the weights every resumed store run must end with."""
-    out = tmp_path_factory.mktemp("reference") / "run"
-    assert main_ranks([*STORE_ARGS, "--max_steps", "8", "--output_dir", str(out)]) == [0, 0]
-    return load_weights(out)
+def reference(tmp_path_factory) -> Path:
+    """The uninterrupted 10-step run (``run/``): the weights every resumed store run must end with. Its checkpoints go
+    to a ``file://`` store (``store/``, keeping 2), its --output_dir is a ``file://`` URL too: what
+    test_a_file_url_store_seals_prunes_and_locks_like_a_bucket reads (a copy: it writes a lock there)."""
+    folder = tmp_path_factory.mktemp("reference")
+    args = [*STORE_ARGS, "--max_steps", "10", "--keep_last", "2", "--output_dir", f"file://{folder / 'run'}",
+            "--checkpoint_dir", f"file://{folder / 'store'}"]
+    assert main_ranks(args) == [0, 0]
+    return folder
 
 
-def _assert_same_weights(out, reference) -> None:
-    weights = load_weights(out)
-    assert weights.keys() == reference.keys()
-    assert all(weights[k].equal(reference[k]) for k in reference)
+def _assert_same_weights(out, reference: Path) -> None:
+    weights, expected = load_weights(out), load_weights(reference / "run")
+    assert weights.keys() == expected.keys()
+    assert all(weights[k].equal(expected[k]) for k in expected)
 
 
-def test_a_2_rank_run_killed_mid_upload_resumes_bitwise_from_the_newest_sealed_checkpoint(s3, reference, tmp_path,
-                                                                                         capfd):
-    """Checkpoints at steps 2 and 4 sealed in the store; the whole job SIGKILLed while the main process uploads
-    step 6 (its model is there, its manifest is not). ``auto`` from the same --output_dir takes over the lock
-    object the kill left, ignores unsealed step 6 with a line, resumes step 4 and ends with the uninterrupted
-    run's weights, bit for bit; the lock object is gone at the end."""
+def test_a_run_killed_mid_upload_resumes_bitwise_from_the_newest_intact_checkpoint_past_an_unsealed_and_a_damaged_one(
+        s3, reference, tmp_path, capfd):
+    """Checkpoints at steps 2, 4 and 6 sealed in the store; the whole 2-rank job SIGKILLed while the main process
+    uploads step 8 (its model is there, its manifest is not); then an object of step 6 is altered. ``auto`` from the
+    same --output_dir takes over the lock object the kill left, ignores unsealed step 8 and skips damaged step 6 with
+    a line each (setting its object aside, not deleting it), resumes step 4, the newest intact one, and ends with the
+    uninterrupted run's weights, bit for bit; the lock object is gone at the end. A fresh start over the store's
+    checkpoints from another output folder is then refused like one on disk."""
     prefix, out, pids = new_prefix(), tmp_path / "run", tmp_path / "pids"
     url = f"s3://{BUCKET}/{prefix}"
-    args = [*STORE_ARGS, "--max_steps", "8", "--output_dir", str(out), "--checkpoint_dir", url]
+    args = [*STORE_ARGS, "--max_steps", "10", "--output_dir", str(out), "--checkpoint_dir", url]
     pids.mkdir()
 
-    def killed_uploading_step_6() -> int:
+    def killed_uploading_step_8() -> int:
         from accel_ddp.checkpoint import storage
         from accel_ddp.cli.train import main
 
@@ -114,7 +117,7 @@ def test_a_2_rank_run_killed_mid_upload_resumes_bitwise_from_the_newest_sealed_c
         seal = storage.ObjectStore.seal
 
         def seal_then_die(self, tmp, final, meta):
-            if final.endswith("step_00000006"):  # its first object uploaded, then the job dies, as a node fails
+            if final.endswith("step_00000008"):  # its first object uploaded, then the job dies, as a node fails
                 put = self.fs._put_file  # the coroutine: the store runs it on the file system's loop, bounded
 
                 async def put_then_die(*args, **kwargs):
@@ -129,45 +132,29 @@ def test_a_2_rank_run_killed_mid_upload_resumes_bitwise_from_the_newest_sealed_c
         return main(args)
 
     with pytest.raises(RankFailed, match="exited with code -9"):
-        run_ranks(killed_uploading_step_6)
+        run_ranks(killed_uploading_step_8)
     keys = _keys(s3, prefix)
-    assert _sealed_steps(s3, prefix) == [2, 4] and ".lock" in keys
-    assert any(k.startswith("step_00000006/") for k in keys) and "step_00000006/checkpoint.json" not in keys
+    assert _sealed_steps(s3, prefix) == [2, 4, 6] and ".lock" in keys
+    assert any(k.startswith("step_00000008/") for k in keys) and "step_00000008/checkpoint.json" not in keys
     assert not (out / "checkpoints" / "step_00000004").exists()  # the store holds them, not the output folder
+    s3.put_object(Bucket=BUCKET, Key=f"{prefix}/step_00000006/optimizer.bin", Body=b"not the saved bytes")
     capfd.readouterr()
 
     assert main_ranks([*args, "--resume_from_checkpoint", "auto"]) == [0, 0]
     output = capfd.readouterr()
     assert "taking over" in output.out and f"{url}/.lock" in output.out, output.out
-    assert f"ignoring {url}/step_00000006: it has no checkpoint.json" in output.err, output.err
+    assert f"ignoring {url}/step_00000008: it has no checkpoint.json" in output.err, output.err
+    assert f"skipping a damaged checkpoint: {url}/step_00000006/optimizer.bin is truncated or altered" in output.err
     assert read_summary(out)["resumed_from_step"] == 4
     _assert_same_weights(out, reference)
-    assert _sealed_steps(s3, prefix) == [2, 4, 6, 8] and ".lock" not in _keys(s3, prefix)
-
-
-def test_auto_skips_a_damaged_object_and_an_unsealed_checkpoint_with_a_line_each(s3, tmp_path, capfd):
-    prefix, out = new_prefix(), tmp_path / "run"
-    url = f"s3://{BUCKET}/{prefix}"
-    args = [*STORE_ARGS, "--output_dir", str(out), "--checkpoint_dir", url]
-    assert main_ranks([*args, "--max_steps", "6"]) == [0, 0]
-    assert _sealed_steps(s3, prefix) == [2, 4, 6]
-    s3.delete_object(Bucket=BUCKET, Key=f"{prefix}/step_00000006/checkpoint.json")  # unsealed
-    s3.put_object(Bucket=BUCKET, Key=f"{prefix}/step_00000004/optimizer.bin", Body=b"not the saved bytes")
-    capfd.readouterr()
-
-    assert main_ranks([*args, "--max_steps", "8", "--resume_from_checkpoint", "auto"]) == [0, 0]
-    err = capfd.readouterr().err
-    assert f"ignoring {url}/step_00000006: it has no checkpoint.json" in err, err
-    assert f"skipping a damaged checkpoint: {url}/step_00000004/optimizer.bin is truncated or altered" in err, err
-    assert read_summary(out)["resumed_from_step"] == 2
     keys = _keys(s3, prefix)
-    assert _sealed_steps(s3, prefix) == [2, 4, 6, 8]
+    assert _sealed_steps(s3, prefix) == [2, 4, 6, 8, 10] and ".lock" not in keys
     assert any(".damaged-" in k and k.endswith("optimizer.bin") for k in keys)  # set aside, not deleted
     # A fresh start over the store's checkpoints, from another output folder, is refused like one on disk.
     assert main_ranks([*STORE_ARGS, "--output_dir", str(tmp_path / "other"), "--checkpoint_dir", url,
-                       "--max_steps", "8"]) == [2, 2]
+                       "--max_steps", "10"]) == [2, 2]
     lines = error_lines(capfd.readouterr().err)
-    assert len(lines) == 1 and f"{url} already holds checkpoints (newest step_00000008)" in lines[0], lines
+    assert len(lines) == 1 and f"{url} already holds checkpoints (newest step_00000010)" in lines[0], lines
     assert "pick another --checkpoint_dir" in lines[0] and ".lock" not in _keys(s3, prefix)
 
 
@@ -199,18 +186,20 @@ def test_a_missing_bucket_is_one_line_naming_the_operation(s3, tmp_path, capfd):
     assert "Traceback" not in err
 
 
-def test_a_file_url_store_seals_prunes_and_locks_like_a_bucket(tmp_path, capfd):
-    """``file://``: the store's code on a local folder; the lock is an ``xb`` open."""
+def test_a_file_url_store_seals_prunes_and_locks_like_a_bucket(reference, tmp_path, capfd):
+    """``file://``: the store's code on a local folder; the lock is an ``xb`` open. The reference run's: 10 steps,
+    --keep_last 2, its --output_dir a ``file://`` URL as well (the local folder)."""
     store, out = tmp_path / "store", tmp_path / "run"
-    args = [*STORE_ARGS, "--max_steps", "8", "--keep_last", "2", "--output_dir", str(out),
-            "--checkpoint_dir", f"file://{store}"]
-    assert main_ranks(args) == [0, 0]
-    assert sorted(os.listdir(store)) == ["step_00000006", "step_00000008"]  # pruned after each seal; lock gone
-    assert (store / "step_00000008" / "checkpoint.json").is_file()
-    assert not (out / "checkpoints" / "step_00000008").exists()
+    shutil.copytree(reference / "store", store)
+    shutil.copytree(reference / "run", out)
+    assert read_summary(out)["optimizer_steps"] == 10  # --output_dir file://PATH wrote PATH
+    assert sorted(os.listdir(store)) == ["step_00000008", "step_00000010"]  # pruned after each seal; lock gone
+    assert (store / "step_00000010" / "checkpoint.json").is_file()
+    assert not (out / "checkpoints" / "step_00000010").exists()
     (store / ".lock").write_text(json.dumps({"host": "node7", "output_dir": str(out), "pid": 1, "since": "then"}))
     capfd.readouterr()
-    assert main_ranks([*args, "--max_steps", "10", "--resume_from_checkpoint", "auto"]) == [2, 2]
+    args = [*STORE_ARGS, "--keep_last", "2", "--output_dir", str(out), "--checkpoint_dir", f"file://{store}"]
+    assert main_ranks([*args, "--max_steps", "12", "--resume_from_checkpoint", "auto"]) == [2, 2]
     lines = error_lines(capfd.readouterr().err)
     assert len(lines) == 1 and "is in use by another run" in lines[0] and "host node7" in lines[0]
 
@@ -219,7 +208,7 @@ def test_async_saves_to_the_store_resume_bitwise_after_a_kill(s3, reference, tmp
     """--async_checkpointing: the upload and the seal run in the writer thread; the job SIGKILLed after step 5
     (step 4's upload done or not) resumes from the newest sealed checkpoint to the uninterrupted run's weights."""
     prefix, out = new_prefix(), tmp_path / "run"
-    args = [*STORE_ARGS, "--max_steps", "8", "--output_dir", str(out), "--checkpoint_dir", f"s3://{BUCKET}/{prefix}",
+    args = [*STORE_ARGS, "--max_steps", "10", "--output_dir", str(out), "--checkpoint_dir", f"s3://{BUCKET}/{prefix}",
             "--async_checkpointing"]
 
     with pytest.raises(RankFailed, match="exited with code -9"):
@@ -229,7 +218,7 @@ def test_async_saves_to_the_store_resume_bitwise_after_a_kill(s3, reference, tmp
     assert main_ranks([*args, "--resume_from_checkpoint", "auto"]) == [0, 0]
     assert read_summary(out)["resumed_from_step"] == sealed[-1]
     _assert_same_weights(out, reference)
-    assert _sealed_steps(s3, prefix) == [*sealed, *(s for s in (4, 6, 8) if s > sealed[-1])]
+    assert _sealed_steps(s3, prefix) == [*sealed, *(s for s in (4, 6, 8, 10) if s > sealed[-1])]
 
 
 # ----------------------------------------------------------------- the lock, and failures of a store (file://)

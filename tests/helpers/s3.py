@@ -1,6 +1,7 @@
 """moto's S3 server for the object-store tests (``--checkpoint_dir s3://...``): a subprocess on a free loopback
 port, never a thread (the test process forks ranks), a bucket in it, and the environment s3fs and boto3 read their
-endpoint and keys from. The ``s3`` fixture of tests/conftest.py serves it per test module."""
+endpoint and keys from. The ``s3`` fixture of tests/conftest.py serves one server to every test of a pytest process
+(each test uses a prefix of its own, ``new_prefix``), its environment set for the test only."""
 
 from __future__ import annotations
 
@@ -19,13 +20,22 @@ import pytest
 from tests.helpers.multiproc import free_port
 
 BUCKET = "accel-ddp-test"
+S3_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL")
 
 
 @contextlib.contextmanager
 def s3_server():
-    """The server up with BUCKET in it and its environment set (the forked ranks inherit it); a boto3 client."""
-    with s3_server_process() as (client, _):
-        yield client
+    """The server up with BUCKET in it; a boto3 client, and the environment that reaches it (the ``s3`` fixture sets it
+    for each test that uses the server; the process's own environment is left as it was)."""
+    outside = {key: os.environ.get(key) for key in S3_ENV}
+    with s3_server_process() as (client, _), pytest.MonkeyPatch.context() as patch:
+        env = {key: os.environ[key] for key in S3_ENV}
+        for key, value in outside.items():  # the tests that do not ask for the server run as before it started
+            if value is None:
+                patch.delenv(key, raising=False)
+            else:
+                patch.setenv(key, value)
+        yield client, env
 
 
 @contextlib.contextmanager
@@ -35,6 +45,7 @@ def s3_server_process():
     if missing:
         pytest.skip(f"the object-store tests need {', '.join(missing)} (pip install -e '.[test]')")
     import boto3
+    import s3fs  # noqa: F401 - here, once: every rank forked later has it (~0.4 s of import each, per run)
 
     port = free_port()
     server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -57,10 +58,15 @@ def _wandb_history(out: Path) -> list[tuple[str, list[dict], dict, dict]]:
     """(run id, history rows, run record, config and summary updates) of each offline W&B run under
     OUTPUT_DIR/wandb, read with W&B's own reader of its .wandb transaction log (`wandb leet inspect --json`)."""
     pytest.importorskip("wandb", reason="the wandb tracker needs wandb (pip install 'accel_ddp[tracking]')")
+    from wandb.util import get_core_path
+
     runs = []
     for path in sorted((out / "wandb").glob("offline-run-*/run-*.wandb")):
-        listing = subprocess.run([sys.executable, "-m", "wandb", "leet", "inspect", "--json", str(path)],
-                                 capture_output=True, text=True, check=True, timeout=60).stdout
+        # What `wandb leet inspect --json PATH` runs (wandb/cli/leet.py: launch_inspect, _base_args, offline), without
+        # the Python interpreter that only starts it (~1 s of CPU)
+        inspect = [get_core_path(), "leet", "inspect", "--no-observability", "--json", "--run-file", str(path),
+                   str(path.parent.parent)]
+        listing = subprocess.run(inspect, capture_output=True, text=True, check=True, timeout=60).stdout
         records = [json.loads(line) for line in listing.splitlines() if line.startswith("{")]
         (run,) = [r["run"] for r in records if r["type"] == "run"]
         history = [r["history"]["item"] for r in records if r["type"] == "history"]
@@ -189,13 +195,33 @@ def test_report_to_csv_alone_writes_metrics_csv(tmp_path, tiny_args):
         assert [int(r["step"]) for r in csv.DictReader(fh) if r["loss"]] == [8, 16]
 
 
-@pytest.mark.curves
-def test_training_with_tracking_all_writes_csv_tensorboard_and_curves(tmp_path, tiny_args):
-    pytest.importorskip("tensorboard", reason="--report_to tensorboard needs the tensorboard package")
+def _tensorboard():
+    """TensorBoard's reader of event files; ``torch.utils.tensorboard`` imported here, once: the forked ranks inherit
+    it (each run's main process imported it otherwise, ~0.3 s)."""
+    pytest.importorskip("torch.utils.tensorboard", reason="--report_to tensorboard needs the tensorboard package")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+    return EventAccumulator
+
+
+@pytest.mark.curves
+def test_training_with_tracking_writes_csv_tensorboard_curves_and_the_model_card(tmp_path, tiny_args):
+    """One 2-rank run as `accelerate launch --config_file cpu_2proc.yaml train.py ARGS` gives each rank: the trackers'
+    files, curves.png, and the model card (_assert_model_card)."""
+    EventAccumulator = _tensorboard()
     out = tmp_path / "run"
-    train_ranks([*tiny_args, *TRACKED, "--report_to", "tensorboard,csv", "--output_dir", str(out)])
+    args = [*tiny_args, *TRACKED, "--report_to", "tensorboard,csv", "--output_dir", str(out)]
+
+    def launched():  # what `accelerate launch --config_file cpu_2proc.yaml train.py ARGS` gives each rank
+        import os
+
+        sys.argv = ["train.py", *args]
+        os.environ["ACCELERATE_MIXED_PRECISION"] = "no"
+        from accel_ddp.loop import train
+
+        return train(parse_args(args))
+
+    run_ranks(launched)
     records = read_metrics(out)
     steps, losses = series(records, "loss")
     assert steps == [2, 4, 6, 8, 10, 12, 14, 16]
@@ -218,6 +244,7 @@ def test_training_with_tracking_all_writes_csv_tensorboard_and_curves(tmp_path, 
     assert [e.value for e in events.Scalars("summary/eval_accuracy")] == pytest.approx([summary["eval_accuracy"]])
 
     decode_png(out / "curves.png")  # plotted at the end of training
+    _assert_model_card(out, args)
 
 
 # ----------------------------------------------------------------------------- MLflow and W&B, offline
@@ -265,9 +292,7 @@ def test_a_resumed_run_continues_the_same_tracker_runs_without_duplicate_steps(t
     every step once. (W&B takes the same path as MLflow: test_a_resume_says_which_trackers_start_a_new_run
     checks it gets its id back; left out here, it would add two W&B starts.)"""
     mlflow = _mlflow()
-    pytest.importorskip("tensorboard", reason="--report_to tensorboard needs the tensorboard package")
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
+    EventAccumulator = _tensorboard()
     _offline(tmp_path, monkeypatch)
     out = tmp_path / "run"
     args = [*tiny_args, *TRACKED, "--report_to", "csv,tensorboard,mlflow", "--run_name", "resumable",
@@ -410,8 +435,7 @@ def test_a_tracker_that_cannot_start_stops_every_rank_before_training(tmp_path, 
 
 
 def test_a_tracker_failing_mid_run_warns_once_and_the_run_goes_on(tmp_path, tiny_args, capfd, monkeypatch):
-    pytest.importorskip("tensorboard", reason="--report_to tensorboard needs the tensorboard package")
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    EventAccumulator = _tensorboard()
 
     log = CSVTracker.log
 
@@ -454,21 +478,8 @@ def test_an_unexpected_error_in_a_main_process_decision_ends_every_rank(tmp_path
 # ----------------------------------------------------------------------------- model card
 
 
-@pytest.mark.curves
-def test_model_card_names_model_data_layout_metrics_command_and_curves(tmp_path, tiny_args):
-    out = tmp_path / "run"
-    args = [*tiny_args, "--output_dir", str(out)]
-
-    def launched():  # what `accelerate launch --config_file cpu_2proc.yaml train.py ARGS` gives each rank
-        import os
-
-        sys.argv = ["train.py", *args]
-        os.environ["ACCELERATE_MIXED_PRECISION"] = "no"
-        from accel_ddp.loop import train
-
-        return train(parse_args(args))
-
-    run_ranks(launched)
+def _assert_model_card(out: Path, args: list[str]) -> None:
+    """The model card names the model, the data, the layout, the metrics, the command and the curves."""
     card = (out / "README.md").read_text()
     summary = read_summary(out)
     header = yaml.safe_load(card.split("---")[1])
@@ -527,22 +538,24 @@ def _snapshot(folder: Path) -> dict[str, tuple[bytes, int]]:
             for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
-@pytest.mark.parametrize("damaged, tracking", [("metrics.jsonl", []), ("metrics.jsonl", ["--report_to", "csv"]),
-                                               ("metrics.csv", ["--report_to", "csv"])])
+@pytest.mark.parametrize("tracking", [[], ["--report_to", "csv"]], ids=["no_trackers", "csv"])
 def test_a_metrics_file_that_is_not_utf8_stops_the_resume_on_every_rank_and_nothing_is_touched(tmp_path, tiny_args,
-                                                                                               capfd, damaged,
-                                                                                               tracking):
+                                                                                               capfd, tracking):
     """The resume read metrics.jsonl as UTF-8 (a UnicodeDecodeError traceback with trackers), or dropped the line
-    quietly; metrics.csv was 'csv failed to start (UnicodeDecodeError ...); check csv's settings'."""
-    out = tmp_path / "run"
+    quietly; metrics.csv was 'csv failed to start (UnicodeDecodeError ...); check csv's settings'. With csv, the one
+    run's folder is damaged twice, a copy each time: metrics.jsonl, then metrics.csv."""
+    run = tmp_path / "run"
     args = [*tiny_args, *(["--with_tracking", *tracking] if tracking else []), "--log_every", "1",
-            "--checkpointing_steps", "2", "--output_dir", str(out)]
-    assert main_ranks([*args, "--max_steps", "4"]) == [0, 0]
-    lines = (out / damaged).read_bytes().splitlines(keepends=True)
-    (out / damaged).write_bytes(b"".join(lines[:1] + [lines[1].replace(b"0", b"\xff", 1)] + lines[2:]))
-    line = _resume_refused(args, out, capfd)
-    assert line == (f"accel_ddp: error: {out / damaged} line 2 is not UTF-8 text, so the file is damaged; "
-                    "delete that line (or move the file aside: the run then writes a new one)")
+            "--checkpointing_steps", "2"]
+    assert main_ranks([*args, "--max_steps", "4", "--output_dir", str(run)]) == [0, 0]
+    for damaged in ["metrics.jsonl", "metrics.csv"] if tracking else ["metrics.jsonl"]:
+        out = tmp_path / f"damaged-{damaged}"
+        shutil.copytree(run, out)
+        lines = (out / damaged).read_bytes().splitlines(keepends=True)
+        (out / damaged).write_bytes(b"".join(lines[:1] + [lines[1].replace(b"0", b"\xff", 1)] + lines[2:]))
+        line = _resume_refused([*args, "--output_dir", str(out)], out, capfd)
+        assert line == (f"accel_ddp: error: {out / damaged} line 2 is not UTF-8 text, so the file is damaged; "
+                        "delete that line (or move the file aside: the run then writes a new one)")
 
 
 @pytest.mark.parametrize("content, problem", [
