@@ -43,6 +43,11 @@ def pytest_configure(config):
     import torch._dynamo  # noqa: F401 - torch.optim imports it on first use: ~2 s once here, not per rank
     import tqdm
 
+    try:  # every dataset builder imports scipy.io where it is installed (datasets/streaming.py patches its loadmat for
+        import scipy.io  # noqa: F401 - each builder, builder.py): ~170 modules, ~0.2 s of CPU per rank otherwise
+    except ImportError:
+        pass
+
     # No tqdm monitor thread in the test process: the first progress bar (datasets' own, building test data) would
     # start one that runs until the process ends, and every rank forked later would inherit its locks mid-use.
     tqdm.tqdm.monitor_interval = 0

@@ -290,6 +290,15 @@ def _interrupted_args(out, *extra: str, steps: int = 8, save_every: int = 4) -> 
             "--num_workers", "1", "--checkpointing_steps", str(save_every), "--output_dir", str(out), *extra]
 
 
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory):
+    """The run of ``_interrupted_args`` never stopped, trained once for the module (T7, S8 and T8 compare with it;
+    none writes into it)."""
+    out = tmp_path_factory.mktemp("whole") / "run"
+    assert main_ranks(_interrupted_args(out)) == [0, 0]
+    return out
+
+
 def _signalled_ranks(args: list[str], sig: int, pids) -> list[int]:
     """``main(args)`` on 2 forked ranks, each in a process group of its own with its DataLoader worker (as torchrun
     starts them); after optimizer step INTERRUPT_AT rank 1 sends ``sig`` to every rank's group (what torchrun does
@@ -329,15 +338,14 @@ def _signalled_ranks(args: list[str], sig: int, pids) -> list[int]:
 
 
 @pytest.mark.parametrize("signame,code", [("SIGINT", 130), ("SIGHUP", 129)])
-def test_t7_s8_ctrl_c_and_a_closed_terminal_save_the_step_and_resume_bitwise(signame, code, tmp_path, capfd):
+def test_t7_s8_ctrl_c_and_a_closed_terminal_save_the_step_and_resume_bitwise(signame, code, whole, tmp_path, capfd):
     import signal
 
     from accel_ddp.checkpoint.manager import list_checkpoints
     from tests.helpers.checkpoints import assert_same_weights
     from tests.helpers.runs import read_summary
 
-    whole, out = tmp_path / "whole", tmp_path / "run"
-    assert main_ranks(_interrupted_args(whole)) == [0, 0]
+    out = tmp_path / "run"
     capfd.readouterr()
     assert _signalled_ranks(_interrupted_args(out), getattr(signal, signame), tmp_path / "pids") == [code, code]
     err = capfd.readouterr().err
@@ -352,42 +360,9 @@ def test_t7_s8_ctrl_c_and_a_closed_terminal_save_the_step_and_resume_bitwise(sig
     assert_same_weights(out, whole)
 
 
-@pytest.mark.slow
-def test_t7_ctrl_c_to_the_launchers_process_group_stops_every_rank_with_a_checkpoint(tmp_path):
-    """A real `accelerate launch` in a session of its own, as a terminal runs it; SIGINT to its process group (what
-    Ctrl-C sends): torchrun forwards it to each worker's group, every rank saves and exits 130, one line, no
-    KeyboardInterrupt anywhere (the launcher's own included)."""
-    import os
-    import signal
-    import subprocess
-    import sys
-
-    from accel_ddp.checkpoint.manager import list_checkpoints
-    from tests.helpers.multiproc import free_port
-    from tests.helpers.runs import CPU_2PROC, REPO, TRAIN_SCRIPT, log_of, suite_env, wait_for_checkpoint
-
-    out = tmp_path / "run"
-    args = _interrupted_args(out, steps=400, save_every=2)
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CPU_2PROC), "--num_processes",
-           "2", "--main_process_port", str(free_port()), str(TRAIN_SCRIPT), *args]
-    with open(tmp_path / "run.log", "w") as log:
-        proc = subprocess.Popen(cmd, env=suite_env(), cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-    try:
-        wait_for_checkpoint(proc, out, 2)
-        os.killpg(proc.pid, signal.SIGINT)
-        proc.wait(timeout=60)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    text = log_of(out)
-    assert "Traceback" not in text and "KeyboardInterrupt" not in text, text[-4000:]
-    lines = [line for line in text.splitlines() if "accel_ddp: interrupted: SIGINT received: stopped after" in line]
-    assert len(lines) == 1 and lines[0].endswith("(exit code 130)"), text[-4000:]
-    step = int(lines[0].split("optimizer step ")[1].split()[0])
-    assert [s for s, _ in list_checkpoints(str(out / "checkpoints"))][-1] == step
-    assert proc.returncode == 128 + signal.SIGINT, proc.returncode  # accelerate launch: 128 + its own signal
+# T7 through a real `accelerate launch` (Ctrl-C to the launcher's process group: every rank saves and exits 130, no
+# KeyboardInterrupt anywhere) is one launch with the guarantee matrix's signal through the launcher, in
+# tests/lifecycle/test_guarantees.py test_ctrl_c_to_the_launcher_stops_ranks_with_dataloader_workers_and_resumes_bitwise
 
 
 def _workers_through_ctrl_c_and_hangup() -> tuple[list[bool], int]:
@@ -419,7 +394,7 @@ def test_t7_s8_dataloader_workers_ignore_ctrl_c_and_hangup():
 # ============================================================================= T8: a DataLoader worker killed
 
 
-def test_t8_a_killed_dataloader_worker_is_restarted_and_the_run_ends_bitwise_as_without(tmp_path, capfd):
+def test_t8_a_killed_dataloader_worker_is_restarted_and_the_run_ends_bitwise_as_without(whole, tmp_path, capfd):
     """kill -9 of rank 1's DataLoader worker after step 3: its workers start again at the first micro-batch it had
     not trained on, one line says so, and the run ends with the weights of the run without the kill, bit for bit
     (nothing to resume: nothing was lost)."""
@@ -433,8 +408,7 @@ def test_t8_a_killed_dataloader_worker_is_restarted_and_the_run_ends_bitwise_as_
     from tests.helpers.checkpoints import assert_same_weights
     from tests.helpers.multiproc import run_ranks
 
-    whole, out = tmp_path / "whole", tmp_path / "run"
-    assert main_ranks(_interrupted_args(whole)) == [0, 0]
+    out = tmp_path / "run"
     killed = tmp_path / "killed"
 
     def rank_main() -> int:
