@@ -480,20 +480,20 @@ def test_device_loader_resumes_mid_epoch_to_the_same_weights(tmp_path, digits_wh
 def test_dataloader_workers_with_random_reads_resume_mid_epoch_to_the_same_weights(tmp_path):
     """Augmentation drawn in DataLoader workers: a rank fails mid-epoch, the resumed run ends bit-identical
     (that the worker count changes no draw: test_augmentation_depends_on_seed_epoch_and_position_only)."""
-    common = ["--dataset", "tests.helpers.data:noisy_digits", "--model", "mnist_cnn", "--max_steps", "12",
+    common = ["--dataset", "tests.helpers.data:noisy_digits", "--model", "mnist_cnn", "--max_steps", "8",
               "--global_batch_size", "64", "--per_device_batch_size", "16", "--loader", "dataloader",
-              "--checkpointing_steps", "5"]
+              "--checkpointing_steps", "3"]
     train_ranks([*common, "--num_workers", "1", "--output_dir", str(tmp_path / "whole")])
 
-    def fail_at_step_8_on_rank_1():
-        faults.install(fail_at=(8, 1))
+    def fail_at_step_5_on_rank_1():
+        faults.install(fail_at=(5, 1))
         return train(parse_args([*common, "--num_workers", "1", "--output_dir", str(tmp_path / "resumed")]))
 
-    with pytest.raises(RankFailed, match="injected failure on rank 1 at step 8"):
-        run_ranks(fail_at_step_8_on_rank_1, grace=1)
+    with pytest.raises(RankFailed, match="injected failure on rank 1 at step 5"):
+        run_ranks(fail_at_step_5_on_rank_1, grace=1)
     summaries = train_ranks([*common, "--num_workers", "1", "--output_dir", str(tmp_path / "resumed"),
                              "--resume_from_checkpoint", "auto"])
-    assert summaries[0]["resumed_from_step"] == 5 and summaries[0]["loader"] == "dataloader"
+    assert summaries[0]["resumed_from_step"] == 3 and summaries[0]["loader"] == "dataloader"
     assert summaries[0]["data_source"] == "map_style"
     whole, resumed = load_weights(tmp_path / "whole"), load_weights(tmp_path / "resumed")
     assert all(torch.equal(whole[k], resumed[k]) for k in whole)
