@@ -318,20 +318,20 @@ def loop_with_both_loaders(global_batch: int, per_device: int) -> dict:
     """A hand-written Accelerate loop over both loaders (what a user of build_loaders writes); what each served."""
     from accelerate import Accelerator, DataLoaderConfiguration, PartialState
     from accelerate.utils import set_seed
-    from sklearn.datasets import load_digits
 
     from accel_ddp.data import build_loaders
+    from accel_ddp.data.builtin import read_digits
     from accel_ddp.evaluation import evaluate
 
     world = PartialState(cpu=True).num_processes
     accumulation = global_batch // (world * per_device)
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=accumulation,
                               dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=7))
-    digits = load_digits()
-    x = torch.tensor(digits.data, dtype=torch.float32) / 16.0
+    images, targets = read_digits()  # load_digits()'s arrays without importing scikit-learn (~1.2 s in each rank)
+    x = torch.tensor(images.reshape(len(images), 64), dtype=torch.float32) / 16.0
     x = torch.cat([x, torch.arange(len(x), dtype=torch.float32)[:, None]], 1)  # column 64: the sample's index
-    y = torch.tensor(digits.target)
-    train_ds, eval_ds = TensorDataset(x[:1400], y[:1400]), TensorDataset(x[1400:], y[1400:])  # 397: odd
+    y = torch.tensor(targets)
+    train_ds, eval_ds = TensorDataset(x[:400], y[:400]), TensorDataset(x[1400:], y[1400:])  # 397: odd
 
     class Net(torch.nn.Module):  # ignores the index column
         def __init__(self):
@@ -401,7 +401,7 @@ def test_both_loaders_train_identically_under_two_processes():
                         for i in range(0, len(one[0][kind]["seen"]), a)]
         assert per_step_two == per_step_one
         epoch0 = [i for step in per_step_one[:len(per_step_one) // 2] for i in step]
-        assert len(epoch0) == len(set(epoch0)) == 1376  # 1400 // 32 steps of 32 samples, each once
+        assert len(epoch0) == len(set(epoch0)) == 384  # 400 // 32 steps of 32 samples, each once (16 left out)
 
 
 def test_own_model_and_dataset_through_import_strings_under_two_processes(tmp_path):
@@ -426,15 +426,25 @@ def test_own_model_and_dataset_through_the_python_api_under_two_processes(tmp_pa
     assert capfd.readouterr().out.count("eval accuracy") == 1  # printed by the main process only
 
 
-def test_device_and_dataloader_paths_end_with_the_same_weights(tmp_path):
-    common = ["--dataset", "digits", "--model", "mnist_cnn", "--epochs", "1", "--global_batch_size", "64",
-              "--per_device_batch_size", "16", "--optimizer", "sgd", "--lr", "0.05"]
+# 22 optimizer steps per epoch of digits: 30 steps reach into epoch 1 (a new order), a checkpoint every 5.
+DIGITS_RUN = ["--dataset", "digits", "--model", "mnist_cnn", "--max_steps", "30", "--global_batch_size", "64",
+              "--per_device_batch_size", "16", "--checkpointing_steps", "5"]
+
+
+@pytest.fixture(scope="module")
+def digits_whole_runs(tmp_path_factory) -> dict:
+    """DIGITS_RUN uninterrupted on each training loader, trained once for the module; tests only read them."""
+    root = tmp_path_factory.mktemp("digits")
     for kind in ("device", "dataloader"):
-        train_ranks([*common, "--loader", kind, "--output_dir", str(tmp_path / kind)])
-    device, classic = load_weights(tmp_path / "device"), load_weights(tmp_path / "dataloader")
+        train_ranks([*DIGITS_RUN, "--loader", kind, "--output_dir", str(root / kind)])
+    return {kind: root / kind for kind in ("device", "dataloader")}
+
+
+def test_device_and_dataloader_paths_end_with_the_same_weights(digits_whole_runs):
+    device, classic = (load_weights(digits_whole_runs[kind]) for kind in ("device", "dataloader"))
     assert all(torch.equal(device[k], classic[k]) for k in classic)  # mnist_cnn has dropout: RNG streams match
     for kind in ("device", "dataloader"):
-        summary = read_summary(tmp_path / kind)
+        summary = read_summary(digits_whole_runs[kind])
         assert summary["eval_samples"] == 360 and summary["grad_accum_steps"] == 2
         assert summary.get("loader", kind) == kind
 
@@ -450,42 +460,40 @@ def test_cifar10_files_on_the_device_loader_with_resnet18(tmp_path):
     assert load_weights(out)["conv1.weight"].shape == (4, 3, 3, 3)
 
 
-def test_device_loader_resumes_mid_epoch_to_the_same_weights(tmp_path):
+def test_device_loader_resumes_mid_epoch_to_the_same_weights(tmp_path, digits_whole_runs):
     """A rank fails in epoch 1; the resumed run skips what the checkpoint holds and ends where the whole run ends."""
-    common = ["--dataset", "digits", "--model", "mnist_cnn", "--epochs", "2", "--global_batch_size", "64",
-              "--per_device_batch_size", "16", "--loader", "device", "--checkpointing_steps", "5"]
-    train_ranks([*common, "--output_dir", str(tmp_path / "whole")])
+    common = [*DIGITS_RUN, "--loader", "device", "--output_dir", str(tmp_path / "resumed")]
 
     def fail_at_step_27_on_rank_1():
         faults.install(fail_at=(27, 1))
-        return train(parse_args([*common, "--output_dir", str(tmp_path / "resumed")]))
+        return train(parse_args(common))
 
     with pytest.raises(RankFailed, match="injected failure on rank 1 at step 27"):
         run_ranks(fail_at_step_27_on_rank_1, grace=1)  # 22 steps per epoch: it died in epoch 1, after step 25's save
-    train_ranks([*common, "--output_dir", str(tmp_path / "resumed"), "--resume_from_checkpoint", "auto"])
+    train_ranks([*common, "--resume_from_checkpoint", "auto"])
     summary = read_summary(tmp_path / "resumed")
-    assert summary["resumed_from_step"] == 25 and summary["optimizer_steps"] == 44
-    whole, resumed = load_weights(tmp_path / "whole"), load_weights(tmp_path / "resumed")
+    assert summary["resumed_from_step"] == 25 and summary["optimizer_steps"] == 30
+    whole, resumed = load_weights(digits_whole_runs["device"]), load_weights(tmp_path / "resumed")
     assert all(torch.equal(whole[k], resumed[k]) for k in whole)
 
 
 def test_dataloader_workers_with_random_reads_resume_mid_epoch_to_the_same_weights(tmp_path):
     """Augmentation drawn in DataLoader workers: a rank fails mid-epoch, the resumed run ends bit-identical
     (that the worker count changes no draw: test_augmentation_depends_on_seed_epoch_and_position_only)."""
-    common = ["--dataset", "tests.helpers.data:noisy_digits", "--model", "mnist_cnn", "--max_steps", "12",
+    common = ["--dataset", "tests.helpers.data:noisy_digits", "--model", "mnist_cnn", "--max_steps", "8",
               "--global_batch_size", "64", "--per_device_batch_size", "16", "--loader", "dataloader",
-              "--checkpointing_steps", "5"]
+              "--checkpointing_steps", "3"]
     train_ranks([*common, "--num_workers", "1", "--output_dir", str(tmp_path / "whole")])
 
-    def fail_at_step_8_on_rank_1():
-        faults.install(fail_at=(8, 1))
+    def fail_at_step_5_on_rank_1():
+        faults.install(fail_at=(5, 1))
         return train(parse_args([*common, "--num_workers", "1", "--output_dir", str(tmp_path / "resumed")]))
 
-    with pytest.raises(RankFailed, match="injected failure on rank 1 at step 8"):
-        run_ranks(fail_at_step_8_on_rank_1, grace=1)
+    with pytest.raises(RankFailed, match="injected failure on rank 1 at step 5"):
+        run_ranks(fail_at_step_5_on_rank_1, grace=1)
     summaries = train_ranks([*common, "--num_workers", "1", "--output_dir", str(tmp_path / "resumed"),
                              "--resume_from_checkpoint", "auto"])
-    assert summaries[0]["resumed_from_step"] == 5 and summaries[0]["loader"] == "dataloader"
+    assert summaries[0]["resumed_from_step"] == 3 and summaries[0]["loader"] == "dataloader"
     assert summaries[0]["data_source"] == "map_style"
     whole, resumed = load_weights(tmp_path / "whole"), load_weights(tmp_path / "resumed")
     assert all(torch.equal(whole[k], resumed[k]) for k in whole)
@@ -500,7 +508,7 @@ def test_resume_on_another_world_size_continues_with_the_same_global_batches(tmp
             if fail:
                 faults.install(fail_at=(17, 0))
             model = helpers_data.IndexRecorder()
-            cfg = TrainConfig(global_batch_size=8, per_device_batch_size=8 // world, epochs=3, seed=3,
+            cfg = TrainConfig(global_batch_size=8, per_device_batch_size=8 // world, epochs=2, seed=3,
                               optimizer="sgd", lr=0.1, checkpointing_steps="5", output_dir=str(tmp_path / out),
                               resume_from_checkpoint="auto" if resume else None)
             train(cfg, model=model, train_dataset=helpers_data.IndexDataset(100))
@@ -509,11 +517,11 @@ def test_resume_on_another_world_size_continues_with_the_same_global_batches(tmp
         per_rank = run_ranks(run, world_size=world, grace=1)
         return [sorted(i for rank in per_rank for i in rank[step]) for step in range(len(per_rank[0]))]
 
-    whole = served(2, "whole")  # 12 steps per epoch, 36 in all
+    whole = served(2, "whole")  # 12 steps per epoch, 24 in all
     with pytest.raises(RankFailed, match="injected failure on rank 0 at step 17"):
         served(2, "moved", fail=True)  # the newest checkpoint: step 15, in epoch 1
     resumed = served(1, "moved", resume=True)
-    assert len(whole) == 36 and resumed == whole[15:]
+    assert len(whole) == 24 and resumed == whole[15:]
     assert read_summary(tmp_path / "moved")["world_size"] == 1
 
 

@@ -33,8 +33,11 @@ def _decode_idx(columns, where):
 
 def _stream(files: list[str], world: int, *, max_steps: int, workers: int = 1, buffer: int = 0,
             per_device: int = 2, stop_after: int | None = None, save_to: Path | None = None,
+            save_after: int | None = None,
             resume_from: Path | None = None) -> list[list[tuple[int, list[int]]]]:
-    """Each rank's (pass, example ids) per micro-batch from a StreamingLoader (accumulation 1)."""
+    """Each rank's (pass, example ids) per micro-batch from a StreamingLoader (accumulation 1); the position saved
+    to ``save_to`` after ``stop_after`` micro-batches (the last read), or after ``save_after`` (reading on, as a
+    run that checkpoints does)."""
     def run():
         import datasets
         from accelerate import PartialState
@@ -53,6 +56,8 @@ def _stream(files: list[str], world: int, *, max_steps: int, workers: int = 1, b
         seen = []
         for x, _ in batches:
             seen.append((loader.data_epoch, x[:, 0].long().tolist()))
+            if len(seen) == save_after:
+                save_stream_position(loader, save_to)
             if len(seen) == stop_after:
                 save_stream_position(loader, save_to)
                 break
@@ -91,14 +96,15 @@ def test_streaming_ranks_take_the_same_steps_over_uneven_shares(tmp_path, sizes,
 
 @pytest.mark.parametrize("workers,buffer", [(1, 0), (2, 0), (2, 16)])
 def test_streaming_resumes_from_each_ranks_saved_position(tmp_path, workers, buffer):
-    """Saved after 7 steps and resumed: nothing trained before comes again in that pass; without a shuffle buffer
-    the resumed stream is the uninterrupted one (with 2 workers the 8th batch is the second worker's: the
-    DataLoader's turns continue where they stopped)."""
+    """Saved after 7 steps (by a run that reads on to its end, as a run that checkpoints does) and resumed: nothing
+    trained before comes again in that pass; without a shuffle buffer the resumed stream is the uninterrupted one
+    (with 2 workers the 8th batch is the second worker's: the DataLoader's turns continue where they stopped)."""
     files = write_shards(tmp_path / "s", [40, 40, 40, 40])
-    whole = _stream(files, 2, max_steps=12, workers=workers, buffer=buffer)
     saved = tmp_path / "7"
     saved.mkdir()
-    first = _stream(files, 2, max_steps=12, workers=workers, buffer=buffer, stop_after=7, save_to=saved)
+    whole = _stream(files, 2, max_steps=12, workers=workers, buffer=buffer, save_after=7, save_to=saved)
+    assert [len(rank) for rank in whole] == [12, 12]
+    first = [rank[:7] for rank in whole]
     assert sorted(p.name for p in saved.iterdir()) == ["data_state_rank0.json", "data_state_rank1.json"]
     rest = _stream(files, 2, max_steps=12, workers=workers, buffer=buffer, resume_from=saved)
     assert [len(rank) for rank in rest] == [5, 5]
@@ -175,31 +181,47 @@ def test_streaming_cli_run_on_uneven_files_resumes_and_counts_eval_exactly(tmp_p
     assert [r["step"] for r in evals] == [10, 20, 30]
 
 
+_MORE_STEPS = ["--streaming", "--global_batch_size", "8", "--shuffle_buffer", "0", "--num_workers", "0",
+               "--lr_schedule", "constant", "--hidden_size", "16"]
+
+
+@pytest.fixture(scope="module")
+def streamed_whole_run(tmp_path_factory) -> tuple[list[str], Path]:
+    """Two files, one per rank (10 steps per pass), and the run given 14 steps at once, trained once for the module:
+    the reference of every resumed run below (each trains into its own folder)."""
+    root = tmp_path_factory.mktemp("more_steps")
+    common = ["--dataset", "hf", "--data_dir", str(image_shards(root / "d", [40, 40], n_test=4)), *_MORE_STEPS]
+    train_ranks([*common, "--max_steps", "14", "--output_dir", str(root / "whole")])
+    return common, root / "whole"
+
+
 @pytest.mark.parametrize("saves", [[], ["--async_checkpointing"]])
-def test_a_streaming_run_given_more_steps_continues_where_it_stopped(tmp_path, saves):
+def test_a_streaming_run_given_more_steps_continues_where_it_stopped(tmp_path, saves, streamed_whole_run):
     """A finished streaming run relaunched with a higher --max_steps continues from its checkpoint (a stream's
     "epoch" is the whole run, so its steps_per_epoch grows with --max_steps; not a reason to refuse). Without a
     shuffle buffer and with the ranks reading in their own process, it ends with the weights of a run given the
     whole length at once (docs/large-datasets.md: the resumed order is the uninterrupted one). An asynchronous save
     holds the stream's positions too: they are part of the run's TrainState."""
-    data = image_shards(tmp_path / "d", [40, 40], n_test=4)  # one file per rank: 10 steps per pass
-    common = ["--dataset", "hf", "--data_dir", str(data), "--streaming", "--global_batch_size", "8",
-              "--shuffle_buffer", "0", "--num_workers", "0", "--lr_schedule", "constant", "--hidden_size", "16"]
-    longer = [*common, "--max_steps", "14", "--output_dir"]
+    common, whole = streamed_whole_run
     train_ranks([*common, "--max_steps", "7", "--checkpointing_steps", "7", *saves, "--output_dir",
                  str(tmp_path / "run")])
     saved = {p.name for p in (tmp_path / "run" / "checkpoints" / "step_00000007").iterdir()}
     assert {"data_state_rank0.json", "data_state_rank1.json"} <= saved
-    summaries = train_ranks([*longer, str(tmp_path / "run"), "--resume_from_checkpoint", "auto"])
+    summaries = train_ranks([*common, "--max_steps", "14", "--output_dir", str(tmp_path / "run"),
+                             "--resume_from_checkpoint", "auto"])
     assert [(s["resumed_from_step"], s["optimizer_steps"]) for s in summaries] == [(7, 14), (7, 14)]
-    train_ranks([*longer, str(tmp_path / "whole")])
-    ours, whole = load_weights(tmp_path / "run"), load_weights(tmp_path / "whole")
-    assert all(torch.equal(ours[k], whole[k]) for k in whole)
+    ours, theirs = load_weights(tmp_path / "run"), load_weights(whole)
+    assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
 
 
-def test_a_stream_that_fails_on_one_rank_stops_every_rank_with_one_line(tmp_path, capfd):
+def test_a_stream_that_fails_on_one_rank_stops_every_rank_with_one_line(tmp_path, capfd, monkeypatch):
     """Rank 1's second file is cut short: both ranks stop at the same step, exit 2, one line names the file."""
-    data = image_shards(tmp_path / "d", [600, 600, 40, 40], n_test=8)  # 1024 start-up rows come from files 0-1
+    import accel_ddp.data.hf_stream
+
+    # The start-up rows (STATS_SAMPLE, 1024) would read every file of a small set, the damaged one too, and name it
+    # before training; 64 of them come from files 0-1 (the forked ranks inherit it), so rank 1 meets it mid-stream.
+    monkeypatch.setattr(accel_ddp.data.hf_stream, "STATS_SAMPLE", 64)
+    data = image_shards(tmp_path / "d", [40, 40, 40, 40], n_test=8)
     damaged = data / "train-00003-of-00004.parquet"  # rank 1 reads files 1 and 3
     damaged.write_bytes(damaged.read_bytes()[:200])
     args = ["--dataset", "hf", "--data_dir", str(data), "--streaming", "--max_steps", "200", "--global_batch_size",

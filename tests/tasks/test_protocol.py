@@ -34,7 +34,7 @@ def token_mean(outputs, batch):
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)
 
 
-def _lm_run(out: Path, world: int, per_device: int, loss_fn=None, steps: int = 20, **cfg) -> dict:
+def _lm_run(out: Path, world: int, per_device: int, loss_fn=None, steps: int = 8, **cfg) -> dict:
     def fn():
         torch.manual_seed(0)
         model = tiny_gpt()
@@ -54,7 +54,7 @@ def _max_difference(a: Path, b: Path) -> float:
 
 def test_token_exact_accumulation_gives_one_gradient_whatever_the_layout(tmp_path):
     """2 ranks x 4, 1 process x 8 and 1 process x 2 with 4 accumulation micro-steps end with the same weights after
-    20 SGD steps on sequences of 3 to 16 tokens when each step's gradient is grad(total loss / total tokens) (the
+    8 SGD steps on sequences of 3 to 16 tokens when each step's gradient is grad(total loss / total tokens) (the
     default causal-LM loss, a (sum, num_items) pair); a mean of per-micro-batch token means does not."""
     reference = tmp_path / "1x8"  # one micro-batch per step: both rules give the same gradient here
     _lm_run(reference, 1, 8)
@@ -62,7 +62,7 @@ def test_token_exact_accumulation_gives_one_gradient_whatever_the_layout(tmp_pat
     for loss, loss_fn in (("token_exact", None), ("mean_of_means", token_mean)):
         for name, world, per_device in (("2x4", 2, 4), ("1x2", 1, 2)):
             summary = _lm_run(tmp_path / f"{loss}-{name}", world, per_device, loss_fn)
-            assert summary["grad_accum_steps"] == 8 // (world * per_device) and summary["optimizer_steps"] == 20
+            assert summary["grad_accum_steps"] == 8 // (world * per_device) and summary["optimizer_steps"] == 8
             differences[loss, name] = _max_difference(tmp_path / f"{loss}-{name}", reference)
     print(f"largest weight difference against 1 process x 8: {differences}")
     assert all(differences["token_exact", name] < 1e-6 for name in ("2x4", "1x2")), differences
@@ -243,7 +243,7 @@ def test_sequence_classification_on_a_csv_of_labelled_texts(corpus, datasets_cac
     args = ["--task", "sequence_classification", "--dataset", "hf", "--data_dir", str(corpus / "reviews"),
             "--text_column", "review", "--label_column", "sentiment", "--tokenizer", str(corpus / "tokenizer"),
             "--model_config", str(corpus / "gpt2.json"), "--max_length", "32", "--global_batch_size", "16",
-            "--epochs", "3", "--lr", "3e-3", "--output_dir", str(tmp_path / "cls")]
+            "--epochs", "2", "--lr", "3e-3", "--output_dir", str(tmp_path / "cls")]
     rank0, rank1 = train_ranks(args, world_size=2)
     assert rank0["eval_samples"] == 101 and rank0["eval_accuracy"] == rank1["eval_accuracy"]
     assert rank0["eval_accuracy"] > 0.95, rank0
@@ -277,20 +277,20 @@ def test_crash_mid_epoch_then_resume_is_bitwise_exact_for_a_pretrained_lm_folder
     def args(out: Path, *extra: str) -> list[str]:
         return ["--task", "causal_lm", "--dataset", "hf", "--data_dir", str(corpus / "texts"), "--model",
                 str(pretrained), "--max_length", "32", "--global_batch_size", "16", "--per_device_batch_size", "4",
-                "--max_steps", "12", "--checkpointing_steps", "5", "--output_dir", str(out), *extra]
+                "--max_steps", "8", "--checkpointing_steps", "3", "--output_dir", str(out), *extra]
 
     train_ranks(args(tmp_path / "reference"), world_size=2)
     crashed = tmp_path / "crashed"
 
-    def crash_after_step_8():
-        faults.install(fail_at=(8, int(os.environ["RANK"])))  # the whole job dies after step 8 of 25 in the epoch
+    def crash_after_step_5():
+        faults.install(fail_at=(5, int(os.environ["RANK"])))  # the whole job dies after step 5 of 25 in the epoch
         train_cli(parse_args(args(crashed)))
 
-    with pytest.raises(RankFailed, match="injected failure on rank 1 at step 8"):
-        run_ranks(crash_after_step_8, world_size=2)
+    with pytest.raises(RankFailed, match="injected failure on rank 1 at step 5"):
+        run_ranks(crash_after_step_5, world_size=2)
     assert not (crashed / "model.safetensors").exists()
     summary = train_ranks(args(crashed, "--resume_from_checkpoint", "auto"), world_size=2)[0]
-    assert summary["resumed_from_step"] == 5 and summary["grad_accum_steps"] == 2
+    assert summary["resumed_from_step"] == 3 and summary["grad_accum_steps"] == 2
     got, expected = load_weights(crashed), load_weights(tmp_path / "reference")
     assert got.keys() == expected.keys()
     for key in expected:
@@ -510,7 +510,7 @@ def test_pydoc_examples_pretrain_an_lm_then_fine_tune_it_as_a_topic_classifier(d
     assert counts["train"] > 1000 and counts["test"] > 100  # CPython's reference: ~1,600 distinct paragraphs
     lm = train_ranks(["--task", "causal_lm", "--dataset", "hf", "--data_dir", str(lm_data), "--tokenizer",
                       str(lm_data / "tokenizer"), "--model_config", str(REPO / "examples/configs/tiny_gpt2.json"),
-                      "--packing", "--max_length", "64", "--global_batch_size", "16", "--max_steps", "12",
+                      "--packing", "--max_length", "64", "--global_batch_size", "16", "--max_steps", "8",
                       "--lr", "5e-3", "--output_dir", str(lm_out)], world_size=2)[0]
     assert lm["eval_perplexity"] < 512 / 2, lm  # an untrained model: about the vocabulary size, 512
 
@@ -518,7 +518,7 @@ def test_pydoc_examples_pretrain_an_lm_then_fine_tune_it_as_a_topic_classifier(d
     classifier = train_ranks(
         ["--task", "sequence_classification", "--dataset", "hf", "--data_dir", str(topics_data), "--label_column",
          "topic", "--model", str(lm_out / "hf_model"), "--max_length", "64", "--global_batch_size", "8",
-         "--max_steps", "6", "--output_dir", str(tmp_path / "topics")], world_size=2)[0]
+         "--max_steps", "3", "--output_dir", str(tmp_path / "topics")], world_size=2)[0]
     assert classifier["eval_samples"] == topics["test"] and 0 <= classifier["eval_accuracy"] <= 1
     # The language model's tokenizer came with its folder and went on with the classifier.
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
