@@ -2,7 +2,8 @@
 
 The model is mnist_cnn (dropout: the RNG state is part of what must be saved at the save step). Faults
 are patches of the writer inside the forked ranks: a write held until training has gone on, a SIGKILL
-in the middle of a write, a full disk on one rank.
+in the middle of a write, a full disk on one rank. --optimizer muon's state written in the background is compared
+with the sync saves' in tests/checkpoint/test_resume.py, on the resume of its failed run.
 """
 
 from __future__ import annotations
@@ -48,21 +49,6 @@ def assert_same_weights(a: Path, b: Path) -> None:
     assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in expected)
 
 
-def test_async_checkpoints_hold_the_same_bytes_as_sync_ones(sync_run, tmp_path):
-    out = tmp_path / "run"
-    assert main_ranks([*ARGS, "--async_checkpointing", "--output_dir", str(out)]) == [0, 0]
-    assert_same_weights(out, sync_run)
-    assert [s for s, _ in list_checkpoints(str(out / "checkpoints"))] == [20, 24]
-    for step in (20, 24):
-        mine, theirs = (run / "checkpoints" / f"step_{step:08d}" for run in (out, sync_run))
-        read_checkpoint(str(mine))  # sealed and intact
-        names = sorted(os.listdir(theirs))
-        assert sorted(os.listdir(mine)) == names
-        for name in names:
-            if name != MARKER_NAME:  # checkpoint.json holds the time of the save
-                assert sha(mine / name) == sha(theirs / name), f"step {step}: {name} differs from the sync save's"
-
-
 def _steps_seen() -> list[int]:
     """Patch the schedule's step (called once per optimizer step) to record the step count; returns the record."""
     seen = [0]
@@ -81,7 +67,10 @@ def _steps_seen() -> list[int]:
     return seen
 
 
-def test_training_goes_on_while_the_checkpoint_is_written(sync_run, tmp_path):
+def test_training_goes_on_while_the_checkpoint_is_written_and_the_checkpoints_hold_the_sync_bytes(sync_run,
+                                                                                                   tmp_path):
+    """Rank 0's write of step 4 is held until the loop has trained on to step 7; the run then ends with the sync
+    run's weights, and its last two checkpoints, written in the background, hold the sync saves' bytes."""
     out = tmp_path / "run"
 
     def held_until_three_more_steps() -> int:
@@ -104,6 +93,15 @@ def test_training_goes_on_while_the_checkpoint_is_written(sync_run, tmp_path):
     assert run_ranks(held_until_three_more_steps) == [0, 0]
     assert_same_weights(out, sync_run)
     assert read_summary(out)["optimizer_steps"] == 24
+    assert [s for s, _ in list_checkpoints(str(out / "checkpoints"))] == [20, 24]
+    for step in (20, 24):
+        mine, theirs = (run / "checkpoints" / f"step_{step:08d}" for run in (out, sync_run))
+        read_checkpoint(str(mine))  # sealed and intact
+        names = sorted(os.listdir(theirs))
+        assert sorted(os.listdir(mine)) == names
+        for name in names:
+            if name != MARKER_NAME:  # checkpoint.json holds the time of the save
+                assert sha(mine / name) == sha(theirs / name), f"step {step}: {name} differs from the sync save's"
 
 
 def test_kill_9_during_an_async_write_leaves_the_previous_checkpoint_and_resumes_bitwise(sync_run, tmp_path, capfd):
@@ -195,19 +193,3 @@ def test_a_rollback_while_a_save_is_in_flight_waits_for_it_and_rolls_back_to_it(
     summary = read_summary(out)
     assert (summary["anomaly_skipped_steps"], summary["anomaly_rollbacks"]) == (1, 1)
     assert [os.path.basename(f) for _, f in list_checkpoints(str(out / "checkpoints"))] == ["step_00000010"]
-
-
-def test_async_checkpoints_of_muon_with_adamw_hold_the_same_bytes_as_sync_ones(tmp_path):
-    """--optimizer muon's state (two optimizers as one state dict) copied to host memory and written in the
-    background: the same files, byte for byte, as the sync save's."""
-    muon = [*ARGS, "--epochs", "1", "--optimizer", "muon"]  # 8 steps, checkpoints 4 and 8
-    sync, background = tmp_path / "sync", tmp_path / "async"
-    assert main_ranks([*muon, "--output_dir", str(sync)]) == [0, 0]
-    assert main_ranks([*muon, "--async_checkpointing", "--output_dir", str(background)]) == [0, 0]
-    for step in (4, 8):
-        mine, theirs = (run / "checkpoints" / f"step_{step:08d}" for run in (background, sync))
-        read_checkpoint(str(mine))
-        names = sorted(name for name in os.listdir(theirs) if name != MARKER_NAME)
-        assert "optimizer.bin" in names and sorted(os.listdir(mine)) == sorted([*names, MARKER_NAME])
-        for name in names:
-            assert sha(mine / name) == sha(theirs / name), f"step {step}: {name} differs from the sync save's"

@@ -5,8 +5,9 @@ fixture). The model is ``mnist_cnn``, whose dropout makes the RNG state part of 
 must restore: a resume that loses it, or re-draws a seed, ends with different weights.
 
 Runs are forked ranks of a gloo group (tests/helpers/multiproc.py) except where only a launch shows the
-behaviour: SIGUSR1 to one worker, SIGKILL of the whole job, an elastic restart (``@pytest.mark.slow``; SIGTERM
-to the launcher is launched once, with DataLoader workers, in tests/lifecycle/test_guarantees.py). A forked run
+behaviour: torchrun's elastic restart and SIGUSR1 to one of its workers, shown by one launch (``@pytest.mark.slow``;
+SIGTERM to the launcher, and its SIGKILL, are launched with DataLoader workers in tests/lifecycle/test_guarantees.py).
+A SIGKILL of every rank is a SIGKILL of forked ranks: nothing of theirs runs after it. A forked run
 and a launched one of the same command end with bitwise-equal weights, so launched runs are compared with the
 forked reference too. Faults come from tests/helpers/faults.py: ``faults.install(...)`` inside a forked rank, or
 FAULT_* variables read by tests/scripts/faulty_train.py in a launch:
@@ -26,6 +27,7 @@ import random
 import re
 import shutil
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -45,11 +47,8 @@ from accel_ddp.lifecycle.preemption import PreemptionWatcher
 from accel_ddp.outputs.names import MARKER_NAME
 from tests.helpers import faults
 from tests.helpers.checkpoints import assert_same_weights, steps_of
-from tests.helpers.multiproc import RankFailed, run_ranks
+from tests.helpers.multiproc import RankFailed, free_port, run_ranks
 from tests.helpers.runs import (
-    check,
-    kill_job,
-    launch,
     load_weights,
     log_of,
     main_ranks,
@@ -70,17 +69,21 @@ LIVE = {"FAULT_STEP_DELAY": "0.15"}  # ~5 s of training: time to signal it after
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> Path:
-    """The uninterrupted run, checkpointing every 4 steps and keeping the last 3 (forked ranks)."""
+    """The uninterrupted run, checkpointing every 4 steps and keeping the last 5 (forked ranks): steps 16 to 32; below
+    the last, one for each kind of damaged RNG file and an intact one before them."""
     out = tmp_path_factory.mktemp("reference")
-    assert main_ranks([*ARGS, "--checkpointing_steps", "4", "--keep_last", "3", "--output_dir", str(out)]) == [0, 0]
+    assert main_ranks([*ARGS, "--checkpointing_steps", "4", "--keep_last", "5", "--output_dir", str(out)]) == [0, 0]
     return out
 
 
 def resume(args: list[str], capfd, world_size: int = 2) -> str:
-    """``main(args)`` on forked ranks, which must exit 0; returns what they printed on stdout."""
+    """``main(args)`` on forked ranks, which must exit 0 and, their resume being exact, say nothing about RNG states;
+    returns what they printed on stdout."""
     capfd.readouterr()
     assert main_ranks(args, world_size) == [0] * world_size
-    return capfd.readouterr().out
+    printed = capfd.readouterr()
+    assert "not exact" not in printed.err, printed.err
+    return printed.out
 
 
 # ----------------------------------------------------------------------------- without launches
@@ -166,25 +169,43 @@ def test_preemption_watcher_records_the_signal_and_keeps_recording_after_it():
 
 
 def test_keep_last_keeps_exactly_k_complete_checkpoints(reference):
-    assert steps_of(reference) == [24, 28, 32]  # every 4 steps, the last 3
-    assert sorted(os.listdir(reference / "checkpoints")) == ["step_00000024", "step_00000028", "step_00000032"]
+    assert steps_of(reference) == [16, 20, 24, 28, 32]  # every 4 steps, the last 5
+    assert sorted(os.listdir(reference / "checkpoints")) == [f"step_{step:08d}" for step in (16, 20, 24, 28, 32)]
     meta = read_checkpoint(str(reference / "checkpoints" / "step_00000028"))  # every file as recorded
     assert (meta["step"], meta["epoch"], meta["step_in_epoch"], meta["world_size"]) == (28, 3, 4, 2)
     assert {"model.safetensors", "optimizer.bin", "scheduler.bin", "random_states_0.pkl",
             "random_states_1.pkl"} <= set(meta["files"])
 
 
-@pytest.mark.slow
 def test_sigkill_at_a_random_step_then_resume_gives_bitwise_equal_weights(reference, tmp_path, capfd):
+    """Both ranks SIGKILLed at once, at a random moment after the first checkpoint, as a node failure kills a job
+    (nothing runs after SIGKILL: forked ranks show what a launch would; the launcher's own SIGKILL is launched in
+    tests/lifecycle/test_guarantees.py)."""
     seed = int(os.environ.get("ACCEL_DDP_TEST_SEED", random.randrange(1_000_000)))
     delay = random.Random(seed).uniform(0.0, 1.5)
     print(f"ACCEL_DDP_TEST_SEED={seed}: SIGKILL {delay:.2f} s after the first checkpoint")
-    out = tmp_path / "run"
+    out, pids = tmp_path / "run", tmp_path / "pids"
     args = [*ARGS, "--checkpointing_steps", "4", "--keep_last", "2", "--output_dir", str(out)]
-    with running(args, out, env=LIVE) as proc:
-        wait_for_checkpoint(proc, out, 4)
+    pids.mkdir()
+
+    def live_rank() -> int:
+        (pids / os.environ["RANK"]).write_text(str(os.getpid()))
+        faults.install(step_delay=0.15)  # ~5 s of training: time to kill it after its first checkpoint
+        return main(args)
+
+    def kill_both_after_the_first_checkpoint() -> None:
+        marker, deadline = out / "checkpoints" / "step_00000004" / MARKER_NAME, time.monotonic() + 120
+        while not marker.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
         time.sleep(delay)
-        kill_job(proc)
+        for rank in ("0", "1"):
+            os.kill(int((pids / rank).read_text()), signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_both_after_the_first_checkpoint, daemon=True)
+    killer.start()
+    with pytest.raises(RankFailed, match="exited with code -9"):
+        run_ranks(live_rank, grace=1)
+    killer.join()
     assert not (out / "summary.json").exists(), "the run finished before the kill: nothing was tested"
     killed_after = steps_of(out)
     print(f"complete checkpoints after the kill: {killed_after}")
@@ -204,23 +225,6 @@ def logged_losses(output_dir: Path) -> dict[int, float]:
     steps = [r["step"] for r in records if "loss" in r]
     assert len(steps) == len(set(steps)), f"a step was logged twice: {steps}"
     return {r["step"]: r["loss"] for r in records if "loss" in r}
-
-
-@pytest.mark.slow
-def test_sigusr1_to_one_worker_stops_every_rank_after_the_same_step(reference, tmp_path, capfd):
-    out = tmp_path / "run"
-    args = [*ARGS, "--checkpointing_steps", "epoch", "--output_dir", str(out)]
-    with running(args, out, env=LIVE) as proc:
-        wait_for_checkpoint(proc, out, STEPS_PER_EPOCH)
-        os.kill(workers_of(proc)[1], signal.SIGUSR1)  # only rank 1 hears it: rank 0 learns it from the all-reduce
-        assert proc.wait(timeout=120) == 1
-    log = log_of(out)
-    assert log.count("exitcode  : 75") == 2, log[-3000:]  # torchrun's report: both ranks exited 75
-    step = int(re.search(r"SIGUSR1 received: stopped after optimizer step (\d+)", log).group(1))
-    assert steps_of(out)[-1] == step
-
-    resume([*args, "--resume_from_checkpoint", "auto"], capfd)
-    assert_same_weights(out, reference)
 
 
 def test_crash_while_writing_a_checkpoint_leaves_the_previous_one_for_auto(reference, tmp_path, capfd):
@@ -245,19 +249,33 @@ def test_crash_while_writing_a_checkpoint_leaves_the_previous_one_for_auto(refer
 
 
 @pytest.mark.slow
-def test_elastic_restart_after_a_rank_crash_finishes_with_the_same_weights(reference, tmp_path):
-    out = tmp_path / "run"
-    once = tmp_path / "crashed-once"
-    result = check(launch(
-        [*ARGS, "--checkpointing_steps", "6", "--output_dir", str(out), "--resume_from_checkpoint", "auto"],
-        launch_args=["--max_restarts", "2", "--rdzv_backend", "c10d"],
-        # Without it a restarted group may read the failed attempt's addresses and hang (pytorch#135712).
-        env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
-             "FAULT_FAIL_AT_STEP": "10:1", "FAULT_FAIL_ONCE": str(once)},
-    ))
-    assert once.exists() and "injected failure on rank 1 at step 10" in result.stderr
-    assert "no checkpoint in" in result.stdout  # the first attempt started fresh under `auto`
-    assert f"resumed from {out / 'checkpoints' / 'step_00000006'}" in result.stdout
+def test_elastic_restart_after_a_rank_crash_then_sigusr1_to_one_worker_stops_every_rank_after_the_same_step(
+        reference, tmp_path, capfd):
+    """One launch for the two things only torchrun shows. Its elastic restart: rank 1 raises after step 10, the
+    launcher restarts both ranks, which resume from step 6 under ``auto``. Then SIGUSR1 to one worker of the
+    restarted group: only rank 1 hears it, rank 0 learns it from the all-reduce, both stop after the same step and
+    exit 75, and with no restart left torchrun reports both exit codes. The forked resume that finishes the run ends
+    with the uninterrupted run's weights: the restart's resume and the signal's checkpoint were both exact."""
+    out, once = tmp_path / "run", tmp_path / "crashed-once"
+    args = [*ARGS, "--checkpointing_steps", "6", "--output_dir", str(out), "--resume_from_checkpoint", "auto"]
+    # Without TORCH_DISABLE_SHARE_RDZV_TCP_STORE a restarted group may read the failed attempt's addresses and hang
+    # (pytorch#135712); the c10d rendezvous meets at localhost:29400 unless given a port of its own.
+    env = {**LIVE, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "PET_RDZV_ENDPOINT": f"127.0.0.1:{free_port()}",
+           "FAULT_FAIL_AT_STEP": "10:1", "FAULT_FAIL_ONCE": str(once)}
+    with running(args, out, env=env, launch_args=["--max_restarts", "1", "--rdzv_backend", "c10d"]) as proc:
+        wait_for_checkpoint(proc, out, 12)  # saved by the restarted group: the first one crashed after step 10
+        os.kill(workers_of(proc)[1], signal.SIGUSR1)  # only rank 1 hears it
+        assert proc.wait(timeout=120) == 1
+    log = log_of(out)
+    assert once.exists() and "injected failure on rank 1 at step 10" in log
+    assert "no checkpoint in" in log  # the first attempt started fresh under `auto`
+    assert f"resumed from {out / 'checkpoints' / 'step_00000006'}" in log
+    assert log.count("exitcode  : 75") == 2, log[-3000:]  # torchrun's report of the last attempt: both ranks
+    step = int(re.search(r"SIGUSR1 received: stopped after optimizer step (\d+)", log).group(1))
+    assert steps_of(out)[-1] == step
+
+    printed = resume(args, capfd)
+    assert f"resumed from {out / 'checkpoints' / f'step_{step:08d}'}" in printed
     assert_same_weights(out, reference)
 
 
@@ -322,36 +340,44 @@ def _rng_contents(rng_file: Path) -> dict[str, bytes]:
     }
 
 
-@pytest.mark.parametrize("kind, problem", [
-    ("not loadable", "cannot be loaded (UnpicklingError"),
-    ("no numpy or torch state", "holds no NumPy, torch CPU RNG state"),
-    ("a numpy state that does not apply", "holds RNG states that do not apply (IndexError"),
-])
-def test_a_rank_rng_file_that_would_not_restore_is_damage_and_auto_resumes_exactly_from_the_one_before(
-        reference, tmp_path, capfd, kind, problem):
+RNG_DAMAGE = [  # what a rank's RNG file holds, what the error says of it, the step whose file it replaces
+    ("not loadable", "cannot be loaded (UnpicklingError", 28),
+    ("no numpy or torch state", "holds no NumPy, torch CPU RNG state", 24),
+    ("a numpy state that does not apply", "holds RNG states that do not apply (IndexError", 20),
+]
+
+
+def test_rank_rng_files_that_would_not_restore_are_damage_and_auto_resumes_exactly_from_the_one_before(
+        reference, tmp_path, capfd):
     """Rank 1's random_states_1.pkl replaced, its hash rewritten to match. Accelerate's load_state caught the
     failure to load or apply it and logged it at INFO only (huggingface/accelerate#4283): rank 1 went on with its
-    seeded RNG, other dropout masks, and the resumed weights were not the uninterrupted run's."""
+    seeded RNG, other dropout masks, and the resumed weights were not the uninterrupted run's. Each kind of lie in
+    a checkpoint of its own: each named exactly by an explicit resume (which writes nothing), and all skipped by one
+    ``auto``, which resumes from the intact one before them."""
     out = tmp_path / "run"
     shutil.copytree(reference / "checkpoints", out / "checkpoints", ignore=shutil.ignore_patterns("step_00000032"))
-    folder = out / "checkpoints" / "step_00000028"
-    lying = _rewrite_rng_file(folder, 1, _rng_contents(folder / "random_states_1.pkl")[kind])
+    lies = {}
+    for kind, problem, step in RNG_DAMAGE:
+        folder = out / "checkpoints" / f"step_{step:08d}"
+        lies[folder] = _rewrite_rng_file(folder, 1, _rng_contents(folder / "random_states_1.pkl")[kind]), problem
     args = [*ARGS, "--checkpointing_steps", "4", "--keep_last", "3", "--output_dir", str(out)]
     before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
-    capfd.readouterr()
-    assert main_ranks([*args, "--resume_from_checkpoint", str(folder)]) == [2, 2]
-    (out / ".lock").unlink()  # the run's lock, taken before it resumes: nothing else was written
-    err = capfd.readouterr().err
-    (line,) = [line for line in err.splitlines() if line.startswith("accel_ddp: error")]
-    assert f"--resume_from_checkpoint {folder}: {lying} {problem}" in line and "Traceback" not in err
-    assert err.count("accel_ddp: error") == 1
-    assert line.endswith("; resume from an older checkpoint, or use auto, which skips damaged ones")
-    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    for folder, (lying, problem) in lies.items():
+        capfd.readouterr()
+        assert main_ranks([*args, "--resume_from_checkpoint", str(folder)]) == [2, 2]
+        (out / ".lock").unlink()  # the run's lock, taken before it resumes: nothing else was written
+        err = capfd.readouterr().err
+        (line,) = [line for line in err.splitlines() if line.startswith("accel_ddp: error")]
+        assert f"--resume_from_checkpoint {folder}: {lying} {problem}" in line and "Traceback" not in err
+        assert err.count("accel_ddp: error") == 1
+        assert line.endswith("; resume from an older checkpoint, or use auto, which skips damaged ones")
+        assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
 
     assert main_ranks([*args, "--resume_from_checkpoint", "auto"]) == [0, 0]
     result = capfd.readouterr()
-    assert f"skipping a damaged checkpoint: {lying} {problem}" in result.err
-    assert f"resumed from {out / 'checkpoints' / 'step_00000024'}" in result.out
+    for lying, problem in lies.values():
+        assert f"skipping a damaged checkpoint: {lying} {problem}" in result.err
+    assert f"resumed from {out / 'checkpoints' / 'step_00000016'}" in result.out
     assert_same_weights(out, reference)  # dropout on both ranks replayed the original masks
 
 
@@ -396,16 +422,6 @@ def test_rng_states_that_load_state_does_not_apply_are_one_loud_warning_and_the_
     assert any(not torch.equal(got[k], expected[k]) for k in expected)  # what the warning said: not exact
 
 
-def test_an_exact_resume_says_nothing_about_rng_states(reference, tmp_path, capfd):
-    out = tmp_path / "run"
-    shutil.copytree(reference / "checkpoints", out / "checkpoints", ignore=shutil.ignore_patterns("step_00000032"))
-    printed = resume([*ARGS, "--checkpointing_steps", "4", "--keep_last", "3", "--output_dir", str(out),
-                      "--resume_from_checkpoint", "auto"], capfd)
-    assert f"resumed from {out / 'checkpoints' / 'step_00000028'}" in printed
-    assert "not exact" not in capfd.readouterr().err
-    assert_same_weights(out, reference)
-
-
 def test_checkpoint_of_another_model_names_the_mismatched_keys(reference, tmp_path, capfd):
     capfd.readouterr()
     checkpoint = reference / "checkpoints" / "step_00000024"
@@ -416,35 +432,44 @@ def test_checkpoint_of_another_model_names_the_mismatched_keys(reference, tmp_pa
     assert "missing keys 1.bias, 1.weight" in error[0] and "unexpected keys classifier.0.bias" in error[0]
 
 
-@pytest.mark.parametrize("saved_by, resumed_by", [(2, 1), (1, 2)])
-def test_resume_with_another_world_size_continues_under_the_global_batch(saved_by, resumed_by, tmp_path, capfd):
-    # mlp: no dropout, so 1 and 2 ranks compute the same steps up to float summation order. Per-device
-    # batch 16: 2 ranks take one micro-batch per step, 1 rank two, so the resume skips 2 vs 4 micro-batches.
+def _not_exact_lines(err: str) -> list[str]:
+    return [line for line in err.splitlines() if "is not exact" in line]
+
+
+def test_resume_with_another_world_size_continues_under_the_global_batch(tmp_path, capfd):
+    """2 ranks save step 10, 1 rank resumes from it and saves step 20, 2 ranks resume from that: both directions in
+    one chain, each resume compared with the uninterrupted 2-rank run. mlp: no dropout, so 1 and 2 ranks compute the
+    same steps up to float summation order. Per-device batch 16: 2 ranks take one micro-batch per step, 1 rank two,
+    so the resumes skip 2 vs 4 micro-batches an optimizer step."""
     args = [*ARGS, "--model", "mlp", "--hidden_size", "32", "--epochs", "3", "--per_device_batch_size", "16",
             "--checkpointing_steps", "10"]
     original = tmp_path / "original"
-    assert main_ranks([*args, "--output_dir", str(original)], world_size=saved_by) == [0] * saved_by
+    assert main_ranks([*args, "--output_dir", str(original)]) == [0, 0]
     assert steps_of(original) == [10, 20]
-
-    resumed = tmp_path / "resumed"
-    capfd.readouterr()
-    assert main_ranks([*args, "--output_dir", str(resumed), "--resume_from_checkpoint",
-                       str(original / "checkpoints" / "step_00000010")], world_size=resumed_by) == [0] * resumed_by
-    err = capfd.readouterr().err
-    assert f"was saved by {saved_by} ranks, this run has {resumed_by}" in err
-    folder = original / "checkpoints" / "step_00000010"
-    not_exact = [line for line in err.splitlines() if "is not exact" in line]  # rank 1 has no RNG file of its own
-    assert not_exact == ([] if resumed_by < saved_by else [
-        f"accel_ddp: warning: the resume from {folder} is not exact: it holds no RNG state for rank 1 (it was saved "
-        "by 1 ranks): those keep their seeded RNG; random layers such as dropout and random augmentation on those "
-        "ranks differ from the original run's from step 10 on (weights, optimizer, schedule and data position are "
-        "restored exactly)"])
-    summary = read_summary(resumed)
-    assert (summary["world_size"], summary["resumed_from_step"], summary["optimizer_steps"]) == (resumed_by, 10, 24)
-    got, expected = load_weights(resumed), load_weights(original)
-    for key in expected:
-        assert torch.allclose(got[key], expected[key], atol=1e-5), key
+    expected = load_weights(original)
     assert not torch.allclose(expected["1.weight"], torch.nn.Linear(64, 32).weight, atol=1e-2)
+
+    saved_in, step = original, 10
+    for saved_by, resumed_by in [(2, 1), (1, 2)]:
+        resumed = tmp_path / f"resumed-{saved_by}-{resumed_by}"
+        folder = saved_in / "checkpoints" / f"step_{step:08d}"
+        capfd.readouterr()
+        assert main_ranks([*args, "--output_dir", str(resumed), "--resume_from_checkpoint", str(folder)],
+                          world_size=resumed_by) == [0] * resumed_by
+        err = capfd.readouterr().err
+        assert f"was saved by {saved_by} ranks, this run has {resumed_by}" in err
+        assert _not_exact_lines(err) == ([] if resumed_by < saved_by else [  # rank 1 has no RNG file of its own
+            f"accel_ddp: warning: the resume from {folder} is not exact: it holds no RNG state for rank 1 (it was "
+            "saved by 1 ranks): those keep their seeded RNG; random layers such as dropout and random augmentation on "
+            f"those ranks differ from the original run's from step {step} on (weights, optimizer, schedule and data "
+            "position are restored exactly)"])
+        summary = read_summary(resumed)
+        assert (summary["world_size"], summary["resumed_from_step"], summary["optimizer_steps"]) == (resumed_by,
+                                                                                                      step, 24)
+        got = load_weights(resumed)
+        for key in expected:
+            assert torch.allclose(got[key], expected[key], atol=1e-5), key
+        saved_in, step = resumed, 20
 
 
 def test_init_from_gives_every_rank_the_same_loaded_weights(reference, tmp_path):
@@ -481,21 +506,43 @@ def test_init_from_bad_files_name_the_file_and_keys(reference, tmp_path, capfd):
     assert f"--init_from {truncated}: not a readable safetensors file" in capfd.readouterr().err
 
 
-def test_muon_with_adamw_resumes_bitwise_after_a_rank_fails(tmp_path, capfd):
-    """--optimizer muon (two optimizers as one): rank 1 fails after step 10, the run resumes with ``auto`` from the
-    checkpoint of step 8 and ends with the weights of the run that never failed, bit for bit."""
-    muon = [*ARGS, "--epochs", "2", "--optimizer", "muon", "--checkpointing_steps", "4"]  # 16 steps
+def test_muon_with_adamw_resumes_bitwise_after_a_rank_fails_and_its_async_checkpoints_hold_the_sync_bytes(
+        tmp_path, capfd):
+    """--optimizer muon (two optimizers as one): rank 1 fails after step 5, the run resumes with ``auto`` from the
+    checkpoint of step 4 and ends with the weights of the run that never failed, bit for bit. The resume runs with
+    --async_checkpointing: Muon's and AdamW's state copied to host memory and written in the background make the
+    same files, byte for byte, as the uninterrupted run's synchronous saves of steps 6 and 8 (the RNG files but for
+    Accelerate's gradient-accumulation counter, which checkpoint/manager.py restarts at a resume; the RNG files of
+    both kinds of save are compared byte for byte in test_checkpoint_async.py)."""
+    # 8 steps on 6x6 inputs (fc1 64 x 128, not 256 x 128): Muon's Newton-Schulz iterations were most of the time
+    muon = [*ARGS, "--synthetic_shape", "1", "6", "6", "--epochs", "1", "--optimizer", "muon",
+            "--checkpointing_steps", "2"]
     reference, out = tmp_path / "reference", tmp_path / "run"
     assert main_ranks([*muon, "--output_dir", str(reference)]) == [0, 0]
     assert read_summary(reference)["optimizer"] == "muon"
 
-    def fail_after_step_10():
-        faults.install(fail_at=(10, 1))
+    def fail_after_step_5():
+        faults.install(fail_at=(5, 1))
         return main([*muon, "--output_dir", str(out)])
 
-    assert 0 not in run_ranks(fail_after_step_10)
-    assert steps_of(out) == [4, 8]
-    printed = resume([*muon, "--output_dir", str(out), "--resume_from_checkpoint", "auto"], capfd)
+    assert 0 not in run_ranks(fail_after_step_5)
+    assert steps_of(out) == [2, 4]
+    printed = resume([*muon, "--output_dir", str(out), "--resume_from_checkpoint", "auto", "--async_checkpointing"],
+                     capfd)
     assert "optimizer split:  Muon for 1 hidden matrix (" in printed  # fc1; the convolutions and head: AdamW
-    assert read_summary(out)["resumed_from_step"] == 8
+    assert read_summary(out)["resumed_from_step"] == 4
     assert_same_weights(out, reference)
+    for step in (6, 8):
+        mine, theirs = (run / "checkpoints" / f"step_{step:08d}" for run in (out, reference))
+        read_checkpoint(str(mine))  # sealed and intact
+        names = sorted(name for name in os.listdir(theirs) if name != MARKER_NAME)  # checkpoint.json: the time
+        assert "optimizer.bin" in names and sorted(os.listdir(mine)) == sorted([*names, MARKER_NAME])
+        for name in names:
+            got, expected = (run / name for run in (mine, theirs))
+            if name.startswith("random_states_"):  # Accelerate's accumulation counter restarts with a resume
+                got, expected = (torch.load(path, weights_only=False) for path in (got, expected))
+                del got["step"], expected["step"]
+                got, expected = _torch_saved(got), _torch_saved(expected)  # the generators, byte for byte
+            else:
+                got, expected = got.read_bytes(), expected.read_bytes()
+            assert got == expected, f"step {step}: {name} differs from the sync save's"

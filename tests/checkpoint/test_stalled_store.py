@@ -25,16 +25,28 @@ ARGS = ["--dataset", "synthetic", "--synthetic_samples", "128", "--synthetic_sha
         "--max_steps", "8"]
 
 
-@pytest.fixture
-def moto():
-    """moto's S3 server of this test alone (it gets stopped) and its process; s3fs's cached file systems dropped, so
-    that none made for another test's endpoint is reused."""
-    import s3fs
-
-    s3fs.S3FileSystem.clear_instance_cache()
+@pytest.fixture(scope="module")
+def moto_server():
+    """moto's S3 server of this module's tests alone (they stop it) and its process. One for the module: a server
+    stopped and continued (SIGCONT) answers again, and each test writes under a prefix of its own; a start costs
+    an interpreter."""
     with s3_server_process() as (client, server):
         yield client, server
+
+
+@pytest.fixture
+def moto(moto_server):
+    """``moto_server``, answering again after the test (SIGCONT), with s3fs's cached file systems dropped before
+    and after it, so that none made for another endpoint, or with a connection to the stopped server, is reused."""
+    import s3fs
+
+    client, server = moto_server
     s3fs.S3FileSystem.clear_instance_cache()
+    try:
+        yield client, server
+    finally:
+        server.send_signal(signal.SIGCONT)
+        s3fs.S3FileSystem.clear_instance_cache()
 
 
 def _sealed_steps(client, prefix: str) -> list[int]:

@@ -194,13 +194,14 @@ def check(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
 
 @contextlib.contextmanager
 def running(args: list[str], out_dir: Path, env: dict[str, str] | None = None,
-            launcher: tuple[str, ...] = ACCELERATE_LAUNCH) -> Iterator[subprocess.Popen]:
+            launcher: tuple[str, ...] = ACCELERATE_LAUNCH,
+            launch_args: list[str] | None = None) -> Iterator[subprocess.Popen]:
     """Like ``launch``, but yields the running launcher so the test can signal the job.
 
     Whatever happens in the test, no process of the job outlives it.
     """
-    cmd = [sys.executable, *launcher, "--config_file", str(CPU_2PROC),
-           "--num_processes", "2", "--main_process_port", str(free_port()), str(_faulty_if_asked(TRAIN_SCRIPT, env)),
+    cmd = [sys.executable, *launcher, "--config_file", str(CPU_2PROC), "--num_processes", "2",
+           "--main_process_port", str(free_port()), *(launch_args or []), str(_faulty_if_asked(TRAIN_SCRIPT, env)),
            *args]
     with open(out_dir.parent / f"{out_dir.name}.log", "w") as log:
         proc = subprocess.Popen(cmd, env=suite_env(env), cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
