@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.multiproc import run_ranks
+
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "benchmarks" / "gpu_first_minutes.sh"
 FIRST = ["carry", "setup", "chunked", "graphs", "compile_count", "sync", "mfu", "tax"]
@@ -151,29 +153,33 @@ def test_nothing_missing_installs_nothing_and_no_wheelhouse_uses_the_index(tmp_p
 
 
 # The one dry run of the suite: the first group, and the paths stages that were test_gpu_check's and test_gpu_all's
-# (the doctor, the one-rank group probe, the GPU-only ones skipping with their reason), each stage once.
-DRY = ["first", "doctor", "nccl_one_rank", "gpu_guard", "fsdp2_one_rank", "nccl_two_ranks", "pytest_gpu", "peers"]
+# (the doctor, the one-rank group probe, the GPU-only ones skipping with their reason), each stage once. The first
+# group's four in-process stages share one line of the script (`$PY -m benchmarks.gpu_first_checks NAME --dry-run
+# --out $OUT`): chunked goes through it here; graphs, compile_count and sync run that module's main with the same
+# arguments in a process forked from the test's (below), not three more interpreters importing torch and Transformers.
+FORKED = ["graphs", "compile_count", "sync"]
+DRY = ["carry", "setup", "chunked", "mfu", "tax", "doctor", "nccl_one_rank", "gpu_guard", "fsdp2_one_rank",
+       "nccl_two_ranks", "pytest_gpu", "peers"]
 
 
 @pytest.mark.slow
 def test_the_dry_run_goes_through_every_stage_on_the_cpu(tmp_path):
     pytest.importorskip("transformers")
+    assert [name for name in FIRST if name not in DRY] == FORKED  # the rest of the first group, run below
     done = subprocess.run(["bash", str(SCRIPT), "--dry-run", "--only", ",".join(DRY)], cwd=REPO, capture_output=True,
                           text=True, timeout=900, env={**os.environ, "OUT": str(tmp_path)})
     lines = (tmp_path / "gpu_first_minutes.txt").read_text().splitlines()
     words = [line.split()[:2] for line in lines[:-1]]
-    assert words == [["PASS", "carry"], ["PASS", "setup"], ["PASS", "chunked"], ["SKIP", "graphs"],
-                     ["PASS", "compile_count"], ["SKIP", "sync"], ["PASS", "mfu"], ["PASS", "tax"],
+    assert words == [["PASS", "carry"], ["PASS", "setup"], ["PASS", "chunked"], ["PASS", "mfu"], ["PASS", "tax"],
                      ["PASS", "doctor"], ["PASS", "nccl_one_rank"], ["SKIP", "gpu_guard"], ["SKIP", "fsdp2_one_rank"],
                      ["SKIP", "nccl_two_ranks"], ["SKIP", "pytest_gpu"], ["SKIP", "peers"]], done.stdout
     assert done.returncode == 0 and lines[-1].startswith("gpu_first_minutes: done in") and "dry run" in lines[-1]
-    assert "8 passed, 0 failed, 7 skipped" in lines[-1]
+    assert "7 passed, 0 failed, 5 skipped" in lines[-1]
     # the first group's correctness and speed stages
-    assert json.loads((tmp_path / "compile_count.json").read_text())["graphs"] <= 3
-    assert "needs a CUDA device" in json.loads((tmp_path / "graphs.json").read_text())["refusal"]
+    assert json.loads((tmp_path / "chunked.json").read_text())["loss_rel_error"] < 1e-2
     mfu = json.loads((tmp_path / "mfu.json").read_text())["results"]
     assert [r["variant"] for r in mfu] == ["defaults", "flash_attention"] and mfu[0]["tokens_per_sec"] > 0
-    assert all((tmp_path / f"{stage}.log").is_file() for stage in ("chunked", "graphs", "mfu", "tax"))
+    assert all((tmp_path / f"{stage}.log").is_file() for stage in ("chunked", "mfu", "tax"))
     carried = int(re.search(r"carry (\d+) MiB", lines[0]).group(1))
     assert carried <= 60
     # the GPU paths (benchmarks/gpu_check.py): one line and one JSON per check, the launches' logs beside them
@@ -190,3 +196,30 @@ def test_the_dry_run_goes_through_every_stage_on_the_cpu(tmp_path):
     assert [s["name"] for s in saved["stages"]] == [w[1] for w in words] and saved["dry_run"] is True
     stages = {s["name"]: s for s in saved["stages"]}
     assert stages["tax"]["results"]["table_text"] and stages["doctor"]["results"]["status"] == "PASS"
+    assert stages["chunked"]["results"]["stage"] == "chunked"
+
+
+def _dry_stage(name: str, out: str) -> int:
+    """A forked process's ``python -m benchmarks.gpu_first_checks NAME --dry-run --out OUT``: dynamo's counters start
+    at zero, as in a fresh interpreter (compile_count reads them)."""
+    from torch._dynamo.utils import counters
+
+    from benchmarks import gpu_first_checks
+
+    counters.clear()
+    return gpu_first_checks.main([name, "--dry-run", "--out", out])
+
+
+@pytest.mark.slow
+def test_the_first_groups_other_in_process_stages_dry_run_as_the_script_runs_them(tmp_path, capfd):
+    """graphs, compile_count and sync through the script's own line (see FORKED): exit code, line and results file."""
+    pytest.importorskip("transformers")
+    codes = [run_ranks(lambda name=name: _dry_stage(name, str(tmp_path)), world_size=1, timeout=300)[0]
+             for name in FORKED]
+    assert codes == [0, 0, 0]
+    lines = [line for line in capfd.readouterr().out.splitlines() if re.match(r"(PASS|FAIL|SKIP) ", line)]
+    assert [line.split()[:2] for line in lines] == [["SKIP", "graphs"], ["PASS", "compile_count"], ["SKIP", "sync"]]
+    assert json.loads((tmp_path / "compile_count.json").read_text())["graphs"] <= 3
+    assert "needs a CUDA device" in json.loads((tmp_path / "graphs.json").read_text())["refusal"]
+    synced = json.loads((tmp_path / "sync.json").read_text())
+    assert synced["steps"] == 10 and synced["dry_run"] is True and "without the sync debug mode" in synced["skipped"]

@@ -6,16 +6,56 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
+import traceback
+from types import SimpleNamespace
 
 import pytest
+
+from tests.helpers.multiproc import run_ranks
 
 pytest.importorskip("transformers")
 
 
-@pytest.mark.slow
-def test_mfu_dry_run_trains_each_variant_in_its_own_process_and_writes_the_results_file(tmp_path, capsys):
+def _forked_children(monkeypatch) -> list[list[str]]:
+    """mfu.py's children as processes forked from the test's: each variant's own command line (``python -m
+    benchmarks.mfu --child VARIANT ...``, parsed by the same ``main``), environment and log, without a fresh
+    interpreter importing torch and Transformers per variant. A fresh one matters for the GPU's measurements (no
+    compile cache or allocator state shared), not for the plumbing; the real command starts one in
+    test_gpu_first_minutes.py's dry run (its mfu stage). Returns the command lines, as they come."""
     from benchmarks import mfu
 
+    started = []
+
+    def popen(cmd, *, stdout, stderr, cwd, env, start_new_session):
+        assert cmd[:4] == [sys.executable, "-m", "benchmarks.mfu", "--child"] and cwd == mfu.REPO, cmd
+        assert stderr == mfu.subprocess.STDOUT and start_new_session
+        started.append(cmd)
+
+        def child() -> int:  # as the interpreter would: its output into the log, a traceback and exit 1 on error
+            os.dup2(stdout.fileno(), 1), os.dup2(stdout.fileno(), 2)
+            sys.stdout = sys.stderr = open(1, "w", closefd=False)  # noqa: SIM115 - the process's own
+            try:
+                return mfu.main(cmd[3:])
+            except Exception:  # noqa: BLE001 - the traceback is the child's output
+                traceback.print_exc()
+                return 1
+            finally:
+                sys.stdout.flush()
+
+        code = run_ranks(child, world_size=1, timeout=240, env=env)[0]
+        return SimpleNamespace(pid=None, wait=lambda timeout: code)
+
+    monkeypatch.setattr(mfu.subprocess, "Popen", popen)
+    return started
+
+
+@pytest.mark.slow
+def test_mfu_dry_run_trains_each_variant_in_its_own_process_and_writes_the_results_file(tmp_path, capsys,
+                                                                                        monkeypatch):
+    from benchmarks import mfu
+
+    started = _forked_children(monkeypatch)
     out = tmp_path / "mfu.json"
     # cuda_graphs is refused on the CPU (a failure, recorded); flash_attention is skipped without flash_attn.
     variants = "defaults,flash_attention,cuda_graphs,chunked_loss"
@@ -23,6 +63,7 @@ def test_mfu_dry_run_trains_each_variant_in_its_own_process_and_writes_the_resul
     saved = json.loads(out.read_text())
     assert saved["dry_run"] is True and saved["steps"] == 3
     assert [r["variant"] for r in saved["results"]] == variants.split(",")
+    assert [cmd[4] for cmd in started] == ["defaults", "cuda_graphs", "chunked_loss"]  # flash_attention: no process
     ran = [saved["results"][0], saved["results"][3]]
     for result in ran:
         assert "error" not in result, result
