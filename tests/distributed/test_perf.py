@@ -25,6 +25,19 @@ from tests.helpers.multiproc import RankFailed, run_ranks
 from tests.helpers.runs import check, gpu_env, launch, read_metrics, read_summary, run_python, train_ranks
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _inductor_imported_once():
+    """torch.compile's first call in a process imports inductor (~1.8 s of CPU, ~580 modules), before anything
+    compiles: here the test process pays it once, and the ranks this module forks to compile inherit it (each of the
+    five processes that compiled paid it before). Then frozen, as conftest freezes what the test process loaded: the
+    garbage collections of every rank forked later walk none of it."""
+    import gc
+
+    torch.compile(nn.Linear(1, 1))
+    gc.collect()
+    gc.freeze()
+
+
 def _ddp_facts(flags: list[str]) -> dict:
     """Build the accelerator from train.py's flags, prepare a small model, report what DDP really got."""
     accelerator, _, _ = build_world(parse_args(flags))
