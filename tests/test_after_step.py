@@ -65,17 +65,35 @@ def expected(total: int, log_every: int, eval_every: int | str, save_every: int 
     return calls
 
 
+@pytest.fixture(scope="module")
+def collectives(tmp_path_factory):
+    """``record(max_steps, log_every, eval_every, save_every, callbacks)``: each rank's collectives of ``fit`` for a
+    run of those cadences (``callbacks``: given ``Noop``), each run once in this module (the callbacks test compares
+    with the run of the last cadence case)."""
+    runs: dict[tuple, list[list[str]]] = {}
+
+    def record(max_steps: int, log_every: int, eval_every: int | str, save_every: int | str,
+               callbacks: bool = False) -> list[list[str]]:
+        key = (max_steps, log_every, eval_every, save_every, callbacks)
+        if key not in runs:
+            args = [*BASE, "--max_steps", str(max_steps), "--log_every", str(log_every),
+                    "--eval_every", "0" if eval_every == "epoch" else str(eval_every),
+                    "--checkpointing_steps", str(save_every), "--output_dir", str(tmp_path_factory.mktemp("run")),
+                    *(["--callbacks", "tests.test_after_step:Noop"] if callbacks else [])]
+            runs[key] = run_ranks(lambda: record_fit_collectives(args), world_size=2)
+        return runs[key]
+
+    return record
+
+
 @pytest.mark.parametrize("max_steps,log_every,eval_every,save_every", [
     (16, 3, 4, 6),  # evaluations, saves and log lines on steps of their own and together (12)
     (14, 5, "epoch", "epoch"),  # at each epoch's end; the run ends mid-epoch, with a final evaluation
     (13, 4, 5, 5),  # an evaluation and a save at the same step; the final evaluation of step 13
 ])
-def test_every_rank_calls_the_same_collectives_in_the_order_the_cadences_give(tmp_path, max_steps, log_every,
+def test_every_rank_calls_the_same_collectives_in_the_order_the_cadences_give(collectives, max_steps, log_every,
                                                                                 eval_every, save_every):
-    args = [*BASE, "--max_steps", str(max_steps), "--log_every", str(log_every),
-            "--eval_every", "0" if eval_every == "epoch" else str(eval_every),
-            "--checkpointing_steps", str(save_every), "--output_dir", str(tmp_path)]
-    ranks = run_ranks(lambda: record_fit_collectives(args), world_size=2)
+    ranks = collectives(max_steps, log_every, eval_every, save_every)
     assert ranks[0] == ranks[1]
     assert ranks[0] == expected(max_steps, log_every, eval_every, save_every)
 
@@ -87,15 +105,14 @@ class Noop:
         pass
 
 
-def test_callbacks_add_one_all_reduce_per_step_and_per_evaluation_and_none_without(tmp_path):
+def test_callbacks_add_one_all_reduce_per_step_and_per_evaluation_and_none_without(collectives):
     """Without callbacks ``fit`` calls exactly what it called before they existed; with one, an int64[3]
-    all-reduce after every step and after every evaluation during training (not after the final one)."""
-    args = [*BASE, "--max_steps", "10", "--log_every", "3", "--eval_every", "4", "--checkpointing_steps", "5"]
-    without = run_ranks(lambda: record_fit_collectives([*args, "--output_dir", str(tmp_path / "a")]), world_size=2)
-    given = run_ranks(lambda: record_fit_collectives([*args, "--output_dir", str(tmp_path / "b"), "--callbacks",
-                                                      "tests.test_after_step:Noop"]), world_size=2)
-    assert without[0] == without[1] == expected(10, 3, 4, 5)
+    all-reduce after every step and after every evaluation during training (not after the final one). The run
+    without is the last cadence case's (an evaluation and a save at one step, the final evaluation of step 13)."""
+    without = collectives(13, 4, 5, 5)
+    given = collectives(13, 4, 5, 5, callbacks=True)
+    assert without[0] == without[1] == expected(13, 4, 5, 5)
     assert CALLBACKS not in without[0]
-    assert given[0] == given[1] == expected(10, 3, 4, 5, callbacks=True)
-    assert given[0].count(CALLBACKS) == 10 + 2  # 10 steps, the evaluations of steps 4 and 8
+    assert given[0] == given[1] == expected(13, 4, 5, 5, callbacks=True)
+    assert given[0].count(CALLBACKS) == 13 + 2  # 13 steps, the evaluations of steps 5 and 10
     assert [call for call in given[0] if call != CALLBACKS] == without[0]

@@ -7,6 +7,7 @@ cycle is still an arrow.
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 import re
 from pathlib import Path
@@ -29,6 +30,26 @@ LAYER = {group: number for number, groups in enumerate(LAYERS) for group in grou
 TESTS = ROOT.parent / "tests"
 
 
+@functools.cache
+def _parsed(text: str) -> tuple[ast.AST, ...]:
+    """Every node of a module's syntax tree, in ``ast.walk``'s order, once per text: the checks and the planted copies
+    (the package's files but one or two) read the same trees again, and parsing the package is ~0.5 s of CPU."""
+    return tuple(ast.walk(ast.parse(text)))
+
+
+def _nodes(path: Path) -> tuple[ast.AST, ...]:
+    """The nodes of the module at ``path`` (:func:`_parsed`); nothing here changes a node."""
+    return _parsed(path.read_text(encoding="utf-8"))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _trees_dropped_after_this_module():
+    """The cached trees go with this module's last test: kept, the worker's ranks forked later would walk their
+    ~10^5 nodes at each garbage collection."""
+    yield
+    _parsed.cache_clear()
+
+
 def _module(path: Path, root: Path = ROOT) -> str:
     parts = list(path.relative_to(root.parent).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
@@ -37,7 +58,7 @@ def _module(path: Path, root: Path = ROOT) -> str:
 def _imports(path: Path, name: str) -> set[str]:
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found = set()
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+    for node in _nodes(path):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -97,7 +118,7 @@ def _test_imports(tests: Path = TESTS) -> list[str]:
     """Test modules imported by a file of ``tests``: "path: name"."""
     found = []
     for path in tests.rglob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        for node in _nodes(path):
             names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else \
                 [node.module or ""] if isinstance(node, ast.ImportFrom) else []
             found += [f"{path.relative_to(tests)}: {name}" for name in names
@@ -283,7 +304,7 @@ def _long_functions(root: Path = ROOT) -> dict[str, int]:
     included; a nested function counts within its own and on its own): "path:line name" -> lines."""
     found = {}
     for path in root.rglob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        for node in _nodes(path):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 lines = node.end_lineno - node.lineno + 1
                 if lines > MAX_FUNCTION_LINES:
@@ -320,11 +341,11 @@ def test_a_planted_long_module_long_function_and_crowded_root_are_found(tmp_path
     assert len(_crowded_root(copy)) == MAX_ROOT_MODULES + 1 and "planted_0.py" in _crowded_root(copy)
 
 
-def _private_names(tree: ast.AST) -> set[str]:
+def _private_names(nodes: tuple[ast.AST, ...]) -> set[str]:
     """The private names a module defines: its functions and classes, its module and class variables, and the
     attributes it sets on ``self`` or ``cls``."""
     names = set()
-    for node in ast.walk(tree):
+    for node in nodes:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             names.add(node.name)
         elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
@@ -343,14 +364,14 @@ def _private_reaches(root: Path = ROOT) -> list[str]:
     package and not its own, and ``from accel_ddp... import _name`` ("path:line text"); ``self._name`` and
     ``cls._name`` are the class's own. Third-party private names (torch's, Accelerate's) are not the package's, so
     not reported here."""
-    trees = {path: ast.parse(path.read_text(encoding="utf-8")) for path in sorted(root.rglob("*.py"))}
-    defined = {path: _private_names(tree) for path, tree in trees.items()}
+    parsed = {path: _nodes(path) for path in sorted(root.rglob("*.py"))}
+    defined = {path: _private_names(nodes) for path, nodes in parsed.items()}
     found = []
-    for path, tree in trees.items():
+    for path, nodes in parsed.items():
         elsewhere = set().union(*(names for other, names in defined.items() if other != path))
-        found += [f"{path.relative_to(root)}:{node.lineno} {ast.unparse(node)}" for node in ast.walk(tree)
+        found += [f"{path.relative_to(root)}:{node.lineno} {ast.unparse(node)}" for node in nodes
                   if isinstance(node, ast.Attribute) and node.attr in elsewhere - defined[path] and not _on_self(node)]
-        found += [f"{path.relative_to(root)}:{node.lineno} import {alias.name}" for node in ast.walk(tree)
+        found += [f"{path.relative_to(root)}:{node.lineno} import {alias.name}" for node in nodes
                   if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("accel_ddp")
                   for alias in node.names if alias.name.startswith("_") and not alias.name.endswith("__")]
     return sorted(found)
@@ -380,7 +401,7 @@ def _console_writes(root: Path = ROOT) -> list[str]:
     for path in sorted(root.rglob("*.py")):
         if path.relative_to(root).as_posix() == "util/messages.py":
             continue
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        for node in _nodes(path):
             if not isinstance(node, ast.Call):
                 continue
             name = ast.unparse(node.func)

@@ -67,15 +67,6 @@ def test_skip_leaves_out_exactly_the_bad_steps_update_on_every_rank(reference, c
     assert len(losses) == 5 and all(isinstance(x, float) for x in losses)  # the nan step is out of the mean
 
 
-def test_skip_prints_one_line_on_the_main_process(tmp_path, capfd):
-    capfd.readouterr()
-    assert ranks([*ARGS, "--on_anomaly", "skip", "--max_steps", "6", "--output_dir", str(tmp_path)]) == [0, 0]
-    out = capfd.readouterr()
-    lines = [line for line in (out.out + out.err).splitlines() if line.startswith("accel_ddp: anomaly:")]
-    assert lines == ["accel_ddp: anomaly: non-finite at optimizer step 5 (gradient norm nan); skipped its update "
-                     "on every rank (1 in a row, at most --max_anomalies 5)"]
-
-
 def test_max_anomalies_in_a_row_stops_as_today(tmp_path, capfd):
     def rank() -> int:
         install()
@@ -131,15 +122,22 @@ def test_rollback_replays_without_the_bad_step_then_a_kill_and_resume_is_bitwise
     assert read_summary(killed)["anomaly_rollbacks"] == 1
 
 
-def test_the_anomaly_log_is_saved_with_each_checkpoint_and_restored_with_it(reference, tmp_path):
-    """The log is part of the training state (checkpoint/train_state.py): step 6's checkpoint holds the skip of step
-    5, so a run branched off it into an empty folder (no anomalies.json there) continues the log. A checkpoint saved
-    without it (the layout before) resumes with anomalies.json's."""
+def test_a_skip_prints_one_line_and_its_log_is_saved_with_each_checkpoint_and_restored_with_it(reference, tmp_path,
+                                                                                               capfd):
+    """A skip prints one line, on the main process. The log is part of the training state
+    (checkpoint/train_state.py): step 6's checkpoint holds the skip of step 5, so a run branched off it into an empty
+    folder (no anomalies.json there) continues the log. A checkpoint saved without it (the layout before) resumes
+    with anomalies.json's."""
     _, skipped = reference
     args = [*ARGS, "--on_anomaly", "skip", "--checkpointing_steps", "6"]
     killed = tmp_path / "killed"
+    capfd.readouterr()
     with pytest.raises(RankFailed):
         ranks([*args, "--output_dir", str(killed)], kill_after=7)
+    out = capfd.readouterr()
+    lines = [line for line in (out.out + out.err).splitlines() if line.startswith("accel_ddp: anomaly:")]
+    assert lines == ["accel_ddp: anomaly: non-finite at optimizer step 5 (gradient norm nan); skipped its update "
+                     "on every rank (1 in a row, at most --max_anomalies 5)"]
     marker = killed / "checkpoints" / "step_00000006" / "checkpoint.json"
     meta = json.loads(marker.read_text())
     assert meta["anomalies"] == {"skipped": {"5": "non_finite"}, "rollbacks": []}
@@ -240,12 +238,14 @@ def sum_loss(outputs, batch):
     return F.cross_entropy(outputs, batch[1], reduction="sum"), torch.tensor(batch[1].numel())
 
 
+# Each path in one case at least (the plain step, clipped, is the module's reference): two cases, four runs, where a
+# case per path took six.
 @pytest.mark.parametrize("extra", [
-    ["--per_device_batch_size", "8"],  # 2 micro-steps per step: accelerator.backward, no_sync
-    ["--max_grad_norm", "0"],  # no clipping: the guard computes the norm itself
+    # 2 micro-steps per step (accelerator.backward, no_sync), and no clipping: the guard computes the norm itself
+    ["--per_device_batch_size", "8", "--max_grad_norm", "0"],
     ["--loss", "tests.bad_steps.test_guard:sum_loss", "--per_device_batch_size", "8", "--with_tracking",
      "--report_to", "csv"],  # (sum, num_items), rescaled after the items' all-reduce; the records reach a tracker
-], ids=["accumulation", "no_clipping", "summed_loss"])
+], ids=["accumulation_no_clipping", "summed_loss"])
 def test_skip_on_every_update_path_equals_the_run_without_that_update(tmp_path, extra):
     args = [*ARGS, "--max_steps", "8", *extra]
     assert ranks([*args, "--on_anomaly", "skip", "--output_dir", str(tmp_path / "skip")]) == [0, 0]

@@ -90,14 +90,14 @@ def test_bad_lora_options_are_one_line(options, expected):
 # ----------------------------------------------------------------------------- the guarantees
 
 
-def test_one_process_and_two_ranks_with_accumulation_and_checkpointing_train_the_same_adapter(base, tmp_path, capfd):
-    """The same global batch: 1 process (8 x 1) and 2 ranks (2 x 2 accumulation, --gradient_checkpointing) end with
-    the same adapters (atol 1e-6: float32 sums in another order), and the frozen base is the saved one, bit for bit.
-    find_unused_parameters stays off (the default): DDP would raise if an adapter got no gradient."""
-    one, two = tmp_path / "one", tmp_path / "two"
-    capfd.readouterr()
-    [summary] = train_ranks(lora_args(base, one), world_size=1)
-    assert f"{TRAINABLE:,} trainable of {summary['total_parameters']:,} parameters" in capfd.readouterr().out
+def test_one_process_and_two_ranks_with_accumulation_and_checkpointing_train_the_same_adapter(base, adapter_run,
+                                                                                             tmp_path):
+    """The same global batch: 1 process (8 x 1: the module's adapter run) and 2 ranks (2 x 2 accumulation,
+    --gradient_checkpointing) end with the same adapters (atol 1e-6: float32 sums in another order), and the frozen
+    base is the saved one, bit for bit. find_unused_parameters stays off (the default): DDP would raise if an adapter
+    got no gradient. (The start-up line of the trainable parameters: the resume with the sampled fingerprint.)"""
+    one, two = adapter_run, tmp_path / "two"
+    summary = read_summary(one)
     train_ranks(lora_args(base, two, "--per_device_batch_size", "2", "--gradient_checkpointing"), world_size=2)
     assert read_summary(two)["grad_accum_steps"] == 2
     assert summary["trainable_parameters"] == TRAINABLE
@@ -172,11 +172,18 @@ def test_eval_perplexity_and_the_token_exact_loss_are_those_of_the_base_before_a
 
 
 @pytest.fixture(scope="module")
-def adapter_checkpoint(base, tmp_path_factory) -> Path:
-    """A LoRA run's checkpoint at step 4 (of 8: the resumes below have steps left)."""
+def adapter_run(base, tmp_path_factory) -> Path:
+    """A LoRA run of 8 steps on one process, checkpointing every 4 (saving changes no bit of the training). Tests
+    only read it."""
     out = tmp_path_factory.mktemp("adapter-run") / "run"
     train_ranks(lora_args(base, out, "--checkpointing_steps", "4"), world_size=1)
-    return out / "checkpoints" / "step_00000004"
+    return out
+
+
+@pytest.fixture(scope="module")
+def adapter_checkpoint(adapter_run) -> Path:
+    """The adapter run's checkpoint at step 4 (of 8: the resumes below have steps left)."""
+    return adapter_run / "checkpoints" / "step_00000004"
 
 
 def test_a_checkpoint_holds_the_adapter_and_its_optimizer_state_and_the_base_fingerprint(adapter_checkpoint):
@@ -192,20 +199,20 @@ def test_a_checkpoint_holds_the_adapter_and_its_optimizer_state_and_the_base_fin
     assert (folder / "model.safetensors").stat().st_size * 10 < (out / "model.safetensors").stat().st_size
 
 
-@pytest.mark.parametrize("extra", [["--async_checkpointing"],
-                                   ["--eval_every", "2", "--load_best_model_at_end"]])
-def test_async_saves_and_the_best_checkpoint_hold_and_load_the_trainable_state(base, tmp_path, extra):
+def test_async_saves_and_the_best_checkpoint_hold_and_load_the_trainable_state(base, tmp_path):
     """--async_checkpointing's snapshot saves what the synchronous save does; --load_best_model_at_end loads an
-    adapter checkpoint back (its frozen base left out) into the final weights."""
+    adapter checkpoint back (its frozen base left out) into the final weights. One run shows both: the best is loaded
+    from the files the snapshots wrote."""
     out = tmp_path / "run"
-    [summary] = train_ranks(lora_args(base, out, "--checkpointing_steps", "2", *extra), world_size=1)
+    [summary] = train_ranks(lora_args(base, out, "--checkpointing_steps", "2", "--async_checkpointing",
+                                      "--eval_every", "2", "--load_best_model_at_end"), world_size=1)
+    assert steps_of(out) == [2, 4, 6, 8]
     for step in steps_of(out):
         weights = load_file(str(out / "checkpoints" / f"step_{step:08d}" / "model.safetensors"))
         assert len(weights) == 8 and all("lora_" in k for k in weights)
-    if "--load_best_model_at_end" in extra:
-        best = load_file(str(out / "checkpoints" / f"step_{summary['best_step']:08d}" / "model.safetensors"))
-        final = load_weights(out)
-        assert all(torch.equal(final[k], v) for k, v in best.items())
+    best = load_file(str(out / "checkpoints" / f"step_{summary['best_step']:08d}" / "model.safetensors"))
+    final = load_weights(out)
+    assert all(torch.equal(final[k], v) for k, v in best.items())
 
 
 def test_lora_on_a_model_from_a_config_and_ddp_without_find_unused_parameters(tmp_path):
@@ -241,25 +248,11 @@ def reference(base, tmp_path_factory) -> tuple[Path, list[str]]:
     return out, args
 
 
-def test_kill_9_then_resume_gives_the_uninterrupted_adapter_bit_for_bit(reference, tmp_path):
-    ref, args = reference
-    out = tmp_path / "run"
-
-    def killed() -> int:
-        from accel_ddp.cli.train import main
-
-        faults.install(kill_at=(5, 1))  # rank 1 SIGKILLed right after step 5, as the out-of-memory killer does
-        return main([*args, "--output_dir", str(out)])
-
-    with pytest.raises(RankFailed, match="exited with code -9"):
-        run_ranks(killed, world_size=2)
-    assert steps_of(out)[-1] == 4 and not (out / "summary.json").exists()
-    assert main_ranks([*args, "--output_dir", str(out), "--resume_from_checkpoint", "auto"]) == [0, 0]
-    assert read_summary(out)["resumed_from_step"] == 4
-    assert_same_weights(out, ref)
-
-
-def test_sigterm_then_resume_gives_the_uninterrupted_adapter_bit_for_bit(reference, tmp_path):
+def test_sigterm_then_kill_9_each_resumed_give_the_uninterrupted_adapter_bit_for_bit(reference, tmp_path):
+    """One run stopped twice, each stop resumed: SIGTERM to rank 1 after step 3 (every rank saves step 3 and exits 75),
+    then in the resumed run rank 1 SIGKILLed right after step 5 (as the out-of-memory killer does: the resume's
+    checkpoint of step 4 is the last), resumed again: the uninterrupted run's weights bit for bit, which each resume
+    must give for the next to start from them."""
     ref, args = reference
     out = tmp_path / "run"
 
@@ -281,9 +274,19 @@ def test_sigterm_then_resume_gives_the_uninterrupted_adapter_bit_for_bit(referen
         return main([*args, "--output_dir", str(out)])
 
     assert run_ranks(signalled, world_size=2) == [75, 75]
-    assert steps_of(out)[-1] == 3
+    assert steps_of(out)[-1] == 3 and not (out / "summary.json").exists()
+
+    def killed() -> int:
+        from accel_ddp.cli.train import main
+
+        faults.install(kill_at=(5, 1))  # the step as the restored schedule counts it: 2 steps after the resume
+        return main([*args, "--output_dir", str(out), "--resume_from_checkpoint", "auto"])
+
+    with pytest.raises(RankFailed, match="exited with code -9"):
+        run_ranks(killed, world_size=2)
+    assert steps_of(out)[-1] == 4 and not (out / "summary.json").exists()
     assert main_ranks([*args, "--output_dir", str(out), "--resume_from_checkpoint", "auto"]) == [0, 0]
-    assert read_summary(out)["resumed_from_step"] == 3
+    assert read_summary(out)["resumed_from_step"] == 4
     assert_same_weights(out, ref)
 
 
@@ -379,9 +382,12 @@ def test_a_checkpoint_with_the_earlier_sampled_fingerprint_resumes_with_a_warnin
     (old / "checkpoint.json").write_text(json.dumps(meta))
     capfd.readouterr()
     train_ranks(lora_args(base, tmp_path / "resumed", "--resume_from_checkpoint", str(old)), world_size=2)
-    warned = [line for line in capfd.readouterr().err.splitlines() if "sampled fingerprint" in line]
+    said = capfd.readouterr()
+    warned = [line for line in said.err.splitlines() if "sampled fingerprint" in line]
     assert len(warned) == 1 and "a few changed weights would not show" in warned[0], warned
-    assert read_summary(tmp_path / "resumed")["base_fingerprint"].startswith("sha256:")
+    summary = read_summary(tmp_path / "resumed")
+    assert summary["base_fingerprint"].startswith("sha256:")
+    assert f"{TRAINABLE:,} trainable of {summary['total_parameters']:,} parameters" in said.out  # the start-up line
     codes = main_ranks(lora_args(save_base(tmp_path / "other", seed=1), tmp_path / "third",
                                  "--resume_from_checkpoint", str(old)), 1)
     assert_refused(codes, capfd, "its adapter belongs to another base model")
@@ -450,42 +456,24 @@ def test_without_peft_installed_the_line_names_the_extra(base, tmp_path, capfd):
 # ----------------------------------------------------------------------------- the exports
 
 
-def test_the_adapter_loads_with_peft_and_the_merged_model_without_it_with_the_same_logits(base, tmp_path):
+def test_the_adapter_loads_with_peft_and_the_merged_model_without_it_with_the_same_logits_tied_output_layer_too(
+        base, tmp_path, capfd):
     """adapter/ on the base through PeftModel.from_pretrained and hf_model/ through Transformers alone give the
-    same logits (atol 1e-5), which differ from the base's: the adapter trained and nothing dropped it."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    out = tmp_path / "run"
-    train_ranks(lora_args(base, out, "--merge_adapter"), world_size=2)
-    adapter = load_file(str(out / "adapter" / "adapter_model.safetensors"))
-    assert adapter and not any(k.startswith("module.") for k in adapter)
-    assert json.loads((out / "adapter" / "adapter_config.json").read_text())["r"] == 4
-    tokens = torch.randint(2, 48, (3, 12), generator=torch.Generator().manual_seed(0))
-    plain = AutoModelForCausalLM.from_pretrained(str(base)).eval()
-    with torch.no_grad():
-        base_logits = plain(tokens).logits
-        tuned = PeftModel.from_pretrained(plain, str(out / "adapter")).eval()
-        adapter_logits = tuned(tokens).logits
-        merged = AutoModelForCausalLM.from_pretrained(str(out / "hf_model")).eval()
-        merged_logits = merged(tokens).logits
-    assert "lora" not in " ".join(k for k, _ in merged.named_parameters())
-    assert torch.allclose(adapter_logits, merged_logits, atol=1e-5, rtol=0)
-    assert not torch.allclose(adapter_logits, base_logits, atol=1e-3)
-
-
-def test_an_adapter_on_the_tied_output_layer_merges_into_a_model_with_the_adapters_logits(base, tmp_path, capfd):
-    """GPT-2's lm_head is tied to the input embedding wte; an adapter on lm_head changes the output layer only. The
+    same logits (atol 1e-5), which differ from the base's: the adapter trained and nothing dropped it. The adapters
+    include GPT-2's lm_head, tied to the input embedding wte, where an adapter changes the output layer only: the
     merged hf_model/ holds an output layer of its own (wte is the base's, bit for bit) and gives base + adapter's
-    logits; a note at start says so, once."""
+    logits; a note at start says so, once. (One run shows both: the untied lm_head is merged beside c_attn and c_fc.)"""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     out = tmp_path / "run"
     capfd.readouterr()
-    train_ranks(lora_args(base, out, "--lora_target_modules", "lm_head,c_attn", "--merge_adapter"), world_size=2)
+    train_ranks(lora_args(base, out, "--lora_target_modules", "lm_head,c_attn,c_fc", "--merge_adapter"), world_size=2)
     notes = [line for line in capfd.readouterr().err.splitlines() if "untied" in line]
     assert len(notes) == 1 and "lm_head is tied to transformer.wte" in notes[0], notes
+    adapter = load_file(str(out / "adapter" / "adapter_model.safetensors"))
+    assert adapter and not any(k.startswith("module.") for k in adapter)
+    assert json.loads((out / "adapter" / "adapter_config.json").read_text())["r"] == 4
     tokens = torch.randint(2, 48, (3, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         plain = AutoModelForCausalLM.from_pretrained(str(base)).eval()
@@ -493,6 +481,7 @@ def test_an_adapter_on_the_tied_output_layer_merges_into_a_model_with_the_adapte
         adapter_logits = PeftModel.from_pretrained(plain, str(out / "adapter")).eval()(tokens).logits
         merged = AutoModelForCausalLM.from_pretrained(str(out / "hf_model")).eval()
         merged_logits = merged(tokens).logits
+    assert "lora" not in " ".join(k for k, _ in merged.named_parameters())
     assert not torch.allclose(adapter_logits, base_logits, atol=1e-3), "the adapters did not train"
     off = (merged_logits - adapter_logits).abs().max()
     assert torch.allclose(merged_logits, adapter_logits, atol=1e-5, rtol=0), off
