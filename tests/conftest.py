@@ -149,8 +149,8 @@ def _s3_server():
     start); a boto3 client of it and the environment that reaches it."""
     from tests.helpers.s3 import s3_server
 
-    with s3_server() as served:
-        yield served
+    with s3_server() as (client, _, env):
+        yield client, env
 
 
 @pytest.fixture

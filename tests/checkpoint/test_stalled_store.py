@@ -16,7 +16,7 @@ import pytest
 from tests.helpers.multiproc import run_ranks
 from tests.helpers.ranks import error_lines
 from tests.helpers.runs import main_ranks, read_summary
-from tests.helpers.s3 import BUCKET, new_prefix, s3_server_process
+from tests.helpers.s3 import BUCKET, new_prefix, s3_env, s3_server
 
 # 8 optimizer steps an epoch; a checkpoint every 2 of them
 ARGS = ["--dataset", "synthetic", "--synthetic_samples", "128", "--synthetic_shape", "1", "4", "4",
@@ -30,17 +30,20 @@ def moto_server():
     """moto's S3 server of this module's tests alone (they stop it) and its process. One for the module: a server
     stopped and continued (SIGCONT) answers again, and each test writes under a prefix of its own; a start costs
     an interpreter."""
-    with s3_server_process() as (client, server):
-        yield client, server
+    with s3_server() as served:
+        yield served
 
 
 @pytest.fixture
-def moto(moto_server):
-    """``moto_server``, answering again after the test (SIGCONT), with s3fs's cached file systems dropped before
-    and after it, so that none made for another endpoint, or with a connection to the stopped server, is reused."""
+def moto(moto_server, monkeypatch):
+    """``moto_server``, its environment set for the test, answering again after it (SIGCONT), with s3fs's cached
+    file systems dropped before and after it, so that none made for another endpoint, or with a connection to the
+    stopped server, is reused."""
     import s3fs
 
-    client, server = moto_server
+    client, server, env = moto_server
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
     s3fs.S3FileSystem.clear_instance_cache()
     try:
         yield client, server
@@ -171,9 +174,7 @@ def silent_endpoint(monkeypatch):
 
     thread = threading.Thread(target=accept, daemon=True)
     thread.start()
-    for key, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                       "AWS_DEFAULT_REGION": "us-east-1",
-                       "AWS_ENDPOINT_URL": f"http://127.0.0.1:{server.getsockname()[1]}"}.items():
+    for key, value in s3_env(server.getsockname()[1]).items():
         monkeypatch.setenv(key, value)
     s3fs.S3FileSystem.clear_instance_cache()
     yield

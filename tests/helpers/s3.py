@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import os
 import signal
 import socket
 import subprocess
@@ -20,27 +19,19 @@ import pytest
 from tests.helpers.multiproc import free_port
 
 BUCKET = "accel-ddp-test"
-S3_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL")
+
+
+def s3_env(port: int) -> dict[str, str]:
+    """The environment s3fs and boto3 read their endpoint and keys from, for a store on loopback ``port``."""
+    return {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
+            "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}"}
 
 
 @contextlib.contextmanager
 def s3_server():
-    """The server up with BUCKET in it; a boto3 client, and the environment that reaches it (the ``s3`` fixture sets it
-    for each test that uses the server; the process's own environment is left as it was)."""
-    outside = {key: os.environ.get(key) for key in S3_ENV}
-    with s3_server_process() as (client, _), pytest.MonkeyPatch.context() as patch:
-        env = {key: os.environ[key] for key in S3_ENV}
-        for key, value in outside.items():  # the tests that do not ask for the server run as before it started
-            if value is None:
-                patch.delenv(key, raising=False)
-            else:
-                patch.setenv(key, value)
-        yield client, env
-
-
-@contextlib.contextmanager
-def s3_server_process():
-    """``s3_server``'s, with the server's process too (a test stops it with SIGSTOP: a store that stops answering)."""
+    """moto's server up with BUCKET in it: a boto3 client of it, its process (a test stops it with SIGSTOP: a store
+    that stops answering) and its ``s3_env``. The process's environment is left as it is: a fixture sets ``env`` for
+    the tests that use the server (the ranks they fork inherit it)."""
     missing = [name for name in ("moto", "s3fs", "boto3", "flask") if importlib.util.find_spec(name) is None]
     if missing:
         pytest.skip(f"the object-store tests need {', '.join(missing)} (pip install -e '.[test]')")
@@ -50,10 +41,7 @@ def s3_server_process():
     port = free_port()
     server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
-           "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}"}
-    saved = {key: os.environ.get(key) for key in env}
-    os.environ.update(env)  # the forked ranks inherit it
+    env = s3_env(port)
     try:
         deadline = time.monotonic() + 60
         while True:
@@ -64,18 +52,15 @@ def s3_server_process():
                 if time.monotonic() > deadline or server.poll() is not None:
                     pytest.fail("moto's S3 server did not start")
                 time.sleep(0.2)
-        client = boto3.client("s3")
+        client = boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"], region_name=env["AWS_DEFAULT_REGION"],
+                              aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
+                              aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"])
         client.create_bucket(Bucket=BUCKET)
-        yield client, server
+        yield client, server, env
     finally:
         server.send_signal(signal.SIGCONT)  # a test that stopped it
         server.terminate()
         server.wait(timeout=30)
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 def new_prefix() -> str:
