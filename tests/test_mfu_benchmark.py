@@ -33,7 +33,8 @@ def _forked_children(monkeypatch) -> list[list[str]]:
         started.append(cmd)
 
         def child() -> int:  # as the interpreter would: its output into the log, a traceback and exit 1 on error
-            os.dup2(stdout.fileno(), 1), os.dup2(stdout.fileno(), 2)
+            os.dup2(stdout.fileno(), 1)
+            os.dup2(stdout.fileno(), 2)
             sys.stdout = sys.stderr = open(1, "w", closefd=False)  # noqa: SIM115 - the process's own
             try:
                 return mfu.main(cmd[3:])
