@@ -226,7 +226,7 @@ run() {  # run NAME: the stage's command, on the GPU or (--dry-run) its plumbing
         # launch, within the stage's cap scaled by 4 (at a load of 17 on 2 cores one launch took more than 50 s)
         tax | tax_full) if [[ -n "$dry" ]]; then
                 "$PY" benchmarks/tax.py --nproc 1 --workloads mlp --pairs defaults --rounds 1 --epochs 2 --timeout 100 \
-                    --out "$OUT/$1"
+                    --dry-run --out "$OUT/$1"
             elif [[ $1 == tax ]]; then
                 "$PY" benchmarks/tax.py --nproc 1 --workloads cnn --pairs graphs --rounds 1 --timeout 25 \
                     --out "$OUT/tax"

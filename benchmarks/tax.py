@@ -267,6 +267,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile_steps", type=int, default=PROFILE_STEPS,
                    help="--profile: steps in the window; 0 = to the end (evaluation and final outputs included)")
     p.add_argument("--other", default=None, help="a third side: another accel_ddp checkout's train.py (before/after)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="gpu_first_minutes.sh's dry run: the machine's versions read without importing torch here "
+                        "(seconds on a loaded machine), no GPU named; the runs as given")
     args = p.parse_args(argv)
     exit_on_sigterm()
     workloads = [w for w in args.workloads.split(",") if w]
@@ -278,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     args.threads = args.threads or max(1, (os.cpu_count() or 1) // args.nproc)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    machine = machine_info()
+    machine = machine_info(gpu=not args.dry_run)
     print(f"data (cnn): {data_source()}")
     print(f"machine: {machine['cpu']}, {machine['cpus']} CPUs, gpu {machine['gpu']}, torch {machine['torch']}, "
           f"accelerate {machine['accelerate']}; {args.nproc} processes, OMP_NUM_THREADS={args.threads}", flush=True)
