@@ -55,6 +55,7 @@ def pytest_configure(config):
     import accel_ddp.loop  # torch, Accelerate and the package, for every forked rank
 
     _PLOT = accel_ddp.tracking.recorder.RunRecorder.plot
+    _scan_backend_entry_points_once()
 
     # PYTHONDONTWRITEBYTECODE (set on this project's machines) also stops pytest caching the test modules it
     # rewrites for its assertions, so every worker of every run rewrote ~200 modules from source: ~3.4 s each.
@@ -62,6 +63,28 @@ def pytest_configure(config):
     # once they are.
     config.stash[_WRITE_BYTECODE] = sys.dont_write_bytecode
     sys.dont_write_bytecode = False
+
+
+def _scan_backend_entry_points_once() -> None:
+    """torch looks for a plugin of the backend at every process group's start, gloo included, by reading the entry
+    points of every installed package (``Backend._ensure_backend_registered``): ~18 ms of CPU a rank, in each of the
+    suite's hundreds of forked runs. What is installed does not change while the suite runs, so each backend is looked
+    up once, here or in the first rank that asks, and every rank forked later inherits the answer. (A plugin found
+    registers itself in ``Backend._plugins``, which torch checks first; a backend without one has nothing to find.)"""
+    from torch.distributed import Backend
+
+    lookup = getattr(Backend, "_ensure_backend_registered", None)  # torch 2.11+; older torch scans nothing
+    if lookup is None:
+        return
+    looked_up: set[str] = set()
+
+    def once(name: str) -> None:
+        if name.lower() not in looked_up:
+            lookup(name)
+            looked_up.add(name.lower())
+
+    once("gloo")
+    Backend._ensure_backend_registered = staticmethod(once)
 
 
 def _runs_tests(config) -> bool:

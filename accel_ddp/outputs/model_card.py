@@ -14,8 +14,6 @@ import shlex
 from collections.abc import Mapping
 from typing import Any
 
-import yaml
-
 from accel_ddp.lifecycle.exit_codes import EXIT_CODES_DIR
 from accel_ddp.outputs.metrics_file import read_metrics
 from accel_ddp.outputs.names import (
@@ -27,6 +25,7 @@ from accel_ddp.outputs.names import (
     SUMMARY_NAME,
     WEIGHTS_NAME,
 )
+from accel_ddp.util import yaml_text
 from accel_ddp.util.atomic import atomic_write_text
 from accel_ddp.util.messages import warn
 from accel_ddp.util.ranks import launch_machines, launch_world_size, local_world_size
@@ -94,7 +93,7 @@ def render_model_card(config: dict[str, Any], summary: dict[str, Any], command: 
         header["metrics"] = metrics
     world, machines = summary.get("world_size", 1), summary.get("num_machines", 1)
     lines = [
-        "---", yaml.safe_dump(header, sort_keys=False).strip(), "---", "",
+        "---", yaml_text.dump(header).strip(), "---", "",
         f"# {name}", "",
         f"`{config.get('model_config') or config.get('model')}` trained on {_data(config)} with accel_ddp "
         "(data-parallel PyTorch through Hugging Face Accelerate).", "",

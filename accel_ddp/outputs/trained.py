@@ -22,6 +22,7 @@ import yaml
 
 from accel_ddp.config.saved import REPLAYED_KEYS, saved_config
 from accel_ddp.outputs.names import CHECKPOINTS_DIR, CONFIG_NAME, MARKER_NAME, SUMMARY_NAME, WEIGHTS_NAME
+from accel_ddp.util import yaml_text
 from accel_ddp.util.messages import first_line
 from accel_ddp.util.validation import ConfigError
 
@@ -96,7 +97,7 @@ def read_config(output_dir: str, data_dir: str | None = None) -> tuple[dict[str,
     config = os.path.join(output_dir, CONFIG_NAME)
     try:
         with open(config, encoding="utf-8") as fh:
-            values = yaml.safe_load(fh)
+            values = yaml_text.load(fh)
     except (OSError, ValueError, yaml.YAMLError) as err:  # UnicodeDecodeError is a ValueError
         raise ConfigError(f"{config} is unreadable ({type(err).__name__}: {first_line(err, 120)}); the run's options "
                           "cannot be read back from it: restore it, or evaluate another run") from None

@@ -23,8 +23,6 @@ import os
 import time
 from typing import Any
 
-import yaml
-
 from accel_ddp.lifecycle.failure import main_process_decides
 from accel_ddp.outputs.files import OUTPUTS_FIX, WriteFailed, written
 from accel_ddp.outputs.metrics_file import metrics_lines, parse_record, read_metrics
@@ -40,6 +38,7 @@ from accel_ddp.tracking.curves import plot_run
 from accel_ddp.tracking.folder_snapshot import FolderSnapshot
 from accel_ddp.tracking.tracker_thread import TrackerInterrupted
 from accel_ddp.tracking.trackers import RUN_IDS, GuardedTracker, flat_hparams
+from accel_ddp.util import yaml_text
 from accel_ddp.util.atomic import atomic_write_text
 from accel_ddp.util.messages import first_line, say, warn
 from accel_ddp.util.validation import ConfigError
@@ -107,7 +106,7 @@ class RunRecorder:
         self._metrics = open(path, "a" if step else "w", encoding="utf-8")
 
     def write_config(self, resolved: dict[str, Any]) -> None:
-        self._write(CONFIG_NAME, yaml.safe_dump(resolved, sort_keys=False))
+        self._write(CONFIG_NAME, yaml_text.dump(resolved))
 
     def write_startup(self, text: str, start_step: int) -> None:
         """``run.log``: this start's output after the starts it resumes (a fresh run starts it anew). With a console

@@ -22,6 +22,7 @@ from accel_ddp.outputs.names import (
     TENSORBOARD_SUBDIR,
     WEIGHTS_NAME,
 )
+from accel_ddp.util import yaml_text
 
 # ----------------------------------------------------------------------------- accel-ddp summary
 
@@ -60,7 +61,7 @@ def read_yaml(path: str) -> dict[str, Any]:
     """A run's config.yaml as a mapping; {} when it is missing or damaged (what is read back from it is optional)."""
     try:
         with open(path, encoding="utf-8") as fh:
-            data = yaml.safe_load(fh)
+            data = yaml_text.load(fh)
     except (OSError, ValueError, yaml.YAMLError):  # UnicodeDecodeError is a ValueError
         return {}
     return data if isinstance(data, dict) else {}

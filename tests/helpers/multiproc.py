@@ -19,6 +19,7 @@ from __future__ import annotations
 import faulthandler
 import gc
 import multiprocessing
+import multiprocessing.connection
 import os
 import pickle
 import random
@@ -195,11 +196,14 @@ def run_ranks(fn: Callable[[], Any], world_size: int = 2, timeout: float = 120, 
     try:
         while len(outcomes) < world_size:
             now = time.monotonic()
-            if now > deadline or (first_failure_at is not None and now > first_failure_at + grace):
+            until = deadline if first_failure_at is None else min(deadline, first_failure_at + grace)
+            if now > until:
                 break
-            for rank, conn in enumerate(conns):
-                if rank in outcomes or not conn.poll(0.05):
-                    continue
+            # Woken by whichever rank answers first (a result, or the end of its pipe when it dies), not by a poll
+            # interval: a test waits for its ranks, not for the loop.
+            pending = [conn for rank, conn in enumerate(conns) if rank not in outcomes]
+            for conn in multiprocessing.connection.wait(pending, timeout=until - now):
+                rank = conns.index(conn)
                 try:
                     outcomes[rank] = pickle.loads(conn.recv_bytes())
                 except EOFError:  # died without a word: killed, or os._exit from inside fn
