@@ -43,6 +43,10 @@ def _offline(tmp_path: Path, monkeypatch) -> dict[str, str]:
         "WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_BASE_URL": "http://127.0.0.1:9",
         "WANDB_CONFIG_DIR": str(tmp_path / "wandb_config"), "WANDB_CACHE_DIR": str(tmp_path / "wandb_cache"),
         "WANDB_DATA_DIR": str(tmp_path / "wandb_data"), "HOME": str(tmp_path / "home"),
+        # What W&B records of the machine beside the run, which no test reads: the installed packages' list
+        # (x_save_requirements: every distribution's metadata parsed, ~0.2 s of the rank's CPU), the system
+        # metadata and the system metrics (x_disable_meta, x_disable_stats: wandb-core's own work)
+        "WANDB__SAVE_REQUIREMENTS": "false", "WANDB__DISABLE_META": "true", "WANDB__DISABLE_STATS": "true",
     }
     for name, value in env.items():
         monkeypatch.setenv(name, value)  # the test process reads the stores back with the same settings
