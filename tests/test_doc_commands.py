@@ -3,6 +3,7 @@ checked without running (flags, files, an --output_dir of its own), and the ones
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import re
 import subprocess
@@ -40,15 +41,33 @@ def kind(cmd: doc_commands.Command) -> str:
     return "refused train" if cmd.kind == "train" and cmd.refused else cmd.kind
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _cuda_libraries_measured_once():
+    """The doctor sizes torch's CUDA packages on a CPU-only machine (cli/machine.py cuda_libraries_bytes: every
+    installed distribution's metadata and ~80k files stat'ed, ~0.4 s of CPU a call); the same machine gives the same
+    figure to each of this module's six doctor runs: measured by the first, for real, and kept."""
+    from accel_ddp.cli import machine
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(machine, "cuda_libraries_bytes", functools.cache(machine.cuda_libraries_bytes))
+        yield
+
+
 @pytest.fixture(scope="module")
-def doc_cmds() -> list[doc_commands.Command]:
+def doc_check() -> tuple[list[doc_commands.Command], list[str]]:
+    """Every doc command, checked once for the module (~0.6 s a check): the commands, classified, and the problems."""
     cmds = doc_commands.commands()
-    doc_commands.check(cmds)  # classifies them
-    return cmds
+    problems = doc_commands.check(cmds)  # classifies them
+    return cmds, problems
 
 
-def test_every_doc_command_uses_real_flags_and_files_and_an_output_dir_of_its_own(doc_cmds):
-    problems = doc_commands.check(doc_commands.commands())
+@pytest.fixture(scope="module")
+def doc_cmds(doc_check) -> list[doc_commands.Command]:
+    return doc_check[0]
+
+
+def test_every_doc_command_uses_real_flags_and_files_and_an_output_dir_of_its_own(doc_check):
+    doc_cmds, problems = doc_check
     assert not problems, "run `python tools/doc_commands.py`:\n" + "\n".join(problems)
     texts = [c.text for c in doc_cmds]
     assert "accel-ddp launch --config_file accelerate_configs/cpu_2proc.yaml train.py" in texts

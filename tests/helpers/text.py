@@ -30,6 +30,20 @@ def _load_gpt2_here() -> None:
 _load_gpt2_here()
 
 
+def preload_weight_conversions() -> None:
+    """Build Transformers' table of checkpoint weight conversions in the test process, once, for the ranks it forks.
+
+    ``save_pretrained`` (every text run's export, on its main process) builds it on first use: ~1,000 regular
+    expressions compiled, ~0.13 s of CPU in each run; transformers/conversion_mapping.py then keeps it in a module
+    global (``_checkpoint_conversion_mapping_cache``, handed out as deep copies), which forked ranks inherit built.
+    Without Transformers, or a version without that table, nothing happens here."""
+    try:
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    except ImportError:
+        return
+    get_checkpoint_conversion_mapping("gpt2")
+
+
 def tiny_gpt(vocab: int = VOCAB, positions: int = 32, dropout: float = 0.0, activation: str = "gelu_new"):
     """A two-layer GPT-2 (``GPT2LMHeadModel``) small enough for a CPU test step in milliseconds."""
     from transformers import GPT2Config, GPT2LMHeadModel
