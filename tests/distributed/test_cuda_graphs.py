@@ -208,9 +208,8 @@ def _corpus(root):
     """Packed text for a causal LM: texts/{train,test}.json, a word tokenizer and a 2-layer GPT-2's config."""
     import json
 
-    from tests.helpers.text import build_word_tokenizer, preload_weight_conversions, sentences
+    from tests.helpers.text import build_word_tokenizer, sentences
 
-    preload_weight_conversions()  # each run's export, on its main process: built once here, not in each run
     (root / "texts").mkdir(parents=True)
     train, test = sentences(160, seed=0), sentences(40, seed=1)
     for split, rows in (("train", train), ("test", test)):

@@ -64,9 +64,7 @@ def _args(path: str, tmp_path: Path) -> list[str]:
         return [*SYNTHETIC, "--loader", "dataloader", "--num_workers", "1"]
     if path == "text":  # the tiny GPT-2 on token sequences of 3-16 tokens: the token-exact (sum, items) loss
         pytest.importorskip("transformers")
-        from tests.helpers.text import preload_weight_conversions
-
-        preload_weight_conversions()  # the run's export, on its main process: built here, once a test process
+        import tests.helpers.text  # noqa: F401 - GPT-2 and its export's weight conversions loaded here, for the ranks
         return ["--task", "causal_lm", "--dataset", "tests.helpers.text:build_sequences", "--model",
                 "tests.helpers.text:build_gpt", "--global_batch_size", "4"]  # 64 sequences: 16 steps per epoch
     assert path == "streaming"

@@ -18,16 +18,15 @@ def _load_gpt2_here() -> None:
     """Import Transformers' GPT-2 modelling in the test process, once, when a text test module imports this one:
     the ranks it forks inherit it instead of each importing it (~2.5 s a rank, on every run; under pytest-xdist,
     in a worker where no earlier test had imported it, 35 s for the four runs of one test). Without Transformers
-    nothing happens here: the test modules that need it skip (``importorskip``)."""
+    nothing happens here: the test modules that need it skip (``importorskip``). The weight conversions every text
+    run's export builds are built here too (``preload_weight_conversions``)."""
     try:
         import transformers
 
         transformers.GPT2LMHeadModel, transformers.GPT2ForSequenceClassification  # noqa: B018 - the access imports
     except ImportError:
-        pass
-
-
-_load_gpt2_here()
+        return
+    preload_weight_conversions()
 
 
 def preload_weight_conversions() -> None:
@@ -42,6 +41,9 @@ def preload_weight_conversions() -> None:
     except ImportError:
         return
     get_checkpoint_conversion_mapping("gpt2")
+
+
+_load_gpt2_here()
 
 
 def tiny_gpt(vocab: int = VOCAB, positions: int = 32, dropout: float = 0.0, activation: str = "gelu_new"):

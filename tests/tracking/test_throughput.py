@@ -17,7 +17,7 @@ from tests.helpers.multiproc import run_ranks
 from tests.helpers.runs import read_metrics, read_summary
 
 transformers = pytest.importorskip("transformers")
-from tests.helpers.text import Sequences, preload_weight_conversions, tiny_gpt  # noqa: E402
+from tests.helpers.text import Sequences, tiny_gpt  # noqa: E402
 
 
 @pytest.mark.parametrize("name, precision, expected", [
@@ -127,7 +127,6 @@ def _lm(out, world: int, per_device: int):
                              optimizer="sgd", lr=0.1, log_every=5, eval_every=3, output_dir=str(out))
         return train(config, model=tiny_gpt(), train_dataset=Sequences(96), eval_dataset=Sequences(8, seed=1))
 
-    preload_weight_conversions()  # each run's export, on its main process: built once here, not in each run
     return run_ranks(fn, world_size=world)[0]
 
 
@@ -202,7 +201,6 @@ def test_the_token_count_is_all_reduced_asynchronously_beside_the_backward(tmp_p
         train(config, model=tiny_gpt(), train_dataset=Sequences(48))
         return events
 
-    preload_weight_conversions()
     events = run_ranks(fn, world_size=2)[0]
     steps = [e for e in events if e in ("count", "backward")]
     assert steps == ["count", "backward"] * 6
