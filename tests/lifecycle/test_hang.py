@@ -2,8 +2,8 @@
 
 Two forked gloo ranks with --hang_timeout 2 and --ddp_timeout 60: the watch, not gloo's timeout, ends the run, with
 one line naming rank 1 and its frame in this module, every rank's stacks in OUTPUT_DIR/hang/ and exit code 124.
-2 s, the time each hang is waited out, is far above these runs' healthy steps: at most 0.2 s between two steps (0.4
-s after a save, which is allowed twice --hang_timeout) with the 2-core machine at a load average of 10.
+2 s, the time each hang is waited out, is far above these runs' healthy steps: at most 0.25 s between two steps (0.4
+s after a save, which is allowed twice --hang_timeout) with the 2-core machine at a load average of 10 to 16.
 """
 
 from __future__ import annotations
