@@ -218,24 +218,36 @@ def test_download_without_network_says_where_to_put_the_files(tmp_path, monkeypa
         build_datasets(name, str(tmp_path), download=True)
 
 
+def _wait_for_file(path: Path, seconds: float = 30) -> bool:
+    """Has ``path`` appeared within ``seconds``? (An order between two ranks, without a fixed sleep.)"""
+    import time
+
+    deadline = time.monotonic() + seconds
+    while not path.exists():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
 def test_download_runs_on_one_process_when_machines_share_the_data_dir(tmp_path):
     """Two ranks that each act as a machine's first process (LOCAL_RANK 0 on both), one --data_dir: the global
     main process downloads, the other machine's first process finds the files. Each downloading at once would
     write the same files while the other reads them."""
     calls = tmp_path / "downloads"
+    waiting = tmp_path / "rank1_waits"
 
     def run():
-        import time
-
         import torchvision.datasets
         from accelerate import Accelerator
 
         from accel_ddp.data.resolve import DataOptions, resolve_data
 
-        def fake_download(root, train, download):  # slow enough that a second downloader would overlap it
+        def fake_download(root, train, download):
             with open(calls, "a", encoding="utf-8") as fh:
                 fh.write(os.environ["RANK"] + "\n")
-            time.sleep(1.0)
+            if os.environ["RANK"] == "0":  # done only once rank 1 waits at a barrier: a rank 1 that looked for the
+                _wait_for_file(waiting)     # files (or downloaded) without waiting would have found none
             write_mnist(Path(root))
 
         os.environ.update({"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": os.environ["RANK"],
@@ -243,6 +255,9 @@ def test_download_runs_on_one_process_when_machines_share_the_data_dir(tmp_path)
         torchvision.datasets.MNIST = fake_download
         accelerator = Accelerator(cpu=True)
         assert accelerator.is_local_main_process
+        if os.environ["RANK"] == "1":
+            barrier = accelerator.wait_for_everyone
+            accelerator.wait_for_everyone = lambda: (waiting.touch(), barrier())[1]
         cfg = parse_args(["--dataset", "mnist", "--data_dir", str(tmp_path / "data"), "--download"])
         return len(resolve_data(section_of(cfg, DataOptions), accelerator, None, None).train)
 
@@ -284,6 +299,8 @@ def test_a_rank_waiting_for_the_tokenizing_one_imports_the_text_libraries_meanwh
     Rank 0, which imports them inside its own build, does not run it; rank 1 builds only once rank 0 is done."""
     import time
 
+    imported = tmp_path / "rank1_imported"
+
     def run():
         from accelerate import Accelerator
 
@@ -294,14 +311,18 @@ def test_a_rank_waiting_for_the_tokenizing_one_imports_the_text_libraries_meanwh
 
         def build_text(*_args):
             events["build_start"] = time.monotonic()
-            if os.environ["RANK"] == "0":
-                time.sleep(1.0)  # the tokenizing
+            if os.environ["RANK"] == "0":  # the tokenizing: it ends once rank 1 has imported, if it does meanwhile
+                events["saw_imports"] = _wait_for_file(imported)
             events["build_end"] = time.monotonic()
             data = torch.utils.data.TensorDataset(torch.zeros(4, 8, dtype=torch.long), torch.zeros(4))
             return DatasetBundle(data, data, 10, (8,)), None
 
+        def import_text_libraries(*_args):
+            events.setdefault("imports", time.monotonic())
+            imported.touch()
+
         resolve.build_text = build_text
-        resolve.import_text_libraries = lambda *_args: events.setdefault("imports", time.monotonic())
+        resolve.import_text_libraries = import_text_libraries
         cfg = parse_args(["--task", "causal_lm", "--dataset", "hf", "--data_dir", str(tmp_path), "--tokenizer",
                           str(tmp_path), "--max_length", "8", "--loader", "dataloader"])
         resolve.resolve_data(section_of(cfg, resolve.DataOptions), Accelerator(cpu=True), None, None)
@@ -309,5 +330,5 @@ def test_a_rank_waiting_for_the_tokenizing_one_imports_the_text_libraries_meanwh
 
     first, waiting = run_ranks(run)
     assert "imports" not in first
-    assert waiting["imports"] < first["build_end"] - 0.5  # during rank 0's build, not after it
+    assert first["saw_imports"] and waiting["imports"] < first["build_end"]  # during rank 0's build, not after it
     assert waiting["build_start"] >= first["build_end"]

@@ -137,14 +137,45 @@ def test_two_ranks_report_bad_input_once_without_rank_tracebacks(tmp_path, capfd
     assert_quiet(err)
 
 
+def _reports_after_the_other(folder, late: int, torchrun_env: dict[str, str]):
+    """A ``launch_ranks`` patch: rank ``late`` starts its failure report only once the other rank has claimed the
+    launch's failure (its error file, written right after the claim, exists), an order that a fixed sleep made only
+    likely. Where the other cannot claim first (c10d's rank 0 hosts the store before the process group exists, and
+    the other waits for it: ``peers.rank_store``), once the other waits for that store."""
+    import accel_ddp.lifecycle.failure as failure
+    import accel_ddp.lifecycle.peers as peers
+
+    early = 1 - late
+    waits_for_the_late_host = torchrun_env is C10D_UNSHARED and late == 0
+    ready = folder / (f"waiting{early}" if waits_for_the_late_host else f"error{early}.json")
+
+    def patch(rank: int) -> None:
+        if rank == early:
+            listening = peers.listening
+            peers.listening = lambda *args: ((folder / f"waiting{early}").touch(), listening(*args))[1]
+            return
+        report = failure.report
+
+        def report_second(*args):
+            deadline = time.monotonic() + 30
+            while not ready.exists() and time.monotonic() < deadline:  # never met: the test fails on the order
+                time.sleep(0.01)
+            return report(*args)
+
+        failure.report = report_second
+
+    return patch
+
+
 @pytest.mark.parametrize("late_rank", [0, 1])
 def test_whichever_rank_fails_first_prints_the_one_line(tmp_path, capfd, torchrun_env, late_rank):
-    """Bad input on every rank, one of them a second late; the first rank to exit SIGTERMs the other, as torchrun
-    does (with "rank 0 prints", the c10d launch lost the line whenever rank 1 exited first). One rank prints;
-    both exit 2, and the other's error file says why. Which one: with torchrun's store, the first to fail; without
-    it, before the process group exists, mostly rank 0 (it hosts the store the other waits for)."""
+    """Bad input on every rank, one of them late (it reports once the other has claimed the failure); the first
+    rank to exit SIGTERMs the other, as torchrun does (with "rank 0 prints", the c10d launch lost the line whenever
+    rank 1 exited first). One rank prints; both exit 2, and the other's error file says why. Which one: with
+    torchrun's store, the first to fail; without it, before the process group exists, mostly rank 0 (it hosts the
+    store the other waits for)."""
     args = [*BASE, "--lr", "-1", "--output_dir", str(tmp_path)]
-    codes = launch_ranks(tmp_path, args, torchrun_env, report_delay=(1.0, late_rank))
+    codes = launch_ranks(tmp_path, args, torchrun_env, _reports_after_the_other(tmp_path, late_rank, torchrun_env))
     assert codes == [2, 2]
     err = capfd.readouterr().err
     assert error_lines(err) == ["accel_ddp: error: --lr must be > 0, got -1.0; try --lr 3e-3"]
@@ -162,14 +193,17 @@ def test_the_rank_about_to_print_outlives_the_launchers_sigterm(tmp_path, capfd,
     rank 0 exits 2, and rank 1 exits only after the line is out."""
     import accel_ddp.lifecycle.failure as failure
 
+    rank_1_late = _reports_after_the_other(tmp_path, 1, torchrun_env)
+
     def sigterm_first(rank: int) -> None:
+        rank_1_late(rank)
         if rank == 0:
             real = failure.print_report
             failure.print_report = lambda text: (os.kill(os.getpid(), signal.SIGTERM), time.sleep(0.3), real(text))
 
     args = [*BASE, "--lr", "-1", "--output_dir", str(tmp_path)]
-    # Rank 1 fails half a second late, so rank 0 is first: it prints.
-    assert launch_ranks(tmp_path, args, torchrun_env, sigterm_first, report_delay=(0.5, 1)) == [2, 2]
+    # Rank 1 reports once rank 0 has claimed the failure, so rank 0 is first: it prints.
+    assert launch_ranks(tmp_path, args, torchrun_env, sigterm_first) == [2, 2]
     err = capfd.readouterr().err.splitlines()
     line = err.index("accel_ddp: error: --lr must be > 0, got -1.0; try --lr 3e-3")
     assert line < err.index("rank 1 returned 2"), err

@@ -73,12 +73,13 @@ def test_a_peer_message_makes_a_peers_failure_a_peer_failed_naming_it():
 
 
 def _real_gloo_messages(seen_both: str) -> dict[str, str] | None:
-    """On forked ranks of a gloo group with a 1 s timeout: rank 0 starts two all-reduces that rank 1 never joins;
-    the first times out ("Timed out waiting 1000ms for recv"), which closes every pair of the context, so the second
-    fails with "Application timeout caused pair closure" (gloo/transport/tcp/unbound_buffer.cc ``waitRecv``). Rank 0
+    """On forked ranks of a gloo group with a 200 ms timeout: rank 0 runs an all-reduce that rank 1 never joins; it
+    times out ("Timed out waiting 200ms for recv"), which closes every pair of the context, so the next one fails at
+    once with "Application timeout caused pair closure" (gloo/transport/tcp/unbound_buffer.cc ``waitRecv``). Rank 0
     returns each error's text, then writes the file ``seen_both``, which rank 1 waits for: it leaves no sooner (a
     peer that exited gives "Connection closed by peer" instead, as tests/lifecycle/test_failure.py's killed ranks
-    show) and no later than needed."""
+    show) and no later than needed. The ranks meet on a store of their own with a minute's timeout: the group's
+    200 ms bounds its collectives only, not the ranks' start-up."""
     import os
     import time
     from datetime import timedelta
@@ -86,19 +87,19 @@ def _real_gloo_messages(seen_both: str) -> dict[str, str] | None:
     import torch
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", timeout=timedelta(seconds=1))
-    if os.environ["RANK"] == "1":
+    rank = int(os.environ["RANK"])
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), 2, is_master=rank == 0,
+                          timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timedelta(milliseconds=200))
+    if rank == 1:
         deadline = time.monotonic() + 50
         while not os.path.exists(seen_both) and time.monotonic() < deadline:  # joins nothing until rank 0 has seen
             time.sleep(0.05)                                                   # both errors
         return {}
     seen = {}
-    works = [dist.all_reduce(torch.ones(4), async_op=True)]
-    time.sleep(0.5)  # the second's own 1 s runs out after the first's closed the pairs, not at the same moment
-    works.append(dist.all_reduce(torch.ones(4), async_op=True))
-    for name, work in zip(["timeout", "pair_closure"], works, strict=True):
+    for name in ("timeout", "pair_closure"):  # the second starts once the first has failed: the pairs are closed
         try:
-            work.wait()
+            dist.all_reduce(torch.ones(4))
         except RuntimeError as err:
             seen[name] = str(err)
     open(seen_both, "w").close()
@@ -109,7 +110,7 @@ def test_gloos_timeout_and_pair_closure_as_raised_are_named_as_a_stopped_peer(tm
     from tests.helpers.multiproc import run_ranks
 
     seen = run_ranks(lambda: _real_gloo_messages(str(tmp_path / "seen_both")), world_size=2, timeout=60)[0]
-    assert "Timed out waiting 1000ms for recv" in seen["timeout"], seen
+    assert "Timed out waiting 200ms for recv" in seen["timeout"], seen
     assert "Application timeout caused pair closure" in seen["pair_closure"], seen
     for text in seen.values():
         err = RuntimeError(text)
