@@ -7,6 +7,7 @@ import json
 import math
 import os
 import sys
+import time
 import traceback
 from types import SimpleNamespace
 
@@ -96,13 +97,19 @@ def test_a_variant_past_its_timeout_is_recorded_with_its_log_and_the_next_one_ru
 
     def popen(cmd, **kwargs):
         seen.append(kwargs["env"])
-        return real_popen([mfu.sys.executable, "-c", "print('compiling', flush=True); import time; time.sleep(60)"],
+        proc = real_popen([mfu.sys.executable, "-c", "print('compiling', flush=True); import time; time.sleep(60)"],
                           **kwargs)
+        # Handed back once the child has written its line (it then sleeps): the timeout, however short, finds a
+        # log to keep and a child still running, whatever the machine's load.
+        log, deadline = kwargs["stdout"].name, time.monotonic() + 60
+        while open(log).read() != "compiling\n" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return proc
 
     monkeypatch.setattr(mfu.subprocess, "Popen", popen)
-    assert mfu.main(["--dry-run", "--variants", "defaults,chunked_loss", "--timeout", "2", "--out", str(out)]) == 1
+    assert mfu.main(["--dry-run", "--variants", "defaults,chunked_loss", "--timeout", "0.1", "--out", str(out)]) == 1
     results = json.loads(out.read_text())["results"]
-    assert [r["error"] for r in results] == ["timed out after 2 s"] * 2
+    assert [r["error"] for r in results] == ["timed out after 0.1 s"] * 2
     assert all(open(r["log"]).read() == "compiling\n" for r in results)
     caches = [env["TORCHINDUCTOR_CACHE_DIR"] for env in seen]
     assert len(set(caches)) == 2 and all(env["TRITON_CACHE_DIR"].startswith(env["TORCHINDUCTOR_CACHE_DIR"])

@@ -5,10 +5,12 @@ the checkpoint before it stays intact and resumable."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import signal
 import socket
+import sys
 import threading
 
 import pytest
@@ -120,11 +122,11 @@ def test_sigterm_during_a_stuck_save_stops_every_rank_with_75_and_the_previous_c
                                                                                                  capfd, monkeypatch):
     """--store_timeout 600: only the signal ends the stuck call. SIGTERM to both ranks, as torchrun sends it, while
     step 4's seal waits on the stopped server: the call gives up STOP_GRACE_S later, every rank exits 75 with one
-    line saying that step 4 was not saved and that step 2 is intact; auto then resumes from step 2. The grace is 2 s
-    here (the forked ranks inherit it), not 5: the same cut, 3 s less waiting."""
+    line saying that step 4 was not saved and that step 2 is intact; auto then resumes from step 2. The grace is 1 s
+    here (the forked ranks inherit it), not 5: the same cut (the stopped server never answers), 4 s less waiting."""
     from accel_ddp.checkpoint import store_calls
 
-    monkeypatch.setattr(store_calls, "STOP_GRACE_S", 2.0)
+    monkeypatch.setattr(store_calls, "STOP_GRACE_S", 1.0)
     STOP_GRACE_S = store_calls.STOP_GRACE_S
 
     client, server = moto
@@ -132,11 +134,25 @@ def test_sigterm_during_a_stuck_save_stops_every_rank_with_75_and_the_previous_c
     url = f"s3://{BUCKET}/{prefix}"
     args = [*ARGS, "--output_dir", str(out), "--checkpoint_dir", url, "--store_timeout", "600"]
 
-    def sigterm_later(pids: list[int]) -> None:  # once the seal's first call waits on the stopped server
-        threading.Timer(1.0, lambda: [os.kill(pid, signal.SIGTERM) for pid in pids]).start()
+    def sigterm_once_the_call_waits(pids: list[int]) -> None:
+        """SIGTERM to both ranks right after the seal's first call is handed to the file system's loop: the call
+        has read that no stop signal came (one before it would let the save run in full, store_calls._bounded) and
+        waits on the stopped server."""
+        submit = asyncio.run_coroutine_threadsafe
+
+        def submitted_then_signalled(coroutine, loop):
+            future = submit(coroutine, loop)
+            if sys._getframe(1).f_code is not store_calls.BoundedCalls._bounded.__code__:
+                return future  # fsspec's own sync() submits through it too: not the bounded call
+            asyncio.run_coroutine_threadsafe = submit
+            for pid in pids:
+                os.kill(pid, signal.SIGTERM)
+            return future
+
+        asyncio.run_coroutine_threadsafe = submitted_then_signalled
 
     try:
-        codes = _stopped_at_seal(args, 4, server.pid, then=sigterm_later)
+        codes = _stopped_at_seal(args, 4, server.pid, then=sigterm_once_the_call_waits)
     finally:
         server.send_signal(signal.SIGCONT)
     err = capfd.readouterr().err

@@ -25,7 +25,7 @@ from multiprocessing.connection import Client
 from multiprocessing.process import current_process
 
 import pytest
-import torch
+from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
 
 from accel_ddp.data.host_loader import HostLoader
 from tests.helpers.data import IndexDataset
@@ -121,7 +121,11 @@ def test_a_worker_killed_while_the_rank_receives_its_batch_is_restarted_with_the
 
 
 def test_a_worker_killed_between_two_batches_is_restarted_with_the_same_batches(monkeypatch, capfd):
-    monkeypatch.setattr(torch.utils.data._utils, "MP_STATUS_CHECK_INTERVAL", 0.2)  # found at the next read, soon
+    # The rank waits for a batch in ``_try_get_data(self, timeout=_utils.MP_STATUS_CHECK_INTERVAL)`` and looks at its
+    # workers each time that wait ends empty (torch/utils/data/dataloader.py): a default bound when torch was
+    # imported, 5 s, which patching ``_utils.MP_STATUS_CHECK_INTERVAL`` does not reach. A worker killed with no batch
+    # of it queued is found at the next read within 0.2 s instead.
+    monkeypatch.setattr(_MultiProcessingDataLoaderIter._try_get_data, "__defaults__", (0.2,))
     expected = _batches(_loader())
     loader = _loader()
     loader.set_epoch(0)

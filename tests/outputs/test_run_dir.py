@@ -37,15 +37,20 @@ def test_a_folder_locked_by_another_process_is_exit_2_on_every_rank_and_nothing_
 
 
 def test_two_runs_started_together_into_one_folder(tmp_path, capfd):
-    out = tmp_path / "run"
+    out, refused = tmp_path / "run", tmp_path / "refused"
     together = multiprocessing.get_context("fork").Barrier(2)
 
     def standalone_run() -> int:  # each forked "rank" becomes an independent 1-process run
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
         for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
             os.environ.pop(name, None)
-        faults.install(step_delay=0.1)  # the winner is still training (>= 1.6 s) when the loser looks
+        register_optimizer_step_post_hook(_wait_for(refused))  # the winner is still training when the loser looks
         together.wait(timeout=60)
-        return main([*ARGS, "--max_steps", "16", "--output_dir", str(out)])
+        code = main([*ARGS, "--max_steps", "16", "--output_dir", str(out)])
+        if code == 2:
+            refused.touch()
+        return code
 
     capfd.readouterr()
     assert sorted(run_ranks(standalone_run, world_size=2)) == [0, 2]
@@ -54,6 +59,20 @@ def test_two_runs_started_together_into_one_folder(tmp_path, capfd):
     records = [r for r in read_metrics(out) if "loss" in r]
     assert [r["step"] for r in records] == [4, 8, 12, 16]  # one run's metrics, not two interleaved
     assert read_summary(out)["optimizer_steps"] == 16 and steps_of(out) == [5, 10, 15]
+
+
+def _wait_for(path: Path):
+    """An optimizer step hook: after its first step, the run waits until ``path`` exists (30 s at most: two runs that
+    both train, a broken lock, end instead of hanging, and fail the test)."""
+    waited = [False]
+
+    def hook(*_) -> None:
+        deadline = time.monotonic() + 30
+        while not waited[0] and not path.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        waited[0] = True
+
+    return hook
 
 
 def test_the_lock_is_the_main_process_own_not_its_forked_workers(tmp_path):
