@@ -277,20 +277,20 @@ def test_crash_mid_epoch_then_resume_is_bitwise_exact_for_a_pretrained_lm_folder
     def args(out: Path, *extra: str) -> list[str]:
         return ["--task", "causal_lm", "--dataset", "hf", "--data_dir", str(corpus / "texts"), "--model",
                 str(pretrained), "--max_length", "32", "--global_batch_size", "16", "--per_device_batch_size", "4",
-                "--max_steps", "8", "--checkpointing_steps", "3", "--output_dir", str(out), *extra]
+                "--max_steps", "6", "--checkpointing_steps", "2", "--output_dir", str(out), *extra]
 
     train_ranks(args(tmp_path / "reference"), world_size=2)
     crashed = tmp_path / "crashed"
 
-    def crash_after_step_5():
-        faults.install(fail_at=(5, int(os.environ["RANK"])))  # the whole job dies after step 5 of 25 in the epoch
+    def crash_after_step_3():
+        faults.install(fail_at=(3, int(os.environ["RANK"])))  # the whole job dies after step 3 of 25 in the epoch
         train_cli(parse_args(args(crashed)))
 
-    with pytest.raises(RankFailed, match="injected failure on rank 1 at step 5"):
-        run_ranks(crash_after_step_5, world_size=2)
+    with pytest.raises(RankFailed, match="injected failure on rank 1 at step 3"):
+        run_ranks(crash_after_step_3, world_size=2)
     assert not (crashed / "model.safetensors").exists()
     summary = train_ranks(args(crashed, "--resume_from_checkpoint", "auto"), world_size=2)[0]
-    assert summary["resumed_from_step"] == 3 and summary["grad_accum_steps"] == 2
+    assert summary["resumed_from_step"] == 2 and summary["grad_accum_steps"] == 2
     got, expected = load_weights(crashed), load_weights(tmp_path / "reference")
     assert got.keys() == expected.keys()
     for key in expected:
