@@ -31,6 +31,21 @@ VOCAB, LENGTH = 64, 16
 MAX_GRAPHS = 3
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _dynamo_loaded_once():
+    """A process's first compiled forward imports ~420 modules (dynamo's, functorch's, sympy's, networkx): ~0.7 s of
+    CPU that each forked run paid. Here the test process pays it once, with a forward only (a compiled backward
+    would start autograd's device threads, which a fork must not copy), and the runs forked later inherit it; then
+    dynamo forgets that graph and its counters start from zero again, so that each run counts only its own."""
+    from torch._dynamo.utils import counters
+
+    layer = torch.nn.Linear(2, 2)
+    layer.compile(backend="eager")
+    layer(torch.ones(3, 2, requires_grad=True))
+    torch._dynamo.reset()
+    counters.clear()
+
+
 def gpt2(layers: int = LAYERS) -> torch.nn.Module:
     config = transformers.GPT2Config(n_layer=layers, n_head=2, n_embd=16, vocab_size=VOCAB, n_positions=LENGTH)
     return transformers.GPT2LMHeadModel(config)

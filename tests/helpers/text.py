@@ -43,7 +43,22 @@ def preload_weight_conversions() -> None:
     get_checkpoint_conversion_mapping("gpt2")
 
 
+def _build_weight_conversions_here() -> None:
+    """Build Transformers' table of checkpoint key conversions in the test process, once: the ranks it forks inherit
+    it. ``from_pretrained`` and ``save_pretrained`` (a run's hf_model/ export) look a model up in it, and the first
+    look-up in a process builds it for every architecture (``conversion_mapping._build_checkpoint_conversion_mapping``:
+    ~1,200 weight renamings, each compiling its regular expressions, more than ``re``'s cache holds): ~0.13 s of CPU
+    per rank of every run that loads or exports a Transformers model. It is a module global that no run changes
+    (``register_checkpoint_conversion_mapping`` adds to it; nothing here calls it). Versions without it: nothing."""
+    try:
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    except ImportError:
+        return
+    get_checkpoint_conversion_mapping("gpt2")
+
+
 _load_gpt2_here()
+_build_weight_conversions_here()
 
 
 def tiny_gpt(vocab: int = VOCAB, positions: int = 32, dropout: float = 0.0, activation: str = "gelu_new"):
