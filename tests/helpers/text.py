@@ -18,29 +18,13 @@ def _load_gpt2_here() -> None:
     """Import Transformers' GPT-2 modelling in the test process, once, when a text test module imports this one:
     the ranks it forks inherit it instead of each importing it (~2.5 s a rank, on every run; under pytest-xdist,
     in a worker where no earlier test had imported it, 35 s for the four runs of one test). Without Transformers
-    nothing happens here: the test modules that need it skip (``importorskip``). The weight conversions every text
-    run's export builds are built here too (``preload_weight_conversions``)."""
+    nothing happens here: the test modules that need it skip (``importorskip``)."""
     try:
         import transformers
 
         transformers.GPT2LMHeadModel, transformers.GPT2ForSequenceClassification  # noqa: B018 - the access imports
     except ImportError:
-        return
-    preload_weight_conversions()
-
-
-def preload_weight_conversions() -> None:
-    """Build Transformers' table of checkpoint weight conversions in the test process, once, for the ranks it forks.
-
-    ``save_pretrained`` (every text run's export, on its main process) builds it on first use: ~1,000 regular
-    expressions compiled, ~0.13 s of CPU in each run; transformers/conversion_mapping.py then keeps it in a module
-    global (``_checkpoint_conversion_mapping_cache``, handed out as deep copies), which forked ranks inherit built.
-    Without Transformers, or a version without that table, nothing happens here."""
-    try:
-        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
-    except ImportError:
-        return
-    get_checkpoint_conversion_mapping("gpt2")
+        pass
 
 
 def _build_weight_conversions_here() -> None:
