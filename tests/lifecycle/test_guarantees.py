@@ -151,15 +151,18 @@ def args_for(matrix, path: str, out: Path, *extra: str) -> list[str]:
 
 def reference(matrix, path: str, users: bool = False) -> Path:
     """The uninterrupted run of ``path`` (once per module), with the Python API's optimizer and schedule if
-    ``users`` (``users_train``)."""
+    ``users`` (``users_train``). It saves no checkpoint: the runs it is compared with save theirs every 3 steps, so
+    their equality also shows that a save leaves training alone."""
     if (path, users) not in matrix["references"]:
         out = matrix["root"] / f"reference-{path}{'-users' if users else ''}"
+        args = [*_path_args(path, matrix["root"]), "--log_every", "4", "--output_dir", str(out)]
         if users:
-            [summary, _] = run_ranks(lambda: users_train(args_for(matrix, path, out)), world_size=2)
+            [summary, _] = run_ranks(lambda: users_train(args), world_size=2)
             assert summary["optimizer"] == "RAdam (train(optimizer=...))" and summary["optimizer_steps"] == 16
         else:
-            assert main_ranks(args_for(matrix, path, out)) == [0, 0]
+            assert main_ranks(args) == [0, 0]
             summary = read_summary(out)
+        assert not (out / "checkpoints").exists()
         assert (summary["loader"], summary["data_source"]) == EXPECTED[path]
         matrix["references"][path, users] = out
     return matrix["references"][path, users]
@@ -232,9 +235,11 @@ def assert_clean(err: str) -> None:
     assert "Traceback" not in err and "killed by signal" not in err, err[-3000:]
 
 
-def assert_stopped_after(out: Path, step: int, capfd, reason: str = "SIGTERM received") -> None:
-    """The run stopped after ``step`` with that step's checkpoint, one line saying so and why, no traceback."""
-    err = capfd.readouterr().err
+def assert_stopped_after(out: Path, step: int, capfd, reason: str = "SIGTERM received") -> str:
+    """The run stopped after ``step`` with that step's checkpoint, one line saying so and why, no traceback; what it
+    printed on stdout."""
+    printed = capfd.readouterr()
+    err = printed.err
     assert_clean(err)
     line = preempted_line(err)
     assert re.search(rf"preempted: {reason}: stopped after optimizer step {step} and saved \S+step_{step:08d}; "
@@ -242,6 +247,7 @@ def assert_stopped_after(out: Path, step: int, capfd, reason: str = "SIGTERM rec
     assert [s for s, _ in list_checkpoints(str(out / "checkpoints"))][-1] == step
     read_checkpoint(str(out / "checkpoints" / f"step_{step:08d}"))  # complete, every file as recorded
     assert not (out / "summary.json").exists()
+    return printed.out
 
 
 def assert_resumes_bitwise(matrix, path: str, out: Path, step: int, *extra: str) -> None:
@@ -251,14 +257,14 @@ def assert_resumes_bitwise(matrix, path: str, out: Path, step: int, *extra: str)
     assert_same_weights(out, reference(matrix, path))
 
 
-# Each path once, its cell also showing what another test would otherwise train its own runs for: on the device loader
-# and the DataLoader path, the Python API's optimizer and schedule (``train(optimizer=, lr_scheduler=)``, whose state
-# a resume restores: nothing in it depends on the path); on the DataLoader path, the signal to one rank's process
-# group only (torchrun's os.killpg to each rank, its DataLoader workers too): the other rank learns it at the next
-# comparison of flags, and stops after the same step (the signal to the main process alone: during a save, below).
+# Each path once, its cell also showing what another test would otherwise train its own runs for: on the device
+# loader, the Python API's optimizer and schedule (``train(optimizer=, lr_scheduler=)``, whose state a resume restores:
+# nothing in it depends on the path); on the memory-mapped path, the signal to one rank's process group only
+# (torchrun's os.killpg to each rank, its DataLoader worker too): the other rank learns it at the next comparison of
+# flags, and stops after the same step. The DataLoader path's cells are one chain with a signal during a save and one
+# during an evaluation (test_on_the_dataloader_path_...).
 CELLS = [pytest.param("device", "SIGTERM", "job", True, id="device-users_optimizer"),
-         pytest.param("dataloader", "SIGTERM", "group", True, id="dataloader-one_ranks_group-users_optimizer"),
-         pytest.param("memory_mapped", "SIGTERM", "job", False, id="memory_mapped"),
+         pytest.param("memory_mapped", "SIGTERM", "group", False, id="memory_mapped-one_ranks_group"),
          pytest.param("streaming", "SIGTERM", "job", False, id="streaming"),
          pytest.param("causal_lm", "SIGTERM", "job", False, id="causal_lm"),
          pytest.param("sequence_classification", "SIGUSR1", "job", False, id="sequence_classification-SIGUSR1")]
@@ -324,15 +330,42 @@ def users_train(args: list[str]) -> dict:
     return train(parse_args(args), optimizer=users_radam, lr_scheduler=users_step_lr)
 
 
-# ----------------------------------------------------------------------------- during an evaluation, a save, start-up
+# ----------------------------------------------------------------------------- during a save, an evaluation, start-up
 
 
-def test_a_signal_during_an_evaluation_finishes_it_then_saves_that_step(matrix, tmp_path, capfd):
-    """The evaluation (on a DataLoader with a worker, which ignores the signal) completes and is logged; then every
-    rank saves the step it evaluated and stops, not a step later."""
-    eval_every = ("--eval_every", "4")  # the reference evaluates once an epoch: evaluations leave training alone
+def test_on_the_dataloader_path_a_signal_during_a_save_then_during_an_evaluation_then_kill_9_resume_bitwise(
+        matrix, tmp_path, capfd):
+    """The DataLoader path's cells, one run after the other (its workers, in training and evaluation, ignore the
+    signals):
+
+    1. SIGTERM to the main process alone (not its workers, nor the other rank) while it seals the checkpoint of step
+       3: it is completed, the other rank learns of the signal when the flags are compared after the save, and every
+       rank stops after step 3 with exit code 75;
+    2. resumed with ``auto`` from step 3, evaluating every 4 steps: SIGTERM to every process of the job during the
+       first evaluation; it completes and is logged, then every rank saves the step it evaluated and stops, not a
+       step later;
+    3. resumed, the whole job SIGKILLed after step 7; resumed from the checkpoint of step 6: the uninterrupted run's
+       weights, bit for bit (that run evaluates once an epoch: evaluations leave training alone).
+    """
     reference(matrix, "dataloader")
-    out = tmp_path / "run"
+    out, pids = tmp_path / "run", tmp_path / "pids"
+
+    def while_sealing(rank: int, fire) -> None:
+        from accel_ddp.checkpoint.manager import CheckpointManager
+
+        seal = CheckpointManager.seal
+
+        def signalled(self, tmp, final, step):
+            fire()  # every rank has written its files; the other rank waits in the save's last barrier
+            seal(self, tmp, final, step)
+
+        CheckpointManager.seal = signalled
+
+    capfd.readouterr()
+    codes = run_signalled(args_for(matrix, "dataloader", out), pids, signal.SIGTERM, "rank",
+                          patch=while_sealing)  # the main process seals: "rank" is rank 0
+    assert codes == [75, 75]
+    assert_stopped_after(out, int(SAVE_EVERY), capfd)
 
     def during_first_evaluation(rank: int, fire) -> None:
         import accel_ddp.after_step as after_step
@@ -347,40 +380,16 @@ def test_a_signal_during_an_evaluation_finishes_it_then_saves_that_step(matrix, 
 
         after_step.evaluate = signalled
 
-    capfd.readouterr()
-    codes = run_signalled(args_for(matrix, "dataloader", out, *eval_every), tmp_path / "pids", signal.SIGTERM, "job",
-                          patch=during_first_evaluation)
+    resumed = args_for(matrix, "dataloader", out, "--resume_from_checkpoint", "auto")
+    codes = run_signalled([*resumed, "--eval_every", "4"], pids, signal.SIGTERM, "job", patch=during_first_evaluation)
     assert codes == [75, 75]
     assert [r["step"] for r in read_metrics(out) if "eval_loss" in r] == [4]
-    assert_stopped_after(out, 4, capfd)
-    assert_resumes_bitwise(matrix, "dataloader", out, 4, *eval_every)
-
-
-def test_a_signal_to_the_main_process_alone_during_a_save_lets_it_complete_then_every_rank_stops(matrix, tmp_path,
-                                                                                                  capfd):
-    """SIGTERM to the main process alone (not its workers, nor the other rank) while it seals the checkpoint of step
-    3: it is completed, the other rank learns of the signal when the flags are compared after the save, and every
-    rank stops after step 3 with exit code 75."""
-    reference(matrix, "dataloader")
-    out = tmp_path / "run"
-
-    def while_sealing(rank: int, fire) -> None:
-        from accel_ddp.checkpoint.manager import CheckpointManager
-
-        seal = CheckpointManager.seal
-
-        def signalled(self, tmp, final, step):
-            fire()  # every rank has written its files; the other rank waits in the save's last barrier
-            seal(self, tmp, final, step)
-
-        CheckpointManager.seal = signalled
-
-    capfd.readouterr()
-    codes = run_signalled(args_for(matrix, "dataloader", out), tmp_path / "pids", signal.SIGTERM, "rank",
-                          patch=while_sealing)  # the main process seals: "rank" is rank 0
-    assert codes == [75, 75]
-    assert_stopped_after(out, int(SAVE_EVERY), capfd)
-    assert_resumes_bitwise(matrix, "dataloader", out, int(SAVE_EVERY))
+    printed = assert_stopped_after(out, 4, capfd)
+    assert re.search(r"start: +resumed from step 3 of checkpoint", printed), printed[-3000:]
+    with pytest.raises(RankFailed, match="exited with code -9"):
+        run_signalled(resumed, pids, signal.SIGKILL, "job", at=3)  # this process's third step: step 7
+    assert [s for s, _ in list_checkpoints(str(out / "checkpoints"))][-2:] == [4, 6]
+    assert_resumes_bitwise(matrix, "dataloader", out, 6)
 
 
 def _start_up_stop(err: str, phase: str, out: Path) -> None:
