@@ -643,15 +643,15 @@ def _launcher(args: list[str], pids: Path, kill_at: int, piped: bool) -> None:
     def orphaned_rank() -> int:
         from torch.optim.optimizer import register_optimizer_step_post_hook
 
+        import accel_ddp.lifecycle.preemption as preemption
         from accel_ddp.cli.train import main
-        from tests.helpers import faults
 
         if reader is not None:
             os.close(reader)  # the launcher is the pipe's only reader
             # print() to the pipe, not to pytest's capture, which replaced sys.stdout and sys.stderr
             sys.stdout, sys.stderr = (open(fd, "w", buffering=1, closefd=False) for fd in (1, 2))
         rank = as_torchrun_worker(pids)
-        faults.install(step_delay=0.2)  # training goes on for seconds after the kill: time to notice it
+        noticed = _tell_when_the_launcher_watch_noticed(preemption)
         steps = [0]
 
         def after_step(*_):
@@ -660,6 +660,9 @@ def _launcher(args: list[str], pids: Path, kill_at: int, piped: bool) -> None:
                 (pids / f"workers{rank}").write_text(" ".join(str(c.pid) for c in psutil.Process().children()))
                 if rank == 1:
                     os.kill(os.getppid(), signal.SIGKILL)
+                # The step ends once this rank's own watch recorded the launcher's death (not a step's length
+                # later): every rank then stops after this step. A watch that never notices: the run goes on.
+                noticed.wait(30)
 
         register_optimizer_step_post_hook(after_step)
         code = main(args)
@@ -669,28 +672,31 @@ def _launcher(args: list[str], pids: Path, kill_at: int, piped: bool) -> None:
     run_ranks(orphaned_rank, world_size=2, env=env)
 
 
+def _tell_when_the_launcher_watch_noticed(preemption) -> threading.Event:
+    """In a rank: an event set once the launcher's watch (``PreemptionWatcher._poll_parent``) has recorded the
+    launcher's death, and returned; its poll every 20 ms instead of 0.5 s."""
+    noticed = threading.Event()
+    poll_parent = preemption.PreemptionWatcher._poll_parent
+
+    def poll_then_tell(self, parent: int) -> None:
+        poll_parent(self, parent)
+        if self.signalled:
+            noticed.set()
+
+    preemption.PreemptionWatcher._poll_parent = poll_then_tell
+    preemption.LAUNCHER_POLL_SECONDS = 0.02  # read at each poll
+    return noticed
+
+
 def _copy(source: int, target: int) -> None:
     while chunk := os.read(source, 65536):
         os.write(target, chunk)
 
 
-@pytest.mark.parametrize("output", ["file", "pipe"])
-def test_when_the_launcher_dies_every_rank_stops_after_the_same_step_saves_and_exits(matrix, output, tmp_path,
-                                                                                       capfd):
-    """SIGKILL of the launcher (the OOM killer, kill -9): its ranks, in sessions of their own, notice within a
-    poll, stop after the same step, save it, release the folder's lock and exit 75, their DataLoader workers gone
-    too; the store the launcher hosted dies with it, and the save's barriers do without it; the run resumes exactly.
-    With the output piped through the launcher, what they print from then on goes nowhere, without failing them.
-    (The launcher is torchrun as its workers see it, ``_launcher``: a real `accelerate launch`, killed, does nothing
-    more for them to see.)"""
-    import fcntl
-
-    reference(matrix, "dataloader")
-    out, pids = tmp_path / "run", tmp_path / "pids"
-    pids.mkdir()
-    capfd.readouterr()
-    launcher = multiprocessing.get_context("fork").Process(
-        target=_launcher, args=(args_for(matrix, "dataloader", out), pids, 3, output == "pipe"))
+def _orphaned_run(args: list[str], pids: Path, kill_at: int, piped: bool) -> None:
+    """``_launcher`` SIGKILLed after step ``kill_at``: its ranks and their DataLoader workers end, each rank with
+    exit code 75."""
+    launcher = multiprocessing.get_context("fork").Process(target=_launcher, args=(args, pids, kill_at, piped))
     launcher.start()
     launcher.join()
     assert launcher.exitcode == -signal.SIGKILL
@@ -704,19 +710,37 @@ def test_when_the_launcher_dies_every_rank_stops_after_the_same_step_saves_and_e
             if not gone(pid):
                 os.kill(pid, signal.SIGKILL)
     assert [(pids / f"exit{r}").read_text() for r in (0, 1)] == ["75", "75"]
+
+
+def test_when_the_launcher_dies_every_rank_stops_after_the_same_step_saves_and_exits(matrix, tmp_path, capfd):
+    """SIGKILL of the launcher (the OOM killer, kill -9): its ranks, in sessions of their own, notice within a
+    poll, stop after the same step, save it, release the folder's lock and exit 75, their DataLoader workers gone
+    too; the store the launcher hosted dies with it, and the save's barriers do without it. Resumed under a launcher
+    whose output the ranks' goes through (a pipe it reads), killed after the next step: what they print from then on
+    goes nowhere, without failing them. The run then resumes exactly. (The launcher is torchrun as its workers see
+    it, ``_launcher``: a real `accelerate launch`, killed, does nothing more for them to see.)"""
+    import fcntl
+
+    reference(matrix, "dataloader")
+    out, pids = tmp_path / "run", tmp_path / "pids"
+    pids.mkdir()
+    capfd.readouterr()
+    _orphaned_run(args_for(matrix, "dataloader", out), pids, 4, piped=False)  # 4: not a step with a save of its own
     err = capfd.readouterr().err
     assert_clean(err)
-    steps = [s for s, _ in list_checkpoints(str(out / "checkpoints"))]
-    if output == "file":
-        line = preempted_line(err)
-        found = re.search(r"the launcher died \(every rank's parent process is gone\): stopped after optimizer "
-                          r"step (\d+) and saved \S+; relaunch", line)
-        assert found and steps[-1] == int(found.group(1)), line
-    assert 3 <= steps[-1] < 16  # the newest checkpoint: of the step they stopped after
-    read_checkpoint(str(out / "checkpoints" / f"step_{steps[-1]:08d}"))
+    assert re.search(r"preempted: the launcher died \(every rank's parent process is gone\): stopped after optimizer "
+                     r"step 4 and saved \S+step_00000004; relaunch", preempted_line(err)), err[-3000:]
+    assert [s for s, _ in list_checkpoints(str(out / "checkpoints"))][-1] == 4
+    read_checkpoint(str(out / "checkpoints" / "step_00000004"))
     with open(out / ".lock", "w") as lock:  # released: this process can take it
         fcntl.lockf(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    assert main_ranks(args_for(matrix, "dataloader", out, "--resume_from_checkpoint", "auto")) == [0, 0]
+    resumed = args_for(matrix, "dataloader", out, "--resume_from_checkpoint", "auto")
+    _orphaned_run(resumed, pids, 1, piped=True)  # its first step: step 5
+    assert_clean(capfd.readouterr().err)
+    assert [s for s, _ in list_checkpoints(str(out / "checkpoints"))][-1] == 5
+    read_checkpoint(str(out / "checkpoints" / "step_00000005"))
+    assert main_ranks(resumed) == [0, 0]
+    assert read_summary(out)["resumed_from_step"] == 5
     assert_same_weights(out, reference(matrix, "dataloader"))
 
 
