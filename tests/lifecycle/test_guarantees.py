@@ -411,10 +411,13 @@ def test_a_signal_while_the_first_process_tokenizes_interrupts_it_and_every_rank
         build_text = resolve.build_text
 
         def slow(*a, **kw):
-            # From a process of its own (not this one: it is about to sleep), half a second from now.
-            subprocess.Popen([sys.executable, "-S", "-c", f"import os, time; time.sleep(0.5); "
+            # From a process of its own (not this one: it is about to sleep), once the build has begun.
+            begun = tmp_path / "begun"
+            subprocess.Popen([sys.executable, "-S", "-c", f"import os, time\nwhile not os.path.exists({str(begun)!r}):"
+                              f"\n    time.sleep(0.005)\n"
                               f"[os.killpg(int(open(p).read()), 15) for p in {[str(p) for p in pids()]}]"],
                              start_new_session=True)
+            begun.touch()
             time.sleep(60)
             (tmp_path / "tokenized").touch()
             return build_text(*a, **kw)
