@@ -509,7 +509,8 @@ def _workers_hear_only_their_parent() -> tuple[list[bool], int, int | None]:
     loader = iter(HostLoader(IndexDataset(64), 4, 4, seed=0, num_workers=2).loader)  # its DataLoader: 16 batches
     next(loader)
     workers = list(loader._workers)
-    job = "; ".join(f"os.kill({w.pid}, {sig})" for w in workers for sig in (signal.SIGTERM, signal.SIGUSR1))
+    signals = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP)  # the job's, Ctrl-C's, a closed terminal's
+    job = "; ".join(f"os.kill({w.pid}, {int(sig)})" for w in workers for sig in signals)
     subprocess.run([sys.executable, "-S", "-c", f"import os; {job}"], check=True)  # as torchrun's killpg would
     time.sleep(0.5)
     alive = [w.is_alive() for w in workers]
@@ -519,7 +520,10 @@ def _workers_hear_only_their_parent() -> tuple[list[bool], int, int | None]:
     return alive, served, workers[0].exitcode
 
 
-def test_dataloader_workers_ignore_the_jobs_signals_and_obey_their_parents_sigterm():
+def test_dataloader_workers_ignore_the_jobs_signals_ctrl_c_and_hangup_and_obey_their_parents_sigterm():
+    """SIGTERM and SIGUSR1 from anyone but the parent, SIGINT and SIGHUP (red team T7, S8: torch's worker loop ends
+    quietly on KeyboardInterrupt and SIGHUP's default kills; either would make the rank's next read fail, or restart
+    its workers): the workers serve on; the parent's SIGTERM ends one quietly."""
     [(alive, served, exitcode)] = run_ranks(_workers_hear_only_their_parent, world_size=1)
     assert alive == [True, True] and served == 15
     assert exitcode == 0  # a quiet exit, as torch's own handler gives the parent's SIGTERM

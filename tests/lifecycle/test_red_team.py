@@ -372,30 +372,8 @@ def test_t7_s8_ctrl_c_and_a_closed_terminal_save_the_step_and_resume_bitwise(sig
 # tests/lifecycle/test_guarantees.py test_ctrl_c_to_the_launcher_stops_ranks_with_dataloader_workers_and_resumes_bitwise
 
 
-def _workers_through_ctrl_c_and_hangup() -> tuple[list[bool], int]:
-    import signal
-    import subprocess
-    import sys
-    import time
-
-    from accel_ddp.data import HostLoader
-    from tests.helpers.data import IndexDataset
-
-    loader = iter(HostLoader(IndexDataset(64), 4, 4, seed=0, num_workers=2).loader)  # its DataLoader: 16 batches
-    next(loader)
-    workers = list(loader._workers)
-    job = "; ".join(f"os.kill({w.pid}, {int(sig)})" for w in workers for sig in (signal.SIGINT, signal.SIGHUP))
-    subprocess.run([sys.executable, "-S", "-c", f"import os; {job}"], check=True)  # as a terminal's would
-    time.sleep(0.5)
-    return [w.is_alive() for w in workers], sum(1 for _ in loader)
-
-
-def test_t7_s8_dataloader_workers_ignore_ctrl_c_and_hangup():
-    """torch's worker loop ends quietly on KeyboardInterrupt and SIGHUP's default kills: either would make the rank's
-    next read fail (or, since T8, restart its workers); ours ignore both and serve on."""
-    from tests.helpers.multiproc import run_ranks
-
-    assert run_ranks(_workers_through_ctrl_c_and_hangup, world_size=1) == [([True, True], 15)]
+# The DataLoader workers ignore Ctrl-C and hangup (T7, S8) with the job's signals: tests/lifecycle/test_guarantees.py
+# test_dataloader_workers_ignore_the_jobs_signals_ctrl_c_and_hangup_and_obey_their_parents_sigterm (one loader).
 
 
 # ============================================================================= T8: a DataLoader worker killed
