@@ -151,15 +151,18 @@ def args_for(matrix, path: str, out: Path, *extra: str) -> list[str]:
 
 def reference(matrix, path: str, users: bool = False) -> Path:
     """The uninterrupted run of ``path`` (once per module), with the Python API's optimizer and schedule if
-    ``users`` (``users_train``)."""
+    ``users`` (``users_train``). It saves no checkpoint: the runs it is compared with save theirs every 3 steps, so
+    their equality also shows that a save leaves training alone."""
     if (path, users) not in matrix["references"]:
         out = matrix["root"] / f"reference-{path}{'-users' if users else ''}"
+        args = [*_path_args(path, matrix["root"]), "--log_every", "4", "--output_dir", str(out)]
         if users:
-            [summary, _] = run_ranks(lambda: users_train(args_for(matrix, path, out)), world_size=2)
+            [summary, _] = run_ranks(lambda: users_train(args), world_size=2)
             assert summary["optimizer"] == "RAdam (train(optimizer=...))" and summary["optimizer_steps"] == 16
         else:
-            assert main_ranks(args_for(matrix, path, out)) == [0, 0]
+            assert main_ranks(args) == [0, 0]
             summary = read_summary(out)
+        assert not (out / "checkpoints").exists()
         assert (summary["loader"], summary["data_source"]) == EXPECTED[path]
         matrix["references"][path, users] = out
     return matrix["references"][path, users]
@@ -232,9 +235,11 @@ def assert_clean(err: str) -> None:
     assert "Traceback" not in err and "killed by signal" not in err, err[-3000:]
 
 
-def assert_stopped_after(out: Path, step: int, capfd, reason: str = "SIGTERM received") -> None:
-    """The run stopped after ``step`` with that step's checkpoint, one line saying so and why, no traceback."""
-    err = capfd.readouterr().err
+def assert_stopped_after(out: Path, step: int, capfd, reason: str = "SIGTERM received") -> str:
+    """The run stopped after ``step`` with that step's checkpoint, one line saying so and why, no traceback; what it
+    printed on stdout."""
+    printed = capfd.readouterr()
+    err = printed.err
     assert_clean(err)
     line = preempted_line(err)
     assert re.search(rf"preempted: {reason}: stopped after optimizer step {step} and saved \S+step_{step:08d}; "
@@ -242,6 +247,7 @@ def assert_stopped_after(out: Path, step: int, capfd, reason: str = "SIGTERM rec
     assert [s for s, _ in list_checkpoints(str(out / "checkpoints"))][-1] == step
     read_checkpoint(str(out / "checkpoints" / f"step_{step:08d}"))  # complete, every file as recorded
     assert not (out / "summary.json").exists()
+    return printed.out
 
 
 def assert_resumes_bitwise(matrix, path: str, out: Path, step: int, *extra: str) -> None:
@@ -251,14 +257,14 @@ def assert_resumes_bitwise(matrix, path: str, out: Path, step: int, *extra: str)
     assert_same_weights(out, reference(matrix, path))
 
 
-# Each path once, its cell also showing what another test would otherwise train its own runs for: on the device loader
-# and the DataLoader path, the Python API's optimizer and schedule (``train(optimizer=, lr_scheduler=)``, whose state
-# a resume restores: nothing in it depends on the path); on the DataLoader path, the signal to one rank's process
-# group only (torchrun's os.killpg to each rank, its DataLoader workers too): the other rank learns it at the next
-# comparison of flags, and stops after the same step (the signal to the main process alone: during a save, below).
+# Each path once, its cell also showing what another test would otherwise train its own runs for: on the device
+# loader, the Python API's optimizer and schedule (``train(optimizer=, lr_scheduler=)``, whose state a resume restores:
+# nothing in it depends on the path); on the memory-mapped path, the signal to one rank's process group only
+# (torchrun's os.killpg to each rank, its DataLoader worker too): the other rank learns it at the next comparison of
+# flags, and stops after the same step. The DataLoader path's cells are one chain with a signal during a save and one
+# during an evaluation (test_on_the_dataloader_path_...).
 CELLS = [pytest.param("device", "SIGTERM", "job", True, id="device-users_optimizer"),
-         pytest.param("dataloader", "SIGTERM", "group", True, id="dataloader-one_ranks_group-users_optimizer"),
-         pytest.param("memory_mapped", "SIGTERM", "job", False, id="memory_mapped"),
+         pytest.param("memory_mapped", "SIGTERM", "group", False, id="memory_mapped-one_ranks_group"),
          pytest.param("streaming", "SIGTERM", "job", False, id="streaming"),
          pytest.param("causal_lm", "SIGTERM", "job", False, id="causal_lm"),
          pytest.param("sequence_classification", "SIGUSR1", "job", False, id="sequence_classification-SIGUSR1")]
@@ -324,15 +330,42 @@ def users_train(args: list[str]) -> dict:
     return train(parse_args(args), optimizer=users_radam, lr_scheduler=users_step_lr)
 
 
-# ----------------------------------------------------------------------------- during an evaluation, a save, start-up
+# ----------------------------------------------------------------------------- during a save, an evaluation, start-up
 
 
-def test_a_signal_during_an_evaluation_finishes_it_then_saves_that_step(matrix, tmp_path, capfd):
-    """The evaluation (on a DataLoader with a worker, which ignores the signal) completes and is logged; then every
-    rank saves the step it evaluated and stops, not a step later."""
-    eval_every = ("--eval_every", "4")  # the reference evaluates once an epoch: evaluations leave training alone
+def test_on_the_dataloader_path_a_signal_during_a_save_then_during_an_evaluation_then_kill_9_resume_bitwise(
+        matrix, tmp_path, capfd):
+    """The DataLoader path's cells, one run after the other (its workers, in training and evaluation, ignore the
+    signals):
+
+    1. SIGTERM to the main process alone (not its workers, nor the other rank) while it seals the checkpoint of step
+       3: it is completed, the other rank learns of the signal when the flags are compared after the save, and every
+       rank stops after step 3 with exit code 75;
+    2. resumed with ``auto`` from step 3, evaluating every 4 steps: SIGTERM to every process of the job during the
+       first evaluation; it completes and is logged, then every rank saves the step it evaluated and stops, not a
+       step later;
+    3. resumed, the whole job SIGKILLed after step 7; resumed from the checkpoint of step 6: the uninterrupted run's
+       weights, bit for bit (that run evaluates once an epoch: evaluations leave training alone).
+    """
     reference(matrix, "dataloader")
-    out = tmp_path / "run"
+    out, pids = tmp_path / "run", tmp_path / "pids"
+
+    def while_sealing(rank: int, fire) -> None:
+        from accel_ddp.checkpoint.manager import CheckpointManager
+
+        seal = CheckpointManager.seal
+
+        def signalled(self, tmp, final, step):
+            fire()  # every rank has written its files; the other rank waits in the save's last barrier
+            seal(self, tmp, final, step)
+
+        CheckpointManager.seal = signalled
+
+    capfd.readouterr()
+    codes = run_signalled(args_for(matrix, "dataloader", out), pids, signal.SIGTERM, "rank",
+                          patch=while_sealing)  # the main process seals: "rank" is rank 0
+    assert codes == [75, 75]
+    assert_stopped_after(out, int(SAVE_EVERY), capfd)
 
     def during_first_evaluation(rank: int, fire) -> None:
         import accel_ddp.after_step as after_step
@@ -347,40 +380,16 @@ def test_a_signal_during_an_evaluation_finishes_it_then_saves_that_step(matrix, 
 
         after_step.evaluate = signalled
 
-    capfd.readouterr()
-    codes = run_signalled(args_for(matrix, "dataloader", out, *eval_every), tmp_path / "pids", signal.SIGTERM, "job",
-                          patch=during_first_evaluation)
+    resumed = args_for(matrix, "dataloader", out, "--resume_from_checkpoint", "auto")
+    codes = run_signalled([*resumed, "--eval_every", "4"], pids, signal.SIGTERM, "job", patch=during_first_evaluation)
     assert codes == [75, 75]
     assert [r["step"] for r in read_metrics(out) if "eval_loss" in r] == [4]
-    assert_stopped_after(out, 4, capfd)
-    assert_resumes_bitwise(matrix, "dataloader", out, 4, *eval_every)
-
-
-def test_a_signal_to_the_main_process_alone_during_a_save_lets_it_complete_then_every_rank_stops(matrix, tmp_path,
-                                                                                                  capfd):
-    """SIGTERM to the main process alone (not its workers, nor the other rank) while it seals the checkpoint of step
-    3: it is completed, the other rank learns of the signal when the flags are compared after the save, and every
-    rank stops after step 3 with exit code 75."""
-    reference(matrix, "dataloader")
-    out = tmp_path / "run"
-
-    def while_sealing(rank: int, fire) -> None:
-        from accel_ddp.checkpoint.manager import CheckpointManager
-
-        seal = CheckpointManager.seal
-
-        def signalled(self, tmp, final, step):
-            fire()  # every rank has written its files; the other rank waits in the save's last barrier
-            seal(self, tmp, final, step)
-
-        CheckpointManager.seal = signalled
-
-    capfd.readouterr()
-    codes = run_signalled(args_for(matrix, "dataloader", out), tmp_path / "pids", signal.SIGTERM, "rank",
-                          patch=while_sealing)  # the main process seals: "rank" is rank 0
-    assert codes == [75, 75]
-    assert_stopped_after(out, int(SAVE_EVERY), capfd)
-    assert_resumes_bitwise(matrix, "dataloader", out, int(SAVE_EVERY))
+    printed = assert_stopped_after(out, 4, capfd)
+    assert re.search(r"start: +resumed from step 3 of checkpoint", printed), printed[-3000:]
+    with pytest.raises(RankFailed, match="exited with code -9"):
+        run_signalled(resumed, pids, signal.SIGKILL, "job", at=3)  # this process's third step: step 7
+    assert [s for s, _ in list_checkpoints(str(out / "checkpoints"))][-2:] == [4, 6]
+    assert_resumes_bitwise(matrix, "dataloader", out, 6)
 
 
 def _start_up_stop(err: str, phase: str, out: Path) -> None:
@@ -402,10 +411,13 @@ def test_a_signal_while_the_first_process_tokenizes_interrupts_it_and_every_rank
         build_text = resolve.build_text
 
         def slow(*a, **kw):
-            # From a process of its own (not this one: it is about to sleep), half a second from now.
-            subprocess.Popen([sys.executable, "-S", "-c", f"import os, time; time.sleep(0.5); "
+            # From a process of its own (not this one: it is about to sleep), once the build has begun.
+            begun = tmp_path / "begun"
+            subprocess.Popen([sys.executable, "-S", "-c", f"import os, time\nwhile not os.path.exists({str(begun)!r}):"
+                              f"\n    time.sleep(0.005)\n"
                               f"[os.killpg(int(open(p).read()), 15) for p in {[str(p) for p in pids()]}]"],
                              start_new_session=True)
+            begun.touch()
             time.sleep(60)
             (tmp_path / "tokenized").touch()
             return build_text(*a, **kw)
@@ -497,7 +509,8 @@ def _workers_hear_only_their_parent() -> tuple[list[bool], int, int | None]:
     loader = iter(HostLoader(IndexDataset(64), 4, 4, seed=0, num_workers=2).loader)  # its DataLoader: 16 batches
     next(loader)
     workers = list(loader._workers)
-    job = "; ".join(f"os.kill({w.pid}, {sig})" for w in workers for sig in (signal.SIGTERM, signal.SIGUSR1))
+    signals = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP)  # the job's, Ctrl-C's, a closed terminal's
+    job = "; ".join(f"os.kill({w.pid}, {int(sig)})" for w in workers for sig in signals)
     subprocess.run([sys.executable, "-S", "-c", f"import os; {job}"], check=True)  # as torchrun's killpg would
     time.sleep(0.5)
     alive = [w.is_alive() for w in workers]
@@ -507,7 +520,10 @@ def _workers_hear_only_their_parent() -> tuple[list[bool], int, int | None]:
     return alive, served, workers[0].exitcode
 
 
-def test_dataloader_workers_ignore_the_jobs_signals_and_obey_their_parents_sigterm():
+def test_dataloader_workers_ignore_the_jobs_signals_ctrl_c_and_hangup_and_obey_their_parents_sigterm():
+    """SIGTERM and SIGUSR1 from anyone but the parent, SIGINT and SIGHUP (red team T7, S8: torch's worker loop ends
+    quietly on KeyboardInterrupt and SIGHUP's default kills; either would make the rank's next read fail, or restart
+    its workers): the workers serve on; the parent's SIGTERM ends one quietly."""
     [(alive, served, exitcode)] = run_ranks(_workers_hear_only_their_parent, world_size=1)
     assert alive == [True, True] and served == 15
     assert exitcode == 0  # a quiet exit, as torch's own handler gives the parent's SIGTERM
@@ -634,15 +650,15 @@ def _launcher(args: list[str], pids: Path, kill_at: int, piped: bool) -> None:
     def orphaned_rank() -> int:
         from torch.optim.optimizer import register_optimizer_step_post_hook
 
+        import accel_ddp.lifecycle.preemption as preemption
         from accel_ddp.cli.train import main
-        from tests.helpers import faults
 
         if reader is not None:
             os.close(reader)  # the launcher is the pipe's only reader
             # print() to the pipe, not to pytest's capture, which replaced sys.stdout and sys.stderr
             sys.stdout, sys.stderr = (open(fd, "w", buffering=1, closefd=False) for fd in (1, 2))
         rank = as_torchrun_worker(pids)
-        faults.install(step_delay=0.2)  # training goes on for seconds after the kill: time to notice it
+        noticed = _tell_when_the_launcher_watch_noticed(preemption)
         steps = [0]
 
         def after_step(*_):
@@ -651,6 +667,9 @@ def _launcher(args: list[str], pids: Path, kill_at: int, piped: bool) -> None:
                 (pids / f"workers{rank}").write_text(" ".join(str(c.pid) for c in psutil.Process().children()))
                 if rank == 1:
                     os.kill(os.getppid(), signal.SIGKILL)
+                # The step ends once this rank's own watch recorded the launcher's death (not a step's length
+                # later): every rank then stops after this step. A watch that never notices: the run goes on.
+                noticed.wait(30)
 
         register_optimizer_step_post_hook(after_step)
         code = main(args)
@@ -660,28 +679,31 @@ def _launcher(args: list[str], pids: Path, kill_at: int, piped: bool) -> None:
     run_ranks(orphaned_rank, world_size=2, env=env)
 
 
+def _tell_when_the_launcher_watch_noticed(preemption) -> threading.Event:
+    """In a rank: an event set once the launcher's watch (``PreemptionWatcher._poll_parent``) has recorded the
+    launcher's death, and returned; its poll every 20 ms instead of 0.5 s."""
+    noticed = threading.Event()
+    poll_parent = preemption.PreemptionWatcher._poll_parent
+
+    def poll_then_tell(self, parent: int) -> None:
+        poll_parent(self, parent)
+        if self.signalled:
+            noticed.set()
+
+    preemption.PreemptionWatcher._poll_parent = poll_then_tell
+    preemption.LAUNCHER_POLL_SECONDS = 0.02  # read at each poll
+    return noticed
+
+
 def _copy(source: int, target: int) -> None:
     while chunk := os.read(source, 65536):
         os.write(target, chunk)
 
 
-@pytest.mark.parametrize("output", ["file", "pipe"])
-def test_when_the_launcher_dies_every_rank_stops_after_the_same_step_saves_and_exits(matrix, output, tmp_path,
-                                                                                       capfd):
-    """SIGKILL of the launcher (the OOM killer, kill -9): its ranks, in sessions of their own, notice within a
-    poll, stop after the same step, save it, release the folder's lock and exit 75, their DataLoader workers gone
-    too; the store the launcher hosted dies with it, and the save's barriers do without it; the run resumes exactly.
-    With the output piped through the launcher, what they print from then on goes nowhere, without failing them.
-    (The launcher is torchrun as its workers see it, ``_launcher``: a real `accelerate launch`, killed, does nothing
-    more for them to see.)"""
-    import fcntl
-
-    reference(matrix, "dataloader")
-    out, pids = tmp_path / "run", tmp_path / "pids"
-    pids.mkdir()
-    capfd.readouterr()
-    launcher = multiprocessing.get_context("fork").Process(
-        target=_launcher, args=(args_for(matrix, "dataloader", out), pids, 3, output == "pipe"))
+def _orphaned_run(args: list[str], pids: Path, kill_at: int, piped: bool) -> None:
+    """``_launcher`` SIGKILLed after step ``kill_at``: its ranks and their DataLoader workers end, each rank with
+    exit code 75."""
+    launcher = multiprocessing.get_context("fork").Process(target=_launcher, args=(args, pids, kill_at, piped))
     launcher.start()
     launcher.join()
     assert launcher.exitcode == -signal.SIGKILL
@@ -695,19 +717,37 @@ def test_when_the_launcher_dies_every_rank_stops_after_the_same_step_saves_and_e
             if not gone(pid):
                 os.kill(pid, signal.SIGKILL)
     assert [(pids / f"exit{r}").read_text() for r in (0, 1)] == ["75", "75"]
+
+
+def test_when_the_launcher_dies_every_rank_stops_after_the_same_step_saves_and_exits(matrix, tmp_path, capfd):
+    """SIGKILL of the launcher (the OOM killer, kill -9): its ranks, in sessions of their own, notice within a
+    poll, stop after the same step, save it, release the folder's lock and exit 75, their DataLoader workers gone
+    too; the store the launcher hosted dies with it, and the save's barriers do without it. Resumed under a launcher
+    whose output the ranks' goes through (a pipe it reads), killed after the next step: what they print from then on
+    goes nowhere, without failing them. The run then resumes exactly. (The launcher is torchrun as its workers see
+    it, ``_launcher``: a real `accelerate launch`, killed, does nothing more for them to see.)"""
+    import fcntl
+
+    reference(matrix, "dataloader")
+    out, pids = tmp_path / "run", tmp_path / "pids"
+    pids.mkdir()
+    capfd.readouterr()
+    _orphaned_run(args_for(matrix, "dataloader", out), pids, 4, piped=False)  # 4: not a step with a save of its own
     err = capfd.readouterr().err
     assert_clean(err)
-    steps = [s for s, _ in list_checkpoints(str(out / "checkpoints"))]
-    if output == "file":
-        line = preempted_line(err)
-        found = re.search(r"the launcher died \(every rank's parent process is gone\): stopped after optimizer "
-                          r"step (\d+) and saved \S+; relaunch", line)
-        assert found and steps[-1] == int(found.group(1)), line
-    assert 3 <= steps[-1] < 16  # the newest checkpoint: of the step they stopped after
-    read_checkpoint(str(out / "checkpoints" / f"step_{steps[-1]:08d}"))
+    assert re.search(r"preempted: the launcher died \(every rank's parent process is gone\): stopped after optimizer "
+                     r"step 4 and saved \S+step_00000004; relaunch", preempted_line(err)), err[-3000:]
+    assert [s for s, _ in list_checkpoints(str(out / "checkpoints"))][-1] == 4
+    read_checkpoint(str(out / "checkpoints" / "step_00000004"))
     with open(out / ".lock", "w") as lock:  # released: this process can take it
         fcntl.lockf(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    assert main_ranks(args_for(matrix, "dataloader", out, "--resume_from_checkpoint", "auto")) == [0, 0]
+    resumed = args_for(matrix, "dataloader", out, "--resume_from_checkpoint", "auto")
+    _orphaned_run(resumed, pids, 1, piped=True)  # its first step: step 5
+    assert_clean(capfd.readouterr().err)
+    assert [s for s, _ in list_checkpoints(str(out / "checkpoints"))][-1] == 5
+    read_checkpoint(str(out / "checkpoints" / "step_00000005"))
+    assert main_ranks(resumed) == [0, 0]
+    assert read_summary(out)["resumed_from_step"] == 5
     assert_same_weights(out, reference(matrix, "dataloader"))
 
 
@@ -895,13 +935,15 @@ def test_a_failing_rank_stops_every_rank_with_its_traceback_once(paths, path, tm
 # left out on every rank, recorded in anomalies.json with the sample named, and the run goes on; under the default
 # it stops with the sample named (exit 2: tests/tasks/test_finite_inputs.py). Rank 1 reads it at step 3. Through a
 # run on the device loader and the DataLoader path (a worker, or none); memory-mapped sets and streams at their
-# loaders (the same collate check, on their own loader each).
+# loaders (the same collate check, on their own loader each). The worker's case under rollback only: a rollback skips
+# the step as skip does (every assertion of skip holds for it), and where the sample is found and named does not
+# depend on the mode.
 
 NAN_ARGS = ["--hidden_size", "8", "--global_batch_size", "16", "--max_steps", "6", "--log_every", "2"]
 NAN_NAMED = f"training sample {helpers_data.NAN_INPUT_AT} (epoch 0, optimizer step 3, rank 1) holds nan or inf"
 
 
-@pytest.mark.parametrize("path,mode", [("device", "skip"), ("workers", "skip"), ("rank_reads", "skip"),
+@pytest.mark.parametrize("path,mode", [("device", "skip"), ("rank_reads", "skip"),
                                        ("workers", "rollback")])
 def test_a_nan_input_under_on_anomaly_is_a_skipped_step_with_its_sample_named(path, mode, tmp_path, capfd):
     from tests.helpers.runs import load_weights
