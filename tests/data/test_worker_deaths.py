@@ -8,8 +8,8 @@ shows in the rank as one of several errors, each provoked here deterministically
 - killed before the rank connects: the connection is refused (``ConnectionRefusedError``);
 - killed with the rank's request unread: ``ConnectionResetError``;
 - dead after reading the request, before it answered: ``EOFError`` from ``recv_handle`` (the flake of
-  tests/lifecycle/test_red_team.py::test_t8_*; the closed connection is a socket pair's closed end here, as a
-  worker's death between the two cannot be timed from outside);
+  test_red_team.py's T8 case, the worker killed in the SIGHUP resume; the closed connection is a socket pair's
+  closed end here, as a worker's death between the two cannot be timed from outside);
 - killed between two batches, before the rank asks for the next one: torch's own "DataLoader worker (pid N) exited
   unexpectedly" (``RuntimeError``), found at the next read.
 """
