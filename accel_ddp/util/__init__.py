@@ -8,6 +8,7 @@ crash-safe write, and the messages module (warnings, notes, error lines, which r
     registry.py     name -> builder lookup, ``pkg.module:function`` for a user's own
     optional.py     an optional package, or one line naming the pip install
     atomic.py       atomic_write_text: readers see the old file or the new, never half
+    yaml_text.py    dump/load: YAML through libyaml where PyYAML has it (config.yaml), PyYAML's own code else
     model_outputs.py  logits_of: a model's logits, whatever it returns
     host_memory.py  keep_freed_host_memory: glibc keeps a CPU step's freed memory for the next step
     cpu_bf16.py     the CPU's bf16 units and the one verdict on bf16 autocast there (doctor and start-up block)
