@@ -19,7 +19,7 @@ from accel_ddp.data import (
 from accel_ddp.data.loaders import data_source
 from accel_ddp.data.mapped import MappedDataset
 from tests.helpers.data import hf_image_dataset
-from tests.helpers.runs import load_weights, main_ranks, read_metrics, train_ranks
+from tests.helpers.runs import load_weights, main_ranks, read_metrics, train_ranks_in_turn
 
 # ----------------------------------------------------------------------------- memory-mapped Hugging Face datasets
 
@@ -138,8 +138,10 @@ def test_memory_mapped_run_trains_the_weights_of_the_in_memory_run(tmp_path):
     hf_image_dataset(20, 1, size=8, mode="RGB").to_parquet(str(folder / "test.parquet"))
     common = ["--dataset", "hf", "--data_dir", str(folder), "--model", "mnist_cnn", "--epochs", "2",
               "--global_batch_size", "16", "--optimizer", "sgd", "--lr", "0.05"]
-    mapped = train_ranks([*common, "--device_loader_max_mb", "0", "--output_dir", str(tmp_path / "mapped")])[0]
-    in_memory = train_ranks([*common, "--output_dir", str(tmp_path / "memory")])[0]
+    # in turn in the same forked ranks; in memory first: the mapped run's DataLoader workers come after it
+    in_memory, mapped = (by_rank[0] for by_rank in train_ranks_in_turn([
+        [*common, "--output_dir", str(tmp_path / "memory")],
+        [*common, "--device_loader_max_mb", "0", "--output_dir", str(tmp_path / "mapped")]]))
     assert (mapped["loader"], mapped["data_source"]) == ("dataloader", "memory_mapped")
     assert (in_memory["loader"], in_memory["data_source"]) == ("device", "in_memory")
     assert mapped["eval_samples"] == in_memory["eval_samples"] == 20

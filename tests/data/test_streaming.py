@@ -22,7 +22,7 @@ from tests.helpers import faults
 from tests.helpers.checkpoints import load_stream_position, save_stream_position
 from tests.helpers.data import image_shards, write_shards
 from tests.helpers.multiproc import RankFailed, run_ranks
-from tests.helpers.runs import load_weights, main_ranks, read_metrics, train_ranks
+from tests.helpers.runs import load_weights, main_ranks, read_metrics, train_ranks, train_ranks_in_turn
 
 # ----------------------------------------------------------------------------- streaming
 
@@ -75,13 +75,14 @@ def _passes(ranks: list[list[tuple[int, list[int]]]]) -> dict[int, list[int]]:
     return out
 
 
-@pytest.mark.parametrize("sizes,buffer", [([7, 11, 20], 0), ([5, 30, 5, 6], 0), ([5, 30, 5, 6], 8)])
-def test_streaming_ranks_take_the_same_steps_over_uneven_shares(tmp_path, sizes, buffer):
+@pytest.mark.parametrize("sizes,buffer,steps", [([7, 11, 20], 0, 12), ([5, 30, 5, 6], 0, 12), ([5, 30, 5, 6], 8, 10)])
+def test_streaming_ranks_take_the_same_steps_over_uneven_shares(tmp_path, sizes, buffer, steps):
     """3 files over 2 ranks (every rank reads all, keeps every 2nd example) or 4 files of very different sizes:
-    every rank yields a batch at every step, each example at most once per pass; the shortest share ends the pass."""
+    every rank yields a batch at every step, each example at most once per pass; the shortest share ends the pass.
+    With a shuffle buffer, 10 steps: two whole passes of 5 (each pass's end waits out datasets' thread shutdown)."""
     files = write_shards(tmp_path / "s", sizes)
-    ranks = _stream(files, 2, max_steps=12, buffer=buffer, workers=0)  # read in each rank's process: no forks
-    assert [len(rank) for rank in ranks] == [12, 12]
+    ranks = _stream(files, 2, max_steps=steps, buffer=buffer, workers=0)  # read in each rank's process: no forks
+    assert [len(rank) for rank in ranks] == [steps, steps]
     assert [[e for e, _ in rank] for rank in ranks][0] == [[e for e, _ in rank] for rank in ranks][1]  # in step
     passes = _passes(ranks)
     assert len(passes) >= 2
@@ -159,9 +160,10 @@ def test_a_streaming_checkpoint_counts_the_step_it_was_saved_after(tmp_path):
 def test_streaming_cli_run_on_uneven_files_resumes_and_counts_eval_exactly(tmp_path,
                                                                           quick_orphan_workers):
     """3 files of different sizes over 2 ranks: no hang, the same steps on both; a failed run resumes from its
-    checkpoint's stream positions; the eval split (odd-sized) is counted exactly."""
-    data = image_shards(tmp_path / "d", [50, 90, 30], n_test=13)
-    common = ["--dataset", "hf", "--data_dir", str(data), "--streaming", "--max_steps", "30", "--global_batch_size",
+    checkpoint's stream positions (mid-pass: a pass is 15 steps, 60 examples per rank) and crosses the pass's end;
+    the eval split (odd-sized) is counted exactly."""
+    data = image_shards(tmp_path / "d", [40, 70, 10], n_test=13)
+    common = ["--dataset", "hf", "--data_dir", str(data), "--streaming", "--max_steps", "20", "--global_batch_size",
               "8", "--shuffle_buffer", "16", "--num_workers", "1", "--checkpointing_steps", "5", "--eval_every", "10"]
 
     def fail_at_step_12_on_rank_0():
@@ -175,43 +177,39 @@ def test_streaming_cli_run_on_uneven_files_resumes_and_counts_eval_exactly(tmp_p
     summaries = train_ranks([*common, "--output_dir", str(tmp_path / "run"), "--resume_from_checkpoint", "auto"])
     for summary in summaries:
         assert (summary["loader"], summary["data_source"]) == ("streaming", "streaming")
-        assert summary["optimizer_steps"] == 30 and summary["resumed_from_step"] == 10
+        assert summary["optimizer_steps"] == 20 and summary["resumed_from_step"] == 10
         assert summary["eval_samples"] == 13
     evals = [r for r in read_metrics(tmp_path / "run") if "eval_samples" in r]
-    assert [r["step"] for r in evals] == [10, 20, 30]
+    assert [r["step"] for r in evals] == [10, 20]
 
 
 _MORE_STEPS = ["--streaming", "--global_batch_size", "8", "--shuffle_buffer", "0", "--num_workers", "0",
                "--lr_schedule", "constant", "--hidden_size", "16"]
 
 
-@pytest.fixture(scope="module")
-def streamed_whole_run(tmp_path_factory) -> tuple[list[str], Path]:
-    """Two files, one per rank (10 steps per pass), and the run given 14 steps at once, trained once for the module:
-    the reference of every resumed run below (each trains into its own folder)."""
-    root = tmp_path_factory.mktemp("more_steps")
-    common = ["--dataset", "hf", "--data_dir", str(image_shards(root / "d", [40, 40], n_test=4)), *_MORE_STEPS]
-    train_ranks([*common, "--max_steps", "14", "--output_dir", str(root / "whole")])
-    return common, root / "whole"
-
-
-@pytest.mark.parametrize("saves", [[], ["--async_checkpointing"]])
-def test_a_streaming_run_given_more_steps_continues_where_it_stopped(tmp_path, saves, streamed_whole_run):
+def test_a_streaming_run_given_more_steps_continues_where_it_stopped(tmp_path):
     """A finished streaming run relaunched with a higher --max_steps continues from its checkpoint (a stream's
     "epoch" is the whole run, so its steps_per_epoch grows with --max_steps; not a reason to refuse). Without a
     shuffle buffer and with the ranks reading in their own process, it ends with the weights of a run given the
     whole length at once (docs/large-datasets.md: the resumed order is the uninterrupted one). An asynchronous save
-    holds the stream's positions too: they are part of the run's TrainState."""
-    common, whole = streamed_whole_run
-    train_ranks([*common, "--max_steps", "7", "--checkpointing_steps", "7", *saves, "--output_dir",
-                 str(tmp_path / "run")])
-    saved = {p.name for p in (tmp_path / "run" / "checkpoints" / "step_00000007").iterdir()}
-    assert {"data_state_rank0.json", "data_state_rank1.json"} <= saved
-    summaries = train_ranks([*common, "--max_steps", "14", "--output_dir", str(tmp_path / "run"),
-                             "--resume_from_checkpoint", "auto"])
-    assert [(s["resumed_from_step"], s["optimizer_steps"]) for s in summaries] == [(7, 14), (7, 14)]
-    ours, theirs = load_weights(tmp_path / "run"), load_weights(whole)
-    assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
+    holds the stream's positions too: they are part of the run's TrainState. Two files, one per rank (10 steps per
+    pass); the whole run and the two stopped ones (saved as usual, or asynchronously) train in turn in the same
+    forked ranks, the two relaunches in a second pair: a resume never reads what its own process trained."""
+    common = ["--dataset", "hf", "--data_dir", str(image_shards(tmp_path / "d", [40, 40], n_test=4)), *_MORE_STEPS]
+    saves = {"sync": [], "async": ["--async_checkpointing"]}
+    train_ranks_in_turn([[*common, "--max_steps", "14", "--output_dir", str(tmp_path / "whole")]] +
+                        [[*common, "--max_steps", "7", "--checkpointing_steps", "7", *more, "--output_dir",
+                          str(tmp_path / name)] for name, more in saves.items()])
+    for name in saves:
+        saved = {p.name for p in (tmp_path / name / "checkpoints" / "step_00000007").iterdir()}
+        assert {"data_state_rank0.json", "data_state_rank1.json"} <= saved, name
+    resumed = train_ranks_in_turn([[*common, "--max_steps", "14", "--output_dir", str(tmp_path / name),
+                                    "--resume_from_checkpoint", "auto"] for name in saves])
+    theirs = load_weights(tmp_path / "whole")
+    for name, summaries in zip(saves, resumed, strict=True):
+        assert [(s["resumed_from_step"], s["optimizer_steps"]) for s in summaries] == [(7, 14), (7, 14)], name
+        ours = load_weights(tmp_path / name)
+        assert all(torch.equal(ours[k], theirs[k]) for k in theirs), name
 
 
 def test_a_stream_that_fails_on_one_rank_stops_every_rank_with_one_line(tmp_path, capfd, monkeypatch):
@@ -360,12 +358,12 @@ def test_packed_text_trains_the_same_weights_in_memory_and_memory_mapped_with_wo
     (tmp_path / "corpus" / "gpt2.json").write_text('{"model_type": "gpt2", "n_layer": 1, "n_head": 2, "n_embd": 16, '
                                                    '"n_positions": 64, "vocab_size": 8}')
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf_cache"))
-    runs = {}
-    for name, flags in (("w0", ["--num_workers", "0"]), ("w1", ["--num_workers", "1"]), ("memory", []),
-                        ("memory_dataloader", ["--loader", "dataloader"])):
-        mapped = ["--device_loader_max_mb", "0"] if name.startswith("w") else []
-        runs[name] = train_ranks(lm_args(tmp_path / "corpus", tmp_path / name, "--packing", "--max_steps", "6",
-                                         *mapped, *flags))[0]
+    flags = {"w0": ["--device_loader_max_mb", "0", "--num_workers", "0"],
+             "w1": ["--device_loader_max_mb", "0", "--num_workers", "1"], "memory": [],
+             "memory_dataloader": ["--loader", "dataloader"]}
+    summaries = train_ranks_in_turn([lm_args(tmp_path / "corpus", tmp_path / name, "--packing", "--max_steps", "6",
+                                             *more) for name, more in flags.items()])  # the same forked ranks
+    runs = {name: by_rank[0] for name, by_rank in zip(flags, summaries, strict=True)}
     assert (runs["w1"]["loader"], runs["w1"]["data_source"]) == ("dataloader", "memory_mapped")
     assert (runs["memory"]["loader"], runs["memory"]["data_source"]) == ("device", "in_memory")
     assert (runs["memory_dataloader"]["loader"], runs["memory_dataloader"]["data_source"]) == ("dataloader",
