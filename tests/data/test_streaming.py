@@ -31,39 +31,40 @@ def _decode_idx(columns, where):
     return [(torch.tensor([float(i)]), 0) for i in columns["idx"]]
 
 
-def _stream(files: list[str], world: int, *, max_steps: int, workers: int = 1, buffer: int = 0,
-            per_device: int = 2, stop_after: int | None = None, save_to: Path | None = None,
-            save_after: int | None = None,
-            resume_from: Path | None = None) -> list[list[tuple[int, list[int]]]]:
-    """Each rank's (pass, example ids) per micro-batch from a StreamingLoader (accumulation 1); the position saved
-    to ``save_to`` after ``stop_after`` micro-batches (the last read), or after ``save_after`` (reading on, as a
-    run that checkpoints does)."""
-    def run():
-        import datasets
-        from accelerate import PartialState
+def _read(files: list[str], world: int, *, max_steps: int, workers: int = 1, buffer: int = 0, per_device: int = 2,
+          stop_after: int | None = None, save_to: Path | None = None, save_after: int | None = None,
+          resume_from: Path | None = None) -> list[tuple[int, list[int]]]:
+    """In a forked rank: its (pass, example ids) per micro-batch from a StreamingLoader (accumulation 1); the
+    position saved to ``save_to`` after ``stop_after`` micro-batches (the last read), or after ``save_after``
+    (reading on, as a run that checkpoints does)."""
+    import datasets
+    from accelerate import PartialState
 
-        from accel_ddp.data.streaming import StreamingLoader, StreamSource
+    from accel_ddp.data.streaming import StreamingLoader, StreamSource
 
-        state = PartialState(cpu=True)
-        stream = datasets.load_dataset("parquet", data_files=files, split="train", streaming=True)
-        loader = StreamingLoader(StreamSource(stream, _decode_idx, buffer), per_device, per_device * world,
-                                 max_steps=max_steps, seed=0, rank=state.process_index, world_size=world,
-                                 num_workers=workers)
-        batches = loader
-        if resume_from is not None:
-            load_stream_position(loader, resume_from)
-            batches = loader.skip_first_batches(int(resume_from.name))
-        seen = []
-        for x, _ in batches:
-            seen.append((loader.data_epoch, x[:, 0].long().tolist()))
-            if len(seen) == save_after:
-                save_stream_position(loader, save_to)
-            if len(seen) == stop_after:
-                save_stream_position(loader, save_to)
-                break
-        return seen
+    state = PartialState(cpu=True)
+    stream = datasets.load_dataset("parquet", data_files=files, split="train", streaming=True)
+    loader = StreamingLoader(StreamSource(stream, _decode_idx, buffer), per_device, per_device * world,
+                             max_steps=max_steps, seed=0, rank=state.process_index, world_size=world,
+                             num_workers=workers)
+    batches = loader
+    if resume_from is not None:
+        load_stream_position(loader, resume_from)
+        batches = loader.skip_first_batches(int(resume_from.name))
+    seen = []
+    for x, _ in batches:
+        seen.append((loader.data_epoch, x[:, 0].long().tolist()))
+        if len(seen) == save_after:
+            save_stream_position(loader, save_to)
+        if len(seen) == stop_after:
+            save_stream_position(loader, save_to)
+            break
+    return seen
 
-    return run_ranks(run, world_size=world)
+
+def _stream(files: list[str], world: int, **read) -> list[list[tuple[int, list[int]]]]:
+    """Each rank's ``_read(files, world, **read)`` from ``world`` forked ranks."""
+    return run_ranks(lambda: _read(files, world, **read), world_size=world)
 
 
 def _passes(ranks: list[list[tuple[int, list[int]]]]) -> dict[int, list[int]]:
@@ -95,24 +96,32 @@ def test_streaming_ranks_take_the_same_steps_over_uneven_shares(tmp_path, sizes,
         assert len(passes[0]) == 5 * 4 and rank0 == [*range(5), *range(35, 40)]
 
 
-@pytest.mark.parametrize("workers,buffer", [(1, 0), (2, 0), (2, 16)])
-def test_streaming_resumes_from_each_ranks_saved_position(tmp_path, workers, buffer):
+def test_streaming_resumes_from_each_ranks_saved_position(tmp_path):
     """Saved after 7 steps (by a run that reads on to its end, as a run that checkpoints does) and resumed: nothing
     trained before comes again in that pass; without a shuffle buffer the resumed stream is the uninterrupted one
-    (with 2 workers the 8th batch is the second worker's: the DataLoader's turns continue where they stopped)."""
+    (with 2 workers the 8th batch is the second worker's: the DataLoader's turns continue where they stopped).
+    Three readers (1 worker, 2 workers, 2 workers and a shuffle buffer) read in turn in the same forked ranks; the
+    resumes in a second pair, which never read the saving streams."""
     files = write_shards(tmp_path / "s", [40, 40, 40, 40])
-    saved = tmp_path / "7"
-    saved.mkdir()
-    whole = _stream(files, 2, max_steps=12, workers=workers, buffer=buffer, save_after=7, save_to=saved)
-    assert [len(rank) for rank in whole] == [12, 12]
-    first = [rank[:7] for rank in whole]
-    assert sorted(p.name for p in saved.iterdir()) == ["data_state_rank0.json", "data_state_rank1.json"]
-    rest = _stream(files, 2, max_steps=12, workers=workers, buffer=buffer, resume_from=saved)
-    assert [len(rank) for rank in rest] == [5, 5]
-    if buffer == 0:
-        assert [a + b for a, b in zip(first, rest, strict=True)] == whole
-    before, after = _passes(first)[0], _passes(rest)[0]
-    assert not set(before) & set(after) and len(set(after)) == len(after)
+    cases = [(1, 0), (2, 0), (2, 16)]  # (workers, shuffle buffer)
+    saved = {case: tmp_path / f"{case[0]}-{case[1]}" / "7" for case in cases}
+    for folder in saved.values():
+        folder.mkdir(parents=True)
+    wholes = run_ranks(lambda: [_read(files, 2, max_steps=12, workers=workers, buffer=buffer, save_after=7,
+                                      save_to=saved[workers, buffer]) for workers, buffer in cases])
+    rests = run_ranks(lambda: [_read(files, 2, max_steps=12, workers=workers, buffer=buffer,
+                                     resume_from=saved[workers, buffer]) for workers, buffer in cases])
+    for k, (workers, buffer) in enumerate(cases):
+        whole, rest = [rank[k] for rank in wholes], [rank[k] for rank in rests]
+        assert [len(rank) for rank in whole] == [12, 12], (workers, buffer)
+        first = [rank[:7] for rank in whole]
+        assert sorted(p.name for p in saved[workers, buffer].iterdir()) == ["data_state_rank0.json",
+                                                                           "data_state_rank1.json"]
+        assert [len(rank) for rank in rest] == [5, 5], (workers, buffer)
+        if buffer == 0:
+            assert [a + b for a, b in zip(first, rest, strict=True)] == whole, (workers, buffer)
+        before, after = _passes(first)[0], _passes(rest)[0]
+        assert not set(before) & set(after) and len(set(after)) == len(after), (workers, buffer)
 
 
 def _batch_and_worker_seed(samples):  # a collate_fn that tells which seed the process collating it has
