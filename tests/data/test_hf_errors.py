@@ -18,6 +18,7 @@ from accel_ddp.util.validation import ConfigError
 from tests.helpers.checkpoints import load_stream_position, save_stream_position
 from tests.helpers.data import batches_until_data_error, hf_image_dataset
 from tests.helpers.multiproc import run_ranks
+from tests.helpers.runs import main_ranks
 
 # The three ways --dataset hf holds a training set (docs/large-datasets.md).
 IN_MEMORY, MAPPED, STREAMING = HFSource(), HFSource(in_memory_max_mb=0), HFSource(streaming=True)
@@ -212,40 +213,30 @@ def test_label_names_beyond_the_class_bound_are_one_line(tmp_path, monkeypatch, 
 # ----------------------------------------------------------------------------- from the command line
 
 
-_BAD_DATA = {"not utf-8": "pixels.csv line 32 is not UTF-8 text",
-             "empty eval split": "test.csv has a header and no rows",
-             "huge label": "label 2000000000 in column 'label' (row 5 of the 'train' split)",
-             "image column": "--image_column 'p1' holds one int64 per row"}
-
-
-def _bad_data_args(folder: Path, case: str) -> list[str]:
-    folder.mkdir()
-    data = pixels_csv(folder / "pixels.csv", label=lambda i: 2_000_000_000 if case == "huge label" and i == 5
+@pytest.mark.parametrize("case,expected", [
+    ("not utf-8", "pixels.csv line 32 is not UTF-8 text"),
+    ("empty eval split", "test.csv has a header and no rows"),
+    ("huge label", "label 2000000000 in column 'label' (row 5 of the 'train' split)"),
+    ("image column", "--image_column 'p1' holds one int64 per row"),
+])
+def test_bad_data_is_one_line_and_exit_2_on_every_rank_before_anything_is_written(tmp_path, capfd, case, expected):
+    data = pixels_csv(tmp_path / "pixels.csv", label=lambda i: 2_000_000_000 if case == "huge label" and i == 5
                       else i % 3)
     extra = ["--image_column", "p1"] if case == "image column" else []
     if case == "not utf-8":
         data.write_bytes(data.read_bytes() + b"1,caf\xe9,3\n")
     if case == "empty eval split":
-        data = folder / "d"
+        data = tmp_path / "d"
         _empty_csv_split(data, "test")
-    return ["--dataset", "hf", "--data_dir", str(data), "--global_batch_size", "8", "--output_dir",
-            str(folder / "run"), *extra]
-
-
-def test_bad_data_is_one_line_and_exit_2_on_every_rank_before_anything_is_written(tmp_path, capfd):
-    """Each case's run in turn in the same forked ranks (the CLI's main, once per case): exit 2 on both ranks, one
-    line each (the problem, then the fix), in the cases' order, no traceback, no output folder."""
-    from accel_ddp.cli.train import main
-
-    runs = {case: _bad_data_args(tmp_path / case.replace(" ", "_"), case) for case in _BAD_DATA}
+    out = tmp_path / "run"
     capfd.readouterr()
-    assert run_ranks(lambda: [main(args) for args in runs.values()]) == [[2] * len(runs)] * 2
+    assert main_ranks(["--dataset", "hf", "--data_dir", str(data), "--global_batch_size", "8", "--output_dir",
+                       str(out), *extra]) == [2, 2]
     err = capfd.readouterr().err
     lines = [line for line in err.splitlines() if line.startswith("accel_ddp: error:")]
-    assert len(lines) == len(runs) == err.count("accel_ddp: error:") and "Traceback" not in err, err
-    for (case, expected), line in zip(_BAD_DATA.items(), lines, strict=True):
-        assert expected in line and "; " in line, case  # the problem, then the fix
-        assert not (tmp_path / case.replace(" ", "_") / "run").exists(), case
+    assert len(lines) == 1 == err.count("accel_ddp: error:") and "Traceback" not in err, err
+    assert expected in lines[0] and "; " in lines[0]  # the problem, then the fix
+    assert not os.path.exists(out)
 
 
 def _decode_idx(columns, where):
