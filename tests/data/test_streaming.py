@@ -169,7 +169,7 @@ def test_a_streaming_checkpoint_counts_the_step_it_was_saved_after(tmp_path):
 def test_streaming_cli_run_on_uneven_files_resumes_and_counts_eval_exactly(tmp_path,
                                                                           quick_orphan_workers):
     """3 files of different sizes over 2 ranks: no hang, the same steps on both; a failed run resumes from its
-    checkpoint's stream positions (mid-pass: a pass is 15 steps, 60 examples per rank) and crosses the pass's end;
+    checkpoint's stream positions (mid-pass: the first pass ends after step 14) and crosses the pass's end;
     the eval split (odd-sized) is counted exactly."""
     data = image_shards(tmp_path / "d", [40, 70, 10], n_test=13)
     common = ["--dataset", "hf", "--data_dir", str(data), "--streaming", "--max_steps", "20", "--global_batch_size",
