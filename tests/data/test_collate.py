@@ -12,7 +12,7 @@ from torch.utils.data import TensorDataset
 from accel_ddp import TrainConfig, train
 from tests.helpers.data import hf_image_dataset
 from tests.helpers.multiproc import run_ranks
-from tests.helpers.runs import load_weights, main_ranks, train_ranks
+from tests.helpers.runs import load_weights, main_ranks, train_ranks_in_turn
 
 # ----------------------------------------------------------------------------- a user's collate_fn on every path
 
@@ -39,9 +39,10 @@ def test_a_collate_fn_on_an_in_memory_set_makes_every_training_and_eval_batch(tm
     """--loader auto would take the device loader, which never calls a collate_fn: the run goes through a
     DataLoader instead (one note), and trains and evaluates exactly like the same data doubled beforehand."""
     monkeypatch.setenv("COLLATE_LOG", str(tmp_path / "calls"))
-    collated = run_ranks(lambda: _collate_run(tmp_path / "collated", "auto", doubling_collate))
-    reference = run_ranks(lambda: _collate_run(tmp_path / "doubled", "dataloader", scale=2.0))
-    plain = run_ranks(lambda: _collate_run(tmp_path / "plain", "auto"))[0]
+    collated, reference, (plain, _) = zip(*run_ranks(lambda: [  # in turn in the same forked ranks
+        _collate_run(tmp_path / "collated", "auto", doubling_collate),
+        _collate_run(tmp_path / "doubled", "dataloader", scale=2.0),
+        _collate_run(tmp_path / "plain", "auto")]), strict=True)
     assert collated[0]["loader"] == "dataloader" and plain["loader"] == "device"
     notes = [line for line in capfd.readouterr().err.splitlines() if "accel_ddp: note:" in line]
     assert notes == ["accel_ddp: note: the collate_fn tests.data.test_collate:doubling_collate makes the batches, so "
@@ -79,9 +80,10 @@ def test_a_collate_fn_makes_the_memory_mapped_paths_training_and_eval_batches(tm
     common = ["--dataset", "hf", "--data_dir", str(folder), "--device_loader_max_mb", "0", "--num_workers", "1",
               "--global_batch_size", "16", "--epochs", "1"]
     monkeypatch.setenv("COLLATE_LOG", str(tmp_path / "calls"))
-    collated = train_ranks([*common, "--collate_fn", "tests.data.test_collate:doubling_collate", "--output_dir",
-                            str(tmp_path / "collated")], world_size=1)[0]
-    plain = train_ranks([*common, "--output_dir", str(tmp_path / "plain")], world_size=1)[0]
+    [collated], [plain] = train_ranks_in_turn([  # in turn in the same forked process
+        [*common, "--collate_fn", "tests.data.test_collate:doubling_collate", "--output_dir",
+         str(tmp_path / "collated")],
+        [*common, "--output_dir", str(tmp_path / "plain")]], world_size=1)
     assert collated["data_source"] == "memory_mapped" and collated["loader"] == "dataloader"
     assert (tmp_path / "calls.0").read_text().split() == ["2", "16", "16", "16", "20"]  # probe, 3 steps, 1 eval batch
     assert collated["eval_loss"] != plain["eval_loss"]

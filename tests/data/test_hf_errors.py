@@ -312,27 +312,27 @@ def _shards(folder: Path, sizes: list[int]) -> Path:
     return folder
 
 
-@pytest.mark.parametrize("change", ["shuffle buffer", "data folder"])
-def test_a_streaming_resume_after_changing_the_buffer_or_the_data_restarts_the_pass_with_a_warning(tmp_path, capfd,
-                                                                                                  change):
+def test_a_streaming_resume_after_changing_the_buffer_or_the_data_restarts_the_pass_with_a_warning(tmp_path, capfd):
     """The saved reader positions belong to the stream they were made from: on another one datasets'
     load_state_dict raised KeyError 'shard_idx' or 'ex_iterable_idx', or an IndexError (another number of files).
-    The checkpoint records what the positions were made from; the pass starts over, said once."""
+    The checkpoint records what the positions were made from; the pass starts over, said once. One saved position
+    serves the three resumes (each only reads it): another shuffle buffer, another data folder, the same stream."""
     data = _shards(tmp_path / "d", [20, 20])
     saved = tmp_path / "checkpoint"
     saved.mkdir()
     _read_stream(data, buffer=8, steps=5, save_to=saved)
     assert json.loads((saved / "data_state_rank0.json").read_text())["made_from"] == {
         "source": os.path.realpath(data), "num_shards": 2, "shuffle_buffer": 8}
-    other = data if change == "shuffle buffer" else _shards(tmp_path / "e", [10, 10, 10])
-    capfd.readouterr()
-    first_pass = _read_stream(other, buffer=0 if change == "shuffle buffer" else 8, steps=5, resume_from=saved)
-    warnings = [line for line in capfd.readouterr().err.splitlines() if "starts over" in line]
-    expected = ("--shuffle_buffer 8, this run has 0" if change == "shuffle buffer" else
-                f"the data from {os.path.realpath(data)}, this run has {os.path.realpath(other)}; files (shards) 2, "
-                "this run has 3")
-    assert len(warnings) == 1 and expected in warnings[0], warnings
-    assert sorted(first_pass) == list(range(30 if change == "data folder" else 40))  # the whole pass, once each
+    other = _shards(tmp_path / "e", [10, 10, 10])
+    for change, stream, buffer, expected, rows in [
+            ("shuffle buffer", data, 0, "--shuffle_buffer 8, this run has 0", 40),
+            ("data folder", other, 8, f"the data from {os.path.realpath(data)}, this run has "
+                                      f"{os.path.realpath(other)}; files (shards) 2, this run has 3", 30)]:
+        capfd.readouterr()
+        first_pass = _read_stream(stream, buffer=buffer, steps=5, resume_from=saved)
+        warnings = [line for line in capfd.readouterr().err.splitlines() if "starts over" in line]
+        assert len(warnings) == 1 and expected in warnings[0], (change, warnings)
+        assert sorted(first_pass) == list(range(rows)), change  # the whole pass, once each
     capfd.readouterr()
     _read_stream(data, buffer=8, steps=5, resume_from=saved)  # the same stream: no warning, the position holds
     assert "starts over" not in capfd.readouterr().err

@@ -19,7 +19,8 @@ from accel_ddp.data import (
 from accel_ddp.data.loaders import data_source
 from accel_ddp.data.mapped import MappedDataset
 from tests.helpers.data import hf_image_dataset
-from tests.helpers.runs import load_weights, main_ranks, read_metrics, train_ranks
+from tests.helpers.multiproc import run_ranks
+from tests.helpers.runs import load_weights, main_ranks, read_metrics, train_ranks_in_turn
 
 # ----------------------------------------------------------------------------- memory-mapped Hugging Face datasets
 
@@ -104,30 +105,37 @@ def test_memory_mapped_reads_leave_the_resident_set_flat(tmp_path):
     assert growth(trim=True) < 12  # at most a batch's pages (and the kernel's read-around) at a time
 
 
-@pytest.mark.parametrize("kind", ["parquet", "arrow"])
-def test_a_damaged_data_file_is_named_before_training_and_checkpoints_stay(tmp_path, capfd, kind):
+def test_a_damaged_data_file_is_named_before_training_and_checkpoints_stay(tmp_path, capfd):
+    """A parquet file, or a save_to_disk's arrow file, cut in half after a run: the resumed run names it in one line
+    before training (exit 2 on both ranks) and leaves the run's files as they were. Both kinds' runs train in turn in
+    one forked process; each refused resume in its own forked pair (a failed run is its process's last)."""
     import datasets
 
-    folder = tmp_path / "d"
-    if kind == "parquet":
-        folder.mkdir()
-        hf_image_dataset(40, 0).to_parquet(str(folder / "train.parquet"))
-        hf_image_dataset(12, 1).to_parquet(str(folder / "test.parquet"))
-        damaged = folder / "train.parquet"
-    else:
-        datasets.DatasetDict(train=hf_image_dataset(40, 0), test=hf_image_dataset(12, 1)).save_to_disk(folder)
-        damaged = next((folder / "train").glob("*.arrow"))
-    out = tmp_path / "run"
-    args = ["--dataset", "hf", "--data_dir", str(folder), "--global_batch_size", "8", "--epochs", "1",
-            "--checkpointing_steps", "2", "--output_dir", str(out)]
-    assert main_ranks(args, world_size=1) == [0]
-    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
-    damaged.write_bytes(damaged.read_bytes()[: damaged.stat().st_size // 2])  # cut in half
-    capfd.readouterr()
-    assert main_ranks([*args, "--resume_from_checkpoint", "auto"]) == [2, 2]
-    errors = [line for line in capfd.readouterr().err.splitlines() if line.startswith("accel_ddp: error:")]
-    assert len(errors) == 1 and str(damaged) in errors[0] and "re-create or re-download it" in errors[0]
-    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    damaged, runs = {}, {}
+    for kind in ("parquet", "arrow"):
+        folder = tmp_path / kind / "d"
+        if kind == "parquet":
+            folder.mkdir(parents=True)
+            hf_image_dataset(40, 0).to_parquet(str(folder / "train.parquet"))
+            hf_image_dataset(12, 1).to_parquet(str(folder / "test.parquet"))
+            damaged[kind] = folder / "train.parquet"
+        else:
+            datasets.DatasetDict(train=hf_image_dataset(40, 0), test=hf_image_dataset(12, 1)).save_to_disk(folder)
+            damaged[kind] = next((folder / "train").glob("*.arrow"))
+        runs[kind] = ["--dataset", "hf", "--data_dir", str(folder), "--global_batch_size", "8", "--epochs", "1",
+                      "--checkpointing_steps", "2", "--output_dir", str(tmp_path / kind / "run")]
+    from accel_ddp.cli.train import main
+
+    assert run_ranks(lambda: [main(args) for args in runs.values()], world_size=1) == [[0, 0]]
+    before = {p: p.read_bytes() for kind in runs for p in (tmp_path / kind / "run").rglob("*") if p.is_file()}
+    for path in damaged.values():
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])  # cut in half
+    for kind, args in runs.items():  # a process per refused run: a failed run is a process's last
+        capfd.readouterr()
+        assert main_ranks([*args, "--resume_from_checkpoint", "auto"]) == [2, 2], kind
+        errors = [line for line in capfd.readouterr().err.splitlines() if line.startswith("accel_ddp: error:")]
+        assert len(errors) == 1 and str(damaged[kind]) in errors[0] and "re-create or re-download it" in errors[0]
+    assert {p: p.read_bytes() for kind in runs for p in (tmp_path / kind / "run").rglob("*") if p.is_file()} == before
 
 
 def test_memory_mapped_run_trains_the_weights_of_the_in_memory_run(tmp_path):
@@ -138,8 +146,10 @@ def test_memory_mapped_run_trains_the_weights_of_the_in_memory_run(tmp_path):
     hf_image_dataset(20, 1, size=8, mode="RGB").to_parquet(str(folder / "test.parquet"))
     common = ["--dataset", "hf", "--data_dir", str(folder), "--model", "mnist_cnn", "--epochs", "2",
               "--global_batch_size", "16", "--optimizer", "sgd", "--lr", "0.05"]
-    mapped = train_ranks([*common, "--device_loader_max_mb", "0", "--output_dir", str(tmp_path / "mapped")])[0]
-    in_memory = train_ranks([*common, "--output_dir", str(tmp_path / "memory")])[0]
+    # in turn in the same forked ranks; in memory first: the mapped run's DataLoader workers come after it
+    in_memory, mapped = (by_rank[0] for by_rank in train_ranks_in_turn([
+        [*common, "--output_dir", str(tmp_path / "memory")],
+        [*common, "--device_loader_max_mb", "0", "--output_dir", str(tmp_path / "mapped")]]))
     assert (mapped["loader"], mapped["data_source"]) == ("dataloader", "memory_mapped")
     assert (in_memory["loader"], in_memory["data_source"]) == ("device", "in_memory")
     assert mapped["eval_samples"] == in_memory["eval_samples"] == 20

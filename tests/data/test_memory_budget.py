@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -76,39 +77,45 @@ def test_device_loader_takes_a_dataloader_over_the_device_budget_with_one_line(c
                      "reading it through a DataLoader"]
 
 
-def _hf_run(folder, out, small_on_rank: int | None):
+def _hf_runs(folder, outs: dict[str, Path], small_on_rank: int = 1) -> dict[str, list[dict]]:
+    """The runs of ``outs`` in turn in the same forked ranks, summaries by rank; in the run named "small", rank
+    ``small_on_rank`` sees 10 KiB of host memory (the set decodes to 18 KiB), in the others what the machine has."""
     def fn():
         from accel_ddp.cli.args import parse_args
         from accel_ddp.loop import train
 
-        if small_on_rank is not None and int(os.environ["RANK"]) == small_on_rank:
-            memory_budget.host_available_bytes = lambda: 40 * 1024  # 10 KiB a rank: the set decodes to 18 KiB
-        return train(parse_args(["--dataset", "hf", "--data_dir", str(folder), "--model", "mnist_cnn",
-                                 "--max_steps", "3", "--global_batch_size", "16", "--output_dir", str(out)]))
+        machines = memory_budget.host_available_bytes
+        summaries = []
+        for name, out in outs.items():
+            small = name == "small" and int(os.environ["RANK"]) == small_on_rank
+            memory_budget.host_available_bytes = (lambda: 40 * 1024) if small else machines
+            summaries.append(train(parse_args(["--dataset", "hf", "--data_dir", str(folder), "--model", "mnist_cnn",
+                                               "--max_steps", "3", "--global_batch_size", "16", "--output_dir",
+                                               str(out)])))
+        return summaries
 
-    return run_ranks(fn, world_size=2)
+    return dict(zip(outs, zip(*run_ranks(fn, world_size=2), strict=True), strict=True))
 
 
 def test_a_decode_over_the_machines_budget_stays_memory_mapped_on_every_rank_with_one_line(tmp_path, capfd):
     """Only rank 1 sees a small budget: the ranks agree on the smallest, so both read memory-mapped (without the
-    agreement rank 0 would decode into memory and take the device loader); the line comes once."""
+    agreement rank 0 would decode into memory and take the device loader); the line comes once. Then, in the same
+    ranks, the machine's budget: decoded into memory, no line."""
     folder = tmp_path / "d"
     folder.mkdir()
     hf_image_dataset(96, 0, size=8, mode="RGB").to_parquet(str(folder / "train.parquet"))
     hf_image_dataset(20, 1, size=8, mode="RGB").to_parquet(str(folder / "test.parquet"))
     capfd.readouterr()
-    small = _hf_run(folder, tmp_path / "small", small_on_rank=1)
+    runs = _hf_runs(folder, {"small": tmp_path / "small", "roomy": tmp_path / "roomy"})
     err = capfd.readouterr().err
-    assert [(s["loader"], s["data_source"]) for s in small] == [("dataloader", "memory_mapped")] * 2
-    notes = [line for line in err.splitlines() if "budget" in line]
+    assert [(s["loader"], s["data_source"]) for s in runs["small"]] == [("dataloader", "memory_mapped")] * 2
+    notes = [line for line in err.splitlines() if "budget" in line]  # of both runs: the roomy one says none
     assert len(notes) == 1 and notes[0].startswith(
         "accel_ddp: note: the decoded training set would take 0.0183 MiB per rank, over this machine's budget of "
         "0.00977 MiB (host memory available, cgroup-aware, / 2 local ranks / 2 for the decode's working copy, the "
         "smallest over the ranks)")
     assert notes[0].endswith("does not raise: reading it memory-mapped") and "Traceback" not in err
-    roomy = _hf_run(folder, tmp_path / "roomy", small_on_rank=None)
-    assert [(s["loader"], s["data_source"]) for s in roomy] == [("device", "in_memory")] * 2
-    assert "budget" not in capfd.readouterr().err
+    assert [(s["loader"], s["data_source"]) for s in runs["roomy"]] == [("device", "in_memory")] * 2
 
 
 @pytest.mark.parametrize("loader", ["device"])

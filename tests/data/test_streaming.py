@@ -22,7 +22,7 @@ from tests.helpers import faults
 from tests.helpers.checkpoints import load_stream_position, save_stream_position
 from tests.helpers.data import image_shards, write_shards
 from tests.helpers.multiproc import RankFailed, run_ranks
-from tests.helpers.runs import load_weights, main_ranks, read_metrics, train_ranks
+from tests.helpers.runs import load_weights, main_ranks, read_metrics, train_ranks, train_ranks_in_turn
 
 # ----------------------------------------------------------------------------- streaming
 
@@ -31,39 +31,40 @@ def _decode_idx(columns, where):
     return [(torch.tensor([float(i)]), 0) for i in columns["idx"]]
 
 
-def _stream(files: list[str], world: int, *, max_steps: int, workers: int = 1, buffer: int = 0,
-            per_device: int = 2, stop_after: int | None = None, save_to: Path | None = None,
-            save_after: int | None = None,
-            resume_from: Path | None = None) -> list[list[tuple[int, list[int]]]]:
-    """Each rank's (pass, example ids) per micro-batch from a StreamingLoader (accumulation 1); the position saved
-    to ``save_to`` after ``stop_after`` micro-batches (the last read), or after ``save_after`` (reading on, as a
-    run that checkpoints does)."""
-    def run():
-        import datasets
-        from accelerate import PartialState
+def _read(files: list[str], world: int, *, max_steps: int, workers: int = 1, buffer: int = 0, per_device: int = 2,
+          stop_after: int | None = None, save_to: Path | None = None, save_after: int | None = None,
+          resume_from: Path | None = None) -> list[tuple[int, list[int]]]:
+    """In a forked rank: its (pass, example ids) per micro-batch from a StreamingLoader (accumulation 1); the
+    position saved to ``save_to`` after ``stop_after`` micro-batches (the last read), or after ``save_after``
+    (reading on, as a run that checkpoints does)."""
+    import datasets
+    from accelerate import PartialState
 
-        from accel_ddp.data.streaming import StreamingLoader, StreamSource
+    from accel_ddp.data.streaming import StreamingLoader, StreamSource
 
-        state = PartialState(cpu=True)
-        stream = datasets.load_dataset("parquet", data_files=files, split="train", streaming=True)
-        loader = StreamingLoader(StreamSource(stream, _decode_idx, buffer), per_device, per_device * world,
-                                 max_steps=max_steps, seed=0, rank=state.process_index, world_size=world,
-                                 num_workers=workers)
-        batches = loader
-        if resume_from is not None:
-            load_stream_position(loader, resume_from)
-            batches = loader.skip_first_batches(int(resume_from.name))
-        seen = []
-        for x, _ in batches:
-            seen.append((loader.data_epoch, x[:, 0].long().tolist()))
-            if len(seen) == save_after:
-                save_stream_position(loader, save_to)
-            if len(seen) == stop_after:
-                save_stream_position(loader, save_to)
-                break
-        return seen
+    state = PartialState(cpu=True)
+    stream = datasets.load_dataset("parquet", data_files=files, split="train", streaming=True)
+    loader = StreamingLoader(StreamSource(stream, _decode_idx, buffer), per_device, per_device * world,
+                             max_steps=max_steps, seed=0, rank=state.process_index, world_size=world,
+                             num_workers=workers)
+    batches = loader
+    if resume_from is not None:
+        load_stream_position(loader, resume_from)
+        batches = loader.skip_first_batches(int(resume_from.name))
+    seen = []
+    for x, _ in batches:
+        seen.append((loader.data_epoch, x[:, 0].long().tolist()))
+        if len(seen) == save_after:
+            save_stream_position(loader, save_to)
+        if len(seen) == stop_after:
+            save_stream_position(loader, save_to)
+            break
+    return seen
 
-    return run_ranks(run, world_size=world)
+
+def _stream(files: list[str], world: int, **read) -> list[list[tuple[int, list[int]]]]:
+    """Each rank's ``_read(files, world, **read)`` from ``world`` forked ranks."""
+    return run_ranks(lambda: _read(files, world, **read), world_size=world)
 
 
 def _passes(ranks: list[list[tuple[int, list[int]]]]) -> dict[int, list[int]]:
@@ -75,13 +76,14 @@ def _passes(ranks: list[list[tuple[int, list[int]]]]) -> dict[int, list[int]]:
     return out
 
 
-@pytest.mark.parametrize("sizes,buffer", [([7, 11, 20], 0), ([5, 30, 5, 6], 0), ([5, 30, 5, 6], 8)])
-def test_streaming_ranks_take_the_same_steps_over_uneven_shares(tmp_path, sizes, buffer):
+@pytest.mark.parametrize("sizes,buffer,steps", [([7, 11, 20], 0, 12), ([5, 30, 5, 6], 0, 12), ([5, 30, 5, 6], 8, 10)])
+def test_streaming_ranks_take_the_same_steps_over_uneven_shares(tmp_path, sizes, buffer, steps):
     """3 files over 2 ranks (every rank reads all, keeps every 2nd example) or 4 files of very different sizes:
-    every rank yields a batch at every step, each example at most once per pass; the shortest share ends the pass."""
+    every rank yields a batch at every step, each example at most once per pass; the shortest share ends the pass.
+    With a shuffle buffer, 10 steps: two whole passes of 5 (each pass's end waits out datasets' thread shutdown)."""
     files = write_shards(tmp_path / "s", sizes)
-    ranks = _stream(files, 2, max_steps=12, buffer=buffer, workers=0)  # read in each rank's process: no forks
-    assert [len(rank) for rank in ranks] == [12, 12]
+    ranks = _stream(files, 2, max_steps=steps, buffer=buffer, workers=0)  # read in each rank's process: no forks
+    assert [len(rank) for rank in ranks] == [steps, steps]
     assert [[e for e, _ in rank] for rank in ranks][0] == [[e for e, _ in rank] for rank in ranks][1]  # in step
     passes = _passes(ranks)
     assert len(passes) >= 2
@@ -94,24 +96,32 @@ def test_streaming_ranks_take_the_same_steps_over_uneven_shares(tmp_path, sizes,
         assert len(passes[0]) == 5 * 4 and rank0 == [*range(5), *range(35, 40)]
 
 
-@pytest.mark.parametrize("workers,buffer", [(1, 0), (2, 0), (2, 16)])
-def test_streaming_resumes_from_each_ranks_saved_position(tmp_path, workers, buffer):
+def test_streaming_resumes_from_each_ranks_saved_position(tmp_path):
     """Saved after 7 steps (by a run that reads on to its end, as a run that checkpoints does) and resumed: nothing
     trained before comes again in that pass; without a shuffle buffer the resumed stream is the uninterrupted one
-    (with 2 workers the 8th batch is the second worker's: the DataLoader's turns continue where they stopped)."""
+    (with 2 workers the 8th batch is the second worker's: the DataLoader's turns continue where they stopped).
+    Three readers (1 worker, 2 workers, 2 workers and a shuffle buffer) read in turn in the same forked ranks; the
+    resumes in a second pair, which never read the saving streams."""
     files = write_shards(tmp_path / "s", [40, 40, 40, 40])
-    saved = tmp_path / "7"
-    saved.mkdir()
-    whole = _stream(files, 2, max_steps=12, workers=workers, buffer=buffer, save_after=7, save_to=saved)
-    assert [len(rank) for rank in whole] == [12, 12]
-    first = [rank[:7] for rank in whole]
-    assert sorted(p.name for p in saved.iterdir()) == ["data_state_rank0.json", "data_state_rank1.json"]
-    rest = _stream(files, 2, max_steps=12, workers=workers, buffer=buffer, resume_from=saved)
-    assert [len(rank) for rank in rest] == [5, 5]
-    if buffer == 0:
-        assert [a + b for a, b in zip(first, rest, strict=True)] == whole
-    before, after = _passes(first)[0], _passes(rest)[0]
-    assert not set(before) & set(after) and len(set(after)) == len(after)
+    cases = [(1, 0), (2, 0), (2, 16)]  # (workers, shuffle buffer)
+    saved = {case: tmp_path / f"{case[0]}-{case[1]}" / "7" for case in cases}
+    for folder in saved.values():
+        folder.mkdir(parents=True)
+    wholes = run_ranks(lambda: [_read(files, 2, max_steps=12, workers=workers, buffer=buffer, save_after=7,
+                                      save_to=saved[workers, buffer]) for workers, buffer in cases])
+    rests = run_ranks(lambda: [_read(files, 2, max_steps=12, workers=workers, buffer=buffer,
+                                     resume_from=saved[workers, buffer]) for workers, buffer in cases])
+    for k, (workers, buffer) in enumerate(cases):
+        whole, rest = [rank[k] for rank in wholes], [rank[k] for rank in rests]
+        assert [len(rank) for rank in whole] == [12, 12], (workers, buffer)
+        first = [rank[:7] for rank in whole]
+        assert sorted(p.name for p in saved[workers, buffer].iterdir()) == ["data_state_rank0.json",
+                                                                           "data_state_rank1.json"]
+        assert [len(rank) for rank in rest] == [5, 5], (workers, buffer)
+        if buffer == 0:
+            assert [a + b for a, b in zip(first, rest, strict=True)] == whole, (workers, buffer)
+        before, after = _passes(first)[0], _passes(rest)[0]
+        assert not set(before) & set(after) and len(set(after)) == len(after), (workers, buffer)
 
 
 def _batch_and_worker_seed(samples):  # a collate_fn that tells which seed the process collating it has
@@ -159,9 +169,10 @@ def test_a_streaming_checkpoint_counts_the_step_it_was_saved_after(tmp_path):
 def test_streaming_cli_run_on_uneven_files_resumes_and_counts_eval_exactly(tmp_path,
                                                                           quick_orphan_workers):
     """3 files of different sizes over 2 ranks: no hang, the same steps on both; a failed run resumes from its
-    checkpoint's stream positions; the eval split (odd-sized) is counted exactly."""
-    data = image_shards(tmp_path / "d", [50, 90, 30], n_test=13)
-    common = ["--dataset", "hf", "--data_dir", str(data), "--streaming", "--max_steps", "30", "--global_batch_size",
+    checkpoint's stream positions (mid-pass: the first pass ends after step 14) and crosses the pass's end;
+    the eval split (odd-sized) is counted exactly."""
+    data = image_shards(tmp_path / "d", [40, 70, 10], n_test=13)
+    common = ["--dataset", "hf", "--data_dir", str(data), "--streaming", "--max_steps", "20", "--global_batch_size",
               "8", "--shuffle_buffer", "16", "--num_workers", "1", "--checkpointing_steps", "5", "--eval_every", "10"]
 
     def fail_at_step_12_on_rank_0():
@@ -175,43 +186,39 @@ def test_streaming_cli_run_on_uneven_files_resumes_and_counts_eval_exactly(tmp_p
     summaries = train_ranks([*common, "--output_dir", str(tmp_path / "run"), "--resume_from_checkpoint", "auto"])
     for summary in summaries:
         assert (summary["loader"], summary["data_source"]) == ("streaming", "streaming")
-        assert summary["optimizer_steps"] == 30 and summary["resumed_from_step"] == 10
+        assert summary["optimizer_steps"] == 20 and summary["resumed_from_step"] == 10
         assert summary["eval_samples"] == 13
     evals = [r for r in read_metrics(tmp_path / "run") if "eval_samples" in r]
-    assert [r["step"] for r in evals] == [10, 20, 30]
+    assert [r["step"] for r in evals] == [10, 20]
 
 
 _MORE_STEPS = ["--streaming", "--global_batch_size", "8", "--shuffle_buffer", "0", "--num_workers", "0",
                "--lr_schedule", "constant", "--hidden_size", "16"]
 
 
-@pytest.fixture(scope="module")
-def streamed_whole_run(tmp_path_factory) -> tuple[list[str], Path]:
-    """Two files, one per rank (10 steps per pass), and the run given 14 steps at once, trained once for the module:
-    the reference of every resumed run below (each trains into its own folder)."""
-    root = tmp_path_factory.mktemp("more_steps")
-    common = ["--dataset", "hf", "--data_dir", str(image_shards(root / "d", [40, 40], n_test=4)), *_MORE_STEPS]
-    train_ranks([*common, "--max_steps", "14", "--output_dir", str(root / "whole")])
-    return common, root / "whole"
-
-
-@pytest.mark.parametrize("saves", [[], ["--async_checkpointing"]])
-def test_a_streaming_run_given_more_steps_continues_where_it_stopped(tmp_path, saves, streamed_whole_run):
+def test_a_streaming_run_given_more_steps_continues_where_it_stopped(tmp_path):
     """A finished streaming run relaunched with a higher --max_steps continues from its checkpoint (a stream's
     "epoch" is the whole run, so its steps_per_epoch grows with --max_steps; not a reason to refuse). Without a
     shuffle buffer and with the ranks reading in their own process, it ends with the weights of a run given the
     whole length at once (docs/large-datasets.md: the resumed order is the uninterrupted one). An asynchronous save
-    holds the stream's positions too: they are part of the run's TrainState."""
-    common, whole = streamed_whole_run
-    train_ranks([*common, "--max_steps", "7", "--checkpointing_steps", "7", *saves, "--output_dir",
-                 str(tmp_path / "run")])
-    saved = {p.name for p in (tmp_path / "run" / "checkpoints" / "step_00000007").iterdir()}
-    assert {"data_state_rank0.json", "data_state_rank1.json"} <= saved
-    summaries = train_ranks([*common, "--max_steps", "14", "--output_dir", str(tmp_path / "run"),
-                             "--resume_from_checkpoint", "auto"])
-    assert [(s["resumed_from_step"], s["optimizer_steps"]) for s in summaries] == [(7, 14), (7, 14)]
-    ours, theirs = load_weights(tmp_path / "run"), load_weights(whole)
-    assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
+    holds the stream's positions too: they are part of the run's TrainState. Two files, one per rank (10 steps per
+    pass); the whole run and the two stopped ones (saved as usual, or asynchronously) train in turn in the same
+    forked ranks, the two relaunches in a second pair: a resume never reads what its own process trained."""
+    common = ["--dataset", "hf", "--data_dir", str(image_shards(tmp_path / "d", [40, 40], n_test=4)), *_MORE_STEPS]
+    saves = {"sync": [], "async": ["--async_checkpointing"]}
+    train_ranks_in_turn([[*common, "--max_steps", "14", "--output_dir", str(tmp_path / "whole")]] +
+                        [[*common, "--max_steps", "7", "--checkpointing_steps", "7", *more, "--output_dir",
+                          str(tmp_path / name)] for name, more in saves.items()])
+    for name in saves:
+        saved = {p.name for p in (tmp_path / name / "checkpoints" / "step_00000007").iterdir()}
+        assert {"data_state_rank0.json", "data_state_rank1.json"} <= saved, name
+    resumed = train_ranks_in_turn([[*common, "--max_steps", "14", "--output_dir", str(tmp_path / name),
+                                    "--resume_from_checkpoint", "auto"] for name in saves])
+    theirs = load_weights(tmp_path / "whole")
+    for name, summaries in zip(saves, resumed, strict=True):
+        assert [(s["resumed_from_step"], s["optimizer_steps"]) for s in summaries] == [(7, 14), (7, 14)], name
+        ours = load_weights(tmp_path / name)
+        assert all(torch.equal(ours[k], theirs[k]) for k in theirs), name
 
 
 def test_a_stream_that_fails_on_one_rank_stops_every_rank_with_one_line(tmp_path, capfd, monkeypatch):
@@ -360,12 +367,12 @@ def test_packed_text_trains_the_same_weights_in_memory_and_memory_mapped_with_wo
     (tmp_path / "corpus" / "gpt2.json").write_text('{"model_type": "gpt2", "n_layer": 1, "n_head": 2, "n_embd": 16, '
                                                    '"n_positions": 64, "vocab_size": 8}')
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf_cache"))
-    runs = {}
-    for name, flags in (("w0", ["--num_workers", "0"]), ("w1", ["--num_workers", "1"]), ("memory", []),
-                        ("memory_dataloader", ["--loader", "dataloader"])):
-        mapped = ["--device_loader_max_mb", "0"] if name.startswith("w") else []
-        runs[name] = train_ranks(lm_args(tmp_path / "corpus", tmp_path / name, "--packing", "--max_steps", "6",
-                                         *mapped, *flags))[0]
+    flags = {"w0": ["--device_loader_max_mb", "0", "--num_workers", "0"],
+             "w1": ["--device_loader_max_mb", "0", "--num_workers", "1"], "memory": [],
+             "memory_dataloader": ["--loader", "dataloader"]}
+    summaries = train_ranks_in_turn([lm_args(tmp_path / "corpus", tmp_path / name, "--packing", "--max_steps", "6",
+                                             *more) for name, more in flags.items()])  # the same forked ranks
+    runs = {name: by_rank[0] for name, by_rank in zip(flags, summaries, strict=True)}
     assert (runs["w1"]["loader"], runs["w1"]["data_source"]) == ("dataloader", "memory_mapped")
     assert (runs["memory"]["loader"], runs["memory"]["data_source"]) == ("device", "in_memory")
     assert (runs["memory_dataloader"]["loader"], runs["memory_dataloader"]["data_source"]) == ("dataloader",

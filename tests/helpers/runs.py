@@ -161,6 +161,18 @@ def train_ranks(args: list[str], world_size: int = 2, env: dict[str, str] | None
     return run_ranks(lambda: train(parse_args(args)), world_size, timeout=timeout, env=env)
 
 
+def train_ranks_in_turn(runs: list[list[str]], world_size: int = 2, env: dict[str, str] | None = None,
+                        timeout: float = 120) -> list[list[dict]]:
+    """``train(parse_args(args))`` for each ``args`` of ``runs``, one after another in the same forked ranks (a
+    second run in a process forms the group again: accel_ddp.distributed.world.forget_ended_world); summaries by run,
+    then by rank. Runs a test compares, without forking and warming up each rank once per run (~0.3 s of CPU each)."""
+    from accel_ddp.cli.args import parse_args
+    from accel_ddp.loop import train
+
+    by_rank = run_ranks(lambda: [train(parse_args(args)) for args in runs], world_size, timeout=timeout, env=env)
+    return [list(summaries) for summaries in zip(*by_rank, strict=True)]
+
+
 def main_ranks(args: list[str], world_size: int = 2, env: dict[str, str] | None = None,
                timeout: float = 120) -> list[int]:
     """The CLI's ``main(args)`` on forked ranks: each rank's exit code (2 for bad input, 75 preempted, ...)."""
