@@ -232,6 +232,9 @@ def _peak_rss_kib(pid: int | str = "self") -> float:
         return 0.0
 
 
+_OWN_PEAK_KIB = [0.0]  # the highest own peak read so far in this process: see peak_memory_mb
+
+
 def peak_memory_mb() -> tuple[float, float]:
     """(this process's peak RSS, the largest peak RSS among its live child processes), in MiB.
 
@@ -239,11 +242,17 @@ def peak_memory_mb() -> tuple[float, float]:
     decodes. Peak RSS counts file pages a process has mapped (the memory-mapped path drops its own
     after each batch), and a forked worker's figure includes pages it still shares with its parent,
     so the two are not to be added up.
+
+    The own figure never goes down: Linux's ``VmHWM`` is the larger of a recorded high-water mark and the current
+    RSS, and that mark is only brought up to date at some unmaps, so RSS given back another way (a page range
+    dropped with madvise) can take ``VmHWM`` below a figure it showed earlier (seen: an epoch's 647.4 MiB, then
+    647.3 in summary.json). The highest reading so far is the process's peak.
     """
     import resource
 
     own = _peak_rss_kib() or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1024 if sys.platform == "darwin"
                                                                                     else 1)  # bytes on macOS
+    own = _OWN_PEAK_KIB[0] = max(own, _OWN_PEAK_KIB[0])
     try:
         pids = _child_pids()
         if pids is None:

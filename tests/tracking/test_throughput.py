@@ -205,3 +205,14 @@ def test_the_token_count_is_all_reduced_asynchronously_beside_the_backward(tmp_p
     steps = [e for e in events if e in ("count", "backward")]
     assert steps == ["count", "backward"] * 6
     assert events.count("reduce") <= 2 + 4  # the 2 log lines', and a few outside the loop (summary, checks)
+
+
+def test_a_processs_peak_memory_never_reads_lower_than_it_read_before(monkeypatch):
+    """Linux's VmHWM can fall below a figure it showed (its high-water mark is brought up to date only at some
+    unmaps): the peak reported is the highest read so far, so summary.json's is never below an epoch's."""
+    from accel_ddp.tracking import meters
+
+    readings = iter([2048.0, 1024.0, 3072.0])
+    monkeypatch.setattr(meters, "_peak_rss_kib", lambda pid="self": next(readings) if pid == "self" else 0.0)
+    monkeypatch.setattr(meters, "_OWN_PEAK_KIB", [0.0])
+    assert [meters.peak_memory_mb()[0] for _ in range(3)] == [2.0, 2.0, 3.0]
