@@ -47,6 +47,7 @@ from accel_ddp.lifecycle.preemption import PreemptionWatcher
 from accel_ddp.outputs.names import MARKER_NAME
 from tests.helpers import faults
 from tests.helpers.checkpoints import assert_same_weights, steps_of
+from tests.helpers.files import wait_for_file
 from tests.helpers.multiproc import RankFailed, free_port, run_ranks
 from tests.helpers.runs import (
     load_weights,
@@ -205,9 +206,7 @@ def test_sigkill_at_a_random_step_then_resume_gives_bitwise_equal_weights(refere
         return main(args)
 
     def kill_both_after_the_first_checkpoint() -> None:
-        marker, deadline = out / "checkpoints" / "step_00000004" / MARKER_NAME, time.monotonic() + 120
-        while not marker.exists() and time.monotonic() < deadline:
-            time.sleep(0.02)
+        wait_for_file(out / "checkpoints" / "step_00000004" / MARKER_NAME, 120)
         time.sleep(delay)
         for rank in ("0", "1"):
             os.kill(int((pids / rank).read_text()), signal.SIGKILL)

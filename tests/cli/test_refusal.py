@@ -11,10 +11,10 @@ import json
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
+from tests.helpers.files import wait_for_file
 from tests.helpers.runs import REPO, run_python, suite_env
 
 LINE = "accel_ddp: error: --lr must be a finite number, got nan; give a finite number, e.g. --lr 0.003\n"
@@ -63,10 +63,7 @@ def _started(tmp_path, rank: int) -> subprocess.Popen:
 
 
 def _wait_for(path, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        assert time.monotonic() < deadline, f"{path} never written"
-        time.sleep(0.05)
+    assert wait_for_file(path, timeout), f"{path} never written"
 
 
 def test_under_torchrun_rank_0_prints_and_another_rank_stopped_by_the_launcher_is_silent(tmp_path):

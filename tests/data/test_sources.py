@@ -26,6 +26,7 @@ from accel_ddp.data import (
 )
 from accel_ddp.util.validation import ConfigError
 from tests.helpers.data import hf_image_dataset, write_cifar, write_mnist, write_png_classes
+from tests.helpers.files import wait_for_file
 from tests.helpers.multiproc import run_ranks
 from tests.helpers.runs import main_ranks
 
@@ -218,18 +219,6 @@ def test_download_without_network_says_where_to_put_the_files(tmp_path, monkeypa
         build_datasets(name, str(tmp_path), download=True)
 
 
-def _wait_for_file(path: Path, seconds: float = 30) -> bool:
-    """Has ``path`` appeared within ``seconds``? (An order between two ranks, without a fixed sleep.)"""
-    import time
-
-    deadline = time.monotonic() + seconds
-    while not path.exists():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
-
-
 def test_download_runs_on_one_process_when_machines_share_the_data_dir(tmp_path):
     """Two ranks that each act as a machine's first process (LOCAL_RANK 0 on both), one --data_dir: the global
     main process downloads, the other machine's first process finds the files. Each downloading at once would
@@ -247,7 +236,7 @@ def test_download_runs_on_one_process_when_machines_share_the_data_dir(tmp_path)
             with open(calls, "a", encoding="utf-8") as fh:
                 fh.write(os.environ["RANK"] + "\n")
             if os.environ["RANK"] == "0":  # done only once rank 1 waits at a barrier: a rank 1 that looked for the
-                _wait_for_file(waiting)     # files (or downloaded) without waiting would have found none
+                wait_for_file(waiting)     # files (or downloaded) without waiting would have found none
             write_mnist(Path(root))
 
         os.environ.update({"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": os.environ["RANK"],
@@ -312,7 +301,7 @@ def test_a_rank_waiting_for_the_tokenizing_one_imports_the_text_libraries_meanwh
         def build_text(*_args):
             events["build_start"] = time.monotonic()
             if os.environ["RANK"] == "0":  # the tokenizing: it ends once rank 1 has imported, if it does meanwhile
-                events["saw_imports"] = _wait_for_file(imported)
+                events["saw_imports"] = wait_for_file(imported)
             events["build_end"] = time.monotonic()
             data = torch.utils.data.TensorDataset(torch.zeros(4, 8, dtype=torch.long), torch.zeros(4))
             return DatasetBundle(data, data, 10, (8,)), None

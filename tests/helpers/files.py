@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 from pathlib import Path
 
 from accel_ddp.outputs.names import MARKER_NAME
@@ -20,6 +21,17 @@ MLP_16 = ["--model", "mlp", "--hidden_size", "16"]
 CHECKPOINTED_STEPS = ["--global_batch_size", "32", "--num_workers", "0", "--log_every", "4", "--lr_schedule",
                       "constant", "--checkpointing_steps", "5", "--keep_last", "10"]
 CHECKPOINTED_ARGS = [*SYNTHETIC_8X8, *MLP_16, *CHECKPOINTED_STEPS]
+
+
+def wait_for_file(path: Path, seconds: float = 30) -> bool:
+    """Has ``path`` appeared within ``seconds``? Polled every 10 ms: an order between processes (one acts once the
+    other has written its file), without a fixed sleep."""
+    deadline = time.monotonic() + seconds
+    while not path.exists():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
 
 
 NOBODY = 65534

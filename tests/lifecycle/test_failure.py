@@ -20,6 +20,7 @@ import pytest
 from accel_ddp.cli.train import main
 from accel_ddp.distributed.world import single_process_trap
 from tests.helpers import data as helpers_data
+from tests.helpers.files import wait_for_file
 from tests.helpers.multiproc import RankFailed, free_port
 from tests.helpers.ranks import C10D_UNSHARED, assert_quiet, error_lines, launch_ranks, recorded
 from tests.helpers.runs import SCRIPTS, launch_together, main_ranks, run_single
@@ -157,9 +158,7 @@ def _reports_after_the_other(folder, late: int, torchrun_env: dict[str, str]):
         report = failure.report
 
         def report_second(*args):
-            deadline = time.monotonic() + 30
-            while not ready.exists() and time.monotonic() < deadline:  # never met: the test fails on the order
-                time.sleep(0.01)
+            wait_for_file(ready, 30)  # never met: the test fails on the order
             return report(*args)
 
         failure.report = report_second

@@ -16,7 +16,7 @@ from accel_ddp.outputs.run_dir import OutputLock
 from tests.helpers import faults
 from tests.helpers.checkpoints import steps_of
 from tests.helpers.files import CHECKPOINTED_ARGS as ARGS
-from tests.helpers.files import as_unprivileged, chown_tree, error_lines
+from tests.helpers.files import as_unprivileged, chown_tree, error_lines, wait_for_file
 from tests.helpers.multiproc import RankFailed, run_ranks
 from tests.helpers.runs import main_ranks, read_metrics, read_summary
 
@@ -67,9 +67,8 @@ def _wait_for(path: Path):
     waited = [False]
 
     def hook(*_) -> None:
-        deadline = time.monotonic() + 30
-        while not waited[0] and not path.exists() and time.monotonic() < deadline:
-            time.sleep(0.01)
+        if not waited[0]:
+            wait_for_file(path, 30)
         waited[0] = True
 
     return hook
