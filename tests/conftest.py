@@ -73,7 +73,7 @@ def _scan_backend_entry_points_once() -> None:
     registers itself in ``Backend._plugins``, which torch checks first; a backend without one has nothing to find.)"""
     from torch.distributed import Backend
 
-    lookup = getattr(Backend, "_ensure_backend_registered", None)  # torch 2.11+; older torch scans nothing
+    lookup = getattr(Backend, "_ensure_backend_registered", None)  # a torch without it scans nothing
     if lookup is None:
         return
     looked_up: set[str] = set()
